@@ -1,0 +1,66 @@
+"""The registry of algorithms: collective name -> algorithm name -> function.
+
+Every algorithm module registers its run function here with :func:`register`; tests and
+benchmarks enumerate :func:`names` instead of listing algorithms by hand.
+
+Run-function signatures, by collective (arrays are flat; ``ctx`` is a
+:class:`mpicoll.context.CommContext`; ``op`` is anything with ``combine(a, b, out)``):
+
+- ``allreduce(ctx, send, recv, op)``: ``send is recv`` means in place.
+- ``reduce_scatter(ctx, send, recv, op)``: ``send`` holds the full vector, ``recv`` this
+  rank's ``array_split`` block.
+- ``allgather(ctx, send, recv)``: ``send`` is this rank's block or ``None`` when the block
+  is already in place in ``recv``.
+- ``broadcast(ctx, buf, root)``.
+- ``reduce(ctx, send, recv, op, root)``: ``recv`` may be ``None`` off the root.
+
+Algorithms are only called with ``ctx.size > 1`` and a non-empty buffer; the caller handles
+the trivial cases and the final scaling of ``average``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+__all__ = ["COLLECTIVES", "register", "lookup", "names"]
+
+#: The collectives mpicoll implements.
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+
+_REGISTRY: dict[str, dict[str, Callable]] = {c: {} for c in COLLECTIVES}
+
+
+def register(collective: str, name: str) -> Callable[[Callable], Callable]:
+    """Decorator: register ``fn`` as algorithm ``name`` of ``collective``."""
+    if collective not in _REGISTRY:
+        raise ValueError(f"unknown collective {collective!r}")
+
+    def deco(fn: Callable) -> Callable:
+        if name in _REGISTRY[collective]:
+            raise ValueError(f"{collective} algorithm {name!r} registered twice")
+        _REGISTRY[collective][name] = fn
+        return fn
+
+    return deco
+
+
+def lookup(collective: str, name: str) -> Callable:
+    """Return the run function of algorithm ``name`` of ``collective``.
+
+    Raises:
+        ValueError: unknown collective or algorithm (the message lists the choices).
+    """
+    table = _REGISTRY.get(collective)
+    if table is None:
+        raise ValueError(f"unknown collective {collective!r}; choose one of {COLLECTIVES}")
+    fn = table.get(name)
+    if fn is None:
+        raise ValueError(f"unknown algorithm={name!r} for {collective}; choose one of "
+                         f"{['auto', *sorted(table)]}")
+    return fn
+
+
+def names(collective: str) -> list[str]:
+    """Registered algorithm names of ``collective`` (``"auto"`` not included), sorted."""
+    if collective not in _REGISTRY:
+        raise ValueError(f"unknown collective {collective!r}; choose one of {COLLECTIVES}")
+    return sorted(_REGISTRY[collective])

@@ -1,0 +1,195 @@
+"""Buffers: whatever the user passed, turned into one flat array view.
+
+Everything an algorithm touches is a flat (1-D) contiguous array: its length is the count,
+its dtype the element type, its array module (numpy, or CuPy for device arrays) the
+device. All validation of one rank's buffers lives here, with errors naming the argument.
+Scratch allocation, copies and message specs also go through here, so algorithms never call
+numpy directly and device arrays plug in without changes to any algorithm.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+from mpi4py.util import dtlib
+
+__all__ = ["IN_PLACE", "Unsupported", "array_module", "is_array", "flat_view",
+           "is_in_place", "check_dtype", "empty", "copy", "msg", "parse_mpi_buffer",
+           "SUPPORTED_KINDS"]
+
+#: Pass as the send buffer to reduce in place (the same object as ``MPI.IN_PLACE``).
+IN_PLACE = MPI.IN_PLACE
+
+#: numpy dtype kinds mpicoll handles: bool, signed, unsigned, floating, complex.
+SUPPORTED_KINDS = "biufc"
+
+
+class Unsupported(Exception):
+    """A buffer specification mpicoll does not handle itself (derived datatypes ...).
+
+    :class:`mpicoll.Comm` catches it and hands the call to the wrapped communicator.
+    """
+
+
+def array_module(a: Any) -> Any:
+    """Return the array module (``numpy`` or ``cupy``) that owns array ``a``."""
+    if isinstance(a, np.ndarray):
+        return np
+    if type(a).__module__.split(".")[0] == "cupy":
+        import cupy  # noqa: PLC0415  (optional dependency)
+
+        return cupy
+    return np
+
+
+def is_array(a: Any) -> bool:
+    """Whether ``a`` is an array mpicoll accepts directly (numpy or CuPy ndarray)."""
+    if isinstance(a, np.ndarray):
+        return True
+    return type(a).__module__.split(".")[0] == "cupy" and hasattr(a, "__cuda_array_interface__")
+
+
+def is_in_place(a: Any) -> bool:
+    """Whether ``a`` asks for an in-place operation (``IN_PLACE`` or ``None``)."""
+    return a is None or a is IN_PLACE
+
+
+def check_dtype(dtype: Any, argname: str) -> None:
+    """Raise ``TypeError`` unless mpicoll can move and reduce this dtype."""
+    if getattr(dtype, "kind", None) not in SUPPORTED_KINDS or getattr(dtype, "names", None):
+        raise TypeError(f"{argname} has dtype {dtype}; mpicoll handles bool, integer, "
+                        f"floating and complex dtypes")
+
+
+def flat_view(a: Any, argname: str, writable: bool = False) -> Any:
+    """Return a flat, contiguous view of array ``a`` (no copy).
+
+    Args:
+        a: a numpy or CuPy array of any shape, C- or Fortran-contiguous.
+        argname: the argument's name, for error messages.
+        writable: require that the array can be written (an output buffer).
+
+    Raises:
+        TypeError: ``a`` is not an array, or its dtype is not supported.
+        ValueError: ``a`` is not contiguous, or is read-only when ``writable``.
+    """
+    if not is_array(a):
+        raise TypeError(f"{argname} must be a numpy or CuPy array, not {type(a).__name__}")
+    check_dtype(a.dtype, argname)
+    flags = a.flags
+    if not (flags.c_contiguous or flags.f_contiguous):
+        raise ValueError(f"{argname} must be contiguous (got strides {a.strides} for shape "
+                         f"{a.shape}); pass numpy.ascontiguousarray({argname}) instead")
+    if writable and not flags.writeable:
+        raise ValueError(f"{argname} is read-only; the result must be written into it")
+    return a.reshape(-1, order="A")
+
+
+def empty(count: int, dtype: Any, like: Any = None) -> Any:
+    """Allocate an uninitialised flat scratch array on the same device as ``like``."""
+    xp = array_module(like) if like is not None else np
+    return xp.empty(int(count), dtype=dtype)
+
+
+def copy(dst: Any, src: Any) -> None:
+    """Copy ``src`` into ``dst`` (same length), on their device."""
+    if dst is not src and dst.size:
+        array_module(dst).copyto(dst, src)
+
+
+def msg(a: Any) -> list:
+    """The mpi4py message spec that sends or receives array ``a`` as raw bytes."""
+    return [a, MPI.BYTE]
+
+
+def _dtype_of(datatype: Any, argname: str) -> np.dtype:
+    if isinstance(datatype, str):
+        try:
+            return np.dtype(datatype)
+        except TypeError:
+            raise Unsupported(f"{argname}: unknown type code {datatype!r}") from None
+    if not isinstance(datatype, MPI.Datatype):
+        raise Unsupported(f"{argname}: {type(datatype).__name__} is not an MPI datatype")
+    if datatype == MPI.DATATYPE_NULL or not datatype.is_predefined:
+        raise Unsupported(f"{argname}: derived datatypes are handled by MPI itself")
+    try:
+        dtype = dtlib.to_numpy_dtype(datatype)
+    except (ValueError, TypeError, KeyError):
+        raise Unsupported(f"{argname}: MPI datatype has no numpy equivalent") from None
+    if dtype.kind not in SUPPORTED_KINDS or dtype.names or dtype.shape:
+        raise Unsupported(f"{argname}: MPI datatype {dtype} is handled by MPI itself")
+    return dtype
+
+
+def _as_byte_array(buf: Any, argname: str) -> np.ndarray:
+    if isinstance(buf, np.ndarray):
+        if not (buf.flags.c_contiguous or buf.flags.f_contiguous):
+            raise ValueError(f"{argname} must be contiguous")
+        return buf.reshape(-1, order="A").view(np.uint8)
+    try:
+        return np.frombuffer(buf, dtype=np.uint8)
+    except (TypeError, ValueError, BufferError):
+        raise Unsupported(f"{argname}: {type(buf).__name__} does not expose a "
+                          f"contiguous buffer") from None
+
+
+def parse_mpi_buffer(spec: Any, argname: str, writable: bool = False) -> Any:
+    """Turn an mpi4py buffer specification into a flat array view.
+
+    Accepts what mpi4py's uppercase methods accept for contiguous predefined data: an array
+    or buffer-protocol object; ``[buf, datatype]``; ``[buf, count, datatype]``;
+    ``[buf, (count, displ), datatype]``; ``[buf, count, displ, datatype]``; ``None`` as
+    ``buf`` for an empty buffer. ``datatype`` may be an ``MPI.Datatype`` or a type code.
+
+    Raises:
+        Unsupported: derived datatypes, objects without a contiguous buffer: mpicoll
+            leaves these to MPI itself.
+        ValueError: a count or displacement that does not fit the buffer, a read-only
+            buffer where ``writable``.
+    """
+    if is_array(spec):
+        if not (spec.flags.c_contiguous or spec.flags.f_contiguous):
+            raise Unsupported(f"{argname}: non-contiguous arrays are handled by MPI itself")
+        return flat_view(spec, argname, writable)
+    if not isinstance(spec, (list, tuple)):
+        if isinstance(spec, (bytes, bytearray, memoryview)) or hasattr(spec, "__buffer__"):
+            try:
+                arr = np.asarray(memoryview(spec))
+            except (TypeError, ValueError, BufferError, NotImplementedError):
+                raise Unsupported(f"{argname}: cannot view {type(spec).__name__}") from None
+            return parse_mpi_buffer(arr, argname, writable)
+        raise Unsupported(f"{argname}: {type(spec).__name__} is not a buffer mpicoll knows")
+    items = list(spec)
+    if len(items) == 2:
+        buf, count, displ, datatype = items[0], None, 0, items[1]
+    elif len(items) == 3:
+        buf, count, datatype = items
+        displ = 0
+        if isinstance(count, (list, tuple)):
+            if len(count) != 2:
+                raise Unsupported(f"{argname}: vector (counts, displs) specs are not handled")
+            count, displ = count
+    elif len(items) == 4:
+        buf, count, displ, datatype = items
+    else:
+        raise Unsupported(f"{argname}: buffer spec of {len(items)} items")
+    if isinstance(count, (list, tuple)) or isinstance(displ, (list, tuple)):
+        raise Unsupported(f"{argname}: vector (counts, displs) specs are not handled")
+    dtype = _dtype_of(datatype, argname)
+    if buf is None:
+        if count:
+            raise ValueError(f"{argname}: buffer is None but count is {count}")
+        return np.empty(0, dtype=dtype)
+    raw = _as_byte_array(buf, argname)
+    if writable and not raw.flags.writeable:
+        raise ValueError(f"{argname} is read-only; the result must be written into it")
+    itemsize = dtype.itemsize
+    start = int(displ) * itemsize
+    if count is None:
+        count = (raw.size - start) // itemsize
+    count, start = int(count), int(start)
+    if count < 0 or start < 0 or start + count * itemsize > raw.size:
+        raise ValueError(f"{argname}: count {count} at displacement {displ} does not fit a "
+                         f"buffer of {raw.size} bytes with {itemsize}-byte elements")
+    return raw[start:start + count * itemsize].view(dtype)

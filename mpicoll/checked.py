@@ -1,0 +1,89 @@
+"""Checked mode: one tiny collective that proves every rank agrees before the real one.
+
+Each rank contributes a row of integers (its local verdict on its own arguments, then the
+collective, count, dtype, op, root and algorithm it asked for); one ``MPI_Allgather`` of
+those rows on mpicoll's private communicator gives every rank the same table, so every rank
+reaches the same verdict:
+
+- a rank whose own arguments were bad raises its ``ValueError``/``TypeError``; every other
+  rank raises :class:`~mpicoll.errors.RemoteError` naming that rank and its message;
+- ranks that disagree raise :class:`~mpicoll.errors.MismatchError` on every rank, saying
+  which ranks disagree and how.
+
+Measured cost is in docs/design.md; it is off by default (``MPICOLL_CHECK=1`` or
+``check=True`` turn it on).
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+
+from .context import CommContext
+from .errors import MismatchError, RemoteError
+
+__all__ = ["agree", "FIELDS"]
+
+#: The columns of the agreement table after the error flag.
+FIELDS = ("collective", "count", "dtype", "op", "root", "algorithm")
+_UNSET = -1
+
+
+def _code(value: Any) -> int:
+    if value is None:
+        return _UNSET
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    return zlib.crc32(str(value).encode())
+
+
+def agree(ctx: CommContext, error: BaseException | None, **fields: Any) -> None:
+    """Run the agreement step; return normally only if every rank is fine and agrees.
+
+    Args:
+        error: this rank's local argument error, or ``None``.
+        fields: values for :data:`FIELDS` (missing ones count as unset).
+    Raises:
+        The local ``error`` on the rank that had it; ``RemoteError`` on the others;
+        ``MismatchError`` on every rank when ranks disagree.
+    """
+    row = np.array([1 if error is not None else 0] + [_code(fields.get(f)) for f in FIELDS],
+                   dtype=np.int64)
+    table = np.empty((ctx.size, row.size), dtype=np.int64)
+    ctx.p2p.Allgather(row, table)
+    if table[:, 0].any():
+        messages = ctx.p2p.allgather(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        bad = {r: m for r, m in enumerate(messages) if m is not None}
+        listing = "; ".join(f"rank {r}: {m}" for r, m in bad.items())
+        raise RemoteError(f"{fields.get('collective')}: other ranks rejected their arguments "
+                          f"({listing})", bad)
+    details = []
+    shown = [str(fields.get(f)) for f in FIELDS]
+    for col, name in enumerate(FIELDS, start=1):
+        column = table[:, col]
+        if (column != column[0]).any():
+            values = ctx.p2p.allgather(shown[col - 1])
+            groups: dict[str, list[int]] = {}
+            for r, v in enumerate(values):
+                groups.setdefault(v, []).append(r)
+            details.append(f"{name}: " + ", ".join(f"ranks {_ranges(rs)} have {v}"
+                                                   for v, rs in groups.items()))
+    if details:
+        raise MismatchError(f"{fields.get('collective')}: ranks disagree: " + "; ".join(details),
+                            details)
+
+
+def _ranges(ranks: list[int]) -> str:
+    parts = []
+    start = prev = ranks[0]
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(parts)

@@ -1,0 +1,357 @@
+"""The public collectives: validate, agree (checked mode), choose, run, finalize.
+
+Each function validates this rank's arguments (raising ``ValueError``/``TypeError`` that
+name the argument, before any message is sent), optionally runs the agreement step of
+:mod:`mpicoll.checked`, resolves ``algorithm`` (``"auto"`` through
+:mod:`mpicoll.selection`) and runs the registered algorithm on flat views of the buffers.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from . import buffers, config
+from .algorithms.registry import lookup
+from .buffers import flat_view, is_in_place
+from .checked import agree
+from .context import CommContext, get_context, resolve_comm
+from .ops import resolve_op
+from .partition import block_bounds
+from .selection import resolve_algorithm
+
+__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce",
+           "run_allreduce"]
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """Whether flat views ``a`` and ``b`` are the same memory; ValueError if they overlap."""
+    if a is b:
+        return True
+    xp = buffers.array_module(a)
+    if xp is np:
+        if a.ctypes.data == b.ctypes.data and a.nbytes == b.nbytes:
+            return True
+        if np.may_share_memory(a, b):
+            raise ValueError("sendbuf and recvbuf overlap without being the same buffer; "
+                             "pass mpicoll.IN_PLACE as sendbuf to work in place")
+    return False
+
+
+def _check_root(root: Any, size: int) -> int:
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+        raise TypeError(f"root must be an int, not {type(root).__name__}")
+    if not 0 <= root < size:
+        raise ValueError(f"root={root} is out of range for a communicator of {size} ranks")
+    return int(root)
+
+
+def _check_same_dtype(send: Any, recv: Any) -> None:
+    if send.dtype != recv.dtype:
+        raise TypeError(f"recvbuf has dtype {recv.dtype} but sendbuf has dtype {send.dtype}")
+
+
+def _check_count(name: str, arr: Any, expected: int, why: str) -> None:
+    if arr.size != expected:
+        raise ValueError(f"{name} has {arr.size} elements but {expected} are needed ({why})")
+
+
+def _prepare(ctx: CommContext, collective: str, checked: bool | None,
+             validate: Callable[[], dict]) -> dict:
+    """Run ``validate`` (local checks), then the agreement step when checked."""
+    use_check = config.check_enabled() if checked is None else checked
+    try:
+        call = validate()
+    except (TypeError, ValueError) as exc:
+        if not use_check:
+            raise
+        agree(ctx, exc, collective=collective)
+        raise  # agree always raises when a rank reported an error
+    if use_check:
+        agree(ctx, None, collective=collective, count=call.get("count"),
+              dtype=call.get("dtype"), op=call.get("op_name"), root=call.get("root"),
+              algorithm=call.get("requested"))
+    return call
+
+
+def _algorithm(ctx: CommContext, collective: str, algorithm: str, nbytes: int) -> tuple[str, Any]:
+    name = resolve_algorithm(collective, algorithm, ctx.size, 0, nbytes)
+    return name, lookup(collective, name)
+
+
+def run_allreduce(ctx: CommContext, name: str, send: Any, recv: Any, op: Any) -> None:
+    """Run registered all-reduce ``name`` on flat arrays, trivial cases included.
+
+    No validation and no final scaling: for callers that have done both (mpicoll's own
+    layers). ``send is recv`` means in place.
+    """
+    if ctx.size == 1 or recv.size == 0:
+        if send is not recv:
+            buffers.copy(recv, send)
+        return
+    lookup("allreduce", name)(ctx, send, recv, op)
+
+
+def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
+              algorithm: str = "auto", *, check: bool | None = None) -> Any:
+    """Reduce ``sendbuf`` elementwise over all ranks; every rank gets the result.
+
+    Args:
+        sendbuf: this rank's contribution (numpy or CuPy array, any shape, contiguous), or
+            :data:`mpicoll.IN_PLACE` / ``None`` to take it from ``recvbuf``.
+        recvbuf: output array with as many elements and the same dtype; ``None`` allocates
+            one shaped like ``sendbuf``. ``sendbuf is recvbuf`` works in place.
+        op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"average"``, ``"band"``,
+            ``"bor"``, ``"bxor"``, an mpi4py op (``MPI.SUM`` ...) or an :class:`Op`.
+        comm: mpi4py intracommunicator; ``None`` means ``MPI.COMM_WORLD``.
+        algorithm: a name from ``mpicoll.algorithms("allreduce")`` or ``"auto"``.
+        check: run the cross-rank agreement step (default: ``MPICOLL_CHECK``).
+    Returns:
+        The result array (``recvbuf`` when given). Every rank's result is bit-identical.
+    Raises:
+        TypeError, ValueError: bad arguments on this rank (before any message).
+        mpicoll.CollectiveError: in checked mode, another rank's bad arguments, or ranks
+            that disagree.
+    """
+    comm = resolve_comm(comm)
+    ctx = get_context(comm)
+
+    def validate() -> dict:
+        if is_in_place(sendbuf):
+            if recvbuf is None:
+                raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
+            recv = flat_view(recvbuf, "recvbuf", writable=True)
+            send, result = recv, recvbuf
+        else:
+            send = flat_view(sendbuf, "sendbuf")
+            if recvbuf is None:
+                result = buffers.array_module(sendbuf).empty_like(sendbuf)
+                recv = flat_view(result, "recvbuf", writable=True)
+            else:
+                recv = flat_view(recvbuf, "recvbuf", writable=True)
+                result = recvbuf
+                _check_same_dtype(send, recv)
+                _check_count("recvbuf", recv, send.size, "as many as sendbuf")
+                if _same_memory(send, recv):
+                    send = recv
+        opo = resolve_op(op)
+        opo.check_dtype(recv.dtype)
+        name = resolve_algorithm("allreduce", algorithm, ctx.size, 0, recv.nbytes)
+        return dict(send=send, recv=recv, result=result, op=opo, count=recv.size,
+                    dtype=recv.dtype.str, op_name=opo.name, requested=algorithm, name=name)
+
+    call = _prepare(ctx, "allreduce", check, validate)
+    recv, opo = call["recv"], call["op"]
+    run_allreduce(ctx, call["name"], call["send"], recv, opo)
+    opo.finalize(recv, ctx.size)
+    return call["result"]
+
+
+def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
+                   algorithm: str = "auto", *, check: bool | None = None) -> Any:
+    """Reduce ``sendbuf`` over all ranks; rank ``i`` gets block ``i`` of the result.
+
+    Blocks follow ``numpy.array_split(range(count), size)``: ``count // size`` elements,
+    one more for the first ``count % size`` ranks.
+
+    Args:
+        sendbuf: the full vector (``count`` elements), or :data:`mpicoll.IN_PLACE` /
+            ``None`` to take it from ``recvbuf`` (then the block is left in the first
+            elements of ``recvbuf``, as MPI does).
+        recvbuf: this rank's block (flat, or any shape with that many elements); ``None``
+            allocates a flat array.
+        op, comm, algorithm, check: as for :func:`allreduce`.
+    Returns:
+        This rank's block of the result.
+    Raises:
+        TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
+    """
+    comm = resolve_comm(comm)
+    ctx = get_context(comm)
+
+    def validate() -> dict:
+        if is_in_place(sendbuf):
+            if recvbuf is None:
+                raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
+            full = flat_view(recvbuf, "recvbuf", writable=True)
+            bounds = block_bounds(full.size, ctx.size)
+            send = full.copy()
+            recv = full[:bounds[ctx.rank + 1] - bounds[ctx.rank]]
+            result = recv
+        else:
+            send = flat_view(sendbuf, "sendbuf")
+            bounds = block_bounds(send.size, ctx.size)
+            mine = bounds[ctx.rank + 1] - bounds[ctx.rank]
+            if recvbuf is None:
+                result = recv = buffers.empty(mine, send.dtype, send)
+            else:
+                recv = flat_view(recvbuf, "recvbuf", writable=True)
+                result = recvbuf
+                _check_same_dtype(send, recv)
+                _check_count("recvbuf", recv, mine,
+                             f"block {ctx.rank} of {send.size} elements over {ctx.size} ranks")
+                if recv.size and np.may_share_memory(send, recv):
+                    raise ValueError("sendbuf and recvbuf overlap; use IN_PLACE instead")
+        opo = resolve_op(op)
+        opo.check_dtype(send.dtype)
+        name = resolve_algorithm("reduce_scatter", algorithm, ctx.size, 0, send.nbytes)
+        return dict(send=send, recv=recv, result=result, op=opo, count=send.size,
+                    dtype=send.dtype.str, op_name=opo.name, requested=algorithm, name=name)
+
+    call = _prepare(ctx, "reduce_scatter", check, validate)
+    send, recv, opo = call["send"], call["recv"], call["op"]
+    if ctx.size == 1:
+        buffers.copy(recv, send)
+    elif send.size:
+        lookup("reduce_scatter", call["name"])(ctx, send, recv, opo)
+    opo.finalize(recv, ctx.size)
+    return call["result"]
+
+
+def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: str = "auto",
+              *, check: bool | None = None) -> Any:
+    """Gather every rank's ``sendbuf`` (same size everywhere) to every rank, in rank order.
+
+    Args:
+        sendbuf: this rank's block, or :data:`mpicoll.IN_PLACE` / ``None`` when the block is
+            already at position ``rank`` of ``recvbuf``.
+        recvbuf: ``size`` times as many elements, same dtype; ``None`` allocates one shaped
+            ``(size * sendbuf.shape[0], *sendbuf.shape[1:])`` (``(size,)`` for 0-d input).
+        comm, algorithm, check: as for :func:`allreduce`.
+    Returns:
+        The gathered array (``recvbuf`` when given).
+    Raises:
+        TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
+    """
+    comm = resolve_comm(comm)
+    ctx = get_context(comm)
+
+    def validate() -> dict:
+        if is_in_place(sendbuf):
+            if recvbuf is None:
+                raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
+            recv = flat_view(recvbuf, "recvbuf", writable=True)
+            if recv.size % ctx.size:
+                raise ValueError(f"recvbuf has {recv.size} elements, not a multiple of the "
+                                 f"{ctx.size} ranks")
+            send, result = None, recvbuf
+        else:
+            send = flat_view(sendbuf, "sendbuf")
+            if recvbuf is None:
+                shape = ((ctx.size * sendbuf.shape[0],) + tuple(sendbuf.shape[1:])
+                         if sendbuf.ndim else (ctx.size,))
+                result = buffers.array_module(sendbuf).empty(shape, dtype=sendbuf.dtype)
+                recv = flat_view(result, "recvbuf", writable=True)
+            else:
+                recv = flat_view(recvbuf, "recvbuf", writable=True)
+                result = recvbuf
+                _check_same_dtype(send, recv)
+                _check_count("recvbuf", recv, send.size * ctx.size,
+                             f"{ctx.size} ranks x {send.size}")
+                if recv.size and np.may_share_memory(send, recv):
+                    raise ValueError("sendbuf and recvbuf overlap; use IN_PLACE instead")
+        name = resolve_algorithm("allgather", algorithm, ctx.size, 0, recv.nbytes)
+        return dict(send=send, recv=recv, result=result, count=recv.size // ctx.size,
+                    dtype=recv.dtype.str, requested=algorithm, name=name)
+
+    call = _prepare(ctx, "allgather", check, validate)
+    send, recv = call["send"], call["recv"]
+    if ctx.size == 1:
+        if send is not None:
+            buffers.copy(recv, send)
+    elif recv.size:
+        lookup("allgather", call["name"])(ctx, send, recv)
+    return call["result"]
+
+
+def broadcast(buf: Any, root: int = 0, comm: Any = None, algorithm: str = "auto",
+              *, check: bool | None = None) -> Any:
+    """Copy ``buf`` from ``root`` to every rank, in place.
+
+    Args:
+        buf: the data on ``root``; the output (same size and dtype) elsewhere.
+        root: the rank that sends.
+        comm, algorithm, check: as for :func:`allreduce`.
+    Returns:
+        ``buf``.
+    Raises:
+        TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
+    """
+    comm = resolve_comm(comm)
+    ctx = get_context(comm)
+
+    def validate() -> dict:
+        r = _check_root(root, ctx.size)
+        flat = flat_view(buf, "buf", writable=ctx.rank != r)
+        name = resolve_algorithm("broadcast", algorithm, ctx.size, 0, flat.nbytes)
+        return dict(buf=flat, root=r, count=flat.size, dtype=flat.dtype.str,
+                    requested=algorithm, name=name)
+
+    call = _prepare(ctx, "broadcast", check, validate)
+    flat = call["buf"]
+    if ctx.size > 1 and flat.size:
+        lookup("broadcast", call["name"])(ctx, flat, call["root"])
+    return buf
+
+
+def reduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", root: int = 0,
+           comm: Any = None, algorithm: str = "auto", *, check: bool | None = None) -> Any:
+    """Reduce ``sendbuf`` elementwise over all ranks to ``root``.
+
+    Args:
+        sendbuf: this rank's contribution, or (on the root) :data:`mpicoll.IN_PLACE` /
+            ``None`` to take it from ``recvbuf``.
+        recvbuf: on the root, the output (``None`` allocates one shaped like
+            ``sendbuf``); ignored elsewhere.
+        root: the rank that receives the result.
+        op, comm, algorithm, check: as for :func:`allreduce`.
+    Returns:
+        The result on the root (``recvbuf`` when given); ``None`` elsewhere.
+    Raises:
+        TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
+    """
+    comm = resolve_comm(comm)
+    ctx = get_context(comm)
+
+    def validate() -> dict:
+        r = _check_root(root, ctx.size)
+        at_root = ctx.rank == r
+        if is_in_place(sendbuf):
+            if not at_root:
+                raise ValueError(f"sendbuf is IN_PLACE/None on rank {ctx.rank}, which is not "
+                                 f"the root ({r}); only the root may reduce in place")
+            if recvbuf is None:
+                raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
+            recv = flat_view(recvbuf, "recvbuf", writable=True)
+            send, result = recv, recvbuf
+        else:
+            send = flat_view(sendbuf, "sendbuf")
+            recv = result = None
+            if at_root:
+                if recvbuf is None:
+                    result = buffers.array_module(sendbuf).empty_like(sendbuf)
+                    recv = flat_view(result, "recvbuf", writable=True)
+                else:
+                    recv = flat_view(recvbuf, "recvbuf", writable=True)
+                    result = recvbuf
+                    _check_same_dtype(send, recv)
+                    _check_count("recvbuf", recv, send.size, "as many as sendbuf")
+                    if _same_memory(send, recv):
+                        send = recv
+        opo = resolve_op(op)
+        opo.check_dtype(send.dtype)
+        name = resolve_algorithm("reduce", algorithm, ctx.size, 0, send.nbytes)
+        return dict(send=send, recv=recv, result=result, op=opo, root=r, count=send.size,
+                    dtype=send.dtype.str, op_name=opo.name, requested=algorithm, name=name)
+
+    call = _prepare(ctx, "reduce", check, validate)
+    send, recv, opo, r = call["send"], call["recv"], call["op"], call["root"]
+    if ctx.size == 1:
+        buffers.copy(recv, send)
+    elif send.size:
+        lookup("reduce", call["name"])(ctx, send, recv, opo, r)
+    if recv is not None:
+        opo.finalize(recv, ctx.size)
+    return call["result"]
+
+

@@ -1,0 +1,143 @@
+"""``mpicoll.Comm``: an mpi4py communicator whose collectives run mpicoll's algorithms.
+
+Existing mpi4py code switches with one line (``comm = mpicoll.Comm(MPI.COMM_WORLD)``).
+``Allreduce``, ``Reduce_scatter_block``, ``Reduce_scatter``, ``Allgather``, ``Bcast`` and
+``Reduce`` take exactly mpi4py's arguments and run mpicoll's algorithms; what they cannot
+handle (derived datatypes, user-defined or pair ops, vector counts, objects without a
+contiguous buffer) goes to the wrapped communicator, as does every other method. The
+decision depends only on the datatype, the op and the shape of the buffer spec, which MPI
+already requires to match across ranks, so every rank makes the same one.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from mpi4py import MPI
+
+from . import collectives
+from .buffers import IN_PLACE, Unsupported, is_in_place, parse_mpi_buffer
+from .ops import resolve_op
+from .partition import block_bounds
+
+__all__ = ["Comm"]
+
+
+class Comm(MPI.Intracomm):
+    """A drop-in :class:`mpi4py.MPI.Intracomm` running mpicoll's collectives.
+
+    Args:
+        comm: the communicator to wrap (``None``: ``MPI.COMM_WORLD``). The handle is shared,
+            not duplicated: freeing one frees both.
+        algorithm: the algorithm for every collective (``"auto"`` by default); a name not
+            registered for a collective means ``"auto"`` there.
+        check: run the agreement step before every collective (default:
+            ``MPICOLL_CHECK``).
+    """
+
+    def __new__(cls, comm: Any = None, algorithm: str = "auto",
+                check: bool | None = None) -> "Comm":
+        self = super().__new__(cls, MPI.COMM_WORLD if comm is None else comm)
+        self._mpicoll_algorithm = algorithm
+        self._mpicoll_check = check
+        return self
+
+    def _algo(self, collective: str) -> str:
+        from .algorithms.registry import names  # noqa: PLC0415
+
+        name = self._mpicoll_algorithm
+        return name if name == "auto" or name in names(collective) else "auto"
+
+    def _parse(self, spec: Any, argname: str, writable: bool = False) -> Any:
+        return IN_PLACE if is_in_place(spec) else parse_mpi_buffer(spec, argname, writable)
+
+    # -- collectives ----------------------------------------------------------------------
+    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM) -> None:
+        """As ``MPI.Comm.Allreduce``, with mpicoll's all-reduce."""
+        try:
+            ours = resolve_op(op)
+            send = self._parse(sendbuf, "sendbuf")
+            recv = parse_mpi_buffer(recvbuf, "recvbuf", writable=True)
+        except (Unsupported, ValueError):
+            return super().Allreduce(sendbuf, recvbuf, op)
+        collectives.allreduce(send, recv, ours, self, self._algo("allreduce"),
+                              check=self._mpicoll_check)
+        return None
+
+    def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM) -> None:
+        """As ``MPI.Comm.Reduce_scatter_block``, with mpicoll's reduce-scatter."""
+        try:
+            ours = resolve_op(op)
+            send = self._parse(sendbuf, "sendbuf")
+            recv = parse_mpi_buffer(recvbuf, "recvbuf", writable=True)
+        except (Unsupported, ValueError):
+            return super().Reduce_scatter_block(sendbuf, recvbuf, op)
+        if send is not IN_PLACE and send.size != recv.size * self.Get_size():
+            raise ValueError(f"sendbuf has {send.size} elements; Reduce_scatter_block needs "
+                             f"size x recvbuf = {recv.size * self.Get_size()}")
+        collectives.reduce_scatter(send, recv, ours, self, self._algo("reduce_scatter"),
+                                   check=self._mpicoll_check)
+        return None
+
+    def Reduce_scatter(self, sendbuf: Any, recvbuf: Any, recvcounts: Any = None,
+                       op: MPI.Op = MPI.SUM) -> None:
+        """As ``MPI.Comm.Reduce_scatter``; mpicoll's when ``recvcounts`` are array_split's."""
+        try:
+            ours = resolve_op(op)
+            send = self._parse(sendbuf, "sendbuf")
+            recv = parse_mpi_buffer(recvbuf, "recvbuf", writable=True)
+            if recvcounts is None:
+                raise Unsupported("recvcounts not given")
+            counts = [int(c) for c in recvcounts]
+            total = sum(counts)
+            bounds = block_bounds(total, self.Get_size())
+            if counts != [bounds[i + 1] - bounds[i] for i in range(self.Get_size())]:
+                raise Unsupported("recvcounts other than numpy.array_split's")
+        except (Unsupported, ValueError, TypeError):
+            return super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
+        if send is IN_PLACE:
+            collectives.reduce_scatter(IN_PLACE, recv[:total], ours, self,
+                                       self._algo("reduce_scatter"), check=self._mpicoll_check)
+        else:
+            collectives.reduce_scatter(send[:total], recv[:counts[self.Get_rank()]], ours, self,
+                                       self._algo("reduce_scatter"), check=self._mpicoll_check)
+        return None
+
+    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
+        """As ``MPI.Comm.Allgather``, with mpicoll's all-gather."""
+        try:
+            send = self._parse(sendbuf, "sendbuf")
+            recv = parse_mpi_buffer(recvbuf, "recvbuf", writable=True)
+        except (Unsupported, ValueError):
+            return super().Allgather(sendbuf, recvbuf)
+        collectives.allgather(send, recv, self, self._algo("allgather"),
+                              check=self._mpicoll_check)
+        return None
+
+    def Bcast(self, buf: Any, root: int = 0) -> None:
+        """As ``MPI.Comm.Bcast``, with mpicoll's broadcast."""
+        try:
+            flat = parse_mpi_buffer(buf, "buf", writable=self.Get_rank() != root)
+        except (Unsupported, ValueError):
+            return super().Bcast(buf, root)
+        collectives.broadcast(flat, root, self, self._algo("broadcast"),
+                              check=self._mpicoll_check)
+        return None
+
+    def Reduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM, root: int = 0) -> None:
+        """As ``MPI.Comm.Reduce``, with mpicoll's reduce."""
+        at_root = self.Get_rank() == root
+        try:
+            ours = resolve_op(op)
+            send = self._parse(sendbuf, "sendbuf")
+            recv = parse_mpi_buffer(recvbuf, "recvbuf", writable=True) if at_root else None
+        except (Unsupported, ValueError):
+            return super().Reduce(sendbuf, recvbuf, op, root)
+        collectives.reduce(send, recv, ours, root, self, self._algo("reduce"),
+                           check=self._mpicoll_check)
+        return None
+
+    # -- communicator management ----------------------------------------------------------
+    def Dup(self, info: Any = None) -> "Comm":
+        """Duplicate the communicator; the duplicate is an ``mpicoll.Comm`` too."""
+        dup = super().Dup() if info is None else super().Dup(info)
+        return Comm(dup, self._mpicoll_algorithm, self._mpicoll_check)

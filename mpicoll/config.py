@@ -1,0 +1,81 @@
+"""Every ``MPICOLL_*`` environment variable, in one place.
+
+Keyword arguments always win; these variables only supply defaults where a launcher makes
+arguments awkward. They are read when used (not at import), so tests can change them.
+
+============================== ============================================================
+Variable                       Meaning
+============================== ============================================================
+``MPICOLL_CHECK``              ``1`` runs the agreement check before every collective (see
+                               :mod:`mpicoll.checked`); ``0`` (default) skips it.
+``MPICOLL_SEGMENT_BYTES``      Largest message of a segmented algorithm (ring, tree,
+                               pipelined broadcast), in bytes. Default 1 MiB.
+``MPICOLL_RANKS_PER_NODE``     Emulate nodes of this many consecutive ranks (the last node
+                               may hold fewer), instead of the real shared-memory nodes.
+``MPICOLL_TUNING_FILE``        JSON tuning table used by ``algorithm="auto"``.
+``MPICOLL_ALGORITHM``          Force one algorithm name wherever ``"auto"`` is asked for
+                               (a name not registered for a collective is ignored there).
+============================== ============================================================
+"""
+from __future__ import annotations
+
+import os
+
+__all__ = ["env_bool", "env_int", "env_str", "segment_bytes", "check_enabled", "VARIABLES"]
+
+VARIABLES = {
+    "MPICOLL_CHECK": "run the cross-rank agreement check before each collective (0/1)",
+    "MPICOLL_SEGMENT_BYTES": "largest segment of segmented algorithms in bytes (default 1 MiB)",
+    "MPICOLL_RANKS_PER_NODE": "emulate nodes of this many consecutive ranks",
+    "MPICOLL_TUNING_FILE": "JSON tuning table for algorithm='auto'",
+    "MPICOLL_ALGORITHM": "force an algorithm where 'auto' is asked for",
+}
+
+DEFAULT_SEGMENT_BYTES = 1 << 20
+
+
+def env_str(name: str, default: str | None = None) -> str | None:
+    """Return the variable's value, or ``default`` when unset or empty."""
+    value = os.environ.get(name, "")
+    return value if value.strip() else default
+
+
+def env_int(name: str, default: int, minimum: int | None = None) -> int:
+    """Return the variable as an int.
+
+    Raises:
+        ValueError: the value is not an integer or is below ``minimum``.
+    """
+    raw = env_str(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def env_bool(name: str, default: bool) -> bool:
+    """Return the variable as a bool (1/0, true/false, yes/no, on/off)."""
+    raw = env_str(name)
+    if raw is None:
+        return default
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean (use 1 or 0)")
+
+
+def segment_bytes() -> int:
+    """Segment size of segmented algorithms, in bytes (``MPICOLL_SEGMENT_BYTES``)."""
+    return env_int("MPICOLL_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES, minimum=1)
+
+
+def check_enabled() -> bool:
+    """Whether collectives run the agreement check by default (``MPICOLL_CHECK``)."""
+    return env_bool("MPICOLL_CHECK", False)

@@ -1,0 +1,114 @@
+"""Per-communicator state, cached on the communicator itself.
+
+Each user communicator gets one :class:`CommContext`, stored as an MPI attribute (so it
+lives exactly as long as the communicator and cannot be confused with a later communicator
+that reuses the handle). It holds a private duplicate of the communicator for mpicoll's
+point-to-point traffic, so our messages can never match the user's own sends and receives,
+and a cache of plans (neighbours, chunk bounds, scratch buffers) keyed by
+(algorithm, count, dtype, ...).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from mpi4py import MPI
+
+from . import config
+
+__all__ = ["CommContext", "get_context", "resolve_comm"]
+
+_keyval: int | None = None
+_lock = threading.Lock()
+
+
+def _delete_context(comm: MPI.Comm, keyval: int, ctx: "CommContext") -> None:
+    ctx.free()
+
+
+def _get_keyval() -> int:
+    global _keyval
+    with _lock:
+        if _keyval is None:
+            _keyval = MPI.Comm.Create_keyval(delete_fn=_delete_context)
+        return _keyval
+
+
+class CommContext:
+    """mpicoll's state for one communicator.
+
+    Attributes:
+        comm: the user's communicator (native collectives run on it).
+        p2p: private duplicate used for all of mpicoll's point-to-point messages.
+        rank, size: this rank and the number of ranks.
+    """
+
+    #: Largest number of cached plans per communicator (oldest evicted first).
+    MAX_PLANS = 256
+
+    def __init__(self, comm: MPI.Comm) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.p2p = comm.Dup()
+        #: Largest message of segmented algorithms, in bytes (``MPICOLL_SEGMENT_BYTES``).
+        self.segment_bytes = config.segment_bytes()
+        self._plans: dict[Any, Any] = {}
+        self._topology: Any = None
+
+    def plan(self, key: Any, build: Callable[[], Any]) -> Any:
+        """Return the cached plan for ``key``, building it with ``build()`` the first time."""
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self.MAX_PLANS:
+                self._plans.pop(next(iter(self._plans)))
+            plan = self._plans[key] = build()
+        return plan
+
+    @property
+    def topology(self) -> Any:
+        """The node layout of this communicator (collective on first use)."""
+        if self._topology is None:
+            from .topology import Topology  # noqa: PLC0415  (import cycle)
+
+            self._topology = Topology(self.comm)
+        return self._topology
+
+    def free(self) -> None:
+        """Release the private communicators (called when the user's comm is freed)."""
+        self._plans.clear()
+        if self._topology is not None:
+            self._topology.free()
+            self._topology = None
+        if self.p2p != MPI.COMM_NULL and not MPI.Is_finalized():
+            self.p2p.Free()
+
+
+def resolve_comm(comm: Any, argname: str = "comm") -> MPI.Comm:
+    """Return the mpi4py intracommunicator for ``comm`` (``None`` means ``COMM_WORLD``).
+
+    Raises:
+        TypeError: not an mpi4py intracommunicator.
+        ValueError: ``MPI.COMM_NULL``.
+    """
+    if comm is None:
+        return MPI.COMM_WORLD
+    inner = getattr(comm, "_mpicoll_wrapped", None)
+    if inner is not None:
+        return inner
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(f"{argname} must be an mpi4py intracommunicator (or None for "
+                        f"COMM_WORLD), not {type(comm).__name__}")
+    if comm == MPI.COMM_NULL:
+        raise ValueError(f"{argname} is MPI.COMM_NULL")
+    return comm
+
+
+def get_context(comm: MPI.Comm) -> CommContext:
+    """Return (creating on first use; collective then) the context of ``comm``."""
+    keyval = _get_keyval()
+    ctx = comm.Get_attr(keyval)
+    if ctx is None:
+        ctx = CommContext(comm)
+        comm.Set_attr(keyval, ctx)
+    return ctx

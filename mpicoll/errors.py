@@ -1,0 +1,38 @@
+"""Exceptions raised by mpicoll.
+
+Bad arguments on one rank raise the builtin :class:`ValueError` or :class:`TypeError`
+(naming the argument). Failures that involve other ranks raise a subclass of
+:class:`CollectiveError`; where the failure is detected by an agreement step, every rank
+raises the same error.
+"""
+from __future__ import annotations
+
+__all__ = ["CollectiveError", "MismatchError", "RemoteError"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective operation failed in a way that involves more than one rank."""
+
+
+class MismatchError(CollectiveError):
+    """Ranks called the same collective with arguments that do not agree.
+
+    Attributes:
+        details: one line per disagreement, naming the ranks and their values.
+    """
+
+    def __init__(self, message: str, details: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.details = list(details or [])
+
+
+class RemoteError(CollectiveError):
+    """Another rank rejected its arguments to a collective that this rank also called.
+
+    Attributes:
+        errors: mapping rank -> the error message that rank raised locally.
+    """
+
+    def __init__(self, message: str, errors: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.errors = dict(errors or {})

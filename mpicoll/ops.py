@@ -1,0 +1,118 @@
+"""Reductions as objects.
+
+An :class:`Op` combines two chunks elementwise into a third (``out = a (op) b``; ``out`` may
+be ``a`` or ``b``), through the array module of the arrays it is given (numpy here, CuPy
+for device arrays), so algorithms never call numpy directly. ``average`` is ``sum`` during
+the collective and one scaling at the end (:meth:`Op.finalize`).
+
+The combine step is what algorithms call through :data:`Reducer`, so a caller can plug in
+another local reduction (for example one that decodes a compressed payload) without
+touching any algorithm.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mpi4py import MPI
+
+from . import buffers
+
+__all__ = ["Op", "OPS", "resolve_op", "Reducer", "SUM", "PROD", "MIN", "MAX", "AVERAGE",
+           "BAND", "BOR", "BXOR"]
+
+#: A local reduction step: ``reducer(a, b, out)`` stores ``a (op) b`` into ``out``.
+Reducer = Callable[[Any, Any, Any], None]
+
+_KIND_NAMES = {"b": "bool", "i": "signed integer", "u": "unsigned integer",
+               "f": "floating", "c": "complex"}
+
+
+@dataclass(frozen=True)
+class Op:
+    """One reduction operation.
+
+    Attributes:
+        name: the canonical name (``"sum"``, ``"average"``, ...).
+        ufunc: name of the array-module ufunc that combines two chunks.
+        kinds: numpy dtype kinds the op applies to (``"iufc"`` ...).
+        mpi_op: the predefined MPI op with the same meaning during the collective.
+        averages: whether the result is divided by the number of ranks at the end.
+    """
+
+    name: str
+    ufunc: str
+    kinds: str
+    mpi_op: MPI.Op
+    averages: bool = False
+
+    def check_dtype(self, dtype: Any, argname: str = "op") -> None:
+        """Raise ``TypeError`` if this op does not apply to ``dtype``."""
+        kind = getattr(dtype, "kind", None)
+        if kind not in self.kinds:
+            allowed = ", ".join(_KIND_NAMES[k] for k in self.kinds)
+            raise TypeError(f"{argname}={self.name!r} does not apply to dtype {dtype} "
+                            f"(it applies to {allowed} types)")
+
+    def combine(self, a: Any, b: Any, out: Any) -> None:
+        """Store ``a (op) b`` elementwise into ``out`` (which may alias ``a`` or ``b``)."""
+        getattr(buffers.array_module(out), self.ufunc)(a, b, out=out)
+
+    def finalize(self, result: Any, nranks: int) -> None:
+        """Apply the end-of-collective step in place (division by ``nranks`` for average).
+
+        Integer averages use floor division; floating and complex ones true division.
+        """
+        if not self.averages or nranks == 1:
+            return
+        xp = buffers.array_module(result)
+        if result.dtype.kind in "iu":
+            xp.floor_divide(result, nranks, out=result)
+        else:
+            xp.true_divide(result, result.dtype.type(nranks), out=result)
+
+
+SUM = Op("sum", "add", "iufc", MPI.SUM)
+PROD = Op("prod", "multiply", "iufc", MPI.PROD)
+MIN = Op("min", "minimum", "iuf", MPI.MIN)
+MAX = Op("max", "maximum", "iuf", MPI.MAX)
+AVERAGE = Op("average", "add", "iufc", MPI.SUM, averages=True)
+BAND = Op("band", "bitwise_and", "iub", MPI.BAND)
+BOR = Op("bor", "bitwise_or", "iub", MPI.BOR)
+BXOR = Op("bxor", "bitwise_xor", "iub", MPI.BXOR)
+
+#: Every op by canonical name.
+OPS: dict[str, Op] = {op.name: op for op in (SUM, PROD, MIN, MAX, AVERAGE, BAND, BOR, BXOR)}
+_ALIASES = {"mean": "average", "avg": "average", "product": "prod", "minimum": "min",
+            "maximum": "max"}
+
+
+def _mpi_lookup() -> list[tuple[MPI.Op, Op]]:
+    return [(MPI.SUM, SUM), (MPI.PROD, PROD), (MPI.MIN, MIN), (MPI.MAX, MAX),
+            (MPI.BAND, BAND), (MPI.BOR, BOR), (MPI.BXOR, BXOR)]
+
+
+def resolve_op(op: Any, argname: str = "op") -> Op:
+    """Return the :class:`Op` for a name, an mpi4py predefined op, or an :class:`Op`.
+
+    Raises:
+        ValueError: unknown name, or an MPI op mpicoll does not implement (user-defined
+            ops, MINLOC/MAXLOC, logical ops, ...).
+        TypeError: anything else.
+    """
+    if isinstance(op, Op):
+        return op
+    if isinstance(op, str):
+        key = op.strip().lower()
+        key = _ALIASES.get(key, key)
+        if key in OPS:
+            return OPS[key]
+        raise ValueError(f"unknown {argname}={op!r}; choose one of {sorted(OPS)}")
+    if isinstance(op, MPI.Op):
+        for mpi_op, ours in _mpi_lookup():
+            if op == mpi_op:
+                return ours
+        raise ValueError(f"{argname}: this MPI op is not one mpicoll implements "
+                         f"(supported: SUM, PROD, MIN, MAX, BAND, BOR, BXOR)")
+    raise TypeError(f"{argname} must be a name such as 'sum', an mpi4py op such as MPI.SUM, "
+                    f"or an mpicoll.Op, not {type(op).__name__}")

@@ -1,0 +1,66 @@
+"""Node layout of a communicator: node-local and cross-node communicators.
+
+Ranks that share memory form a node (``MPI.COMM_TYPE_SHARED``). ``MPICOLL_RANKS_PER_NODE=k``
+instead cuts the communicator into emulated nodes of ``k`` consecutive ranks (the last one
+may hold fewer), so node-aware code runs and is tested on one machine. The layout is
+computed collectively once per communicator and cached on its context.
+"""
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from . import config
+
+__all__ = ["Topology"]
+
+
+class Topology:
+    """Node layout of one communicator.
+
+    Attributes:
+        node_comm: the ranks on this rank's node (ordered by rank).
+        cross_comm: the ranks with the same local rank on every node (ordered by rank);
+            for local rank 0 these are the node leaders.
+        local_rank, local_size: this rank's place on its node, and the node's size.
+        node_index, num_nodes: this rank's node (ordered by lowest rank) and how many.
+        node_sizes: the size of every node, by node index.
+        uniform: every node holds the same number of ranks.
+        emulated: the layout comes from ``MPICOLL_RANKS_PER_NODE``.
+    """
+
+    def __init__(self, comm: MPI.Comm) -> None:
+        rank = comm.Get_rank()
+        per_node = config.env_int("MPICOLL_RANKS_PER_NODE", 0, minimum=0)
+        # Every rank must agree on the emulation setting, or the splits below would not match.
+        settings = comm.allgather(per_node)
+        if len(set(settings)) != 1:
+            from .errors import MismatchError  # noqa: PLC0415
+
+            raise MismatchError(f"MPICOLL_RANKS_PER_NODE differs across ranks: {settings}")
+        self.emulated = per_node > 0
+        if self.emulated:
+            self.node_comm = comm.Split(rank // per_node, rank)
+        else:
+            self.node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        self.local_rank = self.node_comm.Get_rank()
+        self.local_size = self.node_comm.Get_size()
+        self.cross_comm = comm.Split(self.local_rank, rank)
+        leaders = comm.allgather((self.node_comm.allreduce(rank, op=MPI.MIN), self.local_size))
+        firsts = sorted({first for first, _ in leaders})
+        sizes = dict(leaders)
+        self.node_sizes = [sizes[f] for f in firsts]
+        self.num_nodes = len(firsts)
+        self.node_index = firsts.index(self.node_comm.allreduce(rank, op=MPI.MIN))
+        self.uniform = len(set(self.node_sizes)) == 1
+
+    def free(self) -> None:
+        """Free the node and cross communicators."""
+        if MPI.Is_finalized():
+            return
+        for c in (self.node_comm, self.cross_comm):
+            if c != MPI.COMM_NULL:
+                c.Free()
+
+    def __repr__(self) -> str:
+        return (f"Topology(nodes={self.node_sizes}, local_rank={self.local_rank}, "
+                f"node_index={self.node_index}, emulated={self.emulated})")

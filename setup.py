@@ -1,0 +1,4 @@
+"""Minimal setup.py; all metadata lives in setup.cfg."""
+from setuptools import setup
+
+setup()
