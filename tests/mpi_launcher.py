@@ -1,0 +1,81 @@
+"""Run a pytest suite under ``mpirun`` at several world sizes, each with a timeout.
+
+Usage (from the repository root)::
+
+    python tests/mpi_launcher.py -n 1,2,3,4,5,8 tests/mpi [extra pytest args]
+
+Each world size runs ``mpirun -n N python tests/mpi_rank_entry.py <suite> --with-mpi``.
+Rank 0 prints pytest's report; other ranks keep stderr only. A run past its timeout is
+killed (the whole process group) and counts as a failure. Exit status 0 only if every
+world size passed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mpirun_command(n: int) -> list[str]:
+    """The launcher prefix for ``n`` ranks: the venv's mpirun, oversubscribing if Open MPI."""
+    exe = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+    if exe is None:
+        raise SystemExit("mpirun not found: install the 'mpich' extra (pip install .[mpich])")
+    cmd = [exe, "-n", str(n)]
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    if "Open MPI" in version or "OpenRTE" in version:
+        cmd.insert(1, "--oversubscribe")
+    return cmd
+
+
+def run_suite(n: int, suite: str, extra: list[str], timeout: float,
+              env: dict[str, str] | None = None) -> tuple[int, str, float]:
+    """Run ``suite`` at ``n`` ranks; return (exit status, output, seconds)."""
+    cmd = mpirun_command(n) + [sys.executable, str(ROOT / "tests" / "mpi_rank_entry.py"),
+                               suite, "--with-mpi", "-q", "-p", "no:cacheprovider", *extra]
+    full_env = dict(os.environ)
+    full_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    full_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    full_env.update(env or {})
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        out += f"\n*** TIMEOUT: {suite} at n={n} killed after {timeout:.0f} s ***\n"
+        rc = 124
+    return rc, out, time.monotonic() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-n", "--sizes", default="1,2,3,4,5,8",
+                        help="comma-separated world sizes (default 1,2,3,4,5,8)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per world size")
+    parser.add_argument("suite", help="test directory or file")
+    args, extra = parser.parse_known_args(argv)
+    failed = []
+    for n in [int(s) for s in args.sizes.split(",")]:
+        rc, out, secs = run_suite(n, args.suite, extra, args.timeout)
+        print(f"===== {args.suite} at n={n}: {'ok' if rc == 0 else f'FAILED (rc={rc})'} "
+              f"in {secs:.1f} s =====")
+        print(out, flush=True)
+        if rc != 0:
+            failed.append(n)
+    print(f"world sizes failed: {failed}" if failed else "all world sizes passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

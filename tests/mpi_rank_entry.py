@@ -1,0 +1,26 @@
+"""Entry point of one rank of an MPI test run: pytest on rank 0's stdout only.
+
+Ranks other than 0 send stdout to /dev/null (their failures reach rank 0's report through
+the collective verdict in tests/conftest.py); stderr stays, so crashes remain visible.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from mpi4py import MPI
+
+import pytest
+
+if __name__ == "__main__":
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+    code = pytest.main(sys.argv[1:])
+    sys.stdout.flush()
+    # pytest's exit code 5 ("no tests ran") is fine at world sizes a suite skips.
+    code = 0 if code == 5 else int(code)
+    # A rank that fails alone must not leave the others waiting: agree on the exit status.
+    code = MPI.COMM_WORLD.allreduce(code, op=MPI.MAX)
+    sys.exit(code)

@@ -1,0 +1,35 @@
+"""Runs every MPI test suite under mpirun at its world sizes (one pytest item per size).
+
+A suite is a directory holding a ``MPI_SUITE`` marker file; the serial run skips it and
+this module launches it through tests/mpi_launcher.py, with a timeout per world size.
+Environment per run: ``MPICOLL_RANKS_PER_NODE`` emulates nodes so the hierarchical
+all-reduce crosses several (uneven ones included).
+"""
+from __future__ import annotations
+
+import pytest
+
+from mpi_launcher import run_suite
+
+#: suite -> list of (world size, extra environment).
+SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
+    "tests/mpi": [
+        (1, {}),
+        (2, {"MPICOLL_RANKS_PER_NODE": "1"}),
+        (3, {"MPICOLL_RANKS_PER_NODE": "2"}),     # nodes of 2 and 1: uneven
+        (4, {"MPICOLL_RANKS_PER_NODE": "2"}),     # two even nodes
+        (5, {"MPICOLL_RANKS_PER_NODE": "2"}),     # 2, 2, 1: uneven
+        (8, {"MPICOLL_RANKS_PER_NODE": "4"}),     # two even nodes of 4
+    ],
+}
+
+CASES = [pytest.param(suite, n, env, id=f"{suite}-n{n}")
+         for suite, runs in SUITES.items() for n, env in runs]
+
+
+@pytest.mark.parametrize("suite,n,env", CASES)
+def test_suite_under_mpirun(suite: str, n: int, env: dict[str, str]) -> None:
+    rc, out, secs = run_suite(n, suite, [], timeout=420, env=env)
+    tail = "\n".join(out.splitlines()[-60:])
+    print(f"{suite} at n={n}: {secs:.1f} s\n{tail}")
+    assert rc == 0, f"{suite} failed at n={n} (rc={rc}):\n{tail}"
