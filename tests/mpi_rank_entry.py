@@ -1,6 +1,6 @@
 """Entry point of one rank of an MPI test run: pytest on rank 0's stdout only.
 
-Ranks other than 0 send stdout to /dev/null (their failures reach rank 0's report through
+Loads the per-test verdict plugin (tests/mpi_verdict.py). Ranks other than 0 send stdout to /dev/null (their failures reach rank 0's report through
 the collective verdict in tests/conftest.py); stderr stays, so crashes remain visible.
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ if __name__ == "__main__":
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115
-    code = pytest.main(sys.argv[1:])
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    code = pytest.main([*sys.argv[1:], "-p", "mpi_verdict"])
     sys.stdout.flush()
     # pytest's exit code 5 ("no tests ran") is fine at world sizes a suite skips.
     code = 0 if code == 5 else int(code)

@@ -1,0 +1,103 @@
+"""All-reduce: every registered algorithm x op x dtype x count x in place, twice per case."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mpicoll
+from mpicoll.context import get_context
+
+from cases import (ALL_DTYPES, COMM, COUNTS, RANK, SMALL_SEGMENT, applicable, describe,
+                   gather_inputs, make_data, reference_reduce, same_on_all_ranks)
+
+pytestmark = pytest.mark.mpi
+
+ALGORITHMS = mpicoll.algorithms("allreduce") + ["auto"]
+OPS = sorted(mpicoll.OPS)
+
+
+@pytest.fixture(params=[SMALL_SEGMENT, None], ids=["seg64", "segdefault"])
+def segment(request):
+    ctx = get_context(COMM)
+    saved = ctx.segment_bytes
+    if request.param:
+        ctx.segment_bytes = request.param
+    yield
+    ctx.segment_bytes = saved
+
+
+def check_allreduce(algorithm: str, op: str, dtype: type, count: int, in_place: bool,
+                    fn=mpicoll.allreduce) -> list[str]:
+    """Run one case twice on the same buffers; return failure descriptions (empty: ok)."""
+    errors = []
+    out = np.empty(count, dtype=dtype)
+    for rep in range(2):
+        data = make_data(RANK, count, rep, dtype, op)
+        expected = reference_reduce(gather_inputs(data), op)
+        if in_place:
+            out[...] = data
+            got = fn(mpicoll.IN_PLACE, out, op=op, algorithm=algorithm)
+        else:
+            got = fn(data, out, op=op, algorithm=algorithm)
+            if not np.array_equal(data, make_data(RANK, count, rep, dtype, op)):
+                errors.append("sendbuf was modified")
+        if got is not out:
+            errors.append("did not return recvbuf")
+        if not np.array_equal(out, expected):
+            bad = np.flatnonzero(out != expected)[:5]
+            errors.append(f"wrong result at {bad.tolist()}: {out[bad]} != {expected[bad]}")
+        if not same_on_all_ranks(out):
+            errors.append("results differ across ranks")
+        if errors:
+            return [describe(algorithm=algorithm, op=op, dtype=np.dtype(dtype).name,
+                             count=count, in_place=in_place, rep=rep) + ": " + "; ".join(errors)]
+    return []
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("op", OPS)
+def test_allreduce_matches_reference(algorithm, op, segment):
+    failures = []
+    dtypes = [d for d in ALL_DTYPES if applicable(op, d)]
+    for dtype in dtypes:
+        for count in COUNTS:
+            for in_place in (False, True):
+                failures += check_allreduce(algorithm, op, dtype, count, in_place)
+    assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("algorithm", mpicoll.algorithms("allreduce"))
+def test_allreduce_matches_native_on_random_floats(algorithm):
+    """Random floats: within tolerance of native MPI, and bit-identical across ranks."""
+    rng = np.random.default_rng(1234 + RANK)
+    for dtype, rtol in ((np.float32, 1e-5), (np.float64, 1e-12), (np.float16, 5e-2)):
+        x = rng.standard_normal(1001).astype(dtype)
+        ours = mpicoll.allreduce(x, algorithm=algorithm)
+        native = mpicoll.allreduce(x, algorithm="native")
+        assert same_on_all_ranks(ours), f"{algorithm} {dtype}: replicas differ"
+        np.testing.assert_allclose(ours.astype(np.float64), native.astype(np.float64),
+                                   rtol=rtol, atol=rtol * 10)
+
+
+def test_a_collective_that_does_not_communicate_is_caught():
+    """The checks above must fail for an 'all-reduce' that only copies its input."""
+    def fake(sendbuf, recvbuf, op="sum", algorithm="auto"):
+        recvbuf[...] = recvbuf if sendbuf is mpicoll.IN_PLACE else sendbuf
+        return recvbuf
+
+    failures = check_allreduce("fake", "sum", np.int32, 13, False, fn=fake)
+    if COMM.Get_size() > 1:
+        assert failures, "a non-communicating all-reduce passed the check"
+    else:
+        assert not failures
+
+
+def test_shapes_and_allocation():
+    x = np.arange(24, dtype=np.float64).reshape(2, 3, 4) + RANK
+    y = mpicoll.allreduce(x)
+    n = COMM.Get_size()
+    assert y.shape == x.shape
+    np.testing.assert_array_equal(y, np.arange(24).reshape(2, 3, 4) * n + n * (n - 1) / 2)
+    f = np.asfortranarray(x)
+    z = mpicoll.allreduce(f, op="max")
+    np.testing.assert_array_equal(z, x - RANK + n - 1)

@@ -1,0 +1,135 @@
+"""reduce_scatter, allgather, broadcast and reduce: every algorithm x dtype x count, twice."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mpicoll
+from mpicoll.context import get_context
+
+from cases import (ALL_DTYPES, COMM, COUNTS, MOVE_DTYPES, RANK, SIZE, SMALL_SEGMENT,
+                   applicable, describe, gather_inputs, make_data, reference_reduce,
+                   same_on_all_ranks)
+
+pytestmark = pytest.mark.mpi
+
+RED_OPS = ["sum", "max", "average", "bxor"]
+
+
+@pytest.fixture(autouse=True, params=[SMALL_SEGMENT, None], ids=["seg64", "segdefault"])
+def segment(request):
+    ctx = get_context(COMM)
+    saved = ctx.segment_bytes
+    if request.param:
+        ctx.segment_bytes = request.param
+    yield
+    ctx.segment_bytes = saved
+
+
+def _fail(errors, **case):
+    return [describe(**case) + ": " + "; ".join(errors)] if errors else []
+
+
+@pytest.mark.parametrize("algorithm", mpicoll.algorithms("reduce_scatter") + ["auto"])
+def test_reduce_scatter(algorithm):
+    failures = []
+    for op in RED_OPS:
+        for dtype in [d for d in ALL_DTYPES if applicable(op, d)]:
+            for count in COUNTS:
+                mine = np.array_split(np.arange(count), SIZE)[RANK]
+                for in_place in (False, True):
+                    out = np.empty(mine.size, dtype=dtype)
+                    full = np.empty(count, dtype=dtype)
+                    for rep in range(2):
+                        data = make_data(RANK, count, rep, dtype, op)
+                        expected = reference_reduce(gather_inputs(data), op)[mine]
+                        if in_place:
+                            full[...] = data
+                            got = mpicoll.reduce_scatter(mpicoll.IN_PLACE, full, op=op,
+                                                         algorithm=algorithm)
+                        else:
+                            got = mpicoll.reduce_scatter(data, out, op=op, algorithm=algorithm)
+                        errors = [] if np.array_equal(got, expected) else [
+                            f"got {got[:6]} expected {expected[:6]}"]
+                        failures += _fail(errors, op=op, dtype=np.dtype(dtype).name,
+                                          count=count, in_place=in_place, rep=rep)
+    assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("algorithm", mpicoll.algorithms("allgather") + ["auto"])
+def test_allgather(algorithm):
+    failures = []
+    for dtype in MOVE_DTYPES:
+        for count in COUNTS:
+            for in_place in (False, True):
+                out = np.empty(count * SIZE, dtype=dtype)
+                for rep in range(2):
+                    data = make_data(RANK, count, rep, dtype)
+                    expected = np.concatenate(gather_inputs(data))
+                    if in_place:
+                        out[...] = 0
+                        out[RANK * count:(RANK + 1) * count] = data
+                        got = mpicoll.allgather(mpicoll.IN_PLACE, out, algorithm=algorithm)
+                    else:
+                        got = mpicoll.allgather(data, out, algorithm=algorithm)
+                    errors = []
+                    if not np.array_equal(got, expected):
+                        errors.append("wrong result")
+                    if not same_on_all_ranks(got):
+                        errors.append("results differ across ranks")
+                    failures += _fail(errors, dtype=np.dtype(dtype).name, count=count,
+                                      in_place=in_place, rep=rep)
+    assert not failures, "\n".join(failures[:10])
+
+
+def test_allgather_allocates_concatenated_shape():
+    x = np.full((2, 3), RANK, dtype=np.int32)
+    y = mpicoll.allgather(x)
+    assert y.shape == (2 * SIZE, 3)
+    np.testing.assert_array_equal(y[:, 0], np.repeat(np.arange(SIZE), 2))
+
+
+@pytest.mark.parametrize("algorithm", mpicoll.algorithms("broadcast") + ["auto"])
+def test_broadcast(algorithm):
+    failures = []
+    for dtype in MOVE_DTYPES:
+        for count in COUNTS:
+            buf = np.empty(count, dtype=dtype)
+            for root in sorted({0, SIZE - 1, SIZE // 2}):
+                for rep in range(2):
+                    buf[...] = make_data(RANK, count, rep, dtype)
+                    expected = make_data(root, count, rep, dtype)
+                    got = mpicoll.broadcast(buf, root=root, algorithm=algorithm)
+                    errors = [] if got is buf and np.array_equal(buf, expected) else ["wrong"]
+                    failures += _fail(errors, dtype=np.dtype(dtype).name, count=count,
+                                      root=root, rep=rep)
+    assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("algorithm", mpicoll.algorithms("reduce") + ["auto"])
+def test_reduce(algorithm):
+    failures = []
+    for op in RED_OPS + ["prod", "min"]:
+        for dtype in [d for d in ALL_DTYPES if applicable(op, d)][::2]:
+            for count in COUNTS:
+                for root in sorted({0, SIZE - 1}):
+                    for in_place in (False, True):
+                        out = np.empty(count, dtype=dtype)
+                        for rep in range(2):
+                            data = make_data(RANK, count, rep, dtype, op)
+                            expected = reference_reduce(gather_inputs(data), op)
+                            if in_place and RANK == root:
+                                out[...] = data
+                                got = mpicoll.reduce(None, out, op=op, root=root,
+                                                     algorithm=algorithm)
+                            else:
+                                got = mpicoll.reduce(data, out if RANK == root else None, op=op,
+                                                     root=root, algorithm=algorithm)
+                            if RANK == root:
+                                ok = got is out and np.array_equal(out, expected)
+                            else:
+                                ok = got is None
+                            failures += _fail([] if ok else ["wrong"], op=op,
+                                              dtype=np.dtype(dtype).name, count=count,
+                                              root=root, in_place=in_place, rep=rep)
+    assert not failures, "\n".join(failures[:10])

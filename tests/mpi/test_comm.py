@@ -1,0 +1,143 @@
+"""mpicoll.Comm as a drop-in for mpi4py: existing code, every buffer-spec form."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpicoll
+from mpicoll.algorithms import registry
+
+from cases import RANK, SIZE
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Count calls into mpicoll's registered algorithms (to tell ours from delegation)."""
+    counter = {"n": 0}
+    real_lookup = registry.lookup
+
+    def counting_lookup(collective, name):
+        fn = real_lookup(collective, name)
+
+        def wrapped(*args, **kwargs):
+            counter["n"] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr("mpicoll.collectives.lookup", counting_lookup)
+    return counter
+
+
+def mpi4py_style_program(comm):
+    """Code written for mpi4py, unchanged: returns everything it computed."""
+    out = {}
+    x = np.arange(10, dtype="d") + comm.rank
+    y = np.empty_like(x)
+    comm.Allreduce(x, y, op=MPI.SUM)
+    out["plain"] = y.copy()
+    comm.Allreduce([x, MPI.DOUBLE], [y, MPI.DOUBLE], op=MPI.MAX)
+    out["typed"] = y.copy()
+    comm.Allreduce([x, 4, MPI.DOUBLE], [y, 4, MPI.DOUBLE])
+    out["count"] = y[:4].copy()
+    comm.Allreduce([x, (3, 2), MPI.DOUBLE], [y, (3, 2), MPI.DOUBLE])
+    out["displ"] = y[2:5].copy()
+    z = x.copy()
+    comm.Allreduce(MPI.IN_PLACE, z)
+    out["inplace"] = z.copy()
+    z = x.copy()
+    comm.Allreduce(None, [z, MPI.DOUBLE], op=MPI.MIN)
+    out["none_inplace"] = z.copy()
+    comm.Allreduce([None, MPI.INT], [None, MPI.INT])
+    ints = np.full(3, comm.rank + 1, dtype="i")
+    res = np.empty(3, dtype="i")
+    comm.Allreduce([ints, MPI.INT], [res, MPI.INT], op=MPI.PROD)
+    out["prod"] = res.copy()
+    raw = bytearray(np.full(4, comm.rank, dtype="i").tobytes())
+    rres = bytearray(16)
+    comm.Allreduce([raw, MPI.INT], [rres, MPI.INT])
+    out["bytearray"] = np.frombuffer(bytes(rres), dtype="i").copy()
+    rs = np.empty(2, dtype="d")
+    comm.Reduce_scatter_block(np.arange(2 * comm.size, dtype="d") * (comm.rank + 1), rs)
+    out["rsb"] = rs.copy()
+    counts = [len(b) for b in np.array_split(np.arange(7), comm.size)]
+    rsv = np.empty(counts[comm.rank], dtype="d")
+    comm.Reduce_scatter(np.arange(7, dtype="d"), rsv, counts, MPI.SUM)
+    out["rs"] = rsv.copy()
+    ag = np.empty(3 * comm.size, dtype="l")
+    comm.Allgather(np.full(3, comm.rank, dtype="l"), ag)
+    out["allgather"] = ag.copy()
+    ag2 = np.zeros(2 * comm.size, dtype="f")
+    ag2[2 * comm.rank:2 * comm.rank + 2] = comm.rank
+    comm.Allgather(MPI.IN_PLACE, [ag2, MPI.FLOAT])
+    out["allgather_inplace"] = ag2.copy()
+    b = np.arange(5, dtype="i") if comm.rank == comm.size - 1 else np.zeros(5, dtype="i")
+    comm.Bcast([b, MPI.INT], root=comm.size - 1)
+    out["bcast"] = b.copy()
+    r = np.empty(4, dtype="d") if comm.rank == 0 else None
+    comm.Reduce(np.full(4, comm.rank, dtype="d"), r, op=MPI.SUM, root=0)
+    out["reduce"] = None if r is None else r.copy()
+    out["lower"] = comm.allreduce(comm.rank)
+    return out
+
+
+def test_existing_mpi4py_code_runs_unchanged(calls):
+    ours = mpi4py_style_program(mpicoll.Comm(MPI.COMM_WORLD))
+    ran_ours = calls["n"]
+    native = mpi4py_style_program(MPI.COMM_WORLD)
+    assert ours.keys() == native.keys()
+    for key in ours:
+        if ours[key] is None:
+            assert native[key] is None, key
+        else:
+            np.testing.assert_array_equal(ours[key], native[key], err_msg=key)
+    if SIZE > 1:
+        assert ran_ours >= 10, f"only {ran_ours} collectives went through mpicoll"
+
+
+def test_unsupported_specs_delegate(calls):
+    comm = mpicoll.Comm(MPI.COMM_WORLD)
+    # MAXLOC on a pair type
+    pair = np.array([(float(RANK), RANK)], dtype=np.dtype([("v", "d"), ("i", "i")], align=True))
+    res = np.empty_like(pair)
+    comm.Allreduce([pair, MPI.DOUBLE_INT], [res, MPI.DOUBLE_INT], op=MPI.MAXLOC)
+    assert res["v"][0] == SIZE - 1 and res["i"][0] == SIZE - 1
+    # a user-defined op
+    op = MPI.Op.Create(lambda a, b, t: np.copyto(np.frombuffer(b, "d"),
+                                                  np.frombuffer(a, "d") + np.frombuffer(b, "d")),
+                       commute=True)
+    try:
+        x = np.full(3, 1.0)
+        y = np.empty(3)
+        comm.Allreduce(x, y, op=op)
+        np.testing.assert_array_equal(y, SIZE)
+    finally:
+        op.Free()
+    # a derived datatype
+    vec = MPI.DOUBLE.Create_vector(2, 1, 2).Commit()
+    try:
+        buf = np.arange(4, dtype="d") if RANK == 0 else np.zeros(4)
+        comm.Bcast([buf, 1, vec], root=0)
+        np.testing.assert_array_equal(buf[[0, 2]], [0.0, 2.0])
+    finally:
+        vec.Free()
+    assert calls["n"] == 0, "unsupported specs must go to MPI itself"
+
+
+def test_dup_is_mpicoll_comm_and_collective_algorithm():
+    comm = mpicoll.Comm(MPI.COMM_WORLD, algorithm="ring")
+    dup = comm.Dup()
+    try:
+        assert isinstance(dup, mpicoll.Comm) and isinstance(dup, MPI.Intracomm)
+        assert dup.Get_size() == SIZE and dup.rank == RANK
+        x = np.arange(6, dtype="d")
+        y = np.empty_like(x)
+        dup.Allreduce(x, y)
+        np.testing.assert_array_equal(y, x * SIZE)
+        # 'ring' is no broadcast algorithm: auto is used there
+        dup.Bcast(y, root=0)
+    finally:
+        dup.Free()

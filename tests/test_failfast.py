@@ -1,0 +1,71 @@
+"""One failing rank ends the whole run quickly, never a hang."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from mpi_launcher import mpirun_command, run_suite
+
+CRASH = textwrap.dedent("""
+    import numpy as np, mpicoll
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    mpicoll.allreduce(np.ones(1000), algorithm="ring")   # the others wait for rank 1
+""")
+
+
+def test_uncaught_exception_aborts_all_ranks(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH)
+    start = time.monotonic()
+    proc = subprocess.run(mpirun_command(3) + [sys.executable, "-m", "mpi4py", str(script)],
+                          capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "rank 1 fails on purpose" in proc.stdout + proc.stderr
+    assert elapsed < 30, f"took {elapsed:.0f} s to abort"
+
+
+FAILING_SUITE = textwrap.dedent("""
+    import numpy as np, pytest, mpicoll
+    from mpi4py import MPI
+    pytestmark = pytest.mark.mpi
+
+    def test_one_rank_fails():
+        assert MPI.COMM_WORLD.rank != 1, "rank 1 disagrees"
+
+    def test_next_collective_still_runs():
+        mpicoll.allreduce(np.ones(10))
+""")
+
+
+def test_one_failing_rank_fails_the_suite_everywhere(tmp_path):
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "test_fail.py").write_text(FAILING_SUITE)
+    rc, out, secs = run_suite(3, str(suite), ["--rootdir", str(suite)], timeout=120)
+    assert rc != 0, out
+    assert "rank 1 disagrees" in out, out
+    assert "1 failed, 1 passed" in out, out
+    assert secs < 60
+
+
+@pytest.mark.parametrize("n", [2])
+def test_launcher_kills_a_hung_run(tmp_path, n):
+    suite = tmp_path / "hang"
+    suite.mkdir()
+    (suite / "test_hang.py").write_text(textwrap.dedent("""
+        import numpy as np, mpicoll
+        from mpi4py import MPI
+        def test_hang():
+            if MPI.COMM_WORLD.rank == 0:
+                mpicoll.allreduce(np.ones(4))   # rank 1 never joins
+    """))
+    rc, out, secs = run_suite(n, str(suite), ["--rootdir", str(suite), "-p", "no:timeout"],
+                              timeout=10)
+    assert rc != 0 and secs < 30
