@@ -1,0 +1,26 @@
+"""A parameter server over MPI: sharded servers, BSP/ASP/SSP, server-side optimizers.
+
+>>> from mpicoll.ps import ParameterServer
+>>> ps = ParameterServer(params, num_servers=1, consistency="bsp", optimizer="sgd", lr=0.1)
+>>> if ps.is_server:
+...     ps.serve()                   # returns when every worker has closed
+... else:
+...     w = ps.pull()
+...     w = ps.push_pull(grads)      # grads: dict name -> array
+...     ps.close()
+
+Modules: :mod:`~mpicoll.ps.protocol` (wire format), :mod:`~mpicoll.ps.placement`,
+:mod:`~mpicoll.ps.server`, :mod:`~mpicoll.ps.worker`, :mod:`~mpicoll.ps.optimizers`,
+:mod:`~mpicoll.ps.checkpoint`. See docs/ps.md.
+"""
+from __future__ import annotations
+
+from .core import CONSISTENCY, ParameterServer
+from .errors import PSError
+from .optimizers import DEFAULTS as HYPERPARAMETERS
+from .optimizers import OPTIMIZERS
+from .placement import Placement
+from .worker import Handle
+
+__all__ = ["ParameterServer", "PSError", "Handle", "Placement", "CONSISTENCY", "OPTIMIZERS",
+           "HYPERPARAMETERS"]

@@ -1,0 +1,388 @@
+"""``ParameterServer``: the collective set-up and the user-facing methods.
+
+The constructor is collective over ``comm``: every rank checks its own arguments, the ranks
+exchange them (small control metadata, pickled by mpi4py's lowercase methods; tensors never
+are) and either all raise the same error or all derive the same placement. Ranks
+``0 .. num_servers-1`` become servers and the rest workers; the first server (rank 0) is
+also the *scheduler*: it reads the checkpoint manifest on restore and broadcasts it, so
+every rank takes the same decision. The first worker initializes every parameter (INIT
+requests) from its ``params``, then the workers synchronize, so no worker pulls before
+the values exist.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import checkpoint as ckpt
+from . import protocol as P
+from .errors import PSError
+from .optimizers import check_hyperparameters
+from .placement import DEFAULT_SPLIT_BYTES, ParamSpec, Placement, specs_from_params
+from .server import Server, stats_from_vector
+from .worker import Handle, WorkerClient
+
+__all__ = ["ParameterServer", "CONSISTENCY"]
+
+log = logging.getLogger("mpicoll.ps")
+
+CONSISTENCY = ("bsp", "asp", "ssp")
+
+
+def _collective_check(comm: MPI.Comm, error: str | None, kind: type = PSError) -> None:
+    """Raise the same error on every rank if any rank reported one."""
+    errors = comm.allgather(error)
+    bad = {r: e for r, e in enumerate(errors) if e}
+    if bad:
+        lines = "; ".join(f"rank {r}: {e}" for r, e in bad.items())
+        raise kind(f"ParameterServer set-up failed: {lines}")
+
+
+def _wait_collective(req: MPI.Request) -> None:
+    P.wait_all([req])
+
+
+class ParameterServer:
+    """A parameter server over MPI: some ranks store parameters, the others train.
+
+    Collective over ``comm``. Ranks ``0 .. num_servers-1`` are servers (call
+    :meth:`serve`), the others are workers (call :meth:`pull`, :meth:`push`,
+    :meth:`push_pull` ..., then :meth:`close`).
+
+    Args:
+        params: dict name -> array. On workers, the names, shapes and dtypes of the
+            parameters (every worker the same); the first worker's values initialize the
+            servers. Servers may pass the same dict or ``None``.
+        comm: mpi4py intracommunicator (default ``MPI.COMM_WORLD``); duplicated.
+        num_servers: how many ranks are servers (1 .. size-1).
+        consistency: ``"bsp"`` (bulk synchronous), ``"asp"`` (asynchronous) or ``"ssp"``
+            (stale synchronous, bound ``staleness``).
+        staleness: the ``ssp`` bound ``s`` (>= 0).
+        optimizer: ``"sgd"``, ``"momentum"``, ``"adam"`` or ``"sum"`` (``bsp`` only: pulls
+            return the round's summed gradient).
+        average: divide aggregated gradients by the number of workers (default: True
+            except for ``"sum"``).
+        split_bytes: tensors of at least this many bytes are split over all servers.
+        chunk_bytes: largest payload message.
+        init: send the first worker's values to the servers now (``False``: a worker calls
+            :meth:`init` later).
+        restore: a checkpoint directory written by :meth:`save` to start from instead.
+        reshard: allow restoring a checkpoint saved with another layout (number of
+            servers or workers, split threshold).
+        max_sleep: longest idle pause of a polling rank, in seconds.
+        **hyperparameters: ``lr``, ``momentum``, ``beta1``, ``beta2``, ``eps``,
+            ``weight_decay`` (plain numbers).
+    Raises:
+        ValueError: bad arguments on some rank (raised on every rank).
+        PSError: ranks disagree (arguments, parameter specs), or the checkpoint does not fit.
+    """
+
+    def __init__(self, params: dict[str, Any] | None, comm: MPI.Comm | None = None,
+                 num_servers: int = 1, consistency: str = "bsp", staleness: int = 0,
+                 optimizer: str = "sgd", *, average: bool | None = None,
+                 split_bytes: int = DEFAULT_SPLIT_BYTES,
+                 chunk_bytes: int = P.DEFAULT_CHUNK_BYTES, init: bool = True,
+                 restore: str | None = None, reshard: bool = False, max_sleep: float = 1e-3,
+                 **hyperparameters: Any) -> None:
+        base = MPI.COMM_WORLD if comm is None else comm
+        self.comm = base.Dup()
+        size, rank = self.comm.Get_size(), self.comm.Get_rank()
+        self.rank = rank
+        is_server_guess = isinstance(num_servers, int) and rank < num_servers
+        error: str | None = None
+        specs: list[ParamSpec] | None = None
+        hyper: dict[str, float] = {}
+        try:
+            if isinstance(num_servers, bool) or not isinstance(num_servers, int) or \
+                    not 1 <= num_servers < size:
+                raise ValueError(f"num_servers={num_servers!r} must be an int in 1..{size - 1} "
+                                 f"(at least one rank must be a worker; world size {size})")
+            if consistency not in CONSISTENCY:
+                raise ValueError(f"consistency={consistency!r} is not one of {CONSISTENCY}")
+            if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+                raise ValueError(f"staleness={staleness!r} must be an int >= 0")
+            hyper = check_hyperparameters(optimizer, hyperparameters)
+            if optimizer == "sum" and consistency != "bsp":
+                raise ValueError("optimizer='sum' returns each round's aggregate and needs "
+                                 "consistency='bsp'")
+            if int(split_bytes) < 1 or int(chunk_bytes) < 1:
+                raise ValueError("split_bytes and chunk_bytes must be positive")
+            if params is not None or not is_server_guess:
+                specs = specs_from_params(params)
+                if optimizer != "sum":
+                    bad = [s.name for s in specs if s.dtype.kind not in "fc"]
+                    if bad:
+                        raise ValueError(f"optimizer={optimizer!r} needs floating parameters; "
+                                         f"{bad} are not")
+        except (TypeError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        _collective_check(self.comm, error, kind=ValueError)
+
+        if average is None:
+            average = optimizer != "sum"
+        config = [num_servers, consistency, staleness, optimizer, sorted(hyper.items()),
+                  bool(average), int(split_bytes), int(chunk_bytes), bool(init), restore,
+                  bool(reshard)]
+        configs = self.comm.allgather(config)
+        all_specs = self.comm.allgather(None if specs is None else [s.as_plain() for s in specs])
+        first_worker_specs = all_specs[num_servers]
+        error = None
+        if any(c != configs[0] for c in configs):
+            diff = [r for r, c in enumerate(configs) if c != configs[0]]
+            error = f"ranks {diff} passed other settings than rank 0: {configs[0]} vs " \
+                    f"{[configs[r] for r in diff]}"
+        else:
+            diff = [r for r, s in enumerate(all_specs) if s is not None and s != first_worker_specs]
+            if diff:
+                error = (f"ranks {diff} passed parameters (names, shapes, dtypes) that differ "
+                         f"from the first worker's (rank {num_servers})")
+        if error:  # identical on every rank: computed from gathered values
+            raise PSError(error)
+
+        self.num_servers = num_servers
+        self.consistency = consistency
+        self.staleness = staleness
+        self.optimizer = optimizer
+        self.hyperparameters = hyper
+        self.average = bool(average)
+        self.chunk_bytes = int(chunk_bytes)
+        specs = [ParamSpec(n, tuple(s), np.dtype(d)) for n, s, d in first_worker_specs]
+        self.placement = Placement(specs, num_servers, int(split_bytes))
+        self.server_ranks = list(range(num_servers))
+        self.worker_ranks = list(range(num_servers, size))
+        self.is_server = rank < num_servers
+        self.is_worker = not self.is_server
+        self.worker_index = None if self.is_server else rank - num_servers
+        self.worker_comm = self.comm.Split(0 if self.is_server else 1, rank)
+        self._server: Server | None = None
+        self._client: WorkerClient | None = None
+        self._closed = False
+        if self.is_server:
+            self._server = Server(self.comm, self.placement, rank, self.worker_ranks,
+                                  consistency, staleness, optimizer, hyper, self.average,
+                                  self.chunk_bytes, max_sleep)
+        else:
+            self._client = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep)
+
+        if restore is not None:
+            self._restore(restore, reshard)
+        elif init and self.is_worker:
+            if self.worker_index == 0:
+                self._client.init_async(params).wait()
+            _wait_collective(self.worker_comm.Ibarrier())
+
+    # ------------------------------------------------------------------ roles
+    @property
+    def num_workers(self) -> int:
+        """Number of worker ranks."""
+        return len(self.worker_ranks)
+
+    @property
+    def clock(self) -> int:
+        """This worker's clock: pushes made so far (``None`` on servers)."""
+        return None if self._client is None else self._client.clock
+
+    def _need_worker(self, what: str) -> WorkerClient:
+        if self._client is None:
+            raise PSError(f"{what} is for workers; rank {self.rank} is a server (call serve())")
+        if self._closed:
+            raise PSError(f"{what} after close()")
+        return self._client
+
+    # ------------------------------------------------------------------ server
+    def serve(self) -> None:
+        """Serve the workers' requests; returns once every worker has called close().
+
+        Raises:
+            PSError: called on a worker.
+        """
+        if self._server is None:
+            raise PSError(f"serve() is for servers; rank {self.rank} is a worker")
+        self._server.serve()
+        self._closed = True
+
+    # ------------------------------------------------------------------ worker API
+    def init(self, params: dict[str, Any]) -> None:
+        """Set the servers' initial values (one worker, when constructed with ``init=False``).
+
+        Raises:
+            PSError: a parameter is already initialized (duplicate init), or bad arrays.
+        """
+        self._need_worker("init()").init_async(params).wait()
+
+    def pull(self, out: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
+        """Fetch the parameters this worker's clock allows (blocking).
+
+        Args:
+            out: optional arrays to fill (name -> array); others are allocated.
+        Returns:
+            dict name -> array.
+        """
+        return self.pull_async(out).wait()
+
+    def pull_async(self, out: dict[str, Any] | None = None) -> Handle:
+        """Start :meth:`pull`; ``handle.wait()`` returns the dict."""
+        return self._need_worker("pull()").pull_async(out)
+
+    def push(self, grads: dict[str, Any], check: bool = True) -> None:
+        """Send gradients for every parameter and advance this worker's clock (blocking
+        until every server has received them).
+
+        Args:
+            grads: name -> array, the same names, shapes and dtypes as the parameters.
+            check: check names, shapes and dtypes here first (``False`` leaves every check
+                to the servers).
+        Raises:
+            PSError: bad gradients, or a server rejected them (the reason is in the message).
+        """
+        self.push_async(grads, check).wait()
+
+    def push_async(self, grads: dict[str, Any], check: bool = True) -> Handle:
+        """Start :meth:`push`; do not modify ``grads`` before ``handle.wait()``."""
+        return self._need_worker("push()").push_async(grads, check)
+
+    def push_pull(self, grads: dict[str, Any], out: dict[str, Any] | None = None,
+                  check: bool = True) -> dict[str, np.ndarray]:
+        """Push gradients, then pull the parameters for the next clock (one round trip)."""
+        return self.push_pull_async(grads, out, check).wait()
+
+    def push_pull_async(self, grads: dict[str, Any], out: dict[str, Any] | None = None,
+                        check: bool = True) -> Handle:
+        """Start :meth:`push_pull`."""
+        return self._need_worker("push_pull()").push_pull_async(grads, out, check)
+
+    def close(self) -> None:
+        """Finish this worker: complete outstanding requests and tell every server.
+
+        Servers stop counting a closed worker in rounds and staleness bounds, so a worker
+        that finishes early does not hold the others up. Idempotent. On servers: no-op
+        (they finish in :meth:`serve`).
+        """
+        if self._client is None or self._closed:
+            return
+        self._client.wait_all()
+        self._client.control_async(P.Op.CLOSE).wait()
+        self._closed = True
+
+    def free(self) -> None:
+        """Release the private communicators (collective; after serve()/close())."""
+        for c in (self.worker_comm, self.comm):
+            if c != MPI.COMM_NULL:
+                c.Free()
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        """Counters: placement (bytes and shards per server), per-server and this worker's.
+
+        On a worker, asks every server for its counters (pushes, pulls, updates, bytes in
+        and out, staleness max/mean/histogram). On a server, its own counters.
+
+        Returns:
+            ``{"bytes_per_server": [...], "shards_per_server": [...], "servers": [...],
+            "worker": {...}}`` (``"server"`` instead of ``"servers"``/``"worker"`` on a server).
+        """
+        out: dict[str, Any] = {
+            "bytes_per_server": self.placement.bytes_per_server(),
+            "shards_per_server": [len(self.placement.shards_on(s))
+                                  for s in range(self.num_servers)],
+            "consistency": self.consistency, "staleness_bound": self.staleness}
+        if self._server is not None:
+            out["server"] = self._server.stats()
+            return out
+        client = self._need_worker("stats()")
+        n = len(P.STATS_FIELDS) + P.STALENESS_BINS
+        res = client.control_async(P.Op.STATS, dest_size=n).wait()
+        out["servers"] = [stats_from_vector(res[s]) for s in range(self.num_servers)]
+        c = dict(client.counters)
+        c["staleness_mean"] = c.pop("staleness_sum") / max(1, c["staleness_count"])
+        c["clock"] = client.clock
+        out["worker"] = c
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str) -> None:
+        """Checkpoint parameters, optimizer state and clocks into directory ``path``.
+
+        Collective over the workers (every worker calls it at the same step); the servers
+        write their shards from inside :meth:`serve`, each file atomically, then the first
+        worker writes the manifest (atomically, last: the commit point).
+
+        Raises:
+            PSError: called on a server, or a server could not write.
+        """
+        client = self._need_worker("save()")
+        client.wait_all()
+        ckpt_id = self.worker_comm.bcast(
+            "ckpt-" + uuid.uuid4().hex[:12] if self.worker_index == 0 else None, root=0)
+        error = None
+        try:
+            client.control_async(P.Op.SAVE, f"{path}\n{ckpt_id}".encode("utf-8")).wait()
+        except PSError as exc:
+            error = str(exc)
+        errors = [e for e in self.worker_comm.allgather(error) if e]
+        if errors:
+            raise PSError(f"save({path!r}) failed: {errors[0]}")
+        clocks = self.worker_comm.allgather(client.clock)
+        if self.worker_index == 0:
+            manifest = {"format": ckpt.FORMAT, "id": ckpt_id,
+                        "layout": self.placement.describe(),
+                        "num_workers": self.num_workers, "worker_clocks": clocks,
+                        "consistency": self.consistency, "staleness": self.staleness,
+                        "optimizer": self.optimizer, "hyperparameters": self.hyperparameters,
+                        "average": self.average,
+                        "files": [ckpt.server_file(ckpt_id, s) for s in range(self.num_servers)]}
+            ckpt.write_manifest(path, manifest)
+            ckpt.remove_stale(path, ckpt_id)
+        _wait_collective(self.worker_comm.Ibarrier())
+
+    def _restore(self, path: str, reshard: bool) -> None:
+        manifest, error = None, None
+        if self.rank == 0:
+            try:
+                manifest = ckpt.read_manifest(path)
+            except (OSError, ValueError) as exc:
+                error = f"cannot read checkpoint {path!r}: {exc}"
+        manifest, error = self.comm.bcast((manifest, error), root=0)
+        if error is None:
+            error = self._layout_mismatch(manifest, reshard)
+        if error:
+            raise PSError(error)   # same on every rank: decided from broadcast values
+        same_workers = manifest["num_workers"] == self.num_workers
+        clocks = manifest["worker_clocks"]
+        common = max(clocks) if clocks else 0
+        error = None
+        if self._server is not None:
+            worker_clock = None if same_workers else {w: common for w in self.worker_ranks}
+            loader = ckpt.ShardLoader(path, manifest)
+            try:
+                for state in self._server.states.values():
+                    loader.load(state, worker_clock)
+            except (OSError, ValueError, KeyError) as exc:
+                error = f"restoring from {path!r}: {exc}"
+            finally:
+                loader.close()
+        else:
+            self._client.clock = clocks[self.worker_index] if same_workers else common
+        _collective_check(self.comm, error)
+
+    def _layout_mismatch(self, manifest: dict, reshard: bool) -> str | None:
+        layout = manifest["layout"]
+        here = self.placement.describe()
+        if layout["params"] != here["params"]:
+            return (f"checkpoint holds other parameters (names, shapes or dtypes) than "
+                    f"this ParameterServer")
+        if manifest["optimizer"] != self.optimizer:
+            return (f"checkpoint was saved with optimizer={manifest['optimizer']!r}, not "
+                    f"{self.optimizer!r}")
+        if reshard:
+            return None
+        if layout != here or manifest["num_workers"] != self.num_workers:
+            return (f"checkpoint layout differs ({layout['num_servers']} servers, "
+                    f"{manifest['num_workers']} workers, split_bytes {layout['split_bytes']}; "
+                    f"now {self.num_servers} servers, {self.num_workers} workers, split_bytes "
+                    f"{self.placement.split_bytes}); pass reshard=True to redistribute")
+        return None

@@ -1,0 +1,414 @@
+"""The server loop: receive requests from any worker, keep shards, apply updates.
+
+One :class:`Server` per server rank. It polls for request headers with ``Iprobe`` and a
+:class:`~mpicoll.ps.protocol.Backoff` (so an idle server sleeps instead of spinning on the
+shared cores), serves each request in arrival order, defers pulls that the consistency model
+does not allow yet, and returns from :meth:`Server.serve` once every worker has closed.
+
+Consistency, per shard (a worker's *clock* is the number of pushes it has made):
+
+- ``bsp``: pushes of round ``r`` are buffered per worker; once every active (not closed)
+  worker has pushed round ``r`` they are summed in worker-rank order (reproducible), divided
+  by the number of contributors when averaging, and applied as one update. A pull at clock
+  ``c`` waits until ``c`` rounds have been applied.
+- ``asp``: each push is applied on arrival (divided by the number of workers when
+  averaging); pulls are answered at once.
+- ``ssp`` with bound ``s``: pushes as ``asp``; a pull at clock ``c`` waits until every
+  active worker's clock is at least ``c - s``.
+
+The staleness of each answered pull (the puller's clock minus the slowest active worker's
+clock) is recorded and sent back in the reply's ``AUX`` field.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import protocol as P
+from .checkpoint import write_server_file
+from .optimizers import ShardOptimizer, make_optimizer
+from .placement import Placement, Shard
+
+__all__ = ["ShardState", "Server"]
+
+log = logging.getLogger("mpicoll.ps.server")
+
+
+class ShardState:
+    """Everything a server keeps for one shard."""
+
+    def __init__(self, shard: Shard, optimizer: str, hyper: dict[str, float],
+                 workers: list[int]) -> None:
+        self.shard = shard
+        self.optimizer_name = optimizer
+        self.hyper = hyper
+        self.param: np.ndarray | None = None
+        self.opt: ShardOptimizer | None = None
+        self.version = 0                                    # updates (rounds) applied
+        self.clocks = {w: 0 for w in workers}               # pushes received per worker
+        self.rounds: dict[int, dict[int, np.ndarray]] = {}  # bsp: round -> worker -> grad
+        self.deferred: list[tuple[int, np.ndarray]] = []    # (worker, request header)
+        self.inflight: list[MPI.Request] = []               # replies still reading param
+
+    def initialize(self, values: np.ndarray | None = None) -> None:
+        """Allocate the value (and optimizer state); copy ``values`` if given."""
+        sh = self.shard
+        self.param = np.empty(sh.count, dtype=sh.spec.dtype)
+        if values is not None:
+            np.copyto(self.param, values)
+        self.opt = make_optimizer(self.optimizer_name, sh.count, sh.spec.dtype, self.hyper)
+
+
+class Server:
+    """The request loop of one server rank.
+
+    Args:
+        comm: the parameter server's private communicator.
+        placement: the layout (every rank has the same).
+        server: this server's index (= its rank).
+        workers: ranks of the workers.
+        consistency: ``"bsp"``, ``"asp"`` or ``"ssp"``.
+        staleness: the ``ssp`` bound.
+        optimizer: name in :data:`mpicoll.ps.optimizers.OPTIMIZERS`.
+        hyper: hyperparameters (complete).
+        average: divide aggregated gradients by the number of contributing workers
+            (``bsp``) or by the number of workers (``asp``/``ssp``).
+        chunk_bytes: payload chunk size.
+        max_sleep: longest idle pause, in seconds.
+    """
+
+    def __init__(self, comm: MPI.Comm, placement: Placement, server: int, workers: list[int],
+                 consistency: str, staleness: int, optimizer: str, hyper: dict[str, float],
+                 average: bool, chunk_bytes: int, max_sleep: float = 1e-3) -> None:
+        self.comm = comm
+        self.placement = placement
+        self.index = server
+        self.workers = list(workers)
+        self.active = set(workers)
+        self.consistency = consistency
+        self.staleness = int(staleness)
+        self.average = average
+        self.chunk_bytes = chunk_bytes
+        self.max_sleep = max_sleep
+        self.states: dict[tuple[int, int], ShardState] = {
+            sh.ident: ShardState(sh, optimizer, hyper, self.workers)
+            for sh in placement.shards_on(server)}
+        self.counters = {k: 0 for k in ("pushes", "pulls", "updates", "bytes_in", "bytes_out",
+                                        "errors")}
+        self.staleness_hist = np.zeros(P.STALENESS_BINS, dtype=np.int64)
+        self.staleness_max = 0
+        self.staleness_sum = 0
+        self.staleness_count = 0
+        self._sending: list[tuple[list[MPI.Request], Any]] = []
+        self._pool: dict[tuple[int, int], list[np.ndarray]] = {}
+        self._scratch: dict[tuple[int, int, int], np.ndarray] = {}
+        self._saves: dict[int, tuple[np.ndarray, str]] = {}
+        self._status = MPI.Status()
+
+    # ------------------------------------------------------------------ loop
+    def serve(self) -> None:
+        """Serve requests until every worker has closed."""
+        backoff = P.Backoff(max_sleep=self.max_sleep)
+        comm, status = self.comm, self._status
+        header = np.empty(P.HEADER_LEN, dtype=np.int64)
+        while self.active:
+            if comm.Iprobe(MPI.ANY_SOURCE, P.TAG_REQUEST, status):
+                src = status.Get_source()
+                comm.Recv([header, MPI.INT64_T], src, P.TAG_REQUEST)
+                self._dispatch(src, header.copy())
+                backoff.reset()
+            else:
+                self._reap(force=True)
+                backoff.pause()
+        P.wait_all([r for reqs, _ in self._sending for r in reqs])
+        self._sending.clear()
+        log.debug("server %d done: %s", self.index, self.counters)
+
+    def _reap(self, force: bool = False) -> None:
+        if not self._sending or (not force and len(self._sending) < 64):
+            return
+        self._sending = [(reqs, keep) for reqs, keep in self._sending
+                         if not MPI.Request.Testall(reqs)]
+
+    # ------------------------------------------------------------------ replies
+    def _reply(self, dest: int, request: np.ndarray, status: int = 0, payload: Any = None,
+               clock: int = 0, aux: int = 0, state: ShardState | None = None) -> None:
+        h = P.new_header(int(request[P.OP]), key=int(request[P.KEY]),
+                         shard=int(request[P.SHARD]), seq=int(request[P.SEQ]), status=status,
+                         clock=clock, aux=aux)
+        if isinstance(payload, str):
+            payload = np.frombuffer(payload.encode("utf-8"), dtype=np.uint8)
+        if payload is not None:
+            h[P.COUNT] = payload.size
+            h[P.NBYTES] = payload.nbytes
+        reqs = [self.comm.Isend([h, MPI.INT64_T], dest, P.TAG_REPLY)]
+        if payload is not None and payload.size:
+            data_reqs = P.send_payload(self.comm, payload, dest, P.TAG_REPLY_DATA,
+                                       self.chunk_bytes)
+            reqs += data_reqs
+            self.counters["bytes_out"] += payload.nbytes
+            if state is not None:
+                state.inflight += data_reqs
+        self._sending.append((reqs, (h, payload)))
+        self._reap()
+
+    def _error(self, src: int, h: np.ndarray, code: int, reason: str) -> None:
+        """Drain the request's payload and answer with an error."""
+        if h[P.NBYTES] > 0:
+            P.drain_payload(self.comm, int(h[P.NBYTES]), src, P.TAG_REQUEST_DATA,
+                            self.chunk_bytes)
+        self.counters["errors"] += 1
+        log.info("server %d rejects a request from rank %d: %s", self.index, src, reason)
+        self._reply(src, h, status=code, payload=f"server rank {self.comm.Get_rank()}: {reason}")
+
+    # ------------------------------------------------------------------ dispatch
+    def _dispatch(self, src: int, h: np.ndarray) -> None:
+        op = int(h[P.OP])
+        if src not in self.active:
+            self._error(src, h, P.Status.BAD_REQUEST,
+                        f"rank {src} is not an active worker (closed, or a server)")
+            return
+        if op == P.Op.CLOSE:
+            self._close(src, h)
+        elif op == P.Op.STATS:
+            self._reply(src, h, payload=self.stats_vector())
+        elif op == P.Op.SAVE:
+            self._save_request(src, h)
+        elif op in (P.Op.INIT, P.Op.PUSH, P.Op.PULL):
+            state = self._validate(src, h)
+            if state is None:
+                return
+            if op == P.Op.INIT:
+                self._init(src, h, state)
+            elif op == P.Op.PUSH:
+                self._push(src, h, state)
+            else:
+                self._pull(src, h, state)
+        else:
+            self._error(src, h, P.Status.BAD_REQUEST, f"unknown operation {op}")
+
+    def _validate(self, src: int, h: np.ndarray) -> ShardState | None:
+        op = int(h[P.OP])
+        ident = (int(h[P.KEY]), int(h[P.SHARD]))
+        state = self.states.get(ident)
+        if state is None:
+            name = next((s.name for s in self.placement.specs.values() if s.key == ident[0]),
+                        None)
+            why = (f"unknown key (crc32 {ident[0]}): no such parameter" if name is None else
+                   f"shard {ident[1]} of {name!r} is not stored on this server")
+            self._error(src, h, P.Status.UNKNOWN_KEY, why)
+            return None
+        sh = state.shard
+        spec = sh.spec
+        dt = P.dtype_of(int(h[P.DTYPE]))
+        if dt != spec.dtype:
+            self._error(src, h, P.Status.BAD_DTYPE,
+                        f"{spec.name!r} has dtype {spec.dtype}, request has {dt}")
+            return None
+        if int(h[P.TOTAL]) != spec.size or int(h[P.SHAPE]) != P.shape_code(spec.shape):
+            self._error(src, h, P.Status.BAD_SHAPE,
+                        f"{spec.name!r} has shape {spec.shape} ({spec.size} elements); the "
+                        f"request's tensor has {int(h[P.TOTAL])} elements or another shape")
+            return None
+        if op != P.Op.PULL and (int(h[P.COUNT]) != sh.count or int(h[P.OFFSET]) != sh.lo
+                                or int(h[P.NBYTES]) != sh.nbytes):
+            self._error(src, h, P.Status.BAD_SHAPE,
+                        f"shard {sh.label()} needs {sh.count} elements at offset {sh.lo}; got "
+                        f"{int(h[P.COUNT])} at {int(h[P.OFFSET])} ({int(h[P.NBYTES])} bytes)")
+            return None
+        if op == P.Op.INIT and state.param is not None:
+            self._error(src, h, P.Status.DUPLICATE_INIT,
+                        f"{spec.name!r} is already initialized (duplicate init)")
+            return None
+        if op != P.Op.INIT and state.param is None:
+            self._error(src, h, P.Status.NOT_INITIALIZED,
+                        f"{spec.name!r} is not initialized yet ({P.Op(op).name.lower()} "
+                        f"before init)")
+            return None
+        if op == P.Op.PUSH and int(h[P.CLOCK]) != state.clocks[src]:
+            self._error(src, h, P.Status.BAD_REQUEST,
+                        f"push of {sh.label()} at clock {int(h[P.CLOCK])}, but this worker's "
+                        f"next clock here is {state.clocks[src]}")
+            return None
+        return state
+
+    # ------------------------------------------------------------------ operations
+    def _init(self, src: int, h: np.ndarray, state: ShardState) -> None:
+        state.initialize()
+        P.recv_payload(self.comm, state.param, src, P.TAG_REQUEST_DATA, self.chunk_bytes)
+        self.counters["bytes_in"] += state.shard.nbytes
+        self._reply(src, h)
+
+    def _buffer(self, state: ShardState) -> np.ndarray:
+        pool = self._pool.setdefault(state.shard.ident, [])
+        return pool.pop() if pool else np.empty(state.shard.count, dtype=state.shard.spec.dtype)
+
+    def _writable_param(self, state: ShardState) -> np.ndarray:
+        """The value, safe to modify: copied if a reply still reads the old one."""
+        if state.inflight and not MPI.Request.Testall(state.inflight):
+            state.param = state.param.copy()   # the old array stays alive in self._sending
+        state.inflight = []
+        return state.param
+
+    def _push(self, src: int, h: np.ndarray, state: ShardState) -> None:
+        sh = state.shard
+        clock = int(h[P.CLOCK])
+        self.counters["pushes"] += 1
+        self.counters["bytes_in"] += sh.nbytes
+        if self.consistency == "bsp":
+            buf = self._buffer(state)
+            P.recv_payload(self.comm, buf, src, P.TAG_REQUEST_DATA, self.chunk_bytes)
+            state.rounds.setdefault(clock, {})[src] = buf
+            state.clocks[src] += 1
+            self._reply(src, h, clock=state.version)
+            self._complete_rounds(state)
+        else:
+            key = (sh.ident[0], sh.ident[1], src)
+            buf = self._scratch.get(key)
+            if buf is None:
+                buf = self._scratch[key] = np.empty(sh.count, dtype=sh.spec.dtype)
+            P.recv_payload(self.comm, buf, src, P.TAG_REQUEST_DATA, self.chunk_bytes)
+            state.clocks[src] += 1
+            if self.average and len(self.workers) > 1:
+                np.divide(buf, len(self.workers), out=buf)
+            state.opt.apply(self._writable_param(state), buf)
+            state.version += 1
+            self.counters["updates"] += 1
+            self._reply(src, h, clock=state.version)
+            self._answer_deferred(state)
+
+    def _complete_rounds(self, state: ShardState) -> None:
+        """bsp: apply every round that all active workers have pushed, in order."""
+        applied = False
+        while True:
+            grads = state.rounds.get(state.version)
+            if grads is None or any(w not in grads for w in self.active):
+                break
+            del state.rounds[state.version]
+            order = sorted(grads)
+            acc = grads[order[0]]
+            for w in order[1:]:
+                acc += grads[w]
+            if self.average and len(order) > 1:
+                np.divide(acc, len(order), out=acc)
+            state.opt.apply(self._writable_param(state), acc)
+            state.version += 1
+            self.counters["updates"] += 1
+            self._pool.setdefault(state.shard.ident, []).extend(grads.values())
+            applied = True
+        if applied:
+            self._answer_deferred(state)
+
+    def _min_clock(self, state: ShardState) -> int:
+        return min((state.clocks[w] for w in self.active), default=0)
+
+    def _ready(self, state: ShardState, clock: int) -> bool:
+        if self.consistency == "bsp":
+            return state.version >= clock
+        if self.consistency == "ssp":
+            return self._min_clock(state) >= clock - self.staleness
+        return True
+
+    def _pull(self, src: int, h: np.ndarray, state: ShardState) -> None:
+        self.counters["pulls"] += 1
+        if self._ready(state, int(h[P.CLOCK])):
+            self._answer_pull(src, h, state)
+        else:
+            state.deferred.append((src, h))
+
+    def _answer_pull(self, src: int, h: np.ndarray, state: ShardState) -> None:
+        if self.consistency == "bsp":
+            stale = 0
+        else:
+            stale = max(0, int(h[P.CLOCK]) - self._min_clock(state))
+        self.staleness_max = max(self.staleness_max, stale)
+        self.staleness_sum += stale
+        self.staleness_count += 1
+        self.staleness_hist[min(stale, P.STALENESS_BINS - 1)] += 1
+        self._reply(src, h, payload=state.param, clock=state.version, aux=stale, state=state)
+
+    def _answer_deferred(self, state: ShardState) -> None:
+        if not state.deferred:
+            return
+        waiting = state.deferred
+        state.deferred = []
+        for src, h in waiting:
+            if self._ready(state, int(h[P.CLOCK])):
+                self._answer_pull(src, h, state)
+            else:
+                state.deferred.append((src, h))
+
+    def _close(self, src: int, h: np.ndarray) -> None:
+        self.active.discard(src)
+        self._saves.pop(src, None)
+        self._reply(src, h)
+        for state in self.states.values():
+            if self.consistency == "bsp":
+                self._complete_rounds(state)
+            self._answer_deferred(state)
+        self._maybe_save()
+
+    # ------------------------------------------------------------------ checkpoint
+    def _save_request(self, src: int, h: np.ndarray) -> None:
+        text = P.drain_payload(self.comm, int(h[P.NBYTES]), src, P.TAG_REQUEST_DATA,
+                               self.chunk_bytes).decode("utf-8")
+        self._saves[src] = (h, text)
+        self._maybe_save()
+
+    def _maybe_save(self) -> None:
+        if not self._saves or any(w not in self._saves for w in self.active):
+            return
+        saves, self._saves = self._saves, {}
+        texts = {t for _, t in saves.values()}
+        status, reason = 0, None
+        if len(texts) != 1:
+            status, reason = P.Status.BAD_REQUEST, f"workers asked for different checkpoints: {sorted(texts)}"
+        elif any(s.rounds for s in self.states.values()):
+            status = P.Status.FAILED
+            reason = ("a bsp round is incomplete (workers called save at different steps); "
+                      "call save at the same step on every worker")
+        else:
+            directory, ckpt_id = texts.pop().split("\n", 1)
+            try:
+                write_server_file(directory, ckpt_id, self.index, list(self.states.values()))
+            except OSError as exc:
+                status, reason = P.Status.FAILED, f"writing the checkpoint failed: {exc}"
+        for src, (h, _) in sorted(saves.items()):
+            if status:
+                self.counters["errors"] += 1
+                self._reply(src, h, status=status,
+                            payload=f"server rank {self.comm.Get_rank()}: {reason}")
+            else:
+                self._reply(src, h)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        """This server's counters, stored bytes and staleness seen."""
+        states = self.states.values()
+        return {"server": self.index, "rank": self.comm.Get_rank(), "shards": len(self.states),
+                "bytes_stored": sum(s.shard.nbytes for s in states), **self.counters,
+                "staleness_max": self.staleness_max,
+                "staleness_mean": self.staleness_sum / max(1, self.staleness_count),
+                "staleness_count": self.staleness_count,
+                "staleness_hist": [int(x) for x in self.staleness_hist],
+                "active_workers": len(self.active)}
+
+    def stats_vector(self) -> np.ndarray:
+        """:meth:`stats` as the float64 vector of a STATS reply."""
+        s = self.stats()
+        head = [s["server"], s["rank"], s["shards"], s["bytes_stored"], s["pushes"], s["pulls"],
+                s["updates"], s["bytes_in"], s["bytes_out"], s["errors"], s["staleness_max"],
+                self.staleness_sum, s["staleness_count"], s["active_workers"]]
+        return np.array(head + s["staleness_hist"], dtype=np.float64)
+
+
+def stats_from_vector(v: np.ndarray) -> dict:
+    """Decode a STATS reply payload into the dict :meth:`Server.stats` returns."""
+    n = len(P.STATS_FIELDS)
+    d = {k: int(v[i]) for i, k in enumerate(P.STATS_FIELDS)}
+    d["staleness_mean"] = d.pop("staleness_sum") / max(1, d["staleness_count"])
+    d["staleness_hist"] = [int(x) for x in v[n:n + P.STALENESS_BINS]]
+    return d

@@ -1,0 +1,286 @@
+"""The worker side: send requests to the servers, match their replies, hand out handles.
+
+A :class:`WorkerClient` cuts each tensor into the shards of the placement, sends one request
+per shard (header, then payload chunks, all non-blocking) and returns a :class:`Handle`.
+Replies are matched by sequence number, so any number of requests may be outstanding and
+servers may answer them in any order (a ``bsp`` pull is answered only when its round is
+complete). Waiting polls with a back-off instead of spinning.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import protocol as P
+from .errors import PSError
+from .placement import Placement
+
+__all__ = ["Handle", "WorkerClient"]
+
+
+class Handle:
+    """An outstanding parameter-server operation.
+
+    ``wait()`` completes it and returns its result (a dict name -> array for pulls, ``None``
+    for pushes), raising :class:`PSError` if any server rejected a part of it. Arrays being
+    pushed must not be modified, and pulled arrays not read, before ``wait()`` returns.
+    """
+
+    def __init__(self, client: "WorkerClient", kind: str, result: Any = None) -> None:
+        self._client = client
+        self.kind = kind
+        self.result = result
+        self.remaining = 0
+        self.ok = 0
+        self.errors: list[str] = []
+        self.push_clock: int | None = None
+        self._sends: list[MPI.Request] = []
+        self._keep: list[Any] = []
+        self._done = False
+
+    def test(self) -> bool:
+        """Make progress; return whether the operation is complete (without raising)."""
+        if self.remaining:
+            self._client.progress()
+        return self.remaining == 0
+
+    def wait(self) -> Any:
+        """Complete the operation and return its result.
+
+        Raises:
+            PSError: a server rejected part of the request (message lists each reason).
+        """
+        if not self._done:
+            backoff = P.Backoff(max_sleep=self._client.max_sleep)
+            while self.remaining:
+                if self._client.progress():
+                    backoff.reset()
+                else:
+                    backoff.pause()
+            P.wait_all(self._sends)
+            self._sends, self._keep = [], []
+            self._done = True
+            self._client._finished(self)
+        if self.errors:
+            raise PSError(f"parameter server rejected {self.kind}: " + "; ".join(self.errors),
+                          self.errors)
+        return self.result
+
+
+class WorkerClient:
+    """Requests of one worker rank.
+
+    Args:
+        comm: the parameter server's private communicator.
+        placement: the layout.
+        chunk_bytes: payload chunk size.
+        max_sleep: longest pause while waiting, in seconds.
+    """
+
+    def __init__(self, comm: MPI.Comm, placement: Placement, chunk_bytes: int,
+                 max_sleep: float = 1e-3) -> None:
+        self.comm = comm
+        self.placement = placement
+        self.chunk_bytes = chunk_bytes
+        self.max_sleep = max_sleep
+        self.clock = 0
+        self._seq = 0
+        self._pending: dict[int, tuple[Handle, np.ndarray | None, str]] = {}
+        self._open: list[Handle] = []
+        self._status = MPI.Status()
+        self._hdr = np.empty(P.HEADER_LEN, dtype=np.int64)
+        self.counters = {"pushes": 0, "pulls": 0, "bytes_sent": 0, "bytes_received": 0,
+                         "staleness_max": 0, "staleness_sum": 0, "staleness_count": 0}
+
+    # ------------------------------------------------------------------ sending
+    def _send(self, handle: Handle, server: int, header: np.ndarray,
+              payload: np.ndarray | None = None, dest: np.ndarray | None = None,
+              what: str = "") -> None:
+        seq = self._seq
+        self._seq += 1
+        header[P.SEQ] = seq
+        if payload is not None:
+            header[P.COUNT] = payload.size
+            header[P.NBYTES] = payload.nbytes
+        handle._sends.append(self.comm.Isend([header, MPI.INT64_T], server, P.TAG_REQUEST))
+        handle._keep.append(header)
+        if payload is not None and payload.size:
+            handle._sends += P.send_payload(self.comm, payload, server, P.TAG_REQUEST_DATA,
+                                            self.chunk_bytes)
+            handle._keep.append(payload)
+            self.counters["bytes_sent"] += payload.nbytes
+        self._pending[seq] = (handle, dest, what)
+        handle.remaining += 1
+
+    def _tensor_requests(self, handle: Handle, op: int, arrays: dict[str, Any],
+                         check: bool, clock: int) -> None:
+        """One request per shard of each tensor in ``arrays`` (INIT or PUSH)."""
+        if check:
+            self.check_arrays(arrays, complete=(op == P.Op.PUSH), what="gradient" if
+                              op == P.Op.PUSH else "value")
+        for name in sorted(arrays):
+            arr = np.ascontiguousarray(arrays[name])
+            flat = arr.reshape(-1)
+            code = P.dtype_code(arr.dtype)
+            spec = self.placement.specs.get(name)
+            shards = self.placement.shards.get(name)
+            base = dict(key=P.key_of(name), clock=clock, total=flat.size, dtype=code,
+                        shape=P.shape_code(arr.shape))
+            if spec is None or flat.size != spec.size:
+                server = (self.placement.server_of_unknown(name) if spec is None
+                          else shards[0].server)
+                self._send(handle, server, P.new_header(op, shard=0, offset=0, **base),
+                           flat, what=name)
+                continue
+            for sh in shards:
+                self._send(handle, sh.server,
+                           P.new_header(op, shard=sh.index, offset=sh.lo, **base),
+                           flat[sh.lo:sh.hi], what=sh.label())
+
+    def check_arrays(self, arrays: dict[str, Any], complete: bool, what: str) -> None:
+        """Raise :class:`PSError` unless names, shapes and dtypes match the parameters."""
+        if not isinstance(arrays, dict):
+            raise PSError(f"expected a dict name -> array, got {type(arrays).__name__}")
+        specs = self.placement.specs
+        problems = []
+        for name in sorted(arrays, key=str):
+            arr = arrays[name]
+            spec = specs.get(name)
+            if spec is None:
+                problems.append(f"unknown key {name!r}")
+            elif not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+                problems.append(f"{name!r}: {type(arr).__name__} is not an array")
+            elif tuple(arr.shape) != spec.shape:
+                problems.append(f"{name!r}: shape {tuple(arr.shape)}, expected {spec.shape}")
+            elif np.dtype(arr.dtype) != spec.dtype:
+                problems.append(f"{name!r}: dtype {arr.dtype}, expected {spec.dtype}")
+        if complete:
+            missing = sorted(set(specs) - set(arrays))
+            if missing:
+                problems.append(f"missing {what} for {missing}")
+        if problems:
+            raise PSError(f"bad {what}s: " + "; ".join(problems), problems)
+
+    # ------------------------------------------------------------------ operations
+    def init_async(self, values: dict[str, Any], check: bool = True) -> Handle:
+        """Send every tensor's initial value to its servers."""
+        h = Handle(self, "init")
+        self._tensor_requests(h, P.Op.INIT, values, check, clock=0)
+        return self._opened(h)
+
+    def push_async(self, grads: dict[str, Any], check: bool = True) -> Handle:
+        """Push gradients at the current clock, then advance the clock."""
+        h = Handle(self, "push")
+        h.push_clock = self.clock
+        self._tensor_requests(h, P.Op.PUSH, grads, check, clock=self.clock)
+        self.clock += 1
+        self.counters["pushes"] += 1
+        return self._opened(h)
+
+    def pull_async(self, out: dict[str, Any] | None = None, names: list[str] | None = None,
+                   handle: Handle | None = None) -> Handle:
+        """Ask for the values the consistency model allows at the current clock.
+
+        Args:
+            out: arrays to receive into (name -> array of the parameter's shape and dtype);
+                missing names get new arrays.
+            names: which parameters (default all).
+            handle: add the requests to this handle instead of a new one.
+        """
+        h = handle or Handle(self, "pull")
+        result = {} if h.result is None else h.result
+        specs = self.placement.specs
+        for name in (sorted(specs) if names is None else names):
+            spec = specs.get(name)
+            if spec is None:
+                raise PSError(f"cannot pull unknown key {name!r}")
+            dest = None if out is None else out.get(name)
+            if dest is None:
+                dest = np.empty(spec.shape, dtype=spec.dtype)
+            elif tuple(dest.shape) != spec.shape or dest.dtype != spec.dtype or \
+                    not dest.flags.c_contiguous or not dest.flags.writeable:
+                raise PSError(f"out[{name!r}] must be a writable C-contiguous {spec.dtype} "
+                              f"array of shape {spec.shape}")
+            result[name] = dest
+            flat = dest.reshape(-1)
+            for sh in self.placement.shards[name]:
+                hdr = P.new_header(P.Op.PULL, key=spec.key, shard=sh.index, clock=self.clock,
+                                   total=spec.size, dtype=P.dtype_code(spec.dtype),
+                                   offset=sh.lo, count=sh.count, shape=P.shape_code(spec.shape))
+                self._send(h, sh.server, hdr, dest=flat[sh.lo:sh.hi], what=sh.label())
+        h.result = result
+        self.counters["pulls"] += 1
+        return h if handle else self._opened(h)
+
+    def push_pull_async(self, grads: dict[str, Any], out: dict[str, Any] | None = None,
+                        check: bool = True) -> Handle:
+        """Push gradients, then pull the values for the next clock, as one handle."""
+        h = self.push_async(grads, check=check)
+        h.kind = "push_pull"
+        self.pull_async(out, handle=h)
+        return h
+
+    def control_async(self, op: int, payload: bytes | None = None,
+                      dest_size: int = 0) -> Handle:
+        """Send a control request (CLOSE, STATS, SAVE) to every server."""
+        h = Handle(self, P.Op(op).name.lower(), result={})
+        for server in range(self.placement.num_servers):
+            data = None if payload is None else np.frombuffer(payload, dtype=np.uint8)
+            dest = np.empty(dest_size, dtype=np.float64) if dest_size else None
+            if dest is not None:
+                h.result[server] = dest
+            self._send(h, server, P.new_header(op), data, dest=dest, what=f"server {server}")
+        return self._opened(h)
+
+    def _opened(self, h: Handle) -> Handle:
+        self._open.append(h)
+        return h
+
+    def _finished(self, h: Handle) -> None:
+        if h in self._open:
+            self._open.remove(h)
+        if h.errors and h.push_clock is not None and not h.ok and self.clock == h.push_clock + 1:
+            self.clock -= 1   # nothing was applied anywhere: the push did not happen
+
+    def wait_all(self) -> None:
+        """Complete every outstanding handle (errors are raised by their own wait())."""
+        for h in list(self._open):
+            try:
+                h.wait()
+            except PSError:
+                pass
+
+    # ------------------------------------------------------------------ receiving
+    def progress(self) -> bool:
+        """Receive every reply that has arrived; return whether any did."""
+        comm, status, hdr = self.comm, self._status, self._hdr
+        got = False
+        while comm.Iprobe(MPI.ANY_SOURCE, P.TAG_REPLY, status):
+            src = status.Get_source()
+            comm.Recv([hdr, MPI.INT64_T], src, P.TAG_REPLY)
+            got = True
+            seq, nbytes = int(hdr[P.SEQ]), int(hdr[P.NBYTES])
+            handle, dest, what = self._pending.pop(seq)
+            if hdr[P.STATUS] != 0:
+                text = P.drain_payload(comm, nbytes, src, P.TAG_REPLY_DATA, self.chunk_bytes)
+                handle.errors.append(f"{what}: {text.decode('utf-8', 'replace')}")
+            elif nbytes:
+                if dest is None or dest.nbytes != nbytes:
+                    P.drain_payload(comm, nbytes, src, P.TAG_REPLY_DATA, self.chunk_bytes)
+                    handle.errors.append(f"{what}: reply of {nbytes} bytes does not fit")
+                else:
+                    P.recv_payload(comm, dest, src, P.TAG_REPLY_DATA, self.chunk_bytes)
+                    self.counters["bytes_received"] += nbytes
+                    handle.ok += 1
+            else:
+                handle.ok += 1
+            if hdr[P.OP] == P.Op.PULL and hdr[P.STATUS] == 0:
+                stale = int(hdr[P.AUX])
+                c = self.counters
+                c["staleness_max"] = max(c["staleness_max"], stale)
+                c["staleness_sum"] += stale
+                c["staleness_count"] += 1
+            handle.remaining -= 1
+        return got
