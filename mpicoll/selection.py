@@ -2,15 +2,21 @@
 message size).
 
 The choice depends only on values every rank has (the collective, the communicator's
-size and layout, the message's byte count), so every rank makes the same one.
-``MPICOLL_ALGORITHM`` forces a name wherever it is registered for the collective.
+size and layout, the message's byte count) and on the tuning table, which every rank reads
+from the same file, so every rank makes the same one. In order:
+
+1. ``MPICOLL_ALGORITHM`` forces a name wherever it is registered for the collective;
+2. the active tuning table (:mod:`mpicoll.tuning`: :func:`mpicoll.tuning.use_table`,
+   ``MPICOLL_TUNING_FILE`` or the shipped default), when it has an entry for this
+   collective and world size naming a registered algorithm;
+3. the built-in rules below (:func:`builtin_choice`).
 """
 from __future__ import annotations
 
-from . import config
+from . import config, tuning
 from .algorithms.registry import names
 
-__all__ = ["choose", "resolve_algorithm"]
+__all__ = ["choose", "builtin_choice", "resolve_algorithm"]
 
 KiB = 1024
 
@@ -20,10 +26,24 @@ def _is_power_of_two(n: int) -> bool:
 
 
 def choose(collective: str, size: int, ranks_per_node: int, nbytes: int) -> str:
-    """The algorithm ``auto`` uses for ``nbytes`` (the full vector) over ``size`` ranks."""
+    """The algorithm ``auto`` uses for ``nbytes`` (the full vector) over ``size`` ranks.
+
+    Raises:
+        ValueError: ``MPICOLL_TUNING_FILE`` names a missing or invalid table.
+    """
     forced = config.env_str("MPICOLL_ALGORITHM")
     if forced and forced != "auto" and forced in names(collective):
         return forced
+    table = tuning.active_table()
+    if table is not None:
+        name = table.lookup(collective, size, ranks_per_node, nbytes)
+        if name is not None and name in names(collective):
+            return name
+    return builtin_choice(collective, size, ranks_per_node, nbytes)
+
+
+def builtin_choice(collective: str, size: int, ranks_per_node: int, nbytes: int) -> str:
+    """The built-in rules, used where no tuning table has an entry."""
     if collective == "allreduce":
         if nbytes <= 4 * KiB:
             return "recursive_doubling"

@@ -1,0 +1,181 @@
+"""Per-call Python overhead of small collectives, and this machine's memory bandwidth.
+
+Usage::
+
+    mpirun -n 2 python -m bench.overhead              # 8-byte all-reduce, every algorithm
+    mpirun -n 2 python -m bench.overhead --profile    # plus a cProfile of mpicoll's call
+
+Calls run back to back (no barrier between them, as a training loop would) in blocks of
+``--calls``; blocks of each variant are interleaved and repeated ``--repeats`` times; each
+rank takes the median block, the table shows the average over ranks. Variants:
+
+- ``mpi``: the direct mpi4py call ``comm.Allreduce(x, y, MPI.SUM)``;
+- ``native``: the same MPI call through ``mpicoll.allreduce(..., algorithm="native")``:
+  ``native - mpi`` is mpicoll's per-call overhead (argument checks, op and algorithm
+  resolution, dispatch);
+- each hand-written algorithm, and ``auto``.
+
+Memory: one core's ``np.copyto`` of 64 MiB (others sleeping) and ``np.add(a, b, out=b)``,
+in GB/s, the physical limits for the bus bandwidth of the collectives here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+if not __package__:  # run as a script (python bench/overhead.py): find bench and mpicoll
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import (MiB, THREAD_LEVELS, library_version, machine_description,  # noqa: E402
+                          parse_size, start_mpi, thread_level_name)
+
+__all__ = ["main", "measure"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bench.overhead",
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", type=parse_size, default=8, help="bytes (default 8)")
+    parser.add_argument("--calls", type=int, default=1000, help="calls per block (1000)")
+    parser.add_argument("--repeats", type=int, default=7, help="blocks per variant (7)")
+    parser.add_argument("--memcpy-bytes", type=parse_size, default=64 * MiB,
+                        help="bytes copied for the memory bandwidth (64M; 0: skip)")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile 'native' through mpicoll on rank 0; print the top")
+    parser.add_argument("--thread-level", choices=THREAD_LEVELS, default=None)
+    parser.add_argument("--format", choices=("osu", "json"), default="osu")
+    parser.add_argument("--output", metavar="FILE", help="write the --format output here")
+    return parser
+
+
+def _add_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    import numpy as np  # noqa: PLC0415
+
+    a = np.ones(nbytes // 4, np.float32)
+    b = np.ones_like(a)
+    np.add(a, b, out=b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.add(a, b, out=b)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Run the measurements; the result dict on rank 0 (``{}`` elsewhere)."""
+    import numpy as np  # noqa: PLC0415
+
+    MPI = start_mpi(args.thread_level)
+    import mpicoll  # noqa: PLC0415
+
+    from bench.common import memcpy_bandwidth  # noqa: PLC0415
+
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    x = np.ones(max(1, args.size // 4), np.float32)
+    y = np.empty_like(x)
+    variants = {"mpi": lambda: comm.Allreduce(x, y, MPI.SUM)}
+    for a in ["native", *[a for a in mpicoll.algorithms("allreduce") if a != "native"], "auto"]:
+        variants[a] = (lambda a=a: mpicoll.allreduce(x, y, "sum", comm, a))
+    blocks: dict[str, list[float]] = {v: [] for v in variants}
+    calls = args.calls
+    for fn in variants.values():  # warm-up: plans, caches, topology
+        for _ in range(20):
+            fn()
+    for rep in range(args.repeats):
+        order = list(variants) if rep % 2 == 0 else list(variants)[::-1]
+        for v in order:
+            fn = variants[v]
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            blocks[v].append((time.perf_counter() - t0) / calls)
+    mine = {v: statistics.median(b) for v, b in blocks.items()}
+    every = comm.allgather(mine)
+    per_call = {v: sum(m[v] for m in every) / n * 1e6 for v in variants}
+    profile_text = None
+    if args.profile:
+        import cProfile  # noqa: PLC0415
+        import io  # noqa: PLC0415
+        import pstats  # noqa: PLC0415
+
+        prof = cProfile.Profile() if rank == 0 else None
+        comm.Barrier()
+        if prof:
+            prof.enable()
+        for _ in range(calls):
+            variants["native"]()
+        if prof:
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+            profile_text = buf.getvalue()
+    comm.Barrier()
+    memcpy = add = None
+    if args.memcpy_bytes > 0:
+        if rank == 0:
+            memcpy = memcpy_bandwidth(args.memcpy_bytes)
+            add = _add_bandwidth(args.memcpy_bytes)
+        else:
+            time.sleep(max(0.1, 3.0 * args.memcpy_bytes / (64 * MiB)))
+        comm.Barrier()
+    if rank != 0:
+        return {}
+    return {
+        "mpi_library": library_version(),
+        "thread_level": thread_level_name(MPI.Query_thread()),
+        "world_size": n, "size": args.size, "calls": calls, "repeats": args.repeats,
+        "machine": machine_description(),
+        "per_call_us": per_call,
+        "mpicoll_overhead_us": per_call["native"] - per_call["mpi"],
+        "memcpy_GBps": memcpy, "add_GBps": add, "memcpy_bytes": args.memcpy_bytes,
+        "profile": profile_text,
+    }
+
+
+def format_text(res: dict) -> str:
+    """The human-readable report."""
+    lines = [f"# mpicoll per-call overhead: {res['size']}-byte all-reduce, float32 sum",
+             f"# MPI library: {res['mpi_library']}",
+             f"# Thread level: {res['thread_level']}   World size: {res['world_size']}",
+             f"# Back-to-back calls, median of {res['repeats']} blocks of {res['calls']}, "
+             "averaged over ranks",
+             f"# Machine: {res['machine']}",
+             f"{'# Variant':<22s}{'us/call':>10s}{'vs mpi':>9s}"]
+    base = res["per_call_us"]["mpi"]
+    for v, us in res["per_call_us"].items():
+        lines.append(f"{v:<22s}{us:10.2f}{us / base:9.2f}")
+    lines.append(f"# mpicoll overhead per call (native through mpicoll - direct mpi4py): "
+                 f"{res['mpicoll_overhead_us']:.2f} us")
+    if res.get("memcpy_GBps"):
+        lines.append(f"# Memory: np.copyto {res['memcpy_bytes'] // MiB} MiB: "
+                     f"{res['memcpy_GBps']:.2f} GB/s; np.add(a, b, out=b): "
+                     f"{res['add_GBps']:.2f} GB/s (one core, other ranks asleep)")
+    if res.get("profile"):
+        lines.append("# cProfile of mpicoll.allreduce(algorithm='native') on rank 0:")
+        lines.extend("#   " + ln for ln in res["profile"].strip().splitlines())
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    args = build_parser().parse_args(argv)
+    res = measure(args)
+    if res:
+        text = format_text(res)
+        sys.stdout.write(text)
+        if args.output:
+            with open(args.output, "w", encoding="utf-8") as fh:
+                fh.write(json.dumps(res, indent=1) + "\n" if args.format == "json" else text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

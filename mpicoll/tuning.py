@@ -1,0 +1,369 @@
+"""Tuning tables for ``algorithm="auto"``: which algorithm is fastest, by message size.
+
+A table is a JSON file written by the tune command (``mpirun -n 4 python -m bench.tune
+--output table.json``) and read here. Which table ``auto`` uses, first match wins:
+
+1. the one given to :func:`use_table` (a path, a :class:`TuningTable` or a dict);
+2. ``MPICOLL_TUNING_FILE`` (a path; ``none`` / ``off`` disables tables);
+3. the default table shipped with mpicoll (``mpicoll/tuning_default.json``).
+
+A table that has no entry for a collective at a world size leaves the choice to the
+built-in rules of :mod:`mpicoll.selection`. Every lookup depends only on (collective, world
+size, ranks per node, byte count) and the table, which all ranks read from the same file,
+so every rank makes the same choice.
+
+Format (``"format": "mpicoll-tuning/1"``)::
+
+    {
+      "format": "mpicoll-tuning/1",
+      "meta": {"mpi_library": "...", "thread_level": "MPI_THREAD_MULTIPLE", ...},
+      "collectives": {
+        "allreduce": [
+          {"world_size": 2, "ranks_per_node": 2,
+           "rules": [{"max_bytes": 4096, "algorithm": "recursive_doubling"},
+                     {"max_bytes": null, "algorithm": "ring"}]}
+        ]
+      }
+    }
+
+``rules`` are sorted by ``max_bytes``; a message of ``nbytes`` bytes takes the first rule
+with ``nbytes <= max_bytes`` (``null``: no upper bound). ``ranks_per_node`` 0 (or absent)
+matches any layout. A world size with no entry uses the nearest entry of the same kind
+(power of two or not) when one exists within a factor of two, else the built-in rules.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from . import config
+
+__all__ = ["FORMAT", "TuningTable", "load_table", "default_table_path", "default_table",
+           "use_table", "active_table", "lookup", "rules_from_timings", "merge_tables",
+           "clear_cache"]
+
+log = logging.getLogger("mpicoll.tuning")
+
+#: The format tag of tables this module reads and writes.
+FORMAT = "mpicoll-tuning/1"
+
+_DISABLED = ("none", "off", "0", "false", "builtin")
+_lock = threading.Lock()
+_file_cache: dict[str, "TuningTable | ValueError"] = {}
+_override: "TuningTable | None" = None
+_override_set = False
+_warned: set[str] = set()
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+class TuningTable:
+    """A parsed, validated tuning table.
+
+    Args:
+        data: the JSON object (see the module docstring).
+        source: where it came from, for messages.
+    Raises:
+        ValueError: the object does not follow the format (the message says where).
+    """
+
+    def __init__(self, data: Mapping[str, Any], source: str = "<dict>") -> None:
+        self.source = source
+        if not isinstance(data, Mapping):
+            raise ValueError(f"tuning table {source}: expected a JSON object")
+        fmt = data.get("format", FORMAT)
+        if fmt != FORMAT:
+            raise ValueError(f"tuning table {source}: format {fmt!r} is not {FORMAT!r}")
+        self.meta: dict = dict(data.get("meta") or {})
+        colls = data.get("collectives")
+        if not isinstance(colls, Mapping):
+            raise ValueError(f"tuning table {source}: 'collectives' must be an object")
+        # collective -> {(world_size, ranks_per_node): (thresholds, names)}
+        self._entries: dict[str, dict[tuple[int, int], tuple[list[float], list[str]]]] = {}
+        for coll, entries in colls.items():
+            if not isinstance(entries, list):
+                raise ValueError(f"tuning table {source}: collectives.{coll} must be a list")
+            parsed = self._entries.setdefault(str(coll), {})
+            for k, entry in enumerate(entries):
+                where = f"tuning table {source}: collectives.{coll}[{k}]"
+                parsed[self._key(entry, where)] = self._rules(entry, where)
+        self._cache: dict[tuple[str, int, int], tuple[list[float], list[str]] | None] = {}
+
+    @staticmethod
+    def _key(entry: Any, where: str) -> tuple[int, int]:
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{where}: expected an object")
+        try:
+            size = int(entry["world_size"])
+            rpn = int(entry.get("ranks_per_node") or 0)
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{where}: needs an integer 'world_size'") from None
+        if size < 1 or rpn < 0:
+            raise ValueError(f"{where}: world_size must be >= 1 and ranks_per_node >= 0")
+        return size, rpn
+
+    @staticmethod
+    def _rules(entry: Mapping, where: str) -> tuple[list[float], list[str]]:
+        rules = entry.get("rules")
+        if not isinstance(rules, list) or not rules:
+            raise ValueError(f"{where}: 'rules' must be a non-empty list")
+        pairs = []
+        for j, rule in enumerate(rules):
+            if not isinstance(rule, Mapping) or not isinstance(rule.get("algorithm"), str):
+                raise ValueError(f"{where}.rules[{j}]: needs a string 'algorithm'")
+            mb = rule.get("max_bytes")
+            if mb is None:
+                limit = float("inf")
+            elif isinstance(mb, (int, float)) and not isinstance(mb, bool) and mb >= 0:
+                limit = float(mb)
+            else:
+                raise ValueError(f"{where}.rules[{j}]: max_bytes must be a number >= 0 or "
+                                 f"null, not {mb!r}")
+            pairs.append((limit, rule["algorithm"]))
+        pairs.sort(key=lambda p: p[0])
+        if pairs[-1][0] != float("inf"):
+            pairs.append((float("inf"), pairs[-1][1]))  # the largest rule covers the rest
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def collectives(self) -> list[str]:
+        """Collectives the table has entries for."""
+        return sorted(self._entries)
+
+    def world_sizes(self, collective: str) -> list[int]:
+        """World sizes with an entry for ``collective``."""
+        return sorted({s for s, _ in self._entries.get(collective, {})})
+
+    def _entry(self, collective: str, size: int,
+               ranks_per_node: int) -> tuple[list[float], list[str]] | None:
+        key = (collective, size, ranks_per_node)
+        try:
+            return self._cache[key]
+        except KeyError:
+            pass
+        entries = self._entries.get(collective, {})
+        found = None
+        sizes = sorted({s for s, _ in entries})
+        if size in sizes:
+            pick = size
+        else:
+            same_kind = [s for s in sizes
+                         if _is_power_of_two(s) == _is_power_of_two(size)
+                         and s <= 2 * size and size <= 2 * s]
+            pick = min(same_kind, key=lambda s: (abs(s - size), -s)) if same_kind else None
+        if pick is not None:
+            layouts = {r: v for (s, r), v in entries.items() if s == pick}
+            if ranks_per_node in layouts:
+                found = layouts[ranks_per_node]
+            elif 0 in layouts:
+                found = layouts[0]
+            else:  # the measured layout nearest to the one asked for; ties: the larger
+                found = layouts[min(layouts, key=lambda r: (abs(r - ranks_per_node), -r))]
+        if len(self._cache) < 4096:
+            self._cache[key] = found
+        return found
+
+    def lookup(self, collective: str, size: int, ranks_per_node: int,
+               nbytes: int) -> str | None:
+        """The table's algorithm for this call, or ``None`` when it has no entry.
+
+        Args:
+            collective: e.g. ``"allreduce"``.
+            size: world size.
+            ranks_per_node: ranks per node (0: unknown, matches any layout).
+            nbytes: byte count of the whole vector.
+        """
+        entry = self._entry(collective, size, ranks_per_node)
+        if entry is None:
+            return None
+        limits, names = entry
+        return names[min(bisect.bisect_left(limits, nbytes), len(names) - 1)]
+
+    def to_dict(self) -> dict:
+        """The table as a JSON-ready object (same format it was read from)."""
+        colls: dict[str, list] = {}
+        for coll, entries in sorted(self._entries.items()):
+            out = colls[coll] = []
+            for (size, rpn), (limits, names) in sorted(entries.items()):
+                rules = [{"max_bytes": None if lim == float("inf") else int(lim),
+                          "algorithm": name} for lim, name in zip(limits, names)]
+                out.append({"world_size": size, "ranks_per_node": rpn, "rules": rules})
+        return {"format": FORMAT, "meta": self.meta, "collectives": colls}
+
+    def __repr__(self) -> str:
+        return f"TuningTable({self.source!r}, collectives={self.collectives()})"
+
+
+def load_table(path: str | os.PathLike) -> TuningTable:
+    """Read and validate the table at ``path``.
+
+    The result (or the error) is cached per path for the life of the process, so every
+    call of a collective costs one dictionary lookup and all ranks keep the table they
+    first read even if the file is rewritten meanwhile; :func:`clear_cache` forgets it.
+
+    Raises:
+        ValueError: unreadable file, bad JSON, or not a tuning table (names the file).
+    """
+    p = str(path)
+    hit = _file_cache.get(p)
+    if hit is None:
+        try:
+            with open(p, encoding="utf-8") as fh:
+                data = json.load(fh)
+            hit = TuningTable(data, source=p)
+        except OSError as exc:
+            hit = ValueError(f"tuning table {p}: cannot read it ({exc.strerror})")
+        except json.JSONDecodeError as exc:
+            hit = ValueError(f"tuning table {p}: not valid JSON ({exc})")
+        except ValueError as exc:
+            hit = exc
+        with _lock:
+            _file_cache[p] = hit
+    if isinstance(hit, ValueError):
+        raise hit
+    return hit
+
+
+def clear_cache() -> None:
+    """Forget every table read from a file (the next lookup reads the files again)."""
+    with _lock:
+        _file_cache.clear()
+        _warned.clear()
+
+
+def default_table_path() -> Path:
+    """Where the shipped default table lives (``mpicoll/tuning_default.json``)."""
+    return Path(__file__).with_name("tuning_default.json")
+
+
+_DEFAULT_PATH = str(Path(__file__).with_name("tuning_default.json"))
+
+
+def default_table() -> TuningTable | None:
+    """The shipped table, or ``None`` if it is missing or invalid (logged once)."""
+    hit = _file_cache.get(_DEFAULT_PATH)
+    if isinstance(hit, TuningTable):
+        return hit
+    if isinstance(hit, ValueError):
+        return None
+    try:
+        return load_table(_DEFAULT_PATH)
+    except ValueError as exc:
+        with _lock:
+            first = "default" not in _warned
+            _warned.add("default")
+        if first:  # a missing file (a source checkout without one) is not worth a warning
+            missing = not os.path.exists(_DEFAULT_PATH)
+            log.log(logging.DEBUG if missing else logging.WARNING,
+                    "ignoring the default tuning table: %s", exc)
+        return None
+
+
+
+def use_table(table: str | os.PathLike | TuningTable | Mapping | None) -> TuningTable | None:
+    """Make ``auto`` use ``table`` in this process (overrides ``MPICOLL_TUNING_FILE``).
+
+    Call it on every rank with the same table. ``None`` goes back to the environment
+    variable / default table.
+
+    Args:
+        table: a path, a :class:`TuningTable`, or a table as a dict.
+    Returns:
+        The table now in use (``None`` after a reset).
+    Raises:
+        ValueError: the table cannot be read or is not valid.
+    """
+    global _override, _override_set
+    if table is None:
+        parsed = None
+    elif isinstance(table, TuningTable):
+        parsed = table
+    elif isinstance(table, Mapping):
+        parsed = TuningTable(table)
+    else:
+        parsed = load_table(table)
+    with _lock:
+        _override, _override_set = parsed, table is not None
+    return parsed
+
+
+def active_table() -> TuningTable | None:
+    """The table ``auto`` consults now (``None``: built-in rules only).
+
+    Raises:
+        ValueError: ``MPICOLL_TUNING_FILE`` names a file that is missing or invalid.
+    """
+    if _override_set:
+        return _override
+    path = config.env_str("MPICOLL_TUNING_FILE")
+    if path is not None:
+        if path.strip().lower() in _DISABLED:
+            return None
+        try:
+            return load_table(path)
+        except ValueError as exc:
+            raise ValueError(f"MPICOLL_TUNING_FILE: {exc}") from None
+    return default_table()
+
+
+def lookup(collective: str, size: int, ranks_per_node: int, nbytes: int) -> str | None:
+    """The active table's algorithm for this call, or ``None`` (no table or no entry)."""
+    table = active_table()
+    return None if table is None else table.lookup(collective, size, ranks_per_node, nbytes)
+
+
+def rules_from_timings(timings: Mapping[int, Mapping[str, float]],
+                       tolerance: float = 0.03) -> list[dict]:
+    """Turn measured times into rules: the fastest algorithm per size, merged into ranges.
+
+    Args:
+        timings: ``{nbytes: {algorithm: seconds}}`` (any sizes, at least one).
+        tolerance: keep the previous size's winner while it is within this fraction of the
+            fastest, so noise does not split the table into many small ranges.
+    Returns:
+        The ``rules`` list of a table entry: each range ends at its last measured size;
+        the last rule has ``max_bytes`` ``None``.
+    Raises:
+        ValueError: no timings.
+    """
+    if not timings:
+        raise ValueError("no timings to build rules from")
+    winners: list[tuple[int, str]] = []
+    prev: str | None = None
+    for nbytes in sorted(timings):
+        times = {a: t for a, t in timings[nbytes].items() if t is not None and t > 0}
+        if not times:
+            continue
+        best = min(times, key=lambda a: (times[a], a))
+        if prev in times and times[prev] <= times[best] * (1 + tolerance):
+            best = prev
+        winners.append((nbytes, best))
+        prev = best
+    rules: list[dict] = []
+    for i, (nbytes, name) in enumerate(winners):
+        last = i + 1 == len(winners)
+        if not last and winners[i + 1][1] == name:
+            continue
+        rules.append({"max_bytes": None if last else nbytes, "algorithm": name})
+    return rules
+
+
+def merge_tables(tables: Iterable[TuningTable | Mapping]) -> TuningTable:
+    """One table holding every entry of ``tables``; later tables win on the same key."""
+    merged: dict[str, dict[tuple[int, int], dict]] = {}
+    meta: dict = {}
+    for t in tables:
+        d = t.to_dict() if isinstance(t, TuningTable) else TuningTable(t).to_dict()
+        for coll, entries in d["collectives"].items():
+            for e in entries:
+                merged.setdefault(coll, {})[(e["world_size"], e["ranks_per_node"])] = e
+        runs = meta.setdefault("runs", [])
+        runs.extend(d["meta"].get("runs", [d["meta"]] if d["meta"] else []))
+    colls = {c: [e for _, e in sorted(v.items())] for c, v in sorted(merged.items())}
+    return TuningTable({"format": FORMAT, "meta": meta, "collectives": colls}, "<merged>")
