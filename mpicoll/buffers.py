@@ -81,7 +81,7 @@ def flat_view(a: Any, argname: str, writable: bool = False) -> Any:
     if not (flags.c_contiguous or flags.f_contiguous):
         raise ValueError(f"{argname} must be contiguous (got strides {a.strides} for shape "
                          f"{a.shape}); pass numpy.ascontiguousarray({argname}) instead")
-    if writable and not flags.writeable:
+    if writable and not getattr(flags, "writeable", True):
         raise ValueError(f"{argname} is read-only; the result must be written into it")
     return a.reshape(-1, order="A")
 

@@ -28,14 +28,18 @@ def _same_memory(a: Any, b: Any) -> bool:
     """Whether flat views ``a`` and ``b`` are the same memory; ValueError if they overlap."""
     if a is b:
         return True
-    xp = buffers.array_module(a)
-    if xp is np:
-        if a.ctypes.data == b.ctypes.data and a.nbytes == b.nbytes:
+    if isinstance(a, np.ndarray) and np.may_share_memory(a, b):
+        if (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+                and a.nbytes == b.nbytes):
             return True
-        if np.may_share_memory(a, b):
-            raise ValueError("sendbuf and recvbuf overlap without being the same buffer; "
-                             "pass mpicoll.IN_PLACE as sendbuf to work in place")
+        raise ValueError("sendbuf and recvbuf overlap without being the same buffer; "
+                         "pass mpicoll.IN_PLACE as sendbuf to work in place")
     return False
+
+
+def _check_disjoint(send: Any, recv: Any) -> None:
+    if isinstance(send, np.ndarray) and recv.size and np.may_share_memory(send, recv):
+        raise ValueError("sendbuf and recvbuf overlap; use IN_PLACE instead")
 
 
 def _check_root(root: Any, size: int) -> int:
@@ -190,8 +194,7 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
                 _check_same_dtype(send, recv)
                 _check_count("recvbuf", recv, mine,
                              f"block {ctx.rank} of {send.size} elements over {ctx.size} ranks")
-                if recv.size and np.may_share_memory(send, recv):
-                    raise ValueError("sendbuf and recvbuf overlap; use IN_PLACE instead")
+                _check_disjoint(send, recv)
         opo = resolve_op(op)
         opo.check_dtype(send.dtype)
         name = resolve_algorithm("reduce_scatter", algorithm, ctx.size, 0, send.nbytes)
@@ -248,8 +251,7 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: st
                 _check_same_dtype(send, recv)
                 _check_count("recvbuf", recv, send.size * ctx.size,
                              f"{ctx.size} ranks x {send.size}")
-                if recv.size and np.may_share_memory(send, recv):
-                    raise ValueError("sendbuf and recvbuf overlap; use IN_PLACE instead")
+                _check_disjoint(send, recv)
         name = resolve_algorithm("allgather", algorithm, ctx.size, 0, recv.nbytes)
         return dict(send=send, recv=recv, result=result, count=recv.size // ctx.size,
                     dtype=recv.dtype.str, requested=algorithm, name=name)

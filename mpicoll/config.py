@@ -1,7 +1,7 @@
 """Every ``MPICOLL_*`` environment variable, in one place.
 
 Keyword arguments always win; these variables only supply defaults where a launcher makes
-arguments awkward. They are read when used (not at import), so tests can change them.
+arguments awkward. Each is read on first use and cached; :func:`refresh` re-reads them.
 
 ============================== ============================================================
 Variable                       Meaning
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["env_bool", "env_int", "env_str", "segment_bytes", "check_enabled", "VARIABLES"]
+__all__ = ["refresh", "env_bool", "env_int", "env_str", "segment_bytes", "check_enabled", "VARIABLES"]
 
 VARIABLES = {
     "MPICOLL_CHECK": "run the cross-rank agreement check before each collective (0/1)",
@@ -34,10 +34,26 @@ VARIABLES = {
 DEFAULT_SEGMENT_BYTES = 1 << 20
 
 
+_cache: dict[str, str | None] = {}
+
+
+def refresh() -> None:
+    """Forget cached values: the next read of each variable looks at the environment again.
+
+    Values are cached on first read (reading ``os.environ`` costs about a microsecond, too
+    much on every collective call); call this after changing a variable at run time.
+    """
+    _cache.clear()
+
+
 def env_str(name: str, default: str | None = None) -> str | None:
-    """Return the variable's value, or ``default`` when unset or empty."""
-    value = os.environ.get(name, "")
-    return value if value.strip() else default
+    """Return the variable's value (cached, see :func:`refresh`), or ``default`` if unset."""
+    try:
+        value = _cache[name]
+    except KeyError:
+        raw = os.environ.get(name, "")
+        value = _cache[name] = raw if raw.strip() else None
+    return default if value is None else value
 
 
 def env_int(name: str, default: int, minimum: int | None = None) -> int:

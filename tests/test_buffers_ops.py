@@ -115,9 +115,16 @@ def test_selection_is_registered_and_deterministic(monkeypatch):
         resolve_algorithm("allreduce", "nope", 2, 1, 8)
     with pytest.raises(TypeError):
         resolve_algorithm("allreduce", None, 2, 1, 8)
+    from mpicoll import config
+
     monkeypatch.setenv("MPICOLL_ALGORITHM", "tree")
-    assert choose("allreduce", 4, 1, 8) == "tree"
-    assert choose("broadcast", 4, 1, 8) in mpicoll.algorithms("broadcast")
+    config.refresh()
+    try:
+        assert choose("allreduce", 4, 1, 8) == "tree"
+        assert choose("broadcast", 4, 1, 8) in mpicoll.algorithms("broadcast")
+    finally:
+        monkeypatch.delenv("MPICOLL_ALGORITHM")
+        config.refresh()
 
 
 def test_algorithms_listing():

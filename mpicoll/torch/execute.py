@@ -1,0 +1,181 @@
+"""Running negotiated responses: fused all-reduce, all-gather, broadcast, barrier, join.
+
+Called only by the engine thread, with the same responses in the same order on every rank,
+so every rank issues the same mpicoll collectives on the adapter's private communicator.
+A rank without a local request for a response (it called ``join()``) takes part with zeros
+(all-reduce), no rows (all-gather) or a scratch buffer (broadcast).
+"""
+from __future__ import annotations
+
+import logging
+from math import prod
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import collectives
+from ..buffers import IN_PLACE
+from ..errors import CollectiveError, MismatchError
+from .dtypes import from_name, numpy_view, reduce_dtype
+from .fusion import numel, plan_buckets
+from .negotiation import JOIN, Response
+from .ops import Average, ReduceOp, mpicoll_op
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["execute"]
+
+log = logging.getLogger("mpicoll.torch.execute")
+
+
+def execute(engine: "Engine", responses: list[Response]) -> None:
+    """Run one round's responses (errors first, then fused all-reduces, then the rest)."""
+    ok_allreduce = []
+    others = []
+    for response in responses:
+        if response.error is not None:
+            cls = MismatchError if "disagree" in response.error else CollectiveError
+            engine.finish(_local_key(response), error=cls(response.error))
+        elif response.kind == "allreduce":
+            ok_allreduce.append(response)
+        else:
+            others.append(response)
+    for bucket in plan_buckets(ok_allreduce, max(engine.settings.fusion_threshold, 1)):
+        if engine.settings.fusion_threshold == 0 and len(bucket) > 1:
+            for response in bucket:
+                _guarded(engine, [response], _allreduce_bucket)
+        else:
+            _guarded(engine, bucket, _allreduce_bucket)
+    for response in others:
+        _guarded(engine, [response], _RUNNERS[response.kind])
+
+
+def _local_key(response: Response) -> str:
+    return JOIN if response.kind == "join" else response.name
+
+
+def _guarded(engine: "Engine", bucket: list[Response], run: Any) -> None:
+    try:
+        run(engine, bucket)
+    except Exception as exc:  # noqa: BLE001  (reported through the futures)
+        log.exception("mpicoll.torch: %s failed", [r.name for r in bucket])
+        for response in bucket:
+            engine.finish(_local_key(response), error=exc)
+
+
+def _first_meta(response: Response) -> Any:
+    return next(iter(response.metas.values()))
+
+
+def _finalize(flat: torch.Tensor, op: ReduceOp, postscale: float, size: int) -> None:
+    """Apply Average's division and the postscale factor, in place."""
+    if not (flat.dtype.is_floating_point or flat.dtype.is_complex):
+        if int(op) == int(Average) and size > 1:
+            flat.div_(size, rounding_mode="floor")
+        return
+    scale = postscale / size if int(op) == int(Average) else postscale
+    if scale != 1.0:
+        flat.mul_(scale)
+
+
+def _allreduce_bucket(engine: "Engine", bucket: list[Response]) -> None:
+    meta = _first_meta(bucket[0])
+    dtype = from_name(meta.dtype)
+    rdtype = reduce_dtype(dtype)
+    op = ReduceOp(meta.op)
+    works = [engine.local.get(r.name) for r in bucket]
+    single = works[0] if len(bucket) == 1 else None
+    if (single is not None and rdtype is dtype and single.output.is_contiguous()
+            and single.output.numel() > 0):
+        # Zero-copy: reduce the output tensor's own memory.
+        flat = single.output.view(-1)
+        if single.tensor is not single.output:
+            flat.copy_(single.tensor.reshape(-1))
+        segments = [(0, flat.numel())]
+    else:
+        total = sum(numel(_first_meta(r)) for r in bucket)
+        flat = engine.fusion_buffer(rdtype, total)
+        segments = []
+        offset = 0
+        for response, work in zip(bucket, works):
+            n = numel(_first_meta(response))
+            if work is None:
+                flat[offset:offset + n].zero_()
+            else:
+                flat[offset:offset + n].copy_(work.tensor.reshape(-1))
+            segments.append((offset, n))
+            offset += n
+        single = None
+    if meta.prescale != 1.0:
+        flat.mul_(meta.prescale)
+    if flat.numel():
+        collectives.allreduce(IN_PLACE, numpy_view(flat), op=mpicoll_op(op), comm=engine.comm,
+                              algorithm=engine.settings.algorithm)
+    _finalize(flat, op, meta.postscale, engine.size)
+    for response, work, (offset, n) in zip(bucket, works, segments):
+        if work is None:
+            continue
+        if single is None:
+            work.output.copy_(flat[offset:offset + n].view(work.output.shape))
+        engine.finish(response.name, result=work.output)
+
+
+def _allgather(engine: "Engine", bucket: list[Response]) -> None:
+    response = bucket[0]
+    meta = _first_meta(response)
+    dtype = from_name(meta.dtype)
+    rows = tuple(meta.shape[1:])
+    row = int(prod(rows))
+    dims = [response.metas[r].shape[0] if r in response.metas else 0
+            for r in range(engine.size)]
+    work = engine.local.get(response.name)
+    mine = (work.tensor.contiguous() if work is not None
+            else torch.empty((0, *rows), dtype=dtype))
+    out = torch.empty((sum(dims), *rows), dtype=dtype)
+    if out.numel():
+        if len(set(dims)) == 1:
+            collectives.allgather(numpy_view(mine), numpy_view(out), comm=engine.comm)
+        else:
+            block = max(dims) * row
+            send = torch.zeros(block, dtype=dtype)
+            send[:mine.numel()].copy_(mine.reshape(-1))
+            recv = torch.empty(block * engine.size, dtype=dtype)
+            collectives.allgather(numpy_view(send), numpy_view(recv), comm=engine.comm)
+            flat = out.view(-1)
+            offset = 0
+            for r, d in enumerate(dims):
+                flat[offset:offset + d * row].copy_(recv[r * block:r * block + d * row])
+                offset += d * row
+    engine.finish(response.name, result=out, extra=dims)
+
+
+def _broadcast(engine: "Engine", bucket: list[Response]) -> None:
+    response = bucket[0]
+    meta = _first_meta(response)
+    work = engine.local.get(response.name)
+    target = work.output if work is not None else torch.empty(meta.shape,
+                                                               dtype=from_name(meta.dtype))
+    buf = target if target.is_contiguous() else target.contiguous()
+    if buf.numel():
+        collectives.broadcast(numpy_view(buf), root=meta.root, comm=engine.comm)
+    if buf is not target:
+        target.copy_(buf)
+    engine.finish(response.name, result=target)
+
+
+def _barrier(engine: "Engine", bucket: list[Response]) -> None:
+    engine.finish(bucket[0].name, result=None)
+
+
+def _join(engine: "Engine", bucket: list[Response]) -> None:
+    engine.finish(JOIN, result=bucket[0].last_joined)
+
+
+def _shutdown(engine: "Engine", bucket: list[Response]) -> None:
+    engine.stopping = True
+    engine.finish(bucket[0].name, result=None)
+
+
+_RUNNERS = {"allgather": _allgather, "broadcast": _broadcast, "barrier": _barrier,
+            "join": _join, "shutdown": _shutdown}

@@ -1,0 +1,240 @@
+"""Tensor collectives with Horovod's names: ``allreduce``, ``allgather``, ``broadcast``
+(each also ``_async``, and in place with a trailing ``_``), ``poll``, ``synchronize``,
+``barrier`` and ``join``.
+
+Every function validates its arguments on the calling thread (raising ``TypeError`` or
+``ValueError`` before anything is sent), then submits one request to the engine. Requests
+are matched across ranks by name; unnamed requests are named ``<kind>.noname.<n>`` by a
+per-kind counter, which matches when ranks issue unnamed operations in the same order.
+The non-underscore functions support autograd (see :mod:`mpicoll.torch.autograd`).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import torch
+
+from . import handles
+from .compression import Compression
+from .dtypes import check_supported, dtype_name
+from .negotiation import JOIN, Meta
+from .ops import check_op_dtype, resolve_op
+from .state import engine
+
+__all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather",
+           "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+           "poll", "synchronize", "barrier", "join"]
+
+_counters: dict[str, Any] = {}
+_counter_lock = threading.Lock()
+
+
+def _name(kind: str, name: str | None) -> str:
+    if name is not None:
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a string, not {type(name).__name__}")
+        return name
+    with _counter_lock:
+        counter = _counters.setdefault(kind, itertools.count())
+        return f"{kind}.noname.{next(counter)}"
+
+
+def _submit(meta: Meta, tensor: Any = None, output: Any = None) -> int:
+    return handles.register(engine().submit(meta, tensor, output))
+
+
+def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor, name: str | None,
+                     average: Any, op: Any, prescale_factor: float,
+                     postscale_factor: float) -> int:
+    check_supported(tensor)
+    op = resolve_op(average, op)
+    check_op_dtype(op, tensor.dtype, prescale_factor, postscale_factor)
+    meta = Meta(_name("allreduce", name), "allreduce", dtype_name(tensor.dtype),
+                tuple(tensor.shape), int(op), -1, float(prescale_factor),
+                float(postscale_factor))
+    return _submit(meta, tensor.detach(), output)
+
+
+def allreduce_async(tensor: torch.Tensor, average: Any = None, name: str | None = None,
+                    op: Any = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0) -> int:
+    """Start an all-reduce of ``tensor`` into a new tensor; return a handle.
+
+    Args:
+        tensor: CPU tensor (any supported dtype, any shape; same on every rank).
+        average: deprecated; ``True`` means ``op=Average``, ``False`` ``op=Sum``.
+        name: matches this request across ranks (default: an ordered counter).
+        op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor, postscale_factor: multiply the input before, the result after
+            (floating tensors only).
+    Returns:
+        A handle for :func:`poll` / :func:`synchronize` (which returns the result).
+    Raises:
+        TypeError, ValueError: bad arguments (on this rank, before anything is sent).
+    """
+    output = torch.empty(tensor.shape, dtype=tensor.dtype) if isinstance(tensor, torch.Tensor) \
+        else None
+    return _allreduce_async(tensor, output, name, average, op, prescale_factor,
+                            postscale_factor)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: Any = None, name: str | None = None,
+                     op: Any = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0) -> int:
+    """As :func:`allreduce_async`, writing the result into ``tensor``."""
+    return _allreduce_async(tensor, tensor.detach() if isinstance(tensor, torch.Tensor)
+                            else None, name, average, op, prescale_factor, postscale_factor)
+
+
+def allreduce(tensor: torch.Tensor, average: Any = None, name: str | None = None,
+              compression: Any = Compression.none, op: Any = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """All-reduce ``tensor`` (differentiable); return a new tensor.
+
+    Args:
+        compression: a compressor (``Compression.none`` or ``Compression.fp16``).
+        Others: as for :func:`allreduce_async`.
+    Returns:
+        The reduced tensor, identical on every rank.
+    Raises:
+        TypeError, ValueError: bad arguments. mpicoll.MismatchError: ranks disagree on
+            shape, dtype, op or scaling (raised on every rank).
+    """
+    from .autograd import AllreduceFn  # noqa: PLC0415
+
+    op = resolve_op(average, op)
+    compressed, ctx = compression.compress(tensor)
+    reduced = AllreduceFn.apply(compressed, _name("allreduce", name), op,
+                                prescale_factor, postscale_factor)
+    return compression.decompress(reduced, ctx)
+
+
+def allreduce_(tensor: torch.Tensor, average: Any = None, name: str | None = None,
+               op: Any = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0) -> torch.Tensor:
+    """All-reduce ``tensor`` in place; return it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor))
+
+
+def _check_gather(tensor: Any) -> None:
+    check_supported(tensor)
+    if tensor.dim() == 0:
+        raise ValueError("allgather needs a tensor with at least one dimension")
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
+    """Start an all-gather along dimension 0 (sizes may differ across ranks); return a handle.
+
+    The other dimensions and the dtype must agree across ranks.
+    """
+    _check_gather(tensor)
+    meta = Meta(_name("allgather", name), "allgather", dtype_name(tensor.dtype),
+                tuple(tensor.shape))
+    return _submit(meta, tensor.detach(), None)
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dimension 0, in rank order (differentiable).
+
+    Raises:
+        TypeError, ValueError: bad arguments. mpicoll.MismatchError: ranks disagree on the
+            dtype or on the dimensions after the first.
+    """
+    from .autograd import AllgatherFn  # noqa: PLC0415
+
+    _check_gather(tensor)
+    return AllgatherFn.apply(tensor, _name("allgather", name))
+
+
+def _check_root(root_rank: Any) -> int:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+        raise TypeError(f"root_rank must be an int, not {type(root_rank).__name__}")
+    n = engine().size
+    if not 0 <= root_rank < n:
+        raise ValueError(f"root_rank={root_rank} is out of range for {n} ranks")
+    return int(root_rank)
+
+
+def _broadcast_async(tensor: Any, output: Any, root_rank: int, name: str | None) -> int:
+    check_supported(tensor)
+    root = _check_root(root_rank)
+    meta = Meta(_name("broadcast", name), "broadcast", dtype_name(tensor.dtype),
+                tuple(tensor.shape), -1, root)
+    return _submit(meta, None, output)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+    """Start a broadcast of ``root_rank``'s ``tensor`` into a new tensor; return a handle."""
+    check_supported(tensor)
+    return _broadcast_async(tensor, tensor.detach().clone(memory_format=torch.contiguous_format),
+                            root_rank, name)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+    """Start a broadcast of ``root_rank``'s ``tensor`` into ``tensor`` itself."""
+    check_supported(tensor)
+    return _broadcast_async(tensor, tensor.detach(), root_rank, name)
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """Return ``root_rank``'s ``tensor`` on every rank, as a new tensor (differentiable)."""
+    from .autograd import BroadcastFn  # noqa: PLC0415
+
+    check_supported(tensor)
+    _check_root(root_rank)
+    return BroadcastFn.apply(tensor, root_rank, _name("broadcast", name))
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """Overwrite ``tensor`` with ``root_rank``'s, in place; return it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+def poll(handle: int) -> bool:
+    """Whether the operation of ``handle`` has finished (``synchronize`` will not block)."""
+    return handles.lookup(handle).done()
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for the operation of ``handle``; return its result and release the handle.
+
+    Raises:
+        mpicoll.MismatchError: ranks disagreed about this operation (on every rank).
+        mpicoll.CollectiveError: it can never complete, or the engine stopped.
+    """
+    future = handles.lookup(handle)
+    try:
+        engine().wait(future)
+    finally:
+        if future.done():
+            handles.release(handle)
+    if future.error is not None:
+        raise future.error
+    return future.result
+
+
+def _sizes(handle: int) -> tuple[torch.Tensor, list[int]]:
+    """Synchronize an all-gather handle; return (result, every rank's first dimension)."""
+    future = handles.lookup(handle)
+    result = synchronize(handle)
+    return result, list(future.extra)
+
+
+def barrier() -> None:
+    """Return once every rank (that has not joined) has called ``barrier``."""
+    synchronize(_submit(Meta(_name("barrier", None), "barrier")))
+
+
+def join() -> int:
+    """Stop taking part with data; return once every rank has joined.
+
+    Until then this rank contributes zeros to other ranks' all-reduces (averages still
+    divide by :func:`size`) and no rows to their all-gathers.
+
+    Returns:
+        The rank that joined last.
+    """
+    return int(synchronize(_submit(Meta(JOIN, "join"))))

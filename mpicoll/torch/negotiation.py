@@ -1,0 +1,194 @@
+"""Negotiation: which requests every rank has submitted, in one order all ranks share.
+
+Pure bookkeeping, no MPI. Every negotiation round, each rank contributes the requests it
+submitted since the previous round; the engine all-gathers them, so every rank feeds the
+same ``payloads`` into :meth:`Negotiator.process` and gets the same responses in the same
+order (the order in which entries entered the shared table: by round, then rank, then the
+rank's own submission order). That order, not the order in which gradient hooks happened
+to fire on each rank, decides fusion and execution.
+
+Rules:
+
+- An entry completes when every rank that has not joined has submitted it; ranks that
+  called ``join()`` take part with zeros (all-reduce) or no rows (all-gather).
+- A completed entry whose ranks disagree (kind, dtype, shape, op, scaling, root) becomes
+  an error response, identical on every rank.
+- ``join`` completes when every rank has joined; ``shutdown`` when every rank asked.
+- Deadlock: when a round completes nothing, every rank that has not joined is blocked
+  waiting for a result, and some entries are incomplete, no rank can submit what is missing
+  (a rank's thread submits before it waits), so every incomplete entry fails on every rank,
+  naming who submitted it and who did not.
+"""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+__all__ = ["Meta", "Response", "Negotiator", "JOIN", "SHUTDOWN"]
+
+JOIN = "__join__"
+SHUTDOWN = "__shutdown__"
+
+
+class Meta(NamedTuple):
+    """What one rank asked for (small; pickled once per round)."""
+
+    name: str
+    kind: str                 # allreduce | allgather | broadcast | barrier | join | shutdown
+    dtype: str = ""
+    shape: tuple = ()
+    op: int = -1
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+
+
+class Response(NamedTuple):
+    """One entry that every rank now executes (or fails) together."""
+
+    kind: str
+    name: str
+    metas: dict               # rank -> Meta, for the ranks that submitted
+    error: str | None = None
+    joined: frozenset = frozenset()
+    last_joined: int = -1
+
+
+class _Entry:
+    __slots__ = ("kind", "metas", "first_seen", "warned_at")
+
+    def __init__(self, kind: str, now: float) -> None:
+        self.kind = kind
+        self.metas: dict[int, Meta] = {}
+        self.first_seen = now
+        self.warned_at = now
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in ranks) if ranks else "none"
+
+
+class Negotiator:
+    """The shared table of incomplete requests (identical on every rank)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.table: dict[str, _Entry] = {}
+        self.joined: list[int] = []
+
+    def busy(self) -> bool:
+        """Whether some request is still incomplete (every rank must keep negotiating)."""
+        return bool(self.table) or bool(self.joined)
+
+    def process(self, payloads: list[list[Meta]], waiting: list[bool],
+                now: float | None = None) -> list[Response]:
+        """Add one round of requests; return the responses to run, in order."""
+        now = time.monotonic() if now is None else now
+        responses: list[Response] = []
+        new = False
+        for rank, items in enumerate(payloads):
+            for meta in items:
+                new = True
+                if meta.kind == "join":
+                    if rank not in self.joined:
+                        self.joined.append(rank)
+                    continue
+                entry = self.table.get(meta.name)
+                if entry is None:
+                    entry = self.table[meta.name] = _Entry(meta.kind, now)
+                if rank in entry.metas:
+                    responses.append(Response(meta.kind, meta.name, {rank: meta},
+                                              f"{meta.kind} {meta.name!r}: rank {rank} "
+                                              f"submitted this name twice"))
+                    continue
+                entry.metas[rank] = meta
+        joined = frozenset(self.joined)
+        active = [r for r in range(self.size) if r not in joined]
+        for name in list(self.table):
+            entry = self.table[name]
+            need = range(self.size) if entry.kind == "shutdown" else active
+            if entry.metas and all(r in entry.metas for r in need):
+                del self.table[name]
+                responses.append(Response(entry.kind, name, entry.metas,
+                                          _mismatch(entry.kind, name, entry.metas, joined),
+                                          joined))
+        if len(self.joined) == self.size:
+            responses.append(Response("join", JOIN, {}, None, joined, self.joined[-1]))
+            self.joined = []
+        if (not responses and self.busy() and active
+                and all(waiting[r] for r in active)):
+            responses.extend(self._fail_all(joined))
+        return responses
+
+    def _fail_all(self, joined: frozenset) -> list[Response]:
+        out = []
+        for name, entry in self.table.items():
+            have = sorted(entry.metas)
+            missing = [r for r in range(self.size) if r not in entry.metas and r not in joined]
+            out.append(Response(entry.kind, name, entry.metas,
+                                f"{entry.kind} {name!r} can never complete: submitted by "
+                                f"ranks {_ranks(have)} but not by ranks {_ranks(missing)}, and "
+                                f"every rank is blocked waiting (ranks submitted different "
+                                f"names, or a different number of operations)", joined))
+        if self.joined:
+            out.append(Response("join", JOIN, {}, "join() can never complete: ranks "
+                                f"{_ranks(sorted(self.joined))} joined, the others are blocked "
+                                "waiting for operations", joined, -1))
+        self.table.clear()
+        self.joined = []
+        return out
+
+    def stalled(self, now: float, after: float) -> list[tuple[str, list[int], list[int]]]:
+        """Entries incomplete for ``after`` seconds since first seen (or last warning).
+
+        Returns (name, ranks that submitted, ranks that did not) and resets their timer.
+        """
+        out = []
+        for name, entry in self.table.items():
+            if now - entry.warned_at >= after:
+                entry.warned_at = now
+                have = sorted(entry.metas)
+                missing = [r for r in range(self.size)
+                           if r not in entry.metas and r not in self.joined]
+                out.append((name, have, missing))
+        return out
+
+
+#: Fields that must agree across ranks, per kind ("shape0+" compares shape[1:]).
+_FIELDS = {
+    "allreduce": ("kind", "dtype", "shape", "op", "prescale", "postscale"),
+    "allgather": ("kind", "dtype", "rows"),
+    "broadcast": ("kind", "dtype", "shape", "root"),
+    "barrier": ("kind",),
+    "shutdown": ("kind",),
+}
+
+
+def _field(meta: Meta, field: str) -> object:
+    if field == "rows":
+        return tuple(meta.shape[1:]) if meta.shape else ("scalar",)
+    value = getattr(meta, field)
+    return tuple(value) if field == "shape" else value
+
+
+def _mismatch(kind: str, name: str, metas: dict, joined: frozenset) -> str | None:
+    details = []
+    kinds = {m.kind for m in metas.values()}
+    fields = ("kind",) if len(kinds) > 1 else _FIELDS.get(kind, ("kind",))
+    for field in fields:
+        groups: dict[object, list[int]] = {}
+        for rank in sorted(metas):
+            groups.setdefault(_field(metas[rank], field), []).append(rank)
+        if len(groups) > 1:
+            shown = "rows" if field == "rows" else field
+            details.append(f"{shown}: " + "; ".join(f"ranks {_ranks(rs)} have {v}"
+                                                    for v, rs in groups.items()))
+    if details:
+        return f"{kind} {name!r}: ranks disagree: " + " | ".join(details)
+    if kind == "broadcast":
+        root = next(iter(metas.values())).root
+        if root in joined:
+            return f"broadcast {name!r}: root rank {root} has already called join()"
+    if kind == "allgather" and any(not m.shape for m in metas.values()):
+        return f"allgather {name!r}: tensors must have at least one dimension"
+    return None

@@ -1,0 +1,66 @@
+"""Horovod's reduction op constants and how they map onto mpicoll's ops.
+
+``Average`` is a sum followed by one scaling by ``postscale_factor / size()`` (ranks that
+called :func:`join` count in ``size()``); integer averages floor-divide.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "resolve_op",
+           "mpicoll_op", "check_op_dtype"]
+
+
+class ReduceOp(int):
+    """An all-reduce operation (an int, as in Horovod, with a readable name)."""
+
+    _names = {0: "Average", 1: "Sum", 2: "Adasum", 3: "Min", 4: "Max", 5: "Product"}
+
+    def __repr__(self) -> str:
+        return self._names.get(int(self), f"ReduceOp({int(self)})")
+
+    __str__ = __repr__
+
+
+Average = ReduceOp(0)
+Sum = ReduceOp(1)
+Adasum = ReduceOp(2)
+Min = ReduceOp(3)
+Max = ReduceOp(4)
+Product = ReduceOp(5)
+
+_MPICOLL = {0: "sum", 1: "sum", 3: "min", 4: "max", 5: "prod"}
+
+
+def resolve_op(average: Any = None, op: Any = None) -> ReduceOp:
+    """Combine Horovod's deprecated ``average=`` with ``op=`` (default ``Average``).
+
+    Raises:
+        ValueError: both given, or an unknown/unsupported op (Adasum).
+    """
+    if op is not None and average is not None:
+        raise ValueError("specify op= or the deprecated average=, not both")
+    if op is None:
+        op = Average if average is None or average else Sum
+    if isinstance(op, bool) or not isinstance(op, int) or int(op) not in ReduceOp._names:
+        raise ValueError(f"op must be one of Average, Sum, Min, Max, Product, not {op!r}")
+    if int(op) == int(Adasum):
+        raise ValueError("op=Adasum is not supported by mpicoll.torch")
+    return ReduceOp(int(op))
+
+
+def mpicoll_op(op: ReduceOp) -> str:
+    """The mpicoll op name run during the collective (Average runs as ``"sum"``)."""
+    return _MPICOLL[int(op)]
+
+
+def check_op_dtype(op: ReduceOp, dtype: torch.dtype, prescale: float, postscale: float) -> None:
+    """Raise ``TypeError``/``ValueError`` for an op or scaling that ``dtype`` cannot take."""
+    if dtype is torch.bool and int(op) not in (3, 4):
+        raise TypeError(f"op={op!r} does not apply to torch.bool tensors (use Min or Max)")
+    if dtype.is_complex and int(op) in (3, 4):
+        raise TypeError(f"op={op!r} does not apply to complex tensors")
+    if (prescale != 1.0 or postscale != 1.0) and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"prescale_factor/postscale_factor need a floating tensor, not {dtype}")

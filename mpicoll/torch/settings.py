@@ -1,0 +1,76 @@
+"""The adapter's ``MPICOLL_*`` environment variables (read once, by :func:`init`).
+
+================================== ========================================================
+Variable                           Meaning
+================================== ========================================================
+``MPICOLL_FUSION_THRESHOLD``       Largest fused all-reduce buffer, in bytes (default
+                                   64 MiB; ``0`` turns fusion off: one all-reduce per tensor).
+``MPICOLL_CYCLE_TIME_MS``          Shortest time between two negotiation rounds, in
+                                   milliseconds (default 0.5): requests arriving within one
+                                   cycle are negotiated, and fused, together.
+``MPICOLL_ALLREDUCE_ALGORITHM``    mpicoll all-reduce algorithm for tensors (default
+                                   ``auto``; any name of ``mpicoll.algorithms("allreduce")``).
+``MPICOLL_STALL_CHECK_TIME_SECONDS`` Log (rank 0) the requests that some ranks submitted and
+                                   others did not after this many seconds (default 60;
+                                   ``0`` disables the inspector).
+================================== ========================================================
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import config
+from ..algorithms.registry import names
+
+__all__ = ["Settings", "from_environment", "VARIABLES"]
+
+VARIABLES = {
+    "MPICOLL_FUSION_THRESHOLD": "largest fused all-reduce buffer in bytes (default 64 MiB)",
+    "MPICOLL_CYCLE_TIME_MS": "shortest time between negotiation rounds in ms (default 0.5)",
+    "MPICOLL_ALLREDUCE_ALGORITHM": "all-reduce algorithm of mpicoll.torch (default auto)",
+    "MPICOLL_STALL_CHECK_TIME_SECONDS": "stall inspector warning delay in s (default 60)",
+}
+
+DEFAULT_FUSION_THRESHOLD = 64 << 20
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The engine's configuration."""
+
+    fusion_threshold: int = DEFAULT_FUSION_THRESHOLD
+    cycle_time: float = 0.0005
+    algorithm: str = "auto"
+    stall_check_time: float = 60.0
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = config.env_str(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if value < 0:
+        raise ValueError(f"{name}={value} must be >= 0")
+    return value
+
+
+def from_environment() -> Settings:
+    """Read the variables above.
+
+    Raises:
+        ValueError: a malformed value, or an unknown algorithm name.
+    """
+    algorithm = config.env_str("MPICOLL_ALLREDUCE_ALGORITHM", "auto")
+    if algorithm != "auto" and algorithm not in names("allreduce"):
+        raise ValueError(f"MPICOLL_ALLREDUCE_ALGORITHM={algorithm!r}; choose one of "
+                         f"{['auto', *names('allreduce')]}")
+    return Settings(
+        fusion_threshold=config.env_int("MPICOLL_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD,
+                                        minimum=0),
+        cycle_time=_env_float("MPICOLL_CYCLE_TIME_MS", 0.5) / 1000.0,
+        algorithm=algorithm,
+        stall_check_time=_env_float("MPICOLL_STALL_CHECK_TIME_SECONDS", 60.0),
+    )

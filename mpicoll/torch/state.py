@@ -1,0 +1,144 @@
+"""Process-wide state: ``init``/``shutdown`` and the layout queries.
+
+``init()`` checks that MPI runs at ``THREAD_MULTIPLE`` (the engine thread calls MPI while
+user threads may too), starts the :class:`~mpicoll.torch.engine.Engine` on a private
+duplicate of ``comm`` and registers ``shutdown`` to run at exit. Calling it again while
+initialized does nothing.
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import Any
+
+from mpi4py import MPI
+
+from ..context import resolve_comm
+from .engine import Engine
+from .settings import from_environment
+
+__all__ = ["init", "shutdown", "is_initialized", "engine", "size", "rank", "local_rank",
+           "local_size", "cross_rank", "cross_size", "mpi_threads_supported", "mpi_enabled",
+           "mpi_built", "gloo_enabled", "gloo_built", "nccl_built"]
+
+_engine: Engine | None = None
+_lock = threading.Lock()
+_atexit_registered = False
+
+
+def init(comm: Any = None) -> None:
+    """Start mpicoll.torch on ``comm`` (default ``MPI.COMM_WORLD``); collective.
+
+    Raises:
+        RuntimeError: MPI was initialized below ``THREAD_MULTIPLE``.
+        ValueError: a malformed ``MPICOLL_*`` variable.
+    """
+    global _engine, _atexit_registered
+    with _lock:
+        if _engine is not None and _engine.alive():
+            return
+        if isinstance(comm, (list, tuple)):
+            raise ValueError("init(comm=[ranks]) is not supported; pass an mpi4py communicator")
+        comm = resolve_comm(comm)
+        provided = MPI.Query_thread()
+        if provided < MPI.THREAD_MULTIPLE:
+            raise RuntimeError(
+                f"mpicoll.torch needs MPI initialized with THREAD_MULTIPLE (its engine thread "
+                f"calls MPI while your threads may too) but MPI provides level {provided}; "
+                f"do not set mpi4py.rc.thread_level / MPI4PY_RC_THREAD_LEVEL below 'multiple'")
+        engine = Engine(comm, from_environment())
+        engine.start()
+        _engine = engine
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+
+
+def shutdown() -> None:
+    """Stop the engine (collective: every rank must call it); a no-op if not initialized."""
+    global _engine
+    with _lock:
+        engine, _engine = _engine, None
+    if engine is None or not engine.alive() or MPI.Is_finalized():
+        return
+    from .negotiation import SHUTDOWN, Meta  # noqa: PLC0415
+
+    future = engine.submit(Meta(SHUTDOWN, "shutdown"))
+    engine.wait(future)
+    engine._thread.join()
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init` has run (and :func:`shutdown` has not)."""
+    return _engine is not None and _engine.alive()
+
+
+def engine() -> Engine:
+    """The running engine.
+
+    Raises:
+        ValueError: not initialized.
+    """
+    if _engine is None:
+        raise ValueError("mpicoll.torch has not been initialized; use hvd.init().")
+    return _engine
+
+
+def size() -> int:
+    """Number of ranks."""
+    return engine().size
+
+
+def rank() -> int:
+    """This process's rank."""
+    return engine().rank
+
+
+def local_rank() -> int:
+    """This process's rank on its node."""
+    return engine().local_rank
+
+
+def local_size() -> int:
+    """Number of ranks on this node."""
+    return engine().local_size
+
+
+def cross_rank() -> int:
+    """This node's index among the nodes (rank in the communicator of equal local ranks)."""
+    return engine().cross_rank
+
+
+def cross_size() -> int:
+    """Number of nodes (ranks with this local rank)."""
+    return engine().cross_size
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI runs at ``THREAD_MULTIPLE``."""
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def mpi_enabled() -> bool:
+    """Always true: mpicoll.torch runs over MPI."""
+    return True
+
+
+def mpi_built() -> bool:
+    """Always true."""
+    return True
+
+
+def gloo_enabled() -> bool:
+    """Always false (no Gloo controller)."""
+    return False
+
+
+def gloo_built() -> bool:
+    """Always false."""
+    return False
+
+
+def nccl_built() -> bool:
+    """Always false (CPU tensors only)."""
+    return False
