@@ -5,25 +5,14 @@ import numpy as np
 import pytest
 
 import mpicoll
-from mpicoll.context import get_context
 
-from cases import (ALL_DTYPES, COMM, COUNTS, RANK, SMALL_SEGMENT, applicable, describe,
+from cases import (ALL_DTYPES, COMM, COUNTS, RANK, applicable, describe,
                    gather_inputs, make_data, reference_reduce, same_on_all_ranks)
 
 pytestmark = pytest.mark.mpi
 
 ALGORITHMS = mpicoll.algorithms("allreduce") + ["auto"]
 OPS = sorted(mpicoll.OPS)
-
-
-@pytest.fixture(params=[SMALL_SEGMENT, None], ids=["seg64", "segdefault"])
-def segment(request):
-    ctx = get_context(COMM)
-    saved = ctx.segment_bytes
-    if request.param:
-        ctx.segment_bytes = request.param
-    yield
-    ctx.segment_bytes = saved
 
 
 def check_allreduce(algorithm: str, op: str, dtype: type, count: int, in_place: bool,

@@ -5,25 +5,14 @@ import numpy as np
 import pytest
 
 import mpicoll
-from mpicoll.context import get_context
 
-from cases import (ALL_DTYPES, COMM, COUNTS, MOVE_DTYPES, RANK, SIZE, SMALL_SEGMENT,
+from cases import (ALL_DTYPES, COMM, COUNTS, MOVE_DTYPES, RANK, SIZE,
                    applicable, describe, gather_inputs, make_data, reference_reduce,
                    same_on_all_ranks)
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("segment")]
 
 RED_OPS = ["sum", "max", "average", "bxor"]
-
-
-@pytest.fixture(autouse=True, params=[SMALL_SEGMENT, None], ids=["seg64", "segdefault"])
-def segment(request):
-    ctx = get_context(COMM)
-    saved = ctx.segment_bytes
-    if request.param:
-        ctx.segment_bytes = request.param
-    yield
-    ctx.segment_bytes = saved
 
 
 def _fail(errors, **case):
