@@ -57,11 +57,14 @@ def plot_busbw(runs: Sequence[tuple[dict, Sequence[Any]]], path: str,
 
     fig, ax = plt.subplots(figsize=(8, 5))
     memcpy = None
+    # one rank: no bus traffic (busbw factor 0), so plot the algorithm bandwidth instead
+    key = "busbw" if any((_d(r).get("busbw") or 0) > 0 for _, rows in runs for r in rows) \
+        else "algbw"
     for meta, rows in runs:
         suffix = "" if len(runs) == 1 else f" ({meta.get('thread_level', '')}, n={meta['world_size']})"
         for alg, rs in _by_algorithm(rows).items():
-            xs = [r["size"] for r in rs if r.get("busbw")]
-            ys = [r["busbw"] for r in rs if r.get("busbw")]
+            xs = [r["size"] for r in rs if (r.get(key) or 0) > 0]
+            ys = [r[key] for r in rs if (r.get(key) or 0) > 0]
             style = {"mpi": dict(color="black", linewidth=2.5),
                      "native": dict(color="gray", linestyle=":"),
                      "auto": dict(linestyle="--", linewidth=2)}.get(alg, {})
@@ -74,9 +77,9 @@ def plot_busbw(runs: Sequence[tuple[dict, Sequence[Any]]], path: str,
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("message size (bytes, whole vector)")
-    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_ylabel("bus bandwidth (GB/s)" if key == "busbw" else "algorithm bandwidth (GB/s)")
     meta0 = runs[0][0]
-    ax.set_title(title or f"{meta0['test']}: busbw, n={meta0['world_size']}, "
+    ax.set_title(title or f"{meta0['test']}: {key}, n={meta0['world_size']}, "
                           f"{meta0.get('dtype', '')}, {meta0.get('thread_level', '')}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
