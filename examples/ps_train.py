@@ -1,0 +1,172 @@
+"""Train a small MLP classifier through the parameter server (synthetic data, no download).
+
+    mpirun -n 4 python examples/ps_train.py --servers 1
+    mpirun -n 5 python -m mpi4py examples/ps_train.py --servers 2 --consistency ssp --staleness 2
+
+Ranks ``0 .. servers-1`` serve; the others are workers, each training on its own slice of a
+synthetic 4-class problem (noisy concentric rings in 2-D lifted to 8 features). Every step a
+worker computes the gradient of the cross-entropy on a minibatch and calls ``push_pull``;
+the servers apply the optimizer. The first worker prints test loss and accuracy.
+
+Launch with ``python -m mpi4py`` so that an exception on any rank aborts the whole job
+(MPI_Abort) instead of leaving the others waiting; ``--crash-rank`` injects one to show it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from mpicoll.ps import ParameterServer  # noqa: E402
+
+CLASSES = 4
+FEATURES = 8
+
+
+def make_data(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Noisy concentric rings (class = ring), lifted to FEATURES dims by a fixed map."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, CLASSES, n)
+    radius = 1.0 + y + rng.normal(0, 0.18, n)
+    angle = rng.uniform(0, 2 * np.pi, n)
+    xy = np.stack([radius * np.cos(angle), radius * np.sin(angle)], axis=1)
+    lift = np.random.default_rng(1234).normal(0, 1, (2, FEATURES))
+    x = np.concatenate([xy, np.tanh(xy @ lift[:, 2:])], axis=1) / 2.0
+    return x.astype(np.float32), y
+
+
+def init_params(hidden: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w1": (rng.normal(0, 1, (FEATURES, hidden)) / np.sqrt(FEATURES)).astype(np.float32),
+            "b1": np.zeros(hidden, np.float32),
+            "w2": (rng.normal(0, 1, (hidden, CLASSES)) / np.sqrt(hidden)).astype(np.float32),
+            "b2": np.zeros(CLASSES, np.float32)}
+
+
+def forward(p: dict, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    h = np.tanh(x @ p["w1"] + p["b1"])
+    logits = h @ p["w2"] + p["b2"]
+    logits -= logits.max(axis=1, keepdims=True)
+    prob = np.exp(logits)
+    prob /= prob.sum(axis=1, keepdims=True)
+    return h, prob
+
+
+def loss_and_accuracy(p: dict, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    _, prob = forward(p, x)
+    loss = -np.mean(np.log(prob[np.arange(len(y)), y] + 1e-12))
+    return float(loss), float(np.mean(prob.argmax(axis=1) == y))
+
+
+def gradients(p: dict, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+    h, prob = forward(p, x)
+    d = prob
+    d[np.arange(len(y)), y] -= 1.0
+    d /= len(y)
+    dh = (d @ p["w2"].T) * (1 - h * h)
+    return {"w1": (x.T @ dh).astype(np.float32), "b1": dh.sum(0).astype(np.float32),
+            "w2": (h.T @ d).astype(np.float32), "b2": d.sum(0).astype(np.float32)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--servers", type=int, default=1)
+    ap.add_argument("--consistency", default="bsp", choices=["bsp", "asp", "ssp"])
+    ap.add_argument("--staleness", type=int, default=0)
+    ap.add_argument("--optimizer", default="adam", choices=["sgd", "momentum", "adam"])
+    ap.add_argument("--lr", type=float, default=0.02)
+    ap.add_argument("--steps", type=int, default=300, help="steps per worker")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--samples", type=int, default=8000)
+    ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--straggler-rank", type=int, default=-1,
+                    help="this rank sleeps --straggler-delay seconds every step")
+    ap.add_argument("--straggler-delay", type=float, default=0.0)
+    ap.add_argument("--json", help="the first worker writes [(seconds, step, loss, acc)] here")
+    ap.add_argument("--save", help="checkpoint directory, written at the end of training")
+    ap.add_argument("--restore", help="start from this checkpoint")
+    ap.add_argument("--crash-rank", type=int, default=-1, help="inject a failure on this rank")
+    ap.add_argument("--crash-step", type=int, default=5,
+                    help="worker: the step that fails; server: fails after this many x 0.1 s")
+    ap.add_argument("--crash-mode", default="raise", choices=["raise", "exit"],
+                    help="raise an exception, or exit the process without MPI_Finalize")
+    return ap.parse_args(argv)
+
+
+def crash(mode: str, where: str) -> None:
+    if mode == "exit":
+        print(f"injected crash: {where} exits", file=sys.stderr, flush=True)
+        os._exit(3)
+    raise RuntimeError(f"injected crash: {where}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    params = init_params(args.hidden, args.seed)
+    ps = ParameterServer(params, comm=comm, num_servers=args.servers,
+                         consistency=args.consistency, staleness=args.staleness,
+                         optimizer=args.optimizer, lr=args.lr, restore=args.restore)
+    if ps.is_server:
+        if rank == args.crash_rank:
+            def on_alarm(signum, frame):  # noqa: ANN001
+                crash(args.crash_mode, f"server rank {rank}")
+            signal.signal(signal.SIGALRM, on_alarm)
+            signal.setitimer(signal.ITIMER_REAL, 0.1 * args.crash_step)
+        ps.serve()
+        ps.free()
+        return 0
+
+    x, y = make_data(args.samples, seed=args.seed + 1)
+    xt, yt = make_data(2000, seed=args.seed + 2)
+    mine = slice(ps.worker_index, None, ps.num_workers)       # this worker's data
+    x, y = x[mine], y[mine]
+    rng = np.random.default_rng(args.seed + 100 + rank)
+    first = ps.worker_index == 0
+    log = []
+    start = time.perf_counter()
+    w = ps.pull()
+    for step in range(args.steps):
+        if rank == args.crash_rank and step == args.crash_step:
+            crash(args.crash_mode, f"worker rank {rank} at step {step}")
+        idx = rng.integers(0, len(y), args.batch)
+        g = gradients(w, x[idx], y[idx])
+        if rank == args.straggler_rank:
+            time.sleep(args.straggler_delay)
+        w = ps.push_pull(g, out=w)
+        if first and (step % args.log_every == 0 or step == args.steps - 1):
+            loss, acc = loss_and_accuracy(w, xt, yt)
+            log.append((time.perf_counter() - start, step, loss, acc))
+            print(f"step {step:5d}  test loss {loss:.4f}  accuracy {acc:.3f}", flush=True)
+    if args.save:
+        ps.save(args.save)
+    stats = ps.stats()
+    ps.close()
+    if first:
+        loss, acc = loss_and_accuracy(w, xt, yt)
+        s = stats["worker"]
+        print(f"final: test loss {loss:.4f}  accuracy {acc:.3f}  "
+              f"({args.consistency}, {ps.num_servers} server(s), {ps.num_workers} workers, "
+              f"{time.perf_counter() - start:.2f} s, staleness max {s['staleness_max']} "
+              f"mean {s['staleness_mean']:.2f}, bytes per server {stats['bytes_per_server']})",
+              flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "log": log, "final": [loss, acc],
+                           "seconds": time.perf_counter() - start, "stats": stats}, f)
+    ps.free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""A crashed rank ends a parameter-server job within seconds (launched with -m mpi4py).
+
+Each case launches its own small ``mpirun`` with a timeout: the job must end by itself,
+with a non-zero status, well before the timeout (a hang would be killed at the timeout and
+fail the test). Also runs the example end to end.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpi_launcher import mpirun_command
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = str(ROOT / "examples" / "ps_train.py")
+TIMEOUT = 90   # generous: the machine is shared; a hang is what this catches
+
+
+def _launch(n: int, args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = mpirun_command(n) + [sys.executable, "-m", "mpi4py", EXAMPLE, *args]
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT, start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"job did not end within {TIMEOUT} s (a hang): {' '.join(cmd)}\n"
+                    f"{exc.stdout}\n{exc.stderr}")
+
+
+@pytest.mark.parametrize("mode", ["raise", "exit"])
+@pytest.mark.parametrize("role,rank,servers,n", [("worker", 2, 1, 3), ("server", 1, 2, 4)])
+def test_crash_aborts_whole_job(role, rank, servers, n, mode):
+    out = _launch(n, ["--servers", str(servers), "--steps", "1000000", "--crash-rank",
+                      str(rank), "--crash-step", "3", "--crash-mode", mode])
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "injected crash" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("args", [["--servers", "1"],
+                                  ["--servers", "2", "--consistency", "ssp", "--staleness", "2"]])
+def test_example_trains(args):
+    out = _launch(4, [*args, "--steps", "150"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    final = [line for line in out.stdout.splitlines() if line.startswith("final:")]
+    assert final, out.stdout
+    acc = float(final[0].split("accuracy")[1].split()[0])
+    assert acc > 0.6, final[0]   # a learning check, not a speed one: chance is 0.25

@@ -1,0 +1,155 @@
+"""Serial unit tests of the parameter server's pieces (no MPI job needed)."""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+from mpicoll.ps import checkpoint as ckpt
+from mpicoll.ps import protocol as P
+from mpicoll.ps.errors import PSError
+from mpicoll.ps.optimizers import OPTIMIZERS, check_hyperparameters, make_optimizer
+from mpicoll.ps.placement import ParamSpec, Placement, specs_from_params
+from mpicoll.ps.server import ShardState
+
+
+def _specs(**shapes):
+    return [ParamSpec(n, s, np.dtype(np.float32)) for n, s in shapes.items()]
+
+
+def test_placement_is_stable_and_covers_every_element():
+    specs = _specs(a=(3,), big=(1000, 3), c=(7, 7), d=(1,))
+    p = Placement(specs, 3, split_bytes=4096)
+    q = Placement(list(reversed(specs)), 3, split_bytes=4096)
+    assert p.describe() == q.describe()                 # independent of order
+    assert [sh.server for sh in p.shards["a"]] == [zlib.crc32(b"a") % 3]
+    big = p.shards["big"]
+    assert [sh.server for sh in big] == [0, 1, 2]
+    assert [(sh.lo, sh.hi) for sh in big] == [(0, 1000), (1000, 2000), (2000, 3000)]
+    for name, spec in p.specs.items():
+        shards = p.shards[name]
+        assert shards[0].lo == 0 and shards[-1].hi == spec.size
+        assert all(a.hi == b.lo for a, b in zip(shards, shards[1:]))
+    assert sum(p.bytes_per_server()) == sum(s.nbytes for s in specs)
+    one = Placement(specs, 1, split_bytes=16)
+    assert all(len(v) == 1 and v[0].server == 0 for v in one.shards.values())
+
+
+def test_specs_reject_bad_params():
+    with pytest.raises(TypeError, match="dict"):
+        specs_from_params([np.zeros(3)])
+    with pytest.raises(TypeError, match="not carry"):
+        specs_from_params({"x": np.zeros(3, dtype="U3")})
+    with pytest.raises(TypeError, match="array"):
+        specs_from_params({"x": [1, 2]})
+
+
+def test_placement_detects_key_collisions(monkeypatch):
+    import mpicoll.ps.placement as pl
+    monkeypatch.setattr(ParamSpec, "key", property(lambda self: 7))
+    with pytest.raises(PSError, match="same crc32"):
+        pl.Placement(_specs(a=(1,), b=(1,)), 1)
+
+
+def test_header_fields_and_codes():
+    h = P.new_header(P.Op.PUSH, key=123, shard=2, clock=9, seq=77, nbytes=40)
+    assert h.dtype == np.int64 and h.size == P.HEADER_LEN
+    assert (h[P.OP], h[P.KEY], h[P.SHARD], h[P.CLOCK], h[P.SEQ], h[P.NBYTES]) == \
+        (P.Op.PUSH, 123, 2, 9, 77, 40)
+    for d in P.DTYPES:
+        assert P.dtype_of(P.dtype_code(d)) == d
+    assert P.dtype_code(np.dtype("U2")) == -1 and P.dtype_of(-1) is None
+    assert P.key_of("w") == zlib.crc32(b"w")
+    assert P.shape_code((2, 3)) != P.shape_code((3, 2))
+    assert max(P.TAG_REQUEST, P.TAG_REQUEST_DATA, P.TAG_REPLY, P.TAG_REPLY_DATA) < 32767
+    assert P.chunk_count(0, 10) == 0 and P.chunk_count(10, 10) == 1 and P.chunk_count(11, 10) == 2
+
+
+def test_hyperparameter_checks():
+    assert check_hyperparameters("sgd", {"lr": 1})["lr"] == 1.0
+    with pytest.raises(ValueError, match="optimizer"):
+        check_hyperparameters("lion", {})
+    with pytest.raises(ValueError, match="unknown hyperparameter"):
+        check_hyperparameters("sgd", {"learning_rate": 0.1})
+    with pytest.raises(ValueError, match="number"):
+        check_hyperparameters("sgd", {"lr": "0.1"})
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizers_match_hand_written_steps(name):
+    hyper = check_hyperparameters(name, {"lr": 0.1, "weight_decay": 0.0})
+    opt = make_optimizer(name, 4, np.dtype(np.float64), hyper)
+    w = np.array([1.0, -2.0, 0.5, 0.0])
+    g = np.array([0.5, 0.25, -1.0, 2.0])
+    ref = w.copy()
+    m = v = vel = np.zeros(4)
+    for t in range(1, 4):
+        opt.apply(w, g)
+        if name == "sgd":
+            ref = ref - 0.1 * g
+        elif name == "momentum":
+            vel = 0.9 * vel + g
+            ref = ref - 0.1 * vel
+        elif name == "adam":
+            m = 0.9 * m + 0.1 * g
+            v = 0.999 * v + 0.001 * g * g
+            ref = ref - 0.1 * (m / (1 - 0.9 ** t)) / (np.sqrt(v / (1 - 0.999 ** t)) + 1e-8)
+        else:
+            ref = g.copy()
+        np.testing.assert_allclose(w, ref, rtol=1e-12)
+    assert opt.steps == 3
+
+
+def test_checkpoint_files_roundtrip_and_reshard(tmp_path):
+    spec = ParamSpec("w", (10,), np.dtype(np.float64))
+    hyper = check_hyperparameters("momentum", {})
+    old = Placement([spec], 2, split_bytes=8)
+    states = {}
+    for s in range(2):
+        states[s] = []
+        for sh in old.shards_on(s):
+            st = ShardState(sh, "momentum", hyper, [2, 3])
+            st.initialize(np.arange(sh.lo, sh.hi, dtype=np.float64))
+            st.opt.state["velocity"][:] = -np.arange(sh.lo, sh.hi)
+            st.version = st.opt.steps = 5
+            st.clocks = {2: 5, 3: 4}
+            states[s].append(st)
+            ckpt.write_server_file(str(tmp_path), "ckpt-x", s, states[s])
+    manifest = {"format": ckpt.FORMAT, "id": "ckpt-x", "layout": old.describe()}
+    ckpt.write_manifest(str(tmp_path), manifest)
+    assert ckpt.read_manifest(str(tmp_path))["id"] == "ckpt-x"
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
+    # restore into 3 servers (different ranges) and 1 server
+    for k in (3, 1):
+        new = Placement([spec], k, split_bytes=8)
+        loader = ckpt.ShardLoader(str(tmp_path), manifest)
+        for sh in (s for srv in range(k) for s in new.shards_on(srv)):
+            st = ShardState(sh, "momentum", hyper, [2, 3])
+            loader.load(st, None)
+            np.testing.assert_array_equal(st.param, np.arange(sh.lo, sh.hi))
+            np.testing.assert_array_equal(st.opt.state["velocity"], -np.arange(sh.lo, sh.hi))
+            assert st.version == 5 and st.opt.steps == 5 and st.clocks == {2: 5, 3: 4}
+        loader.close()
+    (tmp_path / "ckpt-old.server0.npz").write_bytes(b"x")
+    ckpt.remove_stale(str(tmp_path), "ckpt-x")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-x.server0.npz", "ckpt-x.server1.npz",
+                                            "manifest.json"]
+    manifest["format"] = "other"
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="format"):
+        ckpt.read_manifest(str(tmp_path))
+
+
+def test_backoff_sleeps_after_spinning(monkeypatch):
+    slept = []
+    monkeypatch.setattr(P.time, "sleep", slept.append)
+    b = P.Backoff(spin=2, first_sleep=1e-5, max_sleep=4e-5)
+    for _ in range(6):
+        b.pause()
+    assert slept == [1e-5, 2e-5, 4e-5, 4e-5]
+    b.reset()
+    b.pause()
+    assert len(slept) == 4
