@@ -294,10 +294,21 @@ class Server:
                 acc += grads[w]
             if self.average and len(order) > 1:
                 np.divide(acc, len(order), out=acc)
-            state.opt.apply(self._writable_param(state), acc)
+            pool = self._pool.setdefault(state.shard.ident, [])
+            if state.opt.name == "sum":
+                # the value becomes the aggregate: adopt the buffer instead of copying it
+                state.opt.steps += 1
+                old = state.param
+                if not state.inflight or MPI.Request.Testall(state.inflight):
+                    pool.append(old)       # else it stays alive in self._sending until sent
+                state.inflight = []
+                state.param = acc
+                pool.extend(grads[w] for w in order[1:])
+            else:
+                state.opt.apply(self._writable_param(state), acc)
+                pool.extend(grads.values())
             state.version += 1
             self.counters["updates"] += 1
-            self._pool.setdefault(state.shard.ident, []).extend(grads.values())
             applied = True
         if applied:
             self._answer_deferred(state)
