@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mpicoll.ps import PSError
+from mpicoll.ps.protocol import wait_all
 
 from ps_cases import (COMM, SIZE, SMALL, assert_params_equal, make_grads, make_params,
                       need_servers, remove_shared, run_ps, shared_tmpdir)
@@ -25,6 +26,8 @@ def _train_and_save(path, num_servers, consistency="bsp", **kw):
             ps.push_pull(make_grads(params, ps.worker_index, t))
         ps.save(path)
         saved = ps.pull()
+        # no worker pushes again before every worker has pulled (ssp/asp apply on arrival)
+        wait_all([ps.worker_comm.Ibarrier()])
         ps.save(path)             # a second save replaces the first atomically
         nxt = ps.push_pull(make_grads(params, ps.worker_index, 3))
         return saved, nxt, ps.clock
