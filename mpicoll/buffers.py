@@ -83,7 +83,7 @@ def flat_view(a: Any, argname: str, writable: bool = False) -> Any:
                          f"{a.shape}); pass numpy.ascontiguousarray({argname}) instead")
     if writable and not getattr(flags, "writeable", True):
         raise ValueError(f"{argname} is read-only; the result must be written into it")
-    return a.reshape(-1, order="A")
+    return a if a.ndim == 1 else a.reshape(-1, order="A")
 
 
 def empty(count: int, dtype: Any, like: Any = None) -> Any:
