@@ -1,7 +1,9 @@
 """Checked mode: one tiny collective that proves every rank agrees before the real one.
 
 Each rank contributes a row of integers (its local verdict on its own arguments, then the
-collective, count, dtype, op, root and algorithm it asked for); one ``MPI_Allgather`` of
+collective, count, dtype, op, root and algorithm it asked for, the algorithm ``auto``
+resolved to, and its segment size: settings that come from each rank's environment or
+tuning file must agree too); one ``MPI_Allgather`` of
 those rows on mpicoll's private communicator gives every rank the same table, so every rank
 reaches the same verdict:
 
@@ -26,7 +28,8 @@ from .errors import MismatchError, RemoteError
 __all__ = ["agree", "FIELDS"]
 
 #: The columns of the agreement table after the error flag.
-FIELDS = ("collective", "count", "dtype", "op", "root", "algorithm")
+FIELDS = ("collective", "count", "dtype", "op", "root", "algorithm", "resolved",
+          "segment_bytes")
 _UNSET = -1
 
 

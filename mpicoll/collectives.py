@@ -74,7 +74,8 @@ def _prepare(ctx: CommContext, collective: str, checked: bool | None,
     if use_check:
         agree(ctx, None, collective=collective, count=call.get("count"),
               dtype=call.get("dtype"), op=call.get("op_name"), root=call.get("root"),
-              algorithm=call.get("requested"))
+              algorithm=call.get("requested"), resolved=call.get("name"),
+              segment_bytes=ctx.segment_bytes)
     return call
 
 

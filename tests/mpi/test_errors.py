@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import mpicoll
+from mpicoll.context import get_context
 
 from cases import COMM, RANK, SIZE
 
@@ -83,11 +84,16 @@ def test_checked_mode_one_bad_rank_raises_everywhere():
     np.testing.assert_array_equal(mpicoll.allreduce(X), X * SIZE)
 
 
-@pytest.mark.parametrize("what", ["count", "dtype", "op", "root", "algorithm"])
+@pytest.mark.parametrize("what", ["count", "dtype", "op", "root", "algorithm",
+                                  "segment_bytes"])
 def test_checked_mode_mismatch_raises_everywhere(what):
     odd = RANK == SIZE - 1 and SIZE > 1
     kwargs = dict(algorithm="ring")
     x = X
+    ctx = get_context(COMM)
+    saved = ctx.segment_bytes
+    if what == "segment_bytes" and odd:
+        ctx.segment_bytes = 64
     if what == "count" and odd:
         x = np.arange(9, dtype=np.float32)
     if what == "dtype" and odd:
@@ -104,8 +110,11 @@ def test_checked_mode_mismatch_raises_everywhere(what):
     if SIZE == 1:
         call()
         return
-    with pytest.raises(mpicoll.MismatchError) as info:
-        call()
+    try:
+        with pytest.raises(mpicoll.MismatchError) as info:
+            call()
+    finally:
+        ctx.segment_bytes = saved
     message = str(info.value)
     assert f"{what}:" in message and f"ranks {SIZE - 1} have" in message, message
     np.testing.assert_array_equal(mpicoll.allreduce(X, check=True), X * SIZE)
