@@ -210,10 +210,14 @@ class Engine:
                 if item is not None:
                     new.append(item)
                 continue
+            # Wait out the cycle so that requests close together fuse, unless this rank's
+            # user thread is already blocked on a result (then nothing more is coming).
+            blocked = self._blocked()
             pause = last_round + self.settings.cycle_time - time.monotonic()
-            if pause > 0:
+            if pause > 0 and not blocked:
                 time.sleep(pause)
-            header[1] = self._blocked()          # before draining: see negotiation.py
+                blocked = self._blocked()
+            header[1] = blocked                  # read before draining: see negotiation.py
             while True:
                 try:
                     item = self._queue.get_nowait()

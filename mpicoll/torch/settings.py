@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import config
+import os
+
 from ..algorithms.registry import names
 
 __all__ = ["Settings", "from_environment", "VARIABLES"]
@@ -44,8 +45,27 @@ class Settings:
     stall_check_time: float = 60.0
 
 
+def _env(name: str) -> str | None:
+    """The variable's current value (read afresh: settings are read once per init)."""
+    raw = os.environ.get(name, "").strip()
+    return raw or None
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = _env(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value < 0:
+        raise ValueError(f"{name}={value} must be >= 0")
+    return value
+
+
 def _env_float(name: str, default: float) -> float:
-    raw = config.env_str(name)
+    raw = _env(name)
     if raw is None:
         return default
     try:
@@ -63,13 +83,12 @@ def from_environment() -> Settings:
     Raises:
         ValueError: a malformed value, or an unknown algorithm name.
     """
-    algorithm = config.env_str("MPICOLL_ALLREDUCE_ALGORITHM", "auto")
+    algorithm = _env("MPICOLL_ALLREDUCE_ALGORITHM") or "auto"
     if algorithm != "auto" and algorithm not in names("allreduce"):
         raise ValueError(f"MPICOLL_ALLREDUCE_ALGORITHM={algorithm!r}; choose one of "
                          f"{['auto', *names('allreduce')]}")
     return Settings(
-        fusion_threshold=config.env_int("MPICOLL_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD,
-                                        minimum=0),
+        fusion_threshold=_env_int("MPICOLL_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD),
         cycle_time=_env_float("MPICOLL_CYCLE_TIME_MS", 0.5) / 1000.0,
         algorithm=algorithm,
         stall_check_time=_env_float("MPICOLL_STALL_CHECK_TIME_SECONDS", 60.0),

@@ -1,0 +1,40 @@
+"""Horovod-compatible PyTorch adapter: ``import mpicoll.torch as hvd``.
+
+A Horovod training script runs with only its import changed::
+
+    import mpicoll.torch as hvd
+    hvd.init()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+Modules: :mod:`.state` (init, layout), :mod:`.mpi_ops` (tensor collectives),
+:mod:`.functions` (parameters, optimizer state, objects), :mod:`.optimizer`,
+:mod:`.compression`, :mod:`.autograd`; inside: :mod:`.engine` (the one thread that calls
+MPI), :mod:`.negotiation` (cross-rank agreement), :mod:`.fusion`, :mod:`.execute`,
+:mod:`.dtypes`, :mod:`.settings` (environment variables). See docs/torch.md.
+"""
+from __future__ import annotations
+
+from .compression import Compression, Compressor
+from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                        broadcast_parameters)
+from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async,
+                      allreduce_async_, barrier, broadcast, broadcast_, broadcast_async,
+                      broadcast_async_, join, poll, synchronize)
+from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from .optimizer import DistributedOptimizer
+from .state import (cross_rank, cross_size, gloo_built, gloo_enabled, init, is_initialized,
+                    local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+                    nccl_built, rank, shutdown, size)
+from ..errors import CollectiveError, MismatchError
+
+__all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
+           "cross_rank", "cross_size", "mpi_threads_supported", "mpi_enabled", "mpi_built",
+           "gloo_enabled", "gloo_built", "nccl_built",
+           "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather",
+           "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+           "poll", "synchronize", "barrier", "join", "allgather_object", "broadcast_object",
+           "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
+           "Compression", "Compressor", "Average", "Sum", "Adasum", "Min", "Max", "Product",
+           "ReduceOp", "CollectiveError", "MismatchError"]

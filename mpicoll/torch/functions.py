@@ -1,0 +1,160 @@
+"""Model-level helpers: broadcast parameters, optimizer state and Python objects.
+
+Objects travel as pickled bytes in a ``uint8`` tensor (a buffer collective, never a pickle
+collective); optimizer state travels as one small pickled *structure* plus one tensor
+broadcast per state tensor.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, Iterable
+
+import torch
+
+from . import mpi_ops
+from .state import engine
+
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+           "allgather_object"]
+
+
+def _named(params: Any) -> list[tuple[Any, torch.Tensor]]:
+    if isinstance(params, dict):
+        return sorted(params.items(), key=lambda kv: str(kv[0]))
+    if isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
+        items = list(params)
+        return [p if isinstance(p, tuple) else (None, p) for p in items]
+    raise ValueError(f"params must be a dict (state_dict), named_parameters() or a list of "
+                     f"tensors, not {type(params).__name__}")
+
+
+def broadcast_parameters(params: Any, root_rank: int) -> None:
+    """Overwrite every rank's tensors with ``root_rank``'s, in place.
+
+    Args:
+        params: ``model.state_dict()`` (broadcast sorted by name), ``named_parameters()``
+            or a list of tensors (in the given order, the same on every rank).
+        root_rank: the rank whose values everyone gets.
+    Raises:
+        ValueError: ``params`` of another type. mpicoll.MismatchError: ranks disagree on
+            names, shapes or dtypes.
+    """
+    handles = []
+    for index, (name, tensor) in enumerate(_named(params)):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"parameter {name or index!r} is a {type(tensor).__name__}, "
+                             f"not a tensor")
+        tag = f"broadcast.param.{name if name is not None else index}"
+        handles.append(mpi_ops.broadcast_async_(tensor.data, root_rank, name=tag))
+    for handle in handles:
+        mpi_ops.synchronize(handle)
+
+
+def _to_bytes_tensor(obj: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """Return ``root_rank``'s ``obj`` (pickled) on every rank."""
+    tag = name or "broadcast_object"
+    me = engine().rank
+    payload = _to_bytes_tensor(obj) if me == root_rank else None
+    length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
+    mpi_ops.broadcast_(length, root_rank, name=f"{tag}.len")
+    if payload is None:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    mpi_ops.broadcast_(payload, root_rank, name=f"{tag}.data")
+    if me == root_rank:
+        return obj
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """Return the list of every rank's ``obj`` (pickled), in rank order."""
+    tag = name or "allgather_object"
+    payload = _to_bytes_tensor(obj)
+    lengths = mpi_ops.allgather(torch.tensor([payload.numel()], dtype=torch.int64),
+                                name=f"{tag}.len")
+    data = mpi_ops.allgather(payload, name=f"{tag}.data").numpy()
+    out, offset = [], 0
+    for n in lengths.tolist():
+        out.append(pickle.loads(data[offset:offset + n].tobytes()))
+        offset += n
+    return out
+
+
+class _TensorSlot:
+    """Placeholder for a state tensor in the broadcast structure."""
+
+    __slots__ = ("index", "shape", "dtype")
+
+    def __init__(self, index: int, tensor: torch.Tensor) -> None:
+        self.index, self.shape, self.dtype = index, tuple(tensor.shape), tensor.dtype
+
+    def __reduce__(self) -> tuple:
+        return (_make_slot, (self.index, self.shape, str(self.dtype).replace("torch.", "")))
+
+
+def _make_slot(index: int, shape: tuple, dtype: str) -> _TensorSlot:
+    slot = _TensorSlot.__new__(_TensorSlot)
+    slot.index, slot.shape, slot.dtype = index, shape, getattr(torch, dtype)
+    return slot
+
+
+def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach().cpu().contiguous())
+        return _TensorSlot(len(tensors) - 1, value)
+    if isinstance(value, dict):
+        return {k: _strip(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_strip(v, tensors) for v in value)
+    return value
+
+
+def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, _TensorSlot):
+        return tensors[value.index]
+    if isinstance(value, dict):
+        return {k: _fill(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fill(v, tensors) for v in value)
+    return value
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Give every rank ``root_rank``'s optimizer state and hyperparameters.
+
+    The structure of ``optimizer.state_dict()`` is broadcast as a small object; every state
+    tensor is broadcast as a tensor; other ranks then ``load_state_dict`` it (so optimizers
+    whose state is still empty on some ranks work too).
+    """
+    me = engine().rank
+    tensors: list[torch.Tensor] = []
+    structure = _strip(optimizer.state_dict(), tensors) if me == root_rank else None
+    structure = broadcast_object(structure, root_rank, name="broadcast_optimizer_state")
+    if me != root_rank:
+        tensors = []
+        _collect_slots(structure, tensors)
+    handles = [mpi_ops.broadcast_async_(t, root_rank, name=f"broadcast_optimizer_state.{i}")
+               for i, t in enumerate(tensors)]
+    for handle in handles:
+        mpi_ops.synchronize(handle)
+    if me != root_rank:
+        optimizer.load_state_dict(_fill(structure, tensors))
+
+
+def _collect_slots(value: Any, tensors: list[torch.Tensor]) -> None:
+    if isinstance(value, _TensorSlot):
+        while len(tensors) <= value.index:
+            tensors.append(None)  # type: ignore[arg-type]
+        tensors[value.index] = torch.empty(value.shape, dtype=value.dtype)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _collect_slots(v, tensors)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _collect_slots(v, tensors)

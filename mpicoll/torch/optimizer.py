@@ -1,0 +1,193 @@
+"""``DistributedOptimizer``: all-reduce gradients during backward, step when they are in.
+
+The returned object is an instance of a subclass of the user's optimizer class that shares
+the user's optimizer state (``param_groups``, ``state``, hooks), so ``isinstance``,
+``state_dict`` and learning-rate schedulers keep working. Each parameter gets a
+``register_post_accumulate_grad_hook``: after the ``backward_passes_per_step``-th
+accumulation the hook submits ``allreduce_async_`` of the gradient (named
+``allreduce.<parameter name>``), so communication overlaps the rest of backward and the
+engine fuses and orders the requests. ``step()`` (or ``synchronize()``) submits zeros for
+parameters that got no gradient, waits for everything, and writes the averaged gradients
+back into ``.grad``.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Iterator
+
+import torch
+
+from . import mpi_ops
+from .compression import Compression
+from .ops import Average, resolve_op
+
+__all__ = ["DistributedOptimizer"]
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods copied into the dynamic subclass of the user's optimizer class."""
+
+    def _dist_setup(self, named_parameters: Any, compression: Any,
+                    backward_passes_per_step: int, op: Any,
+                    gradient_predivide_factor: float, groups: Any) -> None:
+        if isinstance(backward_passes_per_step, bool) or \
+                not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, not "
+                             f"{backward_passes_per_step!r}")
+        self.op = resolve_op(None, op)
+        if gradient_predivide_factor != 1.0 and int(self.op) != int(Average):
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        self._compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+                raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                                 "tuples, usually produced by model.named_parameters()")
+            seen: dict[str, int] = {}
+            for name, _ in named:
+                seen[name] = seen.get(name, 0) + 1
+            duplicates = sorted(n for n, c in seen.items() if c > 1)
+            if duplicates:
+                raise ValueError(f"parameter names in named_parameters must be unique; "
+                                 f"duplicates: {duplicates}")
+            named_ids = {id(p) for _, p in named}
+            unnamed = [i for i, p in enumerate(all_params) if id(p) not in named_ids]
+            if unnamed:
+                raise ValueError(f"named_parameters was given but {len(unnamed)} optimizer "
+                                 f"parameter(s) are not in it (positions {unnamed} in the "
+                                 f"optimizer's param_groups); name every parameter")
+        else:
+            named = [(f"noname.{i}.{j}", p) for i, group in enumerate(self.param_groups)
+                     for j, p in enumerate(group["params"])]
+        by_id = {id(p): name for name, p in named}
+        self._groups = _check_groups(groups, all_params)
+        self._params = [p for p in all_params if p.requires_grad]
+        self._names = {p: f"allreduce.{by_id[id(p)]}" for p in self._params}
+        self._handles: dict[torch.Tensor, tuple[int, Any]] = {}
+        self._delay = {p: backward_passes_per_step for p in self._params}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
+                              for p in self._params]
+
+    def _make_hook(self, p: torch.Tensor) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            if p in self._handles and self._delay[p] <= 0:
+                raise AssertionError(
+                    "gradients were computed more than backward_passes_per_step times "
+                    "before optimizer.step(); increase backward_passes_per_step to "
+                    "accumulate gradients locally")
+            self._delay[p] -= 1
+            if self._delay[p] == 0:
+                self._handles[p] = self._allreduce_grad_async(p)
+        return hook
+
+    def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[int, Any]:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        compressed, ctx = self._compression.compress(p.grad)
+        if int(self.op) == int(Average):
+            pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        else:
+            pre = post = 1.0
+        handle = mpi_ops.allreduce_async_(compressed, name=self._names[p], op=self.op,
+                                          prescale_factor=pre, postscale_factor=post)
+        return handle, (ctx, compressed)
+
+    def synchronize(self) -> None:
+        """Wait for every gradient's all-reduce (submitting zeros for missing ones)."""
+        for p in self._params:
+            if p not in self._handles:
+                self._handles[p] = self._allreduce_grad_async(p)
+        try:
+            for p, (handle, (ctx, compressed)) in self._handles.items():
+                output = mpi_ops.synchronize(handle)
+                self._delay[p] = self.backward_passes_per_step
+                if output is not p.grad:
+                    p.grad.copy_(self._compression.decompress(output, ctx))
+        finally:
+            self._handles.clear()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within this block ``step()`` does not synchronize (call ``synchronize()`` first)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        """Synchronize (unless inside :meth:`skip_synchronize`), then the wrapped step."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "after optimizer.synchronize(); this reduces gradients twice",
+                              stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped ``zero_grad``; refused while gradient all-reduces are in flight."""
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
+                                 "before optimizer.step() or optimizer.synchronize(); this is "
+                                 "prohibited (the gradients are being reduced)")
+        return super(self.__class__, self).zero_grad(set_to_none)
+
+
+def _check_groups(groups: Any, params: list) -> Any:
+    """Validate Horovod's ``groups`` (accepted; the engine fuses whatever is ready)."""
+    if groups is None:
+        return None
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        if groups < 1:
+            raise ValueError(f"groups must be >= 1, not {groups}")
+        return groups
+    if isinstance(groups, (list, tuple)):
+        ids = {id(p) for p in params}
+        for group in groups:
+            for p in group:
+                if id(p) not in ids:
+                    raise ValueError("groups names a tensor that is not an optimizer parameter")
+        return groups
+    raise ValueError(f"groups must be None, an int or a list of lists of parameters, not "
+                     f"{type(groups).__name__}")
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,
+                         compression: Any = Compression.none,
+                         backward_passes_per_step: int = 1, op: Any = Average,
+                         gradient_predivide_factor: float = 1.0,
+                         groups: Any = None) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``; its state is shared, not copied.
+        named_parameters: ``model.named_parameters()``; names match gradients across ranks
+            (default: positions in ``param_groups``). Must name every parameter, uniquely.
+        compression: ``Compression.none`` or ``Compression.fp16``.
+        backward_passes_per_step: backward passes accumulated locally per ``step()``.
+        op: ``Average`` (default), ``Sum``, ...
+        gradient_predivide_factor: with Average, divide by this before the sum and by
+            ``size()/factor`` after.
+        groups: accepted for compatibility (validated); fusion is automatic.
+    Returns:
+        An instance of a subclass of ``type(optimizer)``.
+    Raises:
+        ValueError: duplicate or missing parameter names, bad arguments.
+    """
+    base = optimizer.__class__
+    cls = type(base.__name__, (base,), {k: v for k, v in _DistributedOptimizer.__dict__.items()
+                                        if k not in ("__dict__", "__weakref__")})
+    dist = cls.__new__(cls)
+    dist.__dict__.update(optimizer.__dict__)
+    dist._dist_setup(named_parameters, compression, backward_passes_per_step, op,
+                     gradient_predivide_factor, groups)
+    return dist
