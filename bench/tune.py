@@ -11,8 +11,8 @@ Usage::
 For each collective and each size (powers of two, ``-m``), all registered algorithms
 (``native`` included) run interleaved as in the benchmarks; each is validated once; the
 fastest (average over ranks of each rank's median) wins, and runs of equal winners become
-one rule. A previous winner is kept while within ``--tolerance`` of the fastest, so noise
-does not cut the table into slivers. The table records the MPI library, thread level,
+one rule; a switch between neighbouring sizes must pay for itself (``--tolerance``), so
+noise does not cut the table into slivers (see :func:`mpicoll.tuning.rules_from_timings`). The table records the MPI library, thread level,
 machine and the raw timings (in ``meta``).
 """
 from __future__ import annotations
@@ -43,12 +43,41 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated algorithms never to choose (e.g. native)")
     parser.add_argument("--step", type=int, default=2, choices=(2, 4),
                         help="size factor between measured sizes (default 2)")
-    parser.add_argument("--tolerance", type=float, default=0.03,
-                        help="keep the previous winner within this fraction (default 0.03)")
+    parser.add_argument("--tolerance", type=float, default=0.1,
+                        help="cost of switching algorithm between neighbouring sizes, as a "
+                             "fraction of one size's time (default 0.1; 0: fastest per size)")
     parser.add_argument("--merge", metavar="TABLE",
                         help="start from this table (entries for other world sizes are kept)")
     parser.add_argument("--dtype", default="float32", help="data type measured (float32)")
+    parser.add_argument("--rebuild", metavar="TABLE",
+                        help="measure nothing: rebuild the rules of TABLE from the timings "
+                             "it records (e.g. with another --tolerance); no MPI needed")
     return parser
+
+
+def rebuild(path: str, output: str, tolerance: float) -> int:
+    """Recompute every entry's rules from the raw timings stored in ``path``'s meta."""
+    from mpicoll import tuning  # noqa: PLC0415
+
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    table = tuning.TuningTable(data, path)
+    colls: dict[str, list] = {}
+    for run in table.meta.get("runs", []):
+        for coll, per in (run.get("timings_us") or {}).items():
+            timings = {int(b): v for b, v in per.items()}
+            if timings:
+                colls.setdefault(coll, []).append({
+                    "world_size": run["world_size"], "ranks_per_node": run["ranks_per_node"],
+                    "rules": tuning.rules_from_timings(timings, tolerance)})
+    new = tuning.merge_tables([table, tuning.TuningTable(
+        {"format": tuning.FORMAT, "meta": {}, "collectives": colls})])
+    new.meta = {**table.meta, "tolerance": tolerance}
+    with open(output, "w", encoding="utf-8") as fh:
+        json.dump(new.to_dict(), fh, indent=1)
+        fh.write("\n")
+    print(f"# tune: rebuilt {output} from the timings in {path} (tolerance {tolerance})")
+    return 0
 
 
 def tune(args: argparse.Namespace) -> int:
@@ -99,6 +128,7 @@ def tune(args: argparse.Namespace) -> int:
             del case
     if rank == 0:
         meta = {
+            "tolerance": args.tolerance,
             "mpi_library": library_version(),
             "thread_level": thread_level_name(MPI.Query_thread()),
             "machine": machine_description(),
@@ -139,7 +169,10 @@ def tune(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
-    return tune(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    if args.rebuild:
+        return rebuild(args.rebuild, args.output, args.tolerance)
+    return tune(args)
 
 
 if __name__ == "__main__":

@@ -319,38 +319,58 @@ def lookup(collective: str, size: int, ranks_per_node: int, nbytes: int) -> str 
 
 
 def rules_from_timings(timings: Mapping[int, Mapping[str, float]],
-                       tolerance: float = 0.03) -> list[dict]:
+                       tolerance: float = 0.05) -> list[dict]:
     """Turn measured times into rules: the fastest algorithm per size, merged into ranges.
+
+    Noise on a shared machine makes the per-size winner flicker between algorithms that
+    are about as fast; so the sizes are labelled by a shortest-path choice that minimises
+    the total relative slowdown (``time / fastest - 1`` summed over sizes) plus
+    ``tolerance`` for every change of algorithm between neighbouring sizes. With
+    ``tolerance=0`` every size gets its own fastest algorithm.
 
     Args:
         timings: ``{nbytes: {algorithm: seconds}}`` (any sizes, at least one).
-        tolerance: keep the previous size's winner while it is within this fraction of the
-            fastest, so noise does not split the table into many small ranges.
+        tolerance: the cost of one switch, as a fraction of one size's time.
     Returns:
         The ``rules`` list of a table entry: each range ends at its last measured size;
         the last rule has ``max_bytes`` ``None``.
     Raises:
-        ValueError: no timings.
+        ValueError: no usable timings.
     """
-    if not timings:
-        raise ValueError("no timings to build rules from")
-    winners: list[tuple[int, str]] = []
-    prev: str | None = None
+    sizes, costs = [], []
     for nbytes in sorted(timings):
         times = {a: t for a, t in timings[nbytes].items() if t is not None and t > 0}
-        if not times:
-            continue
-        best = min(times, key=lambda a: (times[a], a))
-        if prev in times and times[prev] <= times[best] * (1 + tolerance):
-            best = prev
-        winners.append((nbytes, best))
-        prev = best
+        if times:
+            best = min(times.values())
+            sizes.append(nbytes)
+            costs.append({a: t / best - 1.0 for a, t in times.items()})
+    if not sizes:
+        raise ValueError("no timings to build rules from")
+    inf = float("inf")
+    algs = sorted({a for c in costs for a in c})
+    # total[a]: least cost of sizes[0..i] ending with algorithm a; back[i][a]: predecessor
+    total = {a: costs[0].get(a, inf) for a in algs}
+    back: list[dict[str, str]] = [{}]
+    for c in costs[1:]:
+        new, prev = {}, {}
+        for a in algs:
+            here = c.get(a, inf)
+            choice = min(algs, key=lambda b: (total[b] + (0.0 if b == a else tolerance),
+                                              b != a, b))
+            new[a] = total[choice] + (0.0 if choice == a else tolerance) + here
+            prev[a] = choice
+        total = new
+        back.append(prev)
+    last = min(algs, key=lambda a: (total[a], a))
+    labels = [last]
+    for i in range(len(sizes) - 1, 0, -1):
+        labels.append(back[i][labels[-1]])
+    labels.reverse()
     rules: list[dict] = []
-    for i, (nbytes, name) in enumerate(winners):
-        last = i + 1 == len(winners)
-        if not last and winners[i + 1][1] == name:
+    for i, (nbytes, name) in enumerate(zip(sizes, labels)):
+        if i + 1 < len(sizes) and labels[i + 1] == name:
             continue
-        rules.append({"max_bytes": None if last else nbytes, "algorithm": name})
+        rules.append({"max_bytes": None if i + 1 == len(sizes) else nbytes, "algorithm": name})
     return rules
 
 
