@@ -52,6 +52,14 @@ def mpirun(n: int, args: list[str], timeout: float, env: dict | None = None) -> 
     return rc, out
 
 
+def _rel(path: Path) -> str:
+    """``path`` relative to the repository root when inside it (commands in the docs)."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def retune(sizes: list[int], quick: bool, timeout: float) -> None:
     """Regenerate mpicoll/tuning_default.json: one tune run per world size, merged."""
     from mpicoll import tuning  # noqa: PLC0415
@@ -82,16 +90,16 @@ def sweep(sizes: list[int], quick: bool, timeout: float) -> None:
     log = {}
     if 2 in sizes:
         log["overhead"] = mpirun(2, ["bench.overhead", "--profile", "--format", "json",
-                                     "--output", str(DATA / "overhead_n2.json")], timeout)[0]
+                                     "--output", _rel(DATA / "overhead_n2.json")], timeout)[0]
         for t in ("latency", "bw", "bibw"):
             log[t] = mpirun(2, [f"bench.osu_{t}", "-m", "1:4M", "-c", "--format", "json",
-                                "--output", str(DATA / f"{t}_n2.json")], timeout)[0]
+                                "--output", _rel(DATA / f"{t}_n2.json")], timeout)[0]
     for n in sizes:
         hi = top if n < 8 else ("4M" if quick else "16M")
         log[f"allreduce_n{n}"] = mpirun(n, [
             "bench.osu_allreduce", "-m", f"8:{hi}", "-c", "-f", *its, *step, "--format", "json",
-            "--output", str(DATA / f"allreduce_n{n}.json"),
-            "--plot", str(DATA / f"allreduce_n{n}.png")], timeout)[0]
+            "--output", _rel(DATA / f"allreduce_n{n}.json"),
+            "--plot", _rel(DATA / f"allreduce_n{n}.png")], timeout)[0]
         # native at the other thread level, for "best native at either level"; small sizes
         # only above n = 2, where MPICH at THREAD_SINGLE is pathological on 2 cores
         single_hi = hi if n == 2 else "64K"
@@ -99,14 +107,14 @@ def sweep(sizes: list[int], quick: bool, timeout: float) -> None:
             "bench.osu_allreduce", "--thread-level", "single", "--algo", "native",
             "-m", f"8:{single_hi}", *(["-i", "10", "-x", "2"] if n > 2 else its), *step,
             "--memcpy-bytes", "0", "--format", "json",
-            "--output", str(DATA / f"allreduce_n{n}_single.json")], timeout)[0]
+            "--output", _rel(DATA / f"allreduce_n{n}_single.json")], timeout)[0]
     for n in [s for s in sizes if s in (2, 4)]:
         for coll in OTHER:
             log[f"{coll}_n{n}"] = mpirun(n, [
                 f"bench.osu_{coll}", "-m", "8:16M", "--step", "4", "-c", *its,
                 "--memcpy-bytes", "0", "--format", "json",
-                "--output", str(DATA / f"{coll}_n{n}.json"),
-                "--plot", str(DATA / f"{coll}_n{n}.png")], timeout)[0]
+                "--output", _rel(DATA / f"{coll}_n{n}.json"),
+                "--plot", _rel(DATA / f"{coll}_n{n}.png")], timeout)[0]
     with open(DATA / "sweep_status.json", "w", encoding="utf-8") as fh:
         json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                    "sizes": sizes, "quick": quick, "exit_status": log}, fh, indent=1)
@@ -198,6 +206,28 @@ def write_markdown(ns: list[int]) -> str:
            "**Regenerate everything (tables, plots, JSON) with one command:** "
            "`python -m bench.make_docs` (about 10-20 minutes; `--sizes 2,4` for fewer world "
            "sizes; `--from-data` only rewrites this page from `docs/bench/*.json`).", "",
+           "## Running the benchmarks", "",
+           "```sh",
+           "mpirun -n 2 python -m bench.osu_latency -m 0:4M -c      # also osu_bw, osu_bibw (-W window)",
+           "mpirun -n 4 python -m bench.osu_allreduce -m 8:16M -c -f # every algorithm + MPI, interleaved",
+           "mpirun -n 4 python -m bench allreduce --algo ring,rabenseifner --dtype float64 \\",
+           "        --format csv --output ar.csv --plot ar.png --markdown ar.md",
+           "mpirun -n 4 python -m bench.osu_allreduce --thread-level single   # MPI at THREAD_SINGLE",
+           "mpirun -n 2 python -m bench.overhead --profile           # per-call overhead, memcpy GB/s",
+           "mpirun -n 4 python -m bench.tune --output table.json     # then MPICOLL_TUNING_FILE=table.json",
+           "python bench/osu_allreduce.py ...                        # scripts work too",
+           "```", "",
+           "Collective tests: `osu_allreduce`, `osu_reduce_scatter`, `osu_allgather`, "
+           "`osu_bcast`, `osu_reduce`. Options (OSU's): `-m MIN:MAX` (K/M/G suffixes), "
+           "`-i` iterations (`--iterations-large` above `--large-size`, default 20 above "
+           "1 MiB), `-x` warm-up, `-f` min/avg/max over ranks, `-c` validate against an "
+           "independently computed reference (exact integer-valued data); plus `--algo`, "
+           "`--dtype`, `--op sum|max|min`, `--step`, `--thread-level "
+           "single|funneled|serialized|multiple`, `--format osu|csv|json`, `--output`, "
+           "`--plot`, `--markdown`. Size is the byte count of the whole vector "
+           "(nccl-tests): for allgather all blocks together, for reduce_scatter the full "
+           "input. algbw = size / time; busbw = algbw x 2(n-1)/n (allreduce), (n-1)/n "
+           "(allgather, reduce_scatter), 1 (broadcast, reduce).", "",
            "## Setup", "",
            f"- MPI library: {meta.get('mpi_library', '?')}",
            f"- Thread level: {meta.get('thread_level', '?')} (mpi4py's default) for every "
