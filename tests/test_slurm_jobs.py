@@ -1,0 +1,244 @@
+"""Submit every script in jobs/ to a real one-node Slurm and check what each job did.
+
+A module-scoped fixture brings up a private one-node cluster with ``.ci/slurm/start.sh``
+(installing Debian's ``slurm-wlm`` on first use, about 90 s; 1 s when installed) and stops
+it afterwards by PID with ``.ci/slurm/stop.sh`` (only if this module started it). Every job
+is small (2-4 tasks, tiny sizes) and runs alone, one after another: MPICH ranks poll while
+they wait, so jobs sharing the two cores would only slow each other down.
+
+Checked for every job: its exit code (read from ``scontrol show job``, polled every 0.5 s
+by ``.ci/slurm/wait.sh``), that its MPI world has ``SLURM_NTASKS`` ranks, and what its
+output says (benchmark results validated, hierarchical layout with one leader per node,
+parameter-server accuracy, training resumed from its checkpoint after ``scontrol requeue``
+and after the pre-time-limit signal). A job that runs with the wrong PMI must fail the
+world-size check.
+
+Skips (with the reason) only where Slurm cannot be installed: not Linux, not root with
+Slurm missing, no apt-get, or apt failing. ``MPICOLL_SLURM_TESTS=0`` skips on purpose.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+JOBS = ROOT / "jobs"
+CI = ROOT / ".ci" / "slurm"
+BASE = Path(os.environ.get("MPICOLL_SLURM_DIR", "/tmp/mpicoll-slurm"))
+TRAIN_PY = ROOT / "examples" / "train.py"
+PS_PY = ROOT / "examples" / "ps_train.py"
+
+# First test pays for the cluster (and, on a fresh machine, for apt-get install).
+pytestmark = [pytest.mark.timeout(900),
+              pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                 reason="Slurm CI cluster needs Linux")]
+
+
+def _alive(name: str) -> bool:
+    try:
+        pid = int((BASE / f"{name}.pid").read_text())
+        return Path(f"/proc/{pid}/comm").read_text().strip() == name
+    except (OSError, ValueError):
+        return False
+
+
+class Slurm:
+    """The running CI cluster: submit jobs, wait for them, read their logs."""
+
+    def __init__(self, logdir: Path) -> None:
+        self.logdir = logdir
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("SLURM_", "SBATCH_", "SALLOC_", "SRUN_", "MPICOLL_",
+                                    "PMI_", "PMIX_", "HYDRA_", "OMPI_", "PYTEST_"))}
+        env["SLURM_CONF"] = str(BASE / "slurm.conf")
+        env["PATH"] = "/usr/bin:/usr/sbin:" + env.get("PATH", "")
+        env["MPICOLL_ROOT"] = str(ROOT)
+        if sys.prefix != sys.base_prefix:  # the venv running these tests
+            env["MPICOLL_VENV"] = sys.prefix
+        else:
+            env["MPICOLL_VENV"] = "none"
+            env["MPICOLL_PYTHON"] = sys.executable
+        self.env = env
+
+    def run(self, *cmd: str, env: dict | None = None, timeout: float = 30,
+            check: bool = True) -> subprocess.CompletedProcess:
+        """Run a Slurm client command (or a jobs/ submit script) in the checkout's root."""
+        proc = subprocess.run(cmd, cwd=ROOT, env={**self.env, **(env or {})}, text=True,
+                              capture_output=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n"
+                                 f"{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def submit(self, script: str, *sbatch_args: str, env: dict | None = None,
+               args: tuple[str, ...] = ()) -> tuple[str, Path]:
+        """sbatch jobs/SCRIPT with SBATCH_ARGS (overriding its header); (job id, log)."""
+        name = Path(script).stem
+        log = self.logdir / f"{name}-%j.out"
+        out = self.run("sbatch", "--parsable", f"--output={log}", *sbatch_args,
+                       str(JOBS / script), *args, env=env).stdout.strip()
+        job = out.split(";")[0]
+        return job, self.logdir / f"{name}-{job}.out"
+
+    def wait(self, job: str, timeout: float = 240) -> int:
+        """Wait for JOB (all array tasks) to leave the queue; its exit code."""
+        proc = self.run(str(CI / "wait.sh"), job, str(int(timeout)),
+                        timeout=timeout + 30, check=False)
+        if proc.returncode == 124:
+            raise AssertionError(f"job {job} did not finish in {timeout:.0f} s "
+                                 f"(cancelled):\n{self.job_info(job)}")
+        return proc.returncode
+
+    def state(self, job: str) -> str:
+        return self.run("squeue", "-h", "-j", job, "-o", "%T", check=False).stdout.strip()
+
+    def job_info(self, job: str) -> str:
+        return self.run("scontrol", "show", "job", job, check=False).stdout
+
+    def start_now(self, job: str, deadline: float = 60) -> None:
+        """Lift the ~2 min BeginTime hold Slurm puts on a requeued job (CI has no time)."""
+        end = time.monotonic() + deadline
+        while time.monotonic() < end:
+            if self.state(job) == "PENDING":
+                if self.run("scontrol", "update", f"JobId={job}", "StartTime=now",
+                            check=False).returncode == 0:
+                    return
+            time.sleep(0.3)
+        raise AssertionError(f"requeued job {job} never became PENDING:\n{self.job_info(job)}")
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else f"<no log {path}>"
+
+
+def _assert_ok(slurm: Slurm, job: str, log: Path, rc: int) -> str:
+    text = _read(log)
+    assert rc == 0, f"job {job} exited {rc}:\n{text}\n{slurm.job_info(job)}"
+    return text
+
+
+def _assert_world(text: str, n: int) -> None:
+    assert re.search(rf"^world ok: size {n} == expected {n},", text, re.M), \
+        f"no 'world ok: size {n}' line:\n{text}"
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
+    """The one-node CI cluster, started for this module and stopped after it."""
+    if os.environ.get("MPICOLL_SLURM_TESTS", "1") == "0":
+        pytest.skip("MPICOLL_SLURM_TESTS=0")
+    was_up = _alive("slurmctld") and _alive("slurmd")
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run([str(CI / "start.sh")], text=True, capture_output=True,
+                              timeout=900)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f".ci/slurm/start.sh timed out after 900 s:\n{e.stderr}")
+    if proc.returncode == 77:
+        pytest.skip("Slurm cannot be installed here: "
+                    + (proc.stderr.strip().splitlines() or ["?"])[-1])
+    if proc.returncode != 0:
+        pytest.fail(f".ci/slurm/start.sh failed ({proc.returncode}):\n{proc.stderr}")
+    print(f"Slurm up in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    try:
+        yield Slurm(tmp_path_factory.mktemp("slurm-logs"))
+    finally:
+        if not was_up:
+            subprocess.run([str(CI / "stop.sh")], timeout=120, check=False)
+
+
+def test_wrong_pmi_fails_the_world_check(slurm: Slurm) -> None:
+    """srun without PMI-2 gives MPICH singletons: the job must fail, saying why."""
+    job, log = slurm.submit("ps.sbatch", "--ntasks=2", env={"MPICOLL_SRUN_MPI": "none"})
+    rc = slurm.wait(job, 120)
+    text = _read(log)
+    assert rc != 0, f"job with the wrong PMI succeeded:\n{text}"
+    assert "world WRONG: task" in text and "sees MPI world size 1, expected 2" in text, text
+    assert "final:" not in text, "training ran although the world check failed"
+
+
+@pytest.mark.skipif(not PS_PY.exists(), reason="examples/ps_train.py not there yet")
+def test_parameter_server_job(slurm: Slurm, tmp_path: Path) -> None:
+    """Two servers (tasks 0-1) and two workers train to a good accuracy; metrics written."""
+    job, log = slurm.submit("ps.sbatch", "--ntasks=4",
+                            env={"PS_SERVERS": "2", "PS_STEPS": "150", "PS_OUT": str(tmp_path)})
+    text = _assert_ok(slurm, job, log, slurm.wait(job, 180))
+    _assert_world(text, 4)
+    assert "2 server(s) (ranks 0-1), 2 worker(s)" in text, text
+    m = re.search(r"^final: test loss [\d.]+\s+accuracy ([\d.]+)\s+\(bsp, 2 server\(s\), "
+                  r"2 workers", text, re.M)
+    assert m, f"no final line:\n{text}"
+    assert float(m.group(1)) >= 0.6, f"accuracy {m.group(1)} too low:\n{text}"
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["final"][1] == pytest.approx(float(m.group(1)), abs=1e-3)
+    assert (tmp_path / "checkpoint").exists()
+
+
+def test_hierarchical_job(slurm: Slurm) -> None:
+    """On one real node the job emulates 2 nodes; one leader per node; results exact."""
+    job, log = slurm.submit(
+        "hierarchical.sbatch", "--nodes=1", "--ntasks-per-node=4",
+        env={"HIER_COUNTS": "0,1,7,1000,65537",
+             "HIER_BENCH_ARGS": "-m 8:1K -i 3 -x 1 --iterations-large 2 -c "
+                                "--algo hierarchical --memcpy-bytes 0"})
+    text = _assert_ok(slurm, job, log, slurm.wait(job, 180))
+    _assert_world(text, 4)
+    assert "one real node: emulating 2 nodes of MPICOLL_RANKS_PER_NODE=2 ranks" in text, text
+    assert re.search(r"^topology: 2 node\(s\) emulated .*ranks per node \[2, 2\], "
+                     r"leaders \[0, 2\]", text, re.M), text
+    assert len(re.findall(r"^count\s+\d+: hierarchical", text, re.M)) == 5, text
+    assert "hierarchical allreduce: all results correct" in text, text
+    assert "Ranks per node: 2" in text, text  # the benchmark saw the same layout
+    assert re.search(r"^1024\s+hierarchical\s.*ok$", text, re.M), text
+    assert "# validation: all results correct" in text, text
+
+
+def test_bench_sweep_array_and_collect(slurm: Slurm, tmp_path: Path) -> None:
+    """2 collectives x world sizes 2 and 3 as a job array; the dependent job collects."""
+    results = tmp_path / "results"
+    proc = slurm.run(str(JOBS / "bench_submit.sh"), env={
+        "BENCH_COLLECTIVES": "allreduce allgather", "BENCH_WORLD_SIZES": "2 3",
+        "BENCH_ARGS": "-m 8:1K -i 3 -x 1 --iterations-large 2 -c --algo ring "
+                      "--memcpy-bytes 0",
+        "BENCH_RESULTS": str(results), "BENCH_LOG_DIR": str(slurm.logdir)})
+    ids = dict(line.split(" ", 1) for line in proc.stdout.strip().splitlines())
+    sweep, collect = ids["sweep"], ids["collect"]
+    rc = slurm.wait(sweep, 240)
+    logs = sorted(slurm.logdir.glob(f"mpicoll-bench-{sweep}_*.out"))
+    text = "\n".join(_read(p) for p in logs)
+    assert rc == 0, f"sweep {sweep} exited {rc}:\n{text}\n{slurm.job_info(sweep)}"
+    assert len(logs) == 4, f"expected 4 array-task logs, got {logs}"
+    for n in (2, 3):
+        _assert_world(text, n)
+    for collective in ("allreduce", "allgather"):
+        for n in (2, 3):
+            data = json.loads((results / f"{collective}-n{n}.json").read_text())
+            assert data["meta"]["world_size"] == n
+            rows = data["results"]
+            assert {r["algorithm"] for r in rows} >= {"ring", "mpi"}, rows
+            assert {r["size"] for r in rows} == {8, 16, 32, 64, 128, 256, 512, 1024}
+            assert all(r["validated"] for r in rows), rows
+    crc = slurm.wait(collect, 120)
+    ctext = _read(slurm.logdir / f"mpicoll-bench-collect-{collect}.out")
+    assert crc == 0, f"collect {collect} exited {crc}:\n{ctext}\n{slurm.job_info(collect)}"
+    assert "all validated rows correct" in ctext, ctext
+    table = (results / "summary.md").read_text()
+    for heading in ("## allreduce", "## allgather", "### 2 ranks", "### 3 ranks"):
+        assert heading in table, table
+    assert table.count("| 1 KiB |") == 4, table
+    rows = list(csv.DictReader((results / "summary.csv").open()))
+    assert len(rows) == 2 * 2 * 2 * 8, rows  # collectives x sizes x {mpi, ring} x 8 sizes
+    assert {(r["collective"], r["world_size"]) for r in rows} == {
+        (c, n) for c in ("allreduce", "allgather") for n in ("2", "3")}
+    for collective in ("allreduce", "allgather"):
+        png = results / f"{collective}-busbw.png"
+        assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
