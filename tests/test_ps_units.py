@@ -153,3 +153,52 @@ def test_backoff_sleeps_after_spinning(monkeypatch):
     b.reset()
     b.pause()
     assert len(slept) == 4
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=6),
+       servers=st.integers(1, 5), split=st.integers(1, 2000))
+def test_placement_property_every_element_once(sizes, servers, split):
+    specs = [ParamSpec(f"p{i}", (n,), np.dtype(np.float32)) for i, n in enumerate(sizes)]
+    p = Placement(specs, servers, split_bytes=split)
+    for spec in specs:
+        covered = np.zeros(spec.size, dtype=int)
+        for sh in p.shards[spec.name]:
+            assert 0 <= sh.server < servers
+            covered[sh.lo:sh.hi] += 1
+        assert (covered == 1).all()
+        if len(p.shards[spec.name]) > 1:
+            assert spec.nbytes >= split
+    assert sum(p.bytes_per_server()) == sum(s.nbytes for s in specs)
+    assert Placement(list(reversed(specs)), servers, split).describe() == p.describe()
+
+
+def test_checkpoint_reshard_with_empty_shards(tmp_path):
+    """A 3-element tensor split over 5 servers has empty shards; restore into 2 and 4."""
+    spec = ParamSpec("t", (3,), np.dtype(np.float64))
+    empty = ParamSpec("e", (0,), np.dtype(np.float64))
+    hyper = check_hyperparameters("adam", {})
+    old = Placement([spec, empty], 5, split_bytes=8)
+    for s in range(5):
+        states = []
+        for sh in old.shards_on(s):
+            st = ShardState(sh, "adam", hyper, [5])
+            st.initialize(np.arange(sh.lo, sh.hi, dtype=np.float64) + 0.5)
+            st.version = st.opt.steps = 2
+            st.clocks = {5: 2}
+            states.append(st)
+        ckpt.write_server_file(str(tmp_path), "c", s, states)
+    manifest = {"format": ckpt.FORMAT, "id": "c", "layout": old.describe()}
+    for k in (2, 4):
+        new = Placement([spec, empty], k, split_bytes=8)
+        loader = ckpt.ShardLoader(str(tmp_path), manifest)
+        for sh in (s for srv in range(k) for s in new.shards_on(srv)):
+            st = ShardState(sh, "adam", hyper, [5])
+            loader.load(st, None)
+            np.testing.assert_array_equal(st.param, np.arange(sh.lo, sh.hi) + 0.5)
+            assert st.version == 2 and st.clocks == {5: 2}
+        loader.close()

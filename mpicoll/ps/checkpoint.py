@@ -152,7 +152,12 @@ class ShardLoader:
         covered = 0
         versions, steps, clocks = [], [], None
         for name, index, server, lo, hi in self.manifest["layout"]["shards"]:
-            if name != sh.spec.name or hi <= sh.lo or lo >= sh.hi:
+            if name != sh.spec.name:
+                continue
+            # an empty shard (a tensor smaller than the number of servers, or of size 0)
+            # takes its version and clocks from the tensor's first saved shard
+            empty_match = sh.count == 0 and not versions
+            if not empty_match and (hi <= sh.lo or lo >= sh.hi or hi == lo):
                 continue
             npz, metas = self._file(server)
             pos = next(i for i, m in enumerate(metas) if m["name"] == name and m["index"] == index)
@@ -160,10 +165,11 @@ class ShardLoader:
             if not meta["initialized"]:
                 raise ValueError(f"{name!r} was not initialized when the checkpoint was saved")
             a, b = max(lo, sh.lo), min(hi, sh.hi)
-            state.param[a - sh.lo:b - sh.lo] = npz[f"s{pos}.param"][a - lo:b - lo]
-            for k, arr in state.opt.state.items():
-                arr[a - sh.lo:b - sh.lo] = npz[f"s{pos}.{k}"][a - lo:b - lo]
-            covered += b - a
+            if b > a:
+                state.param[a - sh.lo:b - sh.lo] = npz[f"s{pos}.param"][a - lo:b - lo]
+                for k, arr in state.opt.state.items():
+                    arr[a - sh.lo:b - sh.lo] = npz[f"s{pos}.{k}"][a - lo:b - lo]
+                covered += b - a
             versions.append(meta["version"])
             steps.append(meta["steps"])
             if clocks is None:

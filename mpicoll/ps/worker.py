@@ -121,7 +121,9 @@ class WorkerClient:
             self.check_arrays(arrays, complete=(op == P.Op.PUSH), what="gradient" if
                               op == P.Op.PUSH else "value")
         for name in sorted(arrays):
-            arr = np.ascontiguousarray(arrays[name])
+            arr = np.asarray(arrays[name])
+            if not arr.flags.c_contiguous:      # (ascontiguousarray would make 0-d 1-d)
+                arr = arr.copy(order="C")
             flat = arr.reshape(-1)
             code = P.dtype_code(arr.dtype)
             spec = self.placement.specs.get(name)

@@ -30,10 +30,13 @@ def need_servers(k: int) -> None:
 
 
 def make_params() -> dict[str, np.ndarray]:
-    """A float64 matrix (split over servers), a float32 vector and a small float64 bias."""
+    """A float64 matrix (split over servers), a float32 vector, a small bias, a 0-d and an
+    empty tensor."""
     return {"w": (np.arange(37 * 5, dtype=np.float64).reshape(37, 5) / 8.0),
             "v": np.linspace(-1, 1, 29).astype(np.float32),
-            "b": np.array([0.5, -0.25, 1.0], dtype=np.float64)}
+            "b": np.array([0.5, -0.25, 1.0], dtype=np.float64),
+            "s": np.array(0.75, dtype=np.float64),          # 0-d
+            "e": np.zeros((0, 4), dtype=np.float32)}        # empty
 
 
 def make_grads(params: dict[str, np.ndarray], worker: int, step: int) -> dict[str, np.ndarray]:
@@ -42,7 +45,7 @@ def make_grads(params: dict[str, np.ndarray], worker: int, step: int) -> dict[st
     for name, p in params.items():
         idx = np.arange(p.size, dtype=np.float64).reshape(p.shape)
         g = np.sin(idx * 0.37 + worker * 1.3 + step * 0.71) * (1 + worker) + 0.01 * step
-        out[name] = g.astype(p.dtype)
+        out[name] = np.array(g, dtype=p.dtype)   # (0-d stays an array, not a scalar)
     return out
 
 
