@@ -94,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", help="the first worker writes [(seconds, step, loss, acc)] here")
     ap.add_argument("--save", help="checkpoint directory, written at the end of training")
     ap.add_argument("--restore", help="start from this checkpoint")
+    ap.add_argument("--reshard", action="store_true",
+                    help="allow restoring a checkpoint saved with another layout")
+    ap.add_argument("--split-bytes", type=int, default=512,
+                    help="tensors of at least this many bytes are split over all servers")
     ap.add_argument("--crash-rank", type=int, default=-1, help="inject a failure on this rank")
     ap.add_argument("--crash-step", type=int, default=5,
                     help="worker: the step that fails; server: fails after this many x 0.1 s")
@@ -116,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     params = init_params(args.hidden, args.seed)
     ps = ParameterServer(params, comm=comm, num_servers=args.servers,
                          consistency=args.consistency, staleness=args.staleness,
-                         optimizer=args.optimizer, lr=args.lr, restore=args.restore)
+                         optimizer=args.optimizer, lr=args.lr, restore=args.restore,
+                         reshard=args.reshard, split_bytes=args.split_bytes)
     if ps.is_server:
         if rank == args.crash_rank:
             def on_alarm(signum, frame):  # noqa: ANN001
