@@ -40,6 +40,7 @@ Header fields:
 from __future__ import annotations
 
 import enum
+import os
 import time
 import zlib
 from typing import Any, Sequence
@@ -173,19 +174,31 @@ class Backoff:
     through one of these.
     """
 
-    def __init__(self, spin: int = 50, first_sleep: float = 20e-6, max_sleep: float = 1e-3) -> None:
+    def __init__(self, spin: int = 50, first_sleep: float = 20e-6, max_sleep: float = 1e-3,
+                 busy_window: float = 0.1) -> None:
         self.spin = spin
         self.first_sleep = first_sleep
         self.max_sleep = max_sleep
+        self.busy_window = busy_window
         self.reset()
 
     def reset(self) -> None:
         """Forget the idle time: the next pauses are short again."""
         self._polls = 0
         self._sleep = self.first_sleep
+        self._since = time.monotonic()
 
-    def pause(self) -> None:
-        """Wait a little before the next poll."""
+    def pause(self, busy: bool = False) -> None:
+        """Wait a little before the next poll.
+
+        Args:
+            busy: a large message of ours is in flight. MPICH moves large messages
+                through shared memory in a pipeline that both sides must drive, so a
+                sleeping rank stalls the transfer: yield the core instead of sleeping.
+        """
+        if busy and time.monotonic() - self._since < self.busy_window:
+            os.sched_yield()
+            return
         self._polls += 1
         if self._polls <= self.spin:
             return

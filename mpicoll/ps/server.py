@@ -121,17 +121,21 @@ class Server:
                 self._dispatch(src, header.copy())
                 backoff.reset()
             else:
-                self._reap(force=True)
-                backoff.pause()
+                if self._reap(force=True):
+                    backoff.reset()
+                backoff.pause(busy=bool(self._sending))
         P.wait_all([r for reqs, _ in self._sending for r in reqs])
         self._sending.clear()
         log.debug("server %d done: %s", self.index, self.counters)
 
-    def _reap(self, force: bool = False) -> None:
+    def _reap(self, force: bool = False) -> bool:
+        """Forget completed reply sends; return whether any completed."""
         if not self._sending or (not force and len(self._sending) < 64):
-            return
+            return False
+        before = len(self._sending)
         self._sending = [(reqs, keep) for reqs, keep in self._sending
                          if not MPI.Request.Testall(reqs)]
+        return len(self._sending) < before
 
     # ------------------------------------------------------------------ replies
     def _reply(self, dest: int, request: np.ndarray, status: int = 0, payload: Any = None,

@@ -54,11 +54,14 @@ class Handle:
         """
         if not self._done:
             backoff = P.Backoff(max_sleep=self._client.max_sleep)
+            sending = bool(self._sends)
             while self.remaining:
                 if self._client.progress():
                     backoff.reset()
                 else:
-                    backoff.pause()
+                    if sending:
+                        sending = not MPI.Request.Testall(self._sends)
+                    backoff.pause(busy=sending)
             P.wait_all(self._sends)
             self._sends, self._keep = [], []
             self._done = True

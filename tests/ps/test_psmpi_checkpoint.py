@@ -51,6 +51,7 @@ def test_restore_gives_identical_next_step(num_servers, consistency):
         def worker(ps):
             restored = ps.pull()
             clock = ps.clock
+            wait_all([ps.worker_comm.Ibarrier()])   # (ssp: nobody pushes before all pulled)
             nxt = ps.push_pull(make_grads(params, ps.worker_index, 3))
             return restored, clock, nxt
 
