@@ -20,6 +20,7 @@ The stall inspector (rank 0) logs requests that some ranks submitted and others 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import queue
 import threading
@@ -40,6 +41,9 @@ __all__ = ["Engine", "Work"]
 
 log = logging.getLogger("mpicoll.torch.engine")
 stall_log = logging.getLogger("mpicoll.torch.stall")
+
+#: Tests of a pending negotiation (each followed by ``sched_yield``) before sleeping.
+_YIELD_SPINS = 20000
 
 
 class Work(NamedTuple):
@@ -226,14 +230,19 @@ class Engine:
                 if item is not None:
                     new.append(item)
             last_round = time.monotonic()
-            data = pickle.dumps([w.meta for w in new], protocol=pickle.HIGHEST_PROTOCOL) \
-                if new else b""
+            metas = [w.meta for w in new]
+            data = pickle.dumps(metas, protocol=pickle.HIGHEST_PROTOCOL) \
+                if metas and self.size > 1 else b""
             header[0] = len(data)
             for work in new:
                 self.local[JOIN if work.meta.kind == "join" else work.meta.name] = work
             new = []
-            self._poll(self.comm.Iallgather(header, headers), stall_after)
-            payloads = self._payloads(data, headers[:, 0])
+            if self.size == 1:
+                headers[0] = header
+                payloads = [metas]               # one rank: nothing to exchange
+            else:
+                self._poll(self.comm.Iallgather(header, headers), stall_after)
+                payloads = self._payloads(data, headers[:, 0])
             responses = negotiator.process(payloads, [bool(b) for b in headers[:, 1]])
             if responses:
                 execute(self, responses)
@@ -258,13 +267,18 @@ class Engine:
                 for d, c in zip(displs, counts_list)]
 
     def _poll(self, request: MPI.Request, stall_after: float) -> None:
-        """Complete ``request``, sleeping between tests once it has taken a while."""
+        """Complete ``request``: test and yield, then sleep between tests once it has taken
+        a while (a rank waiting for slower ranks must not take their CPU)."""
         spins = 0
         delay = 20e-6
         start = warned = time.monotonic()
         while not request.Test():
             spins += 1
-            if spins < 64:
+            if spins < _YIELD_SPINS:
+                # Yielding keeps the latency low when ranks are nearly in step (sleeping
+                # costs a scheduler wake-up, milliseconds on a loaded machine) while
+                # leaving the core to any runnable thread.
+                os.sched_yield()
                 continue
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)

@@ -85,14 +85,16 @@ def _allreduce_bucket(engine: "Engine", bucket: list[Response]) -> None:
     rdtype = reduce_dtype(dtype)
     op = ReduceOp(meta.op)
     works = [engine.local.get(r.name) for r in bucket]
-    single = works[0] if len(bucket) == 1 else None
-    if (single is not None and rdtype is dtype and single.output.is_contiguous()
-            and single.output.numel() > 0):
-        # Zero-copy: reduce the output tensor's own memory.
-        flat = single.output.view(-1)
-        if single.tensor is not single.output:
-            flat.copy_(single.tensor.reshape(-1))
-        segments = [(0, flat.numel())]
+    adjacent = _adjacent_outputs(works, dtype) if rdtype is dtype else None
+    if adjacent is not None:
+        # Zero-copy: the outputs tile one contiguous range (a single tensor, or gradients
+        # that DistributedOptimizer keeps as views of one flat buffer): reduce it in place.
+        flat = adjacent
+        for work in works:
+            if work.tensor is not work.output:
+                work.output.copy_(work.tensor)
+        segments = [(0, 0)] * len(works)
+        in_place = True
     else:
         total = sum(numel(_first_meta(r)) for r in bucket)
         flat = engine.fusion_buffer(rdtype, total)
@@ -106,7 +108,7 @@ def _allreduce_bucket(engine: "Engine", bucket: list[Response]) -> None:
                 flat[offset:offset + n].copy_(work.tensor.reshape(-1))
             segments.append((offset, n))
             offset += n
-        single = None
+        in_place = False
     if meta.prescale != 1.0:
         flat.mul_(meta.prescale)
     if flat.numel():
@@ -116,9 +118,30 @@ def _allreduce_bucket(engine: "Engine", bucket: list[Response]) -> None:
     for response, work, (offset, n) in zip(bucket, works, segments):
         if work is None:
             continue
-        if single is None:
+        if not in_place:
             work.output.copy_(flat[offset:offset + n].view(work.output.shape))
         engine.finish(response.name, result=work.output)
+
+
+def _adjacent_outputs(works: list, dtype: torch.dtype) -> torch.Tensor | None:
+    """One flat tensor over the outputs of ``works`` if they exactly tile a contiguous range
+    of one storage (in any order), else ``None``."""
+    if any(w is None or not w.output.is_contiguous() or w.output.dtype is not dtype
+           or w.output.numel() == 0 for w in works):
+        return None
+    if len(works) == 1:
+        return works[0].output.view(-1)
+    outputs = sorted((w.output for w in works), key=lambda t: t.data_ptr())
+    storage = outputs[0].untyped_storage()
+    item = dtype.itemsize
+    end = outputs[0].data_ptr()
+    for t in outputs:
+        if t.data_ptr() != end or t.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+        end += t.numel() * item
+    first = outputs[0]
+    total = (end - first.data_ptr()) // item
+    return torch.empty(0, dtype=dtype).set_(storage, first.storage_offset(), (total,))
 
 
 def _allgather(engine: "Engine", bucket: list[Response]) -> None:

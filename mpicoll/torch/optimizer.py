@@ -67,6 +67,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups = _check_groups(groups, all_params)
         self._params = [p for p in all_params if p.requires_grad]
         self._names = {p: f"allreduce.{by_id[id(p)]}" for p in self._params}
+        self._grad_views = _flat_gradients(self._params)
         self._handles: dict[torch.Tensor, tuple[int, Any]] = {}
         self._delay = {p: backward_passes_per_step for p in self._params}
         self._synchronized = False
@@ -134,12 +135,54 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped ``zero_grad``; refused while gradient all-reduces are in flight."""
+        """Zero the gradients; refused while gradient all-reduces are in flight.
+
+        Gradients stay views of the flat per-dtype buffers (zeroed, whatever
+        ``set_to_none`` says), so fused all-reduces run in place without copies.
+        """
         if self._handles:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize(); this is "
                                  "prohibited (the gradients are being reduced)")
-        return super(self.__class__, self).zero_grad(set_to_none)
+        buffers, views = self._grad_views
+        for buf in buffers:
+            buf.zero_()
+        for p, view in views.items():
+            if p.grad is not view:
+                p.grad = view
+        others = [p for group in self.param_groups for p in group["params"] if p not in views]
+        for p in others:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+
+def _flat_gradients(params: list) -> tuple[list, dict]:
+    """Give every parameter a ``.grad`` that is a view of one flat buffer per dtype.
+
+    Parameters are laid out in reverse order (the order backward usually produces their
+    gradients), existing gradients are copied in. Returns (buffers, parameter -> view).
+    Backward accumulates into existing ``.grad`` tensors in place, so the views survive.
+    """
+    by_dtype: dict[torch.dtype, list] = {}
+    for p in reversed(params):
+        if p.layout is torch.strided and p.device.type == "cpu":
+            by_dtype.setdefault(p.dtype, []).append(p)
+    buffers, views = [], {}
+    for dtype, group in by_dtype.items():
+        buf = torch.zeros(sum(p.numel() for p in group), dtype=dtype)
+        offset = 0
+        for p in group:
+            view = buf[offset:offset + p.numel()].view(p.shape)
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
+            views[p] = view
+            offset += p.numel()
+        buffers.append(buf)
+    return buffers, views
 
 
 def _check_groups(groups: Any, params: list) -> Any:
