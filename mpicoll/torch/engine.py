@@ -42,8 +42,9 @@ __all__ = ["Engine", "Work"]
 log = logging.getLogger("mpicoll.torch.engine")
 stall_log = logging.getLogger("mpicoll.torch.stall")
 
-#: Tests of a pending negotiation (each followed by ``sched_yield``) before sleeping.
-_YIELD_SPINS = 20000
+#: Seconds of testing a pending negotiation (each test followed by ``sched_yield``) before
+#: sleeping between tests.
+_YIELD_SECONDS = 0.002
 
 
 class Work(NamedTuple):
@@ -274,7 +275,7 @@ class Engine:
         start = warned = time.monotonic()
         while not request.Test():
             spins += 1
-            if spins < _YIELD_SPINS:
+            if spins < 64 or time.monotonic() - start < _YIELD_SECONDS:
                 # Yielding keeps the latency low when ranks are nearly in step (sleeping
                 # costs a scheduler wake-up, milliseconds on a loaded machine) while
                 # leaving the core to any runnable thread.

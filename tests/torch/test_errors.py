@@ -84,3 +84,33 @@ def test_duplicate_name_in_flight():
     else:
         hvd.barrier()
         assert torch.equal(hvd.allreduce(torch.ones(2), name="dup"), torch.ones(2))
+
+
+def test_stall_inspector_names_ranks_that_did_not_submit(monkeypatch, caplog):
+    if hvd.size() < 2:
+        pytest.skip("needs 2 ranks")
+    import time
+
+    monkeypatch.setenv("MPICOLL_STALL_CHECK_TIME_SECONDS", "0.2")
+    hvd.shutdown()
+    hvd.init()
+    last = hvd.size() - 1
+    try:
+        with caplog.at_level("WARNING", logger="mpicoll.torch.stall"):
+            if hvd.rank() == last:
+                h1 = hvd.allreduce_async(torch.ones(1), name="stall.y")
+                time.sleep(0.8)                      # x arrives late from this rank
+                h2 = hvd.allreduce_async(torch.ones(1), name="stall.x")
+            else:
+                h1 = hvd.allreduce_async(torch.ones(1), name="stall.x")
+                h2 = hvd.allreduce_async(torch.ones(1), name="stall.y")
+            hvd.synchronize(h1)
+            hvd.synchronize(h2)
+        if hvd.rank() == 0:
+            text = caplog.text
+            assert "'stall.x' was submitted by ranks" in text, text
+            assert f"but not yet by ranks [{last}]" in text, text
+    finally:
+        monkeypatch.delenv("MPICOLL_STALL_CHECK_TIME_SECONDS")
+        hvd.shutdown()
+        hvd.init()

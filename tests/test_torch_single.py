@@ -1,0 +1,62 @@
+"""mpicoll.torch in one process (no mpirun): API before init, a short session, the example."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_queries_before_init_raise_value_error():
+    import mpicoll.torch as hvd
+
+    if hvd.is_initialized():
+        pytest.skip("already initialized in this process")
+    for query in (hvd.size, hvd.rank, hvd.local_rank, hvd.local_size, hvd.cross_rank,
+                  hvd.cross_size):
+        with pytest.raises(ValueError, match="not been initialized"):
+            query()
+    with pytest.raises(ValueError, match="not been initialized"):
+        hvd.allreduce(torch.ones(2))
+
+
+def test_single_process_session():
+    import mpicoll.torch as hvd
+
+    hvd.init()
+    try:
+        assert (hvd.size(), hvd.rank(), hvd.local_size()) == (1, 0, 1)
+        x = torch.arange(4.0)
+        assert torch.equal(hvd.allreduce(x), x)
+        assert torch.equal(hvd.allgather(x.view(2, 2)), x.view(2, 2))
+        assert torch.equal(hvd.broadcast(x, 0), x)
+        assert hvd.join() == 0
+        model = torch.nn.Linear(2, 1)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        model(torch.ones(3, 2)).sum().backward()
+        opt.step()
+        assert torch.equal(model.weight.grad, torch.full((1, 2), 3.0))
+    finally:
+        hvd.shutdown()
+    assert not hvd.is_initialized()
+
+
+def test_example_trains_checkpoints_and_resumes(tmp_path):
+    cmd = [sys.executable, str(ROOT / "examples" / "train.py"), "--checkpoint-dir",
+           str(tmp_path), "--min-accuracy", "0"]
+    first = subprocess.run(cmd + ["--epochs", "2"], capture_output=True, text=True,
+                           timeout=240, cwd=ROOT)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert (tmp_path / "checkpoint.pt").exists()
+    second = subprocess.run(cmd + ["--epochs", "3", "--resume"], capture_output=True,
+                            text=True, timeout=240, cwd=ROOT)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "epochs 2..3" in second.stdout and "epoch   3/3" in second.stdout
+    assert "epoch   1/3" not in second.stdout
+    assert "final test accuracy" in second.stdout

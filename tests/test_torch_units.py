@@ -1,0 +1,122 @@
+"""mpicoll.torch pieces that need no other ranks: negotiation, fusion planning, ops,
+dtypes, compression, settings."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mpicoll.torch import Compression, ops  # noqa: E402
+from mpicoll.torch.dtypes import check_supported, numpy_view, reduce_dtype  # noqa: E402
+from mpicoll.torch.fusion import plan_buckets  # noqa: E402
+from mpicoll.torch.negotiation import JOIN, Meta, Negotiator  # noqa: E402
+from mpicoll.torch.settings import from_environment  # noqa: E402
+
+
+def ar(name, shape=(4,), dtype="float32", op=0, pre=1.0, post=1.0):
+    return Meta(name, "allreduce", dtype, shape, op, -1, pre, post)
+
+
+def test_entries_complete_when_every_rank_submitted_in_shared_order():
+    neg = Negotiator(3)
+    out = neg.process([[ar("a"), ar("b")], [ar("b")], []], [False] * 3)
+    assert out == [] and neg.busy()
+    out = neg.process([[], [ar("a")], [ar("b"), ar("a")]], [False] * 3)
+    # order of first appearance in the shared table: a (rank 0, round 1), then b
+    assert [r.name for r in out] == ["a", "b"]
+    assert all(r.error is None for r in out) and not neg.busy()
+
+
+def test_mismatch_is_an_error_response_naming_ranks():
+    neg = Negotiator(2)
+    out = neg.process([[ar("x", shape=(3,))], [ar("x", shape=(4,))]], [False, False])
+    assert len(out) == 1 and "shape" in out[0].error and "ranks 0 have (3,)" in out[0].error
+    out = neg.process([[ar("y", dtype="float32")],
+                       [Meta("y", "broadcast", "float32", (4,), -1, 0)]], [False, False])
+    assert "kind" in out[0].error
+
+
+def test_join_counts_joined_ranks_as_submitted_and_reports_last():
+    neg = Negotiator(3)
+    neg.process([[Meta(JOIN, "join")], [], []], [True, False, False])
+    out = neg.process([[], [ar("g")], [ar("g")]], [True, False, False])
+    assert [r.name for r in out] == ["g"] and out[0].joined == frozenset({0})
+    out = neg.process([[], [Meta(JOIN, "join")], []], [True, True, False])
+    assert out == []
+    out = neg.process([[], [], [Meta(JOIN, "join")]], [True, True, True])
+    assert out[-1].kind == "join" and out[-1].last_joined == 2 and not neg.busy()
+
+
+def test_deadlock_fails_every_incomplete_entry():
+    neg = Negotiator(2)
+    assert neg.process([[ar("a")], [ar("b")]], [False, False]) == []
+    # nobody blocked yet: no verdict
+    assert neg.process([[], []], [True, False]) == []
+    out = neg.process([[], []], [True, True])
+    assert sorted(r.name for r in out) == ["a", "b"]
+    assert all("can never complete" in r.error for r in out)
+    assert "not by ranks 1" in out[0].error and not neg.busy()
+
+
+def test_stall_inspector_names_missing_ranks():
+    neg = Negotiator(3)
+    neg.process([[ar("a")], [ar("a")], []], [False] * 3, now=0.0)
+    assert neg.stalled(now=10.0, after=60.0) == []
+    assert neg.stalled(now=61.0, after=60.0) == [("a", [0, 1], [2])]
+    assert neg.stalled(now=62.0, after=60.0) == []          # warned once per period
+
+
+def test_fusion_buckets_respect_threshold_and_key():
+    def resp(meta):
+        from mpicoll.torch.negotiation import Response
+        return Response("allreduce", meta.name, {0: meta})
+    rs = [resp(ar("a", (10,))), resp(ar("b", (10,))), resp(ar("c", (10,), dtype="float64")),
+          resp(ar("d", (30,))), resp(ar("e", (10,), dtype="bfloat16"))]
+    buckets = plan_buckets(rs, threshold=80)
+    names = [[r.name for r in b] for b in buckets]
+    # float32 and bfloat16 (reduced as float32) share buckets; 80 bytes = 20 floats
+    assert names == [["a", "b"], ["d"], ["e"], ["c"]]
+    assert [[r.name for r in b] for b in plan_buckets(rs, 10 ** 9)] == [["a", "b", "d", "e"],
+                                                                        ["c"]]
+
+
+def test_ops_resolution():
+    assert ops.resolve_op() is not None and int(ops.resolve_op()) == int(ops.Average)
+    assert int(ops.resolve_op(average=False)) == int(ops.Sum)
+    assert repr(ops.Max) == "Max"
+    with pytest.raises(ValueError, match="not both"):
+        ops.resolve_op(average=True, op=ops.Sum)
+    with pytest.raises(ValueError):
+        ops.resolve_op(op=17)
+    with pytest.raises(TypeError):
+        ops.check_op_dtype(ops.Sum, torch.bool, 1.0, 1.0)
+
+
+def test_dtype_views_are_zero_copy_and_bfloat16_moves_as_int16():
+    t = torch.arange(6, dtype=torch.bfloat16)
+    view = numpy_view(t)
+    assert view.dtype.name == "int16" and view.ctypes.data == t.data_ptr()
+    assert reduce_dtype(torch.bfloat16) is torch.float32
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        check_supported([1])
+
+
+def test_fp16_compression_round_trip():
+    t = torch.tensor([1.5, -2.25], dtype=torch.float64)
+    c, ctx = Compression.fp16.compress(t)
+    assert c.dtype is torch.float16
+    assert torch.equal(Compression.fp16.decompress(c, ctx), t)
+    i = torch.tensor([1, 2])
+    assert Compression.fp16.compress(i)[0] is i
+    assert Compression.none.compress(t)[0] is t
+
+
+def test_settings_from_environment(monkeypatch):
+    monkeypatch.setenv("MPICOLL_FUSION_THRESHOLD", "1024")
+    monkeypatch.setenv("MPICOLL_CYCLE_TIME_MS", "2")
+    monkeypatch.setenv("MPICOLL_STALL_CHECK_TIME_SECONDS", "5")
+    s = from_environment()
+    assert (s.fusion_threshold, s.cycle_time, s.stall_check_time) == (1024, 0.002, 5.0)
+    monkeypatch.setenv("MPICOLL_ALLREDUCE_ALGORITHM", "nonsense")
+    with pytest.raises(ValueError, match="MPICOLL_ALLREDUCE_ALGORITHM"):
+        from_environment()
