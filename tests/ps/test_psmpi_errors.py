@@ -20,8 +20,9 @@ def _expect(fn, *fragments):
     return info.value
 
 
+@pytest.mark.parametrize("consistency", ["asp", "bsp"])
 @pytest.mark.parametrize("num_servers", [1, 2])
-def test_bad_pushes_rejected_by_server_others_continue(num_servers):
+def test_bad_pushes_rejected_by_server_others_continue(num_servers, consistency):
     need_servers(num_servers)
     params = make_params()
     ones = {k: np.ones_like(v) for k, v in params.items()}
@@ -48,15 +49,19 @@ def test_bad_pushes_rejected_by_server_others_continue(num_servers):
         wait_all([ps.worker_comm.Ibarrier()])
         return ps.pull(), ps.stats()
 
-    _, res = run_ps(params, worker, num_servers, consistency="asp", lr=0.5, average=False,
-                    **SMALL)
+    _, res = run_ps(params, worker, num_servers, consistency=consistency, lr=0.5,
+                    average=False, **SMALL)
     if isinstance(res, tuple):
         final, stats = res
         nworkers = SIZE - num_servers
         for k in params:
             want = params[k].copy()
-            for _ in range(3 * nworkers):     # each push is one update of lr * 1
-                want -= 0.5 * np.ones_like(want)
+            if consistency == "asp":
+                for _ in range(3 * nworkers):     # each push is one update of lr * 1
+                    want -= 0.5 * np.ones_like(want)
+            else:
+                for _ in range(3):                # each round: lr * (sum of the pushes)
+                    want -= 0.5 * np.full_like(want, nworkers)
             np.testing.assert_array_equal(final[k], want)
         assert sum(s["errors"] for s in stats["servers"]) >= 4
 
