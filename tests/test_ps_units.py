@@ -202,3 +202,17 @@ def test_checkpoint_reshard_with_empty_shards(tmp_path):
             np.testing.assert_array_equal(st.param, np.arange(sh.lo, sh.hi) + 0.5)
             assert st.version == 2 and st.clocks == {5: 2}
         loader.close()
+
+
+def test_backoff_yields_while_busy_then_sleeps(monkeypatch):
+    slept, yielded = [], []
+    monkeypatch.setattr(P.time, "sleep", slept.append)
+    monkeypatch.setattr(P.os, "sched_yield", lambda: yielded.append(1))
+    now = [100.0]
+    monkeypatch.setattr(P.time, "monotonic", lambda: now[0])
+    b = P.Backoff(spin=0, first_sleep=1e-5, busy_window=0.1)
+    b.pause(busy=True)
+    assert yielded == [1] and slept == []
+    now[0] += 0.2                     # no progress for longer than the window
+    b.pause(busy=True)
+    assert yielded == [1] and slept == [1e-5]
