@@ -72,7 +72,6 @@ def throughput_rank(argv: list[str]) -> int:
 
     import mpicoll
     from mpicoll.ps import ParameterServer
-    from mpicoll.ps.protocol import wait_all
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--servers", type=int, required=True)

@@ -1,7 +1,6 @@
 """Shared helpers of the parameter-server MPI suite."""
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from typing import Any, Callable

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from ps_cases import (COMM, SERVER_COUNTS, SMALL, adam_update, assert_params_equal,
+from ps_cases import (COMM, SMALL, adam_update, assert_params_equal,
                       make_grads, make_params, momentum_update, need_servers, reference_bsp,
                       run_ps, sgd_update)
 

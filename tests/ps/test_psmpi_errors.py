@@ -71,7 +71,6 @@ def test_push_before_init_and_duplicate_init(num_servers):
     need_servers(num_servers)
     params = make_params()
     ones = {k: np.ones_like(v) for k, v in params.items()}
-    from mpi4py import MPI
 
     def worker(ps):
         if ps.worker_index == 0:
