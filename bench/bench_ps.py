@@ -80,13 +80,14 @@ def throughput_rank(argv: list[str]) -> int:
     ap.add_argument("-x", "--warmup", type=int, default=2)
     ap.add_argument("--json", required=True)
     ap.add_argument("--max-sleep", type=float, default=1e-3)
+    ap.add_argument("--chunk-bytes", default="4M")
     a = ap.parse_args(argv)
     nbytes = parse_size(a.size)
     count = nbytes // 4
     comm = MPI.COMM_WORLD
     ps = ParameterServer({"x": np.zeros(count, np.float32)}, comm=comm,
                          num_servers=a.servers, optimizer="sum", split_bytes=1 << 16,
-                         max_sleep=a.max_sleep)
+                         max_sleep=a.max_sleep, chunk_bytes=parse_size(a.chunk_bytes))
     if ps.is_server:
         ps.serve()
         ps.free()
