@@ -28,6 +28,10 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 MODES = ("mpicoll", "ddp", "handrolled")
+#: mpicoll variants: extra environment for hvd.init() (re-initialized per run).
+VARIANTS = {"mpicoll": {}, "mpicoll-overlap": {"MPICOLL_OVERLAP": "1"},
+            "mpicoll-defer": {"MPICOLL_OVERLAP": "0"},
+            "mpicoll-native": {"MPICOLL_ALLREDUCE_ALGORITHM": "native"}}
 
 
 class SmallCNN(nn.Module):
@@ -57,9 +61,13 @@ def data(batch: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
 
-def run_mpicoll(args: argparse.Namespace, comm: MPI.Intracomm) -> float:
+def run_mpicoll(args: argparse.Namespace, comm: MPI.Intracomm, variant: str = "mpicoll") -> float:
     import mpicoll.torch as hvd
 
+    hvd.shutdown()
+    for key in ("MPICOLL_OVERLAP", "MPICOLL_ALLREDUCE_ALGORITHM"):
+        os.environ.pop(key, None)
+    os.environ.update(VARIANTS[variant])
     hvd.init(comm)
     model = make_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
@@ -127,12 +135,15 @@ def timed(step, args: argparse.Namespace, comm: MPI.Intracomm) -> float:
     return comm.size * args.batch * args.steps / slowest
 
 
-RUNNERS = {"mpicoll": run_mpicoll, "ddp": run_ddp, "handrolled": run_handrolled}
+RUNNERS = {"ddp": run_ddp, "handrolled": run_handrolled}
+for _variant in VARIANTS:
+    RUNNERS[_variant] = (lambda v: lambda args, comm: run_mpicoll(args, comm, v))(_variant)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated, from {sorted(set(MODES) | set(VARIANTS))}")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)

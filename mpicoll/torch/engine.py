@@ -46,6 +46,9 @@ stall_log = logging.getLogger("mpicoll.torch.stall")
 #: sleeping between tests.
 _YIELD_SECONDS = 0.002
 
+#: Without overlap, the longest a pending request waits for the user thread to block.
+_MAX_DEFER_SECONDS = 0.02
+
 
 class Work(NamedTuple):
     """One local request: its metadata, the tensors it reads and writes, its future."""
@@ -54,6 +57,17 @@ class Work(NamedTuple):
     tensor: Any
     output: Any
     future: Future
+
+
+def _decide_overlap(setting: str, local_size: int) -> bool:
+    """Overlap when asked to, or (``auto``) when every rank on the node has a spare core."""
+    if setting in ("0", "1"):
+        return setting == "1"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return cores >= local_size * (torch.get_num_threads() + 1)
 
 
 class Engine:
@@ -79,6 +93,8 @@ class Engine:
         self._fusion: dict[torch.dtype, torch.Tensor] = {}
         self.local: dict[str, Work] = {}
         self.stopping = False
+        self.overlap = True
+        self._poked = False
         self.comm: Any = None
         self.rank = self.size = self.local_rank = self.local_size = 0
         self.cross_rank = self.cross_size = 0
@@ -170,6 +186,7 @@ class Engine:
             self.local_rank, self.local_size = topology.local_rank, topology.local_size
             self.cross_rank = topology.cross_comm.Get_rank()
             self.cross_size = topology.cross_comm.Get_size()
+            self.overlap = _decide_overlap(self.settings.overlap, self.local_size)
         except BaseException as exc:  # noqa: BLE001  (re-raised by start())
             self._init_error = exc
             self._ready.set()
@@ -209,12 +226,16 @@ class Engine:
         header = np.zeros(2, dtype=np.int64)
         headers = np.zeros((self.size, 2), dtype=np.int64)
         stall_after = self.settings.stall_check_time
+        pending_since = 0.0
         while not self.stopping:
             if not new and not negotiator.busy():
                 item = self._queue.get()
                 if item is not None:
                     new.append(item)
+                    pending_since = time.monotonic()
                 continue
+            if not self.overlap:
+                self._defer(new, pending_since + _MAX_DEFER_SECONDS)
             # Wait out the cycle so that requests close together fuse, unless this rank's
             # user thread is already blocked on a result (then nothing more is coming).
             blocked = self._blocked()
@@ -252,6 +273,26 @@ class Engine:
                     stall_log.warning("stall: %r was submitted by ranks %s but not yet by "
                                       "ranks %s (for %.0f s or more)", name, have, missing,
                                       stall_after)
+
+    def poke(self) -> None:
+        """Ask for progress without blocking (``poll()``): ends a deferral early."""
+        if not self._poked:
+            self._poked = True
+            self._queue.put(None)
+
+    def _defer(self, new: list, deadline: float) -> None:
+        """Without overlap: wait for the user thread to block (or a poke, or ``deadline``)."""
+        while not self._poked and not self._blocked():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                item = self._queue.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if item is not None:
+                new.append(item)
+        self._poked = False
 
     def _payloads(self, data: bytes, counts: np.ndarray) -> list[list[Meta]]:
         total = int(counts.sum())

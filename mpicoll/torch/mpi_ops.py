@@ -195,7 +195,10 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) ->
 
 def poll(handle: int) -> bool:
     """Whether the operation of ``handle`` has finished (``synchronize`` will not block)."""
-    return handles.lookup(handle).done()
+    future = handles.lookup(handle)
+    if not future.done():
+        engine().poke()
+    return future.done()
 
 
 def synchronize(handle: int) -> Any:

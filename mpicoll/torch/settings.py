@@ -13,6 +13,13 @@ Variable                           Meaning
 ``MPICOLL_STALL_CHECK_TIME_SECONDS`` Log (rank 0) the requests that some ranks submitted and
                                    others did not after this many seconds (default 60;
                                    ``0`` disables the inspector).
+``MPICOLL_OVERLAP``                ``1``: negotiate and reduce as soon as requests arrive
+                                   (communication overlaps backward); ``0``: start a round
+                                   only once this rank's user thread waits for a result (or
+                                   20 ms after the first pending request), so collectives
+                                   never compete with computation for a core; ``auto``
+                                   (default): ``1`` when the node has a spare core per rank
+                                   (cores >= ranks on the node x (torch threads + 1)).
 ================================== ========================================================
 """
 from __future__ import annotations
@@ -30,6 +37,7 @@ VARIABLES = {
     "MPICOLL_CYCLE_TIME_MS": "shortest time between negotiation rounds in ms (default 0.5)",
     "MPICOLL_ALLREDUCE_ALGORITHM": "all-reduce algorithm of mpicoll.torch (default auto)",
     "MPICOLL_STALL_CHECK_TIME_SECONDS": "stall inspector warning delay in s (default 60)",
+    "MPICOLL_OVERLAP": "overlap communication with computation: auto (default), 1 or 0",
 }
 
 DEFAULT_FUSION_THRESHOLD = 64 << 20
@@ -43,6 +51,7 @@ class Settings:
     cycle_time: float = 0.0005
     algorithm: str = "auto"
     stall_check_time: float = 60.0
+    overlap: str = "auto"
 
 
 def _env(name: str) -> str | None:
@@ -87,9 +96,13 @@ def from_environment() -> Settings:
     if algorithm != "auto" and algorithm not in names("allreduce"):
         raise ValueError(f"MPICOLL_ALLREDUCE_ALGORITHM={algorithm!r}; choose one of "
                          f"{['auto', *names('allreduce')]}")
+    overlap = (_env("MPICOLL_OVERLAP") or "auto").lower()
+    if overlap not in ("auto", "0", "1"):
+        raise ValueError(f"MPICOLL_OVERLAP={overlap!r}; use auto, 1 or 0")
     return Settings(
         fusion_threshold=_env_int("MPICOLL_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD),
         cycle_time=_env_float("MPICOLL_CYCLE_TIME_MS", 0.5) / 1000.0,
         algorithm=algorithm,
         stall_check_time=_env_float("MPICOLL_STALL_CHECK_TIME_SECONDS", 60.0),
+        overlap=overlap,
     )
