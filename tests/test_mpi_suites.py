@@ -21,6 +21,8 @@ SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
         (5, {"MPICOLL_RANKS_PER_NODE": "2"}),     # 2, 2, 1: uneven
         (8, {"MPICOLL_RANKS_PER_NODE": "4"}),     # two even nodes of 4
     ],
+    # parameter server: 1 and 2 servers (the suite picks layouts per world size)
+    "tests/ps": [(2, {}), (3, {}), (4, {}), (5, {})],
 }
 
 CASES = [pytest.param(suite, n, env, id=f"{suite}-n{n}")
