@@ -7,9 +7,11 @@ Run under mpirun; every mode runs in the same launch, interleaved over ``--repea
 
 Each rank trains the same small CNN (``--model cnn``: 1x28x28 input, 412k
 parameters) on synthetic data with ``--batch`` samples per rank and one torch thread per
-rank. Throughput = ranks x batch x steps / (slowest rank's time). Rank 0 prints one row per
-mode (best and median over repeats) and the scaling efficiency against ``--single`` (the
-samples/s of one process, measured with ``-n 1``), or writes ``--format csv|json``.
+rank. Every step is timed (the slowest rank's time, step by step); throughput is
+ranks x batch / median step time (robust to load spikes on a shared machine), also shown for
+the 10th-percentile step. Rank 0 prints one row per mode and the scaling efficiency against
+``--single`` (the median samples/s of one process, measured with ``-n 1``), or writes
+``--format csv|json``.
 """
 from __future__ import annotations
 
@@ -61,7 +63,8 @@ def data(batch: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
 
-def run_mpicoll(args: argparse.Namespace, comm: MPI.Intracomm, variant: str = "mpicoll") -> float:
+def run_mpicoll(args: argparse.Namespace, comm: MPI.Intracomm,
+                variant: str = "mpicoll") -> list[float]:
     import mpicoll.torch as hvd
 
     hvd.shutdown()
@@ -85,7 +88,7 @@ def run_mpicoll(args: argparse.Namespace, comm: MPI.Intracomm, variant: str = "m
 _ddp_ready = False
 
 
-def run_ddp(args: argparse.Namespace, comm: MPI.Intracomm) -> float:
+def run_ddp(args: argparse.Namespace, comm: MPI.Intracomm) -> list[float]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -107,7 +110,7 @@ def run_ddp(args: argparse.Namespace, comm: MPI.Intracomm) -> float:
     return timed(step, args, comm)
 
 
-def run_handrolled(args: argparse.Namespace, comm: MPI.Intracomm) -> float:
+def run_handrolled(args: argparse.Namespace, comm: MPI.Intracomm) -> list[float]:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = data(args.batch, comm.rank)
@@ -123,21 +126,56 @@ def run_handrolled(args: argparse.Namespace, comm: MPI.Intracomm) -> float:
     return timed(step, args, comm)
 
 
-def timed(step, args: argparse.Namespace, comm: MPI.Intracomm) -> float:
+def timed(step, args: argparse.Namespace, comm: MPI.Intracomm) -> list[float]:
+    """Per-step seconds (the slowest rank's, step by step) after ``--warmup`` steps."""
     for _ in range(args.warmup):
         step()
     comm.Barrier()
-    start = time.perf_counter()
+    times = []
     for _ in range(args.steps):
+        start = time.perf_counter()
         step()
-    elapsed = time.perf_counter() - start
-    slowest = comm.allreduce(elapsed, op=MPI.MAX)
-    return comm.size * args.batch * args.steps / slowest
+        times.append(time.perf_counter() - start)
+    return list(map(max, zip(*comm.allgather(times))))
 
 
 RUNNERS = {"ddp": run_ddp, "handrolled": run_handrolled}
 for _variant in VARIANTS:
     RUNNERS[_variant] = (lambda v: lambda args, comm: run_mpicoll(args, comm, v))(_variant)
+
+
+def fusion_sweep(args: argparse.Namespace, comm: MPI.Intracomm) -> None:
+    """Time one step's worth of gradient all-reduces (the SmallCNN's tensors plus
+    ``--sweep-tensors`` small ones, submitted together) at several fusion thresholds."""
+    import mpicoll.torch as hvd
+
+    shapes = [tuple(p.shape) for p in make_model().parameters()]
+    shapes += [(args.sweep_tensors_size,)] * args.sweep_tensors
+    thresholds = [int(t) for t in args.fusion_sweep.split(",")]
+    results: dict[int, list[float]] = {t: [] for t in thresholds}
+    for _ in range(args.repeats):
+        for threshold in thresholds:
+            hvd.shutdown()
+            os.environ["MPICOLL_FUSION_THRESHOLD"] = str(threshold)
+            hvd.init(comm)
+            tensors = [torch.ones(s) for s in shapes]
+            for i in range(args.warmup + args.steps):
+                if i == args.warmup:
+                    comm.Barrier()
+                    start = time.perf_counter()
+                hs = [hvd.allreduce_async_(t, name=f"g{j}") for j, t in enumerate(tensors)]
+                for h in hs:
+                    hvd.synchronize(h)
+            results[threshold].append((time.perf_counter() - start) / args.steps)
+    hvd.shutdown()
+    if comm.rank == 0:
+        total = sum(torch.Size(s).numel() for s in shapes) * 4
+        print(f"# fusion sweep: {len(shapes)} float32 tensors, {total} bytes per step, "
+              f"{comm.size} ranks; ms per step (best, median of {args.repeats})")
+        print(f"{'# threshold':<14}{'best ms':>10}{'median ms':>11}")
+        for t in thresholds:
+            print(f"{t:<14}{min(results[t]) * 1e3:>10.3f}"
+                  f"{statistics.median(results[t]) * 1e3:>11.3f}")
 
 
 def main() -> None:
@@ -152,46 +190,66 @@ def main() -> None:
     parser.add_argument("--single", type=float, default=0.0,
                         help="one-process samples/s, for the scaling efficiency column")
     parser.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    parser.add_argument("--fusion-sweep", default="",
+                        help="instead of training, time all-reduces at these comma-separated "
+                             "MPICOLL_FUSION_THRESHOLD values (bytes)")
+    parser.add_argument("--sweep-tensors", type=int, default=64,
+                        help="extra small tensors in the fusion sweep")
+    parser.add_argument("--sweep-tensors-size", type=int, default=4096,
+                        help="elements of each extra tensor")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     comm = MPI.COMM_WORLD
+    if args.fusion_sweep:
+        fusion_sweep(args, comm)
+        return
     modes = [m for m in args.modes.split(",") if m]
-    results: dict[str, list[float]] = {m: [] for m in modes}
+    steps: dict[str, list[float]] = {m: [] for m in modes}
+    totals: dict[str, list[float]] = {m: [] for m in modes}
+    load = [os.getloadavg()[0]]
     for _ in range(args.repeats):
         for mode in modes:
-            results[mode].append(RUNNERS[mode](args, comm))
+            times = RUNNERS[mode](args, comm)
+            steps[mode] += times
+            totals[mode].append(comm.size * args.batch * len(times) / sum(times))
+    load.append(os.getloadavg()[0])
     if comm.rank != 0:
         return
     nparams = sum(p.numel() for p in make_model().parameters())
     rows = []
     for mode in modes:
-        best, median = max(results[mode]), statistics.median(results[mode])
-        eff = best / (comm.size * args.single) if args.single else None
+        ordered = sorted(steps[mode])
+        p50 = ordered[len(ordered) // 2]
+        p10 = ordered[len(ordered) // 10]
+        per_step = comm.size * args.batch
+        median = per_step / p50
+        eff = median / (comm.size * args.single) if args.single else None
         rows.append(dict(mode=mode, ranks=comm.size, batch=args.batch, params=nparams,
-                         best=round(best, 1), median=round(median, 1),
-                         all=[round(v, 1) for v in results[mode]],
+                         median=round(median, 1), p10=round(per_step / p10, 1),
+                         runs=[round(v, 1) for v in totals[mode]],
                          efficiency=None if eff is None else round(eff, 3)))
     if args.format == "json":
-        print(json.dumps(rows, indent=1))
+        print(json.dumps(dict(load=load, rows=rows), indent=1))
         return
     if args.format == "csv":
-        print("mode,ranks,batch,params,best,median,efficiency")
+        print("mode,ranks,batch,params,median,p10,efficiency")
         for r in rows:
-            print(f"{r['mode']},{r['ranks']},{r['batch']},{r['params']},{r['best']},"
-                  f"{r['median']},{r['efficiency'] if r['efficiency'] is not None else ''}")
+            print(f"{r['mode']},{r['ranks']},{r['batch']},{r['params']},{r['median']},"
+                  f"{r['p10']},{r['efficiency'] if r['efficiency'] is not None else ''}")
         return
     print(f"# mpicoll.torch training throughput: SmallCNN ({nparams} parameters), "
           f"{comm.size} ranks, batch {args.batch}/rank, {args.threads} thread(s)/rank, "
           f"{args.steps} steps x {args.repeats} repeats, MPI thread level "
-          f"{MPI.Query_thread()}")
-    base = {r["mode"]: r["best"] for r in rows}
-    print(f"{'# mode':<12}{'best samples/s':>16}{'median':>10}{'vs ddp':>9}"
-          f"{'vs hand':>9}{'scaling':>9}")
+          f"{MPI.Query_thread()}, load average {load[0]:.1f} -> {load[1]:.1f}")
+    print("# samples/s from the median step time (and from the 10th-percentile step time);"
+          " ratios use the medians")
+    base = {r["mode"]: r["median"] for r in rows}
+    print(f"{'# mode':<17}{'median':>10}{'p10':>10}{'vs ddp':>9}{'vs hand':>9}{'scaling':>9}")
     for r in rows:
-        vs_ddp = r["best"] / base["ddp"] if "ddp" in base else float("nan")
-        vs_hand = r["best"] / base["handrolled"] if "handrolled" in base else float("nan")
+        vs_ddp = r["median"] / base["ddp"] if "ddp" in base else float("nan")
+        vs_hand = r["median"] / base["handrolled"] if "handrolled" in base else float("nan")
         eff = f"{r['efficiency']:.2f}" if r["efficiency"] is not None else "-"
-        print(f"{r['mode']:<12}{r['best']:>16.1f}{r['median']:>10.1f}{vs_ddp:>9.2f}"
+        print(f"{r['mode']:<17}{r['median']:>10.1f}{r['p10']:>10.1f}{vs_ddp:>9.2f}"
               f"{vs_hand:>9.2f}{eff:>9}")
 
 

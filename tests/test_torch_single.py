@@ -60,3 +60,36 @@ def test_example_trains_checkpoints_and_resumes(tmp_path):
     assert "epochs 2..3" in second.stdout and "epoch   3/3" in second.stdout
     assert "epoch   1/3" not in second.stdout
     assert "final test accuracy" in second.stdout
+
+
+def test_wrapped_optimizer_keeps_class_state_and_schedulers():
+    import mpicoll.torch as hvd
+
+    hvd.init()
+    try:
+        model = torch.nn.Linear(2, 1)
+        base = torch.optim.Adam(model.parameters(), lr=0.1)
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+        assert isinstance(opt, torch.optim.Adam) and type(opt).__name__ == "Adam"
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.ones(3, 2)).sum().backward()
+            opt.step()
+            sched.step()
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+        assert len(opt.state_dict()["state"]) == 2
+        with pytest.raises(ValueError, match="unique"):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=[("x", model.weight), ("x", model.bias)])
+    finally:
+        hvd.shutdown()
+
+
+def test_init_refuses_mpi_below_thread_multiple():
+    code = ("import mpicoll.torch as hvd\n"
+            "try:\n    hvd.init()\nexcept RuntimeError as e:\n    print('refused:', e)\n")
+    env = dict(__import__("os").environ, MPI4PY_RC_THREAD_LEVEL="serialized")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, env=env)
+    assert "refused:" in out.stdout and "THREAD_MULTIPLE" in out.stdout, out.stdout + out.stderr

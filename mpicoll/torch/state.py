@@ -8,6 +8,7 @@ initialized does nothing.
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 from typing import Any
 
@@ -50,8 +51,15 @@ def init(comm: Any = None) -> None:
         engine.start()
         _engine = engine
         if not _atexit_registered:
-            atexit.register(shutdown)
+            atexit.register(_shutdown_at_exit)
             _atexit_registered = True
+
+
+def _shutdown_at_exit() -> None:
+    try:
+        shutdown()
+    except Exception as exc:  # noqa: BLE001  (nothing to raise to at exit)
+        logging.getLogger("mpicoll.torch").warning("shutdown at exit failed: %s", exc)
 
 
 def shutdown() -> None:
