@@ -7,10 +7,11 @@ communicator:
 1. wait until this rank has a new request, or some request is incomplete anywhere
    (then every rank must keep negotiating), and at least one cycle time since the previous
    round, so that requests arriving close together are negotiated and fused together;
-2. all-gather (non-blocking, polled with short sleeps so a rank that waits for slower ranks
-   leaves the CPU to them) a fixed header per rank: payload length and whether the rank's
-   user threads are blocked waiting for a result; then all-gather the payloads (the pickled
-   :class:`~mpicoll.torch.negotiation.Meta` of each new request, small control data only);
+2. all-gather (non-blocking, polled with yields then sleeps so a rank that waits for slower
+   ranks leaves the CPU to them) one fixed-size record per rank: payload length, whether the
+   rank's user threads are blocked waiting for a result, and the payload itself (the pickled
+   :class:`~mpicoll.torch.negotiation.Meta` of each new request, small control data) when it
+   fits in :data:`SLOT_BYTES`; only a longer payload costs a second all-gather (``v``);
 3. feed them to the :class:`~mpicoll.torch.negotiation.Negotiator` (same input, same
    responses on every rank) and run the responses (:mod:`mpicoll.torch.execute`) with
    mpicoll's collectives on the tensors themselves (zero-copy numpy views).
@@ -42,12 +43,16 @@ __all__ = ["Engine", "Work"]
 log = logging.getLogger("mpicoll.torch.engine")
 stall_log = logging.getLogger("mpicoll.torch.stall")
 
+#: Payload bytes carried inside the fixed negotiation record (about 40 requests).
+SLOT_BYTES = 4096
+
 #: Seconds of testing a pending negotiation (each test followed by ``sched_yield``) before
 #: sleeping between tests.
 _YIELD_SECONDS = 0.002
 
-#: Without overlap, the longest a pending request waits for the user thread to block.
-_MAX_DEFER_SECONDS = 0.02
+#: Without overlap, the longest the engine waits for the user thread to block after the
+#: latest request arrived (bounds the delay for threads that never wait on a handle).
+_MAX_DEFER_SECONDS = 0.05
 
 
 class Work(NamedTuple):
@@ -223,19 +228,18 @@ class Engine:
         negotiator = Negotiator(self.size)
         new: list[Work] = []
         last_round = -1.0
-        header = np.zeros(2, dtype=np.int64)
-        headers = np.zeros((self.size, 2), dtype=np.int64)
+        header = np.zeros(2 + SLOT_BYTES // 8, dtype=np.int64)
+        headers = np.zeros((self.size, header.size), dtype=np.int64)
+        slot = header.view(np.uint8)[16:]
         stall_after = self.settings.stall_check_time
-        pending_since = 0.0
         while not self.stopping:
             if not new and not negotiator.busy():
                 item = self._queue.get()
                 if item is not None:
                     new.append(item)
-                    pending_since = time.monotonic()
                 continue
             if not self.overlap:
-                self._defer(new, pending_since + _MAX_DEFER_SECONDS)
+                self._defer(new, time.monotonic() + _MAX_DEFER_SECONDS)
             # Wait out the cycle so that requests close together fuse, unless this rank's
             # user thread is already blocked on a result (then nothing more is coming).
             blocked = self._blocked()
@@ -256,15 +260,17 @@ class Engine:
             data = pickle.dumps(metas, protocol=pickle.HIGHEST_PROTOCOL) \
                 if metas and self.size > 1 else b""
             header[0] = len(data)
+            if len(data) <= SLOT_BYTES:
+                slot[:len(data)] = np.frombuffer(data, dtype=np.uint8)
             for work in new:
                 self.local[JOIN if work.meta.kind == "join" else work.meta.name] = work
             new = []
             if self.size == 1:
-                headers[0] = header
+                headers[0, :2] = header[:2]
                 payloads = [metas]               # one rank: nothing to exchange
             else:
                 self._poll(self.comm.Iallgather(header, headers), stall_after)
-                payloads = self._payloads(data, headers[:, 0])
+                payloads = self._payloads(data, headers)
             responses = negotiator.process(payloads, [bool(b) for b in headers[:, 1]])
             if responses:
                 execute(self, responses)
@@ -281,7 +287,8 @@ class Engine:
             self._queue.put(None)
 
     def _defer(self, new: list, deadline: float) -> None:
-        """Without overlap: wait for the user thread to block (or a poke, or ``deadline``)."""
+        """Without overlap: wait for the user thread to block, a poke, or ``deadline``
+        (pushed back by every new request: gradients still arriving mean backward runs)."""
         while not self._poked and not self._blocked():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -292,21 +299,24 @@ class Engine:
                 break
             if item is not None:
                 new.append(item)
+                deadline = time.monotonic() + _MAX_DEFER_SECONDS
         self._poked = False
 
-    def _payloads(self, data: bytes, counts: np.ndarray) -> list[list[Meta]]:
-        total = int(counts.sum())
-        if total == 0:
-            return [[] for _ in range(self.size)]
-        counts_list = [int(c) for c in counts]
+    def _payloads(self, data: bytes, headers: np.ndarray) -> list[list[Meta]]:
+        """Every rank's requests of this round, from the records (and the ``v`` fallback)."""
+        counts = [int(c) for c in headers[:, 0]]
+        if max(counts) <= SLOT_BYTES:
+            slots = headers.view(np.uint8)[:, 16:]
+            return [pickle.loads(slots[r, :c].tobytes()) if c else []
+                    for r, c in enumerate(counts)]
         displs = [0] * self.size
         for r in range(1, self.size):
-            displs[r] = displs[r - 1] + counts_list[r - 1]
-        recv = np.empty(total, dtype=np.uint8)
+            displs[r] = displs[r - 1] + counts[r - 1]
+        recv = np.empty(sum(counts), dtype=np.uint8)
         send = np.frombuffer(data, dtype=np.uint8) if data else np.empty(0, dtype=np.uint8)
-        self.comm.Allgatherv(send, [recv, (counts_list, displs), MPI.BYTE])
+        self.comm.Allgatherv(send, [recv, (counts, displs), MPI.BYTE])
         return [pickle.loads(recv[d:d + c].tobytes()) if c else []
-                for d, c in zip(displs, counts_list)]
+                for d, c in zip(displs, counts)]
 
     def _poll(self, request: MPI.Request, stall_after: float) -> None:
         """Complete ``request``: test and yield, then sleep between tests once it has taken

@@ -16,7 +16,7 @@ Variable                           Meaning
 ``MPICOLL_OVERLAP``                ``1``: negotiate and reduce as soon as requests arrive
                                    (communication overlaps backward); ``0``: start a round
                                    only once this rank's user thread waits for a result (or
-                                   20 ms after the first pending request), so collectives
+                                   50 ms after the latest request), so collectives
                                    never compete with computation for a core; ``auto``
                                    (default): ``1`` when the node has a spare core per rank
                                    (cores >= ranks on the node x (torch threads + 1)).
