@@ -54,6 +54,37 @@ echo "== ${SLURM_JOB_NAME:-job} ${SLURM_JOB_ID:-?}${SLURM_ARRAY_TASK_ID:+ (array
 echo "== python $MPICOLL_PYTHON, venv $MPICOLL_VENV, launcher $MPICOLL_LAUNCHER" \
      "$([ "$MPICOLL_LAUNCHER" = srun ] && echo "--mpi=$MPICOLL_SRUN_MPI")"
 
+# MPICH names its node-local shared-memory segments after the PMI job id, which under
+# `srun --mpi=pmi2` is "<job id>.<step id>": /dev/shm/mpich_shm_<FNV-1a hash>_<node>.  A
+# rank killed by a requeue (or preemption) leaves its segment behind, and after the requeue
+# the same job id numbers its steps from 0 again, so the new step with the same id attaches
+# to the stale segment and MPI_Init fails ("Message truncated", UCX "failed to unpack
+# address").  mpicoll_clean_stale_shm removes this job's own leftover segments (and only
+# those) on every node of the allocation; it runs by itself when the job is a restart.
+_mpicoll_fnv1a() {  # FNV-1a 32-bit of $1 in hex, as MPICH's HASH_FNV and "%x"
+  local s=$1 h=2166136261 i c
+  for (( i = 0; i < ${#s}; i++ )); do
+    printf -v c '%d' "'${s:i:1}"
+    h=$(( ((h ^ c) * 16777619) & 0xffffffff ))
+  done
+  printf '%x' "$h"
+}
+mpicoll_clean_stale_shm() {
+  local steps=${1:-100} s names=()
+  for (( s = 0; s < steps; s++ )); do
+    names+=("$(_mpicoll_fnv1a "$SLURM_JOB_ID.$s")")
+  done
+  # one task per node, not an MPI program
+  srun --mpi=none --ntasks="${SLURM_JOB_NUM_NODES:-1}" --ntasks-per-node=1 \
+    bash -c 'n=0; for h in "$@"; do for f in /dev/shm/mpich_shm_${h}_* /dev/shm/mpich_vci_${h}_*; do
+               [ -e "$f" ] && rm -f "$f" && n=$((n + 1)); done; done
+             [ "$n" = 0 ] || echo "== $(hostname): removed $n stale MPICH segment(s) of job '"$SLURM_JOB_ID"'"' \
+    _ "${names[@]}"
+}
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ "$MPICOLL_LAUNCHER" = srun ]; then
+  mpicoll_clean_stale_shm
+fi
+
 mpicoll_launch() {
   local n=${MPICOLL_STEP_NTASKS:-${SLURM_NTASKS:?not inside a Slurm job (no SLURM_NTASKS)}}
   case "$MPICOLL_LAUNCHER" in

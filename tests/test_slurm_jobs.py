@@ -98,22 +98,38 @@ class Slurm:
                                  f"(cancelled):\n{self.job_info(job)}")
         return proc.returncode
 
-    def state(self, job: str) -> str:
-        return self.run("squeue", "-h", "-j", job, "-o", "%T", check=False).stdout.strip()
-
     def job_info(self, job: str) -> str:
         return self.run("scontrol", "show", "job", job, check=False).stdout
 
-    def start_now(self, job: str, deadline: float = 60) -> None:
-        """Lift the ~2 min BeginTime hold Slurm puts on a requeued job (CI has no time)."""
+    def restarts(self, job: str) -> int:
+        m = re.search(r"\bRestarts=(\d+)", self.job_info(job))
+        return int(m.group(1)) if m else -1
+
+    def start_now(self, job: str, restarts: int, deadline: float = 60) -> None:
+        """Once JOB has been requeued RESTARTS times, lift the ~2 min BeginTime hold Slurm
+        puts on a requeued job (CI has no time to wait).
+
+        Not at once: slurmd revokes the old run's credential with a one-second timestamp,
+        and a run started within that second is killed ("Job credential revoked").
+        """
         end = time.monotonic() + deadline
+        seen = None
         while time.monotonic() < end:
-            if self.state(job) == "PENDING":
-                if self.run("scontrol", "update", f"JobId={job}", "StartTime=now",
-                            check=False).returncode == 0:
-                    return
+            if seen is None and self.restarts(job) >= restarts:
+                seen = time.monotonic()
+            if seen is not None:
+                state = self.run("squeue", "-h", "-j", job, "-o", "%T %r",
+                                 check=False).stdout.split()
+                if state == ["PENDING", "BeginTime"]:
+                    if time.monotonic() - seen >= 2.0:
+                        self.run("scontrol", "update", f"JobId={job}", "StartTime=now",
+                                 check=False)
+                elif not state or state[0] == "RUNNING" or state[0] == "PENDING":
+                    return  # running again, about to (other reason), or already gone
+                # else COMPLETING / REQUEUE_*: the old run is still being torn down
             time.sleep(0.3)
-        raise AssertionError(f"requeued job {job} never became PENDING:\n{self.job_info(job)}")
+        raise AssertionError(f"job {job} was not requeued {restarts} time(s) and started "
+                             f"again in {deadline:.0f} s:\n{self.job_info(job)}")
 
 
 def _read(path: Path) -> str:
@@ -242,3 +258,112 @@ def test_bench_sweep_array_and_collect(slurm: Slurm, tmp_path: Path) -> None:
     for collective in ("allreduce", "allgather"):
         png = results / f"{collective}-busbw.png"
         assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+# ----------------------------------------------------------------------- training
+# Enough epochs (0.1-0.4 s each here) that training cannot end before a requeue lands.
+TRAIN_EPOCHS = 30
+EPOCH_LINE = re.compile(r"^epoch\s+(\d+)/(\d+)\s+loss ([\d.]+)\s+test accuracy ([\d.]+)", re.M)
+RUN_HEADER = re.compile(r"^== mpicoll-train \d+ restart (\d+) ", re.M)
+
+
+def _runs(text: str) -> list[str]:
+    """The log of a job split at each run's header (append mode keeps them all)."""
+    starts = [m.start() for m in RUN_HEADER.finditer(text)]
+    return [text[a:b] for a, b in zip(starts, starts[1:] + [len(text)])]
+
+
+def _epochs(text: str) -> dict[int, tuple[str, str]]:
+    """{epoch: (loss, accuracy)} as printed (strings: compared exactly)."""
+    return {int(m.group(1)): (m.group(3), m.group(4)) for m in EPOCH_LINE.finditer(text)}
+
+
+def _wait_for(what: str, cond, job: str, slurm: Slurm, log: Path, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}:\n{_read(log)}\n"
+                                 f"{slurm.job_info(job)}")
+        time.sleep(0.2)
+
+
+needs_train = pytest.mark.skipif(not TRAIN_PY.exists(), reason="examples/train.py not there yet")
+
+
+@pytest.fixture(scope="module")
+def plain_training(slurm: Slurm, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """train.sbatch launched with mpirun inside the allocation, never interrupted."""
+    ckpt = tmp_path_factory.mktemp("train-plain")
+    job, log = slurm.submit("train.sbatch", "--ntasks=2", env={
+        "MPICOLL_LAUNCHER": "mpirun", "TRAIN_EPOCHS": str(TRAIN_EPOCHS),
+        "TRAIN_CHECKPOINT_DIR": str(ckpt)})
+    return _assert_ok(slurm, job, log, slurm.wait(job, 240))
+
+
+@needs_train
+def test_train_job_with_mpirun(plain_training: str) -> None:
+    """mpirun inside the allocation: right world, every epoch, accuracy reached."""
+    text = plain_training
+    assert "launcher mpirun" in text, text
+    _assert_world(text, 2)
+    assert "starting fresh" in text, text
+    assert sorted(_epochs(text)) == list(range(1, TRAIN_EPOCHS + 1)), text
+    assert re.search(r"^final test accuracy: 0\.9\d+ \(2 ranks", text, re.M), text
+    assert "training finished with exit status 0" in text, text
+
+
+@needs_train
+def test_train_job_requeued_resumes_from_checkpoint(slurm: Slurm, tmp_path: Path,
+                                                    plain_training: str) -> None:
+    """srun launch; `scontrol requeue` after the first checkpoint, then the pre-time-limit
+    signal (USR1 to the batch script, whose trap requeues) after a later one: each run
+    resumes from the last checkpoint, and the whole trajectory equals the uninterrupted
+    run's (same losses and accuracies, epoch by epoch), so nothing was lost."""
+    ckpt = tmp_path / "ckpt"
+    checkpoint = ckpt / "checkpoint.pt"
+    job, log = slurm.submit("train.sbatch", "--ntasks=2", env={
+        "TRAIN_EPOCHS": str(TRAIN_EPOCHS), "TRAIN_CHECKPOINT_DIR": str(ckpt)})
+    # 1. scontrol requeue once the first checkpoint is there
+    _wait_for("the first checkpoint", checkpoint.exists, job, slurm, log)
+    slurm.run("scontrol", "requeue", job)
+    slurm.start_now(job, restarts=1)
+    # 2. once the second run has resumed and checkpointed an epoch of its own: the signal
+    #    Slurm sends before the time limit (--signal=B:USR1@180), sent now
+    def second_run_checkpointed() -> bool:
+        runs = _runs(_read(log))
+        return len(runs) >= 2 and len(_epochs(runs[1])) >= 1
+    _wait_for("the second run's first epoch", second_run_checkpointed, job, slurm, log)
+    time.sleep(0.5)  # rank 0 saves right after printing
+    slurm.run("scancel", "--batch", "--signal=USR1", job)
+    slurm.start_now(job, restarts=2)
+    text = _assert_ok(slurm, job, log, slurm.wait(job, 240))
+
+    runs = _runs(text)
+    assert [RUN_HEADER.search(r).group(1) for r in runs] == ["0", "1", "2"], text
+    assert "starting fresh" in runs[0] and "DUE TO JOB REQUEUE" in runs[0], runs[0]
+    assert "USR1 (time limit near): requeueing job" in runs[1], runs[1]
+    assert "DUE TO JOB REQUEUE" in runs[1], runs[1]
+    for run in runs:
+        _assert_world(run, 2)
+    done = 0
+    for i, run in enumerate(runs):
+        m = re.search(rf"epochs (\d+)\.\.{TRAIN_EPOCHS}$", run, re.M)
+        assert m, f"run {i} has no 'epochs S..E' line:\n{run}"
+        start = int(m.group(1))
+        if i > 0:
+            assert "resuming from the checkpoint" in run, run
+            # resumed from the last checkpoint written: the last epoch printed, or the one
+            # before it if the kill came between the print and the save
+            assert start >= 1 and done - 1 <= start <= done, (i, start, done, text)
+        epochs = sorted(_epochs(run))
+        if epochs:
+            assert epochs == list(range(start + 1, epochs[-1] + 1)), (i, epochs)
+            done = epochs[-1]
+    assert done == TRAIN_EPOCHS, text
+    # the interrupted trajectory is the uninterrupted one, epoch by epoch
+    reference = _epochs(plain_training)
+    merged: dict[int, tuple[str, str]] = {}
+    for run in runs:
+        merged.update(_epochs(run))
+    assert merged == reference, f"resumed training diverged:\n{merged}\nvs\n{reference}"
+    assert re.search(r"^final test accuracy: 0\.9\d+ \(2 ranks", runs[-1], re.M), runs[-1]
