@@ -4,8 +4,8 @@ Every CPU dtype from ``uint8`` to ``float64`` maps to a numpy dtype of the same 
 contiguous tensor is handed to mpicoll as a zero-copy numpy view (``tensor.numpy()``).
 ``bfloat16`` has no numpy dtype: it *moves* as ``int16`` (bit patterns; broadcast and
 allgather are exact) and *reduces* in ``float32`` (packed into a float32 buffer, reduced,
-rounded back to bfloat16 once at the end). ``bool`` moves as numpy ``bool`` and cannot be
-reduced arithmetically (min/max are allowed).
+rounded back to bfloat16 once at the end). ``bool`` moves as numpy ``bool`` and reduces as
+``uint8`` with Min/Max only (logical and/or).
 """
 from __future__ import annotations
 
@@ -59,8 +59,13 @@ def numpy_view(tensor: torch.Tensor) -> np.ndarray:
 
 
 def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype in which tensors of ``dtype`` are summed (bfloat16 -> float32)."""
-    return torch.float32 if dtype is torch.bfloat16 else dtype
+    """The dtype in which tensors of ``dtype`` are reduced (bfloat16 -> float32, bool ->
+    uint8, where Min/Max of 0/1 are logical and/or)."""
+    if dtype is torch.bfloat16:
+        return torch.float32
+    if dtype is torch.bool:
+        return torch.uint8
+    return dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:

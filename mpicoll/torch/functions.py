@@ -23,8 +23,10 @@ def _named(params: Any) -> list[tuple[Any, torch.Tensor]]:
     if isinstance(params, dict):
         return sorted(params.items(), key=lambda kv: str(kv[0]))
     if isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
-        items = list(params)
-        return [p if isinstance(p, tuple) else (None, p) for p in items]
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+        if items and all(name is not None for name, _ in items):
+            items.sort(key=lambda kv: str(kv[0]))
+        return items
     raise ValueError(f"params must be a dict (state_dict), named_parameters() or a list of "
                      f"tensors, not {type(params).__name__}")
 
@@ -33,8 +35,8 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     """Overwrite every rank's tensors with ``root_rank``'s, in place.
 
     Args:
-        params: ``model.state_dict()`` (broadcast sorted by name), ``named_parameters()``
-            or a list of tensors (in the given order, the same on every rank).
+        params: ``model.state_dict()`` or ``named_parameters()`` (broadcast sorted by
+            name), or a list of tensors (in the given order, the same on every rank).
         root_rank: the rank whose values everyone gets.
     Raises:
         ValueError: ``params`` of another type. mpicoll.MismatchError: ranks disagree on

@@ -60,6 +60,15 @@ def test_allreduce_ops(op, name, dtype):
     assert torch.allclose(out.to(torch.float64), expect, rtol=tol, atol=tol)
 
 
+def test_bool_min_max_are_logical_and_or():
+    for rep in range(2):
+        x = torch.tensor([True, hvd.rank() % 2 == 0, False, hvd.rank() == 0])
+        assert torch.equal(hvd.allreduce(x, op=hvd.Max),
+                           torch.tensor([True, True, False, True]))
+        assert torch.equal(hvd.allreduce(x, op=hvd.Min),
+                           torch.tensor([True, hvd.size() == 1, False, hvd.size() == 1]))
+
+
 def test_allreduce_product_and_deprecated_average():
     x = torch.full((5,), 2.0) if hvd.rank() % 2 else torch.full((5,), 3.0)
     prod = hvd.allreduce(x, op=hvd.Product)
