@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "docs" / "bench"
 DOC = ROOT / "docs" / "benchmarks.md"
 OTHER = ("reduce_scatter", "allgather", "broadcast", "reduce")
+MODULE = {"reduce_scatter": "osu_reduce_scatter", "allgather": "osu_allgather",
+          "broadcast": "osu_bcast", "reduce": "osu_reduce"}
 
 
 def mpirun(n: int, args: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
@@ -111,7 +113,7 @@ def sweep(sizes: list[int], quick: bool, timeout: float) -> None:
     for n in [s for s in sizes if s in (2, 4)]:
         for coll in OTHER:
             log[f"{coll}_n{n}"] = mpirun(n, [
-                f"bench.osu_{coll}", "-m", "8:16M", "--step", "4", "-c", *its,
+                f"bench.{MODULE[coll]}", "-m", "8:16M", "--step", "4", "-c", *its,
                 "--memcpy-bytes", "0", "--format", "json",
                 "--output", _rel(DATA / f"{coll}_n{n}.json"),
                 "--plot", _rel(DATA / f"{coll}_n{n}.png")], timeout)[0]
@@ -248,6 +250,13 @@ def write_markdown(ns: list[int]) -> str:
            "other jobs running tests at the same time, with up to 8 ranks on 2 cores; small-"
            "message times in particular vary by 2-10x between runs. Re-run "
            "`python -m bench.make_docs` on a quiet machine before trusting a ratio.", ""]
+    failed = [k for k, rc in (status.get("exit_status") or {}).items() if rc]
+    if failed:
+        out += [f"**Runs that failed in the last sweep (tables missing or stale):** "
+                f"{', '.join(failed)}", ""]
+    notes = DATA / "notes.md"
+    if notes.exists():
+        out += [notes.read_text(encoding="utf-8").strip(), ""]
     ov = _load("overhead_n2")
     if ov:
         pc = ov["per_call_us"]
