@@ -181,3 +181,13 @@ def test_layout_queries():
     assert hvd.cross_size() * hvd.local_size() >= hvd.size() or hvd.cross_size() >= 1
     assert hvd.is_initialized() and hvd.mpi_threads_supported()
     hvd.init()  # repeatable
+
+
+def test_many_requests_in_one_round_overflow_the_negotiation_record():
+    # ~200 requests with long names: more than the 4 KiB carried inline per round.
+    names = [f"many.requests.with.a.rather.long.name.{i:04d}" for i in range(200)]
+    order = names if hvd.rank() % 2 == 0 else names[::-1]
+    handles = {n: hvd.allreduce_async(torch.full((2,), float(i)), name=n, op=hvd.Sum)
+               for i, n in ((names.index(n), n) for n in order)}
+    for i, n in enumerate(names):
+        assert torch.equal(hvd.synchronize(handles[n]), torch.full((2,), float(i * hvd.size())))
