@@ -14,7 +14,7 @@ from the same file, so every rank makes the same one. In order:
 from __future__ import annotations
 
 from . import config, tuning
-from .algorithms.registry import names
+from .algorithms.registry import is_registered, names
 
 __all__ = ["choose", "builtin_choice", "resolve_algorithm"]
 
@@ -32,12 +32,12 @@ def choose(collective: str, size: int, ranks_per_node: int, nbytes: int) -> str:
         ValueError: ``MPICOLL_TUNING_FILE`` names a missing or invalid table.
     """
     forced = config.env_str("MPICOLL_ALGORITHM")
-    if forced and forced != "auto" and forced in names(collective):
+    if forced and forced != "auto" and is_registered(collective, forced):
         return forced
     table = tuning.active_table()
     if table is not None:
         name = table.lookup(collective, size, ranks_per_node, nbytes)
-        if name is not None and name in names(collective):
+        if name is not None and is_registered(collective, name):
             return name
     return builtin_choice(collective, size, ranks_per_node, nbytes)
 
@@ -71,7 +71,7 @@ def resolve_algorithm(collective: str, algorithm: str, size: int, ranks_per_node
         raise TypeError(f"algorithm must be a string, not {type(algorithm).__name__}")
     if algorithm == "auto":
         return choose(collective, size, ranks_per_node, nbytes)
-    if algorithm not in names(collective):
+    if not is_registered(collective, algorithm):
         raise ValueError(f"unknown algorithm={algorithm!r} for {collective}; choose one of "
                          f"{['auto', *names(collective)]}")
     return algorithm

@@ -23,6 +23,8 @@ SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
     ],
     # parameter server: 1 and 2 servers (the suite picks layouts per world size)
     "tests/ps": [(2, {}), (3, {}), (4, {}), (5, {})],
+    # benchmark smoke tests: tiny sizes, validation on, no speed thresholds
+    "tests/bench": [(1, {}), (2, {}), (3, {})],
 }
 
 CASES = [pytest.param(suite, n, env, id=f"{suite}-n{n}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-__all__ = ["COLLECTIVES", "register", "lookup", "names"]
+__all__ = ["COLLECTIVES", "register", "lookup", "names", "is_registered"]
 
 #: The collectives mpicoll implements.
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
@@ -57,6 +57,12 @@ def lookup(collective: str, name: str) -> Callable:
         raise ValueError(f"unknown algorithm={name!r} for {collective}; choose one of "
                          f"{['auto', *sorted(table)]}")
     return fn
+
+
+def is_registered(collective: str, name: str) -> bool:
+    """Whether ``name`` is a registered algorithm of ``collective`` (cheap: a dict lookup)."""
+    table = _REGISTRY.get(collective)
+    return table is not None and name in table
 
 
 def names(collective: str) -> list[str]:
