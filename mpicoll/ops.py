@@ -28,7 +28,7 @@ _KIND_NAMES = {"b": "bool", "i": "signed integer", "u": "unsigned integer",
                "f": "floating", "c": "complex"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Op:
     """One reduction operation.
 
