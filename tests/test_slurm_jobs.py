@@ -172,6 +172,25 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
             subprocess.run([str(CI / "stop.sh")], timeout=120, check=False)
 
 
+#: Every submittable script in jobs/ and the test(s) below that submit it.
+COVERED = {
+    "train.sbatch": "test_train_job_with_mpirun, test_train_job_requeued_resumes_from_checkpoint",
+    "ps.sbatch": "test_parameter_server_job, test_wrong_pmi_fails_the_world_check",
+    "hierarchical.sbatch": "test_hierarchical_job",
+    "bench_submit.sh": "test_bench_sweep_array_and_collect",
+    "bench_sweep.sbatch": "test_bench_sweep_array_and_collect (via bench_submit.sh)",
+    "bench_collect.sbatch": "test_bench_sweep_array_and_collect (via bench_submit.sh)",
+}
+
+
+def test_every_job_script_is_submitted_by_a_test() -> None:
+    """A new script in jobs/ needs a test here that submits it (common.sh is sourced)."""
+    scripts = {p.name for p in JOBS.glob("*.sbatch")} | {p.name for p in JOBS.glob("*.sh")}
+    assert scripts - {"common.sh"} == set(COVERED), \
+        f"untested: {sorted(scripts - {'common.sh'} - set(COVERED))}, " \
+        f"gone: {sorted(set(COVERED) - scripts)}"
+
+
 def test_wrong_pmi_fails_the_world_check(slurm: Slurm) -> None:
     """srun without PMI-2 gives MPICH singletons: the job must fail, saying why."""
     job, log = slurm.submit("ps.sbatch", "--ntasks=2", env={"MPICOLL_SRUN_MPI": "none"})
@@ -285,11 +304,15 @@ def _final_accuracy(text: str) -> float:
 
 
 def _wait_for(what: str, cond, job: str, slurm: Slurm, log: Path, timeout: float = 120) -> None:
+    """Poll COND until true; fail at once (with the log) if JOB ends first."""
     end = time.monotonic() + timeout
+    polls = 0
     while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}:\n{_read(log)}\n"
-                                 f"{slurm.job_info(job)}")
+        polls += 1
+        if time.monotonic() > end or (polls % 5 == 0 and not slurm.run(
+                "squeue", "-h", "-j", job, "-o", "%T", check=False).stdout.strip()):
+            raise AssertionError(f"job {job} ended or timed out before {what}:\n{_read(log)}"
+                                 f"\n{slurm.job_info(job)}")
         time.sleep(0.2)
 
 
