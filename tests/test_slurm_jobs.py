@@ -56,6 +56,7 @@ class Slurm:
 
     def __init__(self, logdir: Path) -> None:
         self.logdir = logdir
+        self.jobs: list[str] = []  # everything submitted, cancelled at the end
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("SLURM_", "SBATCH_", "SALLOC_", "SRUN_", "MPICOLL_",
                                     "PMI_", "PMIX_", "HYDRA_", "OMPI_", "PYTEST_"))}
@@ -87,6 +88,7 @@ class Slurm:
         out = self.run("sbatch", "--parsable", f"--output={log}", *sbatch_args,
                        str(JOBS / script), *args, env=env).stdout.strip()
         job = out.split(";")[0]
+        self.jobs.append(job)
         return job, self.logdir / f"{name}-{job}.out"
 
     def wait(self, job: str, timeout: float = 240) -> int:
@@ -165,9 +167,12 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
     if proc.returncode != 0:
         pytest.fail(f".ci/slurm/start.sh failed ({proc.returncode}):\n{proc.stderr}")
     print(f"Slurm up in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    cluster = Slurm(tmp_path_factory.mktemp("slurm-logs"))
     try:
-        yield Slurm(tmp_path_factory.mktemp("slurm-logs"))
+        yield cluster
     finally:
+        if cluster.jobs:  # a failed test may have left its job running
+            cluster.run("scancel", *cluster.jobs, check=False)
         if not was_up:
             subprocess.run([str(CI / "stop.sh")], timeout=120, check=False)
 
@@ -191,9 +196,10 @@ def test_every_job_script_is_submitted_by_a_test() -> None:
         f"gone: {sorted(set(COVERED) - scripts)}"
 
 
-def test_wrong_pmi_fails_the_world_check(slurm: Slurm) -> None:
+def test_wrong_pmi_fails_the_world_check(slurm: Slurm, tmp_path: Path) -> None:
     """srun without PMI-2 gives MPICH singletons: the job must fail, saying why."""
-    job, log = slurm.submit("ps.sbatch", "--ntasks=2", env={"MPICOLL_SRUN_MPI": "none"})
+    job, log = slurm.submit("ps.sbatch", "--ntasks=2", env={"MPICOLL_SRUN_MPI": "none",
+                                                            "PS_OUT": str(tmp_path)})
     rc = slurm.wait(job, 120)
     text = _read(log)
     assert rc != 0, f"job with the wrong PMI succeeded:\n{text}"
@@ -247,6 +253,7 @@ def test_bench_sweep_array_and_collect(slurm: Slurm, tmp_path: Path) -> None:
         "BENCH_RESULTS": str(results), "BENCH_LOG_DIR": str(slurm.logdir)})
     ids = dict(line.split(" ", 1) for line in proc.stdout.strip().splitlines())
     sweep, collect = ids["sweep"], ids["collect"]
+    slurm.jobs += [sweep, collect]
     rc = slurm.wait(sweep, 240)
     logs = sorted(slurm.logdir.glob(f"mpicoll-bench-{sweep}_*.out"))
     text = "\n".join(_read(p) for p in logs)
