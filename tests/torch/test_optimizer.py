@@ -55,6 +55,9 @@ def test_equivalence_with_one_process_on_the_whole_batch(passes):
             (loss_fn(model, xs[k * half:(k + 1) * half], ys[k * half:(k + 1) * half])
              / passes).backward()
         opt.step()
+        # the reduced gradients (and so the parameters) are bit-identical on every rank
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).unsqueeze(0)
+        assert torch.equal(hvd.allgather(grads), grads.expand(n, -1))
         ref_opt.zero_grad()
         loss_fn(ref, x, y).backward()
         ref_opt.step()
