@@ -93,3 +93,25 @@ def test_init_refuses_mpi_below_thread_multiple():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, cwd=ROOT, env=env)
     assert "refused:" in out.stdout and "THREAD_MULTIPLE" in out.stdout, out.stdout + out.stderr
+
+
+def test_horovod_keywords_sparse_as_dense_num_groups_join_device():
+    import mpicoll.torch as hvd
+
+    hvd.init()
+    try:
+        emb = torch.nn.Embedding(10, 3, sparse=True)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                       named_parameters=emb.named_parameters(),
+                                       sparse_as_dense=True, num_groups=2)
+        for _ in range(2):
+            opt.zero_grad()
+            emb(torch.tensor([1, 2])).sum().backward()
+            opt.step()
+        assert torch.equal(emb.weight.grad[1], torch.ones(3))
+        assert torch.equal(emb.weight.grad[0], torch.zeros(3))
+        assert hvd.join(device=0) == 0
+        with pytest.raises(ValueError, match="num_groups"):
+            hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), num_groups=-1)
+    finally:
+        hvd.shutdown()

@@ -231,8 +231,10 @@ def barrier() -> None:
     synchronize(_submit(Meta(_name("barrier", None), "barrier")))
 
 
-def join() -> int:
+def join(device: int = -1) -> int:
     """Stop taking part with data; return once every rank has joined.
+
+    ``device`` is accepted for Horovod compatibility (CPU only: ignored).
 
     Until then this rank contributes zeros to other ranks' all-reduces (averages still
     divide by :func:`size`) and no rows to their all-gathers.

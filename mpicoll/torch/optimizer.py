@@ -90,6 +90,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[int, Any]:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse:
+            if not self._sparse_as_dense:
+                raise TypeError("sparse gradients are reduced only with "
+                                "DistributedOptimizer(..., sparse_as_dense=True)")
+            p.grad = p.grad.to_dense()
         compressed, ctx = self._compression.compress(p.grad)
         if int(self.op) == int(Average):
             pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
@@ -207,8 +212,9 @@ def _check_groups(groups: Any, params: list) -> Any:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,
                          compression: Any = Compression.none,
                          backward_passes_per_step: int = 1, op: Any = Average,
-                         gradient_predivide_factor: float = 1.0,
-                         groups: Any = None) -> torch.optim.Optimizer:
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: Any = None,
+                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
 
     Args:
@@ -220,7 +226,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         op: ``Average`` (default), ``Sum``, ...
         gradient_predivide_factor: with Average, divide by this before the sum and by
             ``size()/factor`` after.
-        groups: accepted for compatibility (validated); fusion is automatic.
+        num_groups, groups: accepted for compatibility (validated); fusion is automatic.
+        sparse_as_dense: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense
+            tensors; without it a sparse gradient raises ``TypeError``.
     Returns:
         An instance of a subclass of ``type(optimizer)``.
     Raises:
@@ -231,6 +239,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                                         if k not in ("__dict__", "__weakref__")})
     dist = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups must be an int >= 0, not {num_groups!r}")
+    dist._sparse_as_dense = bool(sparse_as_dense)
     dist._dist_setup(named_parameters, compression, backward_passes_per_step, op,
                      gradient_predivide_factor, groups)
     return dist
