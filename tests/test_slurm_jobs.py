@@ -210,7 +210,8 @@ def test_wrong_pmi_fails_the_world_check(slurm: Slurm, tmp_path: Path) -> None:
 @pytest.mark.skipif(not PS_PY.exists(), reason="examples/ps_train.py not there yet")
 def test_parameter_server_job(slurm: Slurm, tmp_path: Path) -> None:
     """Two servers (tasks 0-1) and two workers train to a good accuracy; metrics written."""
-    job, log = slurm.submit("ps.sbatch", "--ntasks=4",
+    # the script's own layout (4 tasks), as a user would submit it
+    job, log = slurm.submit("ps.sbatch",
                             env={"PS_SERVERS": "2", "PS_STEPS": "150", "PS_OUT": str(tmp_path)})
     text = _assert_ok(slurm, job, log, slurm.wait(job, 180))
     _assert_world(text, 4)
