@@ -10,8 +10,9 @@
 #
 #     .ci/slurm/start.sh && . /tmp/mpicoll-slurm/env && sbatch jobs/train.sbatch
 #
-# Exit status: 0 ready; 77 Slurm cannot be installed here (no apt-get, not root, or apt
-# failed) - callers skip; anything else: installed but failed to start (a real failure).
+# Exit status: 0 ready; 77 Slurm cannot be installed or run here (not root, no apt-get,
+# or apt failed) - callers skip; anything else: installed but failed to start (a real
+# failure).
 #
 # Env knobs:
 #   MPICOLL_SLURM_DIR      config/state/log/pid directory  (default /tmp/mpicoll-slurm)
@@ -48,8 +49,9 @@ if alive "$BASE/slurmctld.pid" && alive "$BASE/slurmd.pid" &&
 fi
 
 # ------------------------------------------------------------ 1. packages
+# the daemons run as root (SlurmUser=root) and the install needs apt
+[ "$(id -u)" = 0 ] || cannot "not root: cannot install slurm-wlm or run slurmctld/slurmd here"
 if ! { [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && command -v sbatch >/dev/null; }; then
-  [ "$(id -u)" = 0 ] || cannot "Slurm is not installed and we are not root (cannot apt-get install slurm-wlm)"
   command -v apt-get >/dev/null || cannot "Slurm is not installed and there is no apt-get"
   log "installing slurm-wlm"
   # keep package postinst scripts from starting munge/slurmd through init.d
