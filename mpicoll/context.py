@@ -52,7 +52,9 @@ class CommContext:
     MAX_PLANS = 256
 
     def __init__(self, comm: MPI.Comm) -> None:
-        self.comm = comm
+        # A plain mpi4py view of the handle: native collectives must call MPI's own
+        # methods even when the caller passed an mpicoll.Comm (which overrides them).
+        self.comm = comm if type(comm) is MPI.Intracomm else MPI.Intracomm(comm)
         self.handle = comm.handle
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
