@@ -16,6 +16,11 @@ Variable                       Meaning
 ``MPICOLL_ALGORITHM``          Force one algorithm name wherever ``"auto"`` is asked for
                                (a name not registered for a collective is ignored there).
 ============================== ============================================================
+
+The PyTorch adapter adds ``MPICOLL_FUSION_THRESHOLD``, ``MPICOLL_CYCLE_TIME_MS``,
+``MPICOLL_ALLREDUCE_ALGORITHM``, ``MPICOLL_STALL_CHECK_TIME_SECONDS`` and
+``MPICOLL_OVERLAP``, read by ``mpicoll.torch.init()``: see :mod:`mpicoll.torch.settings`
+(their descriptions are merged into :data:`VARIABLES` below).
 """
 from __future__ import annotations
 
@@ -29,6 +34,12 @@ VARIABLES = {
     "MPICOLL_RANKS_PER_NODE": "emulate nodes of this many consecutive ranks",
     "MPICOLL_TUNING_FILE": "JSON tuning table for algorithm='auto'",
     "MPICOLL_ALGORITHM": "force an algorithm where 'auto' is asked for",
+    # read by mpicoll.torch.init() (mpicoll/torch/settings.py has the details)
+    "MPICOLL_FUSION_THRESHOLD": "mpicoll.torch: largest fused all-reduce buffer in bytes",
+    "MPICOLL_CYCLE_TIME_MS": "mpicoll.torch: shortest time between negotiation rounds (ms)",
+    "MPICOLL_ALLREDUCE_ALGORITHM": "mpicoll.torch: all-reduce algorithm for gradients",
+    "MPICOLL_STALL_CHECK_TIME_SECONDS": "mpicoll.torch: stall inspector warning delay (s)",
+    "MPICOLL_OVERLAP": "mpicoll.torch: overlap communication with backward (auto/1/0)",
 }
 
 DEFAULT_SEGMENT_BYTES = 1 << 20

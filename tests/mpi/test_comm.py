@@ -141,3 +141,19 @@ def test_dup_is_mpicoll_comm_and_collective_algorithm():
         dup.Bcast(y, root=0)
     finally:
         dup.Free()
+
+
+def test_native_through_mpicoll_comm_does_not_recurse():
+    """A context first created from an mpicoll.Comm must still reach MPI's own methods."""
+    comm = mpicoll.Comm(MPI.COMM_WORLD.Dup(), algorithm="native")
+    try:
+        x = np.arange(5, dtype="d")
+        y = np.empty_like(x)
+        comm.Allreduce(x, y)
+        np.testing.assert_array_equal(y, x * SIZE)
+        comm.Bcast(y, root=0)
+        g = np.empty(5 * SIZE)
+        comm.Allgather(x, g)
+        np.testing.assert_array_equal(g, np.tile(x, SIZE))
+    finally:
+        comm.Free()
