@@ -60,6 +60,27 @@ def _check_count(name: str, arr: Any, expected: int, why: str) -> None:
         raise ValueError(f"{name} has {arr.size} elements but {expected} are needed ({why})")
 
 
+def _elementwise_buffers(sendbuf: Any, recvbuf: Any) -> tuple[Any, Any, Any]:
+    """Flat (send, recv) views and the result object of an elementwise reduction.
+
+    In place (``sendbuf`` IN_PLACE/None, or the same memory as ``recvbuf``) ``send`` is
+    ``recv``; ``recvbuf=None`` allocates a result shaped like ``sendbuf``.
+    """
+    if is_in_place(sendbuf):
+        if recvbuf is None:
+            raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
+        recv = flat_view(recvbuf, "recvbuf", writable=True)
+        return recv, recv, recvbuf
+    send = flat_view(sendbuf, "sendbuf")
+    if recvbuf is None:
+        result = buffers.array_module(sendbuf).empty_like(sendbuf)
+        return send, flat_view(result, "recvbuf", writable=True), result
+    recv = flat_view(recvbuf, "recvbuf", writable=True)
+    _check_same_dtype(send, recv)
+    _check_count("recvbuf", recv, send.size, "as many as sendbuf")
+    return (recv if _same_memory(send, recv) else send), recv, recvbuf
+
+
 def _prepare(ctx: CommContext, collective: str, checked: bool | None,
              validate: Callable[[], dict]) -> dict:
     """Run ``validate`` (local checks), then the agreement step when checked."""
@@ -77,11 +98,6 @@ def _prepare(ctx: CommContext, collective: str, checked: bool | None,
               algorithm=call.get("requested"), resolved=call.get("name"),
               segment_bytes=ctx.segment_bytes)
     return call
-
-
-def _algorithm(ctx: CommContext, collective: str, algorithm: str, nbytes: int) -> tuple[str, Any]:
-    name = resolve_algorithm(collective, algorithm, ctx.size, 0, nbytes)
-    return name, lookup(collective, name)
 
 
 def run_allreduce(ctx: CommContext, name: str, send: Any, recv: Any, op: Any) -> None:
@@ -122,23 +138,7 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
     ctx = get_context(comm)
 
     def validate() -> dict:
-        if is_in_place(sendbuf):
-            if recvbuf is None:
-                raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
-            recv = flat_view(recvbuf, "recvbuf", writable=True)
-            send, result = recv, recvbuf
-        else:
-            send = flat_view(sendbuf, "sendbuf")
-            if recvbuf is None:
-                result = buffers.array_module(sendbuf).empty_like(sendbuf)
-                recv = flat_view(result, "recvbuf", writable=True)
-            else:
-                recv = flat_view(recvbuf, "recvbuf", writable=True)
-                result = recvbuf
-                _check_same_dtype(send, recv)
-                _check_count("recvbuf", recv, send.size, "as many as sendbuf")
-                if _same_memory(send, recv):
-                    send = recv
+        send, recv, result = _elementwise_buffers(sendbuf, recvbuf)
         opo = resolve_op(op)
         opo.check_dtype(recv.dtype)
         name = resolve_algorithm("allreduce", algorithm, ctx.size, 0, recv.nbytes)
@@ -319,28 +319,13 @@ def reduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", root: int = 0,
     def validate() -> dict:
         r = _check_root(root, ctx.size)
         at_root = ctx.rank == r
-        if is_in_place(sendbuf):
-            if not at_root:
-                raise ValueError(f"sendbuf is IN_PLACE/None on rank {ctx.rank}, which is not "
-                                 f"the root ({r}); only the root may reduce in place")
-            if recvbuf is None:
-                raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
-            recv = flat_view(recvbuf, "recvbuf", writable=True)
-            send, result = recv, recvbuf
+        if at_root:
+            send, recv, result = _elementwise_buffers(sendbuf, recvbuf)
+        elif is_in_place(sendbuf):
+            raise ValueError(f"sendbuf is IN_PLACE/None on rank {ctx.rank}, which is not "
+                             f"the root ({r}); only the root may reduce in place")
         else:
-            send = flat_view(sendbuf, "sendbuf")
-            recv = result = None
-            if at_root:
-                if recvbuf is None:
-                    result = buffers.array_module(sendbuf).empty_like(sendbuf)
-                    recv = flat_view(result, "recvbuf", writable=True)
-                else:
-                    recv = flat_view(recvbuf, "recvbuf", writable=True)
-                    result = recvbuf
-                    _check_same_dtype(send, recv)
-                    _check_count("recvbuf", recv, send.size, "as many as sendbuf")
-                    if _same_memory(send, recv):
-                        send = recv
+            send, recv, result = flat_view(sendbuf, "sendbuf"), None, None
         opo = resolve_op(op)
         opo.check_dtype(send.dtype)
         name = resolve_algorithm("reduce", algorithm, ctx.size, 0, send.nbytes)
