@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["refresh", "env_bool", "env_int", "env_str", "segment_bytes", "check_enabled", "VARIABLES"]
+__all__ = ["refresh", "env_bool", "env_int", "env_float", "env_str", "segment_bytes",
+           "check_enabled", "VARIABLES"]
 
 VARIABLES = {
     "MPICOLL_CHECK": "run the cross-rank agreement check before each collective (0/1)",
@@ -80,6 +81,24 @@ def env_int(name: str, default: int, minimum: int | None = None) -> int:
         value = int(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def env_float(name: str, default: float, minimum: float | None = None) -> float:
+    """Return the variable as a float.
+
+    Raises:
+        ValueError: the value is not a number or is below ``minimum``.
+    """
+    raw = env_str(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}={value} must be >= {minimum}")
     return value

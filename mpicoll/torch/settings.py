@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import os
 
+from .. import config
 from ..algorithms.registry import names
 
 __all__ = ["Settings", "from_environment", "VARIABLES"]
@@ -55,43 +55,24 @@ class Settings:
 
 
 def _env(name: str) -> str | None:
-    """The variable's current value (read afresh: settings are read once per init)."""
-    raw = os.environ.get(name, "").strip()
-    return raw or None
+    return config.env_str(name)
 
 
 def _env_int(name: str, default: int) -> int:
-    raw = _env(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if value < 0:
-        raise ValueError(f"{name}={value} must be >= 0")
-    return value
+    return config.env_int(name, default, minimum=0)
 
 
 def _env_float(name: str, default: float) -> float:
-    raw = _env(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if value < 0:
-        raise ValueError(f"{name}={value} must be >= 0")
-    return value
+    return config.env_float(name, default, minimum=0)
 
 
 def from_environment() -> Settings:
-    """Read the variables above.
+    """Read the variables above, afresh (:func:`mpicoll.config.refresh`).
 
     Raises:
         ValueError: a malformed value, or an unknown algorithm name.
     """
+    config.refresh()
     algorithm = _env("MPICOLL_ALLREDUCE_ALGORITHM") or "auto"
     if algorithm != "auto" and algorithm not in names("allreduce"):
         raise ValueError(f"MPICOLL_ALLREDUCE_ALGORITHM={algorithm!r}; choose one of "
