@@ -55,7 +55,10 @@ def refresh() -> None:
     Values are cached on first read (reading ``os.environ`` costs about a microsecond, too
     much on every collective call); call this after changing a variable at run time.
     """
+    from . import fastpath  # noqa: PLC0415  (cached calls hold algorithm choices)
+
     _cache.clear()
+    fastpath.invalidate()
 
 
 def env_str(name: str, default: str | None = None) -> str | None:

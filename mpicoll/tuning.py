@@ -41,7 +41,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from . import config
+from . import config, fastpath
 
 __all__ = ["FORMAT", "TuningTable", "load_table", "default_table_path", "default_table",
            "use_table", "active_table", "lookup", "rules_from_timings", "merge_tables",
@@ -232,6 +232,7 @@ def load_table(path: str | os.PathLike) -> TuningTable:
 
 def clear_cache() -> None:
     """Forget every table read from a file (the next lookup reads the files again)."""
+    fastpath.invalidate()
     with _lock:
         _file_cache.clear()
         _warned.clear()
@@ -290,6 +291,7 @@ def use_table(table: str | os.PathLike | TuningTable | Mapping | None) -> Tuning
         parsed = load_table(table)
     with _lock:
         _override, _override_set = parsed, table is not None
+    fastpath.invalidate()
     return parsed
 
 
