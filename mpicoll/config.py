@@ -25,6 +25,7 @@ The PyTorch adapter adds ``MPICOLL_FUSION_THRESHOLD``, ``MPICOLL_CYCLE_TIME_MS``
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 
 __all__ = ["refresh", "env_bool", "env_int", "env_float", "env_str", "segment_bytes",
            "check_enabled", "VARIABLES"]
@@ -71,22 +72,27 @@ def env_str(name: str, default: str | None = None) -> str | None:
     return default if value is None else value
 
 
+def _env_number(name: str, default: Any, minimum: Any, parse: Callable[[str], Any],
+                what: str) -> Any:
+    raw = env_str(name)
+    if raw is None:
+        return default
+    try:
+        value = parse(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not {what}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
 def env_int(name: str, default: int, minimum: int | None = None) -> int:
     """Return the variable as an int.
 
     Raises:
         ValueError: the value is not an integer or is below ``minimum``.
     """
-    raw = env_str(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return value
+    return _env_number(name, default, minimum, int, "an integer")
 
 
 def env_float(name: str, default: float, minimum: float | None = None) -> float:
@@ -95,16 +101,7 @@ def env_float(name: str, default: float, minimum: float | None = None) -> float:
     Raises:
         ValueError: the value is not a number or is below ``minimum``.
     """
-    raw = env_str(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return value
+    return _env_number(name, default, minimum, float, "a number")
 
 
 def env_bool(name: str, default: bool) -> bool:

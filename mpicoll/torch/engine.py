@@ -214,13 +214,19 @@ class Engine:
             self._fatal = self._fatal or exc
         for key in list(self.local):
             self.finish(key, error=CollectiveError(f"mpicoll.torch engine stopped: {exc}"))
+        for item in self._drain():
+            item.future.set_error(CollectiveError(f"mpicoll.torch engine stopped: {exc}"))
+
+    def _drain(self) -> list:
+        """Every request queued now, without waiting (wake-up markers dropped)."""
+        items = []
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
-                break
+                return items
             if item is not None:
-                item.future.set_error(CollectiveError(f"mpicoll.torch engine stopped: {exc}"))
+                items.append(item)
 
     def _loop(self) -> None:
         from .execute import execute  # noqa: PLC0415  (import cycle)
@@ -248,13 +254,7 @@ class Engine:
                 time.sleep(pause)
                 blocked = self._blocked()
             header[1] = blocked                  # read before draining: see negotiation.py
-            while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    new.append(item)
+            new.extend(self._drain())
             last_round = time.monotonic()
             metas = [w.meta for w in new]
             data = pickle.dumps(metas, protocol=pickle.HIGHEST_PROTOCOL) \
