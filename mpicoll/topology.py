@@ -45,12 +45,13 @@ class Topology:
         self.local_rank = self.node_comm.Get_rank()
         self.local_size = self.node_comm.Get_size()
         self.cross_comm = comm.Split(self.local_rank, rank)
-        leaders = comm.allgather((self.node_comm.allreduce(rank, op=MPI.MIN), self.local_size))
-        firsts = sorted({first for first, _ in leaders})
+        first = self.node_comm.allreduce(rank, op=MPI.MIN)  # identifies the node
+        leaders = comm.allgather((first, self.local_size))
+        firsts = sorted({f for f, _ in leaders})
         sizes = dict(leaders)
         self.node_sizes = [sizes[f] for f in firsts]
         self.num_nodes = len(firsts)
-        self.node_index = firsts.index(self.node_comm.allreduce(rank, op=MPI.MIN))
+        self.node_index = firsts.index(first)
         self.uniform = len(set(self.node_sizes)) == 1
 
     def free(self) -> None:
