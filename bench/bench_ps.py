@@ -65,6 +65,21 @@ def launch(n: int, args: list[str], timeout: float) -> tuple[int, str]:
         return 124, f"timeout after {timeout} s\n{exc.stdout or ''}{exc.stderr or ''}"
 
 
+def launch_json(n: int, args: list[str], label: str, timeout: float) -> dict | None:
+    """Launch ``args --json FILE`` on ``n`` ranks; the JSON it wrote, or None if it failed."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    try:
+        rc, text = launch(n, [*args, "--json", out], timeout)
+        if rc != 0:
+            print(f"# {label} failed (rc={rc}):\n{text[-2000:]}")
+            return None
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        os.unlink(out)
+
+
 # ---------------------------------------------------------------------- rank programs
 def throughput_rank(argv: list[str]) -> int:
     import numpy as np
@@ -142,17 +157,11 @@ def run_throughput(configs: list[tuple[int, int]], size: str, iters: int, warmup
     print(f"# {'servers':>7} {'workers':>7} {'PS GB/s':>9} {'allreduce':>9} {'native':>9} "
           f"{'PS/allr':>7} {'PS/nat':>7} valid")
     for servers, workers in configs:
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-            out = f.name
-        rc, text = launch(servers + workers,
+        row = launch_json(servers + workers,
                           [__file__, "_throughput_rank", "--servers", str(servers), "-m", size,
-                           "-i", str(iters), "-x", str(warmup), "--json", out], timeout)
-        if rc != 0:
-            print(f"# {servers}x{workers} failed (rc={rc}):\n{text[-2000:]}")
+                           "-i", str(iters), "-x", str(warmup)], f"{servers}x{workers}", timeout)
+        if row is None:
             continue
-        with open(out) as f:
-            row = json.load(f)
-        os.unlink(out)
         rows.append(row)
         g = row["gbps"]
         print(f"  {servers:>7} {workers:>7} {g['ps']:>9.2f} {g['allreduce']:>9.2f} "
@@ -168,19 +177,13 @@ def run_training(workers: int, servers: int, modes: list[str], steps: int,
     straggler = n - 1
     for mode in modes:
         consistency, _, s = mode.partition(":")
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-            out = f.name
         args = [os.path.join(ROOT, "examples", "ps_train.py"), "--servers", str(servers),
                 "--consistency", consistency, "--staleness", s or "0", "--steps", str(steps),
                 "--log-every", "10", "--straggler-rank", str(straggler),
-                "--straggler-delay", str(delay), "--json", out]
-        rc, text = launch(n, args, timeout)
-        if rc != 0:
-            print(f"# {mode} failed (rc={rc}):\n{text[-2000:]}")
+                "--straggler-delay", str(delay)]
+        res = launch_json(n, args, mode, timeout)
+        if res is None:
             continue
-        with open(out) as f:
-            res = json.load(f)
-        os.unlink(out)
         results[mode] = res
         st = res["stats"]["worker"]
         print(f"  {mode:8s} {res['seconds']:7.2f} s  final loss {res['final'][0]:.4f}  "

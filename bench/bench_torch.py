@@ -76,13 +76,7 @@ def run_mpicoll(args: argparse.Namespace, comm: MPI.Intracomm,
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), 0)
-    x, y = data(args.batch, comm.rank)
-
-    def step() -> None:
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    return timed(step, args, comm)
+    return time_sgd_steps(model, opt, args, comm)
 
 
 _ddp_ready = False
@@ -101,27 +95,31 @@ def run_ddp(args: argparse.Namespace, comm: MPI.Intracomm) -> list[float]:
         _ddp_ready = True
     model = DDP(make_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = data(args.batch, comm.rank)
-
-    def step() -> None:
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    return timed(step, args, comm)
+    return time_sgd_steps(model, opt, args, comm)
 
 
 def run_handrolled(args: argparse.Namespace, comm: MPI.Intracomm) -> list[float]:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = data(args.batch, comm.rank)
     size = comm.size
+
+    def average_gradients() -> None:
+        for p in model.parameters():
+            comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
+            p.grad.div_(size)
+    return time_sgd_steps(model, opt, args, comm, average_gradients)
+
+
+def time_sgd_steps(model: nn.Module, opt: torch.optim.Optimizer, args: argparse.Namespace,
+                   comm: MPI.Intracomm, after_backward=None) -> list[float]:
+    """Time SGD steps of ``model`` on this rank's batch (``after_backward`` runs before step)."""
+    x, y = data(args.batch, comm.rank)
 
     def step() -> None:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        for p in model.parameters():
-            comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
-            p.grad.div_(size)
+        if after_backward is not None:
+            after_backward()
         opt.step()
     return timed(step, args, comm)
 
