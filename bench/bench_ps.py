@@ -14,7 +14,11 @@ Two parts, each a driver that launches its own ``mpirun`` runs (with timeouts):
     straggling worker (sleeps every step); records the first worker's test loss against
     wall time and plots it.
 
-    python bench/bench_ps.py throughput --configs 1x2,2x2,1x3,3x3 -m 16M -i 10
+    python bench/bench_ps.py throughput --configs 1x2,2x2,cx2,1x3,3x3,cx3 -m 16M -i 10
+
+A config is ``SERVERSxWORKERS`` (separate server ranks) or ``cxWORKERS``: the co-located
+layout (``num_servers="colocated"``: every one of the WORKERS ranks is also the server of
+its shard).
     python bench/bench_ps.py training --workers 3 --straggler-delay 0.01
     python bench/bench_ps.py all --out docs        # both, JSON + PNG into docs/
 
@@ -89,7 +93,7 @@ def throughput_rank(argv: list[str]) -> int:
     from mpicoll.ps import ParameterServer
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--servers", type=int, required=True)
+    ap.add_argument("--servers", required=True, help="a number, or 'colocated'")
     ap.add_argument("-m", "--size", default="16M")
     ap.add_argument("-i", "--iters", type=int, default=10)
     ap.add_argument("-x", "--warmup", type=int, default=2)
@@ -100,8 +104,9 @@ def throughput_rank(argv: list[str]) -> int:
     nbytes = parse_size(a.size)
     count = nbytes // 4
     comm = MPI.COMM_WORLD
+    servers = a.servers if a.servers == "colocated" else int(a.servers)
     ps = ParameterServer({"x": np.zeros(count, np.float32)}, comm=comm,
-                         num_servers=a.servers, optimizer="sum", split_bytes=1 << 16,
+                         num_servers=servers, optimizer="sum", split_bytes=1 << 16,
                          max_sleep=a.max_sleep, chunk_bytes=parse_size(a.chunk_bytes))
     if ps.is_server:
         ps.serve()
@@ -137,7 +142,7 @@ def throughput_rank(argv: list[str]) -> int:
     stats = ps.stats()
     ps.close()
     if ps.worker_index == 0:
-        row = {"servers": a.servers, "workers": ps.num_workers, "bytes": nbytes,
+        row = {"servers": servers, "workers": ps.num_workers, "bytes": nbytes,
                "iters": a.iters, "valid": valid, "avg_s": worst, "min_s": best,
                "gbps": {k: nbytes / v / 1e9 for k, v in worst.items()},
                "bytes_per_server": stats["bytes_per_server"]}
@@ -150,6 +155,12 @@ def throughput_rank(argv: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------- drivers
+def parse_config(text: str) -> tuple[int | str, int]:
+    """``"2x3"`` -> (2, 3); ``"cx3"`` -> ("colocated", 3)."""
+    servers, _, workers = text.strip().lower().partition("x")
+    return ("colocated" if servers == "c" else int(servers)), int(workers)
+
+
 def run_throughput(configs: list[tuple[int, int]], size: str, iters: int, warmup: int,
                    timeout: float) -> list[dict]:
     rows = []
@@ -157,14 +168,15 @@ def run_throughput(configs: list[tuple[int, int]], size: str, iters: int, warmup
     print(f"# {'servers':>7} {'workers':>7} {'PS GB/s':>9} {'allreduce':>9} {'native':>9} "
           f"{'PS/allr':>7} {'PS/nat':>7} valid")
     for servers, workers in configs:
-        row = launch_json(servers + workers,
+        ranks = workers if servers == "colocated" else servers + workers
+        row = launch_json(ranks,
                           [__file__, "_throughput_rank", "--servers", str(servers), "-m", size,
                            "-i", str(iters), "-x", str(warmup)], f"{servers}x{workers}", timeout)
         if row is None:
             continue
         rows.append(row)
         g = row["gbps"]
-        print(f"  {servers:>7} {workers:>7} {g['ps']:>9.2f} {g['allreduce']:>9.2f} "
+        print(f"  {str(servers)[:7]:>7} {workers:>7} {g['ps']:>9.2f} {g['allreduce']:>9.2f} "
               f"{g['native']:>9.2f} {row['ratio_vs_allreduce']:>7.2f} "
               f"{row['ratio_vs_native']:>7.2f} {row['valid']}", flush=True)
     return rows
@@ -216,7 +228,8 @@ def plot(training: dict, throughput: list[dict], outdir: str) -> list[str]:
         paths.append(p)
     if throughput:
         fig, ax = plt.subplots(figsize=(6, 4))
-        labels = [f"{r['servers']}s x {r['workers']}w" for r in throughput]
+        labels = [f"coloc x {r['workers']}" if r["servers"] == "colocated" else
+                  f"{r['servers']}s x {r['workers']}w" for r in throughput]
         xs = range(len(throughput))
         for i, key in enumerate(("ps", "allreduce", "native")):
             ax.bar([x + (i - 1) * 0.27 for x in xs], [r["gbps"][key] for r in throughput],
@@ -260,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # noqa: BLE001
         pass
     if a.what in ("throughput", "all"):
-        configs = [tuple(int(v) for v in c.split("x")) for c in a.configs.split(",")]
+        configs = [parse_config(c) for c in a.configs.split(",")]
         result["throughput"] = run_throughput(configs, a.size, a.iters, a.warmup, a.timeout)
     if a.what in ("training", "all"):
         print(f"# ps_train.py, {a.servers} server(s), {a.workers} workers, last worker "

@@ -20,17 +20,21 @@ from mpi4py import MPI
 
 from . import checkpoint as ckpt
 from . import protocol as P
+from .colocated import CollOp, ColocatedEngine
 from .errors import PSError
 from .optimizers import check_hyperparameters
 from .placement import DEFAULT_SPLIT_BYTES, ParamSpec, Placement, specs_from_params
 from .server import Server, stats_from_vector
 from .worker import Handle, WorkerClient
 
-__all__ = ["ParameterServer", "CONSISTENCY"]
+__all__ = ["ParameterServer", "CONSISTENCY", "COLOCATED"]
 
 log = logging.getLogger("mpicoll.ps")
 
 CONSISTENCY = ("bsp", "asp", "ssp")
+
+#: ``num_servers`` value of the co-located layout (every rank a worker and a server)
+COLOCATED = "colocated"
 
 
 def _collective_check(comm: MPI.Comm, error: str | None, kind: type = PSError) -> None:
@@ -58,7 +62,13 @@ class ParameterServer:
             parameters (every worker the same); the first worker's values initialize the
             servers. Servers may pass the same dict or ``None``.
         comm: mpi4py intracommunicator (default ``MPI.COMM_WORLD``); duplicated.
-        num_servers: how many ranks are servers (1 .. size-1).
+        num_servers: how many ranks are servers (1 .. size-1), or ``"colocated"``: no
+            server processes; every rank is a worker and keeps (serves) its own shards of a
+            placement over all ranks, and push_pull becomes a reduce-scatter to the shard
+            owners plus an all-gather of the updated shards (see
+            :mod:`mpicoll.ps.colocated`). Co-located, every call is collective (all ranks
+            push/pull/save at the same step), only ``consistency="bsp"`` is supported and
+            ``init`` must be True.
         consistency: ``"bsp"`` (bulk synchronous), ``"asp"`` (asynchronous) or ``"ssp"``
             (stale synchronous, bound ``staleness``).
         staleness: the ``ssp`` bound ``s`` (>= 0).
@@ -92,17 +102,27 @@ class ParameterServer:
         self.comm = base.Dup()
         size, rank = self.comm.Get_size(), self.comm.Get_rank()
         self.rank = rank
-        is_server_guess = isinstance(num_servers, int) and rank < num_servers
+        colocated = num_servers == COLOCATED
+        is_server_guess = not colocated and isinstance(num_servers, int) and rank < num_servers
         error: str | None = None
         specs: list[ParamSpec] | None = None
         hyper: dict[str, float] = {}
         try:
-            if isinstance(num_servers, bool) or not isinstance(num_servers, int) or \
-                    not 1 <= num_servers < size:
+            if not colocated and (isinstance(num_servers, bool) or
+                                  not isinstance(num_servers, int) or not 1 <= num_servers < size):
                 raise ValueError(f"num_servers={num_servers!r} must be an int in 1..{size - 1} "
-                                 f"(at least one rank must be a worker; world size {size})")
+                                 f"(at least one rank must be a worker; world size {size}) "
+                                 f"or {COLOCATED!r}")
             if consistency not in CONSISTENCY:
                 raise ValueError(f"consistency={consistency!r} is not one of {CONSISTENCY}")
+            if colocated and consistency != "bsp":
+                raise ValueError(f"num_servers={COLOCATED!r} supports only consistency='bsp' "
+                                 f"(a rank serves its shards only inside its own calls, so "
+                                 f"nothing can be applied or answered asynchronously); use "
+                                 f"separate servers (num_servers=k) for {consistency!r}")
+            if colocated and not init:
+                raise ValueError(f"num_servers={COLOCATED!r} needs init=True (every rank "
+                                 f"passes the parameters; the first rank's values are used)")
             if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
                 raise ValueError(f"staleness={staleness!r} must be an int >= 0")
             hyper = check_hyperparameters(optimizer, hyperparameters)
@@ -129,7 +149,8 @@ class ParameterServer:
                   bool(reshard)]
         configs = self.comm.allgather(config)
         all_specs = self.comm.allgather(None if specs is None else [s.as_plain() for s in specs])
-        first_worker_specs = all_specs[num_servers]
+        first_worker = 0 if colocated else num_servers
+        first_worker_specs = all_specs[first_worker]
         error = None
         if any(c != configs[0] for c in configs):
             diff = [r for r, c in enumerate(configs) if c != configs[0]]
@@ -139,11 +160,12 @@ class ParameterServer:
             diff = [r for r, s in enumerate(all_specs) if s is not None and s != first_worker_specs]
             if diff:
                 error = (f"ranks {diff} passed parameters (names, shapes, dtypes) that differ "
-                         f"from the first worker's (rank {num_servers})")
+                         f"from the first worker's (rank {first_worker})")
         if error:  # identical on every rank: computed from gathered values
             raise PSError(error)
 
-        self.num_servers = num_servers
+        self.colocated = colocated
+        self.num_servers = size if colocated else num_servers
         self.consistency = consistency
         self.staleness = staleness
         self.optimizer = optimizer
@@ -151,17 +173,23 @@ class ParameterServer:
         self.average = bool(average)
         self.chunk_bytes = int(chunk_bytes)
         specs = [ParamSpec(n, tuple(s), np.dtype(d)) for n, s, d in first_worker_specs]
-        self.placement = Placement(specs, num_servers, int(split_bytes))
-        self.server_ranks = list(range(num_servers))
-        self.worker_ranks = list(range(num_servers, size))
-        self.is_server = rank < num_servers
+        self.placement = Placement(specs, self.num_servers, int(split_bytes))
+        self.server_ranks = list(range(self.num_servers))
+        self.worker_ranks = list(range(first_worker, size))
+        self.is_server = rank < first_worker
         self.is_worker = not self.is_server
-        self.worker_index = None if self.is_server else rank - num_servers
+        self.worker_index = None if self.is_server else rank - first_worker
         self.worker_comm = self.comm.Split(0 if self.is_server else 1, rank)
         self._server: Server | None = None
         self._client: WorkerClient | None = None
+        self._engine: ColocatedEngine | None = None
         self._closed = False
-        if self.is_server:
+        if colocated:
+            checker = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep)
+            self._engine = ColocatedEngine(self.comm, self.placement, optimizer, hyper,
+                                           self.average, self.chunk_bytes, max_sleep,
+                                           checker.check_arrays)
+        elif self.is_server:
             self._server = Server(self.comm, self.placement, rank, self.worker_ranks,
                                   consistency, staleness, optimizer, hyper, self.average,
                                   self.chunk_bytes, max_sleep)
@@ -170,6 +198,8 @@ class ParameterServer:
 
         if restore is not None:
             self._restore(restore, reshard)
+        elif colocated:
+            self._colocated_init(params)
         elif init and self.is_worker:
             if self.worker_index == 0:
                 self._client.init_async(params).wait()
@@ -184,7 +214,27 @@ class ParameterServer:
     @property
     def clock(self) -> int:
         """This worker's clock: pushes made so far (``None`` on servers)."""
+        if self._engine is not None:
+            return self._engine.clock
         return None if self._client is None else self._client.clock
+
+    def _colocated_init(self, params: dict[str, Any]) -> None:
+        """Every owner takes its shards of the first rank's values (one Bcast per tensor)."""
+        engine = self._engine
+        for name, spec in self.placement.specs.items():
+            buf = np.ascontiguousarray(params[name], dtype=spec.dtype).reshape(-1) \
+                if self.rank == 0 else np.empty(spec.size, dtype=spec.dtype)
+            if spec.size:
+                self.comm.Bcast([buf.view(np.uint8), MPI.BYTE], root=0)
+            for sh in self.placement.shards[name]:
+                state = engine.states.get(sh.ident)
+                if state is not None:
+                    state.initialize(buf[sh.lo:sh.hi])
+
+    def _colocated(self, what: str) -> ColocatedEngine:
+        if self._closed:
+            raise PSError(f"{what} after close()")
+        return self._engine
 
     def _need_worker(self, what: str) -> WorkerClient:
         if self._client is None:
@@ -200,6 +250,9 @@ class ParameterServer:
         Raises:
             PSError: called on a worker.
         """
+        if self._engine is not None:
+            raise PSError(f"serve() is not used with num_servers={COLOCATED!r}: every rank is "
+                          f"a worker and serves its shards inside its own calls")
         if self._server is None:
             raise PSError(f"serve() is for servers; rank {self.rank} is a worker")
         self._server.serve()
@@ -212,6 +265,9 @@ class ParameterServer:
         Raises:
             PSError: a parameter is already initialized (duplicate init), or bad arrays.
         """
+        if self._engine is not None:
+            raise PSError(f"init(): the parameters are already initialized (with "
+                          f"num_servers={COLOCATED!r} the constructor does it)")
         self._need_worker("init()").init_async(params).wait()
 
     def pull(self, out: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
@@ -226,6 +282,9 @@ class ParameterServer:
 
     def pull_async(self, out: dict[str, Any] | None = None) -> Handle:
         """Start :meth:`pull`; ``handle.wait()`` returns the dict."""
+        if self._engine is not None:
+            eng = self._colocated("pull()")
+            return eng.start("pull", eng.step(CollOp.PULL, out=out))
         return self._need_worker("pull()").pull_async(out)
 
     def push(self, grads: dict[str, Any], check: bool = True) -> None:
@@ -243,6 +302,9 @@ class ParameterServer:
 
     def push_async(self, grads: dict[str, Any], check: bool = True) -> Handle:
         """Start :meth:`push`; do not modify ``grads`` before ``handle.wait()``."""
+        if self._engine is not None:
+            eng = self._colocated("push()")
+            return eng.start("push", eng.step(CollOp.PUSH, grads))
         return self._need_worker("push()").push_async(grads, check)
 
     def push_pull(self, grads: dict[str, Any], out: dict[str, Any] | None = None,
@@ -253,6 +315,9 @@ class ParameterServer:
     def push_pull_async(self, grads: dict[str, Any], out: dict[str, Any] | None = None,
                         check: bool = True) -> Handle:
         """Start :meth:`push_pull`."""
+        if self._engine is not None:
+            eng = self._colocated("push_pull()")
+            return eng.start("push_pull", eng.step(CollOp.PUSH_PULL, grads, out))
         return self._need_worker("push_pull()").push_pull_async(grads, out, check)
 
     def close(self) -> None:
@@ -260,8 +325,15 @@ class ParameterServer:
 
         Servers stop counting a closed worker in rounds and staleness bounds, so a worker
         that finishes early does not hold the others up. Idempotent. On servers: no-op
-        (they finish in :meth:`serve`).
+        (they finish in :meth:`serve`). Co-located, this rank keeps serving its shards to
+        the others and returns once every rank has closed.
         """
+        if self._engine is not None and not self._closed:
+            eng = self._engine
+            eng.wait_current()
+            eng.start("close", eng.close()).wait()
+            self._closed = True
+            return
         if self._client is None or self._closed:
             return
         self._client.wait_all()
@@ -293,6 +365,13 @@ class ParameterServer:
         if self._server is not None:
             out["server"] = self._server.stats()
             return out
+        if self._engine is not None:
+            eng = self._colocated("stats()")
+            out["servers"] = eng.start("stats", eng.stats_steps()).wait()
+            out["worker"] = {**eng.worker_counters, "staleness_max": 0, "staleness_mean": 0.0,
+                             "staleness_count": eng.worker_counters["pulls"],
+                             "clock": eng.clock}
+            return out
         client = self._need_worker("stats()")
         n = len(P.STATS_FIELDS) + P.STALENESS_BINS
         res = client.control_async(P.Op.STATS, dest_size=n).wait()
@@ -314,6 +393,9 @@ class ParameterServer:
         Raises:
             PSError: called on a server, or a server could not write.
         """
+        if self._engine is not None:
+            self._colocated_save(path)
+            return
         client = self._need_worker("save()")
         client.wait_all()
         ckpt_id = self.worker_comm.bcast(
@@ -328,16 +410,31 @@ class ParameterServer:
             raise PSError(f"save({path!r}) failed: {errors[0]}")
         clocks = self.worker_comm.allgather(client.clock)
         if self.worker_index == 0:
-            manifest = {"format": ckpt.FORMAT, "id": ckpt_id,
-                        "layout": self.placement.describe(),
-                        "num_workers": self.num_workers, "worker_clocks": clocks,
-                        "consistency": self.consistency, "staleness": self.staleness,
-                        "optimizer": self.optimizer, "hyperparameters": self.hyperparameters,
-                        "average": self.average,
-                        "files": [ckpt.server_file(ckpt_id, s) for s in range(self.num_servers)]}
-            ckpt.write_manifest(path, manifest)
-            ckpt.remove_stale(path, ckpt_id)
+            self._commit_checkpoint(path, ckpt_id, clocks)
         _wait_collective(self.worker_comm.Ibarrier())
+
+    def _commit_checkpoint(self, path: str, ckpt_id: str, clocks: list[int]) -> None:
+        """Write the manifest (the commit point), then delete older checkpoints' files."""
+        manifest = {"format": ckpt.FORMAT, "id": ckpt_id, "layout": self.placement.describe(),
+                    "num_workers": self.num_workers, "worker_clocks": clocks,
+                    "colocated": self.colocated,
+                    "consistency": self.consistency, "staleness": self.staleness,
+                    "optimizer": self.optimizer, "hyperparameters": self.hyperparameters,
+                    "average": self.average,
+                    "files": [ckpt.server_file(ckpt_id, s) for s in range(self.num_servers)]}
+        ckpt.write_manifest(path, manifest)
+        ckpt.remove_stale(path, ckpt_id)
+
+    def _colocated_save(self, path: str) -> None:
+        """Co-located :meth:`save`: collective over every rank not yet closed; each rank
+        writes its own shards, the first one the manifest."""
+        eng = self._colocated("save()")
+        eng.wait_current()
+        ckpt_id = "ckpt-" + uuid.uuid4().hex[:12]    # the first saving rank's id is used
+        errors = eng.start("save", eng.save_steps((path, ckpt_id),
+                                                  self._commit_checkpoint)).wait()
+        if errors:
+            raise PSError(f"save({path!r}) failed: {errors[0]}")
 
     def _restore(self, path: str, reshard: bool) -> None:
         manifest, error = None, None
@@ -355,17 +452,23 @@ class ParameterServer:
         clocks = manifest["worker_clocks"]
         common = max(clocks) if clocks else 0
         error = None
-        if self._server is not None:
+        holder = self._server or self._engine
+        if holder is not None:
             worker_clock = None if same_workers else {w: common for w in self.worker_ranks}
+            if self._engine is not None:   # clocks are kept by rank: map saved worker order
+                worker_clock = {w: clocks[i] if same_workers else common
+                                for i, w in enumerate(self.worker_ranks)}
             loader = ckpt.ShardLoader(path, manifest)
             try:
-                for state in self._server.states.values():
+                for state in holder.states.values():
                     loader.load(state, worker_clock)
             except (OSError, ValueError, KeyError) as exc:
                 error = f"restoring from {path!r}: {exc}"
             finally:
                 loader.close()
-        else:
+        if self._engine is not None:
+            self._engine.clock = clocks[self.worker_index] if same_workers else common
+        elif self._client is not None:
             self._client.clock = clocks[self.worker_index] if same_workers else common
         _collective_check(self.comm, error)
 
@@ -373,16 +476,20 @@ class ParameterServer:
         layout = manifest["layout"]
         here = self.placement.describe()
         if layout["params"] != here["params"]:
-            return (f"checkpoint holds other parameters (names, shapes or dtypes) than "
+            return ("checkpoint holds other parameters (names, shapes or dtypes) than "
                     f"this ParameterServer")
         if manifest["optimizer"] != self.optimizer:
             return (f"checkpoint was saved with optimizer={manifest['optimizer']!r}, not "
                     f"{self.optimizer!r}")
         if reshard:
             return None
-        if layout != here or manifest["num_workers"] != self.num_workers:
-            return (f"checkpoint layout differs ({layout['num_servers']} servers, "
+        if layout != here or manifest["num_workers"] != self.num_workers or \
+                manifest.get("colocated", False) != self.colocated:
+            then = " colocated" if manifest.get("colocated") else ""
+            now = " colocated" if self.colocated else ""
+            return (f"checkpoint layout differs ({layout['num_servers']}{then} servers, "
                     f"{manifest['num_workers']} workers, split_bytes {layout['split_bytes']}; "
-                    f"now {self.num_servers} servers, {self.num_workers} workers, split_bytes "
-                    f"{self.placement.split_bytes}); pass reshard=True to redistribute")
+                    f"now {self.num_servers}{now} servers, {self.num_workers} workers, "
+                    f"split_bytes {self.placement.split_bytes}); pass reshard=True to "
+                    f"redistribute")
         return None

@@ -54,9 +54,19 @@ class ShardOptimizer:
     def apply(self, param: np.ndarray, grad: np.ndarray) -> None:
         """Update ``param`` in place with aggregated gradient ``grad`` (may be scratch)."""
         self.steps += 1
-        self._apply(param, grad)
+        self._apply(param, grad, self.state)
 
-    def _apply(self, param: np.ndarray, grad: np.ndarray) -> None:
+    def begin_update(self) -> None:
+        """Start an update applied in parts with :meth:`apply_part` (counts one step)."""
+        self.steps += 1
+
+    def apply_part(self, param: np.ndarray, grad: np.ndarray, lo: int, hi: int) -> None:
+        """Update elements ``[lo, hi)`` of the shard: ``param`` and ``grad`` are those
+        elements; the state arrays are sliced the same way. Every rule is elementwise, so
+        the parts of one update give exactly what one :meth:`apply` gives."""
+        self._apply(param, grad, {k: v[lo:hi] for k, v in self.state.items()})
+
+    def _apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray]) -> None:
         raise NotImplementedError
 
 
@@ -66,7 +76,7 @@ class SGD(ShardOptimizer):
     name = "sgd"
     uses = ("lr", "weight_decay")
 
-    def _apply(self, param: np.ndarray, grad: np.ndarray) -> None:
+    def _apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray]) -> None:
         g = self._decayed(param, grad)
         param -= self.hyper["lr"] * g
 
@@ -78,9 +88,9 @@ class Momentum(ShardOptimizer):
     uses = ("lr", "momentum", "weight_decay")
     state_names = ("velocity",)
 
-    def _apply(self, param: np.ndarray, grad: np.ndarray) -> None:
+    def _apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray]) -> None:
         g = self._decayed(param, grad)
-        v = self.state["velocity"]
+        v = state["velocity"]
         v *= self.hyper["momentum"]
         v += g
         param -= self.hyper["lr"] * v
@@ -93,10 +103,10 @@ class Adam(ShardOptimizer):
     uses = ("lr", "beta1", "beta2", "eps", "weight_decay")
     state_names = ("m", "v")
 
-    def _apply(self, param: np.ndarray, grad: np.ndarray) -> None:
+    def _apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray]) -> None:
         h = self.hyper
         g = self._decayed(param, grad)
-        m, v = self.state["m"], self.state["v"]
+        m, v = state["m"], state["v"]
         m *= h["beta1"]
         m += (1.0 - h["beta1"]) * g
         v *= h["beta2"]
@@ -111,7 +121,7 @@ class Sum(ShardOptimizer):
 
     name = "sum"
 
-    def _apply(self, param: np.ndarray, grad: np.ndarray) -> None:
+    def _apply(self, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray]) -> None:
         if param is not grad:
             np.copyto(param, grad)
 

@@ -1,28 +1,56 @@
 """Train a PyTorch model through the parameter server (optional: needs ``torch``).
 
+Two front ends over one :class:`~mpicoll.ps.ParameterServer`:
+
+:func:`distributed_optimizer` — what ``mpicoll.torch.DistributedOptimizer(optimizer,
+named_parameters=..., backend="ps", **ps_options)`` returns: the user's optimizer (an
+instance of a subclass of its class, sharing its state, so ``isinstance``, ``state_dict``
+and schedulers keep working) whose ``step()`` goes through the parameter server:
+
+- by default (``server_optimizer="sum"``, ``bsp``) ``step()`` pushes the ``.grad``\\ s,
+  pulls back their average over the workers into the ``.grad``\\ s in place, then runs the
+  wrapped optimizer's own update on every worker (all workers keep identical weights; the
+  first worker's initial weights are broadcast to the others at construction);
+- with a server-side optimizer (``server_optimizer="sgd"|"momentum"|"adam"``: the
+  :class:`ParameterServer`'s ``optimizer`` argument, renamed because ``optimizer`` is the
+  wrapped torch optimizer; any consistency) the servers update the weights and ``step()`` pulls them into the
+  parameters; the wrapped optimizer's update rule is then *not* used (give its
+  hyperparameters to the servers).
+
 ::
 
+    import mpicoll.torch as mt
+    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters(),
+                                  backend="ps", num_servers="colocated")
+    for x, y in loader:                 # every rank trains (co-located layout)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    opt.close()
+
+With separate servers (``num_servers=k``) ranks ``0..k-1`` are servers: ``if opt.is_server:
+opt.serve()`` instead of the loop.
+
+:class:`PSOptimizer` — a torch-optimizer-shaped front end with the server-side optimizer
+only (no wrapped torch optimizer)::
+
     from mpicoll.ps.torch import PSOptimizer
-    model = Net()                                     # same architecture on every rank
-    opt = PSOptimizer(model.named_parameters(), num_servers=1, consistency="bsp",
-                      optimizer="adam", lr=1e-3)
+    opt = PSOptimizer(model.named_parameters(), num_servers=1, optimizer="adam", lr=1e-3)
     if opt.is_server:
-        opt.serve()                                   # until every worker has closed
+        opt.serve()
     else:
         for x, y in loader:
-            opt.zero_grad()
-            loss_fn(model(x), y).backward()
-            opt.step()                                # push grads, pull new weights into model
+            opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
         opt.close()
 
-The server-side optimizer (``sgd``, ``momentum``, ``adam``) replaces ``torch.optim``;
-parameters travel as numpy views of CPU tensors (no copy for contiguous CPU float tensors,
-a staging copy otherwise). Collective over ``comm`` like :class:`ParameterServer`; the first
-worker's initial weights are used everywhere.
+Parameters and gradients travel as numpy views of CPU tensors (no copy for contiguous CPU
+tensors, a staging copy otherwise). Collective over ``comm`` like :class:`ParameterServer`.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -30,85 +58,119 @@ import torch
 from .core import ParameterServer
 from .errors import PSError
 
-__all__ = ["PSOptimizer"]
+__all__ = ["PSOptimizer", "distributed_optimizer"]
 
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().contiguous().numpy()
 
 
-class PSOptimizer:
-    """A torch-optimizer-shaped front end of a :class:`ParameterServer`.
+def _numpy_dtype(p: torch.Tensor) -> np.dtype:
+    return torch.empty(0, dtype=p.dtype).numpy().dtype
 
-    Args:
-        named_parameters: ``model.named_parameters()`` (name -> ``torch.nn.Parameter``).
-        **kwargs: everything :class:`ParameterServer` takes (``comm``, ``num_servers``,
-            ``consistency``, ``staleness``, ``optimizer``, hyperparameters ...).
-    Raises:
-        PSError: a parameter's dtype has no numpy equivalent (e.g. bfloat16).
+
+def _direct(t: torch.Tensor) -> bool:
+    """Whether ``t.numpy()`` is a view we can send from and receive into."""
+    return t.device.type == "cpu" and t.is_contiguous()
+
+
+class _PSTraining:
+    """The parameter-server plumbing shared by both front ends (a mixin).
+
+    ``self._named`` (name -> parameter) and ``self.ps`` are set by :meth:`_ps_setup`.
     """
 
-    def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
-                 **kwargs: Any) -> None:
-        self.params = dict(named_parameters)
+    _named: dict[str, torch.nn.Parameter]
+    ps: ParameterServer
+
+    def _ps_setup(self, named: dict[str, torch.nn.Parameter], local_update: bool,
+                  ps_options: dict[str, Any]) -> None:
         values = {}
-        for name, p in self.params.items():
+        for name, p in named.items():
             try:
                 values[name] = _as_numpy(p)
             except TypeError as exc:
                 raise PSError(f"parameter {name!r} ({p.dtype}) cannot be sent: {exc}") from None
-        self.ps = ParameterServer(values, **kwargs)
-        self.is_server = self.ps.is_server
-        self.is_worker = self.ps.is_worker
-        self._views = {}
-        if self.is_worker:
-            for name, p in self.params.items():
-                direct = p.device.type == "cpu" and p.is_contiguous()
-                self._views[name] = p.data.numpy() if direct else None
+        self._named = named
+        self._local_update = local_update
+        self.ps = ParameterServer(values, **ps_options)
+        self._views = {n: p.data.numpy() if _direct(p) else None for n, p in named.items()}
+        if not self.ps.is_worker:
+            return
+        if local_update:   # the servers hold gradients: give every worker the same weights
+            with torch.no_grad():
+                for name, p in sorted(named.items()):
+                    buf = self._views[name] if self._views[name] is not None else _as_numpy(p)
+                    if buf.size:
+                        self.ps.worker_comm.Bcast(buf.reshape(-1).view(np.uint8), root=0)
+                    if self._views[name] is None:
+                        p.copy_(torch.from_numpy(buf).to(p.device))
+        else:
             self.pull()
+
+    @property
+    def is_server(self) -> bool:
+        """This rank is a (separate) server: call :meth:`serve`."""
+        return self.ps.is_server
+
+    @property
+    def is_worker(self) -> bool:
+        """This rank trains (every rank in the co-located layout)."""
+        return self.ps.is_worker
 
     def serve(self) -> None:
         """Servers: serve until every worker has closed."""
         self.ps.serve()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients (as ``torch.optim.Optimizer.zero_grad``)."""
-        for p in self.params.values():
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
-
-    def _write_back(self, values: dict[str, np.ndarray]) -> None:
-        with torch.no_grad():
-            for name, p in self.params.items():
-                if self._views[name] is None:
-                    p.copy_(torch.from_numpy(values[name]).to(p.device))
-
-    def _out(self) -> dict[str, np.ndarray]:
-        return {n: v for n, v in self._views.items() if v is not None}
-
     def pull(self) -> None:
-        """Load the servers' current parameters into the model."""
-        self._write_back(self.ps.pull(out=self._out()))
+        """Load the servers' current parameters into the model (server-side optimizer)."""
+        if self._local_update:
+            raise PSError("pull(): with server_optimizer='sum' the servers hold gradients, not "
+                          "weights; every worker keeps the weights itself")
+        out = {n: v for n, v in self._views.items() if v is not None}
+        self._copy_back(self.ps.pull(out=out), out)
 
-    def step(self) -> None:
-        """Push the gradients (zeros where ``.grad`` is None), pull the new weights."""
-        grads = {}
-        for name, p in self.params.items():
-            grads[name] = (np.zeros(tuple(p.shape), dtype=self._dtype(p)) if p.grad is None
-                           else _as_numpy(p.grad))
+    def _copy_back(self, values: dict[str, np.ndarray], received: dict[str, Any]) -> None:
+        """Copy ``values`` into the tensors (``.grad`` with ``server_optimizer='sum'``, else the
+        parameters) that were not received in place."""
         with torch.no_grad():
-            values = self.ps.push_pull(grads, out=self._out())
-        self._write_back(values)
+            for name, p in self._named.items():
+                if name not in received:
+                    target = p.grad if self._local_update else p
+                    target.copy_(torch.from_numpy(values[name]).to(target.device))
 
-    @staticmethod
-    def _dtype(p: torch.Tensor) -> np.dtype:
-        return torch.empty(0, dtype=p.dtype).numpy().dtype
+    def _grads(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(gradients to push, arrays to pull into): numpy views of the ``.grad``\\ s where
+        possible. Parameters without a gradient push zeros (and get a zero ``.grad`` when
+        the pulled value is a gradient)."""
+        grads, out = {}, {}
+        for name, p in self._named.items():
+            if p.grad is None:
+                if self._local_update:
+                    p.grad = torch.zeros_like(p)
+                else:
+                    grads[name] = np.zeros(tuple(p.shape), dtype=_numpy_dtype(p))
+                    continue
+            g = p.grad
+            grads[name] = g.numpy() if _direct(g) else _as_numpy(g)
+            if self._local_update and _direct(g):
+                out[name] = grads[name]        # averaged in place (see ps_step)
+        if not self._local_update:
+            out = {n: v for n, v in self._views.items() if v is not None}
+        return grads, out
+
+    def ps_step(self) -> None:
+        """One push_pull: the averaged gradients into ``.grad`` (``server_optimizer='sum'``) or
+        the servers' new weights into the parameters."""
+        grads, out = self._grads()
+        with torch.no_grad():
+            values = self.ps.push_pull(grads, out=out)
+        self._copy_back(values, out)
 
     def save(self, path: str) -> None:
-        """Checkpoint (every worker, same step); see :meth:`ParameterServer.save`."""
+        """Checkpoint the servers (every worker, same step); see :meth:`ParameterServer.save`.
+        With ``server_optimizer='sum'`` the weights and the torch optimizer's state live on the
+        workers: save those with ``torch.save`` as usual."""
         self.ps.save(path)
 
     def stats(self) -> dict:
@@ -122,3 +184,140 @@ class PSOptimizer:
     def free(self) -> None:
         """Release the communicators (after serve/close)."""
         self.ps.free()
+
+
+class PSOptimizer(_PSTraining):
+    """A torch-optimizer-shaped front end of a :class:`ParameterServer` whose servers run
+    the optimizer.
+
+    Args:
+        named_parameters: ``model.named_parameters()`` (name -> ``torch.nn.Parameter``).
+        **kwargs: everything :class:`ParameterServer` takes (``comm``, ``num_servers``,
+            ``consistency``, ``staleness``, ``optimizer``, hyperparameters ...).
+    Raises:
+        PSError: a parameter's dtype has no numpy equivalent (e.g. bfloat16).
+    """
+
+    def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+                 **kwargs: Any) -> None:
+        self.params = dict(named_parameters)
+        self._ps_setup(self.params, local_update=False, ps_options=kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (as ``torch.optim.Optimizer.zero_grad``)."""
+        for p in self.params.values():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    def step(self) -> None:
+        """Push the gradients (zeros where ``.grad`` is None), pull the new weights."""
+        self.ps_step()
+
+
+class _PSDistributedOptimizer(_PSTraining):
+    """Methods of the dynamic subclass of the user's optimizer class (with _PSTraining's)."""
+
+    _ps_base: type
+    _ps_skip: bool
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Re-evaluate ``closure`` (if given), push the gradients and pull (unless inside
+        :meth:`skip_synchronize`); then, with ``server_optimizer='sum'``, run the wrapped
+        optimizer's update on the averaged gradients.
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._ps_skip:
+            self.ps_step()
+        if self._local_update:
+            self._ps_base.step(self)
+        return loss
+
+    def synchronize(self) -> None:
+        """Horovod's name for the communication part of ``step()``: push and pull now.
+        Follow it with ``with opt.skip_synchronize(): opt.step()``."""
+        self.ps_step()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Context manager: ``step()`` inside it does not communicate (after
+        :meth:`synchronize`)."""
+        self._ps_skip = True
+        try:
+            yield
+        finally:
+            self._ps_skip = False
+
+
+def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,
+                          server_optimizer: str = "sum",
+                          **ps_options: Any) -> torch.optim.Optimizer:
+    """``DistributedOptimizer(optimizer, named_parameters, backend="ps", **ps_options)``.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` over CPU parameters; its state is shared.
+        named_parameters: ``model.named_parameters()`` (default: ``param.<group>.<index>``
+            names from ``param_groups``); must name every parameter, uniquely.
+        server_optimizer: the :class:`ParameterServer`'s ``optimizer``: ``"sum"`` (default:
+            servers average the gradients, the wrapped optimizer updates on every worker)
+            or ``"sgd"``/``"momentum"``/``"adam"`` (servers update the weights; the wrapped
+            optimizer's rule is not used).
+        **ps_options: the other :class:`ParameterServer` arguments (``comm``,
+            ``num_servers`` (1, k or ``"colocated"``), ``consistency``, hyperparameters,
+            ``split_bytes`` ...). With ``"sum"``, ``average`` defaults to True (gradients
+            averaged over the workers, as with ``op=Average``).
+    Returns:
+        An instance of a subclass of ``type(optimizer)`` with ``step()``, ``synchronize()``,
+        ``skip_synchronize()``, ``is_server``/``serve()``, ``close()``, ``save()``,
+        ``stats()``, ``free()`` and ``ps`` (the :class:`ParameterServer`).
+    Raises:
+        ValueError: bad or missing parameter names, bad options (on every rank for
+            options checked collectively).
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        named = {f"param.{g}.{i}": p for g, group in enumerate(optimizer.param_groups)
+                 for i, p in enumerate(group["params"])}
+    else:
+        pairs = list(named_parameters)
+        if any(not isinstance(item, tuple) or len(item) != 2 for item in pairs):
+            raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                             "tuples, usually produced by model.named_parameters()")
+        names = [n for n, _ in pairs]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"parameter names in named_parameters must be unique; "
+                             f"duplicates: {dup}")
+        ids = {id(p) for _, p in pairs}
+        missing = [i for i, p in enumerate(params) if id(p) not in ids]
+        if missing:
+            raise ValueError(f"named_parameters does not name the optimizer's parameters at "
+                             f"positions {missing}")
+        by_id = {id(p) for p in params}
+        named = {n: p for n, p in pairs if id(p) in by_id}
+    if "optimizer" in ps_options:
+        raise ValueError("pass the server-side optimizer as server_optimizer=...")
+    options = dict(ps_options, optimizer=server_optimizer)
+    local = server_optimizer == "sum"
+    if local:
+        options.setdefault("average", True)
+    base = optimizer.__class__
+    attrs: dict[str, Any] = {}
+    for mixin in (_PSTraining, _PSDistributedOptimizer):
+        attrs.update({k: v for k, v in mixin.__dict__.items()
+                      if k not in ("__dict__", "__weakref__", "__annotations__")})
+    attrs["_ps_base"] = base
+    cls = type(base.__name__, (base,), attrs)
+    dist = cls.__new__(cls)
+    dist.__dict__.update(optimizer.__dict__)
+    dist._ps_skip = False
+    dist._ps_setup(named, local_update=local, ps_options=options)
+    return dist

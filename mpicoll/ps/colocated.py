@@ -1,0 +1,523 @@
+"""The co-located layout: every rank is a worker *and* the server of its own shards.
+
+With ``ParameterServer(..., num_servers="colocated")`` there are no server processes. The
+placement is the usual one with as many servers as ranks (small tensors whole on rank
+``crc32(name) % size``, large ones split in ``size`` contiguous ranges), and rank ``r``
+keeps the value and optimizer state of the shards placed on "server" ``r``. A shard's
+server part runs inside its owner's own calls, so every operation is **collective** over
+the parameter server's communicator (every rank calls ``push_pull`` at the same step, as
+with an all-reduce):
+
+1. *control*: a small non-blocking all-gather of ``(op, clock, error)``: every rank learns
+   what the others are doing, which ranks have closed, and whether any rank's arguments
+   were bad (then every rank raises the same :class:`PSError` and nothing is sent);
+2. *push* = reduce-scatter to the owners: each contributing rank ``Isend``\\ s each shard's
+   slice of its gradient to the owner; the owner ``Irecv``\\ s into scratch buffers
+   allocated once, sums the contributions **in rank order** (bit-identical to a
+   single-process reference and to the separate-server layout), divides by the number of
+   contributors, and applies the server-side optimizer to its shard;
+3. *pull* = all-gather of the updated shards: the owner ``Isend``\\ s the shard straight from
+   its value array, every other rank receives into the caller's ``out`` arrays (receives are
+   posted at the start of ``push_pull``, before the gradients go out, unless ``out`` shares
+   memory with the gradients).
+
+Each rank so sends and receives ``2 (n-1)/n`` of the tensor's bytes, like a ring
+all-reduce, and all messages of a phase are posted at once. Only **bsp** is supported: the
+server part of a rank runs only while that rank is inside a call, so nobody can answer a
+pull or apply a push on arrival while its owner computes (asp/ssp need the separate layout).
+
+A rank that finishes early calls ``close()``; it then keeps serving its shards (taking part
+in the others' operations without contributing gradients) until every rank has closed, so
+``close()`` returns only when all ranks have closed. Early finish therefore works as in the
+separate layout: a round counts only the ranks that have not closed.
+"""
+from __future__ import annotations
+
+import enum
+import os
+from typing import Any, Generator, Iterator
+
+import numpy as np
+from mpi4py import MPI
+
+from . import protocol as P
+from .checkpoint import write_server_file
+from .errors import PSError
+from .placement import Placement, Shard
+from .server import ShardState
+
+__all__ = ["CollOp", "ColocatedEngine", "ColocatedHandle"]
+
+#: tags of the co-located data messages (below 32767 like the others in protocol)
+TAG_SCATTER = 7105
+TAG_GATHER = 7106
+
+Steps = Generator[list, None, Any]
+
+
+def _raw(arr: np.ndarray) -> Any:
+    """``view(lo, hi)``: the buffer spec of elements ``[lo, hi)`` of flat ``arr`` as bytes."""
+    raw, size = arr.view(np.uint8), arr.itemsize
+    return lambda lo, hi: [raw[lo * size:hi * size], MPI.BYTE]
+
+
+class CollOp(enum.IntEnum):
+    """What a rank does in one collective step (the control all-gather's first field)."""
+
+    IDLE = 0        #: closed earlier: serves its shards, contributes nothing
+    PUSH = 1
+    PULL = 2
+    PUSH_PULL = 3
+    CLOSE = 4       #: closes now (does not contribute to this step)
+    STATS = 5
+    SAVE = 6
+
+
+_NO_CONTRIBUTION = (CollOp.IDLE, CollOp.CLOSE)
+
+
+class ColocatedHandle:
+    """An outstanding co-located operation (same interface as :class:`~mpicoll.ps.Handle`).
+
+    ``wait()`` completes it and returns its result; ``test()`` makes progress without
+    blocking. Only one co-located operation runs at a time: starting another one first
+    completes this one.
+    """
+
+    def __init__(self, engine: "ColocatedEngine", kind: str, steps: Steps) -> None:
+        self.kind = kind
+        self._engine = engine
+        self._steps = steps
+        self._reqs: list[MPI.Request] = []
+        self._done = False
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._advance()
+
+    def _advance(self) -> None:
+        """Run the operation up to its next wait (or its end)."""
+        try:
+            self._reqs = self._steps.send(None)
+        except StopIteration as stop:
+            self._done, self._result = True, stop.value
+        except BaseException as exc:  # noqa: BLE001  (re-raised by wait())
+            self._done, self._error = True, exc
+        if self._done:
+            self._engine._finished(self)
+
+    def test(self) -> bool:
+        """Make progress; return whether the operation is complete (without raising)."""
+        while not self._done and MPI.Request.Testall(self._reqs):
+            self._advance()
+        return self._done
+
+    def wait(self) -> Any:
+        """Complete the operation and return its result.
+
+        Raises:
+            PSError: bad arguments on some rank, or ranks that disagree on the operation.
+        """
+        while not self._done:
+            self._engine.wait(self._reqs)
+            self._advance()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class ColocatedEngine:
+    """The worker and server parts of one rank in the co-located layout.
+
+    Args:
+        comm: the parameter server's private communicator (every rank takes part).
+        placement: the layout, with ``num_servers == comm.Get_size()``.
+        optimizer: server-side optimizer name.
+        hyper: hyperparameters (complete).
+        average: divide the aggregated gradient by the number of contributing ranks.
+        chunk_bytes: largest data message.
+        max_sleep: longest pause while a closed rank waits for the next step.
+        check_arrays: the worker-side validation (raises :class:`PSError`).
+    """
+
+    def __init__(self, comm: MPI.Comm, placement: Placement, optimizer: str,
+                 hyper: dict[str, float], average: bool, chunk_bytes: int,
+                 max_sleep: float, check_arrays: Any) -> None:
+        self.comm = comm
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        self.placement = placement
+        self.average = average
+        self.chunk_bytes = int(chunk_bytes)
+        self.max_sleep = max_sleep
+        self.check_arrays = check_arrays
+        self.ranks = list(range(self.size))
+        self.states: dict[tuple[int, int], ShardState] = {
+            sh.ident: ShardState(sh, optimizer, hyper, self.ranks)
+            for sh in placement.shards_on(self.rank)}
+        #: every shard in the order all ranks post their messages
+        self.order: list[Shard] = [sh for name in sorted(placement.specs)
+                                   for sh in placement.shards[name]]
+        self.active = [True] * self.size
+        self.clock = 0
+        #: every rank's clock at the last control step (checkpoints record them)
+        self.clocks = [0] * self.size
+        self.closed = False
+        #: block in MPI's Waitall (spins) only when every rank has a core of its own
+        self.spin = self.size <= (os.cpu_count() or 1)
+        self._ctrl_out = np.zeros(3, dtype=np.int64)
+        self._ctrl_in = np.zeros((self.size, 3), dtype=np.int64)
+        self._scratch: dict[tuple[int, int], np.ndarray] = {}   # (ident, src) -> buffer
+        self._acc: dict[tuple[int, int], np.ndarray] = {}       # ident -> aggregate
+        self._current: ColocatedHandle | None = None
+        self.counters = {"pushes": 0, "pulls": 0, "updates": 0, "bytes_in": 0, "bytes_out": 0,
+                         "errors": 0}
+        self.worker_counters = {"pushes": 0, "pulls": 0, "bytes_sent": 0, "bytes_received": 0}
+
+    # ------------------------------------------------------------------ waiting
+    def wait(self, reqs: list[MPI.Request]) -> None:
+        """Complete ``reqs``: MPI's Waitall when each rank has a core, else polling that
+        yields the core (large shared-memory messages need both sides to drive them)."""
+        if not reqs:
+            return
+        if self.spin and not self.closed:
+            MPI.Request.Waitall(reqs)
+            return
+        backoff = P.Backoff(max_sleep=self.max_sleep)
+        while not MPI.Request.Testall(reqs):
+            backoff.pause(busy=not self.closed)
+
+    def start(self, kind: str, steps: Steps) -> ColocatedHandle:
+        """Complete the running operation (if any), then start ``steps``."""
+        if self._current is not None:
+            try:
+                self._current.wait()
+            except PSError:
+                pass   # raised by that handle's own wait()
+        self._current = ColocatedHandle(self, kind, steps)
+        return self._current
+
+    def _finished(self, handle: ColocatedHandle) -> None:
+        if self._current is handle:
+            self._current = None
+
+    def wait_current(self) -> None:
+        """Complete the running operation, if any (its errors stay with its handle)."""
+        if self._current is not None:
+            try:
+                self._current.wait()
+            except PSError:
+                pass
+
+    # ------------------------------------------------------------------ control step
+    def _control(self, op: CollOp, error: str | None) -> Iterator[list]:
+        """All-gather (op, clock, error flag); leaves the table in ``self._ctrl_in``."""
+        self._ctrl_out[:] = (int(op), self.clock, 1 if error else 0)
+        yield [self.comm.Iallgather([self._ctrl_out, MPI.INT64_T],
+                                    [self._ctrl_in, MPI.INT64_T])]
+
+    def _agree(self, op: CollOp, error: str | None) -> list[int]:
+        """Check the control table; return the ranks that contribute to this step.
+
+        Raises:
+            PSError: (on every rank) ranks disagree on the operation or clock, or a rank's
+                arguments were bad.
+        """
+        table = self._ctrl_in
+        self.clocks = [int(c) for c in table[:, 1]]
+        ops = [CollOp(int(o)) for o in table[:, 0]]
+        busy = [r for r in self.ranks if ops[r] not in _NO_CONTRIBUTION]
+        kinds = {ops[r] for r in busy}
+        for r in self.ranks:
+            if ops[r] == CollOp.CLOSE:
+                self.active[r] = False
+        if len(kinds) > 1:
+            what = ", ".join(f"rank {r}: {ops[r].name.lower()}" for r in busy)
+            raise PSError(f"colocated parameter server: every rank must make the same call "
+                          f"at the same step ({what})")
+        clocks = {int(table[r, 1]) for r in busy if ops[r] in (CollOp.PUSH, CollOp.PUSH_PULL)}
+        if len(clocks) > 1:
+            raise PSError(f"colocated parameter server: ranks push at different clocks "
+                          f"{sorted(clocks)}")
+        bad = [r for r in busy if table[r, 2]]
+        if bad:
+            self.counters["errors"] += 1
+            mine = f": {error}" if error else " (see the error on those ranks)"
+            raise PSError(f"colocated parameter server: rank(s) {bad} passed bad "
+                          f"arguments, nothing was sent{mine}", [error] if error else [])
+        return busy
+
+    # ------------------------------------------------------------------ data steps
+    def _segments(self, sh: Shard) -> list[tuple[int, int]]:
+        """Element ranges ``[lo, hi)`` of a shard, each one message (``chunk_bytes`` at
+        most); every rank derives the same ones."""
+        step = max(1, self.chunk_bytes // sh.spec.dtype.itemsize)
+        return [(lo, min(lo + step, sh.count)) for lo in range(0, sh.count, step)]
+
+    def _scratch_for(self, sh: Shard, src: int) -> np.ndarray:
+        buf = self._scratch.get((sh.ident, src))
+        if buf is None:
+            buf = self._scratch[(sh.ident, src)] = np.empty(sh.count, dtype=sh.spec.dtype)
+        return buf
+
+    def _acc_for(self, sh: Shard) -> np.ndarray:
+        acc = self._acc.get(sh.ident)
+        if acc is None:
+            acc = self._acc[sh.ident] = np.empty(sh.count, dtype=sh.spec.dtype)
+        return acc
+
+    def _post_gather_recvs(self, out_flat: dict[str, np.ndarray]) -> list[MPI.Request]:
+        """Receives of every shard this rank does not own, straight into ``out``."""
+        reqs = []
+        for sh in self.order:
+            if sh.server != self.rank and sh.count:
+                view = _raw(out_flat[sh.spec.name][sh.lo:sh.hi])
+                for lo, hi in self._segments(sh):
+                    reqs.append(self.comm.Irecv(view(lo, hi), sh.server, TAG_GATHER))
+                self.worker_counters["bytes_received"] += sh.nbytes
+        return reqs
+
+    def _push_steps(self, grads_flat: dict[str, np.ndarray], contributors: list[int],
+                    pullers: list[int], out_flat: dict[str, np.ndarray] | None
+                    ) -> Iterator[list]:
+        """Reduce-scatter the gradients to the owners; there, segment by segment, sum the
+        contributions in rank order, apply the optimizer and (when ``pullers``) start
+        sending the new values, so segment ``k`` is reduced while ``k + 1`` arrives.
+
+        Yields request lists to wait on; returns the sends (to complete before the step
+        ends).
+        """
+        me = self.rank
+        recvs: dict[tuple[tuple[int, int], int], list[MPI.Request]] = {}
+        sends: list[MPI.Request] = []
+        irecv, isend = self.comm.Irecv, self.comm.Isend
+        for state in self.states.values():      # receives first, then this rank's sends
+            sh = state.shard
+            for src in contributors:
+                if src != me and sh.count:
+                    view = _raw(self._scratch_for(sh, src))
+                    for k, (lo, hi) in enumerate(self._segments(sh)):
+                        recvs.setdefault((sh.ident, k), []).append(
+                            irecv(view(lo, hi), src, TAG_SCATTER))
+        if me in contributors:
+            for sh in self.order:
+                if sh.server != me and sh.count:
+                    view = _raw(grads_flat[sh.spec.name][sh.lo:sh.hi])
+                    sends += [isend(view(lo, hi), sh.server, TAG_SCATTER)
+                              for lo, hi in self._segments(sh)]
+                    self.worker_counters["bytes_sent"] += sh.nbytes
+        others = [r for r in pullers if r != me]
+        for state in self.states.values():
+            sh = state.shard
+            parts = [grads_flat[sh.spec.name][sh.lo:sh.hi] if src == me
+                     else self._scratch_for(sh, src) for src in contributors]
+            acc = self._acc_for(sh)
+            adopt = state.opt.name == "sum"
+            state.opt.begin_update()
+            value = acc if adopt else state.param
+            out = None
+            if out_flat is not None:
+                out = out_flat[sh.spec.name][sh.lo:sh.hi]
+            raw = _raw(value)
+            for k, (lo, hi) in enumerate(self._segments(sh)):
+                if recvs.get((sh.ident, k)):
+                    yield recvs[(sh.ident, k)]
+                self._reduce(acc[lo:hi], [p[lo:hi] for p in parts])
+                if not adopt:
+                    state.opt.apply_part(state.param[lo:hi], acc[lo:hi], lo, hi)
+                sends += [isend(raw(lo, hi), dst, TAG_GATHER) for dst in others]
+                if out is not None:
+                    np.copyto(out[lo:hi], value[lo:hi])
+            if adopt:
+                # the value becomes the aggregate: swap buffers instead of copying (no send
+                # of the old value is in flight: each operation completes before the next)
+                state.param, self._acc[sh.ident] = acc, state.param
+            state.version += 1
+            self.counters["updates"] += 1
+            self.counters["pushes"] += len(contributors)
+            self.counters["bytes_in"] += sh.nbytes * (len(contributors) - (me in contributors))
+            if others:
+                self.counters["pulls"] += len(pullers)
+                self.counters["bytes_out"] += sh.nbytes * len(others)
+        return sends
+
+    def _reduce(self, acc: np.ndarray, parts: list[np.ndarray]) -> None:
+        """``acc = (parts[0] + parts[1] + ...) / len(parts)`` in this order (average)."""
+        if len(parts) == 1:
+            np.copyto(acc, parts[0])
+            return
+        np.add(parts[0], parts[1], out=acc)
+        for p in parts[2:]:
+            acc += p
+        if self.average:
+            np.divide(acc, len(parts), out=acc)
+
+    def _send_shards(self, pullers: list[int], out_flat: dict[str, np.ndarray] | None
+                     ) -> list[MPI.Request]:
+        """Pull without push: send each owned shard to every other puller and copy it into
+        this rank's own ``out`` when pulling."""
+        me = self.rank
+        sends = []
+        for state in self.states.values():
+            sh = state.shard
+            if out_flat is not None:
+                np.copyto(out_flat[sh.spec.name][sh.lo:sh.hi], state.param)
+            raw = _raw(state.param)
+            for dst in pullers:
+                if dst != me and sh.count:
+                    sends += [self.comm.Isend(raw(lo, hi), dst, TAG_GATHER)
+                              for lo, hi in self._segments(sh)]
+                    self.counters["bytes_out"] += sh.nbytes
+            self.counters["pulls"] += len(pullers)
+        return sends
+
+    # ------------------------------------------------------------------ operations
+    def _flat_grads(self, grads: dict[str, Any]) -> dict[str, np.ndarray]:
+        out = {}
+        for name in self.placement.specs:
+            arr = np.asarray(grads[name])
+            if not arr.flags.c_contiguous:
+                arr = arr.copy(order="C")
+            out[name] = arr.reshape(-1)
+        return out
+
+    def _out_arrays(self, out: dict[str, Any] | None) -> dict[str, np.ndarray]:
+        result = {}
+        for name, spec in self.placement.specs.items():
+            dest = None if out is None else out.get(name)
+            if dest is None:
+                dest = np.empty(spec.shape, dtype=spec.dtype)
+            elif tuple(dest.shape) != spec.shape or dest.dtype != spec.dtype or \
+                    not dest.flags.c_contiguous or not dest.flags.writeable:
+                raise PSError(f"out[{name!r}] must be a writable C-contiguous {spec.dtype} "
+                              f"array of shape {spec.shape}")
+            result[name] = dest
+        return result
+
+    def step(self, op: CollOp, grads: dict[str, Any] | None = None,
+             out: dict[str, Any] | None = None, check: bool = True) -> Steps:
+        """One collective push, pull or push_pull (a generator of request lists to wait on).
+
+        Returns (as the generator's value): the pulled dict, or ``None`` for a push.
+        """
+        pushing = op in (CollOp.PUSH, CollOp.PUSH_PULL)
+        pulling = op in (CollOp.PULL, CollOp.PUSH_PULL)
+        error, result = None, None
+        try:
+            if pushing:
+                # always checked: there is no server to reject the bytes once they are sent
+                self.check_arrays(grads, complete=True, what="gradient")
+            if pulling:
+                result = self._out_arrays(out)
+        except PSError as exc:
+            error = str(exc)
+        yield from self._control(op, error)
+        busy = self._agree(op, error)
+        return (yield from self._data(op, busy, grads if pushing else None, result))
+
+    def _data(self, op: CollOp, busy: list[int], grads: dict[str, Any] | None,
+              result: dict[str, np.ndarray] | None) -> Steps:
+        """The data part of a step, for the ranks in ``busy`` doing ``op`` (this rank may
+        be one of them, or a closed rank that only serves its shards)."""
+        if not busy:
+            return None
+        kind = CollOp(int(self._ctrl_in[busy[0], 0]))
+        pushing = kind in (CollOp.PUSH, CollOp.PUSH_PULL)
+        pulling = kind in (CollOp.PULL, CollOp.PUSH_PULL)
+        out_flat = None if result is None else {n: a.reshape(-1) for n, a in result.items()}
+        grads_flat = self._flat_grads(grads) if grads is not None else {}
+        if out_flat is not None and any(np.shares_memory(out_flat[n], g)
+                                        for n, g in grads_flat.items()):
+            # out overwrites the gradients being sent: receive only after they are sent
+            yield (yield from self._push_steps(grads_flat, busy, [], None))
+            pushing = False
+        gather_recvs = [] if out_flat is None else self._post_gather_recvs(out_flat)
+        sends: list[MPI.Request] = []
+        if pushing:
+            sends = yield from self._push_steps(grads_flat, busy, busy if pulling else [],
+                                                out_flat)
+        elif pulling:
+            sends = self._send_shards(busy, out_flat)
+        yield gather_recvs + sends
+        if self.rank in busy:
+            if kind in (CollOp.PUSH, CollOp.PUSH_PULL):
+                self.clock += 1
+                self.worker_counters["pushes"] += 1
+            if pulling:
+                self.worker_counters["pulls"] += 1
+        return result
+
+    def close(self) -> Steps:
+        """Announce that this rank is done, then serve until every rank has closed."""
+        yield from self._control(CollOp.CLOSE, None)
+        self._agree_quietly()
+        self.closed = True
+        self.active[self.rank] = False
+        yield from self._data_for_others()
+        while any(self.active):
+            yield from self._control(CollOp.IDLE, None)
+            self._agree_quietly()
+            yield from self._data_for_others()
+
+    def _agree_quietly(self) -> None:
+        try:
+            self._agree(CollOp.IDLE, None)
+        except PSError:
+            pass   # the active ranks raise it; a closed rank has nothing to report
+
+    def _data_for_others(self) -> Steps:
+        """A closed rank's part of the step the active ranks are taking."""
+        ops = [CollOp(int(o)) for o in self._ctrl_in[:, 0]]
+        busy = [r for r in self.ranks if ops[r] not in _NO_CONTRIBUTION]
+        if not busy or bool(self._ctrl_in[busy, 2].any()) or \
+                len({ops[r] for r in busy}) > 1:
+            return
+        kind = ops[busy[0]]
+        if kind == CollOp.STATS:
+            self.comm.allgather(self.server_stats())
+        elif kind == CollOp.SAVE:
+            yield from self.save_steps(None)
+        else:
+            yield from self._data(kind, busy, None, None)
+
+    # ------------------------------------------------------------------ stats, save
+    def server_stats(self) -> dict:
+        """This rank's server counters (the shape :meth:`Server.stats` returns)."""
+        return {"server": self.rank, "rank": self.rank, "shards": len(self.states),
+                "bytes_stored": sum(s.shard.nbytes for s in self.states.values()),
+                **self.counters, "staleness_max": 0, "staleness_mean": 0.0,
+                "staleness_count": self.counters["pulls"],
+                "staleness_hist": [self.counters["pulls"]] + [0] * (P.STALENESS_BINS - 1),
+                "active_workers": sum(self.active)}
+
+    def stats_steps(self) -> Steps:
+        """Collective: every rank's server counters."""
+        yield from self._control(CollOp.STATS, None)
+        self._agree(CollOp.STATS, None)
+        return self.comm.allgather(self.server_stats())
+
+    def save_steps(self, request: tuple[str, str] | None, manifest: Any = None) -> Steps:
+        """Collective checkpoint: each rank writes its shards, then the first saving rank
+        calls ``manifest(path, id, clocks)`` (the commit point) if every rank wrote.
+
+        Args:
+            request: ``(path, id)`` on saving (active) ranks, ``None`` on closed ones.
+            manifest: the commit function, on saving ranks.
+        Returns:
+            Every rank's error (``None`` where it wrote), as the generator's value.
+        """
+        if request is not None:
+            yield from self._control(CollOp.SAVE, None)
+            self._agree(CollOp.SAVE, None)
+        root = next(r for r in self.ranks if self._ctrl_in[r, 0] == CollOp.SAVE)
+        path, ckpt_id = self.comm.bcast(request, root=root)
+        for state in self.states.values():
+            state.clocks = dict(enumerate(self.clocks))
+        error = None
+        try:
+            write_server_file(path, ckpt_id, self.rank, list(self.states.values()))
+        except OSError as exc:
+            error = f"rank {self.rank}: writing the checkpoint failed: {exc}"
+        errors = [e for e in self.comm.allgather(error) if e]
+        if not errors and self.rank == root:
+            manifest(path, ckpt_id, list(self.clocks))
+        yield [self.comm.Ibarrier()]
+        return errors
