@@ -2,8 +2,10 @@
 
     mpirun -n 4 python examples/ps_train.py --servers 1
     mpirun -n 5 python -m mpi4py examples/ps_train.py --servers 2 --consistency ssp --staleness 2
+    mpirun -n 2 python -m mpi4py examples/ps_train.py --servers colocated
 
-Ranks ``0 .. servers-1`` serve; the others are workers, each training on its own slice of a
+Ranks ``0 .. servers-1`` serve; the others are workers (with ``--servers colocated`` every
+rank is a worker and serves its own shards), each training on its own slice of a
 synthetic 4-class problem (noisy concentric rings in 2-D lifted to 8 features). Every step a
 worker computes the gradient of the cross-entropy on a minibatch and calls ``push_pull``;
 the servers apply the optimizer. The first worker prints test loss and accuracy.
@@ -75,9 +77,16 @@ def gradients(p: dict, x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
             "w2": (h.T @ d).astype(np.float32), "b2": d.sum(0).astype(np.float32)}
 
 
+def servers_arg(text: str) -> int | str:
+    """``--servers``: an int, or ``colocated``."""
+    return text if text == "colocated" else int(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--servers", type=int, default=1)
+    ap.add_argument("--servers", type=servers_arg, default=1,
+                    help="number of server ranks, or 'colocated' (every rank trains and "
+                         "serves its shards; bsp only)")
     ap.add_argument("--consistency", default="bsp", choices=["bsp", "asp", "ssp"])
     ap.add_argument("--staleness", type=int, default=0)
     ap.add_argument("--optimizer", default="adam", choices=["sgd", "momentum", "adam"])

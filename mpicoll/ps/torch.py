@@ -13,9 +13,9 @@ and schedulers keep working) whose ``step()`` goes through the parameter server:
   first worker's initial weights are broadcast to the others at construction);
 - with a server-side optimizer (``server_optimizer="sgd"|"momentum"|"adam"``: the
   :class:`ParameterServer`'s ``optimizer`` argument, renamed because ``optimizer`` is the
-  wrapped torch optimizer; any consistency) the servers update the weights and ``step()`` pulls them into the
-  parameters; the wrapped optimizer's update rule is then *not* used (give its
-  hyperparameters to the servers).
+  wrapped torch optimizer; any consistency) the servers update the weights and ``step()``
+  pulls them into the parameters; the wrapped optimizer's update rule is then *not* used
+  (give its hyperparameters to the servers).
 
 ::
 
