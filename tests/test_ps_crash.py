@@ -40,7 +40,15 @@ def test_crash_aborts_whole_job(role, rank, servers, n, mode):
     assert "injected crash" in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("args", [["--servers", "1"],
+def test_crash_aborts_colocated_job():
+    """Co-located: the others are inside a collective step with the dead rank."""
+    out = _launch(3, ["--servers", "colocated", "--steps", "1000000", "--crash-rank", "1",
+                      "--crash-step", "3", "--crash-mode", "exit"])
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "injected crash" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("args", [["--servers", "colocated"], ["--servers", "1"],
                                   ["--servers", "2", "--consistency", "ssp", "--staleness", "2"]])
 def test_example_trains(args):
     out = _launch(4, [*args, "--steps", "150"])
