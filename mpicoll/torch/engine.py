@@ -88,8 +88,14 @@ class Engine:
     def __init__(self, comm: MPI.Intracomm, settings: Settings) -> None:
         self.settings = settings
         self._user_comm = comm
+        #: Wake-up markers for the engine thread (requests themselves go to _submitted).
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        #: Guards _inflight, _waited, _submitted.
         self._lock = threading.Lock()
+        #: Held while a negotiation round runs (engine thread, or a waiting user thread).
+        self._round_lock = threading.Lock()
+        self._submitted: list[Work] = []
+        self._last_submit = self._last_round = -1.0
         self._inflight: set[str] = set()
         self._waited: dict[int, Future] = {}
         self._ready = threading.Event()
@@ -99,7 +105,12 @@ class Engine:
         self.local: dict[str, Work] = {}
         self.stopping = False
         self.overlap = True
+        #: Whether DistributedOptimizer reduces each flat gradient buffer as one request at
+        #: ``step()`` (the same on every rank: one rank alone, or no rank overlaps).
+        self.bulk_gradients = False
         self._poked = False
+        self._inline: Negotiator | None = None
+        self._inline_lock = threading.Lock()
         self.comm: Any = None
         self.rank = self.size = self.local_rank = self.local_size = 0
         self.cross_rank = self.cross_size = 0
@@ -122,41 +133,109 @@ class Engine:
         """Whether the engine thread is still running."""
         return self._thread.is_alive()
 
-    def submit(self, meta: Meta, tensor: Any = None, output: Any = None) -> Future:
+    def submit(self, meta: Meta, tensor: Any = None, output: Any = None,
+               waiting: bool = False) -> Future:
         """Queue a request; return its future.
+
+        With one rank (and no ``shutdown``) the request runs at once on the calling thread:
+        there is nobody to negotiate with, and no MPI call to make. ``waiting=True`` says
+        the caller will :meth:`wait` for this future at once.
 
         Raises:
             ValueError: a request of the same name from this rank is still in flight.
             CollectiveError: the engine has stopped.
         """
         key = JOIN if meta.kind == "join" else meta.name
+        future = Future()
+        work = Work(meta, tensor, output, future)
         with self._lock:
-            if self._fatal is not None or not self._thread.is_alive():
+            if self._fatal is not None or self.stopping or not self._thread.is_alive():
                 raise CollectiveError(f"mpicoll.torch engine is not running "
                                       f"({self._fatal or 'shut down'})")
             if key in self._inflight:
                 raise ValueError(f"a {meta.kind} named {meta.name!r} is already in flight on "
                                  f"this rank; names must be unique until synchronized")
             self._inflight.add(key)
-        future = Future()
-        self._queue.put(Work(meta, tensor, output, future))
+            if self._inline is None or meta.kind == "shutdown":
+                if waiting:
+                    self._waited[id(future)] = future
+                self._submitted.append(work)
+                self._last_submit = time.monotonic()
+        if self._inline is not None and meta.kind != "shutdown":
+            self._run_inline(key, work)
+        elif self.overlap or not waiting:
+            self._queue.put(None)                # wake the engine thread
         return future
 
+    def _run_inline(self, key: str, work: Work) -> None:
+        """One rank: negotiate and execute ``work`` on the calling thread."""
+        from .execute import execute  # noqa: PLC0415  (import cycle)
+
+        with self._inline_lock:
+            self.local[key] = work
+            try:
+                execute(self, self._inline.process([[work.meta]], [False]))
+            finally:
+                if key in self.local:               # execute() failed before finishing it
+                    self.finish(key, error=CollectiveError(f"{work.meta.kind} "
+                                                           f"{work.meta.name!r} failed"))
+
     def wait(self, future: Future) -> None:
-        """Block until ``future`` is done, telling the other ranks this rank is blocked."""
+        """Block until ``future`` is done, telling the other ranks this rank is blocked.
+
+        Without overlap the waiting thread runs the negotiation rounds itself (under the
+        round lock, so one thread at a time makes the adapter's MPI calls): no hand-off to
+        the engine thread and back, which costs two thread wake-ups per step.
+
+        Raises:
+            CollectiveError: the engine stopped.
+        """
         if future.done():
+            self._forget(future)
             return
         with self._lock:
+            registered = id(future) in self._waited
             self._waited[id(future)] = future
-        self._queue.put(None)
         try:
-            while not future.wait(0.5):
-                if not self._thread.is_alive():
-                    raise CollectiveError(f"mpicoll.torch engine stopped "
-                                          f"({self._fatal or 'shut down'})")
+            if self.overlap:
+                if not registered:
+                    self._queue.put(None)
+                while not future.wait(0.5):
+                    self._check_running()
+            else:
+                self._run_rounds_until(future)
         finally:
-            with self._lock:
-                self._waited.pop(id(future), None)
+            self._forget(future)
+            if not self.overlap and self._pending():
+                self._queue.put(None)            # the engine thread takes over the rounds
+
+    def _run_rounds_until(self, future: Future) -> None:
+        while not future.done():
+            if not self._round_lock.acquire(timeout=0.05):
+                self._check_running()
+                continue
+            try:
+                while not future.done() and self._fatal is None and not self.stopping \
+                        and self._pending():
+                    self._round()
+            except BaseException as exc:  # noqa: BLE001  (reported through every future)
+                log.exception("mpicoll.torch negotiation round failed")
+                self._fail_all(exc)
+                self._queue.put(None)
+            finally:
+                self._round_lock.release()
+            if not future.done():
+                self._check_running()
+                future.wait(0.001)
+
+    def _check_running(self) -> None:
+        if self._fatal is not None or not self._thread.is_alive():
+            raise CollectiveError(f"mpicoll.torch engine stopped "
+                                  f"({self._fatal or 'shut down'})")
+
+    def _forget(self, future: Future) -> None:
+        with self._lock:
+            self._waited.pop(id(future), None)
 
     # ------------------------------------------------------------ engine side
     def finish(self, key: str, result: Any = None, error: BaseException | None = None,
@@ -192,6 +271,13 @@ class Engine:
             self.cross_rank = topology.cross_comm.Get_rank()
             self.cross_size = topology.cross_comm.Get_size()
             self.overlap = _decide_overlap(self.settings.overlap, self.local_size)
+            self.bulk_gradients = self.size == 1 or \
+                bool(self.comm.allreduce(not self.overlap, op=MPI.LAND))
+            if self.size == 1:
+                self._inline = Negotiator(1)
+            self._negotiator = Negotiator(self.size)
+            self._header = np.zeros(2 + SLOT_BYTES // 8, dtype=np.int64)
+            self._headers = np.zeros((self.size, self._header.size), dtype=np.int64)
         except BaseException as exc:  # noqa: BLE001  (re-raised by start())
             self._init_error = exc
             self._ready.set()
@@ -212,73 +298,67 @@ class Engine:
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             self._fatal = self._fatal or exc
+            submitted, self._submitted = self._submitted, []
+        for work in submitted:
+            self.local[JOIN if work.meta.kind == "join" else work.meta.name] = work
         for key in list(self.local):
             self.finish(key, error=CollectiveError(f"mpicoll.torch engine stopped: {exc}"))
-        for item in self._drain():
-            item.future.set_error(CollectiveError(f"mpicoll.torch engine stopped: {exc}"))
 
-    def _drain(self) -> list:
-        """Every request queued now, without waiting (wake-up markers dropped)."""
-        items = []
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return items
-            if item is not None:
-                items.append(item)
+    def _pending(self) -> bool:
+        """Whether a round is due: this rank has new requests, or some request is
+        incomplete somewhere (then every rank must keep negotiating)."""
+        return bool(self._submitted) or self._negotiator.busy()
 
     def _loop(self) -> None:
+        while not self.stopping and self._fatal is None:
+            if not self._pending():
+                self._queue.get()                # a wake-up: new request, poke, stop
+                continue
+            if self.overlap:
+                # Wait out the cycle so that requests close together fuse, unless this
+                # rank's user thread is already blocked on a result (nothing more coming).
+                pause = self._last_round + self.settings.cycle_time - time.monotonic()
+                if pause > 0 and not self._blocked():
+                    time.sleep(pause)
+            elif not self._defer():
+                continue
+            with self._round_lock:
+                if self._pending() and not self.stopping and self._fatal is None:
+                    self._round()
+
+    def _round(self) -> None:
+        """One negotiation round, then run what it completed (holding the round lock)."""
         from .execute import execute  # noqa: PLC0415  (import cycle)
 
-        negotiator = Negotiator(self.size)
-        new: list[Work] = []
-        last_round = -1.0
-        header = np.zeros(2 + SLOT_BYTES // 8, dtype=np.int64)
-        headers = np.zeros((self.size, header.size), dtype=np.int64)
-        slot = header.view(np.uint8)[16:]
+        header, headers = self._header, self._headers
+        header[1] = self._blocked()              # read before draining: see negotiation.py
+        with self._lock:
+            new, self._submitted = self._submitted, []
+        self._last_round = time.monotonic()
+        metas = [w.meta for w in new]
+        data = pickle.dumps(metas, protocol=pickle.HIGHEST_PROTOCOL) \
+            if metas and self.size > 1 else b""
+        header[0] = len(data)
+        if len(data) <= SLOT_BYTES:
+            header.view(np.uint8)[16:16 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        for work in new:
+            self.local[JOIN if work.meta.kind == "join" else work.meta.name] = work
         stall_after = self.settings.stall_check_time
-        while not self.stopping:
-            if not new and not negotiator.busy():
-                item = self._queue.get()
-                if item is not None:
-                    new.append(item)
-                continue
-            if not self.overlap:
-                self._defer(new, time.monotonic() + _MAX_DEFER_SECONDS)
-            # Wait out the cycle so that requests close together fuse, unless this rank's
-            # user thread is already blocked on a result (then nothing more is coming).
-            blocked = self._blocked()
-            pause = last_round + self.settings.cycle_time - time.monotonic()
-            if pause > 0 and not blocked:
-                time.sleep(pause)
-                blocked = self._blocked()
-            header[1] = blocked                  # read before draining: see negotiation.py
-            new.extend(self._drain())
-            last_round = time.monotonic()
-            metas = [w.meta for w in new]
-            data = pickle.dumps(metas, protocol=pickle.HIGHEST_PROTOCOL) \
-                if metas and self.size > 1 else b""
-            header[0] = len(data)
-            if len(data) <= SLOT_BYTES:
-                slot[:len(data)] = np.frombuffer(data, dtype=np.uint8)
-            for work in new:
-                self.local[JOIN if work.meta.kind == "join" else work.meta.name] = work
-            new = []
-            if self.size == 1:
-                headers[0, :2] = header[:2]
-                payloads = [metas]               # one rank: nothing to exchange
-            else:
-                self._poll(self.comm.Iallgather(header, headers), stall_after)
-                payloads = self._payloads(data, headers)
-            responses = negotiator.process(payloads, [bool(b) for b in headers[:, 1]])
-            if responses:
-                execute(self, responses)
-            if stall_after > 0 and self.rank == 0:
-                for name, have, missing in negotiator.stalled(time.monotonic(), stall_after):
-                    stall_log.warning("stall: %r was submitted by ranks %s but not yet by "
-                                      "ranks %s (for %.0f s or more)", name, have, missing,
-                                      stall_after)
+        if self.size == 1:
+            headers[0, :2] = header[:2]
+            payloads = [metas]                   # one rank: nothing to exchange
+        else:
+            self._poll(self.comm.Iallgather(header, headers), stall_after)
+            payloads = self._payloads(data, headers)
+        negotiator = self._negotiator
+        responses = negotiator.process(payloads, [bool(b) for b in headers[:, 1]])
+        if responses:
+            execute(self, responses)
+        if stall_after > 0 and self.rank == 0:
+            for name, have, missing in negotiator.stalled(time.monotonic(), stall_after):
+                stall_log.warning("stall: %r was submitted by ranks %s but not yet by "
+                                  "ranks %s (for %.0f s or more)", name, have, missing,
+                                  stall_after)
 
     def poke(self) -> None:
         """Ask for progress without blocking (``poll()``): ends a deferral early."""
@@ -286,21 +366,29 @@ class Engine:
             self._poked = True
             self._queue.put(None)
 
-    def _defer(self, new: list, deadline: float) -> None:
-        """Without overlap: wait for the user thread to block, a poke, or ``deadline``
-        (pushed back by every new request: gradients still arriving mean backward runs)."""
-        while not self._poked and not self._blocked():
-            remaining = deadline - time.monotonic()
+    def stop(self) -> None:
+        """Make the engine thread leave its loop (after the ``shutdown`` response)."""
+        self.stopping = True
+        self._queue.put(None)
+
+    def _defer(self) -> bool:
+        """Without overlap, on the engine thread: wait for a poke, or until
+        :data:`_MAX_DEFER_SECONDS` after the latest request while no user thread waits
+        (a waiting thread runs the rounds itself). Returns whether to run a round now."""
+        while not self._poked and not self.stopping:
+            if self._blocked():
+                self._queue.get()                # the waiting thread does the rounds
+                return False
+            remaining = (max(self._last_submit, self._last_round) + _MAX_DEFER_SECONDS
+                         - time.monotonic())
             if remaining <= 0:
                 break
             try:
-                item = self._queue.get(timeout=remaining)
+                self._queue.get(timeout=remaining)
             except queue.Empty:
                 break
-            if item is not None:
-                new.append(item)
-                deadline = time.monotonic() + _MAX_DEFER_SECONDS
         self._poked = False
+        return not self.stopping
 
     def _payloads(self, data: bytes, headers: np.ndarray) -> list[list[Meta]]:
         """Every rank's requests of this round, from the records (and the ``v`` fallback)."""

@@ -111,7 +111,7 @@ def _allreduce_bucket(engine: "Engine", bucket: list[Response]) -> None:
         in_place = False
     if meta.prescale != 1.0:
         flat.mul_(meta.prescale)
-    if flat.numel():
+    if flat.numel() and engine.size > 1:
         collectives.allreduce(IN_PLACE, numpy_view(flat), op=mpicoll_op(op), comm=engine.comm,
                               algorithm=engine.settings.algorithm)
     _finalize(flat, op, meta.postscale, engine.size)
@@ -157,7 +157,9 @@ def _allgather(engine: "Engine", bucket: list[Response]) -> None:
             else torch.empty((0, *rows), dtype=dtype))
     out = torch.empty((sum(dims), *rows), dtype=dtype)
     if out.numel():
-        if len(set(dims)) == 1:
+        if engine.size == 1:
+            out.copy_(mine)
+        elif len(set(dims)) == 1:
             collectives.allgather(numpy_view(mine), numpy_view(out), comm=engine.comm)
         else:
             block = max(dims) * row
@@ -180,7 +182,7 @@ def _broadcast(engine: "Engine", bucket: list[Response]) -> None:
     target = work.output if work is not None else torch.empty(meta.shape,
                                                                dtype=from_name(meta.dtype))
     buf = target if target.is_contiguous() else target.contiguous()
-    if buf.numel():
+    if buf.numel() and engine.size > 1:
         collectives.broadcast(numpy_view(buf), root=meta.root, comm=engine.comm)
     if buf is not target:
         target.copy_(buf)
@@ -196,7 +198,7 @@ def _join(engine: "Engine", bucket: list[Response]) -> None:
 
 
 def _shutdown(engine: "Engine", bucket: list[Response]) -> None:
-    engine.stopping = True
+    engine.stop()
     engine.finish(bucket[0].name, result=None)
 
 

@@ -41,20 +41,22 @@ def _name(kind: str, name: str | None) -> str:
         return f"{kind}.noname.{next(counter)}"
 
 
-def _submit(meta: Meta, tensor: Any = None, output: Any = None) -> int:
-    return handles.register(engine().submit(meta, tensor, output))
+def _submit(meta: Meta, tensor: Any = None, output: Any = None, waiting: bool = False) -> int:
+    return handles.register(engine().submit(meta, tensor, output, waiting))
 
 
 def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor, name: str | None,
                      average: Any, op: Any, prescale_factor: float,
-                     postscale_factor: float) -> int:
+                     postscale_factor: float, layout: str = "", waiting: bool = False) -> int:
+    """Validate and submit one all-reduce (``layout``, ``waiting``: see
+    :class:`~mpicoll.torch.negotiation.Meta` and :meth:`Engine.submit`)."""
     check_supported(tensor)
     op = resolve_op(average, op)
     check_op_dtype(op, tensor.dtype, prescale_factor, postscale_factor)
     meta = Meta(_name("allreduce", name), "allreduce", dtype_name(tensor.dtype),
                 tuple(tensor.shape), int(op), -1, float(prescale_factor),
-                float(postscale_factor))
-    return _submit(meta, tensor.detach(), output)
+                float(postscale_factor), layout)
+    return _submit(meta, tensor.detach(), output, waiting)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Any = None, name: str | None = None,

@@ -41,6 +41,10 @@ class Meta(NamedTuple):
     root: int = -1
     prescale: float = 1.0
     postscale: float = 1.0
+    #: What a fused request covers (DistributedOptimizer's gradient buffers: the parameter
+    #: count and a checksum of their names and shapes), so that ranks whose models differ
+    #: but happen to have equal totals still disagree.
+    layout: str = ""
 
 
 class Response(NamedTuple):
@@ -156,7 +160,7 @@ class Negotiator:
 
 #: Fields that must agree across ranks, per kind ("shape0+" compares shape[1:]).
 _FIELDS = {
-    "allreduce": ("kind", "dtype", "shape", "op", "prescale", "postscale"),
+    "allreduce": ("kind", "dtype", "shape", "op", "prescale", "postscale", "layout"),
     "allgather": ("kind", "dtype", "rows"),
     "broadcast": ("kind", "dtype", "shape", "root"),
     "barrier": ("kind",),

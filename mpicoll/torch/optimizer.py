@@ -2,25 +2,36 @@
 
 The returned object is an instance of a subclass of the user's optimizer class that shares
 the user's optimizer state (``param_groups``, ``state``, hooks), so ``isinstance``,
-``state_dict`` and learning-rate schedulers keep working. Each parameter gets a
-``register_post_accumulate_grad_hook``: after the ``backward_passes_per_step``-th
-accumulation the hook submits ``allreduce_async_`` of the gradient (named
-``allreduce.<parameter name>``), so communication overlaps the rest of backward and the
-engine fuses and orders the requests. ``step()`` (or ``synchronize()``) submits zeros for
-parameters that got no gradient, waits for everything, and writes the averaged gradients
-back into ``.grad``.
+``state_dict`` and learning-rate schedulers keep working. Gradients are kept as views of
+one flat buffer per dtype, and each parameter gets a ``register_post_accumulate_grad_hook``.
+Two ways to reduce, chosen by the engine (the same on every rank):
+
+- *per tensor* (the engine overlaps communication with backward): after the
+  ``backward_passes_per_step``-th accumulation the hook submits ``allreduce_async_`` of the
+  gradient (named ``allreduce.<parameter name>``), so communication overlaps the rest of
+  backward and the engine fuses and orders the requests; ``step()`` (or
+  ``synchronize()``) submits zeros for parameters that got no gradient and waits;
+- *bulk* (one rank, or no overlap anywhere: communicating during backward would only take
+  the core from it): hooks only count accumulations, and ``step()`` submits each flat
+  buffer as one request (named ``allreduce.__gradients__.<dtype>``, with a checksum of the
+  parameters' names and shapes that ranks must agree on), reduced in place: one small
+  negotiation and one all-reduce per dtype per step, no copies, and parameters without a
+  gradient are zeros in the buffer.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Iterator
+import zlib
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
 from . import mpi_ops
 from .compression import Compression
+from .dtypes import dtype_name
 from .ops import Average, resolve_op
+from .state import engine
 
 __all__ = ["DistributedOptimizer"]
 
@@ -67,56 +78,114 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups = _check_groups(groups, all_params)
         self._params = [p for p in all_params if p.requires_grad]
         self._names = {p: f"allreduce.{by_id[id(p)]}" for p in self._params}
-        self._grad_views = _flat_gradients(self._params)
+        self._flat = _flat_gradients(self._params, self._names)
+        self._views = {p: view for flat in self._flat for p, view in zip(flat.params,
+                                                                          flat.views)}
         self._handles: dict[torch.Tensor, tuple[int, Any]] = {}
         self._delay = {p: backward_passes_per_step for p in self._params}
+        self._accumulated = 0          # parameters done accumulating (bulk mode)
+        self._mode_engine: Any = None  # the engine self._bulk was decided for
+        self._bulk = False
         self._synchronized = False
         self._should_synchronize = True
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
                               for p in self._params]
 
+    def _bulk_mode(self) -> bool:
+        """Whether gradients go as whole flat buffers at ``step()`` (decided once per
+        engine, identically on every rank: see :attr:`Engine.bulk_gradients`)."""
+        eng = engine()
+        if self._mode_engine is not eng:
+            self._mode_engine = eng
+            self._bulk = (eng.bulk_gradients and bool(self._flat)
+                          and self._compression in (Compression.none, Compression.fp16))
+        return self._bulk
+
     def _make_hook(self, p: torch.Tensor) -> Any:
         def hook(param: torch.Tensor) -> None:
-            if p in self._handles and self._delay[p] <= 0:
+            if self._delay[p] <= 0:
                 raise AssertionError(
                     "gradients were computed more than backward_passes_per_step times "
                     "before optimizer.step(); increase backward_passes_per_step to "
                     "accumulate gradients locally")
             self._delay[p] -= 1
             if self._delay[p] == 0:
-                self._handles[p] = self._allreduce_grad_async(p)
+                if self._bulk_mode() and p in self._views:
+                    self._accumulated += 1
+                else:
+                    self._handles[p] = self._allreduce_grad_async(p)
         return hook
 
-    def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[int, Any]:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        elif p.grad.is_sparse:
+    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        grad = p.grad
+        if grad is not None and grad.is_sparse:
             if not self._sparse_as_dense:
                 raise TypeError("sparse gradients are reduced only with "
                                 "DistributedOptimizer(..., sparse_as_dense=True)")
-            p.grad = p.grad.to_dense()
-        compressed, ctx = self._compression.compress(p.grad)
+            grad = p.grad = grad.to_dense()
+        return grad
+
+    def _scaling(self) -> tuple[float, float]:
         if int(self.op) == int(Average):
-            pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        else:
-            pre = post = 1.0
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[int, Any]:
+        if self._dense_grad(p) is None:
+            p.grad = torch.zeros_like(p)
+        compressed, ctx = self._compression.compress(p.grad)
+        pre, post = self._scaling()
         handle = mpi_ops.allreduce_async_(compressed, name=self._names[p], op=self.op,
                                           prescale_factor=pre, postscale_factor=post)
         return handle, (ctx, compressed)
 
+    def _allreduce_flat_async(self, flat: "_FlatGradients") -> tuple[int, Any]:
+        """Submit one flat gradient buffer (bulk mode), after putting back into it any
+        gradient that is not its view (``model.zero_grad()`` set it to ``None``, or the
+        user assigned one): a missing gradient is reduced as zeros."""
+        for p, view in zip(flat.params, flat.views):
+            if p.grad is not view:
+                grad = self._dense_grad(p)
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad)
+                p.grad = view
+        compressed, ctx = self._compression.compress(flat.buffer)
+        pre, post = self._scaling()
+        handle = mpi_ops._allreduce_async(compressed, compressed, flat.name, None, self.op,
+                                          pre, post, layout=flat.layout, waiting=True)
+        return handle, (ctx, compressed)
+
     def synchronize(self) -> None:
         """Wait for every gradient's all-reduce (submitting zeros for missing ones)."""
-        for p in self._params:
-            if p not in self._handles:
-                self._handles[p] = self._allreduce_grad_async(p)
+        bulk = self._bulk_mode()
+        pending: list[tuple[Any, tuple[int, Any]]] = []
+        errors: list[BaseException] = []
         try:
-            for p, (handle, (ctx, compressed)) in self._handles.items():
-                output = mpi_ops.synchronize(handle)
-                self._delay[p] = self.backward_passes_per_step
-                if output is not p.grad:
-                    p.grad.copy_(self._compression.decompress(output, ctx))
+            if bulk:
+                for flat in self._flat:
+                    pending.append((flat, self._allreduce_flat_async(flat)))
+            for p in self._params:
+                if p not in self._handles and not (bulk and p in self._views):
+                    self._handles[p] = self._allreduce_grad_async(p)
         finally:
+            pending += self._handles.items()
             self._handles.clear()
+            for p in self._params:
+                self._delay[p] = self.backward_passes_per_step
+            self._accumulated = 0
+            for target, (handle, (ctx, _)) in pending:   # every handle, even after an error
+                try:
+                    output = mpi_ops.synchronize(handle)
+                except Exception as exc:  # noqa: BLE001  (the first is raised below)
+                    errors.append(exc)
+                    continue
+                grad = target.buffer if isinstance(target, _FlatGradients) else target.grad
+                if output is not grad:
+                    grad.copy_(self._compression.decompress(output, ctx))
+        if errors:
+            raise errors[0]
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -145,17 +214,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Gradients stay views of the flat per-dtype buffers (zeroed, whatever
         ``set_to_none`` says), so fused all-reduces run in place without copies.
         """
-        if self._handles:
+        if self._handles or self._accumulated:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize(); this is "
                                  "prohibited (the gradients are being reduced)")
-        buffers, views = self._grad_views
-        for buf in buffers:
-            buf.zero_()
-        for p, view in views.items():
+        for flat in self._flat:
+            flat.buffer.zero_()
+        for p, view in self._views.items():
             if p.grad is not view:
                 p.grad = view
-        others = [p for group in self.param_groups for p in group["params"] if p not in views]
+        others = [p for group in self.param_groups for p in group["params"]
+                  if p not in self._views]
         for p in others:
             if p.grad is not None:
                 if set_to_none:
@@ -164,30 +233,44 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     p.grad.detach_().zero_()
 
 
-def _flat_gradients(params: list) -> tuple[list, dict]:
+class _FlatGradients(NamedTuple):
+    """One dtype's gradients as views of one flat buffer."""
+
+    buffer: torch.Tensor
+    params: list             # in buffer order
+    views: list              # params[i].grad is views[i]
+    name: str                # the bulk request's name
+    layout: str              # what ranks must agree on (count, checksum of names/shapes)
+
+
+def _flat_gradients(params: list, names: dict) -> list[_FlatGradients]:
     """Give every parameter a ``.grad`` that is a view of one flat buffer per dtype.
 
     Parameters are laid out in reverse order (the order backward usually produces their
-    gradients), existing gradients are copied in. Returns (buffers, parameter -> view).
-    Backward accumulates into existing ``.grad`` tensors in place, so the views survive.
+    gradients), existing gradients are copied in. Backward accumulates into existing
+    ``.grad`` tensors in place, so the views survive.
     """
     by_dtype: dict[torch.dtype, list] = {}
     for p in reversed(params):
         if p.layout is torch.strided and p.device.type == "cpu":
             by_dtype.setdefault(p.dtype, []).append(p)
-    buffers, views = [], {}
+    out = []
     for dtype, group in by_dtype.items():
         buf = torch.zeros(sum(p.numel() for p in group), dtype=dtype)
+        views = []
         offset = 0
         for p in group:
             view = buf[offset:offset + p.numel()].view(p.shape)
             if p.grad is not None:
                 view.copy_(p.grad)
             p.grad = view
-            views[p] = view
+            views.append(view)
             offset += p.numel()
-        buffers.append(buf)
-    return buffers, views
+        described = repr([(names[p], tuple(p.shape)) for p in group]).encode()
+        out.append(_FlatGradients(buf, group, views,
+                                  f"allreduce.__gradients__.{dtype_name(dtype)}",
+                                  f"{len(group)} tensors, crc32 {zlib.crc32(described):08x}"))
+    return out
 
 
 def _check_groups(groups: Any, params: list) -> Any:
