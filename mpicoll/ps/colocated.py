@@ -45,6 +45,7 @@ from .checkpoint import write_server_file
 from .errors import PSError
 from .placement import Placement, Shard
 from .server import ShardState
+from .worker import pull_destination
 
 __all__ = ["CollOp", "ColocatedEngine", "ColocatedHandle"]
 
@@ -380,17 +381,7 @@ class ColocatedEngine:
         return out
 
     def _out_arrays(self, out: dict[str, Any] | None) -> dict[str, np.ndarray]:
-        result = {}
-        for name, spec in self.placement.specs.items():
-            dest = None if out is None else out.get(name)
-            if dest is None:
-                dest = np.empty(spec.shape, dtype=spec.dtype)
-            elif tuple(dest.shape) != spec.shape or dest.dtype != spec.dtype or \
-                    not dest.flags.c_contiguous or not dest.flags.writeable:
-                raise PSError(f"out[{name!r}] must be a writable C-contiguous {spec.dtype} "
-                              f"array of shape {spec.shape}")
-            result[name] = dest
-        return result
+        return {name: pull_destination(spec, out) for name, spec in self.placement.specs.items()}
 
     def step(self, op: CollOp, grads: dict[str, Any] | None = None,
              out: dict[str, Any] | None = None, check: bool = True) -> Steps:

@@ -477,7 +477,7 @@ class ParameterServer:
         here = self.placement.describe()
         if layout["params"] != here["params"]:
             return ("checkpoint holds other parameters (names, shapes or dtypes) than "
-                    f"this ParameterServer")
+                    "this ParameterServer")
         if manifest["optimizer"] != self.optimizer:
             return (f"checkpoint was saved with optimizer={manifest['optimizer']!r}, not "
                     f"{self.optimizer!r}")

@@ -8,6 +8,7 @@ on server ``i``.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -40,9 +41,9 @@ class ParamSpec:
         """Bytes of the whole tensor."""
         return self.size * self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def key(self) -> int:
-        """The wire key (crc32 of the name)."""
+        """The wire key (crc32 of the name; computed once)."""
         return key_of(self.name)
 
     def as_plain(self) -> list:

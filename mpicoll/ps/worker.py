@@ -15,9 +15,25 @@ from mpi4py import MPI
 
 from . import protocol as P
 from .errors import PSError
-from .placement import Placement
+from .placement import ParamSpec, Placement
 
-__all__ = ["Handle", "WorkerClient"]
+__all__ = ["Handle", "WorkerClient", "pull_destination"]
+
+
+def pull_destination(spec: ParamSpec, out: dict[str, Any] | None) -> np.ndarray:
+    """The array a pull of ``spec`` fills: ``out[name]`` if given (checked), else a new one.
+
+    Raises:
+        PSError: ``out[name]`` is not a writable C-contiguous array of the right shape/dtype.
+    """
+    dest = None if out is None else out.get(spec.name)
+    if dest is None:
+        return np.empty(spec.shape, dtype=spec.dtype)
+    if tuple(dest.shape) != spec.shape or dest.dtype != spec.dtype or \
+            not dest.flags.c_contiguous or not dest.flags.writeable:
+        raise PSError(f"out[{spec.name!r}] must be a writable C-contiguous {spec.dtype} "
+                      f"array of shape {spec.shape}")
+    return dest
 
 
 class Handle:
@@ -201,13 +217,7 @@ class WorkerClient:
             spec = specs.get(name)
             if spec is None:
                 raise PSError(f"cannot pull unknown key {name!r}")
-            dest = None if out is None else out.get(name)
-            if dest is None:
-                dest = np.empty(spec.shape, dtype=spec.dtype)
-            elif tuple(dest.shape) != spec.shape or dest.dtype != spec.dtype or \
-                    not dest.flags.c_contiguous or not dest.flags.writeable:
-                raise PSError(f"out[{name!r}] must be a writable C-contiguous {spec.dtype} "
-                              f"array of shape {spec.shape}")
+            dest = pull_destination(spec, out)
             result[name] = dest
             flat = dest.reshape(-1)
             for sh in self.placement.shards[name]:
