@@ -7,18 +7,21 @@ name the argument, before any message is sent), optionally runs the agreement st
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import numpy as np
 
 from . import buffers, config, fastpath
-from .algorithms.registry import lookup
+from .algorithms.registry import bind, lookup
 from .buffers import flat_view, is_in_place
 from .checked import agree
 from .context import CommContext, get_context, resolve_comm
 from .ops import resolve_op
 from .partition import block_bounds
 from .selection import resolve_algorithm
+
+_cached_calls = fastpath.calls()
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce",
            "run_allreduce"]
@@ -81,25 +84,6 @@ def _elementwise_buffers(sendbuf: Any, recvbuf: Any) -> tuple[Any, Any, Any]:
     return (recv if _same_memory(send, recv) else send), recv, recvbuf
 
 
-def _prepare(ctx: CommContext, collective: str, checked: bool | None,
-             validate: Callable[[], dict]) -> dict:
-    """Run ``validate`` (local checks), then the agreement step when checked."""
-    use_check = config.check_enabled() if checked is None else checked
-    try:
-        call = validate()
-    except (TypeError, ValueError) as exc:
-        if not use_check:
-            raise
-        agree(ctx, exc, collective=collective)
-        raise  # agree always raises when a rank reported an error
-    if use_check:
-        agree(ctx, None, collective=collective, count=call.get("count"),
-              dtype=call.get("dtype"), op=call.get("op_name"), root=call.get("root"),
-              algorithm=call.get("requested"), resolved=call.get("name"),
-              segment_bytes=ctx.segment_bytes)
-    return call
-
-
 def run_allreduce(ctx: CommContext, name: str, send: Any, recv: Any, op: Any) -> None:
     """Run registered all-reduce ``name`` on flat arrays, trivial cases included.
 
@@ -111,6 +95,86 @@ def run_allreduce(ctx: CommContext, name: str, send: Any, recv: Any, op: Any) ->
             buffers.copy(recv, send)
         return
     lookup("allreduce", name)(ctx, send, recv, op)
+
+
+def _noop() -> None:
+    return None
+
+
+def _chain(*steps: Callable[[], Any] | None) -> Callable[[], Any]:
+    """One callable running the given steps (``None`` skipped) in order."""
+    todo = [step for step in steps if step is not None]
+    if not todo:
+        return _noop
+    if len(todo) == 1:
+        return todo[0]
+
+    def run() -> None:
+        for step in todo:
+            step()
+
+    return run
+
+
+def _copy_step(dst: Any, src: Any) -> Callable[[], Any] | None:
+    return None if dst is src or src is None else functools.partial(buffers.copy, dst, src)
+
+
+def _finalize_step(opo: Any, out: Any, size: int) -> Callable[[], Any] | None:
+    if out is None or not opo.averages or size == 1:
+        return None
+    return functools.partial(opo.finalize, out, size)
+
+
+def _resolve(ctx: CommContext, collective: str, algorithm: Any, nbytes: int) -> str:
+    return resolve_algorithm(collective, algorithm, ctx.size, ctx.ranks_per_node, nbytes)
+
+
+def execute(collective: str, args: tuple, comm: Any = None, check: Any = None,
+            cache_as: tuple | None = None) -> Any:
+    """Validate (and agree on, when checked) a call, cache it, run it, return its result.
+
+    The collective's plan function (``plan(ctx, *args)``, in :data:`_PLANS`) validates this
+    rank's arguments and returns the fields the
+    agreement step compares plus ``run`` (performs the collective), ``result`` (returned),
+    ``out`` (the array written) and ``fresh`` (the result was allocated for this call, so
+    the call must not be cached). The cache key is ``cache_as`` (a collective name and the
+    argument objects) or ``(collective, args + (comm,))``.
+    """
+    ctx = get_context(resolve_comm(comm))
+    use_check = config.check_enabled() if check is None else bool(check)
+    try:
+        call = _PLANS[collective](ctx, *args)
+    except (TypeError, ValueError) as exc:
+        if not use_check:
+            raise
+        agree(ctx, exc, collective=collective)
+        raise  # agree always raises when a rank reported an error
+    if use_check:
+        agree(ctx, None, collective=collective, count=call.get("count"),
+              dtype=call.get("dtype"), op=call.get("op_name"), root=call.get("root"),
+              algorithm=call.get("requested"), resolved=call.get("name"),
+              segment_bytes=ctx.segment_bytes)
+    elif not call["fresh"]:
+        key, key_args = cache_as if cache_as is not None else (collective, args + (comm,))
+        fastpath.store(key, key_args, call["run"], call["result"], call["out"])
+    call["run"]()
+    return call["result"]
+
+
+def _allreduce_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
+                    algorithm: Any) -> dict:
+    send, recv, result = _elementwise_buffers(sendbuf, recvbuf)
+    opo = resolve_op(op)
+    opo.check_dtype(recv.dtype)
+    name = _resolve(ctx, "allreduce", algorithm, recv.nbytes)
+    if ctx.size == 1 or recv.size == 0:
+        run = _copy_step(recv, send)
+    else:
+        run = bind("allreduce", name, ctx, send, recv, opo)
+    return dict(run=_chain(run, _finalize_step(opo, recv, ctx.size)), result=result,
+                out=recvbuf, fresh=recvbuf is None, count=recv.size, dtype=recv.dtype.str,
+                op_name=opo.name, requested=algorithm, name=name)
 
 
 def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
@@ -134,33 +198,53 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
         mpicoll.CollectiveError: in checked mode, another rank's bad arguments, or ranks
             that disagree.
     """
-    cacheable = recvbuf is not None and not (config.check_enabled() if check is None else check)
-    if cacheable:
-        args = (sendbuf, recvbuf, op, algorithm, comm)
-        hit = fastpath.lookup("allreduce", args, recvbuf)
-        if hit is not None:
-            ctx, name, send, recv, opo = hit
-            run_allreduce(ctx, name, send, recv, opo)
-            opo.finalize(recv, ctx.size)
-            return recvbuf
-    comm_obj = resolve_comm(comm)
-    ctx = get_context(comm_obj)
+    if not check:  # the cached call (fastpath.lookup, inlined: the hot path)
+        hit = _cached_calls.get(("allreduce", id(sendbuf), id(recvbuf), id(op), id(algorithm),
+                                 id(comm)))
+        if hit is not None and (hit[2] is None or hit[2].flags.writeable):
+            hit[0]()
+            return hit[1]
+    return execute("allreduce", (sendbuf, recvbuf, op, algorithm), comm, check)
 
-    def validate() -> dict:
-        send, recv, result = _elementwise_buffers(sendbuf, recvbuf)
-        opo = resolve_op(op)
-        opo.check_dtype(recv.dtype)
-        name = resolve_algorithm("allreduce", algorithm, ctx.size, 0, recv.nbytes)
-        return dict(send=send, recv=recv, result=result, op=opo, count=recv.size,
-                    dtype=recv.dtype.str, op_name=opo.name, requested=algorithm, name=name)
 
-    call = _prepare(ctx, "allreduce", check, validate)
-    recv, opo = call["recv"], call["op"]
-    if cacheable:
-        fastpath.store("allreduce", args, (ctx, call["name"], call["send"], recv, opo))
-    run_allreduce(ctx, call["name"], call["send"], recv, opo)
-    opo.finalize(recv, ctx.size)
-    return call["result"]
+def _reduce_scatter_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
+                         algorithm: Any) -> dict:
+    refill = None
+    if is_in_place(sendbuf):
+        if recvbuf is None:
+            raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
+        full = flat_view(recvbuf, "recvbuf", writable=True)
+        bounds = block_bounds(full.size, ctx.size)
+        # the algorithms need the input apart from the output: a scratch copy, refilled
+        # at every call (allocated once per cached call)
+        send = buffers.empty(full.size, full.dtype, full)
+        refill = _copy_step(send, full)
+        recv = result = full[:bounds[ctx.rank + 1] - bounds[ctx.rank]]
+    else:
+        send = flat_view(sendbuf, "sendbuf")
+        bounds = block_bounds(send.size, ctx.size)
+        mine = bounds[ctx.rank + 1] - bounds[ctx.rank]
+        if recvbuf is None:
+            result = recv = buffers.empty(mine, send.dtype, send)
+        else:
+            recv = flat_view(recvbuf, "recvbuf", writable=True)
+            result = recvbuf
+            _check_same_dtype(send, recv)
+            _check_count("recvbuf", recv, mine,
+                         f"block {ctx.rank} of {send.size} elements over {ctx.size} ranks")
+            _check_disjoint(send, recv)
+    opo = resolve_op(op)
+    opo.check_dtype(send.dtype)
+    name = _resolve(ctx, "reduce_scatter", algorithm, send.nbytes)
+    if ctx.size == 1:
+        run = _chain(refill, _copy_step(recv, send))
+    elif send.size:
+        run = _chain(refill, bind("reduce_scatter", name, ctx, send, recv, opo))
+    else:
+        run = None
+    return dict(run=_chain(run, _finalize_step(opo, recv, ctx.size)), result=result,
+                out=recvbuf, fresh=recvbuf is None, count=send.size, dtype=send.dtype.str,
+                op_name=opo.name, requested=algorithm, name=name)
 
 
 def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
@@ -182,45 +266,46 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
-    comm = resolve_comm(comm)
-    ctx = get_context(comm)
+    if not check:  # the cached call (fastpath.lookup, inlined: the hot path)
+        hit = _cached_calls.get(("reduce_scatter", id(sendbuf), id(recvbuf), id(op),
+                                  id(algorithm), id(comm)))
+        if hit is not None and (hit[2] is None or hit[2].flags.writeable):
+            hit[0]()
+            return hit[1]
+    return execute("reduce_scatter", (sendbuf, recvbuf, op, algorithm), comm, check)
 
-    def validate() -> dict:
-        if is_in_place(sendbuf):
-            if recvbuf is None:
-                raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
-            full = flat_view(recvbuf, "recvbuf", writable=True)
-            bounds = block_bounds(full.size, ctx.size)
-            send = full.copy()
-            recv = full[:bounds[ctx.rank + 1] - bounds[ctx.rank]]
-            result = recv
+
+def _allgather_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, algorithm: Any) -> dict:
+    if is_in_place(sendbuf):
+        if recvbuf is None:
+            raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
+        recv = flat_view(recvbuf, "recvbuf", writable=True)
+        if recv.size % ctx.size:
+            raise ValueError(f"recvbuf has {recv.size} elements, not a multiple of the "
+                             f"{ctx.size} ranks")
+        send, result = None, recvbuf
+    else:
+        send = flat_view(sendbuf, "sendbuf")
+        if recvbuf is None:
+            shape = ((ctx.size * sendbuf.shape[0],) + tuple(sendbuf.shape[1:])
+                     if sendbuf.ndim else (ctx.size,))
+            result = buffers.array_module(sendbuf).empty(shape, dtype=sendbuf.dtype)
+            recv = flat_view(result, "recvbuf", writable=True)
         else:
-            send = flat_view(sendbuf, "sendbuf")
-            bounds = block_bounds(send.size, ctx.size)
-            mine = bounds[ctx.rank + 1] - bounds[ctx.rank]
-            if recvbuf is None:
-                result = recv = buffers.empty(mine, send.dtype, send)
-            else:
-                recv = flat_view(recvbuf, "recvbuf", writable=True)
-                result = recvbuf
-                _check_same_dtype(send, recv)
-                _check_count("recvbuf", recv, mine,
-                             f"block {ctx.rank} of {send.size} elements over {ctx.size} ranks")
-                _check_disjoint(send, recv)
-        opo = resolve_op(op)
-        opo.check_dtype(send.dtype)
-        name = resolve_algorithm("reduce_scatter", algorithm, ctx.size, 0, send.nbytes)
-        return dict(send=send, recv=recv, result=result, op=opo, count=send.size,
-                    dtype=send.dtype.str, op_name=opo.name, requested=algorithm, name=name)
-
-    call = _prepare(ctx, "reduce_scatter", check, validate)
-    send, recv, opo = call["send"], call["recv"], call["op"]
+            recv = flat_view(recvbuf, "recvbuf", writable=True)
+            result = recvbuf
+            _check_same_dtype(send, recv)
+            _check_count("recvbuf", recv, send.size * ctx.size,
+                         f"{ctx.size} ranks x {send.size}")
+            _check_disjoint(send, recv)
+    name = _resolve(ctx, "allgather", algorithm, recv.nbytes)
     if ctx.size == 1:
-        buffers.copy(recv, send)
-    elif send.size:
-        lookup("reduce_scatter", call["name"])(ctx, send, recv, opo)
-    opo.finalize(recv, ctx.size)
-    return call["result"]
+        run = _copy_step(recv, send)
+    else:
+        run = bind("allgather", name, ctx, send, recv) if recv.size else None
+    return dict(run=_chain(run), result=result, out=recvbuf, fresh=recvbuf is None,
+                count=recv.size // ctx.size, dtype=recv.dtype.str, requested=algorithm,
+                name=name)
 
 
 def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: str = "auto",
@@ -238,44 +323,23 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: st
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
-    comm = resolve_comm(comm)
-    ctx = get_context(comm)
+    if not check:  # the cached call (fastpath.lookup, inlined: the hot path)
+        hit = _cached_calls.get(("allgather", id(sendbuf), id(recvbuf), id(algorithm),
+                                  id(comm)))
+        if hit is not None and (hit[2] is None or hit[2].flags.writeable):
+            hit[0]()
+            return hit[1]
+    return execute("allgather", (sendbuf, recvbuf, algorithm), comm, check)
 
-    def validate() -> dict:
-        if is_in_place(sendbuf):
-            if recvbuf is None:
-                raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
-            recv = flat_view(recvbuf, "recvbuf", writable=True)
-            if recv.size % ctx.size:
-                raise ValueError(f"recvbuf has {recv.size} elements, not a multiple of the "
-                                 f"{ctx.size} ranks")
-            send, result = None, recvbuf
-        else:
-            send = flat_view(sendbuf, "sendbuf")
-            if recvbuf is None:
-                shape = ((ctx.size * sendbuf.shape[0],) + tuple(sendbuf.shape[1:])
-                         if sendbuf.ndim else (ctx.size,))
-                result = buffers.array_module(sendbuf).empty(shape, dtype=sendbuf.dtype)
-                recv = flat_view(result, "recvbuf", writable=True)
-            else:
-                recv = flat_view(recvbuf, "recvbuf", writable=True)
-                result = recvbuf
-                _check_same_dtype(send, recv)
-                _check_count("recvbuf", recv, send.size * ctx.size,
-                             f"{ctx.size} ranks x {send.size}")
-                _check_disjoint(send, recv)
-        name = resolve_algorithm("allgather", algorithm, ctx.size, 0, recv.nbytes)
-        return dict(send=send, recv=recv, result=result, count=recv.size // ctx.size,
-                    dtype=recv.dtype.str, requested=algorithm, name=name)
 
-    call = _prepare(ctx, "allgather", check, validate)
-    send, recv = call["send"], call["recv"]
-    if ctx.size == 1:
-        if send is not None:
-            buffers.copy(recv, send)
-    elif recv.size:
-        lookup("allgather", call["name"])(ctx, send, recv)
-    return call["result"]
+def _broadcast_plan(ctx: CommContext, buf: Any, root: Any, algorithm: Any) -> dict:
+    r = _check_root(root, ctx.size)
+    flat = flat_view(buf, "buf", writable=ctx.rank != r)
+    name = _resolve(ctx, "broadcast", algorithm, flat.nbytes)
+    run = bind("broadcast", name, ctx, flat, r) if ctx.size > 1 and flat.size else None
+    return dict(run=_chain(run), result=buf, out=buf if ctx.rank != r else None,
+                fresh=False, root=r, count=flat.size, dtype=flat.dtype.str,
+                requested=algorithm, name=name)
 
 
 def broadcast(buf: Any, root: int = 0, comm: Any = None, algorithm: str = "auto",
@@ -291,21 +355,36 @@ def broadcast(buf: Any, root: int = 0, comm: Any = None, algorithm: str = "auto"
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
-    comm = resolve_comm(comm)
-    ctx = get_context(comm)
+    if not check:  # the cached call (fastpath.lookup, inlined: the hot path)
+        hit = _cached_calls.get(("broadcast", id(buf), id(root), id(algorithm), id(comm)))
+        if hit is not None and (hit[2] is None or hit[2].flags.writeable):
+            hit[0]()
+            return hit[1]
+    return execute("broadcast", (buf, root, algorithm), comm, check)
 
-    def validate() -> dict:
-        r = _check_root(root, ctx.size)
-        flat = flat_view(buf, "buf", writable=ctx.rank != r)
-        name = resolve_algorithm("broadcast", algorithm, ctx.size, 0, flat.nbytes)
-        return dict(buf=flat, root=r, count=flat.size, dtype=flat.dtype.str,
-                    requested=algorithm, name=name)
 
-    call = _prepare(ctx, "broadcast", check, validate)
-    flat = call["buf"]
-    if ctx.size > 1 and flat.size:
-        lookup("broadcast", call["name"])(ctx, flat, call["root"])
-    return buf
+def _reduce_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any, root: Any,
+                 algorithm: Any) -> dict:
+    r = _check_root(root, ctx.size)
+    at_root = ctx.rank == r
+    if at_root:
+        send, recv, result = _elementwise_buffers(sendbuf, recvbuf)
+    elif is_in_place(sendbuf):
+        raise ValueError(f"sendbuf is IN_PLACE/None on rank {ctx.rank}, which is not "
+                         f"the root ({r}); only the root may reduce in place")
+    else:
+        send, recv, result = flat_view(sendbuf, "sendbuf"), None, None
+    opo = resolve_op(op)
+    opo.check_dtype(send.dtype)
+    name = _resolve(ctx, "reduce", algorithm, send.nbytes)
+    if ctx.size == 1:
+        run = _copy_step(recv, send)
+    else:
+        run = bind("reduce", name, ctx, send, recv, opo, r) if send.size else None
+    return dict(run=_chain(run, _finalize_step(opo, recv, ctx.size)), result=result,
+                out=recvbuf if at_root else None, fresh=at_root and recvbuf is None,
+                root=r, count=send.size, dtype=send.dtype.str, op_name=opo.name,
+                requested=algorithm, name=name)
 
 
 def reduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", root: int = 0,
@@ -324,33 +403,15 @@ def reduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", root: int = 0,
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
-    comm = resolve_comm(comm)
-    ctx = get_context(comm)
-
-    def validate() -> dict:
-        r = _check_root(root, ctx.size)
-        at_root = ctx.rank == r
-        if at_root:
-            send, recv, result = _elementwise_buffers(sendbuf, recvbuf)
-        elif is_in_place(sendbuf):
-            raise ValueError(f"sendbuf is IN_PLACE/None on rank {ctx.rank}, which is not "
-                             f"the root ({r}); only the root may reduce in place")
-        else:
-            send, recv, result = flat_view(sendbuf, "sendbuf"), None, None
-        opo = resolve_op(op)
-        opo.check_dtype(send.dtype)
-        name = resolve_algorithm("reduce", algorithm, ctx.size, 0, send.nbytes)
-        return dict(send=send, recv=recv, result=result, op=opo, root=r, count=send.size,
-                    dtype=send.dtype.str, op_name=opo.name, requested=algorithm, name=name)
-
-    call = _prepare(ctx, "reduce", check, validate)
-    send, recv, opo, r = call["send"], call["recv"], call["op"], call["root"]
-    if ctx.size == 1:
-        buffers.copy(recv, send)
-    elif send.size:
-        lookup("reduce", call["name"])(ctx, send, recv, opo, r)
-    if recv is not None:
-        opo.finalize(recv, ctx.size)
-    return call["result"]
+    if not check:  # the cached call (fastpath.lookup, inlined: the hot path)
+        hit = _cached_calls.get(("reduce", id(sendbuf), id(recvbuf), id(op),
+                                  id(root), id(algorithm), id(comm)))
+        if hit is not None and (hit[2] is None or hit[2].flags.writeable):
+            hit[0]()
+            return hit[1]
+    return execute("reduce", (sendbuf, recvbuf, op, root, algorithm), comm, check)
 
 
+_PLANS: dict[str, Callable[..., dict]] = {
+    "allreduce": _allreduce_plan, "reduce_scatter": _reduce_scatter_plan,
+    "allgather": _allgather_plan, "broadcast": _broadcast_plan, "reduce": _reduce_plan}

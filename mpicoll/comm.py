@@ -14,12 +14,14 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import collectives
+from . import collectives, fastpath
 from .buffers import IN_PLACE, Unsupported, is_in_place, parse_mpi_buffer
 from .ops import resolve_op
 from .partition import block_bounds
 
 __all__ = ["Comm"]
+
+_cached_calls = fastpath.calls()
 
 
 class Comm(MPI.Intracomm):
@@ -50,21 +52,38 @@ class Comm(MPI.Intracomm):
     def _parse(self, spec: Any, argname: str, writable: bool = False) -> Any:
         return IN_PLACE if is_in_place(spec) else parse_mpi_buffer(spec, argname, writable)
 
+    def _run(self, method: str, collective: str, args: tuple, key_args: tuple) -> None:
+        """Run mpicoll's ``collective`` on parsed ``args``; cache it under the raw ones."""
+        collectives.execute(collective, args + (self._algo(collective),), self,
+                            self._mpicoll_check,
+                            cache_as=("Comm." + method, key_args + (self,)))
+
     # -- collectives ----------------------------------------------------------------------
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM) -> None:
         """As ``MPI.Comm.Allreduce``, with mpicoll's all-reduce."""
+        if not self._mpicoll_check:  # the cached call (see mpicoll.fastpath)
+            hit = _cached_calls.get(("Comm.Allreduce", id(sendbuf), id(recvbuf),
+                                     id(op), id(self)))
+            if hit is not None and (hit[2] is None or hit[2].flags.writeable):
+                hit[0]()
+                return None
         try:
             ours = resolve_op(op)
             send = self._parse(sendbuf, "sendbuf")
             recv = parse_mpi_buffer(recvbuf, "recvbuf", writable=True)
         except (Unsupported, ValueError):
             return super().Allreduce(sendbuf, recvbuf, op)
-        collectives.allreduce(send, recv, ours, self, self._algo("allreduce"),
-                              check=self._mpicoll_check)
+        self._run("Allreduce", "allreduce", (send, recv, ours), (sendbuf, recvbuf, op))
         return None
 
     def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM) -> None:
         """As ``MPI.Comm.Reduce_scatter_block``, with mpicoll's reduce-scatter."""
+        if not self._mpicoll_check:  # the cached call (see mpicoll.fastpath)
+            hit = _cached_calls.get(("Comm.Reduce_scatter_block", id(sendbuf),
+                                     id(recvbuf), id(op), id(self)))
+            if hit is not None and (hit[2] is None or hit[2].flags.writeable):
+                hit[0]()
+                return None
         try:
             ours = resolve_op(op)
             send = self._parse(sendbuf, "sendbuf")
@@ -74,8 +93,8 @@ class Comm(MPI.Intracomm):
         if send is not IN_PLACE and send.size != recv.size * self.Get_size():
             raise ValueError(f"sendbuf has {send.size} elements; Reduce_scatter_block needs "
                              f"size x recvbuf = {recv.size * self.Get_size()}")
-        collectives.reduce_scatter(send, recv, ours, self, self._algo("reduce_scatter"),
-                                   check=self._mpicoll_check)
+        self._run("Reduce_scatter_block", "reduce_scatter", (send, recv, ours),
+                  (sendbuf, recvbuf, op))
         return None
 
     def Reduce_scatter(self, sendbuf: Any, recvbuf: Any, recvcounts: Any = None,
@@ -95,36 +114,50 @@ class Comm(MPI.Intracomm):
         except (Unsupported, ValueError, TypeError):
             return super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
         if send is IN_PLACE:
-            collectives.reduce_scatter(IN_PLACE, recv[:total], ours, self,
-                                       self._algo("reduce_scatter"), check=self._mpicoll_check)
+            args = (IN_PLACE, recv[:total], ours)
         else:
-            collectives.reduce_scatter(send[:total], recv[:counts[self.Get_rank()]], ours, self,
-                                       self._algo("reduce_scatter"), check=self._mpicoll_check)
+            args = (send[:total], recv[:counts[self.Get_rank()]], ours)
+        # keyed by the counts too: a list, so never cached (it could change in place)
+        self._run("Reduce_scatter", "reduce_scatter", args, (sendbuf, recvbuf, recvcounts, op))
         return None
 
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
         """As ``MPI.Comm.Allgather``, with mpicoll's all-gather."""
+        if not self._mpicoll_check:  # the cached call (see mpicoll.fastpath)
+            hit = _cached_calls.get(("Comm.Allgather", id(sendbuf), id(recvbuf), id(self)))
+            if hit is not None and (hit[2] is None or hit[2].flags.writeable):
+                hit[0]()
+                return None
         try:
             send = self._parse(sendbuf, "sendbuf")
             recv = parse_mpi_buffer(recvbuf, "recvbuf", writable=True)
         except (Unsupported, ValueError):
             return super().Allgather(sendbuf, recvbuf)
-        collectives.allgather(send, recv, self, self._algo("allgather"),
-                              check=self._mpicoll_check)
+        self._run("Allgather", "allgather", (send, recv), (sendbuf, recvbuf))
         return None
 
     def Bcast(self, buf: Any, root: int = 0) -> None:
         """As ``MPI.Comm.Bcast``, with mpicoll's broadcast."""
+        if not self._mpicoll_check:  # the cached call (see mpicoll.fastpath)
+            hit = _cached_calls.get(("Comm.Bcast", id(buf), id(root), id(self)))
+            if hit is not None and (hit[2] is None or hit[2].flags.writeable):
+                hit[0]()
+                return None
         try:
             flat = parse_mpi_buffer(buf, "buf", writable=self.Get_rank() != root)
         except (Unsupported, ValueError):
             return super().Bcast(buf, root)
-        collectives.broadcast(flat, root, self, self._algo("broadcast"),
-                              check=self._mpicoll_check)
+        self._run("Bcast", "broadcast", (flat, root), (buf, root))
         return None
 
     def Reduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM, root: int = 0) -> None:
         """As ``MPI.Comm.Reduce``, with mpicoll's reduce."""
+        if not self._mpicoll_check:  # the cached call (see mpicoll.fastpath)
+            hit = _cached_calls.get(("Comm.Reduce", id(sendbuf), id(recvbuf),
+                                     id(op), id(root), id(self)))
+            if hit is not None and (hit[2] is None or hit[2].flags.writeable):
+                hit[0]()
+                return None
         at_root = self.Get_rank() == root
         try:
             ours = resolve_op(op)
@@ -132,8 +165,7 @@ class Comm(MPI.Intracomm):
             recv = parse_mpi_buffer(recvbuf, "recvbuf", writable=True) if at_root else None
         except (Unsupported, ValueError):
             return super().Reduce(sendbuf, recvbuf, op, root)
-        collectives.reduce(send, recv, ours, root, self, self._algo("reduce"),
-                           check=self._mpicoll_check)
+        self._run("Reduce", "reduce", (send, recv, ours, root), (sendbuf, recvbuf, op, root))
         return None
 
     # -- communicator management ----------------------------------------------------------

@@ -26,8 +26,11 @@ _by_handle: dict[int, "CommContext"] = {}
 
 
 def _delete_context(comm: MPI.Comm, keyval: int, ctx: "CommContext") -> None:
+    from . import fastpath  # noqa: PLC0415  (cached calls are bound to this context)
+
     if _by_handle.get(ctx.handle) is ctx:
         del _by_handle[ctx.handle]
+    fastpath.invalidate()
     ctx.free()
 
 
@@ -63,6 +66,13 @@ class CommContext:
         self.segment_bytes = config.segment_bytes()
         self._plans: dict[Any, Any] = {}
         self._topology: Any = None
+        #: Ranks on each node when every node has as many, else 0 (unknown): what
+        #: ``algorithm="auto"`` looks up. The layout is computed here, where every rank is
+        #: (creating a context is collective), never later inside one rank's call.
+        self.ranks_per_node = 1
+        if self.size > 1:
+            topo = self.topology
+            self.ranks_per_node = topo.local_size if topo.uniform else 0
 
     def plan(self, key: Any, build: Callable[[], Any]) -> Any:
         """Return the cached plan for ``key``, building it with ``build()`` the first time."""

@@ -5,6 +5,7 @@ import gc
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import mpicoll
 from mpicoll import config, fastpath
@@ -24,7 +25,7 @@ def test_repeated_call_hits_and_stays_correct():
         x[:] = k
         assert mpicoll.allreduce(x, y) is y
         assert y.tolist() == [k] * 5
-    assert fastpath.lookup("allreduce", (x, y, "sum", "auto", None), y) is not None
+    assert fastpath.lookup("allreduce", x, y, "sum", "auto", None) is not None
 
 
 def test_new_array_with_a_dead_arrays_id_is_validated_again():
@@ -52,14 +53,13 @@ def test_settings_change_invalidates(monkeypatch):
     x = np.ones(4)
     y = np.empty(4)
     mpicoll.allreduce(x, y)
-    assert fastpath.lookup("allreduce", (x, y, "sum", "auto", None), y) is not None
+    assert fastpath.lookup("allreduce", x, y, "sum", "auto", None) is not None
     monkeypatch.setenv("MPICOLL_ALGORITHM", "ring")
     config.refresh()
     try:
-        assert fastpath.lookup("allreduce", (x, y, "sum", "auto", None), y) is None
+        assert fastpath.lookup("allreduce", x, y, "sum", "auto", None) is None
         mpicoll.allreduce(x, y)
-        payload = fastpath.lookup("allreduce", (x, y, "sum", "auto", None), y)
-        assert payload is not None and payload[1] == "ring"
+        assert fastpath.lookup("allreduce", x, y, "sum", "auto", None) is not None
     finally:
         monkeypatch.delenv("MPICOLL_ALGORITHM")
         config.refresh()
@@ -69,6 +69,65 @@ def test_checked_and_allocating_calls_are_not_cached():
     x = np.ones(4)
     y = np.empty(4)
     mpicoll.allreduce(x, y, check=True)
-    assert fastpath.lookup("allreduce", (x, y, "sum", "auto", None), y) is None
+    assert fastpath.lookup("allreduce", x, y, "sum", "auto", None) is None
     mpicoll.allreduce(x)
     assert not fastpath._calls
+
+
+def test_every_collective_is_cached_and_returns_its_result():
+    x = np.arange(6, dtype=np.float64)
+    y = np.empty_like(x)
+    calls = [
+        (("allreduce", x, y, "sum", "auto", None), lambda: mpicoll.allreduce(x, y)),
+        (("reduce_scatter", x, y, "sum", "auto", None), lambda: mpicoll.reduce_scatter(x, y)),
+        (("allgather", x, y, "auto", None), lambda: mpicoll.allgather(x, y)),
+        (("broadcast", y, 0, "auto", None), lambda: mpicoll.broadcast(y, 0)),
+        (("reduce", x, y, "sum", 0, "auto", None), lambda: mpicoll.reduce(x, y)),
+    ]
+    for key, call in calls:
+        fill = x if key[0] == "broadcast" else -1  # one rank: broadcast leaves y alone
+        y[:] = fill
+        first = call()
+        assert fastpath.lookup(*key) is not None, key[0]
+        y[:] = fill
+        assert call() is first is y, key[0]
+        assert y.tolist() == x.tolist(), key[0]
+
+
+def test_comm_methods_cache_arrays_but_never_mutable_specs():
+    comm = mpicoll.Comm(MPI.COMM_SELF)
+    x = np.arange(4, dtype=np.int32)
+    y = np.empty_like(x)
+    comm.Allreduce(x, y, MPI.SUM)
+    assert fastpath.lookup("Comm.Allreduce", x, y, MPI.SUM, comm) is not None
+    spec = [y, MPI.INT]
+    comm.Allreduce(x, spec, MPI.SUM)
+    other = np.zeros_like(x)
+    spec[0] = other  # the same list object now names another buffer
+    comm.Allreduce(x, spec, MPI.SUM)
+    assert other.tolist() == x.tolist()
+
+
+def test_large_buffers_are_not_cached_and_held_bytes_are_bounded():
+    big = np.ones(fastpath.MAX_BYTES // 8 + 1, dtype=np.uint8)
+    mpicoll.allreduce(big, np.empty_like(big))
+    assert not fastpath._calls
+    keep = []
+    for _ in range(fastpath.MAX_ENTRIES + 8):
+        x = np.ones(fastpath.MAX_BYTES // 16, dtype=np.uint8)
+        y = np.empty_like(x)
+        keep.append((x, y))
+        mpicoll.allreduce(x, y)
+        assert fastpath._held_bytes <= fastpath.MAX_BYTES
+        assert len(fastpath._calls) <= fastpath.MAX_ENTRIES
+    assert fastpath.lookup("allreduce", x, y, "sum", "auto", None) is not None
+
+
+def test_freeing_a_communicator_forgets_its_calls():
+    comm = MPI.COMM_SELF.Dup()
+    x = np.ones(3)
+    y = np.empty(3)
+    mpicoll.allreduce(x, y, comm=comm)
+    assert fastpath.lookup("allreduce", x, y, "sum", "auto", comm) is not None
+    comm.Free()
+    assert fastpath.lookup("allreduce", x, y, "sum", "auto", comm) is None

@@ -7,8 +7,9 @@ takes depends only on dtype and op, so it is the same on every rank.
 """
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -67,45 +68,68 @@ def _typed(buf: Any, datatype: MPI.Datatype) -> list:
     return [buf, buf.size, datatype]
 
 
-@register("allreduce", "native")
-def native_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any) -> None:
+def _native(collective: str) -> Callable[[Callable], Callable]:
+    """Register ``spec`` (returning the MPI method and its arguments) as ``"native"``.
+
+    The registered run function calls the method; its ``bind`` returns the call with its
+    argument specs built once (for cached calls: :func:`mpicoll.algorithms.registry.bind`).
+    """
+    def deco(spec: Callable) -> Callable:
+        def run(ctx: CommContext, *args: Any) -> None:
+            method, margs = spec(ctx, *args)
+            method(*margs)
+
+        def bind(ctx: CommContext, *args: Any) -> Callable[[], Any]:
+            method, margs = spec(ctx, *args)
+            return functools.partial(method, *margs)
+
+        run.__name__ = run.__qualname__ = spec.__name__
+        run.__doc__ = spec.__doc__
+        run.bind = bind
+        return register(collective, "native")(run)
+
+    return deco
+
+
+@_native("allreduce")
+def native_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any) -> tuple:
     """``MPI_Allreduce``."""
     datatype, mpi_op = native_types(recv.dtype, op)
     sbuf = MPI.IN_PLACE if send is recv else _typed(send, datatype)
-    ctx.comm.Allreduce(sbuf, _typed(recv, datatype), mpi_op)
+    return ctx.comm.Allreduce, (sbuf, _typed(recv, datatype), mpi_op)
 
 
-@register("reduce_scatter", "native")
-def native_reduce_scatter(ctx: CommContext, send: Any, recv: Any, op: Any) -> None:
+@_native("reduce_scatter")
+def native_reduce_scatter(ctx: CommContext, send: Any, recv: Any, op: Any) -> tuple:
     """``MPI_Reduce_scatter`` with ``array_split`` counts."""
     from .plans import rank_blocks  # noqa: PLC0415
 
     datatype, mpi_op = native_types(send.dtype, op)
     bounds = rank_blocks(ctx, send.size)
     counts = [bounds[i + 1] - bounds[i] for i in range(ctx.size)]
-    ctx.comm.Reduce_scatter(_typed(send, datatype), _typed(recv, datatype), counts, mpi_op)
+    return ctx.comm.Reduce_scatter, (_typed(send, datatype), _typed(recv, datatype), counts,
+                                     mpi_op)
 
 
-@register("allgather", "native")
-def native_allgather(ctx: CommContext, send: Any, recv: Any) -> None:
+@_native("allgather")
+def native_allgather(ctx: CommContext, send: Any, recv: Any) -> tuple:
     """``MPI_Allgather`` (as bytes)."""
     nbytes = recv.nbytes // ctx.size
     sbuf = MPI.IN_PLACE if send is None else [send, nbytes, MPI.BYTE]
-    ctx.comm.Allgather(sbuf, [recv, nbytes, MPI.BYTE])
+    return ctx.comm.Allgather, (sbuf, [recv, nbytes, MPI.BYTE])
 
 
-@register("broadcast", "native")
-def native_broadcast(ctx: CommContext, buf: Any, root: int) -> None:
+@_native("broadcast")
+def native_broadcast(ctx: CommContext, buf: Any, root: int) -> tuple:
     """``MPI_Bcast`` (as bytes)."""
-    ctx.comm.Bcast([buf, buf.nbytes, MPI.BYTE], root)
+    return ctx.comm.Bcast, ([buf, buf.nbytes, MPI.BYTE], root)
 
 
-@register("reduce", "native")
-def native_reduce(ctx: CommContext, send: Any, recv: Any, op: Any, root: int) -> None:
+@_native("reduce")
+def native_reduce(ctx: CommContext, send: Any, recv: Any, op: Any, root: int) -> tuple:
     """``MPI_Reduce``."""
     datatype, mpi_op = native_types(send.dtype, op)
     if ctx.rank == root:
         sbuf = MPI.IN_PLACE if send is recv else _typed(send, datatype)
-        ctx.comm.Reduce(sbuf, _typed(recv, datatype), mpi_op, root)
-    else:
-        ctx.comm.Reduce(_typed(send, datatype), None, mpi_op, root)
+        return ctx.comm.Reduce, (sbuf, _typed(recv, datatype), mpi_op, root)
+    return ctx.comm.Reduce, (_typed(send, datatype), None, mpi_op, root)

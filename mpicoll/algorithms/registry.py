@@ -16,12 +16,17 @@ Run-function signatures, by collective (arrays are flat; ``ctx`` is a
 
 Algorithms are only called with ``ctx.size > 1`` and a non-empty buffer; the caller handles
 the trivial cases and the final scaling of ``average``.
+
+:func:`bind` fixes a run function to its arguments for repeated calls (the cached calls of
+:mod:`mpicoll.fastpath`); a run function with a ``bind(ctx, *args)`` attribute prepares
+more there (native MPI builds its buffer specs once).
 """
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Any, Callable
 
-__all__ = ["COLLECTIVES", "register", "lookup", "names", "is_registered"]
+__all__ = ["COLLECTIVES", "register", "lookup", "bind", "names", "is_registered"]
 
 #: The collectives mpicoll implements.
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
@@ -57,6 +62,17 @@ def lookup(collective: str, name: str) -> Callable:
         raise ValueError(f"unknown algorithm={name!r} for {collective}; choose one of "
                          f"{['auto', *sorted(table)]}")
     return fn
+
+
+def bind(collective: str, name: str, ctx: Any, *args: Any) -> Callable[[], Any]:
+    """A zero-argument callable that runs algorithm ``name`` with these arguments.
+
+    Raises:
+        ValueError: unknown collective or algorithm.
+    """
+    fn = lookup(collective, name)
+    binder = getattr(fn, "bind", None)
+    return binder(ctx, *args) if binder is not None else functools.partial(fn, ctx, *args)
 
 
 def is_registered(collective: str, name: str) -> bool:

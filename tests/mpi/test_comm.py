@@ -6,6 +6,7 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
+from mpicoll import fastpath
 from mpicoll.algorithms import registry
 
 from cases import RANK, SIZE
@@ -15,21 +16,23 @@ pytestmark = pytest.mark.mpi
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Count calls into mpicoll's registered algorithms (to tell ours from delegation)."""
+    """Count runs of mpicoll's registered algorithms (to tell ours from delegation)."""
     counter = {"n": 0}
-    real_lookup = registry.lookup
+    real_bind = registry.bind
 
-    def counting_lookup(collective, name):
-        fn = real_lookup(collective, name)
+    def counting_bind(*args):
+        run = real_bind(*args)
 
-        def wrapped(*args, **kwargs):
+        def wrapped():
             counter["n"] += 1
-            return fn(*args, **kwargs)
+            return run()
 
         return wrapped
 
-    monkeypatch.setattr("mpicoll.collectives.lookup", counting_lookup)
-    return counter
+    monkeypatch.setattr("mpicoll.collectives.bind", counting_bind)
+    fastpath.invalidate()  # calls cached by earlier tests would bypass the counter
+    yield counter
+    fastpath.invalidate()  # nor may later tests run the counting wrappers
 
 
 def mpi4py_style_program(comm):
