@@ -122,3 +122,25 @@ def test_reduce(algorithm):
                                               dtype=np.dtype(dtype).name, count=count,
                                               root=root, in_place=in_place, rep=rep)
     assert not failures, "\n".join(failures[:10])
+
+
+def test_auto_is_told_the_node_layout(monkeypatch):
+    """``auto`` looks the table up with the ranks per node (0 when nodes are uneven)."""
+    import os  # noqa: PLC0415
+
+    from mpicoll import collectives, fastpath  # noqa: PLC0415
+    from mpicoll.context import get_context  # noqa: PLC0415
+
+    per_node = min(int(os.environ.get("MPICOLL_RANKS_PER_NODE", "0")) or SIZE, SIZE)
+    expected = per_node if SIZE % per_node == 0 else 0
+    assert get_context(COMM).ranks_per_node == expected
+    seen = []
+    real = collectives.resolve_algorithm
+    monkeypatch.setattr(collectives, "resolve_algorithm",
+                        lambda *args: seen.append(args) or real(*args))
+    fastpath.invalidate()
+    for collective, call in [("allreduce", lambda x, y: mpicoll.allreduce(x, y)),
+                             ("reduce", lambda x, y: mpicoll.reduce(x, y))]:
+        call(np.ones(3), np.empty(3))
+        assert seen[-1][0] == collective and seen[-1][3] == expected, seen[-1]
+    fastpath.invalidate()
