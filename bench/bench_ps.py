@@ -16,9 +16,10 @@ Two parts, each a driver that launches its own ``mpirun`` runs (with timeouts):
 
     python bench/bench_ps.py throughput --configs 1x2,2x2,cx2,1x3,3x3,cx3 -m 16M -i 10
 
-A config is ``SERVERSxWORKERS`` (separate server ranks) or ``cxWORKERS``: the co-located
+A config is ``SERVERSxWORKERS`` (separate server ranks), ``cxWORKERS``: the co-located
 layout (``num_servers="colocated"``: every one of the WORKERS ranks is also the server of
-its shard).
+its shard), or ``caxWORKERS``: co-located with ``keep_aggregate=False`` (the aggregate goes
+straight into ``out`` and is not kept).
     python bench/bench_ps.py training --workers 3 --straggler-delay 0.01
     python bench/bench_ps.py all --out docs        # both, JSON + PNG into docs/
 
@@ -100,6 +101,7 @@ def throughput_rank(argv: list[str]) -> int:
     ap.add_argument("--json", required=True)
     ap.add_argument("--max-sleep", type=float, default=1e-3)
     ap.add_argument("--chunk-bytes", default="4M")
+    ap.add_argument("--no-keep", action="store_true", help="keep_aggregate=False")
     a = ap.parse_args(argv)
     nbytes = parse_size(a.size)
     count = nbytes // 4
@@ -107,7 +109,8 @@ def throughput_rank(argv: list[str]) -> int:
     servers = a.servers if a.servers == "colocated" else int(a.servers)
     ps = ParameterServer({"x": np.zeros(count, np.float32)}, comm=comm,
                          num_servers=servers, optimizer="sum", split_bytes=1 << 16,
-                         max_sleep=a.max_sleep, chunk_bytes=parse_size(a.chunk_bytes))
+                         max_sleep=a.max_sleep, chunk_bytes=parse_size(a.chunk_bytes),
+                         keep_aggregate=not a.no_keep)
     if ps.is_server:
         ps.serve()
         ps.free()
@@ -142,8 +145,8 @@ def throughput_rank(argv: list[str]) -> int:
     stats = ps.stats()
     ps.close()
     if ps.worker_index == 0:
-        row = {"servers": servers, "workers": ps.num_workers, "bytes": nbytes,
-               "iters": a.iters, "valid": valid, "avg_s": worst, "min_s": best,
+        row = {"servers": servers, "workers": ps.num_workers,
+               "keep_aggregate": not a.no_keep, "bytes": nbytes, "iters": a.iters, "valid": valid, "avg_s": worst, "min_s": best,
                "gbps": {k: nbytes / v / 1e9 for k, v in worst.items()},
                "bytes_per_server": stats["bytes_per_server"]}
         row["ratio_vs_allreduce"] = row["gbps"]["ps"] / row["gbps"]["allreduce"]
@@ -155,10 +158,20 @@ def throughput_rank(argv: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------- drivers
-def parse_config(text: str) -> tuple[int | str, int]:
-    """``"2x3"`` -> (2, 3); ``"cx3"`` -> ("colocated", 3)."""
+def parse_config(text: str) -> tuple[int | str, int, bool]:
+    """``"2x3"`` -> (2, 3, True); ``"cx3"`` -> ("colocated", 3, True); ``"cax3"`` ->
+    ("colocated", 3, False) (servers, workers, keep_aggregate)."""
     servers, _, workers = text.strip().lower().partition("x")
-    return ("colocated" if servers == "c" else int(servers)), int(workers)
+    if servers in ("c", "ca"):
+        return "colocated", int(workers), servers == "c"
+    return int(servers), int(workers), True
+
+
+def config_label(servers: int | str, keep: bool = True) -> str:
+    """Short name of a config for tables and plots."""
+    if servers == "colocated":
+        return "coloc" if keep else "coloc-a"
+    return f"{servers}s"
 
 
 def run_throughput(configs: list[tuple[int, int]], size: str, iters: int, warmup: int,
@@ -167,17 +180,18 @@ def run_throughput(configs: list[tuple[int, int]], size: str, iters: int, warmup
     print(f"# mpicoll.ps push_pull vs all-reduce, {size} float32 per worker, {iters} iters")
     print(f"# {'servers':>7} {'workers':>7} {'PS GB/s':>9} {'allreduce':>9} {'native':>9} "
           f"{'PS/allr':>7} {'PS/nat':>7} valid")
-    for servers, workers in configs:
+    for servers, workers, keep in configs:
         ranks = workers if servers == "colocated" else servers + workers
         row = launch_json(ranks,
                           [__file__, "_throughput_rank", "--servers", str(servers), "-m", size,
-                           "-i", str(iters), "-x", str(warmup)], f"{servers}x{workers}", timeout)
+                           "-i", str(iters), "-x", str(warmup)] + ([] if keep else ["--no-keep"]),
+                          f"{servers}x{workers}", timeout)
         if row is None:
             continue
         rows.append(row)
         g = row["gbps"]
-        print(f"  {str(servers)[:7]:>7} {workers:>7} {g['ps']:>9.2f} {g['allreduce']:>9.2f} "
-              f"{g['native']:>9.2f} {row['ratio_vs_allreduce']:>7.2f} "
+        print(f"  {config_label(servers, keep):>7} {workers:>7} {g['ps']:>9.2f} "
+              f"{g['allreduce']:>9.2f} {g['native']:>9.2f} {row['ratio_vs_allreduce']:>7.2f} "
               f"{row['ratio_vs_native']:>7.2f} {row['valid']}", flush=True)
     return rows
 
@@ -228,8 +242,8 @@ def plot(training: dict, throughput: list[dict], outdir: str) -> list[str]:
         paths.append(p)
     if throughput:
         fig, ax = plt.subplots(figsize=(6, 4))
-        labels = [f"coloc x {r['workers']}" if r["servers"] == "colocated" else
-                  f"{r['servers']}s x {r['workers']}w" for r in throughput]
+        labels = [f"{config_label(r['servers'], r.get('keep_aggregate', True))} x "
+                  f"{r['workers']}w" for r in throughput]
         xs = range(len(throughput))
         for i, key in enumerate(("ps", "allreduce", "native")):
             ax.bar([x + (i - 1) * 0.27 for x in xs], [r["gbps"][key] for r in throughput],

@@ -138,11 +138,13 @@ class ColocatedEngine:
         chunk_bytes: largest data message.
         max_sleep: longest pause while a closed rank waits for the next step.
         check_arrays: the worker-side validation (raises :class:`PSError`).
+        keep_aggregate: ``False`` (``sum`` only): a push_pull writes each owned shard's
+            aggregate straight into the caller's ``out`` and does not keep it.
     """
 
     def __init__(self, comm: MPI.Comm, placement: Placement, optimizer: str,
                  hyper: dict[str, float], average: bool, chunk_bytes: int,
-                 max_sleep: float, check_arrays: Any) -> None:
+                 max_sleep: float, check_arrays: Any, keep_aggregate: bool = True) -> None:
         self.comm = comm
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.placement = placement
@@ -150,6 +152,10 @@ class ColocatedEngine:
         self.chunk_bytes = int(chunk_bytes)
         self.max_sleep = max_sleep
         self.check_arrays = check_arrays
+        self.keep_aggregate = keep_aggregate
+        #: the last push_pull did not keep the aggregates (keep_aggregate=False): every
+        #: rank that took part knows it, so pull()/save() refuse identically everywhere
+        self.aggregate_dropped = False
         self.ranks = list(range(self.size))
         self.states: dict[tuple[int, int], ShardState] = {
             sh.ident: ShardState(sh, optimizer, hyper, self.ranks)
@@ -277,12 +283,14 @@ class ColocatedEngine:
         return reqs
 
     def _push_steps(self, grads_flat: dict[str, np.ndarray], contributors: list[int],
-                    pullers: list[int], out_flat: dict[str, np.ndarray] | None
-                    ) -> Iterator[list]:
+                    pullers: list[int], out_flat: dict[str, np.ndarray] | None,
+                    into_out: bool = False) -> Iterator[list]:
         """Reduce-scatter the gradients to the owners; there, segment by segment, sum the
         contributions in rank order, apply the optimizer and (when ``pullers``) start
         sending the new values, so segment ``k`` is reduced while ``k + 1`` arrives.
 
+        ``into_out`` (``sum`` with keep_aggregate=False, ``out`` not overlapping the
+        gradients): reduce straight into ``out`` and send from there, keeping nothing.
         Yields request lists to wait on; returns the sends (to complete before the step
         ends).
         """
@@ -310,13 +318,14 @@ class ColocatedEngine:
             sh = state.shard
             parts = [grads_flat[sh.spec.name][sh.lo:sh.hi] if src == me
                      else self._scratch_for(sh, src) for src in contributors]
-            acc = self._acc_for(sh)
             adopt = state.opt.name == "sum"
             state.opt.begin_update()
-            value = acc if adopt else state.param
             out = None
             if out_flat is not None:
                 out = out_flat[sh.spec.name][sh.lo:sh.hi]
+            direct = into_out and adopt and out is not None
+            acc = out if direct else self._acc_for(sh)
+            value = acc if adopt else state.param
             raw = _raw(value)
             for k, (lo, hi) in enumerate(self._segments(sh)):
                 if recvs.get((sh.ident, k)):
@@ -325,9 +334,9 @@ class ColocatedEngine:
                 if not adopt:
                     state.opt.apply_part(state.param[lo:hi], acc[lo:hi], lo, hi)
                 sends += [isend(raw(lo, hi), dst, TAG_GATHER) for dst in others]
-                if out is not None:
+                if out is not None and not direct:
                     np.copyto(out[lo:hi], value[lo:hi])
-            if adopt:
+            if adopt and not direct:
                 # the value becomes the aggregate: swap buffers instead of copying (no send
                 # of the old value is in flight: each operation completes before the next)
                 state.param, self._acc[sh.ident] = acc, state.param
@@ -393,6 +402,8 @@ class ColocatedEngine:
         pulling = op in (CollOp.PULL, CollOp.PUSH_PULL)
         error, result = None, None
         try:
+            if op == CollOp.PULL:
+                self.check_aggregate_kept("pull()")
             if pushing:
                 # always checked: there is no server to reject the bytes once they are sent
                 self.check_arrays(grads, complete=True, what="gradient")
@@ -415,6 +426,8 @@ class ColocatedEngine:
         pulling = kind in (CollOp.PULL, CollOp.PUSH_PULL)
         out_flat = None if result is None else {n: a.reshape(-1) for n, a in result.items()}
         grads_flat = self._flat_grads(grads) if grads is not None else {}
+        if self.rank in busy and pushing:
+            self.aggregate_dropped = pulling and not self.keep_aggregate
         if out_flat is not None and any(np.shares_memory(out_flat[n], g)
                                         for n, g in grads_flat.items()):
             # out overwrites the gradients being sent: receive only after they are sent
@@ -424,7 +437,7 @@ class ColocatedEngine:
         sends: list[MPI.Request] = []
         if pushing:
             sends = yield from self._push_steps(grads_flat, busy, busy if pulling else [],
-                                                out_flat)
+                                                out_flat, not self.keep_aggregate)
         elif pulling:
             sends = self._send_shards(busy, out_flat)
         yield gather_recvs + sends
@@ -468,6 +481,16 @@ class ColocatedEngine:
             yield from self.save_steps(None)
         else:
             yield from self._data(kind, busy, None, None)
+
+    def check_aggregate_kept(self, what: str) -> None:
+        """Raise unless the owners still hold the values (see ``keep_aggregate``).
+
+        Raises:
+            PSError: the last push_pull did not keep the aggregates.
+        """
+        if self.aggregate_dropped:
+            raise PSError(f"{what}: with keep_aggregate=False the last push_pull's aggregate "
+                          f"was returned in out and not kept; push again first")
 
     # ------------------------------------------------------------------ stats, save
     def server_stats(self) -> dict:

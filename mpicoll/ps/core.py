@@ -84,6 +84,13 @@ class ParameterServer:
         reshard: allow restoring a checkpoint saved with another layout (number of
             servers or workers, split threshold).
         max_sleep: longest idle pause of a polling rank, in seconds.
+        keep_aggregate: (co-located layout with ``optimizer="sum"`` only) ``False``: after
+            a ``push_pull`` the owners do not keep the round's aggregate — it is written
+            straight into the callers' ``out`` arrays, which saves one copy of each rank's
+            shard per step (what separates push_pull from an all-reduce at 2 ranks); a
+            ``pull()`` or ``save()`` before the next push then raises :class:`PSError`.
+            For pure gradient averaging (``mpicoll.torch.DistributedOptimizer(...,
+            backend="ps")``).
         **hyperparameters: ``lr``, ``momentum``, ``beta1``, ``beta2``, ``eps``,
             ``weight_decay`` (plain numbers).
     Raises:
@@ -97,6 +104,7 @@ class ParameterServer:
                  split_bytes: int = DEFAULT_SPLIT_BYTES,
                  chunk_bytes: int = P.DEFAULT_CHUNK_BYTES, init: bool = True,
                  restore: str | None = None, reshard: bool = False, max_sleep: float = 1e-3,
+                 keep_aggregate: bool = True,
                  **hyperparameters: Any) -> None:
         base = MPI.COMM_WORLD if comm is None else comm
         self.comm = base.Dup()
@@ -129,6 +137,9 @@ class ParameterServer:
             if optimizer == "sum" and consistency != "bsp":
                 raise ValueError("optimizer='sum' returns each round's aggregate and needs "
                                  "consistency='bsp'")
+            if not keep_aggregate and not (colocated and optimizer == "sum"):
+                raise ValueError(f"keep_aggregate=False needs num_servers={COLOCATED!r} and "
+                                 f"optimizer='sum'")
             if int(split_bytes) < 1 or int(chunk_bytes) < 1:
                 raise ValueError("split_bytes and chunk_bytes must be positive")
             if params is not None or not is_server_guess:
@@ -146,7 +157,7 @@ class ParameterServer:
             average = optimizer != "sum"
         config = [num_servers, consistency, staleness, optimizer, sorted(hyper.items()),
                   bool(average), int(split_bytes), int(chunk_bytes), bool(init), restore,
-                  bool(reshard)]
+                  bool(reshard), bool(keep_aggregate)]
         configs = self.comm.allgather(config)
         all_specs = self.comm.allgather(None if specs is None else [s.as_plain() for s in specs])
         first_worker = 0 if colocated else num_servers
@@ -188,7 +199,7 @@ class ParameterServer:
             checker = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep)
             self._engine = ColocatedEngine(self.comm, self.placement, optimizer, hyper,
                                            self.average, self.chunk_bytes, max_sleep,
-                                           checker.check_arrays)
+                                           checker.check_arrays, bool(keep_aggregate))
         elif self.is_server:
             self._server = Server(self.comm, self.placement, rank, self.worker_ranks,
                                   consistency, staleness, optimizer, hyper, self.average,
@@ -430,6 +441,7 @@ class ParameterServer:
         writes its own shards, the first one the manifest."""
         eng = self._colocated("save()")
         eng.wait_current()
+        eng.check_aggregate_kept("save()")
         ckpt_id = "ckpt-" + uuid.uuid4().hex[:12]    # the first saving rank's id is used
         errors = eng.start("save", eng.save_steps((path, ckpt_id),
                                                   self._commit_checkpoint)).wait()

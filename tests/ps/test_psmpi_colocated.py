@@ -82,6 +82,32 @@ def test_sum_returns_round_aggregate_and_stats():
     assert all(s["updates"] == 2 * s["shards"] for s in stats["servers"])
 
 
+def test_sum_without_keeping_the_aggregate():
+    """keep_aggregate=False: push_pull returns the aggregate (also in place); a pull() or
+    save() before the next push raises on every rank; push then pull works."""
+    params = {"g": np.zeros(41, dtype=np.float32)}
+
+    def grads(t):
+        return {"g": np.arange(41, dtype=np.float32) * (RANK + 1) + t}
+
+    def want(t):
+        return sum(np.arange(41, dtype=np.float32) * (w + 1) + t for w in range(SIZE))
+
+    def worker(ps):
+        out = {"g": np.empty(41, np.float32)}
+        np.testing.assert_array_equal(ps.push_pull(grads(0), out=out)["g"], want(0))
+        _expect(ps.pull, "keep_aggregate=False")
+        _expect(lambda: ps.save("/nonexistent"), "keep_aggregate=False")
+        mine = grads(1)
+        np.testing.assert_array_equal(ps.push_pull(mine, out=mine)["g"], want(1))
+        ps.push(grads(2))
+        np.testing.assert_array_equal(ps.pull()["g"], want(2))
+        return True
+
+    assert run_ps(params, worker, COLOCATED, optimizer="sum", keep_aggregate=False,
+                  **SMALL)[1]
+
+
 def test_early_finish_does_not_block_others():
     """Rank i runs 2 + i steps; a closed rank keeps serving its shards to the others."""
     params = make_params()
@@ -165,6 +191,8 @@ def test_unsupported_options_raise_on_every_rank():
             ParameterServer(params, comm=COMM, num_servers=COLOCATED, consistency=consistency)
     with pytest.raises(ValueError, match="init=True"):
         ParameterServer(params, comm=COMM, num_servers=COLOCATED, init=False)
+    with pytest.raises(ValueError, match="keep_aggregate=False needs"):
+        ParameterServer(params, comm=COMM, num_servers=COLOCATED, keep_aggregate=False)
     with pytest.raises(ValueError, match="'colocated'"):
         ParameterServer(params, comm=COMM, num_servers="all")
     wait_all([COMM.Ibarrier()])
