@@ -146,7 +146,8 @@ def throughput_rank(argv: list[str]) -> int:
     ps.close()
     if ps.worker_index == 0:
         row = {"servers": servers, "workers": ps.num_workers,
-               "keep_aggregate": not a.no_keep, "bytes": nbytes, "iters": a.iters, "valid": valid, "avg_s": worst, "min_s": best,
+               "keep_aggregate": not a.no_keep, "bytes": nbytes, "iters": a.iters,
+               "valid": valid, "avg_s": worst, "min_s": best,
                "gbps": {k: nbytes / v / 1e9 for k, v in worst.items()},
                "bytes_per_server": stats["bytes_per_server"]}
         row["ratio_vs_allreduce"] = row["gbps"]["ps"] / row["gbps"]["allreduce"]
