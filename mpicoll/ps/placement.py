@@ -31,9 +31,9 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: np.dtype
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
-        """Number of elements."""
+        """Number of elements (computed once)."""
         return int(np.prod(self.shape, dtype=np.int64))
 
     @property
