@@ -242,14 +242,14 @@ def plot(training: dict, throughput: list[dict], outdir: str) -> list[str]:
         fig.savefig(p, dpi=100)
         paths.append(p)
     if throughput:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(throughput)), 4))
         labels = [f"{config_label(r['servers'], r.get('keep_aggregate', True))} x "
                   f"{r['workers']}w" for r in throughput]
         xs = range(len(throughput))
         for i, key in enumerate(("ps", "allreduce", "native")):
             ax.bar([x + (i - 1) * 0.27 for x in xs], [r["gbps"][key] for r in throughput],
                    width=0.27, label=key)
-        ax.set_xticks(list(xs), labels)
+        ax.set_xticks(list(xs), labels, rotation=30, ha="right")
         ax.set_ylabel("GB/s (bytes per worker / time)")
         ax.set_title(f"push_pull vs all-reduce, {throughput[0]['bytes'] // MiB} MiB per worker")
         ax.legend()
