@@ -1,4 +1,6 @@
-"""mpicoll.ps.torch.PSOptimizer: a torch model trained through the PS equals a reference.
+"""mpicoll.ps.torch (PSOptimizer, and distributed_optimizer: the entry point of
+mpicoll.torch.DistributedOptimizer(..., backend="ps")): models trained through the PS equal
+references.
 
 Runs only at world size 3 (torch's import is slow on the shared cores) and only when torch
 is installed.
