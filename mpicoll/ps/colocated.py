@@ -49,9 +49,7 @@ from .worker import pull_destination
 
 __all__ = ["CollOp", "ColocatedEngine", "ColocatedHandle"]
 
-#: tags of the co-located data messages (below 32767 like the others in protocol)
-TAG_SCATTER = 7105
-TAG_GATHER = 7106
+TAG_SCATTER, TAG_GATHER = P.TAG_SCATTER, P.TAG_GATHER
 
 Steps = Generator[list, None, Any]
 

@@ -17,6 +17,11 @@ server's private duplicate of the user's communicator:
 - A reply echoes the request's ``SEQ`` so a worker with several requests outstanding
   (asynchronous handles, several shards per server) matches replies in any order.
 - An error reply has ``STATUS`` != 0 and the reason as UTF-8 bytes in its payload.
+- The co-located layout (:mod:`~mpicoll.ps.colocated`) has no headers: every step starts
+  with an ``Iallgather`` of ``int64[3] = (op, clock, error flag)`` per rank, after which
+  every rank knows every message of the step; gradient segments go to their owner with
+  :data:`TAG_SCATTER`, updated values back with :data:`TAG_GATHER` (raw bytes, at most
+  ``chunk_bytes`` per message, in (name, shard, segment) order on every rank).
 
 Header fields:
 
@@ -50,7 +55,8 @@ from mpi4py import MPI
 
 __all__ = ["Op", "Status", "HEADER_LEN", "OP", "KEY", "SHARD", "CLOCK", "COUNT", "TOTAL",
            "DTYPE", "SEQ", "OFFSET", "SHAPE", "STATUS", "NBYTES", "AUX",
-           "TAG_REQUEST", "TAG_REQUEST_DATA", "TAG_REPLY", "TAG_REPLY_DATA", "DTYPES",
+           "TAG_REQUEST", "TAG_REQUEST_DATA", "TAG_REPLY", "TAG_REPLY_DATA", "TAG_SCATTER",
+           "TAG_GATHER", "DTYPES",
            "dtype_code", "dtype_of", "key_of", "shape_code", "new_header", "chunk_count",
            "send_payload", "recv_payload", "drain_payload", "Backoff", "wait_all",
            "STATS_FIELDS", "STALENESS_BINS", "DEFAULT_CHUNK_BYTES"]
@@ -62,6 +68,8 @@ TAG_REQUEST = 7101
 TAG_REQUEST_DATA = 7102
 TAG_REPLY = 7103
 TAG_REPLY_DATA = 7104
+TAG_SCATTER = 7105      #: co-located: a gradient segment to its owner
+TAG_GATHER = 7106       #: co-located: an updated value segment from its owner
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 
