@@ -391,9 +391,11 @@ class ColocatedEngine:
         return {name: pull_destination(spec, out) for name, spec in self.placement.specs.items()}
 
     def step(self, op: CollOp, grads: dict[str, Any] | None = None,
-             out: dict[str, Any] | None = None, check: bool = True) -> Steps:
+             out: dict[str, Any] | None = None) -> Steps:
         """One collective push, pull or push_pull (a generator of request lists to wait on).
 
+        Gradients are always checked here (``push(check=False)`` included): once the bytes
+        are sent there is no server left to reject them.
         Returns (as the generator's value): the pulled dict, or ``None`` for a push.
         """
         pushing = op in (CollOp.PUSH, CollOp.PUSH_PULL)
@@ -403,7 +405,6 @@ class ColocatedEngine:
             if op == CollOp.PULL:
                 self.check_aggregate_kept("pull()")
             if pushing:
-                # always checked: there is no server to reject the bytes once they are sent
                 self.check_arrays(grads, complete=True, what="gradient")
             if pulling:
                 result = self._out_arrays(out)
@@ -411,12 +412,12 @@ class ColocatedEngine:
             error = str(exc)
         yield from self._control(op, error)
         busy = self._agree(op, error)
-        return (yield from self._data(op, busy, grads if pushing else None, result))
+        return (yield from self._data(busy, grads if pushing else None, result))
 
-    def _data(self, op: CollOp, busy: list[int], grads: dict[str, Any] | None,
+    def _data(self, busy: list[int], grads: dict[str, Any] | None,
               result: dict[str, np.ndarray] | None) -> Steps:
-        """The data part of a step, for the ranks in ``busy`` doing ``op`` (this rank may
-        be one of them, or a closed rank that only serves its shards)."""
+        """The data part of a step, for the ranks in ``busy`` (this rank may be one of
+        them, or a closed rank that only serves its shards)."""
         if not busy:
             return None
         kind = CollOp(int(self._ctrl_in[busy[0], 0]))
@@ -478,7 +479,7 @@ class ColocatedEngine:
         elif kind == CollOp.SAVE:
             yield from self.save_steps(None)
         else:
-            yield from self._data(kind, busy, None, None)
+            yield from self._data(busy, None, None)
 
     def check_aggregate_kept(self, what: str) -> None:
         """Raise unless the owners still hold the values (see ``keep_aggregate``).
