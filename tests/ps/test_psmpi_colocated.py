@@ -67,8 +67,10 @@ def test_sum_returns_round_aggregate_and_stats():
                 "h": np.full((3, 3), w + 0.5 * t, dtype=np.float32)}
 
     def worker(ps):
-        out = [ps.push_pull(grads(RANK, t)) for t in range(2)]
-        return out, ps.stats()
+        first = ps.push_pull_async(grads(RANK, 0))
+        second = ps.push_pull_async(grads(RANK, 1))   # completes the first one, then starts
+        assert first.test()
+        return [first.wait(), second.wait()], ps.stats()
 
     _, (seen, stats) = run_ps(params, worker, COLOCATED, optimizer="sum", **SMALL)
     for t in range(2):
