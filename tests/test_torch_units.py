@@ -120,3 +120,32 @@ def test_settings_from_environment(monkeypatch):
     monkeypatch.setenv("MPICOLL_ALLREDUCE_ALGORITHM", "nonsense")
     with pytest.raises(ValueError, match="MPICOLL_ALLREDUCE_ALGORITHM"):
         from_environment()
+
+
+def test_response_cache_learns_repeated_rounds_identically():
+    from mpicoll.torch.negotiation import ResponseCache
+
+    neg, cache = Negotiator(2), ResponseCache(capacity=2)
+    step = [ar("g.a"), ar("g.b", shape=(2,))]
+    assert cache.lookup(step) == 0
+    out = neg.process([step, list(step)], [True, True])
+    cache.learn([step, list(step)], out, True, not neg.busy())
+    assert cache.lookup(step) == 1 and cache.metas(1) == step
+    assert [r.name for r in cache.responses(1)] == ["g.a", "g.b"]
+    # not learned: ranks differ, an error, a pending table, joins
+    other = [ar("h")]
+    out = neg.process([other, []], [False, False])
+    cache.learn([other, []], out, True, not neg.busy())
+    out = neg.process([[], other], [False, False])
+    cache.learn([[], other], out, False, not neg.busy())
+    assert cache.lookup(other) == 0
+    bad = [[ar("x", shape=(3,))], [ar("x", shape=(4,))]]
+    cache.learn(bad, neg.process(bad, [False, False]), True, True)
+    assert cache.lookup(bad[0]) == 0
+    joins = [[Meta(JOIN, "join")], [Meta(JOIN, "join")]]
+    cache.learn(joins, neg.process(joins, [True, True]), True, True)
+    assert cache.lookup(joins[0]) == 0
+    # full: emptied, then learns afresh (the same on every rank)
+    for name in ("c1", "c2"):
+        cache.learn([[ar(name)]] * 2, neg.process([[ar(name)]] * 2, [False] * 2), True, True)
+    assert cache.lookup([ar("c2")]) == 1 and cache.lookup(step) == 0

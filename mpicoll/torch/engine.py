@@ -20,6 +20,7 @@ The stall inspector (rank 0) logs requests that some ranks submitted and others 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -34,8 +35,9 @@ from mpi4py import MPI
 
 from ..context import get_context
 from ..errors import CollectiveError
+from .dtypes import numpy_view
 from .handles import Future
-from .negotiation import JOIN, Meta, Negotiator
+from .negotiation import JOIN, Meta, Negotiator, ResponseCache
 from .settings import Settings
 
 __all__ = ["Engine", "Work"]
@@ -49,6 +51,12 @@ SLOT_BYTES = 4096
 #: Seconds of testing a pending negotiation (each test followed by ``sched_yield``) before
 #: sleeping between tests.
 _YIELD_SECONDS = 0.002
+
+#: Numpy views of persistent buffers kept by :meth:`Engine.persistent_view`.
+_PERSISTENT_VIEWS = 16
+
+#: Seconds of testing a pending negotiation without yielding first.
+_SPIN_SECONDS = 0.0
 
 #: Without overlap, the longest the engine waits for the user thread to block after the
 #: latest request arrived (bounds the delay for threads that never wait on a handle).
@@ -102,6 +110,7 @@ class Engine:
         self._init_error: BaseException | None = None
         self._fatal: BaseException | None = None
         self._fusion: dict[torch.dtype, torch.Tensor] = {}
+        self._views: dict[tuple, np.ndarray] = {}
         self.local: dict[str, Work] = {}
         self.stopping = False
         self.overlap = True
@@ -258,6 +267,21 @@ class Engine:
             buf = self._fusion[dtype] = torch.empty(max(count, 1024), dtype=dtype)
         return buf[:count]
 
+    def persistent_view(self, flat: torch.Tensor) -> np.ndarray:
+        """The same numpy view of ``flat`` every time it is reduced (DistributedOptimizer's
+        gradient buffers), so that mpicoll's call cache (keyed by the arrays) hits.
+
+        A cached view keeps its memory alive, so a tensor at the same address with the same
+        size and dtype is that same memory. At most :data:`_PERSISTENT_VIEWS` are kept.
+        """
+        key = (flat.data_ptr(), flat.numel(), flat.dtype)
+        array = self._views.get(key)
+        if array is None:
+            if len(self._views) >= _PERSISTENT_VIEWS:
+                self._views.pop(next(iter(self._views)))
+            array = self._views[key] = numpy_view(flat)
+        return array
+
     def _blocked(self) -> bool:
         with self._lock:
             return any(not f.done() for f in self._waited.values())
@@ -276,6 +300,7 @@ class Engine:
             if self.size == 1:
                 self._inline = Negotiator(1)
             self._negotiator = Negotiator(self.size)
+            self._cache = ResponseCache()
             self._header = np.zeros(2 + SLOT_BYTES // 8, dtype=np.int64)
             self._headers = np.zeros((self.size, self._header.size), dtype=np.int64)
         except BaseException as exc:  # noqa: BLE001  (re-raised by start())
@@ -336,11 +361,18 @@ class Engine:
             new, self._submitted = self._submitted, []
         self._last_round = time.monotonic()
         metas = [w.meta for w in new]
-        data = pickle.dumps(metas, protocol=pickle.HIGHEST_PROTOCOL) \
-            if metas and self.size > 1 else b""
-        header[0] = len(data)
-        if len(data) <= SLOT_BYTES:
-            header.view(np.uint8)[16:16 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        negotiator, cache = self._negotiator, self._cache
+        was_idle = not negotiator.busy()
+        cache_id = cache.lookup(metas) if self.size > 1 else 0
+        data = b""
+        if cache_id:
+            header[0] = -cache_id
+        else:
+            if metas and self.size > 1:
+                data = pickle.dumps(metas, protocol=pickle.HIGHEST_PROTOCOL)
+            header[0] = len(data)
+            if len(data) <= SLOT_BYTES:
+                header.view(np.uint8)[16:16 + len(data)] = np.frombuffer(data, dtype=np.uint8)
         for work in new:
             self.local[JOIN if work.meta.kind == "join" else work.meta.name] = work
         stall_after = self.settings.stall_check_time
@@ -349,9 +381,12 @@ class Engine:
             payloads = [metas]                   # one rank: nothing to exchange
         else:
             self._poll(self.comm.Iallgather(header, headers), stall_after)
+            if cache_id and was_idle and (headers[:, 0] == -cache_id).all():
+                execute(self, cache.responses(cache_id))   # the same round as before
+                return
             payloads = self._payloads(data, headers)
-        negotiator = self._negotiator
         responses = negotiator.process(payloads, [bool(b) for b in headers[:, 1]])
+        cache.learn(payloads, responses, was_idle, not negotiator.busy())
         if responses:
             execute(self, responses)
         if stall_after > 0 and self.rank == 0:
@@ -375,9 +410,12 @@ class Engine:
         """Without overlap, on the engine thread: wait for a poke, or until
         :data:`_MAX_DEFER_SECONDS` after the latest request while no user thread waits
         (a waiting thread runs the rounds itself). Returns whether to run a round now."""
-        while not self._poked and not self.stopping:
+        while not self._poked and not self.stopping and not self.overlap:
             if self._blocked():
-                self._queue.get()                # the waiting thread does the rounds
+                # The waiting thread does the rounds; look again now and then (the wait
+                # may end with requests still pending, or overlap be switched on).
+                with contextlib.suppress(queue.Empty):
+                    self._queue.get(timeout=_MAX_DEFER_SECONDS)
                 return False
             remaining = (max(self._last_submit, self._last_round) + _MAX_DEFER_SECONDS
                          - time.monotonic())
@@ -392,28 +430,35 @@ class Engine:
 
     def _payloads(self, data: bytes, headers: np.ndarray) -> list[list[Meta]]:
         """Every rank's requests of this round, from the records (and the ``v`` fallback)."""
-        counts = [int(c) for c in headers[:, 0]]
+        cache = self._cache
+        codes = [int(c) for c in headers[:, 0]]
+        counts = [max(c, 0) for c in codes]
         if max(counts) <= SLOT_BYTES:
             slots = headers.view(np.uint8)[:, 16:]
-            return [pickle.loads(slots[r, :c].tobytes()) if c else []
-                    for r, c in enumerate(counts)]
+            return [cache.metas(-c) if c < 0 else pickle.loads(slots[r, :c].tobytes())
+                    if c else [] for r, c in enumerate(codes)]
         displs = [0] * self.size
         for r in range(1, self.size):
             displs[r] = displs[r - 1] + counts[r - 1]
         recv = np.empty(sum(counts), dtype=np.uint8)
         send = np.frombuffer(data, dtype=np.uint8) if data else np.empty(0, dtype=np.uint8)
         self.comm.Allgatherv(send, [recv, (counts, displs), MPI.BYTE])
-        return [pickle.loads(recv[d:d + c].tobytes()) if c else []
-                for d, c in zip(displs, counts)]
+        return [cache.metas(-code) if code < 0 else pickle.loads(recv[d:d + c].tobytes())
+                if c else [] for d, c, code in zip(displs, counts, codes)]
 
     def _poll(self, request: MPI.Request, stall_after: float) -> None:
         """Complete ``request``: test and yield, then sleep between tests once it has taken
         a while (a rank waiting for slower ranks must not take their CPU)."""
+        if request.Test():
+            return
         spins = 0
         delay = 20e-6
         start = warned = time.monotonic()
+        spin_until = start + _SPIN_SECONDS
         while not request.Test():
             spins += 1
+            if time.monotonic() < spin_until:
+                continue
             if spins < 64 or time.monotonic() - start < _YIELD_SECONDS:
                 # Yielding keeps the latency low when ranks are nearly in step (sleeping
                 # costs a scheduler wake-up, milliseconds on a loaded machine) while

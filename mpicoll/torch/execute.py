@@ -112,7 +112,8 @@ def _allreduce_bucket(engine: "Engine", bucket: list[Response]) -> None:
     if meta.prescale != 1.0:
         flat.mul_(meta.prescale)
     if flat.numel() and engine.size > 1:
-        collectives.allreduce(IN_PLACE, numpy_view(flat), op=mpicoll_op(op), comm=engine.comm,
+        array = engine.persistent_view(flat) if in_place and meta.layout else numpy_view(flat)
+        collectives.allreduce(IN_PLACE, array, op=mpicoll_op(op), comm=engine.comm,
                               algorithm=engine.settings.algorithm)
     _finalize(flat, op, meta.postscale, engine.size)
     for response, work, (offset, n) in zip(bucket, works, segments):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
-__all__ = ["Meta", "Response", "Negotiator", "JOIN", "SHUTDOWN"]
+__all__ = ["Meta", "Response", "Negotiator", "ResponseCache", "JOIN", "SHUTDOWN"]
 
 JOIN = "__join__"
 SHUTDOWN = "__shutdown__"
@@ -156,6 +156,57 @@ class Negotiator:
                            if r not in entry.metas and r not in self.joined]
                 out.append((name, have, missing))
         return out
+
+
+class ResponseCache:
+    """Rounds that repeat exactly (Horovod's response cache, for whole rounds).
+
+    A training loop submits the same requests every step. When a round starts with an
+    empty table, every rank contributes the same non-empty list of requests and all of them
+    complete without error, that list is *learned* under the next id (1, 2, ...). Every rank
+    learns the same lists in the same rounds (they all process the same payloads), so ids
+    agree everywhere. Later a rank whose new requests equal a learned list sends its id
+    instead of the pickled list; when every rank sends the same id on an empty table, the
+    learned responses are the round's responses without unpickling or negotiating, and
+    otherwise ids are expanded back to their lists and negotiated as usual. When full, the
+    cache is emptied (in the same round everywhere).
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._ids: dict[tuple, int] = {}
+        self._entries: list[tuple[list[Meta], list[Response]]] = []
+
+    def lookup(self, metas: list[Meta]) -> int:
+        """The id of ``metas`` if learned, else 0."""
+        return self._ids.get(tuple(metas), 0) if metas else 0
+
+    def metas(self, cache_id: int) -> list[Meta]:
+        """The requests learned under ``cache_id``."""
+        return self._entries[cache_id - 1][0]
+
+    def responses(self, cache_id: int) -> list[Response]:
+        """The responses learned under ``cache_id``."""
+        return self._entries[cache_id - 1][1]
+
+    def learn(self, payloads: list[list[Meta]], responses: list[Response],
+              was_idle: bool, idle: bool) -> None:
+        """Learn this round if it qualifies (``was_idle``/``idle``: the table was empty
+        before and is empty after the round)."""
+        first = payloads[0]
+        if not (was_idle and idle and first and len(responses) == len(first)
+                and all(items == first for items in payloads[1:])
+                and all(r.error is None and r.kind not in ("join", "shutdown")
+                        for r in responses)):
+            return
+        key = tuple(first)
+        if key in self._ids:
+            return
+        if len(self._entries) >= self.capacity:
+            self._ids.clear()
+            self._entries.clear()
+        self._entries.append((list(first), list(responses)))
+        self._ids[key] = len(self._entries)
 
 
 #: Fields that must agree across ranks, per kind ("shape0+" compares shape[1:]).

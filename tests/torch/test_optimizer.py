@@ -6,10 +6,23 @@ import pytest
 import torch
 
 import mpicoll.torch as hvd
+from mpicoll.torch.state import engine
 
 pytestmark = pytest.mark.mpi
 
 B = 4           # samples per rank
+
+
+@pytest.fixture(params=["bulk", "per-tensor", "per-tensor-overlap"])
+def mode(request):
+    """DistributedOptimizer's two ways to reduce (the same on every rank), and who runs
+    the negotiation rounds (the waiting thread without overlap, the engine thread with)."""
+    eng = engine()
+    saved = eng.bulk_gradients, eng.overlap
+    eng.bulk_gradients = request.param == "bulk"
+    eng.overlap = request.param == "per-tensor-overlap"
+    yield request.param
+    eng.bulk_gradients, eng.overlap = saved
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
@@ -36,7 +49,7 @@ def flat(model) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("passes", [1, 2])
-def test_equivalence_with_one_process_on_the_whole_batch(passes):
+def test_equivalence_with_one_process_on_the_whole_batch(passes, mode):
     n = hvd.size()
     model = make_model(seed=hvd.rank())          # different on purpose: broadcast fixes it
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -66,7 +79,7 @@ def test_equivalence_with_one_process_on_the_whole_batch(passes):
     assert "state" in opt.state_dict()
 
 
-def test_missing_gradients_are_reduced_as_zeros():
+def test_missing_gradients_are_reduced_as_zeros(mode):
     n = hvd.size()
     torch.manual_seed(1)
     a, b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
@@ -89,7 +102,7 @@ def test_missing_gradients_are_reduced_as_zeros():
         assert torch.allclose(b.bias.grad, torch.full((1,), users / n))
 
 
-def test_skip_synchronize_with_gradient_clipping_and_fp16():
+def test_skip_synchronize_with_gradient_clipping_and_fp16(mode):
     n = hvd.size()
     model = make_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
@@ -110,6 +123,66 @@ def test_skip_synchronize_with_gradient_clipping_and_fp16():
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
         ref_opt.step()
         assert torch.allclose(flat(model), flat(ref), atol=2e-3), step
+
+
+def test_gradients_set_to_none_or_replaced_by_the_user(mode):
+    """model.zero_grad() sets .grad to None before backward; in bulk mode (reduced at
+    step()) the user may also drop or assign a gradient after backward: a dropped one is
+    reduced as zeros. The optimizer's zero_grad() makes them flat-buffer views again."""
+    n = hvd.size()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters())
+    ref = make_model()
+    first, last = list(model.parameters())[0], list(model.parameters())[-1]
+    for rep in range(2):
+        x, y = full_batch(rep, n)
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, *my_shard(x, y)).backward()
+        if mode == "bulk":
+            first.grad = None                                   # as if unused this step
+            last.grad = torch.full_like(last, float(hvd.rank() + 1))
+        opt.step()
+        ref.zero_grad()
+        loss_fn(ref, x, y).backward()
+        if mode == "bulk":
+            assert torch.equal(first.grad, torch.zeros_like(first))
+            assert torch.allclose(last.grad, torch.full_like(last, (n + 1) / 2))
+        else:
+            assert torch.allclose(first.grad, list(ref.parameters())[0].grad, atol=1e-6)
+    opt.zero_grad()
+    assert all(p.grad is opt._views[p] for p in model.parameters())
+
+
+def test_layout_mismatch_raises_on_every_rank(mode):
+    """Models whose parameter shapes differ across ranks (even with equal totals) fail
+    with MismatchError everywhere; the adapter stays usable."""
+    if hvd.size() < 2:
+        pytest.skip("needs 2 ranks")
+    shape = (2, 3) if hvd.rank() == 0 else (3, 2)
+    w = torch.nn.Parameter(torch.ones(shape))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=0.1),
+                                   named_parameters=[("w", w)])
+    w.sum().backward()
+    with pytest.raises(hvd.MismatchError, match="layout|shape"):
+        opt.step()
+    assert torch.equal(hvd.allreduce(torch.ones(2), name="after.layout"), torch.ones(2))
+
+
+def test_too_many_backward_passes_and_zero_grad_in_flight(mode):
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = my_shard(*full_batch(0, hvd.size()))
+    loss_fn(model, x, y).backward()
+    with pytest.raises(AssertionError, match="zero_grad"):
+        opt.zero_grad()
+    with pytest.raises(AssertionError, match="backward_passes_per_step"):
+        loss_fn(model, x, y).backward()
+    opt.step()                     # still consistent on every rank afterwards
+    opt.zero_grad()
+    loss_fn(model, x, y).backward()
+    opt.step()
 
 
 def test_parameter_name_errors():
