@@ -1,20 +1,33 @@
-"""The background engine: one thread that makes every MPI call of the adapter.
+"""The engine: negotiation rounds on a private communicator, run by one thread at a time.
 
 User threads (and gradient hooks) only :meth:`Engine.submit` requests and wait on futures.
-The engine thread loops over *negotiation rounds* on a private duplicate of the user's
-communicator:
+*Negotiation rounds* on a private duplicate of the user's communicator decide what every
+rank runs, in the same order everywhere:
 
-1. wait until this rank has a new request, or some request is incomplete anywhere
-   (then every rank must keep negotiating), and at least one cycle time since the previous
-   round, so that requests arriving close together are negotiated and fused together;
+1. a round is due when this rank has a new request, or some request is incomplete anywhere
+   (then every rank must keep negotiating); with overlap the engine thread waits at least
+   one cycle time since the previous round, so that requests arriving close together are
+   negotiated and fused together;
 2. all-gather (non-blocking, polled with yields then sleeps so a rank that waits for slower
    ranks leaves the CPU to them) one fixed-size record per rank: payload length, whether the
    rank's user threads are blocked waiting for a result, and the payload itself (the pickled
    :class:`~mpicoll.torch.negotiation.Meta` of each new request, small control data) when it
-   fits in :data:`SLOT_BYTES`; only a longer payload costs a second all-gather (``v``);
+   fits in :data:`SLOT_BYTES`; only a longer payload costs a second all-gather (``v``). A
+   list of requests that repeats a learned round goes as its
+   :class:`~mpicoll.torch.negotiation.ResponseCache` id instead (``-id`` in the length
+   field); when every rank sends the same id, the learned responses run without unpickling
+   or negotiating;
 3. feed them to the :class:`~mpicoll.torch.negotiation.Negotiator` (same input, same
    responses on every rank) and run the responses (:mod:`mpicoll.torch.execute`) with
    mpicoll's collectives on the tensors themselves (zero-copy numpy views).
+
+Who runs the rounds: with overlap (a spare core per rank), the engine thread, as soon as
+requests arrive. Without overlap, the user thread that waits for a result runs them itself
+(holding the round lock, so one thread at a time makes the adapter's MPI calls): handing
+the round to the engine thread and the result back costs two thread wake-ups per step,
+0.1-0.4 ms each on a loaded 2-core machine. The engine thread then only runs rounds for
+requests nobody waits for (after :data:`_MAX_DEFER_SECONDS`, or when ``poll()`` pokes it).
+With one rank, requests run at once on the submitting thread (nothing to negotiate).
 
 The stall inspector (rank 0) logs requests that some ranks submitted and others did not.
 """
@@ -172,8 +185,10 @@ class Engine:
                 self._last_submit = time.monotonic()
         if self._inline is not None and meta.kind != "shutdown":
             self._run_inline(key, work)
-        elif self.overlap or not waiting:
+        elif self.overlap:
             self._queue.put(None)                # wake the engine thread
+        # Without overlap the thread that waits runs the round; the engine thread looks
+        # every _MAX_DEFER_SECONDS for requests nobody waits for (no wake-up per request).
         return future
 
     def _run_inline(self, key: str, work: Work) -> None:
@@ -337,7 +352,10 @@ class Engine:
     def _loop(self) -> None:
         while not self.stopping and self._fatal is None:
             if not self._pending():
-                self._queue.get()                # a wake-up: new request, poke, stop
+                # a wake-up: new request (with overlap), poke, stop; without overlap, look
+                # again after a while (requests are not announced: see submit())
+                with contextlib.suppress(queue.Empty):
+                    self._queue.get(timeout=None if self.overlap else _MAX_DEFER_SECONDS)
                 continue
             if self.overlap:
                 # Wait out the cycle so that requests close together fuse, unless this
