@@ -137,7 +137,14 @@ def timed(step, args: argparse.Namespace, comm: MPI.Intracomm) -> list[float]:
     return list(map(max, zip(*comm.allgather(times))))
 
 
-RUNNERS = {"ddp": run_ddp, "handrolled": run_handrolled}
+def run_local(args: argparse.Namespace, comm: MPI.Intracomm) -> list[float]:
+    """Every rank trains alone, no communication: the ceiling for ``comm.size`` ranks
+    sharing this machine (what scaling efficiency cannot exceed here)."""
+    model = make_model()
+    return time_sgd_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), args, comm)
+
+
+RUNNERS = {"ddp": run_ddp, "handrolled": run_handrolled, "local": run_local}
 for _variant in VARIANTS:
     RUNNERS[_variant] = (lambda v: lambda args, comm: run_mpicoll(args, comm, v))(_variant)
 
@@ -179,7 +186,8 @@ def fusion_sweep(args: argparse.Namespace, comm: MPI.Intracomm) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"comma-separated, from {sorted(set(MODES) | set(VARIANTS))}")
+                        help=f"comma-separated, from {sorted(set(MODES) | set(VARIANTS) | {'local'})}"
+                             " (local: no communication, the machine's ceiling)")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)

@@ -29,8 +29,9 @@ import torch
 
 from . import mpi_ops
 from .compression import Compression
-from .dtypes import dtype_name
-from .ops import Average, resolve_op
+from .dtypes import check_supported, dtype_name
+from .negotiation import Meta
+from .ops import Average, check_op_dtype, resolve_op
 from .state import engine
 
 __all__ = ["DistributedOptimizer"]
@@ -85,6 +86,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay = {p: backward_passes_per_step for p in self._params}
         self._accumulated = 0          # parameters done accumulating (bulk mode)
         self._mode_engine: Any = None  # the engine self._bulk was decided for
+        self._metas: dict[str, Meta] = {}  # bulk requests, validated once
         self._bulk = False
         self._synchronized = False
         self._should_synchronize = True
@@ -153,9 +155,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = view
         compressed, ctx = self._compression.compress(flat.buffer)
         pre, post = self._scaling()
-        handle = mpi_ops._allreduce_async(compressed, compressed, flat.name, None, self.op,
-                                          pre, post, layout=flat.layout, waiting=True)
-        return handle, (ctx, compressed)
+        if compressed is not flat.buffer:
+            handle = mpi_ops._allreduce_async(compressed, compressed, flat.name, None, self.op,
+                                              pre, post, layout=flat.layout, waiting=True)
+            return handle, (ctx, compressed)
+        # The same buffer every step: validated once, then submitted straight to the engine.
+        meta = self._metas.get(flat.name)
+        if meta is None or meta.op != int(self.op) or meta.prescale != pre \
+                or meta.postscale != post:
+            check_supported(flat.buffer)
+            check_op_dtype(self.op, flat.buffer.dtype, pre, post)
+            meta = self._metas[flat.name] = Meta(
+                flat.name, "allreduce", dtype_name(flat.buffer.dtype), (flat.buffer.numel(),),
+                int(self.op), -1, pre, post, flat.layout)
+        future = engine().submit(meta, flat.buffer, flat.buffer, waiting=True)
+        return future, (ctx, compressed)
 
     def synchronize(self) -> None:
         """Wait for every gradient's all-reduce (submitting zeros for missing ones)."""
@@ -177,7 +191,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._accumulated = 0
             for target, (handle, (ctx, _)) in pending:   # every handle, even after an error
                 try:
-                    output = mpi_ops.synchronize(handle)
+                    output = _wait(handle)
                 except Exception as exc:  # noqa: BLE001  (the first is raised below)
                     errors.append(exc)
                     continue
@@ -231,6 +245,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = None
                 else:
                     p.grad.detach_().zero_()
+
+
+def _wait(handle: Any) -> Any:
+    """The result of a handle (an ``int``) or of a future submitted to the engine directly."""
+    if isinstance(handle, int):
+        return mpi_ops.synchronize(handle)
+    engine().wait(handle)
+    if handle.error is not None:
+        raise handle.error
+    return handle.result
 
 
 class _FlatGradients(NamedTuple):
