@@ -68,9 +68,6 @@ _YIELD_SECONDS = 0.002
 #: Numpy views of persistent buffers kept by :meth:`Engine.persistent_view`.
 _PERSISTENT_VIEWS = 16
 
-#: Seconds of testing a pending negotiation without yielding first.
-_SPIN_SECONDS = 0.0
-
 #: Without overlap, the longest the engine waits for the user thread to block after the
 #: latest request arrived (bounds the delay for threads that never wait on a handle).
 _MAX_DEFER_SECONDS = 0.05
@@ -472,11 +469,8 @@ class Engine:
         spins = 0
         delay = 20e-6
         start = warned = time.monotonic()
-        spin_until = start + _SPIN_SECONDS
         while not request.Test():
             spins += 1
-            if time.monotonic() < spin_until:
-                continue
             if spins < 64 or time.monotonic() - start < _YIELD_SECONDS:
                 # Yielding keeps the latency low when ranks are nearly in step (sleeping
                 # costs a scheduler wake-up, milliseconds on a loaded machine) while
