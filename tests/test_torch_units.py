@@ -149,3 +149,20 @@ def test_response_cache_learns_repeated_rounds_identically():
     for name in ("c1", "c2"):
         cache.learn([[ar(name)]] * 2, neg.process([[ar(name)]] * 2, [False] * 2), True, True)
     assert cache.lookup([ar("c2")]) == 1 and cache.lookup(step) == 0
+
+
+def test_distributed_optimizer_backend_argument_errors():
+    """Bad backend choices fail before any communication, with the reason."""
+    from mpicoll.torch import DistributedOptimizer  # noqa: PLC0415
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="backend must be"):
+        DistributedOptimizer(opt, backend="nccl")
+    with pytest.raises(TypeError, match="need backend='ps'"):
+        DistributedOptimizer(opt, num_servers=1)
+    with pytest.raises(ValueError, match="backend='allreduce'"):
+        DistributedOptimizer(opt, backend="ps", compression=Compression.fp16)
+    with pytest.raises(ValueError, match="must be unique"):
+        DistributedOptimizer(opt, named_parameters=[("w", p) for p in model.parameters()],
+                             backend="ps")

@@ -55,6 +55,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
+from ..torch.optimizer import check_named_parameters
 from .core import ParameterServer
 from .errors import PSError
 
@@ -283,26 +284,9 @@ def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: An
             options checked collectively).
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if named_parameters is None:
-        named = {f"param.{g}.{i}": p for g, group in enumerate(optimizer.param_groups)
-                 for i, p in enumerate(group["params"])}
-    else:
-        pairs = list(named_parameters)
-        if any(not isinstance(item, tuple) or len(item) != 2 for item in pairs):
-            raise ValueError("named_parameters should be a sequence of (name, parameter) "
-                             "tuples, usually produced by model.named_parameters()")
-        names = [n for n, _ in pairs]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"parameter names in named_parameters must be unique; "
-                             f"duplicates: {dup}")
-        ids = {id(p) for _, p in pairs}
-        missing = [i for i, p in enumerate(params) if id(p) not in ids]
-        if missing:
-            raise ValueError(f"named_parameters does not name the optimizer's parameters at "
-                             f"positions {missing}")
-        by_id = {id(p) for p in params}
-        named = {n: p for n, p in pairs if id(p) in by_id}
+    pairs = check_named_parameters(named_parameters, optimizer.param_groups, "param")
+    by_id = {id(p) for p in params}
+    named = {n: p for n, p in pairs if id(p) in by_id}
     if "optimizer" in ps_options:
         raise ValueError("pass the server-side optimizer as server_optimizer=...")
     options = dict(ps_options, optimizer=server_optimizer)

@@ -34,7 +34,7 @@ from .negotiation import Meta
 from .ops import Average, check_op_dtype, resolve_op
 from .state import engine
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "check_named_parameters"]
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -54,27 +54,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         all_params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is not None:
-            named = list(named_parameters)
-            if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
-                raise ValueError("named_parameters should be a sequence of (name, parameter) "
-                                 "tuples, usually produced by model.named_parameters()")
-            seen: dict[str, int] = {}
-            for name, _ in named:
-                seen[name] = seen.get(name, 0) + 1
-            duplicates = sorted(n for n, c in seen.items() if c > 1)
-            if duplicates:
-                raise ValueError(f"parameter names in named_parameters must be unique; "
-                                 f"duplicates: {duplicates}")
-            named_ids = {id(p) for _, p in named}
-            unnamed = [i for i, p in enumerate(all_params) if id(p) not in named_ids]
-            if unnamed:
-                raise ValueError(f"named_parameters was given but {len(unnamed)} optimizer "
-                                 f"parameter(s) are not in it (positions {unnamed} in the "
-                                 f"optimizer's param_groups); name every parameter")
-        else:
-            named = [(f"noname.{i}.{j}", p) for i, group in enumerate(self.param_groups)
-                     for j, p in enumerate(group["params"])]
+        named = check_named_parameters(named_parameters, self.param_groups, "noname")
         by_id = {id(p): name for name, p in named}
         self._groups = _check_groups(groups, all_params)
         self._params = [p for p in all_params if p.requires_grad]
@@ -316,12 +296,46 @@ def _check_groups(groups: Any, params: list) -> Any:
                      f"{type(groups).__name__}")
 
 
+def check_named_parameters(named_parameters: Any, param_groups: list,
+                           default_prefix: str) -> list[tuple[str, torch.Tensor]]:
+    """The validated ``(name, parameter)`` pairs for an optimizer's ``param_groups``.
+
+    ``named_parameters=None`` names parameters ``<default_prefix>.<group>.<index>``.
+    Raises:
+        ValueError: not (name, parameter) pairs, duplicate names, or a parameter of the
+            optimizer left unnamed.
+    """
+    if named_parameters is None:
+        return [(f"{default_prefix}.{i}.{j}", p) for i, group in enumerate(param_groups)
+                for j, p in enumerate(group["params"])]
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                         "tuples, usually produced by model.named_parameters()")
+    seen: dict[str, int] = {}
+    for name, _ in named:
+        seen[name] = seen.get(name, 0) + 1
+    duplicates = sorted(n for n, c in seen.items() if c > 1)
+    if duplicates:
+        raise ValueError(f"parameter names in named_parameters must be unique; "
+                         f"duplicates: {duplicates}")
+    named_ids = {id(p) for _, p in named}
+    all_params = [p for group in param_groups for p in group["params"]]
+    unnamed = [i for i, p in enumerate(all_params) if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError(f"named_parameters was given but {len(unnamed)} optimizer "
+                         f"parameter(s) are not in it (positions {unnamed} in the "
+                         f"optimizer's param_groups); name every parameter")
+    return named
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,
                          compression: Any = Compression.none,
                          backward_passes_per_step: int = 1, op: Any = Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
-                         groups: Any = None,
-                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
+                         groups: Any = None, sparse_as_dense: bool = False,
+                         backend: str = "allreduce",
+                         **ps_options: Any) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
 
     Args:
@@ -336,11 +350,33 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         num_groups, groups: accepted for compatibility (validated); fusion is automatic.
         sparse_as_dense: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense
             tensors; without it a sparse gradient raises ``TypeError``.
+        backend: ``"allreduce"`` (default: gradients all-reduced over ranks) or ``"ps"``:
+            gradients averaged through a :class:`mpicoll.ps.ParameterServer` built from
+            ``ps_options`` (see :func:`mpicoll.ps.torch.distributed_optimizer`; e.g.
+            ``num_servers="colocated"``, ``server_optimizer="adam"``, ``lr=...``).
+        ps_options: the parameter server's options (only with ``backend="ps"``).
     Returns:
         An instance of a subclass of ``type(optimizer)``.
     Raises:
         ValueError: duplicate or missing parameter names, bad arguments.
+        TypeError: parameter-server options without ``backend="ps"``.
     """
+    if backend == "ps":
+        if (compression is not Compression.none or backward_passes_per_step != 1
+                or op is not Average or gradient_predivide_factor != 1.0 or num_groups
+                or groups is not None or sparse_as_dense):
+            raise ValueError("backend='ps' averages dense gradients through mpicoll.ps; "
+                             "compression, backward_passes_per_step, op, "
+                             "gradient_predivide_factor, num_groups, groups and "
+                             "sparse_as_dense are for backend='allreduce'")
+        from ..ps.torch import distributed_optimizer  # noqa: PLC0415  (optional layer)
+
+        return distributed_optimizer(optimizer, named_parameters, **ps_options)
+    if backend != "allreduce":
+        raise ValueError(f"backend must be 'allreduce' or 'ps', not {backend!r}")
+    if ps_options:
+        raise TypeError(f"unexpected keyword arguments {sorted(ps_options)} "
+                        f"(parameter-server options need backend='ps')")
     base = optimizer.__class__
     cls = type(base.__name__, (base,), {k: v for k, v in _DistributedOptimizer.__dict__.items()
                                         if k not in ("__dict__", "__weakref__")})

@@ -69,9 +69,9 @@ def _local_grads(model, index):
 
 @pytest.mark.parametrize("num_servers", ["colocated", 1])
 def test_distributed_optimizer_backend_ps_runs_the_wrapped_optimizer(num_servers):
-    """DistributedOptimizer(..., backend="ps") entry point: the servers average the
-    gradients (optimizer="sum"), every worker runs its own torch SGD on them."""
-    from mpicoll.ps.torch import distributed_optimizer
+    """DistributedOptimizer(..., backend="ps"): the servers average the gradients
+    (optimizer="sum"), every worker runs its own torch SGD on them."""
+    import mpicoll.torch as hvd
 
     comm = MPI.COMM_WORLD
     model = _model()
@@ -80,8 +80,9 @@ def test_distributed_optimizer_backend_ps_runs_the_wrapped_optimizer(num_servers
             for p in model.parameters():
                 p.add_(1.0)
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-    opt = distributed_optimizer(base, named_parameters=model.named_parameters(), comm=comm,
-                                num_servers=num_servers, split_bytes=32, chunk_bytes=64)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                   backend="ps", comm=comm, num_servers=num_servers,
+                                   split_bytes=32, chunk_bytes=64)
     assert isinstance(opt, torch.optim.SGD)
     grads = init = first = after = None
     if opt.is_server:
