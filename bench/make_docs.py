@@ -242,8 +242,9 @@ def write_markdown(ns: list[int]) -> str:
            f"- Sweep date: {status.get('date', '?')}"
            + (" (quick mode: fewer sizes and iterations)" if status.get("quick") else ""),
            "- Timing: each call alone between barriers (as OSU), every algorithm in the same "
-           "loop, interleaved (A B ... B A), per-rank median of the iterations, averaged over "
-           "ranks. `MPI` = the direct mpi4py call (`comm.Allreduce(...)`), the baseline of "
+           "loop, interleaved (the order rotated every iteration), each timed call right after "
+           "an untimed call of the same algorithm (so no algorithm inherits another's cache "
+           "state), per-rank median of the iterations, averaged over ranks. `MPI` = the direct mpi4py call (`comm.Allreduce(...)`), the baseline of "
            "every ratio; `native` = the same MPI call through mpicoll (so `native / MPI` is "
            "mpicoll's per-call overhead); `auto` shows the algorithm it chose in brackets.",
            "- **Noise warning:** these numbers were taken on a 2-core machine shared with "
