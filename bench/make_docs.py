@@ -247,9 +247,9 @@ def write_markdown(ns: list[int]) -> str:
            "state), per-rank median of the iterations, averaged over ranks. `MPI` = the direct mpi4py call (`comm.Allreduce(...)`), the baseline of "
            "every ratio; `native` = the same MPI call through mpicoll (so `native / MPI` is "
            "mpicoll's per-call overhead); `auto` shows the algorithm it chose in brackets.",
-           "- **Noise warning:** these numbers were taken on a 2-core machine shared with "
-           "other jobs running tests at the same time, with up to 8 ranks on 2 cores; small-"
-           "message times in particular vary by 2-10x between runs. Re-run "
+           "- **Noise warning:** a 2-core machine, with up to 8 ranks on 2 cores; when other "
+           "jobs run at the same time, small-message times vary by 2-10x between runs. The "
+           "notes below say how loaded the machine was during this sweep; re-run "
            "`python -m bench.make_docs` on a quiet machine before trusting a ratio.", ""]
     failed = [k for k, rc in (status.get("exit_status") or {}).items() if rc]
     if failed:
