@@ -135,8 +135,8 @@ def execute(collective: str, args: tuple, comm: Any = None, check: Any = None,
     """Validate (and agree on, when checked) a call, cache it, run it, return its result.
 
     The collective's plan function (``plan(ctx, *args)``, in :data:`_PLANS`) validates this
-    rank's arguments and returns the fields the
-    agreement step compares plus ``run`` (performs the collective), ``result`` (returned),
+    rank's arguments and returns the fields the agreement step compares plus ``run``
+    (performs the collective), ``result`` (returned),
     ``out`` (the array written) and ``fresh`` (the result was allocated for this call, so
     the call must not be cached). The cache key is ``cache_as`` (a collective name and the
     argument objects) or ``(collective, args + (comm,))``.
@@ -155,7 +155,9 @@ def execute(collective: str, args: tuple, comm: Any = None, check: Any = None,
               dtype=call.get("dtype"), op=call.get("op_name"), root=call.get("root"),
               algorithm=call.get("requested"), resolved=call.get("name"),
               segment_bytes=ctx.segment_bytes)
-    elif not call["fresh"]:
+    elif not call["fresh"] and not config.check_enabled():
+        # (with MPICOLL_CHECK=1 an unchecked call is never cached: a later call with the
+        # default check=None must not skip its agreement step through the cache)
         key, key_args = cache_as if cache_as is not None else (collective, args + (comm,))
         fastpath.store(key, key_args, call["run"], call["result"], call["out"])
     call["run"]()

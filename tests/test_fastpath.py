@@ -131,3 +131,24 @@ def test_freeing_a_communicator_forgets_its_calls():
     assert fastpath.lookup("allreduce", x, y, "sum", "auto", comm) is not None
     comm.Free()
     assert fastpath.lookup("allreduce", x, y, "sum", "auto", comm) is None
+
+
+def test_unchecked_call_never_lets_a_default_checked_call_skip_its_check(monkeypatch):
+    from mpicoll import collectives  # noqa: PLC0415
+
+    agreed = []
+    real = collectives.agree
+    monkeypatch.setattr(collectives, "agree",
+                        lambda *a, **k: agreed.append(1) or real(*a, **k))
+    monkeypatch.setenv("MPICOLL_CHECK", "1")
+    config.refresh()
+    try:
+        x = np.ones(4)
+        y = np.empty(4)
+        mpicoll.allreduce(x, y, check=False)    # explicitly unchecked
+        assert not agreed
+        mpicoll.allreduce(x, y)                 # default: checked
+        assert agreed
+    finally:
+        monkeypatch.delenv("MPICOLL_CHECK")
+        config.refresh()
