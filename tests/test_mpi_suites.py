@@ -22,16 +22,16 @@ SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
         (8, {"MPICOLL_RANKS_PER_NODE": "4"}),     # two even nodes of 4
     ],
     # parameter server: 1 and 2 servers (the suite picks layouts per world size)
-    "tests/ps": [(2, {}), (3, {}), (4, {}), (5, {})],
+    "tests/ps/mpi": [(2, {}), (3, {}), (4, {}), (5, {})],
     # PyTorch adapter (collects nothing where torch is not installed)
-    "tests/torch": [
+    "tests/torch/mpi": [
         (1, {}),
         (2, {"MPICOLL_OVERLAP": "1"}),                                # overlap path
         (3, {"MPICOLL_RANKS_PER_NODE": "2"}),                         # deferred path, uneven nodes
         (4, {"MPICOLL_RANKS_PER_NODE": "2", "MPICOLL_OVERLAP": "1"}),
     ],
     # benchmark smoke tests: tiny sizes, validation on, no speed thresholds
-    "tests/bench": [(1, {}), (2, {}), (3, {})],
+    "tests/bench/mpi": [(1, {}), (2, {}), (3, {})],
 }
 
 CASES = [pytest.param(suite, n, env, id=f"{suite}-n{n}")

@@ -15,7 +15,7 @@ import pytest
 
 from mpi_launcher import mpirun_command
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "ps_train.py")
 TIMEOUT = 90   # generous: the machine is shared; a hang is what this catches
 

@@ -30,7 +30,7 @@ from typing import Iterator
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 JOBS = ROOT / "jobs"
 CI = ROOT / ".ci" / "slurm"
 BASE = Path(os.environ.get("MPICOLL_SLURM_DIR", "/tmp/mpicoll-slurm"))

@@ -2,7 +2,7 @@
 import sys
 from pathlib import Path
 
-ROOT = str(Path(__file__).resolve().parents[2])
+ROOT = str(Path(__file__).resolve().parents[3])
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 for name in [m for m in sys.modules if m == "bench" or m.startswith("bench.")]:

@@ -1,6 +1,6 @@
 """Smoke tests of the benchmarks: every benchmark at tiny sizes with validation on.
 
-Run under mpirun (``python tests/mpi_launcher.py -n 1,2,3 tests/bench``). They check that
+Run under mpirun (``python tests/mpi_launcher.py -n 1,2,3 tests/bench/mpi``). They check that
 each benchmark runs, validates its results and writes its outputs: never how fast anything
 is. The benchmarks run in-process (``main(argv)``), at the thread level pytest's MPI
 already has, so ``--thread-level`` is not passed.
