@@ -8,23 +8,51 @@ name the argument, before any message is sent), optionally runs the agreement st
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from . import buffers, config, fastpath
-from .algorithms.registry import bind, lookup
+from .algorithms.registry import bind
 from .buffers import flat_view, is_in_place
 from .checked import agree
 from .context import CommContext, get_context, resolve_comm
+from .fastpath import MISS, run_cached
 from .ops import resolve_op
 from .partition import block_bounds
-from .selection import resolve_algorithm
+from .selection import algorithm_options, resolve_algorithm
 
-_cached_calls = fastpath.calls()
+__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "dispatch",
+           "Plan"]
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce",
-           "run_allreduce"]
+
+@dataclass(frozen=True)
+class Plan:
+    """One validated call, ready to run (what each collective's plan function returns).
+
+    Attributes:
+        run: performs the collective (trivial cases and the final scaling included).
+        result: what the public function returns.
+        out: the numpy array ``run`` writes, re-checked for writability on a cache hit
+            (``None`` when it writes none).
+        fresh: the result was allocated for this call, so the call is never cached.
+        count, dtype, op, root: what checked mode compares across ranks (``op``/``root``
+            ``None`` where the collective has none).
+        requested: the ``algorithm`` argument; ``algorithm``: the registered name it
+            resolved to.
+    """
+
+    run: Callable[[], Any]
+    result: Any
+    out: Any
+    fresh: bool
+    count: int
+    dtype: str
+    requested: Any
+    algorithm: str
+    op: str | None = None
+    root: int | None = None
 
 
 def _same_memory(a: Any, b: Any) -> bool:
@@ -84,19 +112,6 @@ def _elementwise_buffers(sendbuf: Any, recvbuf: Any) -> tuple[Any, Any, Any]:
     return (recv if _same_memory(send, recv) else send), recv, recvbuf
 
 
-def run_allreduce(ctx: CommContext, name: str, send: Any, recv: Any, op: Any) -> None:
-    """Run registered all-reduce ``name`` on flat arrays, trivial cases included.
-
-    No validation and no final scaling: for callers that have done both (mpicoll's own
-    layers). ``send is recv`` means in place.
-    """
-    if ctx.size == 1 or recv.size == 0:
-        if send is not recv:
-            buffers.copy(recv, send)
-        return
-    lookup("allreduce", name)(ctx, send, recv, op)
-
-
 def _noop() -> None:
     return None
 
@@ -130,42 +145,41 @@ def _resolve(ctx: CommContext, collective: str, algorithm: Any, nbytes: int) -> 
     return resolve_algorithm(collective, algorithm, ctx.size, ctx.ranks_per_node, nbytes)
 
 
-def execute(collective: str, args: tuple, comm: Any = None, check: Any = None,
-            cache_as: tuple | None = None) -> Any:
-    """Validate (and agree on, when checked) a call, cache it, run it, return its result.
+def dispatch(collective: str, args: tuple, comm: Any = None, check: Any = None,
+             cache_as: tuple | None = None) -> Any:
+    """Plan a call (validate; agree on it when checked), cache it, run it, return its result.
 
-    The collective's plan function (``plan(ctx, *args)``, in :data:`_PLANS`) validates this
-    rank's arguments and returns the fields the agreement step compares plus ``run``
-    (performs the collective), ``result`` (returned),
-    ``out`` (the array written) and ``fresh`` (the result was allocated for this call, so
-    the call must not be cached). The cache key is ``cache_as`` (a collective name and the
-    argument objects) or ``(collective, args + (comm,))``.
+    The slow path of every public collective and :class:`mpicoll.Comm` method, taken when
+    :func:`mpicoll.fastpath.run_cached` misses. The collective's plan function
+    (``plan(ctx, *args)``, in :data:`_PLANS`) validates this rank's arguments and returns a
+    :class:`Plan`. The cache key is ``cache_as`` (a name and the argument objects) or
+    ``(collective, args + (comm,))``: the same objects, in the same order, that the caller
+    passes to :func:`~mpicoll.fastpath.run_cached`.
     """
     ctx = get_context(resolve_comm(comm))
     use_check = config.check_enabled() if check is None else bool(check)
     try:
-        call = _PLANS[collective](ctx, *args)
+        plan = _PLANS[collective](ctx, *args)
     except (TypeError, ValueError) as exc:
         if not use_check:
             raise
         agree(ctx, exc, collective=collective)
         raise  # agree always raises when a rank reported an error
     if use_check:
-        agree(ctx, None, collective=collective, count=call.get("count"),
-              dtype=call.get("dtype"), op=call.get("op_name"), root=call.get("root"),
-              algorithm=call.get("requested"), resolved=call.get("name"),
+        agree(ctx, None, collective=collective, count=plan.count, dtype=plan.dtype,
+              op=plan.op, root=plan.root, algorithm=plan.requested, resolved=plan.algorithm,
               segment_bytes=ctx.segment_bytes)
-    elif not call["fresh"] and not config.check_enabled():
+    elif not plan.fresh and not config.check_enabled():
         # (with MPICOLL_CHECK=1 an unchecked call is never cached: a later call with the
         # default check=None must not skip its agreement step through the cache)
         key, key_args = cache_as if cache_as is not None else (collective, args + (comm,))
-        fastpath.store(key, key_args, call["run"], call["result"], call["out"])
-    call["run"]()
-    return call["result"]
+        fastpath.store(key, key_args, plan.run, plan.result, plan.out)
+    plan.run()
+    return plan.result
 
 
 def _allreduce_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
-                    algorithm: Any) -> dict:
+                    algorithm: Any) -> Plan:
     send, recv, result = _elementwise_buffers(sendbuf, recvbuf)
     opo = resolve_op(op)
     opo.check_dtype(recv.dtype)
@@ -173,10 +187,10 @@ def _allreduce_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
     if ctx.size == 1 or recv.size == 0:
         run = _copy_step(recv, send)
     else:
-        run = bind("allreduce", name, ctx, send, recv, opo)
-    return dict(run=_chain(run, _finalize_step(opo, recv, ctx.size)), result=result,
-                out=recvbuf, fresh=recvbuf is None, count=recv.size, dtype=recv.dtype.str,
-                op_name=opo.name, requested=algorithm, name=name)
+        run = bind("allreduce", name, ctx, send, recv, opo,
+                   **algorithm_options("allreduce", name, ctx, recv))
+    return Plan(_chain(run, _finalize_step(opo, recv, ctx.size)), result, recvbuf,
+                recvbuf is None, recv.size, recv.dtype.str, algorithm, name, op=opo.name)
 
 
 def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
@@ -200,17 +214,16 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
         mpicoll.CollectiveError: in checked mode, another rank's bad arguments, or ranks
             that disagree.
     """
-    if not check:  # the cached call (fastpath.lookup, inlined: the hot path)
-        hit = _cached_calls.get(("allreduce", id(sendbuf), id(recvbuf), id(op), id(algorithm),
-                                 id(comm)))
-        if hit is not None and (hit[2] is None or hit[2].flags.writeable):
-            hit[0]()
-            return hit[1]
-    return execute("allreduce", (sendbuf, recvbuf, op, algorithm), comm, check)
+    if not check:  # the hot path: a cached call (mpicoll.fastpath)
+        result = run_cached(("allreduce", id(sendbuf), id(recvbuf), id(op), id(algorithm),
+                             id(comm)))
+        if result is not MISS:
+            return result
+    return dispatch("allreduce", (sendbuf, recvbuf, op, algorithm), comm, check)
 
 
 def _reduce_scatter_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
-                         algorithm: Any) -> dict:
+                         algorithm: Any) -> Plan:
     refill = None
     if is_in_place(sendbuf):
         if recvbuf is None:
@@ -244,9 +257,8 @@ def _reduce_scatter_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
         run = _chain(refill, bind("reduce_scatter", name, ctx, send, recv, opo))
     else:
         run = None
-    return dict(run=_chain(run, _finalize_step(opo, recv, ctx.size)), result=result,
-                out=recvbuf, fresh=recvbuf is None, count=send.size, dtype=send.dtype.str,
-                op_name=opo.name, requested=algorithm, name=name)
+    return Plan(_chain(run, _finalize_step(opo, recv, ctx.size)), result, recvbuf,
+                recvbuf is None, send.size, send.dtype.str, algorithm, name, op=opo.name)
 
 
 def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
@@ -268,16 +280,15 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
-    if not check:  # the cached call (fastpath.lookup, inlined: the hot path)
-        hit = _cached_calls.get(("reduce_scatter", id(sendbuf), id(recvbuf), id(op),
-                                  id(algorithm), id(comm)))
-        if hit is not None and (hit[2] is None or hit[2].flags.writeable):
-            hit[0]()
-            return hit[1]
-    return execute("reduce_scatter", (sendbuf, recvbuf, op, algorithm), comm, check)
+    if not check:  # the hot path: a cached call (mpicoll.fastpath)
+        result = run_cached(("reduce_scatter", id(sendbuf), id(recvbuf), id(op),
+                             id(algorithm), id(comm)))
+        if result is not MISS:
+            return result
+    return dispatch("reduce_scatter", (sendbuf, recvbuf, op, algorithm), comm, check)
 
 
-def _allgather_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, algorithm: Any) -> dict:
+def _allgather_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, algorithm: Any) -> Plan:
     if is_in_place(sendbuf):
         if recvbuf is None:
             raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
@@ -305,9 +316,8 @@ def _allgather_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, algorithm: Any
         run = _copy_step(recv, send)
     else:
         run = bind("allgather", name, ctx, send, recv) if recv.size else None
-    return dict(run=_chain(run), result=result, out=recvbuf, fresh=recvbuf is None,
-                count=recv.size // ctx.size, dtype=recv.dtype.str, requested=algorithm,
-                name=name)
+    return Plan(_chain(run), result, recvbuf, recvbuf is None, recv.size // ctx.size,
+                recv.dtype.str, algorithm, name)
 
 
 def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: str = "auto",
@@ -325,23 +335,20 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: st
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
-    if not check:  # the cached call (fastpath.lookup, inlined: the hot path)
-        hit = _cached_calls.get(("allgather", id(sendbuf), id(recvbuf), id(algorithm),
-                                  id(comm)))
-        if hit is not None and (hit[2] is None or hit[2].flags.writeable):
-            hit[0]()
-            return hit[1]
-    return execute("allgather", (sendbuf, recvbuf, algorithm), comm, check)
+    if not check:  # the hot path: a cached call (mpicoll.fastpath)
+        result = run_cached(("allgather", id(sendbuf), id(recvbuf), id(algorithm), id(comm)))
+        if result is not MISS:
+            return result
+    return dispatch("allgather", (sendbuf, recvbuf, algorithm), comm, check)
 
 
-def _broadcast_plan(ctx: CommContext, buf: Any, root: Any, algorithm: Any) -> dict:
+def _broadcast_plan(ctx: CommContext, buf: Any, root: Any, algorithm: Any) -> Plan:
     r = _check_root(root, ctx.size)
     flat = flat_view(buf, "buf", writable=ctx.rank != r)
     name = _resolve(ctx, "broadcast", algorithm, flat.nbytes)
     run = bind("broadcast", name, ctx, flat, r) if ctx.size > 1 and flat.size else None
-    return dict(run=_chain(run), result=buf, out=buf if ctx.rank != r else None,
-                fresh=False, root=r, count=flat.size, dtype=flat.dtype.str,
-                requested=algorithm, name=name)
+    return Plan(_chain(run), buf, buf if ctx.rank != r else None, False, flat.size,
+                flat.dtype.str, algorithm, name, root=r)
 
 
 def broadcast(buf: Any, root: int = 0, comm: Any = None, algorithm: str = "auto",
@@ -357,16 +364,15 @@ def broadcast(buf: Any, root: int = 0, comm: Any = None, algorithm: str = "auto"
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
-    if not check:  # the cached call (fastpath.lookup, inlined: the hot path)
-        hit = _cached_calls.get(("broadcast", id(buf), id(root), id(algorithm), id(comm)))
-        if hit is not None and (hit[2] is None or hit[2].flags.writeable):
-            hit[0]()
-            return hit[1]
-    return execute("broadcast", (buf, root, algorithm), comm, check)
+    if not check:  # the hot path: a cached call (mpicoll.fastpath)
+        result = run_cached(("broadcast", id(buf), id(root), id(algorithm), id(comm)))
+        if result is not MISS:
+            return result
+    return dispatch("broadcast", (buf, root, algorithm), comm, check)
 
 
 def _reduce_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any, root: Any,
-                 algorithm: Any) -> dict:
+                 algorithm: Any) -> Plan:
     r = _check_root(root, ctx.size)
     at_root = ctx.rank == r
     if at_root:
@@ -383,10 +389,9 @@ def _reduce_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any, root: An
         run = _copy_step(recv, send)
     else:
         run = bind("reduce", name, ctx, send, recv, opo, r) if send.size else None
-    return dict(run=_chain(run, _finalize_step(opo, recv, ctx.size)), result=result,
-                out=recvbuf if at_root else None, fresh=at_root and recvbuf is None,
-                root=r, count=send.size, dtype=send.dtype.str, op_name=opo.name,
-                requested=algorithm, name=name)
+    return Plan(_chain(run, _finalize_step(opo, recv, ctx.size)), result,
+                recvbuf if at_root else None, at_root and recvbuf is None, send.size,
+                send.dtype.str, algorithm, name, op=opo.name, root=r)
 
 
 def reduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", root: int = 0,
@@ -405,15 +410,14 @@ def reduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", root: int = 0,
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
-    if not check:  # the cached call (fastpath.lookup, inlined: the hot path)
-        hit = _cached_calls.get(("reduce", id(sendbuf), id(recvbuf), id(op),
-                                  id(root), id(algorithm), id(comm)))
-        if hit is not None and (hit[2] is None or hit[2].flags.writeable):
-            hit[0]()
-            return hit[1]
-    return execute("reduce", (sendbuf, recvbuf, op, root, algorithm), comm, check)
+    if not check:  # the hot path: a cached call (mpicoll.fastpath)
+        result = run_cached(("reduce", id(sendbuf), id(recvbuf), id(op), id(root),
+                             id(algorithm), id(comm)))
+        if result is not MISS:
+            return result
+    return dispatch("reduce", (sendbuf, recvbuf, op, root, algorithm), comm, check)
 
 
-_PLANS: dict[str, Callable[..., dict]] = {
+_PLANS: dict[str, Callable[..., Plan]] = {
     "allreduce": _allreduce_plan, "reduce_scatter": _reduce_scatter_plan,
     "allgather": _allgather_plan, "broadcast": _broadcast_plan, "reduce": _reduce_plan}

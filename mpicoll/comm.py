@@ -14,14 +14,14 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import collectives, fastpath
+from . import collectives
+from .algorithms.registry import names
 from .buffers import IN_PLACE, Unsupported, is_in_place, parse_mpi_buffer
+from .fastpath import MISS, run_cached
 from .ops import resolve_op
 from .partition import block_bounds
 
 __all__ = ["Comm"]
-
-_cached_calls = fastpath.calls()
 
 
 class Comm(MPI.Intracomm):
@@ -44,33 +44,36 @@ class Comm(MPI.Intracomm):
         return self
 
     def _algo(self, collective: str) -> str:
-        from .algorithms.registry import names  # noqa: PLC0415
-
         name = self._mpicoll_algorithm
         return name if name == "auto" or name in names(collective) else "auto"
 
     def _parse(self, spec: Any, argname: str, writable: bool = False) -> Any:
         return IN_PLACE if is_in_place(spec) else parse_mpi_buffer(spec, argname, writable)
 
+    def _parse_reduction(self, sendbuf: Any, recvbuf: Any, op: Any,
+                         with_recv: bool = True) -> tuple:
+        """``(op, send, recv)`` as mpicoll takes them; ``Unsupported``/``ValueError`` when
+        MPI must handle the call (``recv`` is ``None`` when ``with_recv`` is false)."""
+        ours = resolve_op(op)
+        send = self._parse(sendbuf, "sendbuf")
+        recv = parse_mpi_buffer(recvbuf, "recvbuf", writable=True) if with_recv else None
+        return ours, send, recv
+
     def _run(self, method: str, collective: str, args: tuple, key_args: tuple) -> None:
         """Run mpicoll's ``collective`` on parsed ``args``; cache it under the raw ones."""
-        collectives.execute(collective, args + (self._algo(collective),), self,
-                            self._mpicoll_check,
-                            cache_as=("Comm." + method, key_args + (self,)))
+        collectives.dispatch(collective, args + (self._algo(collective),), self,
+                             self._mpicoll_check,
+                             cache_as=("Comm." + method, key_args + (self,)))
 
     # -- collectives ----------------------------------------------------------------------
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM) -> None:
         """As ``MPI.Comm.Allreduce``, with mpicoll's all-reduce."""
-        if not self._mpicoll_check:  # the cached call (see mpicoll.fastpath)
-            hit = _cached_calls.get(("Comm.Allreduce", id(sendbuf), id(recvbuf),
-                                     id(op), id(self)))
-            if hit is not None and (hit[2] is None or hit[2].flags.writeable):
-                hit[0]()
+        if not self._mpicoll_check:  # the hot path: a cached call (mpicoll.fastpath)
+            if run_cached(("Comm.Allreduce", id(sendbuf), id(recvbuf),
+                           id(op), id(self))) is not MISS:
                 return None
         try:
-            ours = resolve_op(op)
-            send = self._parse(sendbuf, "sendbuf")
-            recv = parse_mpi_buffer(recvbuf, "recvbuf", writable=True)
+            ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op)
         except (Unsupported, ValueError):
             return super().Allreduce(sendbuf, recvbuf, op)
         self._run("Allreduce", "allreduce", (send, recv, ours), (sendbuf, recvbuf, op))
@@ -78,16 +81,12 @@ class Comm(MPI.Intracomm):
 
     def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM) -> None:
         """As ``MPI.Comm.Reduce_scatter_block``, with mpicoll's reduce-scatter."""
-        if not self._mpicoll_check:  # the cached call (see mpicoll.fastpath)
-            hit = _cached_calls.get(("Comm.Reduce_scatter_block", id(sendbuf),
-                                     id(recvbuf), id(op), id(self)))
-            if hit is not None and (hit[2] is None or hit[2].flags.writeable):
-                hit[0]()
+        if not self._mpicoll_check:  # the hot path: a cached call (mpicoll.fastpath)
+            if run_cached(("Comm.Reduce_scatter_block", id(sendbuf), id(recvbuf),
+                           id(op), id(self))) is not MISS:
                 return None
         try:
-            ours = resolve_op(op)
-            send = self._parse(sendbuf, "sendbuf")
-            recv = parse_mpi_buffer(recvbuf, "recvbuf", writable=True)
+            ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op)
         except (Unsupported, ValueError):
             return super().Reduce_scatter_block(sendbuf, recvbuf, op)
         if send is not IN_PLACE and send.size != recv.size * self.Get_size():
@@ -101,9 +100,7 @@ class Comm(MPI.Intracomm):
                        op: MPI.Op = MPI.SUM) -> None:
         """As ``MPI.Comm.Reduce_scatter``; mpicoll's when ``recvcounts`` are array_split's."""
         try:
-            ours = resolve_op(op)
-            send = self._parse(sendbuf, "sendbuf")
-            recv = parse_mpi_buffer(recvbuf, "recvbuf", writable=True)
+            ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op)
             if recvcounts is None:
                 raise Unsupported("recvcounts not given")
             counts = [int(c) for c in recvcounts]
@@ -123,10 +120,8 @@ class Comm(MPI.Intracomm):
 
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
         """As ``MPI.Comm.Allgather``, with mpicoll's all-gather."""
-        if not self._mpicoll_check:  # the cached call (see mpicoll.fastpath)
-            hit = _cached_calls.get(("Comm.Allgather", id(sendbuf), id(recvbuf), id(self)))
-            if hit is not None and (hit[2] is None or hit[2].flags.writeable):
-                hit[0]()
+        if not self._mpicoll_check:  # the hot path: a cached call (mpicoll.fastpath)
+            if run_cached(("Comm.Allgather", id(sendbuf), id(recvbuf), id(self))) is not MISS:
                 return None
         try:
             send = self._parse(sendbuf, "sendbuf")
@@ -138,10 +133,8 @@ class Comm(MPI.Intracomm):
 
     def Bcast(self, buf: Any, root: int = 0) -> None:
         """As ``MPI.Comm.Bcast``, with mpicoll's broadcast."""
-        if not self._mpicoll_check:  # the cached call (see mpicoll.fastpath)
-            hit = _cached_calls.get(("Comm.Bcast", id(buf), id(root), id(self)))
-            if hit is not None and (hit[2] is None or hit[2].flags.writeable):
-                hit[0]()
+        if not self._mpicoll_check:  # the hot path: a cached call (mpicoll.fastpath)
+            if run_cached(("Comm.Bcast", id(buf), id(root), id(self))) is not MISS:
                 return None
         try:
             flat = parse_mpi_buffer(buf, "buf", writable=self.Get_rank() != root)
@@ -152,17 +145,13 @@ class Comm(MPI.Intracomm):
 
     def Reduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM, root: int = 0) -> None:
         """As ``MPI.Comm.Reduce``, with mpicoll's reduce."""
-        if not self._mpicoll_check:  # the cached call (see mpicoll.fastpath)
-            hit = _cached_calls.get(("Comm.Reduce", id(sendbuf), id(recvbuf),
-                                     id(op), id(root), id(self)))
-            if hit is not None and (hit[2] is None or hit[2].flags.writeable):
-                hit[0]()
+        if not self._mpicoll_check:  # the hot path: a cached call (mpicoll.fastpath)
+            if run_cached(("Comm.Reduce", id(sendbuf), id(recvbuf), id(op),
+                           id(root), id(self))) is not MISS:
                 return None
         at_root = self.Get_rank() == root
         try:
-            ours = resolve_op(op)
-            send = self._parse(sendbuf, "sendbuf")
-            recv = parse_mpi_buffer(recvbuf, "recvbuf", writable=True) if at_root else None
+            ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op, with_recv=at_root)
         except (Unsupported, ValueError):
             return super().Reduce(sendbuf, recvbuf, op, root)
         self._run("Reduce", "reduce", (send, recv, ours, root), (sendbuf, recvbuf, op, root))

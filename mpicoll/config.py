@@ -1,48 +1,103 @@
-"""Every ``MPICOLL_*`` environment variable, in one place.
+"""Every ``MPICOLL_*`` environment variable, in one place: :data:`VARIABLES`.
 
 Keyword arguments always win; these variables only supply defaults where a launcher makes
 arguments awkward. Each is read on first use and cached; :func:`refresh` re-reads them.
 
-============================== ============================================================
-Variable                       Meaning
-============================== ============================================================
-``MPICOLL_CHECK``              ``1`` runs the agreement check before every collective (see
-                               :mod:`mpicoll.checked`); ``0`` (default) skips it.
-``MPICOLL_SEGMENT_BYTES``      Largest message of a segmented algorithm (ring, tree,
-                               pipelined broadcast), in bytes. Default 1 MiB.
-``MPICOLL_RANKS_PER_NODE``     Emulate nodes of this many consecutive ranks (the last node
-                               may hold fewer), instead of the real shared-memory nodes.
-``MPICOLL_TUNING_FILE``        JSON tuning table used by ``algorithm="auto"``.
-``MPICOLL_ALGORITHM``          Force one algorithm name wherever ``"auto"`` is asked for
-                               (a name not registered for a collective is ignored there).
-============================== ============================================================
-
-The PyTorch adapter adds ``MPICOLL_FUSION_THRESHOLD``, ``MPICOLL_CYCLE_TIME_MS``,
-``MPICOLL_ALLREDUCE_ALGORITHM``, ``MPICOLL_STALL_CHECK_TIME_SECONDS`` and
-``MPICOLL_OVERLAP``, read by ``mpicoll.torch.init()``: see :mod:`mpicoll.torch.settings`
-(their descriptions are merged into :data:`VARIABLES` below).
+:data:`VARIABLES` is the single source of the variables table in the docs
+(``docs/variables.md`` holds :func:`markdown_table`; ``tests/test_docs.py`` checks that
+it matches and prints the command that rewrites it). It lists the library's variables, those the PyTorch adapter reads
+in ``mpicoll.torch.init()``, and those of the Slurm job scripts (``jobs/common.sh``) and the
+CI's Slurm recipe (``.ci/slurm/``).
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
+
+from . import fastpath
 
 __all__ = ["refresh", "env_bool", "env_int", "env_float", "env_str", "segment_bytes",
-           "check_enabled", "VARIABLES"]
+           "check_enabled", "Variable", "VARIABLES", "markdown_table"]
 
-VARIABLES = {
-    "MPICOLL_CHECK": "run the cross-rank agreement check before each collective (0/1)",
-    "MPICOLL_SEGMENT_BYTES": "largest segment of segmented algorithms in bytes (default 1 MiB)",
-    "MPICOLL_RANKS_PER_NODE": "emulate nodes of this many consecutive ranks",
-    "MPICOLL_TUNING_FILE": "JSON tuning table for algorithm='auto'",
-    "MPICOLL_ALGORITHM": "force an algorithm where 'auto' is asked for",
-    # read by mpicoll.torch.init() (mpicoll/torch/settings.py has the details)
-    "MPICOLL_FUSION_THRESHOLD": "mpicoll.torch: largest fused all-reduce buffer in bytes",
-    "MPICOLL_CYCLE_TIME_MS": "mpicoll.torch: shortest time between negotiation rounds (ms)",
-    "MPICOLL_ALLREDUCE_ALGORITHM": "mpicoll.torch: all-reduce algorithm for gradients",
-    "MPICOLL_STALL_CHECK_TIME_SECONDS": "mpicoll.torch: stall inspector warning delay (s)",
-    "MPICOLL_OVERLAP": "mpicoll.torch: overlap communication with backward (auto/1/0)",
-}
+
+class Variable(NamedTuple):
+    """One environment variable: who reads it, its default and what it means."""
+
+    name: str
+    read_by: str
+    default: str
+    meaning: str
+
+
+#: Every ``MPICOLL_*`` variable, grouped by who reads it.
+VARIABLES: tuple[Variable, ...] = (
+    Variable("MPICOLL_CHECK", "mpicoll", "`0`",
+             "`1` runs the cross-rank agreement step before every collective "
+             "(`mpicoll.checked`): bad arguments or disagreeing ranks raise the same error "
+             "on every rank instead of hanging"),
+    Variable("MPICOLL_SEGMENT_BYTES", "mpicoll", "1 MiB",
+             "largest message of a segmented algorithm (ring, tree, pipelined broadcast), "
+             "in bytes"),
+    Variable("MPICOLL_SHM_CHUNK_BYTES", "mpicoll", "1 MiB",
+             "bytes per rank of the shared-memory window of `algorithm=\"shm\"` (a message "
+             "goes through in chunks of this size; read when a communicator first uses shm, "
+             "the largest value on a node wins)"),
+    Variable("MPICOLL_RANKS_PER_NODE", "mpicoll", "real nodes",
+             "emulate nodes of this many consecutive ranks (the last may hold fewer) instead "
+             "of the shared-memory nodes"),
+    Variable("MPICOLL_TUNING_FILE", "mpicoll", "shipped table",
+             "JSON tuning table for `algorithm=\"auto\"` (`none`: built-in rules only); "
+             "made by `python -m bench.tune`"),
+    Variable("MPICOLL_ALGORITHM", "mpicoll", "unset",
+             "force one algorithm wherever `auto` is asked for (a name not registered for a "
+             "collective is ignored there)"),
+    Variable("MPICOLL_FUSION_THRESHOLD", "mpicoll.torch", "64 MiB",
+             "largest fused all-reduce buffer in bytes (`0`: one all-reduce per tensor)"),
+    Variable("MPICOLL_CYCLE_TIME_MS", "mpicoll.torch", "0.5",
+             "shortest time between two negotiation rounds, in ms: requests arriving within "
+             "one cycle are negotiated, and fused, together"),
+    Variable("MPICOLL_ALLREDUCE_ALGORITHM", "mpicoll.torch", "`auto`",
+             "mpicoll all-reduce algorithm for tensors (a name of "
+             "`mpicoll.algorithms(\"allreduce\")`)"),
+    Variable("MPICOLL_STALL_CHECK_TIME_SECONDS", "mpicoll.torch", "60",
+             "log (rank 0) the requests some ranks submitted and others did not after this "
+             "many seconds (`0` disables the inspector)"),
+    Variable("MPICOLL_OVERLAP", "mpicoll.torch", "`auto`",
+             "`1`: negotiate and reduce as soon as requests arrive (communication overlaps "
+             "backward); `0`: start a round only once the user thread waits for a result "
+             "(or 50 ms after the latest request); `auto`: `1` when the node has a spare "
+             "core per rank"),
+    Variable("MPICOLL_ROOT", "jobs/", "`$SLURM_SUBMIT_DIR`",
+             "the mpicoll checkout the job scripts run from"),
+    Variable("MPICOLL_VENV", "jobs/", "`$MPICOLL_ROOT/.venv`",
+             "virtualenv the job scripts activate (`none`: the Python on PATH)"),
+    Variable("MPICOLL_LAUNCHER", "jobs/", "`srun`",
+             "`srun` or `mpirun` (inside the allocation)"),
+    Variable("MPICOLL_SRUN_MPI", "jobs/", "`pmi2`",
+             "srun's `--mpi` plugin (`pmi2` is what the MPICH wheel speaks)"),
+    Variable("MPICOLL_MPIRUN", "jobs/", "`mpirun` on PATH",
+             "the mpirun executable when `MPICOLL_LAUNCHER=mpirun`"),
+    Variable("MPICOLL_PYTHON", "jobs/", "`python3` on PATH", "the Python the job runs"),
+    Variable("MPICOLL_STEP_NTASKS", "jobs/", "`$SLURM_NTASKS`", "tasks of one job step"),
+    Variable("MPICOLL_SLURM_TESTS", "tests", "on",
+             "`0` skips the tests that submit the jobs to a local Slurm"),
+    Variable("MPICOLL_SLURM_DIR", ".ci/slurm/", "`/tmp/mpicoll-slurm`",
+             "config, state, log and pid directory of the local Slurm"),
+    Variable("MPICOLL_SLURM_CPUS", ".ci/slurm/", "max(8, nproc)",
+             "CPUs declared for the local Slurm node (8-task jobs run on 2 cores)"),
+    Variable("MPICOLL_SLURM_PORT", ".ci/slurm/", "6837",
+             "slurmctld port; slurmd uses the next one"),
+    Variable("MPICOLL_SLURM_TIMEOUT", ".ci/slurm/", "120",
+             "seconds to wait for the local Slurm node to become idle"),
+)
+
+
+def markdown_table() -> str:
+    """The docs' table of :data:`VARIABLES` (Markdown)."""
+    rows = ["| variable | read by | default | meaning |", "|---|---|---|---|"]
+    rows += [f"| `{v.name}` | {v.read_by} | {v.default} | {v.meaning} |" for v in VARIABLES]
+    return "\n".join(rows) + "\n"
+
 
 DEFAULT_SEGMENT_BYTES = 1 << 20
 
@@ -56,10 +111,8 @@ def refresh() -> None:
     Values are cached on first read (reading ``os.environ`` costs about a microsecond, too
     much on every collective call); call this after changing a variable at run time.
     """
-    from . import fastpath  # noqa: PLC0415  (cached calls hold algorithm choices)
-
     _cache.clear()
-    fastpath.invalidate()
+    fastpath.invalidate()  # cached calls hold algorithm choices made from these values
 
 
 def env_str(name: str, default: str | None = None) -> str | None:
@@ -125,3 +178,4 @@ def segment_bytes() -> int:
 def check_enabled() -> bool:
     """Whether collectives run the agreement check by default (``MPICOLL_CHECK``)."""
     return env_bool("MPICOLL_CHECK", False)
+

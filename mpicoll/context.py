@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
-from . import config
+from . import config, fastpath
+from .topology import Topology
 
 __all__ = ["CommContext", "get_context", "resolve_comm"]
 
@@ -26,11 +27,9 @@ _by_handle: dict[int, "CommContext"] = {}
 
 
 def _delete_context(comm: MPI.Comm, keyval: int, ctx: "CommContext") -> None:
-    from . import fastpath  # noqa: PLC0415  (cached calls are bound to this context)
-
     if _by_handle.get(ctx.handle) is ctx:
         del _by_handle[ctx.handle]
-    fastpath.invalidate()
+    fastpath.invalidate()  # cached calls are bound to this context
     ctx.free()
 
 
@@ -65,6 +64,7 @@ class CommContext:
         #: Largest message of segmented algorithms, in bytes (``MPICOLL_SEGMENT_BYTES``).
         self.segment_bytes = config.segment_bytes()
         self._plans: dict[Any, Any] = {}
+        self._resources: dict[Any, Any] = {}
         self._topology: Any = None
         #: Ranks on each node when every node has as many, else 0 (unknown): what
         #: ``algorithm="auto"`` looks up. The layout is computed here, where every rank is
@@ -83,18 +83,32 @@ class CommContext:
             plan = self._plans[key] = build()
         return plan
 
+    def resource(self, key: Any, build: Callable[[], Any]) -> Any:
+        """Return the object kept under ``key``, building it with ``build()`` the first time.
+
+        For objects that ranks create collectively (a shared-memory window): unlike plans
+        they are never evicted, since a rank re-creating one alone would wait forever for
+        the others. Objects with a ``free()`` method are freed with the context.
+        """
+        obj = self._resources.get(key)
+        if obj is None:
+            obj = self._resources[key] = build()
+        return obj
+
     @property
     def topology(self) -> Any:
         """The node layout of this communicator (collective on first use)."""
         if self._topology is None:
-            from .topology import Topology  # noqa: PLC0415  (import cycle)
-
             self._topology = Topology(self.comm)
         return self._topology
 
     def free(self) -> None:
         """Release the private communicators (called when the user's comm is freed)."""
         self._plans.clear()
+        for obj in self._resources.values():
+            if hasattr(obj, "free"):
+                obj.free()
+        self._resources.clear()
         if self._topology is not None:
             self._topology.free()
             self._topology = None
@@ -111,9 +125,6 @@ def resolve_comm(comm: Any, argname: str = "comm") -> MPI.Comm:
     """
     if comm is None:
         return MPI.COMM_WORLD
-    inner = getattr(comm, "_mpicoll_wrapped", None)
-    if inner is not None:
-        return inner
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"{argname} must be an mpi4py intracommunicator (or None for "
                         f"COMM_WORLD), not {type(comm).__name__}")

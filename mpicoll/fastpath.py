@@ -31,7 +31,10 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["calls", "lookup", "store", "invalidate", "MAX_ENTRIES", "MAX_BYTES"]
+from .ops import Op
+
+__all__ = ["run_cached", "MISS", "key", "lookup", "store", "invalidate", "MAX_ENTRIES",
+           "MAX_BYTES"]
 
 #: Cached calls kept at most (oldest dropped first).
 MAX_ENTRIES = 64
@@ -45,25 +48,41 @@ _lock = threading.Lock()
 _VALUE_TYPES = (str, int, type(None), type(MPI.IN_PLACE))
 
 
-def calls() -> dict:
-    """The cache itself, for a caller that inlines :func:`lookup` on its hot path.
+#: What :func:`run_cached` returns when there is no usable cached call.
+MISS = object()
 
-    Keys are ``(collective, *map(id, args))``; values ``(run, result, output, ...)``:
-    a hit needs ``output is None or output.flags.writeable``.
+
+def key(collective: str, *args: Any) -> tuple:
+    """The cache key of a call: ``(collective, id(arg0), id(arg1), ...)``.
+
+    Public functions build this tuple inline on their hot path (a call to this function
+    costs as much as the lookup itself); :func:`store` and :func:`lookup` use this one.
     """
-    return _calls
+    return (collective, *map(id, args))
+
+
+def run_cached(call_key: tuple) -> Any:
+    """Run the call cached under ``call_key`` (see :func:`key`); return its result.
+
+    The hot path of every public collective and :class:`mpicoll.Comm` method.
+
+    Returns:
+        The call's result, or :data:`MISS` when nothing usable is cached (no entry, or its
+        output has been made read-only since): the caller then takes the slow path
+        (:func:`mpicoll.collectives.dispatch`), which validates, caches and runs the call.
+    """
+    entry = _calls.get(call_key)
+    if entry is None or (entry[2] is not None and not entry[2].flags.writeable):
+        return MISS
+    entry[0]()
+    return entry[1]
 
 
 def lookup(collective: str, *args: Any) -> tuple | None:
-    """``(run, result)`` cached for exactly these argument objects, or ``None``.
-
-    ``run()`` performs the collective; the caller returns ``result``.
-    """
-    entry = _calls.get((collective, *map(id, args)))
-    if entry is None:
-        return None
-    out = entry[2]
-    if out is not None and not out.flags.writeable:
+    """The cached entry (``(run, result, ...)``) for exactly these argument objects, or
+    ``None`` when :func:`run_cached` would miss. For tests and diagnostics."""
+    entry = _calls.get(key(collective, *args))
+    if entry is None or (entry[2] is not None and not entry[2].flags.writeable):
         return None
     return entry
 
@@ -72,11 +91,9 @@ def _cacheable(arg: Any) -> int | None:
     """Bytes ``arg`` keeps alive if it may key a cached call, ``None`` if it may not."""
     if type(arg) is np.ndarray:
         return arg.nbytes
-    if isinstance(arg, _VALUE_TYPES) or isinstance(arg, (MPI.Op, MPI.Comm)):
+    if isinstance(arg, _VALUE_TYPES) or isinstance(arg, (MPI.Op, MPI.Comm, Op)):
         return 0
-    from .ops import Op  # noqa: PLC0415  (import cycle)
-
-    return 0 if isinstance(arg, Op) else None
+    return None
 
 
 def store(collective: str, args: tuple, run: Callable[[], Any], result: Any,
@@ -99,15 +116,15 @@ def store(collective: str, args: tuple, run: Callable[[], Any], result: Any,
         nbytes += held
     if nbytes > MAX_BYTES // 4:
         return
-    key = (collective, *map(id, args))
+    call_key = key(collective, *args)
     out = output if type(output) is np.ndarray else None
     with _lock:
-        old = _calls.pop(key, None)
+        old = _calls.pop(call_key, None)
         if old is not None:
             _held_bytes -= old[4]
         while _calls and (len(_calls) >= MAX_ENTRIES or _held_bytes + nbytes > MAX_BYTES):
             _held_bytes -= _calls.pop(next(iter(_calls)))[4]
-        _calls[key] = (run, result, out, args, nbytes)
+        _calls[call_key] = (run, result, out, args, nbytes)
         _held_bytes += nbytes
 
 

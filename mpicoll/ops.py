@@ -5,24 +5,21 @@ be ``a`` or ``b``), through the array module of the arrays it is given (numpy he
 for device arrays), so algorithms never call numpy directly. ``average`` is ``sum`` during
 the collective and one scaling at the end (:meth:`Op.finalize`).
 
-The combine step is what algorithms call through :data:`Reducer`, so a caller can plug in
-another local reduction (for example one that decodes a compressed payload) without
-touching any algorithm.
+:meth:`Op.combine` is the one local reduction step every algorithm calls, so any object
+with that method can be passed as ``op`` (for example one that decodes a compressed
+payload) without touching any algorithm.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from mpi4py import MPI
 
 from . import buffers
 
-__all__ = ["Op", "OPS", "resolve_op", "Reducer", "SUM", "PROD", "MIN", "MAX", "AVERAGE",
+__all__ = ["Op", "OPS", "resolve_op", "SUM", "PROD", "MIN", "MAX", "AVERAGE",
            "BAND", "BOR", "BXOR"]
-
-#: A local reduction step: ``reducer(a, b, out)`` stores ``a (op) b`` into ``out``.
-Reducer = Callable[[Any, Any, Any], None]
 
 _KIND_NAMES = {"b": "bool", "i": "signed integer", "u": "unsigned integer",
                "f": "floating", "c": "complex"}

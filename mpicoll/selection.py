@@ -13,10 +13,15 @@ from the same file, so every rank makes the same one. In order:
 """
 from __future__ import annotations
 
-from . import config, tuning
-from .algorithms.registry import is_registered, names
+from typing import Any
 
-__all__ = ["choose", "builtin_choice", "resolve_algorithm"]
+from . import config, tuning
+from .algorithms.allreduce_hierarchical import cross_node_message
+from .algorithms.registry import is_registered, names
+from .context import CommContext
+
+__all__ = ["choose", "builtin_choice", "resolve_algorithm", "inner_allreduce",
+           "algorithm_options"]
 
 KiB = 1024
 
@@ -75,3 +80,23 @@ def resolve_algorithm(collective: str, algorithm: str, size: int, ranks_per_node
         raise ValueError(f"unknown algorithm={algorithm!r} for {collective}; choose one of "
                          f"{['auto', *names(collective)]}")
     return algorithm
+
+
+def inner_allreduce(ctx: CommContext, count: int, itemsize: int) -> str:
+    """The all-reduce ``hierarchical`` (and ``shm``) runs among nodes for ``count`` items.
+
+    Chosen like ``auto`` for the shard this rank reduces across nodes, with one rank per
+    node (never ``hierarchical`` itself); every rank of that cross-node all-reduce has the
+    same shard size and so makes the same choice.
+    """
+    nbytes, ranks = cross_node_message(ctx, count, itemsize)
+    name = choose("allreduce", ranks, 1, nbytes)
+    return "rabenseifner" if name in ("hierarchical", "shm") else name
+
+
+def algorithm_options(collective: str, name: str, ctx: CommContext, flat: Any) -> dict:
+    """Keyword arguments algorithm ``name`` needs besides its buffers (chosen here, when
+    a call is planned, so that algorithms never call back into selection)."""
+    if collective == "allreduce" and name in ("hierarchical", "shm"):
+        return {"inner": inner_allreduce(ctx, flat.size, flat.dtype.itemsize)}
+    return {}

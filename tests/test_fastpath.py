@@ -152,3 +152,37 @@ def test_unchecked_call_never_lets_a_default_checked_call_skip_its_check(monkeyp
     finally:
         monkeypatch.delenv("MPICOLL_CHECK")
         config.refresh()
+
+
+def test_the_public_path_runs_cached_calls_without_planning(monkeypatch):
+    """What every public function and Comm method runs on a repeat: no plan, no validation."""
+    from mpicoll import collectives  # noqa: PLC0415
+
+    planned = []
+    for name, plan in list(collectives._PLANS.items()):
+        monkeypatch.setitem(collectives._PLANS, name,
+                            lambda ctx, *a, _plan=plan, _name=name: (planned.append(_name),
+                                                                    _plan(ctx, *a))[1])
+    x = np.arange(6, dtype=np.int32)
+    y = np.empty_like(x)
+    comm = mpicoll.Comm(MPI.COMM_SELF)
+    calls = {
+        "allreduce": lambda: mpicoll.allreduce(x, y),
+        "reduce_scatter": lambda: mpicoll.reduce_scatter(x, y),
+        "allgather": lambda: mpicoll.allgather(x, y),
+        "broadcast": lambda: mpicoll.broadcast(y, 0),
+        "reduce": lambda: mpicoll.reduce(x, y),
+        "Comm.Allreduce": lambda: comm.Allreduce(x, y, MPI.SUM),
+        "Comm.Reduce_scatter_block": lambda: comm.Reduce_scatter_block(x, y, MPI.SUM),
+        "Comm.Allgather": lambda: comm.Allgather(x, y),
+        "Comm.Bcast": lambda: comm.Bcast(y, 0),
+        "Comm.Reduce": lambda: comm.Reduce(x, y, MPI.SUM, 0),
+    }
+    for label, call in calls.items():
+        planned.clear()
+        for k in range(3):
+            x[:] = np.arange(6) * (k + 2)
+            y[:] = -1 if label not in ("broadcast", "Comm.Bcast") else x
+            call()
+            assert y.tolist() == x.tolist(), (label, k)
+        assert len(planned) == 1, f"{label} planned {len(planned)} times in 3 calls"

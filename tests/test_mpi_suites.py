@@ -2,8 +2,9 @@
 
 A suite is a directory holding a ``MPI_SUITE`` marker file; the serial run skips it and
 this module launches it through tests/mpi_launcher.py, with a timeout per world size.
-Environment per run: ``MPICOLL_RANKS_PER_NODE`` emulates nodes so the hierarchical
-all-reduce crosses several (uneven ones included).
+Environment per run: ``MPICOLL_RANKS_PER_NODE`` emulates nodes so the hierarchical and
+shared-memory all-reduces cross several (uneven ones included); ``MPICOLL_SHM_CHUNK_BYTES``
+makes the shared-memory all-reduce go through many chunks.
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
     "tests/mpi": [
         (1, {}),
         (2, {"MPICOLL_RANKS_PER_NODE": "1"}),
-        (3, {"MPICOLL_RANKS_PER_NODE": "2"}),     # nodes of 2 and 1: uneven
+        (3, {"MPICOLL_RANKS_PER_NODE": "2",       # nodes of 2 and 1: uneven;
+             "MPICOLL_SHM_CHUNK_BYTES": "256"}),  # shm in many chunks
         (4, {"MPICOLL_RANKS_PER_NODE": "2"}),     # two even nodes
-        (5, {"MPICOLL_RANKS_PER_NODE": "2"}),     # 2, 2, 1: uneven
+        (5, {"MPICOLL_RANKS_PER_NODE": "2",       # 2, 2, 1: uneven
+             "MPICOLL_SHM_CHUNK_BYTES": "256"}),
         (8, {"MPICOLL_RANKS_PER_NODE": "4"}),     # two even nodes of 4
     ],
     # parameter server: 1 and 2 servers (the suite picks layouts per world size)

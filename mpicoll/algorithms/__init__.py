@@ -1,7 +1,9 @@
-"""Algorithm modules, one per collective and algorithm; importing this registers them all.
+"""Algorithm modules, one per collective and algorithm (``<collective>_<algorithm>.py``,
+named as registered); importing this registers them all.
 
-Shared schedules live in :mod:`.ring`, :mod:`.halving_doubling` and :mod:`.binomial`;
-cached plans in :mod:`.plans`; the name registry in :mod:`.registry`.
+Shared message schedules live in :mod:`.ring_schedule`, :mod:`.halving_doubling_schedule`
+and :mod:`.binomial_schedule`; cached plans in :mod:`.plans`; the name registry in
+:mod:`.registry`.
 """
 from . import (  # noqa: F401  (each import registers its algorithm)
     allgather_recursive_doubling,
@@ -10,11 +12,12 @@ from . import (  # noqa: F401  (each import registers its algorithm)
     allreduce_rabenseifner,
     allreduce_recursive_doubling,
     allreduce_ring,
+    allreduce_shm,
     allreduce_tree,
-    bcast_binomial,
-    bcast_scatter_allgather,
+    broadcast_binomial,
+    broadcast_scatter_allgather,
     native,
     reduce_binomial,
-    reduce_scatter_halving,
+    reduce_scatter_recursive_halving,
     reduce_scatter_ring,
 )

@@ -6,7 +6,7 @@ from typing import Any
 from .. import buffers
 from ..buffers import msg
 from ..context import CommContext
-from .halving_doubling import TAG_FOLD, doubling_allgather, fold_out
+from .halving_doubling_schedule import TAG_FOLD, doubling_allgather, fold_out
 from .plans import fold
 from .registry import register
 

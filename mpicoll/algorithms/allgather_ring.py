@@ -7,7 +7,7 @@ from .. import buffers
 from ..context import CommContext
 from .plans import ring_plan
 from .registry import register
-from .ring import ring_allgather
+from .ring_schedule import ring_allgather
 
 
 @register("allgather", "ring")

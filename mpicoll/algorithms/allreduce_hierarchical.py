@@ -15,45 +15,60 @@ from typing import Any
 
 from .. import buffers
 from ..context import CommContext, get_context
-from .binomial import tree_bcast, tree_reduce
+from ..partition import block_bounds
+from .binomial_schedule import tree_bcast, tree_reduce
 from .plans import rank_blocks, ring_plan, tree_scratch, tree_segments
 from .registry import lookup, register
-from .ring import ring_allgather, ring_reduce_scatter
+from .ring_schedule import ring_allgather, ring_reduce_scatter
 
-__all__ = ["hierarchical_allreduce", "inner_algorithm"]
-
-
-def inner_algorithm(nbytes: int, size: int) -> str:
-    """The all-reduce used among nodes for a shard of ``nbytes`` over ``size`` ranks."""
-    from ..selection import choose  # noqa: PLC0415  (import cycle)
-
-    name = choose("allreduce", size, 1, nbytes)
-    return "rabenseifner" if name == "hierarchical" else name
+__all__ = ["hierarchical_allreduce", "cross_node_message"]
 
 
-def _allreduce_across(comm: Any, part: Any, op: Any) -> None:
+def cross_node_message(ctx: CommContext, count: int, itemsize: int) -> tuple[int, int]:
+    """``(bytes, ranks)`` of the all-reduce this rank joins among nodes.
+
+    Computed from the layout alone, the same on every rank of that all-reduce, so the
+    inner algorithm is chosen when a call is planned
+    (:func:`mpicoll.selection.inner_allreduce`). No communication: planning happens before
+    the agreement step, which a rank with bad arguments may already be waiting in.
+    ``ranks`` is 1 when the rank joins none.
+    """
+    topo = ctx.topology
+    ranks = topo.cross_comm.Get_size()
+    if not topo.uniform:
+        return (count * itemsize, ranks) if topo.local_rank == 0 else (0, 1)
+    bounds = block_bounds(count, topo.local_size)  # the blocks of the node's ring
+    return (bounds[topo.local_rank + 1] - bounds[topo.local_rank]) * itemsize, ranks
+
+
+def _allreduce_across(comm: Any, part: Any, op: Any, inner: str) -> None:
     if comm.Get_size() == 1 or part.size == 0:
         return
-    cctx = get_context(comm)
-    lookup("allreduce", inner_algorithm(part.nbytes, cctx.size))(cctx, part, part, op)
+    lookup("allreduce", inner)(get_context(comm), part, part, op)
 
 
 @register("allreduce", "hierarchical")
-def hierarchical_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any) -> None:
-    """All-reduce ``send`` into ``recv`` in three node-aware phases."""
+def hierarchical_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any, *,
+                           inner: str) -> None:
+    """All-reduce ``send`` into ``recv`` in three node-aware phases.
+
+    ``inner`` names the registered all-reduce run among nodes (chosen by the caller,
+    normally :func:`mpicoll.selection.inner_allreduce`, for the message of
+    :func:`cross_node_message`).
+    """
     topo = ctx.topology
     local = get_context(topo.node_comm)
     if topo.uniform:
         if local.size == 1:
             buffers.copy(recv, send)
-            _allreduce_across(topo.cross_comm, recv, op)
+            _allreduce_across(topo.cross_comm, recv, op, inner)
             return
         bounds = rank_blocks(local, recv.size)
         plan = ring_plan(local, bounds, recv.dtype, recv)
         ring_reduce_scatter(local.p2p, local.rank, local.size, send, recv, plan.segb,
                             plan.scratch, op, shift=-1)
         mine = recv[bounds[local.rank]:bounds[local.rank + 1]]
-        _allreduce_across(topo.cross_comm, mine, op)
+        _allreduce_across(topo.cross_comm, mine, op, inner)
         ring_allgather(local.p2p, local.rank, local.size, recv, plan.segb)
         return
     segb = tree_segments(local, recv.size, recv.dtype.itemsize)
@@ -63,6 +78,6 @@ def hierarchical_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any) -> N
     else:
         buffers.copy(recv, send)
     if topo.local_rank == 0:
-        _allreduce_across(topo.cross_comm, recv, op)
+        _allreduce_across(topo.cross_comm, recv, op, inner)
     if local.size > 1:
         tree_bcast(local.p2p, local.rank, local.size, 0, recv, segb)

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..context import CommContext
 from ..partition import block_bounds
-from .halving_doubling import doubling_allgather, fold_in, fold_out, halving_reduce_scatter
+from .halving_doubling_schedule import doubling_allgather, fold_in, fold_out, halving_reduce_scatter
 from .plans import fold, scratch
 from .registry import register
 

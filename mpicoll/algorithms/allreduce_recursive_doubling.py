@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..context import CommContext
-from .halving_doubling import doubling_allreduce, fold_in, fold_out
+from .halving_doubling_schedule import doubling_allreduce, fold_in, fold_out
 from .plans import fold, scratch
 from .registry import register
 

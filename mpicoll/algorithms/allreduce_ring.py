@@ -10,7 +10,7 @@ from typing import Any
 from ..context import CommContext
 from .plans import rank_blocks, ring_plan
 from .registry import register
-from .ring import ring_allgather, ring_reduce_scatter
+from .ring_schedule import ring_allgather, ring_reduce_scatter
 
 
 @register("allreduce", "ring")

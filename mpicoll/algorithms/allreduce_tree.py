@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..context import CommContext
-from .binomial import tree_bcast, tree_reduce
+from .binomial_schedule import tree_bcast, tree_reduce
 from .plans import tree_scratch, tree_segments
 from .registry import register
 

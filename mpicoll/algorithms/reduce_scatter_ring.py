@@ -6,7 +6,7 @@ from typing import Any
 from ..context import CommContext
 from .plans import rank_blocks, ring_plan, scratch
 from .registry import register
-from .ring import ring_reduce_scatter
+from .ring_schedule import ring_reduce_scatter
 
 
 @register("reduce_scatter", "ring")

@@ -15,7 +15,9 @@ Run-function signatures, by collective (arrays are flat; ``ctx`` is a
 - ``reduce(ctx, send, recv, op, root)``: ``recv`` may be ``None`` off the root.
 
 Algorithms are only called with ``ctx.size > 1`` and a non-empty buffer; the caller handles
-the trivial cases and the final scaling of ``average``.
+the trivial cases and the final scaling of ``average``. An algorithm that needs a choice
+made above it takes it as a keyword argument (``hierarchical`` takes ``inner=``, the
+all-reduce it runs among nodes), supplied by :func:`mpicoll.selection.algorithm_options`.
 
 :func:`bind` fixes a run function to its arguments for repeated calls (the cached calls of
 :mod:`mpicoll.fastpath`); a run function with a ``bind(ctx, *args)`` attribute prepares
@@ -64,7 +66,7 @@ def lookup(collective: str, name: str) -> Callable:
     return fn
 
 
-def bind(collective: str, name: str, ctx: Any, *args: Any) -> Callable[[], Any]:
+def bind(collective: str, name: str, ctx: Any, *args: Any, **options: Any) -> Callable[[], Any]:
     """A zero-argument callable that runs algorithm ``name`` with these arguments.
 
     Raises:
@@ -72,7 +74,9 @@ def bind(collective: str, name: str, ctx: Any, *args: Any) -> Callable[[], Any]:
     """
     fn = lookup(collective, name)
     binder = getattr(fn, "bind", None)
-    return binder(ctx, *args) if binder is not None else functools.partial(fn, ctx, *args)
+    if binder is not None:
+        return binder(ctx, *args, **options)
+    return functools.partial(fn, ctx, *args, **options)
 
 
 def is_registered(collective: str, name: str) -> bool:

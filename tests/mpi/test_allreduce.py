@@ -90,3 +90,27 @@ def test_shapes_and_allocation():
     f = np.asfortranarray(x)
     z = mpicoll.allreduce(f, op="max")
     np.testing.assert_array_equal(z, x - RANK + n - 1)
+
+
+@pytest.mark.parametrize("algorithm", ["shm", "hierarchical"])
+def test_node_aware_algorithms_on_the_real_node_layout(algorithm, monkeypatch):
+    """shm and hierarchical on one real shared-memory node (the suite's other runs emulate
+    several nodes): a fresh communicator, made without MPICOLL_RANKS_PER_NODE."""
+    from mpicoll import config  # noqa: PLC0415
+
+    monkeypatch.delenv("MPICOLL_RANKS_PER_NODE", raising=False)
+    monkeypatch.setenv("MPICOLL_SHM_CHUNK_BYTES", "1024")  # several chunks
+    config.refresh()
+    comm = COMM.Dup()
+    try:
+        for count in (0, 1, 13, 1000, 4099):
+            for rep in range(2):
+                data = make_data(RANK, count, rep, np.int64)
+                expected = reference_reduce(gather_inputs(data), "sum")
+                got = mpicoll.allreduce(data, op="sum", comm=comm, algorithm=algorithm)
+                assert np.array_equal(got, expected), (algorithm, count, rep)
+                assert same_on_all_ranks(got)
+    finally:
+        comm.Free()
+        monkeypatch.undo()
+        config.refresh()

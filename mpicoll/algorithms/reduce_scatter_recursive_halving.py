@@ -6,7 +6,7 @@ from typing import Any
 from .. import buffers
 from ..buffers import msg
 from ..context import CommContext
-from .halving_doubling import TAG_FOLD, fold_in, halving_reduce_scatter
+from .halving_doubling_schedule import TAG_FOLD, fold_in, halving_reduce_scatter
 from .plans import fold, rank_blocks, scratch
 from .registry import register
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..context import CommContext
-from .binomial import tree_scatter
+from .binomial_schedule import tree_scatter
 from .plans import rank_blocks, ring_plan
 from .registry import register
-from .ring import ring_allgather
+from .ring_schedule import ring_allgather
 
 
 @register("broadcast", "scatter_allgather")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..context import CommContext
-from .binomial import tree_bcast
+from .binomial_schedule import tree_bcast
 from .plans import tree_segments
 from .registry import register
 

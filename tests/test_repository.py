@@ -1,0 +1,76 @@
+"""Checks on the tracked files themselves: no machine paths, docs made from their source."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpicoll import config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Paths that only exist on the machine that wrote them.
+MACHINE_PATHS = [
+    re.compile(r"(?<![\w.~-])/(?:work|root|home|Users)/[\w.-]+"),  # checkouts, home dirs
+    re.compile(r"/tmp/tmp\w{4,}"),                                   # mkstemp/mkdtemp names
+    re.compile(r"\S*/(?:site|dist)-packages/"),                      # an installed tree
+]
+
+
+def _tracked_text_files() -> list[Path]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                             check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    files = []
+    for name in out.decode().split("\0"):
+        path = ROOT / name
+        if name and path.is_file() and b"\0" not in path.read_bytes()[:8192]:
+            files.append(path)
+    return files
+
+
+def machine_paths(text: str) -> list[str]:
+    """The absolute paths of a particular machine found in ``text``."""
+    own = {str(ROOT), sys.prefix, sys.base_prefix, str(Path.home())} - {"/", ""}
+    found = [m.group(0) for pattern in MACHINE_PATHS for m in pattern.finditer(text)]
+    return found + [p for p in own if p in text]
+
+
+def test_the_check_catches_machine_paths():
+    assert machine_paths("see /work/main/mpicoll/collectives.py:180(allreduce)")
+    assert machine_paths('"json": "/tmp/tmpkrq8yfn7.json"')
+    assert machine_paths("/opt/py/lib/python3.11/site-packages/numpy/core.py")
+    assert machine_paths(f"{ROOT}/bench/overhead.py")
+    assert not machine_paths("mpicoll/collectives.py:180 and /tmp/mpicoll-slurm/env")
+
+
+def test_tracked_files_carry_no_machine_paths():
+    bad = {}
+    for path in _tracked_text_files():
+        found = machine_paths(path.read_text(errors="replace"))
+        if found:
+            bad[str(path.relative_to(ROOT))] = sorted(set(found))[:3]
+    assert not bad, f"absolute paths of this machine in tracked files: {bad}"
+
+
+def test_variables_page_is_made_from_config():
+    page = (ROOT / "docs" / "variables.md").read_text()
+    assert config.markdown_table() in page, (
+        "docs/variables.md is out of date with mpicoll.config.VARIABLES; rewrite its table "
+        "with: python -c 'import mpicoll.config as c; print(c.markdown_table(), end=\"\")'")
+
+
+def test_every_variable_the_code_reads_is_listed():
+    listed = {v.name for v in config.VARIABLES}
+    used = set()
+    for pattern in ("mpicoll/**/*.py", "jobs/*", ".ci/**/*", "tests/**/*.py", "bench/*.py"):
+        for path in ROOT.glob(pattern):
+            if path.is_file() and path.name != "test_repository.py":
+                used |= set(re.findall(r"MPICOLL_[A-Z][A-Z_]*[A-Z]",
+                                       path.read_text(errors="replace")))
+    assert used <= listed, f"missing from mpicoll.config.VARIABLES: {sorted(used - listed)}"
