@@ -28,12 +28,11 @@ import time
 from typing import Any, Callable
 
 from .common import (BUS_FACTOR, MiB, Progress, Row, add_common_options, format_osu_rows,
-                     human_bytes,
-                     iterations_for, library_version, machine_description, median,
-                     osu_column_header, parse_size, power_of_two_sizes, start_mpi, thread_level_name,
-                     write_rows)
+                     human_bytes, iterations_for, median, osu_column_header, parse_args,
+                     parse_size, power_of_two_sizes, report_validation, run_meta, start_mpi,
+                     write_results)
 
-__all__ = ["main", "run", "build_parser", "TITLES", "CollectiveCase"]
+__all__ = ["main", "run", "build_parser", "TITLES", "MODULES", "CollectiveCase"]
 
 #: OSU-style test names.
 TITLES = {
@@ -43,6 +42,11 @@ TITLES = {
     "broadcast": "Bcast",
     "reduce": "Reduce",
 }
+
+#: The ``bench.osu_*`` module that runs each collective (the command results record).
+MODULES = {"allreduce": "osu_allreduce", "reduce_scatter": "osu_reduce_scatter",
+           "allgather": "osu_allgather", "broadcast": "osu_bcast", "reduce": "osu_reduce"}
+
 
 #: ``--op`` choices (exact for the small integers the data uses, in every dtype).
 OPS = ("sum", "max", "min")
@@ -74,13 +78,13 @@ class CollectiveCase:
     def __init__(self, collective: str, comm: Any, nbytes: int, dtype: Any, op: str = "sum",
                  root: int = 0) -> None:
         import numpy as np  # noqa: PLC0415
-        from mpi4py import MPI  # noqa: PLC0415
 
         from mpicoll.algorithms.native import native_types  # noqa: PLC0415
         from mpicoll.ops import resolve_op  # noqa: PLC0415
         from mpicoll.partition import block_bounds  # noqa: PLC0415
 
         self.collective, self.comm, self.root = collective, comm, root
+        self.requested_bytes = nbytes
         self.op = op
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.dtype = np.dtype(dtype)
@@ -203,7 +207,7 @@ class CollectiveCase:
 
 def build_parser(collective: str | None = None) -> argparse.ArgumentParser:
     """Options of the collective benchmarks."""
-    prog = f"bench.osu_{collective}" if collective else "bench.collective"
+    prog = f"bench.{MODULES[collective]}" if collective else "bench.collective"
     parser = argparse.ArgumentParser(
         prog=prog, description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -300,25 +304,52 @@ def run(args: argparse.Namespace, collective: str) -> int:
     import numpy as np  # noqa: PLC0415
 
     MPI = start_mpi(args.thread_level)
-    import mpicoll  # noqa: PLC0415
-    from mpicoll.context import get_context  # noqa: PLC0415
-
     comm = MPI.COMM_WORLD
-    rank, n = comm.Get_rank(), comm.Get_size()
     algs = select_algorithms(collective, args.algo)
     np.dtype(args.dtype)  # fail early on a bad dtype
+    meta = run_metadata(MPI, comm, args, collective, algs)
+    header = osu_header(meta, args.full)
+    echo = comm.Get_rank() == 0 and (args.format == "osu" or bool(args.output))
+    if echo:
+        sys.stdout.write(header)
+        sys.stdout.flush()
     sizes = power_of_two_sizes(*args.message_size, step=args.step)
+    progress = Progress(comm.Get_rank() == 0 and not args.quiet, collective, len(sizes))
+    rows: list[Row] = []
+    failures: list[str] = []
+    for k, nbytes in enumerate(sizes):
+        new_rows, new_failures = measure_size(args, comm, collective, algs, nbytes)
+        rows += new_rows
+        failures += new_failures
+        if echo:
+            sys.stdout.write(format_osu_rows(new_rows, full=args.full, kind="collective"))
+            sys.stdout.flush()
+        progress.step(k + 1, f"sizes done, last {nbytes} B")
+    if comm.Get_rank() == 0:
+        write_outputs(args, meta, rows, header)
+        report_validation(failures, args.validate)
+    return 1 if failures else 0
+
+
+def run_metadata(MPI: Any, comm: Any, args: argparse.Namespace, collective: str,
+                 algs: list[str]) -> dict:
+    """The ``meta`` of the results: setup, options, memory bandwidth, date and command."""
+    import numpy as np  # noqa: PLC0415
+
+    from mpicoll.context import get_context  # noqa: PLC0415
+
+    n = comm.Get_size()
     ctx = get_context(comm)
-    rpn = ctx.topology.local_size
     memcpy = measure_memcpy(comm, args.memcpy_bytes)
-    meta = {
+    common = run_meta(MPI, n, MODULES[collective], getattr(args, "argv", None))
+    return {
         "test": collective,
         "title": f"MPI {TITLES[collective]} Latency Test (mpicoll bench)",
-        "mpi_library": library_version(),
-        "thread_level": thread_level_name(MPI.Query_thread()),
+        "mpi_library": common["mpi_library"],
+        "thread_level": common["thread_level"],
         "thread_level_requested": args.thread_level or "default",
         "world_size": n,
-        "ranks_per_node": rpn,
+        "ranks_per_node": ctx.topology.local_size,
         "dtype": np.dtype(args.dtype).name,
         "op": args.op,
         "algorithms": algs,
@@ -330,80 +361,80 @@ def run(args: argparse.Namespace, collective: str) -> int:
         "segment_bytes": ctx.segment_bytes,
         "memcpy_GBps": memcpy,
         "memcpy_bytes": args.memcpy_bytes,
-        "machine": machine_description(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "command": " ".join([f"mpirun -n {n} python -m bench.osu_{collective}"] + sys.argv[1:]),
+        "machine": common["machine"],
+        "date": common["date"],
+        "command": common["command"],
     }
-    header = osu_header(meta, args.full)
-    if rank == 0 and args.format == "osu" or rank == 0 and args.output:
-        sys.stdout.write(header)
-        sys.stdout.flush()
-    progress = Progress(rank == 0 and not args.quiet, collective, len(sizes))
-    rows: list[Row] = []
-    failures: list[str] = []
-    factor = BUS_FACTOR[collective](n)
-    for k, nbytes in enumerate(sizes):
-        case = CollectiveCase(collective, comm, nbytes, args.dtype, args.op, args.root)
-        validated: dict[str, bool] = {}
-        if args.validate:
-            for a in algs:
-                err = case.validate(a)
-                errs = comm.allgather(err)
-                bad = [(r, e) for r, e in enumerate(errs) if e]
-                validated[a] = not bad
-                for r, e in bad:
-                    failures.append(f"{collective} {a} size {nbytes} rank {r}: {e}")
-        fns = {a: case.call(a) for a in algs}
-        warm, iters = iterations_for(args, nbytes)
-        medians = time_interleaved(comm, fns, warm, iters)
-        all_medians = comm.allgather(medians)
-        if args.validate:
-            for a in algs:  # the timed calls must not have broken anything either
-                err = case.validate(a, repeats=1)
-                if any(comm.allgather(err)):
-                    validated[a] = False
-                    failures.append(f"{collective} {a} size {nbytes}: wrong after timing")
-        new_rows = []
-        base = sum(m["mpi"] for m in all_medians) / n
-        for a in algs:
-            vals = [m[a] for m in all_medians]
-            avg = sum(vals) / n
-            algbw = case.nbytes / avg / 1e9 if avg > 0 else None
-            new_rows.append(Row(
-                test=collective, size=nbytes, algorithm=a, avg_us=avg * 1e6,
-                min_us=min(vals) * 1e6, max_us=max(vals) * 1e6, iterations=iters,
-                world_size=n, bytes=case.nbytes, algbw=algbw,
-                busbw=algbw * factor if algbw is not None else None,
-                ratio=avg / base if base > 0 else None,
-                validated=validated.get(a) if args.validate else None,
-                extra={"chosen": _auto_choice(collective, n, rpn, case.nbytes)
-                       if a == "auto" else None}))
-        rows.extend(new_rows)
-        if rank == 0 and (args.format == "osu" or args.output):
-            sys.stdout.write(format_osu_rows(new_rows, full=args.full, kind="collective"))
-            sys.stdout.flush()
-        progress.step(k + 1, f"sizes done, last {nbytes} B")
-        del case, fns
-    if rank == 0:
-        if args.format != "osu" and not args.output:
-            write_rows(None, args.format, meta, rows, "")
-        elif args.output:
-            write_rows(args.output, args.format, meta, rows,
-                       header + format_osu_rows(rows, full=args.full, kind="collective"))
-        if args.plot or args.markdown:
-            from . import report  # noqa: PLC0415
 
-            if args.plot:
-                report.plot_busbw([(meta, rows)], args.plot)
-            if args.markdown:
-                with open(args.markdown, "w", encoding="utf-8") as fh:
-                    fh.write(report.markdown_table(meta, rows))
-        for f in failures:
-            print(f"# VALIDATION FAILED: {f}", file=sys.stderr)
-        if args.validate and not failures:
-            sys.stdout.write("# validation: all results correct\n")
-    del mpicoll
-    return 1 if failures else 0
+
+def validate_all(case: CollectiveCase, algs: list[str], repeats: int = 2
+                 ) -> tuple[dict[str, bool], list[str]]:
+    """Validate every algorithm on every rank: ({alg: all ranks right}, failure lines)."""
+    validated: dict[str, bool] = {}
+    failures: list[str] = []
+    for a in algs:
+        errs = case.comm.allgather(case.validate(a, repeats=repeats))
+        validated[a] = not any(errs)
+        failures += [f"{case.collective} {a} size {case.requested_bytes} rank {r}: {e}"
+                     for r, e in enumerate(errs) if e]
+    return validated, failures
+
+
+def measure_size(args: argparse.Namespace, comm: Any, collective: str, algs: list[str],
+                 nbytes: int) -> tuple[list[Row], list[str]]:
+    """Validate (``-c``), time and validate again every algorithm at one size."""
+    case = CollectiveCase(collective, comm, nbytes, args.dtype, args.op, args.root)
+    validated, failures = validate_all(case, algs) if args.validate else ({}, [])
+    warm, iters = iterations_for(args, nbytes)
+    medians = comm.allgather(time_interleaved(comm, {a: case.call(a) for a in algs}, warm,
+                                              iters))
+    if args.validate:  # the timed calls must not have broken anything either
+        after, _ = validate_all(case, algs, repeats=1)
+        for a in (a for a in algs if not after[a]):
+            validated[a] = False
+            failures.append(f"{collective} {a} size {nbytes}: wrong after timing")
+    return rows_for(case, algs, medians, iters, validated if args.validate else None), failures
+
+
+def rows_for(case: CollectiveCase, algs: list[str], medians: list[dict[str, float]],
+             iters: int, validated: dict[str, bool] | None) -> list[Row]:
+    """One result row per algorithm from every rank's medians (seconds)."""
+    from mpicoll.context import get_context  # noqa: PLC0415
+
+    n = case.size
+    rpn = get_context(case.comm).topology.local_size
+    factor = BUS_FACTOR[case.collective](n)
+    base = sum(m["mpi"] for m in medians) / n
+    rows = []
+    for a in algs:
+        vals = [m[a] for m in medians]
+        avg = sum(vals) / n
+        algbw = case.nbytes / avg / 1e9 if avg > 0 else None
+        rows.append(Row(
+            test=case.collective, size=case.requested_bytes, algorithm=a, avg_us=avg * 1e6,
+            min_us=min(vals) * 1e6, max_us=max(vals) * 1e6, iterations=iters,
+            world_size=n, bytes=case.nbytes, algbw=algbw,
+            busbw=algbw * factor if algbw is not None else None,
+            ratio=avg / base if base > 0 else None,
+            validated=validated.get(a) if validated is not None else None,
+            extra={"chosen": _auto_choice(case.collective, n, rpn, case.nbytes)
+                   if a == "auto" else None}))
+    return rows
+
+
+def write_outputs(args: argparse.Namespace, meta: dict, rows: list[Row], header: str) -> None:
+    """Rank 0: the results in ``--format`` (stdout or ``--output``), ``--plot``,
+    ``--markdown``."""
+    write_results(args, meta, rows,
+                  header + format_osu_rows(rows, full=args.full, kind="collective"))
+    if args.plot or args.markdown:
+        from . import report  # noqa: PLC0415
+
+        if args.plot:
+            report.plot_busbw([(meta, rows)], args.plot)
+        if args.markdown:
+            with open(args.markdown, "w", encoding="utf-8") as fh:
+                fh.write(report.markdown_table(meta, rows))
 
 
 def _auto_choice(collective: str, n: int, rpn: int, nbytes: int) -> str:
@@ -437,7 +468,7 @@ def osu_header(meta: dict, full: bool) -> str:
 
 def main(argv: list[str] | None = None, collective: str | None = None) -> int:
     """Entry point: ``collective`` fixed by the ``osu_*`` wrappers, else the first argument."""
-    args = build_parser(collective).parse_args(argv)
+    args = parse_args(build_parser(collective), argv)
     return run(args, collective or args.collective)
 
 

@@ -12,22 +12,32 @@ import io
 import json
 import os
 import platform
+import re
 import statistics
 import sys
+import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 __all__ = ["THREAD_LEVELS", "add_common_options", "parse_size", "parse_size_range",
            "power_of_two_sizes", "start_mpi", "thread_level_name", "library_version",
            "machine_description", "memcpy_bandwidth", "Row", "RankStats", "rank_stats",
            "write_rows", "format_osu_rows", "Progress", "iterations_for", "human_bytes",
-           "BUS_FACTOR"]
+           "BUS_FACTOR", "REPO_ROOT", "relative_paths", "command_line", "run_meta",
+           "parse_args", "report_validation", "write_results"]
 
 #: ``--thread-level`` choices -> mpi4py rc values.
 THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
 
 KiB, MiB = 1024, 1024 * 1024
+
+#: The repository checkout the benchmarks run from (paths in results are relative to it).
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# an installed-packages folder (site- or dist-packages), with everything before it
+_PACKAGES_DIR = re.compile(r"(?<![\w.-])/[^\s:'\"()]*?/(?:site|dist)-packages/")
 
 #: nccl-tests bus-bandwidth factor: busbw = algbw * BUS_FACTOR[collective](n).
 BUS_FACTOR = {
@@ -181,6 +191,75 @@ def machine_description() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, {model}"
 
 
+def relative_paths(text: str) -> str:
+    """``text`` with this machine's absolute path prefixes removed, for recorded results.
+
+    The repository root goes (``<root>/mpicoll/ops.py`` -> ``mpicoll/ops.py``), so do
+    the folders of installed packages (everything up to and including a ``site-packages``
+    or ``dist-packages`` folder) and of the standard library (``-> "<stdlib>/"``);
+    anything else is kept.
+    """
+    text = _PACKAGES_DIR.sub("", text)
+    for root in {str(REPO_ROOT), os.path.realpath(REPO_ROOT)}:
+        text = text.replace(root + os.sep, "")
+    stdlib = sysconfig.get_paths().get("stdlib")
+    if stdlib:
+        text = text.replace(stdlib.rstrip(os.sep) + os.sep, "<stdlib>/")
+    return text
+
+
+def command_line(n: int | None, module: str, argv: Sequence[str] | None = None) -> str:
+    """The command that reruns this benchmark from the repository root.
+
+    ``mpirun -n N python -m bench.MODULE ARGS`` (``n`` ``None``: without ``mpirun``) with
+    ``argv`` (default: ``sys.argv[1:]``);
+    paths inside the repository are written relative to its root (see
+    :func:`relative_paths`), so results record no machine-specific prefix.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    parts = ([] if n is None else [f"mpirun -n {n}"]) + [f"python -m bench.{module}"]
+    for a in args:
+        path = Path(a)
+        if path.is_absolute():
+            try:
+                a = str(path.resolve().relative_to(REPO_ROOT))
+            except ValueError:
+                a = relative_paths(a)
+        parts.append(a)
+    return " ".join(parts)
+
+
+def parse_args(parser: argparse.ArgumentParser,
+               argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` (default ``sys.argv[1:]``), keeping ``argv`` in
+    ``args.argv`` for the command the results record (:func:`command_line`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    return args
+
+
+def report_validation(failures: Sequence[str], validate: bool, what: str = "results") -> None:
+    """Rank 0's last lines: each validation failure (stderr), or that all ``what`` were
+    correct (when ``-c`` asked for validation)."""
+    for f in failures:
+        print(f"# VALIDATION FAILED: {f}", file=sys.stderr)
+    if validate and not failures:
+        sys.stdout.write(f"# validation: all {what} correct\n")
+
+
+def run_meta(MPI: Any, n: int, module: str, argv: Sequence[str] | None = None) -> dict:
+    """What every result records about its run: library, thread level, machine, date,
+    exact command (see :func:`command_line`)."""
+    return {
+        "mpi_library": library_version(),
+        "thread_level": thread_level_name(MPI.Query_thread()),
+        "machine": machine_description(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "command": command_line(n, module, argv),
+    }
+
+
 def memcpy_bandwidth(nbytes: int = 64 * MiB, repeats: int = 5) -> float:
     """One core's ``np.copyto`` bandwidth (GB/s, 1e9 bytes) on ``nbytes``: best of repeats.
 
@@ -313,6 +392,15 @@ def write_rows(path: str | None, fmt: str, meta: dict, rows: list[Row], osu_text
     else:
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(text)
+
+
+def write_results(args: argparse.Namespace, meta: dict, rows: list[Row], osu_text: str) -> None:
+    """Rank 0's results as the options ask: ``--output`` in ``--format`` (``osu_text`` for
+    ``osu``), or a non-OSU ``--format`` on stdout (the OSU table was printed as it grew)."""
+    if args.output:
+        write_rows(args.output, args.format, meta, rows, osu_text)
+    elif args.format != "osu":
+        write_rows(None, args.format, meta, rows, "")
 
 
 class Progress:

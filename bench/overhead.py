@@ -30,8 +30,8 @@ import time
 if not __package__:  # run as a script (python bench/overhead.py): find bench and mpicoll
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (MiB, THREAD_LEVELS, library_version, machine_description,  # noqa: E402
-                          parse_size, start_mpi, thread_level_name)
+from bench.common import (MiB, THREAD_LEVELS, parse_args, parse_size,  # noqa: E402
+                          relative_paths, run_meta, start_mpi)
 
 __all__ = ["main", "measure"]
 
@@ -116,7 +116,7 @@ def measure(args: argparse.Namespace) -> dict:
             prof.disable()
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
-            profile_text = buf.getvalue()
+            profile_text = relative_paths(buf.getvalue())
     comm.Barrier()
     memcpy = add = None
     if args.memcpy_bytes > 0:
@@ -128,11 +128,12 @@ def measure(args: argparse.Namespace) -> dict:
         comm.Barrier()
     if rank != 0:
         return {}
+    meta = run_meta(MPI, n, "overhead", getattr(args, "argv", None))
     return {
-        "mpi_library": library_version(),
-        "thread_level": thread_level_name(MPI.Query_thread()),
+        "mpi_library": meta["mpi_library"],
+        "thread_level": meta["thread_level"],
         "world_size": n, "size": args.size, "calls": calls, "repeats": args.repeats,
-        "machine": machine_description(),
+        "machine": meta["machine"], "date": meta["date"], "command": meta["command"],
         "per_call_us": per_call,
         "mpicoll_overhead_us": per_call["native"] - per_call["mpi"],
         "memcpy_GBps": memcpy, "add_GBps": add, "memcpy_bytes": args.memcpy_bytes,
@@ -148,6 +149,7 @@ def format_text(res: dict) -> str:
              f"# Back-to-back calls, median of {res['repeats']} blocks of {res['calls']}, "
              "averaged over ranks",
              f"# Machine: {res['machine']}",
+             f"# Date: {res.get('date', '?')}   Command: {res.get('command', '?')}",
              f"{'# Variant':<22s}{'us/call':>10s}{'vs mpi':>9s}"]
     base = res["per_call_us"]["mpi"]
     for v, us in res["per_call_us"].items():
@@ -166,7 +168,7 @@ def format_text(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     res = measure(args)
     if res:
         text = format_text(res)

@@ -24,9 +24,9 @@ import sys
 import time
 from typing import Any
 
-from .common import (Row, add_common_options, format_osu_rows, iterations_for, library_version,
-                     machine_description, median, osu_column_header, power_of_two_sizes,
-                     start_mpi, thread_level_name, write_rows)
+from .common import (Row, add_common_options, format_osu_rows, iterations_for, median,
+                     osu_column_header, parse_args, power_of_two_sizes, report_validation,
+                     run_meta, start_mpi, write_results)
 
 __all__ = ["main", "TESTS"]
 
@@ -102,15 +102,15 @@ def run(args: argparse.Namespace, test: str) -> int:
     lo, hi = args.message_size
     sizes = ([0] if lo == 0 and test == "latency" else []) + power_of_two_sizes(lo, hi)
     kind = "latency" if test == "latency" else "bandwidth"
+    common = run_meta(MPI, n, f"osu_{test}", getattr(args, "argv", None))
     meta = {
         "test": test, "title": f"MPI {TESTS[test]} (mpicoll bench)",
-        "mpi_library": library_version(),
-        "thread_level": thread_level_name(MPI.Query_thread()),
+        "mpi_library": common["mpi_library"],
+        "thread_level": common["thread_level"],
         "thread_level_requested": args.thread_level or "default",
         "world_size": n, "window": args.window_size if test != "latency" else None,
         "iterations": args.iterations, "warmup": args.warmup, "validate": args.validate,
-        "machine": machine_description(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "machine": common["machine"], "date": common["date"], "command": common["command"],
     }
     header = (f"# OSU-style {meta['title']}\n# MPI library: {meta['mpi_library']}\n"
               f"# Thread level: {meta['thread_level']} (requested: "
@@ -172,22 +172,15 @@ def run(args: argparse.Namespace, test: str) -> int:
                 sys.stdout.write(format_osu_rows([row], full=args.full, kind=kind))
                 sys.stdout.flush()
     if rank == 0:
-        if args.format != "osu" and not args.output:
-            write_rows(None, args.format, meta, rows, "")
-        elif args.output:
-            write_rows(args.output, args.format, meta, rows,
-                       header + osu_column_header(kind, args.full)
-                       + format_osu_rows(rows, full=args.full, kind=kind))
-        for f in failures:
-            print(f"# VALIDATION FAILED: {f}", file=sys.stderr)
-        if args.validate and not failures:
-            sys.stdout.write("# validation: all messages correct\n")
+        write_results(args, meta, rows, header + osu_column_header(kind, args.full)
+                      + format_osu_rows(rows, full=args.full, kind=kind))
+        report_validation(failures, args.validate, "messages")
     return 1 if failures else 0
 
 
 def main(argv: list[str] | None = None, test: str = "latency") -> int:
     """Entry point of ``osu_latency`` / ``osu_bw`` / ``osu_bibw``."""
-    return run(build_parser(test).parse_args(argv), test)
+    return run(parse_args(build_parser(test), argv), test)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,14 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 if not __package__:  # run as a script (python bench/report.py)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import human_bytes  # noqa: E402
 
-__all__ = ["load_results", "plot_busbw", "markdown_table", "main"]
+__all__ = ["load_results", "plot_busbw", "markdown_table", "busbw_table", "rules_text", "main"]
 
 
 def _d(row: Any) -> dict:
@@ -173,6 +173,13 @@ def busbw_table(meta: dict, rows: Sequence[Any], sizes: Sequence[int]) -> str:
             cells.append(f"{memcpy:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def rules_text(rules: Sequence[dict], size: Callable[[int], str] = human_bytes) -> str:
+    """A tuning-table entry's rules in one line: ``<= 8 KiB: native, above: binomial``."""
+    return ", ".join(f"<= {size(r['max_bytes'])}: {r['algorithm']}"
+                     if r["max_bytes"] is not None else f"above: {r['algorithm']}"
+                     for r in rules)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,8 +44,8 @@ from typing import Any, Iterable, Mapping
 from . import config, fastpath
 
 __all__ = ["FORMAT", "TuningTable", "load_table", "default_table_path", "default_table",
-           "use_table", "active_table", "lookup", "rules_from_timings", "merge_tables",
-           "clear_cache"]
+           "use_table", "active_table", "rules_from_timings", "slowdowns", "merge_tables",
+           "clear_cache", "PREFERENCE", "NOISE"]
 
 log = logging.getLogger("mpicoll.tuning")
 
@@ -266,7 +266,6 @@ def default_table() -> TuningTable | None:
         return None
 
 
-
 def use_table(table: str | os.PathLike | TuningTable | Mapping | None) -> TuningTable | None:
     """Make ``auto`` use ``table`` in this process (overrides ``MPICOLL_TUNING_FILE``).
 
@@ -314,66 +313,130 @@ def active_table() -> TuningTable | None:
     return default_table()
 
 
-def lookup(collective: str, size: int, ranks_per_node: int, nbytes: int) -> str | None:
-    """The active table's algorithm for this call, or ``None`` (no table or no entry)."""
-    table = active_table()
-    return None if table is None else table.lookup(collective, size, ranks_per_node, nbytes)
+#: Order of preference among algorithms whose times are within noise of each other: MPI's
+#: own first, then the simpler schedules; names not listed come after, alphabetically.
+PREFERENCE = ("native", "binomial", "recursive_doubling", "recursive_halving", "ring",
+              "tree", "scatter_allgather", "rabenseifner", "hierarchical")
+
+#: Default noise level of :func:`rules_from_timings`: times within 5% count as equal.
+NOISE = 0.05
 
 
-def rules_from_timings(timings: Mapping[int, Mapping[str, float]],
-                       tolerance: float = 0.05) -> list[dict]:
-    """Turn measured times into rules: the fastest algorithm per size, merged into ranges.
+def _preference_key(preference: Iterable[str]):
+    order = {name: k for k, name in enumerate(preference)}
+    return lambda name: (order.get(name, len(order)), name)
 
-    Noise on a shared machine makes the per-size winner flicker between algorithms that
-    are about as fast; so the sizes are labelled by a shortest-path choice that minimises
-    the total relative slowdown (``time / fastest - 1`` summed over sizes) plus
-    ``tolerance`` for every change of algorithm between neighbouring sizes. With
-    ``tolerance=0`` every size gets its own fastest algorithm.
 
-    Args:
-        timings: ``{nbytes: {algorithm: seconds}}`` (any sizes, at least one).
-        tolerance: the cost of one switch, as a fraction of one size's time.
-    Returns:
-        The ``rules`` list of a table entry: each range ends at its last measured size;
-        the last rule has ``max_bytes`` ``None``.
-    Raises:
-        ValueError: no usable timings.
-    """
-    sizes, costs = [], []
+def _excess_over_noise(timings: Mapping[int, Mapping[str, float]],
+                       noise: float) -> tuple[list[int], list[dict[str, float]]]:
+    """Sizes in order and, per size, each algorithm's slowdown beyond noise (0: within it)."""
+    sizes, excess = [], []
     for nbytes in sorted(timings):
         times = {a: t for a, t in timings[nbytes].items() if t is not None and t > 0}
         if times:
             best = min(times.values())
             sizes.append(nbytes)
-            costs.append({a: t / best - 1.0 for a, t in times.items()})
+            excess.append({a: max(0.0, round(t / best - 1.0 - noise, 9))
+                           for a, t in times.items()})
     if not sizes:
         raise ValueError("no timings to build rules from")
-    inf = float("inf")
-    algs = sorted({a for c in costs for a in c})
-    # total[a]: least cost of sizes[0..i] ending with algorithm a; back[i][a]: predecessor
-    total = {a: costs[0].get(a, inf) for a in algs}
-    back: list[dict[str, str]] = [{}]
-    for c in costs[1:]:
-        new, prev = {}, {}
-        for a in algs:
-            here = c.get(a, inf)
-            choice = min(algs, key=lambda b: (total[b] + (0.0 if b == a else tolerance),
-                                              b != a, b))
-            new[a] = total[choice] + (0.0 if choice == a else tolerance) + here
-            prev[a] = choice
-        total = new
-        back.append(prev)
-    last = min(algs, key=lambda a: (total[a], a))
-    labels = [last]
-    for i in range(len(sizes) - 1, 0, -1):
-        labels.append(back[i][labels[-1]])
-    labels.reverse()
+    return sizes, excess
+
+
+def _label_sizes(excess: list[dict[str, float]], key, single_range: bool) -> list[str]:
+    """One algorithm per size: with ``single_range`` fewest returns (an algorithm taking
+    sizes again after another one), then least total excess, fewest switches, preference.
+
+    A shortest path over sizes whose state is (algorithm, algorithms used so far). Returns
+    are only counted with ``single_range``, and then only chosen when unavoidable (an
+    algorithm missing at some sizes, e.g. one that failed validation there).
+    """
+    Cost = tuple[int, float, int, int]
+    State = tuple[str, frozenset]
+    level: dict[State, tuple[Cost, State | None]] = {}
+    for a in sorted(excess[0], key=key):
+        used = frozenset((a,) if single_range else ())
+        level[(a, used)] = ((0, excess[0][a], 0, key(a)[0]), None)
+    back = [level]
+    for here in excess[1:]:
+        new: dict[State, tuple[Cost, State | None]] = {}
+        for (prev, used), (cost, _) in back[-1].items():
+            for a in sorted(here, key=key):
+                state = (a, used | {a} if single_range else used)
+                c = (cost[0] + (a != prev and a in used), round(cost[1] + here[a], 9),
+                     cost[2] + (a != prev), cost[3] + key(a)[0])
+                if state not in new or c < new[state][0]:
+                    new[state] = (c, (prev, used))
+        back.append(new)
+    state: State | None = min(back[-1], key=lambda s: (back[-1][s][0], key(s[0])))
+    labels = []
+    for level in reversed(back):
+        labels.append(state[0])
+        state = level[state][1]
+    return labels[::-1]
+
+
+def rules_from_timings(timings: Mapping[int, Mapping[str, float]], noise: float = NOISE,
+                       preference: Iterable[str] = PREFERENCE,
+                       single_range: bool = True) -> list[dict]:
+    """Turn measured times into rules: which algorithm up to which size.
+
+    Times within ``noise`` of the fastest at a size count as equally fast, so noise cannot
+    make the choice flicker between neighbouring sizes: among the labellings of the sizes,
+    the one chosen has the least total slowdown beyond noise (``time / fastest - 1 -
+    noise``, where positive, summed over sizes), then the fewest changes of algorithm,
+    then the most preferred algorithms (``preference``: MPI's own ``native`` first, then
+    simpler schedules). Without ``single_range`` that puts every size on an algorithm
+    within noise of its fastest. With ``single_range`` (the default) each algorithm also
+    holds one range of sizes only (no A, B, A): where the measurements really do favour
+    an algorithm again after another, the range whose loss is smaller gives way (see
+    :func:`slowdowns` for what that costs); only an algorithm missing from the timings
+    at some sizes can force a return.
+
+    Args:
+        timings: ``{nbytes: {algorithm: seconds}}`` (any sizes, at least one).
+        noise: relative difference that counts as noise (0.05: 5%).
+        preference: algorithm names, most preferred first.
+        single_range: each algorithm takes one range of sizes.
+    Returns:
+        The ``rules`` list of a table entry: each range ends at its last measured size;
+        the last rule has ``max_bytes`` ``None``.
+    Raises:
+        ValueError: no usable timings, or a negative ``noise``.
+    """
+    if noise < 0:
+        raise ValueError(f"noise must be >= 0, not {noise!r}")
+    sizes, excess = _excess_over_noise(timings, noise)
+    labels = _label_sizes(excess, _preference_key(preference), single_range)
     rules: list[dict] = []
-    for i, (nbytes, name) in enumerate(zip(sizes, labels)):
+    for i, (nbytes, name) in enumerate(zip(sizes, labels, strict=True)):
         if i + 1 < len(sizes) and labels[i + 1] == name:
             continue
         rules.append({"max_bytes": None if i + 1 == len(sizes) else nbytes, "algorithm": name})
     return rules
+
+
+def slowdowns(timings: Mapping[int, Mapping[str, float]], rules: list[dict],
+              noise: float = NOISE) -> list[dict]:
+    """The measured sizes where ``rules`` choose an algorithm slower than noise allows.
+
+    Returns:
+        ``[{"nbytes", "algorithm", "slowdown", "fastest"}]``: ``slowdown`` is the chosen
+        algorithm's time over the fastest one's (rounded to 0.01).
+    """
+    table = TuningTable({"collectives": {"x": [{"world_size": 1, "rules": rules}]}})
+    out = []
+    for nbytes in sorted(timings):
+        times = {a: t for a, t in timings[nbytes].items() if t is not None and t > 0}
+        if not times:
+            continue
+        chosen = table.lookup("x", 1, 0, nbytes)
+        fastest = min(times, key=times.get)
+        ratio = times[chosen] / times[fastest] if chosen in times else float("inf")
+        if ratio > 1.0 + noise:
+            out.append({"nbytes": nbytes, "algorithm": chosen, "slowdown": round(ratio, 2),
+                        "fastest": fastest})
+    return out
 
 
 def merge_tables(tables: Iterable[TuningTable | Mapping]) -> TuningTable:

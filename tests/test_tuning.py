@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mpicoll
 from mpicoll import config, selection, tuning
@@ -191,22 +193,99 @@ def test_use_table_overrides_environment(tmp_path, monkeypatch):
     assert tuning.active_table() is None              # back to the environment
 
 
+def returns(rules: list[dict]) -> list[str]:
+    """Algorithms that take sizes again after another one took over (A, B, A)."""
+    names = [r["algorithm"] for r in rules]
+    return sorted({names[i] for i in range(2, len(names)) if names[i] in names[:i - 1]})
+
+
 def test_rules_from_timings():
     timings = {8: {"a": 1.0, "b": 2.0}, 16: {"a": 1.0, "b": 1.5},
                32: {"a": 2.0, "b": 1.0}, 64: {"a": 3.0, "b": 1.0}}
     assert tuning.rules_from_timings(timings) == [
         {"max_bytes": 16, "algorithm": "a"}, {"max_bytes": None, "algorithm": "b"}]
-
-
-def test_rules_from_timings_hysteresis_and_single_winner():
-    noisy = {8: {"a": 1.00, "b": 1.10}, 16: {"a": 1.02, "b": 1.00}, 32: {"a": 1.0, "b": 1.2}}
-    assert tuning.rules_from_timings(noisy, tolerance=0.05) == [
-        {"max_bytes": None, "algorithm": "a"}]
-    assert tuning.rules_from_timings(noisy, tolerance=0.0) == [
-        {"max_bytes": 8, "algorithm": "a"}, {"max_bytes": 16, "algorithm": "b"},
-        {"max_bytes": None, "algorithm": "a"}]
     with pytest.raises(ValueError):
         tuning.rules_from_timings({})
+    with pytest.raises(ValueError):
+        tuning.rules_from_timings(timings, noise=-0.1)
+
+
+def test_rules_from_timings_merges_within_noise():
+    noisy = {8: {"a": 1.00, "b": 1.10}, 16: {"a": 1.02, "b": 1.00}, 32: {"a": 1.0, "b": 1.2}}
+    assert tuning.rules_from_timings(noisy) == [{"max_bytes": None, "algorithm": "a"}]
+    assert tuning.rules_from_timings(noisy, noise=0.0, single_range=False) == [
+        {"max_bytes": 8, "algorithm": "a"}, {"max_bytes": 16, "algorithm": "b"},
+        {"max_bytes": None, "algorithm": "a"}]
+
+
+def test_rules_from_timings_prefers_native_then_simpler_within_noise():
+    tied = {8: {"ring": 1.00, "native": 1.03, "tree": 0.99},
+            16: {"ring": 1.00, "native": 1.04, "tree": 1.0}}
+    assert tuning.rules_from_timings(tied) == [{"max_bytes": None, "algorithm": "native"}]
+    # fewer switches first: native cannot cover 16, so ring (simpler than tree) takes both
+    close = {8: {"ring": 1.00, "native": 1.03, "tree": 0.99},
+             16: {"ring": 1.00, "tree": 0.97, "native": 1.2}}
+    assert tuning.rules_from_timings(close) == [{"max_bytes": None, "algorithm": "ring"}]
+    assert tuning.rules_from_timings(close, preference=["tree"]) == [
+        {"max_bytes": None, "algorithm": "tree"}]
+    assert tuning.rules_from_timings({8: {"zeta": 1.0, "alpha": 1.0}}) == [
+        {"max_bytes": None, "algorithm": "alpha"}]   # unlisted names: alphabetical
+
+
+def test_rules_from_timings_single_range():
+    # b really is faster in the middle (beyond noise): kept only when returns are allowed
+    timings = {8: {"a": 1.0, "b": 1.5}, 16: {"a": 1.3, "b": 1.0}, 32: {"a": 1.0, "b": 1.5},
+               64: {"a": 2.0, "b": 1.0}}
+    free = tuning.rules_from_timings(timings, single_range=False)
+    assert [r["algorithm"] for r in free] == ["a", "b", "a", "b"]
+    one = tuning.rules_from_timings(timings)
+    assert returns(one) == []
+    assert one == [{"max_bytes": 32, "algorithm": "a"}, {"max_bytes": None, "algorithm": "b"}]
+    assert tuning.slowdowns(timings, one) == [
+        {"nbytes": 16, "algorithm": "a", "slowdown": 1.3, "fastest": "b"}]
+    assert tuning.slowdowns(timings, free) == []
+
+
+def test_single_range_returns_only_where_an_algorithm_is_missing():
+    gap = {8: {"a": 1.0}, 16: {"b": 1.0}, 32: {"a": 1.0}}  # b failed at 8 and 32, a at 16
+    assert [r["algorithm"] for r in tuning.rules_from_timings(gap)] == ["a", "b", "a"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["native", "ring", "tree"]),
+                          st.floats(0.0, 0.049)), min_size=1, max_size=12),
+       st.booleans())
+def test_no_flip_flop_from_differences_within_noise(winners, single_range):
+    """Every algorithm within 5% of the best at every size, the per-size best varying:
+    the rules name one algorithm (the most preferred) and nothing flips."""
+    timings = {}
+    for k, (best, margin) in enumerate(winners):
+        times = {a: 1.0 + margin for a in ("native", "ring", "tree")}
+        times[best] = 1.0
+        timings[8 << k] = times
+    rules = tuning.rules_from_timings(timings, noise=0.05, single_range=single_range)
+    assert rules == [{"max_bytes": None, "algorithm": "native"}]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.fixed_dictionaries({a: st.floats(1.0, 3.0)
+                                       for a in ("native", "binomial", "ring")}),
+                min_size=1, max_size=10))
+def test_derived_rules_flip_only_beyond_noise(per_size):
+    """A, B, A survives only with returns allowed, and only where A is slower than noise
+    allows at some size of B's range; every size is within noise of its fastest."""
+    timings = {8 << k: t for k, t in enumerate(per_size)}
+    assert returns(tuning.rules_from_timings(timings)) == []
+    rules = tuning.rules_from_timings(timings, single_range=False)
+    assert tuning.slowdowns(timings, rules) == []
+    names = [r["algorithm"] for r in rules]
+    bounds = [0] + [r["max_bytes"] or float("inf") for r in rules]
+    for i in range(1, len(rules) - 1):
+        if names[i - 1] == names[i + 1]:
+            middle = [b for b in timings if bounds[i] < b <= bounds[i + 1]]
+            a = names[i - 1]
+            assert any(a not in timings[b] or timings[b][a] > 1.05 * min(timings[b].values())
+                       for b in middle)
 
 
 def test_merge_tables_later_wins():
@@ -232,3 +311,60 @@ def test_default_table_ships_and_names_registered_algorithms():
                 assert t.lookup(coll, size, 0, nbytes) in mpicoll.algorithms(coll)
     assert {2, 4}.issubset(t.world_sizes("allreduce"))
     assert tuning.active_table() is t or tuning.active_table().to_dict() == t.to_dict()
+
+
+def test_default_table_has_no_flip_flop_and_follows_its_timings():
+    """The shipped table: no algorithm comes back after another, and its rules are exactly
+    what its recorded derivation gives from its recorded timings (no hand edits)."""
+    path = tuning.default_table_path()
+    if not path.exists():
+        pytest.skip("no default table in this checkout")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    derivation = data["meta"]["derivation"]
+    for command in [derivation["command"], *(r["command"] for r in data["meta"]["runs"])]:
+        assert "python -m bench.tune" in command
+        assert not any(word.startswith("/") for word in command.split()), command
+    for coll, entries in data["collectives"].items():
+        for e in entries:
+            assert returns(e["rules"]) == [], (coll, e["world_size"], e["rules"])
+    for run in data["meta"]["runs"]:
+        for coll, per in run["timings_us"].items():
+            timings = {int(b): v for b, v in per.items()}
+            rules = tuning.rules_from_timings(timings, derivation["noise"],
+                                              derivation["preference"],
+                                              derivation["single_range"])
+            entry = [e for e in data["collectives"][coll]
+                     if e["world_size"] == run["world_size"]]
+            assert entry and entry[0]["rules"] == rules, (coll, run["world_size"])
+
+
+def test_tune_rebuild_derives_from_stored_timings(tmp_path):
+    """``python -m bench.tune --rebuild`` (no MPI): rules from the stored timings, the
+    derivation and a repository-relative command in the meta."""
+    tune = pytest.importorskip("bench.tune")
+    table = table_dict(allreduce=[{"world_size": 2, "ranks_per_node": 2, "rules": RULES}],
+                       reduce=[{"world_size": 9, "rules": RULES}])
+    table["meta"] = {"runs": [{"world_size": 2, "ranks_per_node": 2, "tolerance": 0.1,
+                               "command": "mpirun -n 2 python -m bench.tune",
+                               "timings_us": {"allreduce": {
+                                   "8": {"native": 1.0, "ring": 1.2},
+                                   "16": {"native": 1.12, "ring": 1.0},
+                                   "32": {"native": 1.0, "ring": 1.2}}}}]}
+    src, out = write(tmp_path, table), str(tmp_path / "out.json")
+    assert tune.main(["--rebuild", src, "--output", out]) == 0
+    new = json.loads(open(out, encoding="utf-8").read())
+    assert new["collectives"]["allreduce"][0]["rules"] == [
+        {"max_bytes": None, "algorithm": "native"}]
+    assert new["collectives"]["reduce"][0]["rules"] == RULES       # no timings: kept
+    d = new["meta"]["derivation"]
+    assert d["noise"] == 0.05 and d["single_range"] is True
+    assert d["preference"][0] == "native"
+    assert d["beyond_noise"] == [{"collective": "allreduce", "world_size": 2, "nbytes": 16,
+                                  "algorithm": "native", "slowdown": 1.12,
+                                  "fastest": "ring"}]
+    assert d["command"].startswith("python -m bench.tune --rebuild ")
+    assert "tolerance" not in new["meta"]["runs"][0]
+    assert tune.main(["--rebuild", src, "--output", out, "--allow-returns"]) == 0
+    new = json.loads(open(out, encoding="utf-8").read())
+    assert [r["algorithm"] for r in new["collectives"]["allreduce"][0]["rules"]] == [
+        "native", "ring", "native"]

@@ -14,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from bench import collective, overhead, p2p, tune
+from bench import collective, common, overhead, p2p, tune
 from mpicoll import tuning
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -51,6 +51,10 @@ def test_collective_benchmark_validates_every_algorithm(coll, tmp_path, capsys):
         assert all(r["ratio"] is not None and r["avg_us"] > 0 for r in rows)
         assert data["meta"]["world_size"] == SIZE
         assert data["meta"]["memcpy_GBps"] > 0
+        # the exact command that reruns it (the real module name) and its date
+        assert data["meta"]["command"].startswith(
+            f"mpirun -n {SIZE} python -m bench.{collective.MODULES[coll]} -m 1:2K ")
+        assert data["meta"]["date"].endswith("UTC")
 
 
 def test_collective_benchmark_csv_and_algo_and_dtype(tmp_path, capsys):
@@ -98,8 +102,11 @@ def test_point_to_point_benchmarks(test, tmp_path, capsys):
         assert f"MPI {p2p.TESTS[test]}" in text
         if SIZE >= 2:
             with open(out, encoding="utf-8") as fh:
-                rows = json.load(fh)["results"]
+                data = json.load(fh)
+            rows = data["results"]
             assert rows and all(r["validated"] is True for r in rows)
+            assert data["meta"]["command"].startswith(f"mpirun -n {SIZE} python -m "
+                                                      f"bench.osu_{test} ")
             key = "avg_us" if test == "latency" else "bandwidth_MBps"
             assert all(r[key] > 0 for r in rows)
         else:
@@ -109,13 +116,19 @@ def test_point_to_point_benchmarks(test, tmp_path, capsys):
 def test_overhead_benchmark(tmp_path, capsys):
     out = _shared_path(tmp_path, "overhead.json")
     rc = overhead.main(["--calls", "20", "--repeats", "1", "--memcpy-bytes", "1M",
-                        "--format", "json", "--output", out])
+                        "--profile", "--format", "json", "--output", out])
     assert rc == 0
     if RANK == 0:
         with open(out, encoding="utf-8") as fh:
             res = json.load(fh)
         assert set(res["per_call_us"]) == {"mpi", "auto", *mpicoll.algorithms("allreduce")}
         assert res["memcpy_GBps"] > 0 and res["add_GBps"] > 0
+        assert res["command"].startswith(f"mpirun -n {SIZE} python -m bench.overhead ")
+        assert res["date"].endswith("UTC")
+        # profile lines name files relative to the repository / installed packages
+        assert "mpicoll/collectives.py" in res["profile"]
+        assert str(common.REPO_ROOT) not in res["profile"]
+        assert "site-packages" not in res["profile"]
 
 
 def test_tune_writes_a_table_auto_uses(tmp_path):
