@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import buffers, config, fastpath
-from .algorithms.registry import bind
+from .algorithms.registry import bind, lookup, scales_shards
 from .buffers import flat_view, is_in_place
 from .checked import agree
 from .context import CommContext, get_context, resolve_comm
@@ -36,7 +36,11 @@ class Plan:
         result: what the public function returns.
         out: the numpy array ``run`` writes, re-checked for writability on a cache hit
             (``None`` when it writes none).
-        fresh: the result was allocated for this call, so the call is never cached.
+        fresh: the result was allocated for this call: the call is cached only through
+            ``remake``.
+        remake: for a fresh result, a callable that allocates a new result, performs the
+            collective into it and returns it (what a repeated call with a new output runs
+            from the cache); ``None``: such calls are planned every time.
         count, dtype, op, root: what checked mode compares across ranks (``op``/``root``
             ``None`` where the collective has none).
         requested: the ``algorithm`` argument; ``algorithm``: the registered name it
@@ -53,6 +57,7 @@ class Plan:
     algorithm: str
     op: str | None = None
     root: int | None = None
+    remake: Callable[[], Any] | None = None
 
 
 def _same_memory(a: Any, b: Any) -> bool:
@@ -169,11 +174,14 @@ def dispatch(collective: str, args: tuple, comm: Any = None, check: Any = None,
         agree(ctx, None, collective=collective, count=plan.count, dtype=plan.dtype,
               op=plan.op, root=plan.root, algorithm=plan.requested, resolved=plan.algorithm,
               segment_bytes=ctx.segment_bytes)
-    elif not plan.fresh and not config.check_enabled():
+    elif (plan.remake is not None or not plan.fresh) and not config.check_enabled():
         # (with MPICOLL_CHECK=1 an unchecked call is never cached: a later call with the
         # default check=None must not skip its agreement step through the cache)
         key, key_args = cache_as if cache_as is not None else (collective, args + (comm,))
-        fastpath.store(key, key_args, plan.run, plan.result, plan.out)
+        if plan.fresh:
+            fastpath.store(key, key_args, plan.remake, None)
+        else:
+            fastpath.store(key, key_args, plan.run, plan.result, plan.out)
     plan.run()
     return plan.result
 
@@ -184,13 +192,35 @@ def _allreduce_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
     opo = resolve_op(op)
     opo.check_dtype(recv.dtype)
     name = _resolve(ctx, "allreduce", algorithm, recv.nbytes)
-    if ctx.size == 1 or recv.size == 0:
+    options = algorithm_options("allreduce", name, ctx, recv)
+    trivial = ctx.size == 1 or recv.size == 0
+    scale = opo.averages and ctx.size > 1  # the final division of average, if still due
+    if trivial:
         run = _copy_step(recv, send)
     else:
-        run = bind("allreduce", name, ctx, send, recv, opo,
-                   **algorithm_options("allreduce", name, ctx, recv))
-    return Plan(_chain(run, _finalize_step(opo, recv, ctx.size)), result, recvbuf,
-                recvbuf is None, recv.size, recv.dtype.str, algorithm, name, op=opo.name)
+        if scale and scales_shards("allreduce", name):
+            options["finalize"] = True   # the algorithm divides each shard once
+            scale = False
+        run = bind("allreduce", name, ctx, send, recv, opo, **options)
+    remake = None
+    if recvbuf is None:
+        xp = buffers.array_module(sendbuf)
+        algorithm_fn = lookup("allreduce", name)
+
+        def remake() -> Any:  # the cached call of y = allreduce(x): a new y each time
+            new = xp.empty_like(sendbuf)
+            out = new.reshape(-1, order="A")
+            if trivial:
+                buffers.copy(out, send)
+            else:
+                algorithm_fn(ctx, send, out, opo, **options)
+            if scale:
+                opo.finalize(out, ctx.size)
+            return new
+
+    return Plan(_chain(run, _finalize_step(opo, recv, ctx.size) if scale else None), result,
+                recvbuf, recvbuf is None, recv.size, recv.dtype.str, algorithm, name,
+                op=opo.name, remake=remake)
 
 
 def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,

@@ -74,8 +74,8 @@ def run_cached(call_key: tuple) -> Any:
     entry = _calls.get(call_key)
     if entry is None or (entry[2] is not None and not entry[2].flags.writeable):
         return MISS
-    entry[0]()
-    return entry[1]
+    made = entry[0]()
+    return entry[1] if made is None else made
 
 
 def lookup(collective: str, *args: Any) -> tuple | None:
@@ -103,7 +103,8 @@ def store(collective: str, args: tuple, run: Callable[[], Any], result: Any,
     Args:
         collective: a name that, with ``args``, identifies the call.
         args: every argument the call depends on (buffers, op, root, algorithm, comm).
-        run: performs the validated collective.
+        run: performs the validated collective; returns ``None``, or the result itself
+            when each call makes a new one (then ``result`` is ``None``).
         result: what the public function returns.
         output: the numpy array written by ``run``; re-checked for writability on a hit.
     """

@@ -65,13 +65,29 @@ def test_settings_change_invalidates(monkeypatch):
         config.refresh()
 
 
-def test_checked_and_allocating_calls_are_not_cached():
+def test_checked_calls_are_not_cached():
     x = np.ones(4)
     y = np.empty(4)
     mpicoll.allreduce(x, y, check=True)
     assert fastpath.lookup("allreduce", x, y, "sum", "auto", None) is None
-    mpicoll.allreduce(x)
     assert not fastpath._calls
+
+
+def test_allocating_allreduce_is_cached_and_returns_a_new_array_each_time():
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    first = mpicoll.allreduce(x, op="average")
+    assert fastpath.lookup("allreduce", x, None, "average", "auto", None) is not None
+    results = [first]
+    for k in range(3):
+        x[...] = k
+        got = mpicoll.allreduce(x, op="average")
+        assert got.shape == x.shape and got.dtype == x.dtype
+        assert got.tolist() == [[k] * 3] * 2
+        assert all(got is not r for r in results)
+        results.append(got)
+    f = np.asfortranarray(np.arange(6, dtype=np.int64).reshape(2, 3))
+    for _ in range(2):
+        assert mpicoll.allreduce(f).tolist() == f.tolist()
 
 
 def test_every_collective_is_cached_and_returns_its_result():

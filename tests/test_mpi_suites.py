@@ -41,9 +41,14 @@ CASES = [pytest.param(suite, n, env, id=f"{suite}-n{n}")
          for suite, runs in SUITES.items() for n, env in runs]
 
 
+#: Seconds one suite may run at one world size before mpirun is killed.
+SUITE_TIMEOUT = 420
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT + 60)  # the launcher's own timeout reports first
 @pytest.mark.parametrize("suite,n,env", CASES)
 def test_suite_under_mpirun(suite: str, n: int, env: dict[str, str]) -> None:
-    rc, out, secs = run_suite(n, suite, [], timeout=420, env=env)
+    rc, out, secs = run_suite(n, suite, [], timeout=SUITE_TIMEOUT, env=env)
     tail = "\n".join(out.splitlines()[-60:])
     print(f"{suite} at n={n}: {secs:.1f} s\n{tail}")
     assert rc == 0, f"{suite} failed at n={n} (rc={rc}):\n{tail}"

@@ -47,14 +47,15 @@ def _allreduce_across(comm: Any, part: Any, op: Any, inner: str) -> None:
     lookup("allreduce", inner)(get_context(comm), part, part, op)
 
 
-@register("allreduce", "hierarchical")
+@register("allreduce", "hierarchical", scales_shards=True)
 def hierarchical_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any, *,
-                           inner: str) -> None:
+                           inner: str, finalize: bool = False) -> None:
     """All-reduce ``send`` into ``recv`` in three node-aware phases.
 
     ``inner`` names the registered all-reduce run among nodes (chosen by the caller,
     normally :func:`mpicoll.selection.inner_allreduce`, for the message of
-    :func:`cross_node_message`).
+    :func:`cross_node_message`). ``finalize``: apply ``op.finalize`` (over all ranks) to
+    this rank's shard once it is reduced across nodes, before it is copied around the node.
     """
     topo = ctx.topology
     local = get_context(topo.node_comm)
@@ -62,6 +63,8 @@ def hierarchical_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any, *,
         if local.size == 1:
             buffers.copy(recv, send)
             _allreduce_across(topo.cross_comm, recv, op, inner)
+            if finalize:
+                op.finalize(recv, ctx.size)
             return
         bounds = rank_blocks(local, recv.size)
         plan = ring_plan(local, bounds, recv.dtype, recv)
@@ -69,6 +72,8 @@ def hierarchical_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any, *,
                             plan.scratch, op, shift=-1)
         mine = recv[bounds[local.rank]:bounds[local.rank + 1]]
         _allreduce_across(topo.cross_comm, mine, op, inner)
+        if finalize:
+            op.finalize(mine, ctx.size)
         ring_allgather(local.p2p, local.rank, local.size, recv, plan.segb)
         return
     segb = tree_segments(local, recv.size, recv.dtype.itemsize)
@@ -79,5 +84,7 @@ def hierarchical_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any, *,
         buffers.copy(recv, send)
     if topo.local_rank == 0:
         _allreduce_across(topo.cross_comm, recv, op, inner)
+        if finalize:
+            op.finalize(recv, ctx.size)
     if local.size > 1:
         tree_bcast(local.p2p, local.rank, local.size, 0, recv, segb)

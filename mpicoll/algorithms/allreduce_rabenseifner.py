@@ -14,9 +14,13 @@ from .plans import fold, scratch
 from .registry import register
 
 
-@register("allreduce", "rabenseifner")
-def rabenseifner_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any) -> None:
-    """All-reduce ``send`` into ``recv`` with Rabenseifner's algorithm."""
+@register("allreduce", "rabenseifner", scales_shards=True)
+def rabenseifner_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any, *,
+                           finalize: bool = False) -> None:
+    """All-reduce ``send`` into ``recv`` with Rabenseifner's algorithm.
+
+    ``finalize``: apply ``op.finalize`` to this rank's reduced group before the all-gather.
+    """
     f = fold(ctx)
     count = recv.size
     groups = ctx.plan(("groups", count, f.p), lambda: block_bounds(count, f.p))
@@ -24,5 +28,7 @@ def rabenseifner_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any) -> N
     cur = fold_in(ctx.p2p, f, send, recv, tmp, op)
     if f.newrank >= 0:
         halving_reduce_scatter(ctx.p2p, f, cur, recv, groups, tmp, op)
+        if finalize:
+            op.finalize(recv[groups[f.newrank]:groups[f.newrank + 1]], ctx.size)
         doubling_allgather(ctx.p2p, f, recv, groups)
     fold_out(ctx.p2p, f, recv)

@@ -13,9 +13,17 @@ from .registry import register
 from .ring_schedule import ring_allgather, ring_reduce_scatter
 
 
-@register("allreduce", "ring")
-def ring_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any) -> None:
-    """All-reduce ``send`` into ``recv`` over a ring (``send is recv``: in place)."""
-    plan = ring_plan(ctx, rank_blocks(ctx, recv.size), recv.dtype, recv)
+@register("allreduce", "ring", scales_shards=True)
+def ring_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any, *,
+                   finalize: bool = False) -> None:
+    """All-reduce ``send`` into ``recv`` over a ring (``send is recv``: in place).
+
+    ``finalize``: apply ``op.finalize`` to this rank's reduced block before the all-gather.
+    """
+    bounds = rank_blocks(ctx, recv.size)
+    plan = ring_plan(ctx, bounds, recv.dtype, recv)
     ring_reduce_scatter(ctx.p2p, ctx.rank, ctx.size, send, recv, plan.segb, plan.scratch, op)
+    if finalize:
+        mine = (ctx.rank + 1) % ctx.size
+        op.finalize(recv[bounds[mine]:bounds[mine + 1]], ctx.size)
     ring_allgather(ctx.p2p, ctx.rank, ctx.size, recv, plan.segb, shift=1)

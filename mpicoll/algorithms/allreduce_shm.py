@@ -92,7 +92,7 @@ def _slot_view(win: ShmWindow, rank: int, half: int, dtype: np.dtype, count: int
 
 
 def _chunk(win: ShmWindow, send: Any, recv: Any, op: Any, cross: Any, inner: str | None,
-           ) -> None:
+           scale: int) -> None:
     """One chunk through the window (steps 1-3 of the module docstring)."""
     n, me = win.size, win.rank
     dtype, count = recv.dtype, recv.size
@@ -117,6 +117,8 @@ def _chunk(win: ShmWindow, send: Any, recv: Any, op: Any, cross: Any, inner: str
                 op.combine(out, part, out)
         if cross is not None:
             lookup("allreduce", inner)(cross, out, out, op)
+        if scale:
+            op.finalize(out, scale)
     win.comm.Barrier()
     for r in range(n):
         if bounds[r + 1] > bounds[r]:
@@ -140,20 +142,22 @@ def _node_broadcast(win: ShmWindow, buf: Any) -> None:
 
 
 def _chunks(win: ShmWindow, send: Any, recv: Any, op: Any, cross: Any,
-            inner: str | None) -> None:
+            inner: str | None, scale: int = 0) -> None:
+    """The message in chunks of one slot; ``scale``: ranks to ``op.finalize`` over (0: no)."""
     step = win.slot_bytes // recv.dtype.itemsize
     for start in range(0, recv.size, step):
         stop = min(start + step, recv.size)
-        _chunk(win, send[start:stop], recv[start:stop], op, cross, inner)
+        _chunk(win, send[start:stop], recv[start:stop], op, cross, inner, scale)
 
 
-@register("allreduce", "shm")
+@register("allreduce", "shm", scales_shards=True)
 def shm_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any, *,
-                  inner: str | None = None) -> None:
+                  inner: str | None = None, finalize: bool = False) -> None:
     """All-reduce ``send`` into ``recv`` through shared memory (``send is recv``: in place).
 
     ``inner`` names the all-reduce among nodes when there are several (chosen by
-    :func:`mpicoll.selection.algorithm_options`); unused on one node.
+    :func:`mpicoll.selection.algorithm_options`); unused on one node. ``finalize``: apply
+    ``op.finalize`` (over all ranks) to each reduced slice before it is copied out.
 
     Raises:
         TypeError: device (non-numpy) buffers.
@@ -162,15 +166,19 @@ def shm_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any, *,
         raise TypeError("algorithm='shm' works on host (numpy) buffers only")
     topo = ctx.topology
     win = _window(ctx)
+    scale = ctx.size if finalize else 0
     if topo.num_nodes == 1:
-        _chunks(win, send, recv, op, None, None)
+        _chunks(win, send, recv, op, None, None, scale)
         return
     cross = topo.cross_comm
     if topo.uniform:
         _chunks(win, send, recv, op,
-                get_context(cross) if cross.Get_size() > 1 else None, inner)
+                get_context(cross) if cross.Get_size() > 1 else None, inner, scale)
         return
     _chunks(win, send, recv, op, None, None)
-    if topo.local_rank == 0 and cross.Get_size() > 1:
-        lookup("allreduce", inner)(get_context(cross), recv, recv, op)
+    if topo.local_rank == 0:
+        if cross.Get_size() > 1:
+            lookup("allreduce", inner)(get_context(cross), recv, recv, op)
+        if scale:
+            op.finalize(recv, scale)
     _node_broadcast(win, recv)

@@ -28,16 +28,25 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-__all__ = ["COLLECTIVES", "register", "lookup", "bind", "names", "is_registered"]
+__all__ = ["COLLECTIVES", "register", "lookup", "bind", "names", "is_registered",
+           "scales_shards"]
 
 #: The collectives mpicoll implements.
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 
 _REGISTRY: dict[str, dict[str, Callable]] = {c: {} for c in COLLECTIVES}
+_SCALES_SHARDS: set[tuple[str, str]] = set()
 
 
-def register(collective: str, name: str) -> Callable[[Callable], Callable]:
-    """Decorator: register ``fn`` as algorithm ``name`` of ``collective``."""
+def register(collective: str, name: str, *,
+             scales_shards: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator: register ``fn`` as algorithm ``name`` of ``collective``.
+
+    ``scales_shards``: the run function takes ``finalize=True`` and then applies
+    ``op.finalize`` (the division of ``average``) itself, to each shard on the one rank
+    that reduces it, before the shards are copied to every rank: one pass over ``1/n`` of
+    the vector instead of a pass over all of it on every rank.
+    """
     if collective not in _REGISTRY:
         raise ValueError(f"unknown collective {collective!r}")
 
@@ -45,6 +54,8 @@ def register(collective: str, name: str) -> Callable[[Callable], Callable]:
         if name in _REGISTRY[collective]:
             raise ValueError(f"{collective} algorithm {name!r} registered twice")
         _REGISTRY[collective][name] = fn
+        if scales_shards:
+            _SCALES_SHARDS.add((collective, name))
         return fn
 
     return deco
@@ -77,6 +88,11 @@ def bind(collective: str, name: str, ctx: Any, *args: Any, **options: Any) -> Ca
     if binder is not None:
         return binder(ctx, *args, **options)
     return functools.partial(fn, ctx, *args, **options)
+
+
+def scales_shards(collective: str, name: str) -> bool:
+    """Whether algorithm ``name`` applies ``op.finalize`` itself when given ``finalize=True``."""
+    return (collective, name) in _SCALES_SHARDS
 
 
 def is_registered(collective: str, name: str) -> bool:

@@ -114,3 +114,17 @@ def test_node_aware_algorithms_on_the_real_node_layout(algorithm, monkeypatch):
         comm.Free()
         monkeypatch.undo()
         config.refresh()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_repeated_allocating_calls_follow_the_input(algorithm):
+    """``y = allreduce(x)`` on the same ``x`` (a cached call that allocates each time)."""
+    x = np.empty((3, 7), dtype=np.int64)
+    seen = []
+    for rep in range(3):
+        x[...] = make_data(RANK, x.size, rep, np.int64).reshape(x.shape)
+        expected = reference_reduce(gather_inputs(x.reshape(-1).copy()), "average")
+        got = mpicoll.allreduce(x, op="average", algorithm=algorithm)
+        assert got.shape == x.shape and all(got is not s for s in seen)
+        assert np.array_equal(got.reshape(-1), expected), (algorithm, rep)
+        seen.append(got)
