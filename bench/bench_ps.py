@@ -14,14 +14,18 @@ Two parts, each a driver that launches its own ``mpirun`` runs (with timeouts):
     straggling worker (sleeps every step); records the first worker's test loss against
     wall time and plots it.
 
-    python bench/bench_ps.py throughput --configs 1x2,2x2,cx2,1x3,3x3,cx3 -m 16M -i 10
-
 A config is ``SERVERSxWORKERS`` (separate server ranks), ``cxWORKERS``: the co-located
 layout (``num_servers="colocated"``: every one of the WORKERS ranks is also the server of
 its shard), or ``caxWORKERS``: co-located with ``keep_aggregate=False`` (the aggregate goes
-straight into ``out`` and is not kept).
-    python bench/bench_ps.py training --workers 3 --straggler-delay 0.01
-    python bench/bench_ps.py all --out docs        # both, JSON + PNG into docs/
+straight into ``out`` and is not kept). From the repository root::
+
+    python -m bench.bench_ps throughput --configs 1x2,2x2,cx2,1x3,3x3,cx3 -m 16M -i 10
+    python -m bench.bench_ps training --workers 3 --straggler-delay 0.01
+    python -m bench.bench_ps all --out docs        # both, JSON + PNG into docs/
+
+The JSON records the date, the command relative to the repository root (``python -m
+bench.bench_ps ...``) and no absolute path of the machine; docs/results/ps.md shows the
+results with their commands.
 
 The rank programs (``_throughput_rank``) are what the drivers run under ``mpirun``.
 """
@@ -39,6 +43,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from bench.common import command_line, relative_paths  # noqa: E402
 
 MiB = 1 << 20
 
@@ -197,6 +203,14 @@ def run_throughput(configs: list[tuple[int, int]], size: str, iters: int, warmup
     return rows
 
 
+def portable_record(res: dict) -> dict:
+    """A ps_train.py result as stored: without the temporary file it was written to, and
+    with any path its arguments name relative to the repository (no machine paths)."""
+    args = {k: relative_paths(v) if isinstance(v, str) else v
+            for k, v in res.get("args", {}).items() if k != "json"}
+    return {**res, "args": args}
+
+
 def run_training(workers: int, servers: int, modes: list[str], steps: int,
                  delay: float, timeout: float) -> dict:
     results = {}
@@ -211,7 +225,7 @@ def run_training(workers: int, servers: int, modes: list[str], steps: int,
         res = launch_json(n, args, mode, timeout)
         if res is None:
             continue
-        results[mode] = res
+        results[mode] = portable_record(res)
         st = res["stats"]["worker"]
         print(f"  {mode:8s} {res['seconds']:7.2f} s  final loss {res['final'][0]:.4f}  "
               f"acc {res['final'][1]:.3f}  staleness max {st['staleness_max']} "
@@ -280,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="directory for ps_bench.json and plots")
     a = ap.parse_args(argv)
     result = {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
-              "python": platform.python_version(), "command": " ".join(sys.argv),
+              "python": platform.python_version(),
+              "command": command_line(None, "bench_ps", argv),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     try:
         from mpi4py import MPI  # noqa: PLC0415  (library name only; MPI initialised here)

@@ -131,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                          consistency=args.consistency, staleness=args.staleness,
                          optimizer=args.optimizer, lr=args.lr, restore=args.restore,
                          reshard=args.reshard, split_bytes=args.split_bytes)
+    # the constructor has returned on every rank: collective calls before serve() are fine
+    roles = comm.allgather("server" if ps.is_server else "worker")
+    if rank == 0:
+        print(f"ranks: {roles}", flush=True)
     if ps.is_server:
         if rank == args.crash_rank:
             def on_alarm(signum, frame):  # noqa: ANN001

@@ -11,16 +11,18 @@
 
 Modules: :mod:`~mpicoll.ps.protocol` (wire format), :mod:`~mpicoll.ps.placement`,
 :mod:`~mpicoll.ps.server`, :mod:`~mpicoll.ps.worker`, :mod:`~mpicoll.ps.optimizers`,
-:mod:`~mpicoll.ps.checkpoint`, :mod:`~mpicoll.ps.colocated` (``num_servers="colocated"``:
+:mod:`~mpicoll.ps.checkpoint`, :mod:`~mpicoll.ps.settings` (the constructor's arguments),
+:mod:`~mpicoll.ps.colocated` (``num_servers="colocated"``:
 every rank a worker and the server of its shards). See docs/ps.md.
 """
 from __future__ import annotations
 
-from .core import COLOCATED, CONSISTENCY, ParameterServer
+from .core import ParameterServer
 from .errors import PSError
 from .optimizers import DEFAULTS as HYPERPARAMETERS
 from .optimizers import OPTIMIZERS
 from .placement import Placement
+from .settings import COLOCATED, CONSISTENCY
 from .worker import Handle
 
 __all__ = ["ParameterServer", "PSError", "Handle", "Placement", "CONSISTENCY", "COLOCATED",

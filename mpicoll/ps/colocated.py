@@ -102,7 +102,7 @@ class ColocatedHandle:
         except BaseException as exc:  # noqa: BLE001  (re-raised by wait())
             self._done, self._error = True, exc
         if self._done:
-            self._engine._finished(self)
+            self._engine.finished(self)
 
     def test(self) -> bool:
         """Make progress; return whether the operation is complete (without raising)."""
@@ -192,20 +192,19 @@ class ColocatedEngine:
 
     def start(self, kind: str, steps: Steps) -> ColocatedHandle:
         """Complete the running operation (if any), then start ``steps``."""
-        if self._current is not None:
-            try:
-                self._current.wait()
-            except PSError:
-                pass   # raised by that handle's own wait()
+        self.wait_current()
         self._current = ColocatedHandle(self, kind, steps)
         return self._current
 
-    def _finished(self, handle: ColocatedHandle) -> None:
+    def finished(self, handle: ColocatedHandle) -> None:
+        """Called by ``handle`` once its operation has completed: forget it as the
+        running operation."""
         if self._current is handle:
             self._current = None
 
     def wait_current(self) -> None:
-        """Complete the running operation, if any (its errors stay with its handle)."""
+        """Complete the running operation, if any (its errors stay with its handle, raised
+        by that handle's own ``wait()``)."""
         if self._current is not None:
             try:
                 self._current.wait()
@@ -292,60 +291,86 @@ class ColocatedEngine:
         Yields request lists to wait on; returns the sends (to complete before the step
         ends).
         """
-        me = self.rank
+        recvs = self._post_scatter_recvs(contributors)     # receives first, then the sends
+        sends = self._post_scatter_sends(grads_flat) if self.rank in contributors else []
+        others = [r for r in pullers if r != self.rank]
+        for state in self.states.values():
+            sends += yield from self._update_shard(state, grads_flat, contributors, others,
+                                                   recvs, out_flat, into_out)
+            self._count_update(state.shard, contributors, len(pullers), len(others))
+        return sends
+
+    def _post_scatter_recvs(self, contributors: list[int]
+                            ) -> dict[tuple[tuple[int, int], int], list[MPI.Request]]:
+        """Receives of the other contributors' gradient segments of every owned shard,
+        into scratch buffers; keyed by (shard ident, segment index)."""
         recvs: dict[tuple[tuple[int, int], int], list[MPI.Request]] = {}
-        sends: list[MPI.Request] = []
-        irecv, isend = self.comm.Irecv, self.comm.Isend
-        for state in self.states.values():      # receives first, then this rank's sends
+        for state in self.states.values():
             sh = state.shard
             for src in contributors:
-                if src != me and sh.count:
+                if src != self.rank and sh.count:
                     view = _raw(self._scratch_for(sh, src))
                     for k, (lo, hi) in enumerate(self._segments(sh)):
                         recvs.setdefault((sh.ident, k), []).append(
-                            irecv(view(lo, hi), src, TAG_SCATTER))
-        if me in contributors:
-            for sh in self.order:
-                if sh.server != me and sh.count:
-                    view = _raw(grads_flat[sh.spec.name][sh.lo:sh.hi])
-                    sends += [isend(view(lo, hi), sh.server, TAG_SCATTER)
-                              for lo, hi in self._segments(sh)]
-                    self.worker_counters["bytes_sent"] += sh.nbytes
-        others = [r for r in pullers if r != me]
-        for state in self.states.values():
-            sh = state.shard
-            parts = [grads_flat[sh.spec.name][sh.lo:sh.hi] if src == me
-                     else self._scratch_for(sh, src) for src in contributors]
-            adopt = state.opt.name == "sum"
-            state.opt.begin_update()
-            out = None
-            if out_flat is not None:
-                out = out_flat[sh.spec.name][sh.lo:sh.hi]
-            direct = into_out and adopt and out is not None
-            acc = out if direct else self._acc_for(sh)
-            value = acc if adopt else state.param
-            raw = _raw(value)
-            for k, (lo, hi) in enumerate(self._segments(sh)):
-                if recvs.get((sh.ident, k)):
-                    yield recvs[(sh.ident, k)]
-                self._reduce(acc[lo:hi], [p[lo:hi] for p in parts])
-                if not adopt:
-                    state.opt.apply_part(state.param[lo:hi], acc[lo:hi], lo, hi)
-                sends += [isend(raw(lo, hi), dst, TAG_GATHER) for dst in others]
-                if out is not None and not direct:
-                    np.copyto(out[lo:hi], value[lo:hi])
-            if adopt and not direct:
-                # the value becomes the aggregate: swap buffers instead of copying (no send
-                # of the old value is in flight: each operation completes before the next)
-                state.param, self._acc[sh.ident] = acc, state.param
-            state.version += 1
-            self.counters["updates"] += 1
-            self.counters["pushes"] += len(contributors)
-            self.counters["bytes_in"] += sh.nbytes * (len(contributors) - (me in contributors))
-            if others:
-                self.counters["pulls"] += len(pullers)
-                self.counters["bytes_out"] += sh.nbytes * len(others)
+                            self.comm.Irecv(view(lo, hi), src, TAG_SCATTER))
+        return recvs
+
+    def _post_scatter_sends(self, grads_flat: dict[str, np.ndarray]) -> list[MPI.Request]:
+        """Sends of this rank's gradient segments of every shard to their owners."""
+        sends: list[MPI.Request] = []
+        for sh in self.order:
+            if sh.server != self.rank and sh.count:
+                view = _raw(grads_flat[sh.spec.name][sh.lo:sh.hi])
+                sends += [self.comm.Isend(view(lo, hi), sh.server, TAG_SCATTER)
+                          for lo, hi in self._segments(sh)]
+                self.worker_counters["bytes_sent"] += sh.nbytes
         return sends
+
+    def _update_shard(self, state: ShardState, grads_flat: dict[str, np.ndarray],
+                      contributors: list[int], others: list[int],
+                      recvs: dict[tuple[tuple[int, int], int], list[MPI.Request]],
+                      out_flat: dict[str, np.ndarray] | None, into_out: bool
+                      ) -> Iterator[list]:
+        """One owned shard, segment by segment: wait for its gradients, reduce, apply the
+        optimizer, start sending the new value to ``others`` and copy it into ``out``.
+        Yields request lists to wait on; returns the value sends."""
+        sh = state.shard
+        parts = [grads_flat[sh.spec.name][sh.lo:sh.hi] if src == self.rank
+                 else self._scratch_for(sh, src) for src in contributors]
+        adopt = state.opt.name == "sum"
+        state.opt.begin_update()
+        out = None if out_flat is None else out_flat[sh.spec.name][sh.lo:sh.hi]
+        direct = into_out and adopt and out is not None
+        acc = out if direct else self._acc_for(sh)
+        value = acc if adopt else state.param
+        raw = _raw(value)
+        sends: list[MPI.Request] = []
+        for k, (lo, hi) in enumerate(self._segments(sh)):
+            if recvs.get((sh.ident, k)):
+                yield recvs[(sh.ident, k)]
+            self._reduce(acc[lo:hi], [p[lo:hi] for p in parts])
+            if not adopt:
+                state.opt.apply_part(state.param[lo:hi], acc[lo:hi], lo, hi)
+            sends += [self.comm.Isend(raw(lo, hi), dst, TAG_GATHER) for dst in others]
+            if out is not None and not direct:
+                np.copyto(out[lo:hi], value[lo:hi])
+        if adopt and not direct:
+            # the value becomes the aggregate: swap buffers instead of copying (no send
+            # of the old value is in flight: each operation completes before the next)
+            state.param, self._acc[sh.ident] = acc, state.param
+        state.version += 1
+        return sends
+
+    def _count_update(self, sh: Shard, contributors: list[int], pullers: int,
+                      others: int) -> None:
+        """Server counters of one applied update of an owned shard."""
+        me_contributes = self.rank in contributors
+        self.counters["updates"] += 1
+        self.counters["pushes"] += len(contributors)
+        self.counters["bytes_in"] += sh.nbytes * (len(contributors) - me_contributes)
+        if others:
+            self.counters["pulls"] += pullers
+            self.counters["bytes_out"] += sh.nbytes * others
 
     def _reduce(self, acc: np.ndarray, parts: list[np.ndarray]) -> None:
         """``acc = (parts[0] + parts[1] + ...) / len(parts)`` in this order (average)."""

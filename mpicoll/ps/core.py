@@ -1,13 +1,21 @@
 """``ParameterServer``: the collective set-up and the user-facing methods.
 
-The constructor is collective over ``comm``: every rank checks its own arguments, the ranks
-exchange them (small control metadata, pickled by mpi4py's lowercase methods; tensors never
-are) and either all raise the same error or all derive the same placement. Ranks
-``0 .. num_servers-1`` become servers and the rest workers; the first server (rank 0) is
-also the *scheduler*: it reads the checkpoint manifest on restore and broadcasts it, so
-every rank takes the same decision. The first worker initializes every parameter (INIT
-requests) from its ``params``, then the workers synchronize, so no worker pulls before
-the values exist.
+The constructor is collective over ``comm`` and returns on every rank by itself:
+
+1. every rank checks its own arguments (:func:`~mpicoll.ps.settings.check_settings`) and
+   the ranks exchange the verdicts, so bad arguments raise the same ``ValueError``
+   everywhere;
+2. the ranks exchange their settings and parameter specs (small control metadata, pickled
+   by mpi4py's lowercase methods; tensors never are) and either all raise the same
+   :class:`PSError` or all derive the same placement;
+3. ranks ``0 .. num_servers-1`` become servers and the rest workers;
+4. the parameters get their values: on restore rank 0 (the *scheduler*) reads the
+   checkpoint manifest and broadcasts it, then every server loads its shards; otherwise
+   the first worker sends its values to the servers (INIT requests), which take them
+   inside their constructor, not in :meth:`ParameterServer.serve`. Either way a last
+   collective step ends the constructor on every rank, so the user may make collective
+   calls of their own between the constructor and ``serve()``, and no worker pulls
+   before the values exist.
 """
 from __future__ import annotations
 
@@ -22,19 +30,14 @@ from . import checkpoint as ckpt
 from . import protocol as P
 from .colocated import CollOp, ColocatedEngine
 from .errors import PSError
-from .optimizers import check_hyperparameters
 from .placement import DEFAULT_SPLIT_BYTES, ParamSpec, Placement, specs_from_params
 from .server import Server, stats_from_vector
+from .settings import COLOCATED, CONSISTENCY, Settings, check_settings
 from .worker import Handle, WorkerClient
 
 __all__ = ["ParameterServer", "CONSISTENCY", "COLOCATED"]
 
 log = logging.getLogger("mpicoll.ps")
-
-CONSISTENCY = ("bsp", "asp", "ssp")
-
-#: ``num_servers`` value of the co-located layout (every rank a worker and a server)
-COLOCATED = "colocated"
 
 
 def _collective_check(comm: MPI.Comm, error: str | None, kind: type = PSError) -> None:
@@ -46,16 +49,60 @@ def _collective_check(comm: MPI.Comm, error: str | None, kind: type = PSError) -
         raise kind(f"ParameterServer set-up failed: {lines}")
 
 
+def _collective_verdict(comm: MPI.Comm, error: str | None) -> None:
+    """:func:`_collective_check` for a step whose ranks arrive at different times: wait
+    by polling (a blocking collective would spin on the cores the others need)."""
+    flag = np.array([1 if error else 0], dtype=np.int64)
+    any_error = np.zeros(1, dtype=np.int64)
+    P.wait_all([comm.Iallreduce([flag, MPI.INT64_T], [any_error, MPI.INT64_T], op=MPI.MAX)])
+    if any_error[0]:
+        _collective_check(comm, error)
+
+
 def _wait_collective(req: MPI.Request) -> None:
     P.wait_all([req])
+
+
+def _check_dtypes(specs: list[ParamSpec], optimizer: str) -> None:
+    """Raise ``ValueError`` unless ``optimizer`` can update every parameter."""
+    if optimizer != "sum":
+        bad = [s.name for s in specs if s.dtype.kind not in "fc"]
+        if bad:
+            raise ValueError(f"optimizer={optimizer!r} needs floating parameters; {bad} are not")
+
+
+def _as_arrays(params: dict[str, Any], specs: list[ParamSpec]) -> dict[str, np.ndarray]:
+    """The initial values as numpy arrays, checked on the rank that sends them at set-up, so
+    that a value that cannot be sent fails on every rank instead of leaving the receivers
+    waiting.
+
+    Raises:
+        TypeError: numpy cannot read a value, or reads another shape or dtype than the
+            value claims.
+    """
+    out = {}
+    for spec in specs:
+        try:
+            arr = np.asarray(params[spec.name])
+        except Exception as exc:  # noqa: BLE001  (e.g. torch's RuntimeError)
+            raise TypeError(f"params[{spec.name!r}] cannot be read as a numpy array: "
+                            f"{exc}") from exc
+        if arr.shape != spec.shape or arr.dtype != spec.dtype:
+            raise TypeError(f"params[{spec.name!r}] reads as a {arr.dtype} array of shape "
+                            f"{arr.shape}, not {spec.dtype} {spec.shape}")
+        out[spec.name] = arr
+    return out
 
 
 class ParameterServer:
     """A parameter server over MPI: some ranks store parameters, the others train.
 
-    Collective over ``comm``. Ranks ``0 .. num_servers-1`` are servers (call
-    :meth:`serve`), the others are workers (call :meth:`pull`, :meth:`push`,
-    :meth:`push_pull` ..., then :meth:`close`).
+    The constructor is collective over ``comm`` and returns on every rank by itself: the
+    servers take the initial values (or their checkpointed shards) inside it, so every rank
+    may make collective calls of its own on ``comm`` between the constructor and
+    :meth:`serve`. Ranks ``0 .. num_servers-1`` are servers (call :meth:`serve`), the
+    others are workers (call :meth:`pull`, :meth:`push`, :meth:`push_pull` ..., then
+    :meth:`close`).
 
     Args:
         params: dict name -> array. On workers, the names, shapes and dtypes of the
@@ -106,88 +153,92 @@ class ParameterServer:
                  restore: str | None = None, reshard: bool = False, max_sleep: float = 1e-3,
                  keep_aggregate: bool = True,
                  **hyperparameters: Any) -> None:
-        base = MPI.COMM_WORLD if comm is None else comm
-        self.comm = base.Dup()
-        size, rank = self.comm.Get_size(), self.comm.Get_rank()
-        self.rank = rank
-        colocated = num_servers == COLOCATED
-        is_server_guess = not colocated and isinstance(num_servers, int) and rank < num_servers
-        error: str | None = None
-        specs: list[ParamSpec] | None = None
-        hyper: dict[str, float] = {}
+        self.comm = (MPI.COMM_WORLD if comm is None else comm).Dup()
+        self.rank = self.comm.Get_rank()
+        self.worker_comm = MPI.COMM_NULL
         try:
-            if not colocated and (isinstance(num_servers, bool) or
-                                  not isinstance(num_servers, int) or not 1 <= num_servers < size):
-                raise ValueError(f"num_servers={num_servers!r} must be an int in 1..{size - 1} "
-                                 f"(at least one rank must be a worker; world size {size}) "
-                                 f"or {COLOCATED!r}")
-            if consistency not in CONSISTENCY:
-                raise ValueError(f"consistency={consistency!r} is not one of {CONSISTENCY}")
-            if colocated and consistency != "bsp":
-                raise ValueError(f"num_servers={COLOCATED!r} supports only consistency='bsp' "
-                                 f"(a rank serves its shards only inside its own calls, so "
-                                 f"nothing can be applied or answered asynchronously); use "
-                                 f"separate servers (num_servers=k) for {consistency!r}")
-            if colocated and not init:
-                raise ValueError(f"num_servers={COLOCATED!r} needs init=True (every rank "
-                                 f"passes the parameters; the first rank's values are used)")
-            if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
-                raise ValueError(f"staleness={staleness!r} must be an int >= 0")
-            hyper = check_hyperparameters(optimizer, hyperparameters)
-            if optimizer == "sum" and consistency != "bsp":
-                raise ValueError("optimizer='sum' returns each round's aggregate and needs "
-                                 "consistency='bsp'")
-            if not keep_aggregate and not (colocated and optimizer == "sum"):
-                raise ValueError(f"keep_aggregate=False needs num_servers={COLOCATED!r} and "
-                                 f"optimizer='sum'")
-            if int(split_bytes) < 1 or int(chunk_bytes) < 1:
-                raise ValueError("split_bytes and chunk_bytes must be positive")
-            if params is not None or not is_server_guess:
+            settings, specs, values = self._check_arguments(
+                params, dict(num_servers=num_servers, consistency=consistency,
+                             staleness=staleness, optimizer=optimizer,
+                             hyperparameters=hyperparameters, average=average,
+                             split_bytes=split_bytes, chunk_bytes=chunk_bytes, init=init,
+                             restore=restore, reshard=reshard,
+                             keep_aggregate=keep_aggregate))
+            specs = self._agree(settings, specs)
+            self._take_roles(settings, specs, max_sleep)
+            self._init_or_restore(settings, values)
+        except (ValueError, PSError):
+            self.free()      # raised on every rank (each step's verdict is collective)
+            raise
+
+    # ------------------------------------------------------------------ set-up steps
+    def _check_arguments(self, params: dict[str, Any] | None, arguments: dict[str, Any]
+                         ) -> tuple[Settings, list[ParamSpec] | None, dict[str, Any] | None]:
+        """Check this rank's arguments; raise the same ``ValueError`` on every rank if any
+        rank's are bad (collective).
+
+        Returns:
+            (settings, this rank's parameter specs or ``None`` (a server that passed no
+            parameters), the initial values as arrays on the rank that sends them or
+            ``None``).
+        """
+        size = self.comm.Get_size()
+        error: str | None = None
+        settings, specs, values = None, None, None
+        try:
+            settings = check_settings(size, **arguments)
+            if params is not None or not settings.is_server(self.rank):
                 specs = specs_from_params(params)
-                if optimizer != "sum":
-                    bad = [s.name for s in specs if s.dtype.kind not in "fc"]
-                    if bad:
-                        raise ValueError(f"optimizer={optimizer!r} needs floating parameters; "
-                                         f"{bad} are not")
+                _check_dtypes(specs, settings.optimizer)
+            if self.rank == settings.first_worker and settings.restore is None and \
+                    settings.init:
+                values = _as_arrays(params, specs)
         except (TypeError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         _collective_check(self.comm, error, kind=ValueError)
+        return settings, specs, values
 
-        if average is None:
-            average = optimizer != "sum"
-        config = [num_servers, consistency, staleness, optimizer, sorted(hyper.items()),
-                  bool(average), int(split_bytes), int(chunk_bytes), bool(init), restore,
-                  bool(reshard), bool(keep_aggregate)]
-        configs = self.comm.allgather(config)
+    def _agree(self, settings: Settings, specs: list[ParamSpec] | None) -> list[ParamSpec]:
+        """Compare every rank's settings and parameter specs (collective).
+
+        Returns:
+            the first worker's parameter specs.
+        Raises:
+            PSError: (on every rank) ranks passed other settings or parameters.
+        """
+        configs = self.comm.allgather(settings.as_plain())
         all_specs = self.comm.allgather(None if specs is None else [s.as_plain() for s in specs])
-        first_worker = 0 if colocated else num_servers
-        first_worker_specs = all_specs[first_worker]
+        first = settings.first_worker
         error = None
         if any(c != configs[0] for c in configs):
             diff = [r for r, c in enumerate(configs) if c != configs[0]]
             error = f"ranks {diff} passed other settings than rank 0: {configs[0]} vs " \
                     f"{[configs[r] for r in diff]}"
         else:
-            diff = [r for r, s in enumerate(all_specs) if s is not None and s != first_worker_specs]
+            diff = [r for r, s in enumerate(all_specs) if s is not None and s != all_specs[first]]
             if diff:
                 error = (f"ranks {diff} passed parameters (names, shapes, dtypes) that differ "
-                         f"from the first worker's (rank {first_worker})")
+                         f"from the first worker's (rank {first})")
         if error:  # identical on every rank: computed from gathered values
             raise PSError(error)
+        return [ParamSpec(n, tuple(s), np.dtype(d)) for n, s, d in all_specs[first]]
 
-        self.colocated = colocated
-        self.num_servers = size if colocated else num_servers
-        self.consistency = consistency
-        self.staleness = staleness
-        self.optimizer = optimizer
-        self.hyperparameters = hyper
-        self.average = bool(average)
-        self.chunk_bytes = int(chunk_bytes)
-        specs = [ParamSpec(n, tuple(s), np.dtype(d)) for n, s, d in first_worker_specs]
-        self.placement = Placement(specs, self.num_servers, int(split_bytes))
+    def _take_roles(self, settings: Settings, specs: list[ParamSpec], max_sleep: float) -> None:
+        """Set the public attributes and make this rank's server, client or engine."""
+        size, rank = self.comm.Get_size(), self.rank
+        first_worker = settings.first_worker
+        self.colocated = settings.colocated
+        self.num_servers = size if settings.colocated else settings.num_servers
+        self.consistency = settings.consistency
+        self.staleness = settings.staleness
+        self.optimizer = settings.optimizer
+        self.hyperparameters = settings.hyperparameters
+        self.average = settings.average
+        self.chunk_bytes = settings.chunk_bytes
+        self.placement = Placement(specs, self.num_servers, settings.split_bytes)
         self.server_ranks = list(range(self.num_servers))
         self.worker_ranks = list(range(first_worker, size))
-        self.is_server = rank < first_worker
+        self.is_server = settings.is_server(rank)
         self.is_worker = not self.is_server
         self.worker_index = None if self.is_server else rank - first_worker
         self.worker_comm = self.comm.Split(0 if self.is_server else 1, rank)
@@ -195,26 +246,59 @@ class ParameterServer:
         self._client: WorkerClient | None = None
         self._engine: ColocatedEngine | None = None
         self._closed = False
-        if colocated:
+        if settings.colocated:
             checker = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep)
-            self._engine = ColocatedEngine(self.comm, self.placement, optimizer, hyper,
-                                           self.average, self.chunk_bytes, max_sleep,
-                                           checker.check_arrays, bool(keep_aggregate))
+            self._engine = ColocatedEngine(self.comm, self.placement, self.optimizer,
+                                           self.hyperparameters, self.average,
+                                           self.chunk_bytes, max_sleep, checker.check_arrays,
+                                           settings.keep_aggregate)
         elif self.is_server:
             self._server = Server(self.comm, self.placement, rank, self.worker_ranks,
-                                  consistency, staleness, optimizer, hyper, self.average,
-                                  self.chunk_bytes, max_sleep)
+                                  self.consistency, self.staleness, self.optimizer,
+                                  self.hyperparameters, self.average, self.chunk_bytes,
+                                  max_sleep)
         else:
             self._client = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep)
 
-        if restore is not None:
-            self._restore(restore, reshard)
-        elif colocated:
-            self._colocated_init(params)
-        elif init and self.is_worker:
-            if self.worker_index == 0:
-                self._client.init_async(params).wait()
-            _wait_collective(self.worker_comm.Ibarrier())
+    def _init_or_restore(self, settings: Settings, values: dict[str, np.ndarray] | None
+                         ) -> None:
+        """Give the parameters their values, collectively: from the checkpoint, or the
+        first worker's (nothing with ``init=False``: a worker calls :meth:`init` later)."""
+        if settings.restore is not None:
+            self._restore(settings.restore, settings.reshard)
+        elif settings.colocated:
+            self._colocated_init(values)
+        elif settings.init:
+            self._init_servers(values)
+
+    def _init_servers(self, values: dict[str, np.ndarray] | None) -> None:
+        """Separate layout: the first worker sends every shard's initial value (INIT
+        requests) and each server takes its shards here, inside the constructor; a
+        collective verdict ends it, so every rank returns by itself and no worker pulls
+        before the values exist."""
+        error = None
+        try:
+            if self._server is not None:
+                self._server.receive_initial_values(self.worker_ranks[0])
+            elif self.worker_index == 0:
+                self._client.init_async(values).wait()
+        except PSError as exc:
+            error = str(exc)
+        _collective_verdict(self.comm, error)
+
+    def _colocated_init(self, values: dict[str, np.ndarray] | None) -> None:
+        """Co-located layout: every owner takes its shards of the first rank's ``values``
+        (one Bcast per tensor, collective)."""
+        engine = self._engine
+        for name, spec in self.placement.specs.items():
+            buf = np.ascontiguousarray(values[name], dtype=spec.dtype).reshape(-1) \
+                if self.rank == 0 else np.empty(spec.size, dtype=spec.dtype)
+            if spec.size:
+                self.comm.Bcast([buf.view(np.uint8), MPI.BYTE], root=0)
+            for sh in self.placement.shards[name]:
+                state = engine.states.get(sh.ident)
+                if state is not None:
+                    state.initialize(buf[sh.lo:sh.hi])
 
     # ------------------------------------------------------------------ roles
     @property
@@ -228,19 +312,6 @@ class ParameterServer:
         if self._engine is not None:
             return self._engine.clock
         return None if self._client is None else self._client.clock
-
-    def _colocated_init(self, params: dict[str, Any]) -> None:
-        """Every owner takes its shards of the first rank's values (one Bcast per tensor)."""
-        engine = self._engine
-        for name, spec in self.placement.specs.items():
-            buf = np.ascontiguousarray(params[name], dtype=spec.dtype).reshape(-1) \
-                if self.rank == 0 else np.empty(spec.size, dtype=spec.dtype)
-            if spec.size:
-                self.comm.Bcast([buf.view(np.uint8), MPI.BYTE], root=0)
-            for sh in self.placement.shards[name]:
-                state = engine.states.get(sh.ident)
-                if state is not None:
-                    state.initialize(buf[sh.lo:sh.hi])
 
     def _colocated(self, what: str) -> ColocatedEngine:
         if self._closed:

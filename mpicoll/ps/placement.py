@@ -16,7 +16,7 @@ import numpy as np
 
 from ..partition import block_bounds
 from .errors import PSError
-from .protocol import dtype_code, key_of, shape_code
+from .protocol import dtype_code, key_of
 
 __all__ = ["ParamSpec", "Shard", "Placement", "DEFAULT_SPLIT_BYTES"]
 
@@ -160,7 +160,3 @@ class Placement:
                 "params": [s.as_plain() for s in self.specs.values()],
                 "shards": [[sh.spec.name, sh.index, sh.server, sh.lo, sh.hi]
                            for shards in self.shards.values() for sh in shards]}
-
-    def spec_shape_code(self, name: str) -> int:
-        """The shape code of a parameter (header ``SHAPE``)."""
-        return shape_code(self.specs[name].shape)

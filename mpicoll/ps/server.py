@@ -128,6 +128,25 @@ class Server:
         self._sending.clear()
         log.debug("server %d done: %s", self.index, self.counters)
 
+    def receive_initial_values(self, source: int) -> None:
+        """Take every shard's initial value from worker ``source`` (its INIT requests, one
+        per shard stored here); called by the collective constructor, before :meth:`serve`.
+
+        Requests are served as in :meth:`serve` (checked, answered; a rejected one is
+        answered with the reason and still counts), so this returns once ``source`` has
+        sent as many requests as this server stores shards.
+        """
+        backoff = P.Backoff(max_sleep=self.max_sleep)
+        comm, status = self.comm, self._status
+        header = np.empty(P.HEADER_LEN, dtype=np.int64)
+        for _ in range(len(self.states)):
+            while not comm.Iprobe(source, P.TAG_REQUEST, status):
+                self._reap(force=True)
+                backoff.pause(busy=bool(self._sending))
+            comm.Recv([header, MPI.INT64_T], source, P.TAG_REQUEST)
+            self._dispatch(source, header.copy())
+            backoff.reset()
+
     def _reap(self, force: bool = False) -> bool:
         """Forget completed reply sends; return whether any completed."""
         if not self._sending or (not force and len(self._sending) < 64):
@@ -195,49 +214,51 @@ class Server:
             self._error(src, h, P.Status.BAD_REQUEST, f"unknown operation {op}")
 
     def _validate(self, src: int, h: np.ndarray) -> ShardState | None:
-        op = int(h[P.OP])
+        """The shard request ``h`` names, or ``None`` after answering it with the reason
+        it cannot be served."""
         ident = (int(h[P.KEY]), int(h[P.SHARD]))
         state = self.states.get(ident)
         if state is None:
             name = next((s.name for s in self.placement.specs.values() if s.key == ident[0]),
                         None)
-            why = (f"unknown key (crc32 {ident[0]}): no such parameter" if name is None else
-                   f"shard {ident[1]} of {name!r} is not stored on this server")
-            self._error(src, h, P.Status.UNKNOWN_KEY, why)
+            problem = (P.Status.UNKNOWN_KEY,
+                       f"unknown key (crc32 {ident[0]}): no such parameter" if name is None
+                       else f"shard {ident[1]} of {name!r} is not stored on this server")
+        else:
+            problem = self._problem(src, h, state)
+        if problem is not None:
+            self._error(src, h, *problem)
             return None
+        return state
+
+    def _problem(self, src: int, h: np.ndarray, state: ShardState) -> tuple[int, str] | None:
+        """Why request ``h`` from ``src`` does not fit ``state``'s shard: (status, reason),
+        or ``None`` if it does."""
+        op = int(h[P.OP])
         sh = state.shard
         spec = sh.spec
         dt = P.dtype_of(int(h[P.DTYPE]))
         if dt != spec.dtype:
-            self._error(src, h, P.Status.BAD_DTYPE,
-                        f"{spec.name!r} has dtype {spec.dtype}, request has {dt}")
-            return None
+            return P.Status.BAD_DTYPE, f"{spec.name!r} has dtype {spec.dtype}, request has {dt}"
         if int(h[P.TOTAL]) != spec.size or int(h[P.SHAPE]) != P.shape_code(spec.shape):
-            self._error(src, h, P.Status.BAD_SHAPE,
-                        f"{spec.name!r} has shape {spec.shape} ({spec.size} elements); the "
-                        f"request's tensor has {int(h[P.TOTAL])} elements or another shape")
-            return None
+            return (P.Status.BAD_SHAPE,
+                    f"{spec.name!r} has shape {spec.shape} ({spec.size} elements); the "
+                    f"request's tensor has {int(h[P.TOTAL])} elements or another shape")
         if op != P.Op.PULL and (int(h[P.COUNT]) != sh.count or int(h[P.OFFSET]) != sh.lo
                                 or int(h[P.NBYTES]) != sh.nbytes):
-            self._error(src, h, P.Status.BAD_SHAPE,
-                        f"shard {sh.label()} needs {sh.count} elements at offset {sh.lo}; got "
-                        f"{int(h[P.COUNT])} at {int(h[P.OFFSET])} ({int(h[P.NBYTES])} bytes)")
-            return None
+            return (P.Status.BAD_SHAPE,
+                    f"shard {sh.label()} needs {sh.count} elements at offset {sh.lo}; got "
+                    f"{int(h[P.COUNT])} at {int(h[P.OFFSET])} ({int(h[P.NBYTES])} bytes)")
         if op == P.Op.INIT and state.param is not None:
-            self._error(src, h, P.Status.DUPLICATE_INIT,
-                        f"{spec.name!r} is already initialized (duplicate init)")
-            return None
+            return P.Status.DUPLICATE_INIT, f"{spec.name!r} is already initialized (duplicate init)"
         if op != P.Op.INIT and state.param is None:
-            self._error(src, h, P.Status.NOT_INITIALIZED,
-                        f"{spec.name!r} is not initialized yet ({P.Op(op).name.lower()} "
-                        f"before init)")
-            return None
+            return (P.Status.NOT_INITIALIZED, f"{spec.name!r} is not initialized yet "
+                    f"({P.Op(op).name.lower()} before init)")
         if op == P.Op.PUSH and int(h[P.CLOCK]) != state.clocks[src]:
-            self._error(src, h, P.Status.BAD_REQUEST,
-                        f"push of {sh.label()} at clock {int(h[P.CLOCK])}, but this worker's "
-                        f"next clock here is {state.clocks[src]}")
-            return None
-        return state
+            return (P.Status.BAD_REQUEST,
+                    f"push of {sh.label()} at clock {int(h[P.CLOCK])}, but this worker's "
+                    f"next clock here is {state.clocks[src]}")
+        return None
 
     # ------------------------------------------------------------------ operations
     def _init(self, src: int, h: np.ndarray, state: ShardState) -> None:
@@ -329,6 +350,10 @@ class Server:
 
     def _pull(self, src: int, h: np.ndarray, state: ShardState) -> None:
         self.counters["pulls"] += 1
+        self._answer_or_defer(src, h, state)
+
+    def _answer_or_defer(self, src: int, h: np.ndarray, state: ShardState) -> None:
+        """Answer pull ``h`` if the consistency model allows it now, else keep it."""
         if self._ready(state, int(h[P.CLOCK])):
             self._answer_pull(src, h, state)
         else:
@@ -346,15 +371,9 @@ class Server:
         self._reply(src, h, payload=state.param, clock=state.version, aux=stale, state=state)
 
     def _answer_deferred(self, state: ShardState) -> None:
-        if not state.deferred:
-            return
-        waiting = state.deferred
-        state.deferred = []
+        waiting, state.deferred = state.deferred, []
         for src, h in waiting:
-            if self._ready(state, int(h[P.CLOCK])):
-                self._answer_pull(src, h, state)
-            else:
-                state.deferred.append((src, h))
+            self._answer_or_defer(src, h, state)
 
     def _close(self, src: int, h: np.ndarray) -> None:
         self.active.discard(src)
@@ -380,7 +399,8 @@ class Server:
         texts = {t for _, t in saves.values()}
         status, reason = 0, None
         if len(texts) != 1:
-            status, reason = P.Status.BAD_REQUEST, f"workers asked for different checkpoints: {sorted(texts)}"
+            status = P.Status.BAD_REQUEST
+            reason = f"workers asked for different checkpoints: {sorted(texts)}"
         elif any(s.rounds for s in self.states.values()):
             status = P.Status.FAILED
             reason = ("a bsp round is incomplete (workers called save at different steps); "

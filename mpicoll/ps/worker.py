@@ -56,6 +56,12 @@ class Handle:
         self._keep: list[Any] = []
         self._done = False
 
+    def track(self, sends: list[MPI.Request], keep: Any) -> None:
+        """Complete ``sends`` before this handle completes, keeping ``keep`` (the buffer
+        they read) alive until then."""
+        self._sends += sends
+        self._keep.append(keep)
+
     def test(self) -> bool:
         """Make progress; return whether the operation is complete (without raising)."""
         if self.remaining:
@@ -81,7 +87,7 @@ class Handle:
             P.wait_all(self._sends)
             self._sends, self._keep = [], []
             self._done = True
-            self._client._finished(self)
+            self._client.finished(self)
         if self.errors:
             raise PSError(f"parameter server rejected {self.kind}: " + "; ".join(self.errors),
                           self.errors)
@@ -123,12 +129,10 @@ class WorkerClient:
         if payload is not None:
             header[P.COUNT] = payload.size
             header[P.NBYTES] = payload.nbytes
-        handle._sends.append(self.comm.Isend([header, MPI.INT64_T], server, P.TAG_REQUEST))
-        handle._keep.append(header)
+        handle.track([self.comm.Isend([header, MPI.INT64_T], server, P.TAG_REQUEST)], header)
         if payload is not None and payload.size:
-            handle._sends += P.send_payload(self.comm, payload, server, P.TAG_REQUEST_DATA,
-                                            self.chunk_bytes)
-            handle._keep.append(payload)
+            handle.track(P.send_payload(self.comm, payload, server, P.TAG_REQUEST_DATA,
+                                        self.chunk_bytes), payload)
             self.counters["bytes_sent"] += payload.nbytes
         self._pending[seq] = (handle, dest, what)
         handle.remaining += 1
@@ -253,11 +257,13 @@ class WorkerClient:
         self._open.append(h)
         return h
 
-    def _finished(self, h: Handle) -> None:
+    def finished(self, h: Handle) -> None:
+        """Called by handle ``h`` once complete: forget it, and undo the clock advance of
+        a push that every server rejected (nothing was applied anywhere)."""
         if h in self._open:
             self._open.remove(h)
         if h.errors and h.push_clock is not None and not h.ok and self.clock == h.push_clock + 1:
-            self.clock -= 1   # nothing was applied anywhere: the push did not happen
+            self.clock -= 1   # the push did not happen
 
     def wait_all(self) -> None:
         """Complete every outstanding handle (errors are raised by their own wait())."""

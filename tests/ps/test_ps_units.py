@@ -14,6 +14,7 @@ from mpicoll.ps.errors import PSError
 from mpicoll.ps.optimizers import OPTIMIZERS, check_hyperparameters, make_optimizer
 from mpicoll.ps.placement import ParamSpec, Placement, specs_from_params
 from mpicoll.ps.server import ShardState
+from mpicoll.ps.settings import COLOCATED, check_settings
 
 
 def _specs(**shapes):
@@ -76,6 +77,42 @@ def test_hyperparameter_checks():
         check_hyperparameters("sgd", {"learning_rate": 0.1})
     with pytest.raises(ValueError, match="number"):
         check_hyperparameters("sgd", {"lr": "0.1"})
+
+
+_ARGS = dict(num_servers=1, consistency="bsp", staleness=0, optimizer="sgd",
+             hyperparameters={}, average=None, split_bytes=64, chunk_bytes=96, init=True,
+             restore=None, reshard=False, keep_aggregate=True)
+
+
+def test_settings_defaults_and_layout():
+    s = check_settings(4, **{**_ARGS, "hyperparameters": {"lr": 1}})
+    assert s.hyperparameters["lr"] == 1.0 and s.average and not s.colocated
+    assert s.first_worker == 1 and s.is_server(0) and not s.is_server(1)
+    assert check_settings(4, **{**_ARGS, "optimizer": "sum"}).average is False
+    c = check_settings(3, **{**_ARGS, "num_servers": COLOCATED})
+    assert c.colocated and c.first_worker == 0 and not c.is_server(0)
+    # what ranks compare: plain values only, equal for equal arguments
+    assert s.as_plain() == check_settings(4, **{**_ARGS, "hyperparameters": {"lr": 1.0}}
+                                          ).as_plain()
+    json.dumps(s.as_plain())
+
+
+@pytest.mark.parametrize("change,fragment", [
+    ({"num_servers": 4}, "num_servers=4 must be an int in 1..3"),
+    ({"num_servers": True}, "num_servers=True"),
+    ({"consistency": "eventual"}, "consistency='eventual'"),
+    ({"num_servers": COLOCATED, "consistency": "asp"}, "supports only consistency='bsp'"),
+    ({"num_servers": COLOCATED, "init": False}, "needs init=True"),
+    ({"staleness": -1}, "staleness=-1"),
+    ({"optimizer": "lion"}, "optimizer='lion'"),
+    ({"optimizer": "sum", "consistency": "ssp"}, "needs consistency='bsp'"),
+    ({"keep_aggregate": False}, "keep_aggregate=False needs"),
+    ({"split_bytes": 0}, "must be positive"),
+])
+def test_settings_errors_name_the_argument(change, fragment):
+    with pytest.raises(ValueError) as info:
+        check_settings(4, **{**_ARGS, **change})
+    assert fragment in str(info.value)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

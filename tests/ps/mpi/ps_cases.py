@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpicoll.ps import ParameterServer
+from mpicoll.ps import ParameterServer, PSError
 
 COMM = MPI.COMM_WORLD
 SIZE = COMM.Get_size()
@@ -22,10 +22,20 @@ SERVER_COUNTS = [k for k in (1, 2) if k < SIZE]
 SMALL = dict(chunk_bytes=96, split_bytes=64)
 
 
-def need_servers(k: int) -> None:
-    """Skip (identically on every rank) when ``k`` servers leave no worker."""
-    if k >= SIZE:
+def need_servers(k: int | str) -> None:
+    """Skip (identically on every rank) when ``k`` servers leave no worker (the
+    co-located layout, ``k="colocated"``, runs at every size)."""
+    if k != "colocated" and k >= SIZE:
         pytest.skip(f"{k} servers need more than {SIZE} ranks")
+
+
+def expect_ps_error(fn: Callable[[], Any], *fragments: str) -> PSError:
+    """Call ``fn``; assert that it raises :class:`PSError` whose message has every fragment."""
+    with pytest.raises(PSError) as info:
+        fn()
+    for frag in fragments:
+        assert frag in str(info.value), str(info.value)
+    return info.value
 
 
 def make_params() -> dict[str, np.ndarray]:
@@ -49,17 +59,21 @@ def make_grads(params: dict[str, np.ndarray], worker: int, step: int) -> dict[st
 
 
 def run_ps(params: dict[str, Any] | None, worker_fn: Callable[[ParameterServer], Any],
-           num_servers: int, **kwargs: Any) -> tuple[ParameterServer, Any]:
+           num_servers: int | str, between: Callable[[ParameterServer], None] | None = None,
+           **kwargs: Any) -> tuple[ParameterServer, Any]:
     """Build a ParameterServer on COMM_WORLD, serve or run ``worker_fn``, tear down.
 
-    A worker always closes (even when ``worker_fn`` raises), so servers return and the
-    failure reaches the collective verdict instead of hanging the run.
+    ``between(ps)``, if given, runs on every rank after construction, before serve().
+    A worker always closes (even when ``worker_fn`` or ``between`` raises), so servers
+    return and the failure reaches the collective verdict instead of hanging the run.
     Returns (ps, result): result is ``ps.stats()`` on servers, ``worker_fn(ps)`` on workers.
     """
     ps = ParameterServer(params, comm=COMM, num_servers=num_servers, **kwargs)
     error = None
     result = None
     try:
+        if between is not None:
+            between(ps)
         if ps.is_server:
             ps.serve()
             result = ps.stats()

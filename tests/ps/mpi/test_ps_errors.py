@@ -7,17 +7,9 @@ import pytest
 from mpicoll.ps import ParameterServer, PSError
 from mpicoll.ps.protocol import wait_all
 
-from ps_cases import COMM, SIZE, SMALL, make_params, need_servers, run_ps
+from ps_cases import COMM, SIZE, SMALL, expect_ps_error, make_params, need_servers, run_ps
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(90)]
-
-
-def _expect(fn, *fragments):
-    with pytest.raises(PSError) as info:
-        fn()
-    for frag in fragments:
-        assert frag in str(info.value), str(info.value)
-    return info.value
 
 
 @pytest.mark.parametrize("consistency", ["asp", "bsp"])
@@ -30,22 +22,22 @@ def test_bad_pushes_rejected_by_server_others_continue(num_servers, consistency)
     def worker(ps):
         if ps.worker_index == 0:
             # the server's own checks (check=False skips the local ones)
-            _expect(lambda: ps.push({"nope": np.ones(3)}, check=False), "unknown key")
-            _expect(lambda: ps.push({"w": np.ones((5, 37))}, check=False), "shape")
-            _expect(lambda: ps.push({"w": np.ones(4)}, check=False), "elements")
-            _expect(lambda: ps.push({"v": np.ones(29, dtype=np.float64)}, check=False),
+            expect_ps_error(lambda: ps.push({"nope": np.ones(3)}, check=False), "unknown key")
+            expect_ps_error(lambda: ps.push({"w": np.ones((5, 37))}, check=False), "shape")
+            expect_ps_error(lambda: ps.push({"w": np.ones(4)}, check=False), "elements")
+            expect_ps_error(lambda: ps.push({"v": np.ones(29, dtype=np.float64)}, check=False),
                     "dtype")
             assert ps.clock == 0     # nothing was applied, so the clock did not move
             # the same caught locally, before anything is sent
-            _expect(lambda: ps.push({**ones, "nope": np.ones(3)}), "unknown key 'nope'")
-            _expect(lambda: ps.push({"w": ones["w"]}), "missing")
-            _expect(lambda: ps.push({**ones, "b": np.ones(4)}), "shape")
-            _expect(lambda: ps.push({**ones, "b": np.ones(3, np.float32)}), "dtype")
-            _expect(lambda: ps.push(["not", "a", "dict"]), "dict")
-            _expect(lambda: ps.pull({"w": np.ones(3)}), "shape")
+            expect_ps_error(lambda: ps.push({**ones, "nope": np.ones(3)}), "unknown key 'nope'")
+            expect_ps_error(lambda: ps.push({"w": ones["w"]}), "missing")
+            expect_ps_error(lambda: ps.push({**ones, "b": np.ones(4)}), "shape")
+            expect_ps_error(lambda: ps.push({**ones, "b": np.ones(3, np.float32)}), "dtype")
+            expect_ps_error(lambda: ps.push(["not", "a", "dict"]), "dict")
+            expect_ps_error(lambda: ps.pull({"w": np.ones(3)}), "shape")
         for _ in range(3):   # every worker, the rejected one included, still trains
             ps.push(ones)
-            got = ps.pull()
+            ps.pull()
         wait_all([ps.worker_comm.Ibarrier()])
         return ps.pull(), ps.stats()
 
@@ -74,10 +66,10 @@ def test_push_before_init_and_duplicate_init(num_servers):
 
     def worker(ps):
         if ps.worker_index == 0:
-            _expect(lambda: ps.push(ones), "not initialized", "push before init")
-            _expect(lambda: ps.pull(), "not initialized")
+            expect_ps_error(lambda: ps.push(ones), "not initialized", "push before init")
+            expect_ps_error(lambda: ps.pull(), "not initialized")
             ps.init(params)
-            _expect(lambda: ps.init(params), "duplicate init")
+            expect_ps_error(lambda: ps.init(params), "duplicate init")
         wait_all([ps.worker_comm.Ibarrier()])
         w = ps.push_pull(ones)
         return w
@@ -114,18 +106,44 @@ def test_constructor_errors_raised_on_every_rank():
             ParameterServer(mine, comm=COMM)
 
 
+class _Unreadable:
+    """Claims a shape and dtype, but numpy cannot read it (like a tensor on a device)."""
+
+    shape = (3,)
+    dtype = np.dtype(np.float64)
+
+    def __array__(self, *args, **kwargs):
+        raise RuntimeError("the values live elsewhere")
+
+
+@pytest.mark.parametrize("num_servers", [1, "colocated"])
+def test_unreadable_initial_values_fail_on_every_rank(num_servers):
+    """The rank whose values initialize the servers reads them at set-up: a value it
+    cannot send raises ValueError everywhere instead of leaving the servers waiting."""
+    need_servers(1)
+    first = 0 if num_servers == "colocated" else num_servers
+    params = make_params()
+    if COMM.Get_rank() == first:
+        params["b"] = _Unreadable()
+    with pytest.raises(ValueError, match=rf"rank {first}: .*params\['b'\] cannot be read"):
+        ParameterServer(params, comm=COMM, num_servers=num_servers)
+    # nothing was left pending: the next constructor, with readable values, works
+    params["b"] = make_params()["b"]
+    run_ps(params, lambda ps: ps.pull(), num_servers)
+
+
 def test_role_errors():
     need_servers(1)
     params = make_params()
 
     def worker(ps):
-        _expect(ps.serve, "is a worker")
+        expect_ps_error(ps.serve, "is a worker")
         return ps.pull()
 
     ps, _ = run_ps(params, worker, 1)
     if ps.is_server:
-        _expect(ps.pull, "is a server")
-        _expect(lambda: ps.save("x"), "is a server")
+        expect_ps_error(ps.pull, "is a server")
+        expect_ps_error(lambda: ps.save("x"), "is a server")
 
 
 def test_stats_report_placement():

@@ -1,0 +1,111 @@
+"""The :class:`~mpicoll.ps.ParameterServer` constructor's arguments, checked on one rank.
+
+:func:`check_settings` validates the arguments a rank passed (raising ``ValueError`` /
+``TypeError`` with the argument's name) and returns a :class:`Settings`; the constructor
+reports every rank's failure on every rank, then compares :meth:`Settings.as_plain` over
+all ranks, so they either all raise or all derive the same layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .optimizers import check_hyperparameters
+
+__all__ = ["Settings", "check_settings", "CONSISTENCY", "COLOCATED"]
+
+CONSISTENCY = ("bsp", "asp", "ssp")
+
+#: ``num_servers`` value of the co-located layout (every rank a worker and a server)
+COLOCATED = "colocated"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Checked constructor arguments (see :class:`~mpicoll.ps.ParameterServer`)."""
+
+    num_servers: int | str
+    consistency: str
+    staleness: int
+    optimizer: str
+    hyperparameters: dict[str, float]
+    average: bool
+    split_bytes: int
+    chunk_bytes: int
+    init: bool
+    restore: str | None
+    reshard: bool
+    keep_aggregate: bool
+
+    @property
+    def colocated(self) -> bool:
+        """The co-located layout: every rank a worker and the server of its shards."""
+        return self.num_servers == COLOCATED
+
+    @property
+    def first_worker(self) -> int:
+        """Rank of the first worker (whose values initialize the parameters)."""
+        return 0 if self.colocated else int(self.num_servers)
+
+    def is_server(self, rank: int) -> bool:
+        """Whether ``rank`` is a server process (never, co-located)."""
+        return rank < self.first_worker
+
+    def as_plain(self) -> list:
+        """Plain values that every rank must have alike (compared at set-up)."""
+        return [self.num_servers, self.consistency, self.staleness, self.optimizer,
+                sorted(self.hyperparameters.items()), self.average, self.split_bytes,
+                self.chunk_bytes, self.init, self.restore, self.reshard, self.keep_aggregate]
+
+
+def _check_layout(size: int, num_servers: Any, consistency: Any, init: bool) -> None:
+    colocated = num_servers == COLOCATED
+    if not colocated and (isinstance(num_servers, bool) or not isinstance(num_servers, int)
+                          or not 1 <= num_servers < size):
+        raise ValueError(f"num_servers={num_servers!r} must be an int in 1..{size - 1} "
+                         f"(at least one rank must be a worker; world size {size}) "
+                         f"or {COLOCATED!r}")
+    if consistency not in CONSISTENCY:
+        raise ValueError(f"consistency={consistency!r} is not one of {CONSISTENCY}")
+    if colocated and consistency != "bsp":
+        raise ValueError(f"num_servers={COLOCATED!r} supports only consistency='bsp' "
+                         f"(a rank serves its shards only inside its own calls, so "
+                         f"nothing can be applied or answered asynchronously); use "
+                         f"separate servers (num_servers=k) for {consistency!r}")
+    if colocated and not init:
+        raise ValueError(f"num_servers={COLOCATED!r} needs init=True (every rank "
+                         f"passes the parameters; the first rank's values are used)")
+
+
+def check_settings(size: int, num_servers: Any, consistency: Any, staleness: Any,
+                   optimizer: Any, hyperparameters: dict[str, Any], average: bool | None,
+                   split_bytes: Any, chunk_bytes: Any, init: bool, restore: str | None,
+                   reshard: bool, keep_aggregate: bool) -> Settings:
+    """Check one rank's constructor arguments for a communicator of ``size`` ranks.
+
+    Returns:
+        the :class:`Settings`, hyperparameters completed with their defaults and
+        ``average`` defaulting to ``optimizer != "sum"``.
+    Raises:
+        ValueError: an argument is out of range or does not fit the others.
+        TypeError: an argument has the wrong type.
+    """
+    _check_layout(size, num_servers, consistency, init)
+    colocated = num_servers == COLOCATED
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+        raise ValueError(f"staleness={staleness!r} must be an int >= 0")
+    hyper = check_hyperparameters(optimizer, hyperparameters)
+    if optimizer == "sum" and consistency != "bsp":
+        raise ValueError("optimizer='sum' returns each round's aggregate and needs "
+                         "consistency='bsp'")
+    if not keep_aggregate and not (colocated and optimizer == "sum"):
+        raise ValueError(f"keep_aggregate=False needs num_servers={COLOCATED!r} and "
+                         f"optimizer='sum'")
+    if int(split_bytes) < 1 or int(chunk_bytes) < 1:
+        raise ValueError("split_bytes and chunk_bytes must be positive")
+    return Settings(num_servers=num_servers, consistency=consistency, staleness=staleness,
+                    optimizer=optimizer, hyperparameters=hyper,
+                    average=optimizer != "sum" if average is None else bool(average),
+                    split_bytes=int(split_bytes), chunk_bytes=int(chunk_bytes),
+                    init=bool(init), restore=restore, reshard=bool(reshard),
+                    keep_aggregate=bool(keep_aggregate))
