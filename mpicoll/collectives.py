@@ -8,8 +8,7 @@ name the argument, before any message is sent), optionally runs the agreement st
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -27,27 +26,28 @@ __all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "d
            "Plan"]
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """One validated call, ready to run (what each collective's plan function returns).
 
+    A ``NamedTuple``: built on every call that misses the cache, so it must be cheap.
+
     Attributes:
-        run: performs the collective (trivial cases and the final scaling included).
-        result: what the public function returns.
+        run: performs the collective (trivial cases and the final scaling included);
+            ``None`` for a fresh result (then ``remake`` runs the call).
+        result: what the public function returns (``None`` for a fresh result).
         out: the numpy array ``run`` writes, re-checked for writability on a cache hit
             (``None`` when it writes none).
-        fresh: the result was allocated for this call: the call is cached only through
-            ``remake``.
+        fresh: the result is allocated by the call: the call runs, and is cached, through
+            ``remake``, or (``remake`` is ``None``) runs ``run`` and is never cached.
         remake: for a fresh result, a callable that allocates a new result, performs the
-            collective into it and returns it (what a repeated call with a new output runs
-            from the cache); ``None``: such calls are planned every time.
+            collective into it and returns it.
         count, dtype, op, root: what checked mode compares across ranks (``op``/``root``
             ``None`` where the collective has none).
         requested: the ``algorithm`` argument; ``algorithm``: the registered name it
             resolved to.
     """
 
-    run: Callable[[], Any]
+    run: Callable[[], Any] | None
     result: Any
     out: Any
     fresh: bool
@@ -182,45 +182,58 @@ def dispatch(collective: str, args: tuple, comm: Any = None, check: Any = None,
             fastpath.store(key, key_args, plan.remake, None)
         else:
             fastpath.store(key, key_args, plan.run, plan.result, plan.out)
+    if plan.remake is not None:
+        return plan.remake()
     plan.run()
     return plan.result
 
 
 def _allreduce_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
                     algorithm: Any) -> Plan:
-    send, recv, result = _elementwise_buffers(sendbuf, recvbuf)
     opo = resolve_op(op)
+    if recvbuf is None and not is_in_place(sendbuf):
+        send = flat_view(sendbuf, "sendbuf")  # the result is allocated by remake()
+        opo.check_dtype(send.dtype)
+        return _allreduce_steps(ctx, send, None, sendbuf, opo, algorithm)
+    send, recv, result = _elementwise_buffers(sendbuf, recvbuf)
     opo.check_dtype(recv.dtype)
-    name = _resolve(ctx, "allreduce", algorithm, recv.nbytes)
-    options = algorithm_options("allreduce", name, ctx, recv)
-    trivial = ctx.size == 1 or recv.size == 0
+    return _allreduce_steps(ctx, send, recv, result, opo, algorithm)
+
+
+def _allreduce_steps(ctx: CommContext, send: Any, recv: Any, result: Any, opo: Any,
+                     algorithm: Any) -> Plan:
+    """The all-reduce of flat ``send`` into flat ``recv`` (``None``: into a new array
+    shaped like ``result``, the user's ``sendbuf``, each time the plan runs)."""
+    flat = send if recv is None else recv
+    name = _resolve(ctx, "allreduce", algorithm, flat.nbytes)
+    options = algorithm_options("allreduce", name, ctx, flat)
+    trivial = ctx.size == 1 or flat.size == 0
     scale = opo.averages and ctx.size > 1  # the final division of average, if still due
-    if trivial:
-        run = _copy_step(recv, send)
-    else:
-        if scale and scales_shards("allreduce", name):
-            options["finalize"] = True   # the algorithm divides each shard once
-            scale = False
-        run = bind("allreduce", name, ctx, send, recv, opo, **options)
-    remake = None
-    if recvbuf is None:
-        xp = buffers.array_module(sendbuf)
-        algorithm_fn = lookup("allreduce", name)
+    if not trivial and scale and scales_shards("allreduce", name):
+        options["finalize"] = True   # the algorithm divides each shard once
+        scale = False
+    fields = (flat.size, flat.dtype.str, algorithm, name)
+    if recv is not None:
+        run = (_copy_step(recv, send) if trivial
+               else bind("allreduce", name, ctx, send, recv, opo, **options))
+        return Plan(_chain(run, _finalize_step(opo, recv, ctx.size) if scale else None),
+                    result, result, False, *fields, op=opo.name)
+    sendbuf = result
+    xp = buffers.array_module(sendbuf)
+    algorithm_fn = lookup("allreduce", name)
 
-        def remake() -> Any:  # the cached call of y = allreduce(x): a new y each time
-            new = xp.empty_like(sendbuf)
-            out = new.reshape(-1, order="A")
-            if trivial:
-                buffers.copy(out, send)
-            else:
-                algorithm_fn(ctx, send, out, opo, **options)
-            if scale:
-                opo.finalize(out, ctx.size)
-            return new
+    def remake() -> Any:  # y = allreduce(x), cached: a new y each time
+        new = xp.empty_like(sendbuf)
+        out = new.reshape(-1, order="A")
+        if trivial:
+            buffers.copy(out, send)
+        else:
+            algorithm_fn(ctx, send, out, opo, **options)
+        if scale:
+            opo.finalize(out, ctx.size)
+        return new
 
-    return Plan(_chain(run, _finalize_step(opo, recv, ctx.size) if scale else None), result,
-                recvbuf, recvbuf is None, recv.size, recv.dtype.str, algorithm, name,
-                op=opo.name, remake=remake)
+    return Plan(None, None, None, True, *fields, op=opo.name, remake=remake)
 
 
 def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
