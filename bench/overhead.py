@@ -13,7 +13,12 @@ rank takes the median block, the table shows the average over ranks. Variants:
 - ``native``: the same MPI call through ``mpicoll.allreduce(..., algorithm="native")``:
   ``native - mpi`` is mpicoll's per-call overhead (argument checks, op and algorithm
   resolution, dispatch);
-- each hand-written algorithm, and ``auto``.
+- each hand-written algorithm, and ``auto``;
+- the other forms of a call, each beside the MPI call doing the same work:
+  ``auto persistent`` (``call = mpicoll.allreduce_init(x, y)``, then ``call()``),
+  ``auto new-out`` (``y = mpicoll.allreduce(x)``) beside ``mpi new-out`` (a new output
+  each call), ``auto uncached`` (a new input array each call: the call is planned, never
+  found in the cache) beside ``mpi new-in``.
 
 Memory: one core's ``np.copyto`` of 64 MiB (others sleeping) and ``np.add(a, b, out=b)``,
 in GB/s, the physical limits for the bus bandwidth of the collectives here.
@@ -83,6 +88,15 @@ def measure(args: argparse.Namespace) -> dict:
     variants = {"mpi": lambda: comm.Allreduce(x, y, MPI.SUM)}
     for a in ["native", *[a for a in mpicoll.algorithms("allreduce") if a != "native"], "auto"]:
         variants[a] = (lambda a=a: mpicoll.allreduce(x, y, "sum", comm, a))
+    persistent = mpicoll.allreduce_init(x, y, "sum", comm)
+    variants.update({
+        # the forms of a call, each against the MPI call that does the same work
+        "auto persistent": persistent,                    # allreduce_init once, call()
+        "mpi new-out": lambda: comm.Allreduce(x, np.empty_like(x), MPI.SUM),
+        "auto new-out": lambda: mpicoll.allreduce(x, None, "sum", comm),    # y = f(x)
+        "mpi new-in": lambda: comm.Allreduce(x.copy(), y, MPI.SUM),
+        "auto uncached": lambda: mpicoll.allreduce(x.copy(), y, "sum", comm),  # planned
+    })
     blocks: dict[str, list[float]] = {v: [] for v in variants}
     calls = args.calls
     for fn in variants.values():  # warm-up: plans, caches, topology

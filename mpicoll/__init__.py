@@ -18,14 +18,15 @@ from . import algorithms as _algorithm_modules  # noqa: F401  (registers every a
 from .algorithms.registry import COLLECTIVES
 from .algorithms.registry import names as _names
 from .buffers import IN_PLACE
-from .collectives import allgather, allreduce, broadcast, reduce, reduce_scatter
+from .collectives import (allgather, allreduce, allreduce_init, broadcast, reduce,
+                          reduce_scatter)
 from .comm import Comm
 from .errors import CollectiveError, MismatchError, RemoteError
 from .ops import OPS, Op
 
 __version__ = "0.1.0"
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "algorithms",
+__all__ = ["allreduce", "allreduce_init", "reduce_scatter", "allgather", "broadcast", "reduce", "algorithms",
            "Comm", "IN_PLACE", "Op", "OPS", "COLLECTIVES", "CollectiveError", "MismatchError",
            "RemoteError", "__version__"]
 

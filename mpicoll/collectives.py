@@ -22,8 +22,8 @@ from .ops import resolve_op
 from .partition import block_bounds
 from .selection import algorithm_options, resolve_algorithm
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "dispatch",
-           "Plan"]
+__all__ = ["allreduce", "allreduce_init", "reduce_scatter", "allgather", "broadcast",
+           "reduce", "dispatch", "Plan"]
 
 
 class Plan(NamedTuple):
@@ -150,18 +150,8 @@ def _resolve(ctx: CommContext, collective: str, algorithm: Any, nbytes: int) -> 
     return resolve_algorithm(collective, algorithm, ctx.size, ctx.ranks_per_node, nbytes)
 
 
-def dispatch(collective: str, args: tuple, comm: Any = None, check: Any = None,
-             cache_as: tuple | None = None) -> Any:
-    """Plan a call (validate; agree on it when checked), cache it, run it, return its result.
-
-    The slow path of every public collective and :class:`mpicoll.Comm` method, taken when
-    :func:`mpicoll.fastpath.run_cached` misses. The collective's plan function
-    (``plan(ctx, *args)``, in :data:`_PLANS`) validates this rank's arguments and returns a
-    :class:`Plan`. The cache key is ``cache_as`` (a name and the argument objects) or
-    ``(collective, args + (comm,))``: the same objects, in the same order, that the caller
-    passes to :func:`~mpicoll.fastpath.run_cached`.
-    """
-    ctx = get_context(resolve_comm(comm))
+def _planned(ctx: CommContext, collective: str, args: tuple, check: Any) -> Plan:
+    """This rank's plan of the call; in checked mode, after every rank agreed on it."""
     use_check = config.check_enabled() if check is None else bool(check)
     try:
         plan = _PLANS[collective](ctx, *args)
@@ -174,9 +164,27 @@ def dispatch(collective: str, args: tuple, comm: Any = None, check: Any = None,
         agree(ctx, None, collective=collective, count=plan.count, dtype=plan.dtype,
               op=plan.op, root=plan.root, algorithm=plan.requested, resolved=plan.algorithm,
               segment_bytes=ctx.segment_bytes)
-    elif (plan.remake is not None or not plan.fresh) and not config.check_enabled():
-        # (with MPICOLL_CHECK=1 an unchecked call is never cached: a later call with the
-        # default check=None must not skip its agreement step through the cache)
+    return plan
+
+
+def dispatch(collective: str, args: tuple, comm: Any = None, check: Any = None,
+             cache_as: tuple | None = None) -> Any:
+    """Plan a call (validate; agree on it when checked), cache it, run it, return its result.
+
+    The slow path of every public collective and :class:`mpicoll.Comm` method, taken when
+    :func:`mpicoll.fastpath.run_cached` misses. The collective's plan function
+    (``plan(ctx, *args)``, in :data:`_PLANS`) validates this rank's arguments and returns a
+    :class:`Plan`. The cache key is ``cache_as`` (a name and the argument objects) or
+    ``(collective, args + (comm,))``: the same objects, in the same order, that the caller
+    passes to :func:`~mpicoll.fastpath.run_cached`.
+    """
+    ctx = get_context(resolve_comm(comm))
+    plan = _planned(ctx, collective, args, check)
+    cacheable = plan.remake is not None or not plan.fresh
+    if cacheable and not check and not config.check_enabled():
+        # (checked calls are never cached: the agreement step runs on every call; with
+        # MPICOLL_CHECK=1 neither is an explicitly unchecked call, or a later call with
+        # the default check=None would skip its agreement step through the cache)
         key, key_args = cache_as if cache_as is not None else (collective, args + (comm,))
         if plan.fresh:
             fastpath.store(key, key_args, plan.remake, None)
@@ -263,6 +271,36 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
         if result is not MISS:
             return result
     return dispatch("allreduce", (sendbuf, recvbuf, op, algorithm), comm, check)
+
+
+def allreduce_init(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
+                   algorithm: str = "auto", *, check: bool | None = None) -> Callable[[], Any]:
+    """Plan an all-reduce once; return ``call`` that runs it (``MPI_Allreduce_init``'s idea).
+
+    ``call()`` performs the all-reduce of the current contents of ``sendbuf`` into
+    ``recvbuf`` and returns ``recvbuf``: no lookup, no validation, nothing but the
+    algorithm. Collective like the all-reduce itself, on every call and at planning (in
+    checked mode the agreement step runs once, here).
+
+    Args:
+        sendbuf, recvbuf, op, comm, algorithm, check: as for :func:`allreduce`, except that
+            ``recvbuf=None`` allocates one output here, which every ``call()`` reuses.
+    Returns:
+        ``call``, a function of no arguments.
+    Raises:
+        TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
+    """
+    if recvbuf is None and not is_in_place(sendbuf):
+        recvbuf = buffers.array_module(sendbuf).empty_like(sendbuf)
+    ctx = get_context(resolve_comm(comm))
+    plan = _planned(ctx, "allreduce", (sendbuf, recvbuf, op, algorithm), check)
+    run, result = plan.run, plan.result
+
+    def call() -> Any:
+        run()
+        return result
+
+    return call
 
 
 def _reduce_scatter_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,

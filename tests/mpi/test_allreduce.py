@@ -128,3 +128,26 @@ def test_repeated_allocating_calls_follow_the_input(algorithm):
         assert got.shape == x.shape and all(got is not s for s in seen)
         assert np.array_equal(got.reshape(-1), expected), (algorithm, rep)
         seen.append(got)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_persistent_allreduce_follows_the_input(algorithm):
+    """``call = allreduce_init(x, y)``; ``call()`` reduces x's current contents each time."""
+    x = np.empty(1001, dtype=np.int64)
+    y = np.empty_like(x)
+    call = mpicoll.allreduce_init(x, y, op="average", algorithm=algorithm)
+    for rep in range(3):
+        x[:] = make_data(RANK, x.size, rep, np.int64)
+        assert call() is y
+        assert np.array_equal(y, reference_reduce(gather_inputs(x.copy()), "average"))
+    inplace = mpicoll.allreduce_init(mpicoll.IN_PLACE, y, op="max", algorithm=algorithm)
+    y[:] = make_data(RANK, y.size, 0, np.int64, "max")
+    expected = reference_reduce(gather_inputs(y.copy()), "max")
+    assert np.array_equal(inplace(), expected)
+
+
+def test_persistent_allreduce_rejects_bad_arguments_at_planning():
+    with pytest.raises(ValueError, match="recvbuf"):
+        mpicoll.allreduce_init(np.ones(3), np.ones(4))
+    call = mpicoll.allreduce_init(np.ones(3))   # allocates one output, reused
+    assert call() is call()
