@@ -1,13 +1,14 @@
 """mpicoll: MPI collective communication for distributed deep learning, over mpi4py.
 
 Collectives written by hand over mpi4py point-to-point (ring, recursive doubling,
-Rabenseifner, binomial tree, hierarchical), with the MPI library's own as ``"native"``:
+Rabenseifner, binomial tree, hierarchical, shared memory), with the MPI library's own as
+``"native"``:
 
 >>> import numpy as np, mpicoll
 >>> x = np.arange(8, dtype=np.float32)
 >>> y = mpicoll.allreduce(x, op="sum")                     # any world size
 >>> mpicoll.algorithms("allreduce")                        # what algorithm= accepts
-['hierarchical', 'native', 'rabenseifner', 'recursive_doubling', 'ring', 'tree']
+['hierarchical', 'native', 'rabenseifner', 'recursive_doubling', 'ring', 'shm', 'tree']
 
 ``mpicoll.Comm(MPI.COMM_WORLD)`` is a drop-in mpi4py communicator running these.
 Environment variables are listed in :mod:`mpicoll.config`.
