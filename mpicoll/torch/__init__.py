@@ -8,9 +8,10 @@ A Horovod training script runs with only its import changed::
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-Modules: :mod:`.state` (init, layout), :mod:`.mpi_ops` (tensor collectives),
-:mod:`.functions` (parameters, optimizer state, objects), :mod:`.optimizer`,
-:mod:`.compression`, :mod:`.autograd`; inside: :mod:`.engine` (the one thread that calls
+Modules: :mod:`.state` (init, layout), :mod:`.mpi_ops` (tensor collectives and their
+autograd functions), :mod:`.functions` (parameters, optimizer state, objects),
+:mod:`.optimizer`, :mod:`.optim_wrapping` (what it shares with the parameter-server
+optimizer), :mod:`.compression`; inside: :mod:`.engine` (the one thread that calls
 MPI), :mod:`.negotiation` (cross-rank agreement), :mod:`.fusion`, :mod:`.execute`,
 :mod:`.dtypes`, :mod:`.settings` (environment variables). See docs/torch.md.
 """

@@ -49,8 +49,9 @@ from mpi4py import MPI
 from ..context import get_context
 from ..errors import CollectiveError
 from .dtypes import numpy_view
+from .execute import run_responses
 from .handles import Future
-from .negotiation import JOIN, Meta, Negotiator, ResponseCache
+from .negotiation import JOIN, SHUTDOWN, Meta, Negotiator, ResponseCache
 from .settings import Settings
 
 __all__ = ["Engine", "Work"]
@@ -190,14 +191,12 @@ class Engine:
 
     def _run_inline(self, key: str, work: Work) -> None:
         """One rank: negotiate and execute ``work`` on the calling thread."""
-        from .execute import execute  # noqa: PLC0415  (import cycle)
-
         with self._inline_lock:
             self.local[key] = work
             try:
-                execute(self, self._inline.process([[work.meta]], [False]))
+                run_responses(self, self._inline.process([[work.meta]], [False]))
             finally:
-                if key in self.local:               # execute() failed before finishing it
+                if key in self.local:               # run_responses() failed before finishing
                     self.finish(key, error=CollectiveError(f"{work.meta.kind} "
                                                            f"{work.meta.name!r} failed"))
 
@@ -368,8 +367,6 @@ class Engine:
 
     def _round(self) -> None:
         """One negotiation round, then run what it completed (holding the round lock)."""
-        from .execute import execute  # noqa: PLC0415  (import cycle)
-
         header, headers = self._header, self._headers
         header[1] = self._blocked()              # read before draining: see negotiation.py
         with self._lock:
@@ -397,13 +394,13 @@ class Engine:
         else:
             self._poll(self.comm.Iallgather(header, headers), stall_after)
             if cache_id and was_idle and (headers[:, 0] == -cache_id).all():
-                execute(self, cache.responses(cache_id))   # the same round as before
+                run_responses(self, cache.responses(cache_id))   # the same round as before
                 return
             payloads = self._payloads(data, headers)
         responses = negotiator.process(payloads, [bool(b) for b in headers[:, 1]])
         cache.learn(payloads, responses, was_idle, not negotiator.busy())
         if responses:
-            execute(self, responses)
+            run_responses(self, responses)
         if stall_after > 0 and self.rank == 0:
             for name, have, missing in negotiator.stalled(time.monotonic(), stall_after):
                 stall_log.warning("stall: %r was submitted by ranks %s but not yet by "
@@ -416,8 +413,14 @@ class Engine:
             self._poked = True
             self._queue.put(None)
 
+    def shutdown(self) -> None:
+        """Stop the engine on every rank (collective): submit ``shutdown``, wait until every
+        rank has asked (then each engine thread leaves its loop) and the thread has ended."""
+        self.wait(self.submit(Meta(SHUTDOWN, "shutdown")))
+        self._thread.join()
+
     def stop(self) -> None:
-        """Make the engine thread leave its loop (after the ``shutdown`` response)."""
+        """Make the engine thread leave its loop (run for the ``shutdown`` response)."""
         self.stopping = True
         self._queue.put(None)
 

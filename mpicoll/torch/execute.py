@@ -1,16 +1,21 @@
 """Running negotiated responses: fused all-reduce, all-gather, broadcast, barrier, join.
 
-Called only by the engine thread, with the same responses in the same order on every rank,
-so every rank issues the same mpicoll collectives on the adapter's private communicator.
-A rank without a local request for a response (it called ``join()``) takes part with zeros
-(all-reduce), no rows (all-gather) or a scratch buffer (broadcast).
+Called only by the thread that runs the negotiation round, with the same responses in the
+same order on every rank, so every rank issues the same mpicoll collectives on the
+adapter's private communicator. A rank without a local request for a response (it called
+``join()``) takes part with zeros (all-reduce), no rows (all-gather) or a scratch buffer
+(broadcast).
+
+The engine passes itself; :class:`EngineInterface` names what is used of it, so this module
+does not import :mod:`mpicoll.torch.engine` (which imports this one).
 """
 from __future__ import annotations
 
 import logging
 from math import prod
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from .. import collectives
@@ -20,16 +25,36 @@ from .dtypes import from_name, numpy_view, reduce_dtype
 from .fusion import numel, plan_buckets
 from .negotiation import JOIN, Response
 from .ops import Average, ReduceOp, mpicoll_op
+from .settings import Settings
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
-__all__ = ["execute"]
+__all__ = ["run_responses", "EngineInterface"]
 
 log = logging.getLogger("mpicoll.torch.execute")
 
 
-def execute(engine: "Engine", responses: list[Response]) -> None:
+class EngineInterface(Protocol):
+    """What running responses uses of :class:`mpicoll.torch.engine.Engine`."""
+
+    settings: Settings
+    comm: Any
+    size: int
+    local: dict[str, Any]
+
+    def finish(self, key: str, result: Any = None, error: BaseException | None = None,
+               extra: Any = None) -> None:
+        """Complete this rank's request ``key`` (if it has one)."""
+
+    def fusion_buffer(self, dtype: torch.dtype, count: int) -> torch.Tensor:
+        """A flat scratch tensor of ``count`` elements."""
+
+    def persistent_view(self, flat: torch.Tensor) -> np.ndarray:
+        """The same numpy view of ``flat`` every time."""
+
+    def stop(self) -> None:
+        """Make the engine thread leave its loop."""
+
+
+def run_responses(engine: EngineInterface, responses: list[Response]) -> None:
     """Run one round's responses (errors first, then fused all-reduces, then the rest)."""
     ok_allreduce = []
     others = []
@@ -55,7 +80,7 @@ def _local_key(response: Response) -> str:
     return JOIN if response.kind == "join" else response.name
 
 
-def _guarded(engine: "Engine", bucket: list[Response], run: Any) -> None:
+def _guarded(engine: EngineInterface, bucket: list[Response], run: Any) -> None:
     try:
         run(engine, bucket)
     except Exception as exc:  # noqa: BLE001  (reported through the futures)
@@ -68,18 +93,36 @@ def _first_meta(response: Response) -> Any:
     return next(iter(response.metas.values()))
 
 
-def _finalize(flat: torch.Tensor, op: ReduceOp, postscale: float, size: int) -> None:
-    """Apply Average's division and the postscale factor, in place."""
-    if not (flat.dtype.is_floating_point or flat.dtype.is_complex):
-        if int(op) == int(Average) and size > 1:
-            flat.div_(size, rounding_mode="floor")
+#: Integer dtypes whose exact division toward zero torch implements (``div_(rounding_mode=
+#: "trunc")``); other integer dtypes divide through float64.
+_TRUNC_DIV = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _scale(flat: torch.Tensor, factor: float) -> None:
+    """Multiply ``flat`` by ``factor`` in place, as Horovod scales: integer tensors in
+    float64, cast back toward zero; floating tensors in their own dtype (float16 and
+    bfloat16 computed in float32 and rounded once)."""
+    if factor == 1.0:
         return
-    scale = postscale / size if int(op) == int(Average) else postscale
-    if scale != 1.0:
-        flat.mul_(scale)
+    if flat.dtype.is_floating_point or flat.dtype.is_complex:
+        flat.mul_(factor)
+    else:
+        flat.copy_(flat.to(torch.float64).mul_(factor))
 
 
-def _allreduce_bucket(engine: "Engine", bucket: list[Response]) -> None:
+def _finalize(flat: torch.Tensor, op: ReduceOp, postscale: float, size: int) -> None:
+    """Apply Average's division by ``size`` and the postscale factor, in place.
+
+    An integer Average without a postscale factor divides exactly, toward zero (the value
+    Horovod's float64 scaling gives)."""
+    average = int(op) == int(Average) and size > 1
+    if average and postscale == 1.0 and flat.dtype in _TRUNC_DIV:
+        flat.div_(size, rounding_mode="trunc")
+        return
+    _scale(flat, postscale / size if average else postscale)
+
+
+def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
     meta = _first_meta(bucket[0])
     dtype = from_name(meta.dtype)
     rdtype = reduce_dtype(dtype)
@@ -109,8 +152,7 @@ def _allreduce_bucket(engine: "Engine", bucket: list[Response]) -> None:
             segments.append((offset, n))
             offset += n
         in_place = False
-    if meta.prescale != 1.0:
-        flat.mul_(meta.prescale)
+    _scale(flat, meta.prescale)
     if flat.numel() and engine.size > 1:
         array = engine.persistent_view(flat) if in_place and meta.layout else numpy_view(flat)
         collectives.allreduce(IN_PLACE, array, op=mpicoll_op(op), comm=engine.comm,
@@ -145,7 +187,7 @@ def _adjacent_outputs(works: list, dtype: torch.dtype) -> torch.Tensor | None:
     return torch.empty(0, dtype=dtype).set_(storage, first.storage_offset(), (total,))
 
 
-def _allgather(engine: "Engine", bucket: list[Response]) -> None:
+def _allgather(engine: EngineInterface, bucket: list[Response]) -> None:
     response = bucket[0]
     meta = _first_meta(response)
     dtype = from_name(meta.dtype)
@@ -176,7 +218,7 @@ def _allgather(engine: "Engine", bucket: list[Response]) -> None:
     engine.finish(response.name, result=out, extra=dims)
 
 
-def _broadcast(engine: "Engine", bucket: list[Response]) -> None:
+def _broadcast(engine: EngineInterface, bucket: list[Response]) -> None:
     response = bucket[0]
     meta = _first_meta(response)
     work = engine.local.get(response.name)
@@ -190,15 +232,15 @@ def _broadcast(engine: "Engine", bucket: list[Response]) -> None:
     engine.finish(response.name, result=target)
 
 
-def _barrier(engine: "Engine", bucket: list[Response]) -> None:
+def _barrier(engine: EngineInterface, bucket: list[Response]) -> None:
     engine.finish(bucket[0].name, result=None)
 
 
-def _join(engine: "Engine", bucket: list[Response]) -> None:
+def _join(engine: EngineInterface, bucket: list[Response]) -> None:
     engine.finish(JOIN, result=bucket[0].last_joined)
 
 
-def _shutdown(engine: "Engine", bucket: list[Response]) -> None:
+def _shutdown(engine: EngineInterface, bucket: list[Response]) -> None:
     engine.stop()
     engine.finish(bucket[0].name, result=None)
 

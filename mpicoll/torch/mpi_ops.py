@@ -6,7 +6,20 @@ Every function validates its arguments on the calling thread (raising ``TypeErro
 ``ValueError`` before anything is sent), then submits one request to the engine. Requests
 are matched across ranks by name; unnamed requests are named ``<kind>.noname.<n>`` by a
 per-kind counter, which matches when ranks issue unnamed operations in the same order.
-The non-underscore functions support autograd (see :mod:`mpicoll.torch.autograd`).
+
+The non-underscore functions support autograd, with Horovod's gradients (the
+``torch.autograd.Function`` of each collective stands next to it):
+
+- all-reduce: the gradient is the same all-reduce (op and scaling factors) of the incoming
+  gradients (exact for Average and Sum; for Min/Max/Product, as in Horovod, an
+  approximation);
+- all-gather: the incoming gradients are averaged over ranks and each rank keeps the rows
+  it contributed;
+- broadcast: the incoming gradients are averaged over ranks onto the root; other ranks get
+  zeros.
+
+:func:`allreduce_meta` and :func:`submit_allreduce` are the validated building blocks that
+:class:`~mpicoll.torch.DistributedOptimizer` uses for its gradient buffers.
 """
 from __future__ import annotations
 
@@ -20,12 +33,13 @@ from . import handles
 from .compression import Compression
 from .dtypes import check_supported, dtype_name
 from .negotiation import JOIN, Meta
-from .ops import check_op_dtype, resolve_op
+from .ops import Average, ReduceOp, check_op_dtype, resolve_reduce_op
 from .state import engine
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather",
            "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-           "poll", "synchronize", "barrier", "join"]
+           "poll", "synchronize", "barrier", "join", "allreduce_meta", "submit_allreduce",
+           "AllreduceFn", "AllgatherFn", "BroadcastFn"]
 
 _counters: dict[str, Any] = {}
 _counter_lock = threading.Lock()
@@ -45,17 +59,40 @@ def _submit(meta: Meta, tensor: Any = None, output: Any = None, waiting: bool = 
     return handles.register(engine().submit(meta, tensor, output, waiting))
 
 
-def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor, name: str | None,
-                     average: Any, op: Any, prescale_factor: float,
-                     postscale_factor: float, layout: str = "", waiting: bool = False) -> int:
-    """Validate and submit one all-reduce (``layout``, ``waiting``: see
-    :class:`~mpicoll.torch.negotiation.Meta` and :meth:`Engine.submit`)."""
+def allreduce_meta(tensor: torch.Tensor, name: str | None, op: ReduceOp,
+                   prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                   layout: str = "") -> Meta:
+    """Validate one all-reduce and describe it for the engine.
+
+    Args:
+        tensor: what is reduced. name: ``None`` for the next unnamed all-reduce.
+        op: a resolved op (:func:`~mpicoll.torch.ops.resolve_reduce_op`).
+        layout: what a fused request covers (see :class:`~mpicoll.torch.negotiation.Meta`).
+    Returns:
+        The request's metadata.
+    Raises:
+        TypeError, ValueError: a tensor, op or scaling the adapter cannot reduce.
+    """
     check_supported(tensor)
-    op = resolve_op(average, op)
     check_op_dtype(op, tensor.dtype, prescale_factor, postscale_factor)
-    meta = Meta(_name("allreduce", name), "allreduce", dtype_name(tensor.dtype),
+    return Meta(_name("allreduce", name), "allreduce", dtype_name(tensor.dtype),
                 tuple(tensor.shape), int(op), -1, float(prescale_factor),
                 float(postscale_factor), layout)
+
+
+def submit_allreduce(tensor: torch.Tensor, output: torch.Tensor, name: str | None,
+                     op: ReduceOp, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0, layout: str = "",
+                     waiting: bool = False) -> int:
+    """Validate and submit one all-reduce of ``tensor`` into ``output``; return a handle.
+
+    Args:
+        waiting: the caller will :func:`synchronize` at once (see :meth:`Engine.submit`).
+        Others: as for :func:`allreduce_meta`.
+    Raises:
+        TypeError, ValueError: as :func:`allreduce_meta`.
+    """
+    meta = allreduce_meta(tensor, name, op, prescale_factor, postscale_factor, layout)
     return _submit(meta, tensor.detach(), output, waiting)
 
 
@@ -70,7 +107,8 @@ def allreduce_async(tensor: torch.Tensor, average: Any = None, name: str | None 
         name: matches this request across ranks (default: an ordered counter).
         op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
         prescale_factor, postscale_factor: multiply the input before, the result after
-            (floating tensors only).
+            (as Horovod: integer tensors in float64, cast back toward zero; float16 in
+            float32).
     Returns:
         A handle for :func:`poll` / :func:`synchronize` (which returns the result).
     Raises:
@@ -78,16 +116,17 @@ def allreduce_async(tensor: torch.Tensor, average: Any = None, name: str | None 
     """
     output = torch.empty(tensor.shape, dtype=tensor.dtype) if isinstance(tensor, torch.Tensor) \
         else None
-    return _allreduce_async(tensor, output, name, average, op, prescale_factor,
-                            postscale_factor)
+    return submit_allreduce(tensor, output, name, resolve_reduce_op(average, op),
+                            prescale_factor, postscale_factor)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Any = None, name: str | None = None,
                      op: Any = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0) -> int:
     """As :func:`allreduce_async`, writing the result into ``tensor``."""
-    return _allreduce_async(tensor, tensor.detach() if isinstance(tensor, torch.Tensor)
-                            else None, name, average, op, prescale_factor, postscale_factor)
+    return submit_allreduce(tensor, tensor.detach() if isinstance(tensor, torch.Tensor)
+                            else None, name, resolve_reduce_op(average, op), prescale_factor,
+                            postscale_factor)
 
 
 def allreduce(tensor: torch.Tensor, average: Any = None, name: str | None = None,
@@ -104,9 +143,7 @@ def allreduce(tensor: torch.Tensor, average: Any = None, name: str | None = None
         TypeError, ValueError: bad arguments. mpicoll.MismatchError: ranks disagree on
             shape, dtype, op or scaling (raised on every rank).
     """
-    from .autograd import AllreduceFn  # noqa: PLC0415
-
-    op = resolve_op(average, op)
+    op = resolve_reduce_op(average, op)
     compressed, ctx = compression.compress(tensor)
     reduced = AllreduceFn.apply(compressed, _name("allreduce", name), op,
                                 prescale_factor, postscale_factor)
@@ -145,8 +182,6 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
         TypeError, ValueError: bad arguments. mpicoll.MismatchError: ranks disagree on the
             dtype or on the dimensions after the first.
     """
-    from .autograd import AllgatherFn  # noqa: PLC0415
-
     _check_gather(tensor)
     return AllgatherFn.apply(tensor, _name("allgather", name))
 
@@ -183,8 +218,6 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank, as a new tensor (differentiable)."""
-    from .autograd import BroadcastFn  # noqa: PLC0415
-
     check_supported(tensor)
     _check_root(root_rank)
     return BroadcastFn.apply(tensor, root_rank, _name("broadcast", name))
@@ -221,13 +254,6 @@ def synchronize(handle: int) -> Any:
     return future.result
 
 
-def _sizes(handle: int) -> tuple[torch.Tensor, list[int]]:
-    """Synchronize an all-gather handle; return (result, every rank's first dimension)."""
-    future = handles.lookup(handle)
-    result = synchronize(handle)
-    return result, list(future.extra)
-
-
 def barrier() -> None:
     """Return once every rank (that has not joined) has called ``barrier``."""
     synchronize(_submit(Meta(_name("barrier", None), "barrier")))
@@ -245,3 +271,59 @@ def join(device: int = -1) -> int:
         The rank that joined last.
     """
     return int(synchronize(_submit(Meta(JOIN, "join"))))
+
+
+class AllreduceFn(torch.autograd.Function):
+    """Differentiable all-reduce: the gradient is the same all-reduce of the incoming
+    gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str, op: ReduceOp, prescale: float,
+                postscale: float) -> torch.Tensor:
+        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        return synchronize(allreduce_async(tensor, name=name, op=op, prescale_factor=prescale,
+                                           postscale_factor=postscale))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        reduced = synchronize(allreduce_async(grad.contiguous(), op=ctx.op,
+                                              prescale_factor=ctx.prescale,
+                                              postscale_factor=ctx.postscale))
+        return reduced, None, None, None, None
+
+
+class AllgatherFn(torch.autograd.Function):
+    """Differentiable all-gather along dimension 0: the gradient is the average over ranks
+    of the incoming gradients, rows of this rank (as Horovod)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        handle = allgather_async(tensor, name=name)
+        future = handles.lookup(handle)
+        result = synchronize(handle)
+        ctx.dims = list(future.extra)          # every rank's first dimension
+        ctx.rank = engine().rank
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        averaged = synchronize(allreduce_async(grad.contiguous(), op=Average))
+        start = sum(ctx.dims[:ctx.rank])
+        return averaged[start:start + ctx.dims[ctx.rank]].clone(), None
+
+
+class BroadcastFn(torch.autograd.Function):
+    """Differentiable broadcast: the root's gradient is the average over ranks of the
+    incoming gradients, other ranks' is zero (as Horovod)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str) -> torch.Tensor:
+        ctx.root = root_rank
+        return synchronize(broadcast_async(tensor, root_rank, name=name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        averaged = synchronize(allreduce_async(grad.contiguous(), op=Average))
+        if engine().rank != ctx.root:
+            averaged.zero_()
+        return averaged, None, None

@@ -17,7 +17,8 @@ Rules:
 - Deadlock: when a round completes nothing, every rank that has not joined is blocked
   waiting for a result, and some entries are incomplete, no rank can submit what is missing
   (a rank's thread submits before it waits), so every incomplete entry fails on every rank,
-  naming who submitted it and who did not.
+  naming who submitted it and who did not; except ``shutdown``, which stays pending until
+  the ranks blocked elsewhere have had their errors and asked for it too.
 """
 from __future__ import annotations
 
@@ -54,7 +55,6 @@ class Response(NamedTuple):
     name: str
     metas: dict               # rank -> Meta, for the ranks that submitted
     error: str | None = None
-    joined: frozenset = frozenset()
     last_joined: int = -1
 
 
@@ -89,10 +89,8 @@ class Negotiator:
         """Add one round of requests; return the responses to run, in order."""
         now = time.monotonic() if now is None else now
         responses: list[Response] = []
-        new = False
         for rank, items in enumerate(payloads):
             for meta in items:
-                new = True
                 if meta.kind == "join":
                     if rank not in self.joined:
                         self.joined.append(rank)
@@ -114,10 +112,9 @@ class Negotiator:
             if entry.metas and all(r in entry.metas for r in need):
                 del self.table[name]
                 responses.append(Response(entry.kind, name, entry.metas,
-                                          _mismatch(entry.kind, name, entry.metas, joined),
-                                          joined))
+                                          _mismatch(entry.kind, name, entry.metas, joined)))
         if len(self.joined) == self.size:
-            responses.append(Response("join", JOIN, {}, None, joined, self.joined[-1]))
+            responses.append(Response("join", JOIN, {}, None, self.joined[-1]))
             self.joined = []
         if (not responses and self.busy() and active
                 and all(waiting[r] for r in active)):
@@ -125,20 +122,27 @@ class Negotiator:
         return responses
 
     def _fail_all(self, joined: frozenset) -> list[Response]:
+        """Fail every incomplete entry except ``shutdown``: a rank blocked elsewhere gets
+        its error, goes on and calls ``shutdown()`` too (failing the shutdown instead
+        would leave the ranks that asked first unable to stop, and the others hanging
+        in a round with them)."""
         out = []
+        kept = {name: entry for name, entry in self.table.items() if entry.kind == "shutdown"}
         for name, entry in self.table.items():
+            if name in kept:
+                continue
             have = sorted(entry.metas)
             missing = [r for r in range(self.size) if r not in entry.metas and r not in joined]
             out.append(Response(entry.kind, name, entry.metas,
                                 f"{entry.kind} {name!r} can never complete: submitted by "
                                 f"ranks {_ranks(have)} but not by ranks {_ranks(missing)}, and "
                                 f"every rank is blocked waiting (ranks submitted different "
-                                f"names, or a different number of operations)", joined))
+                                f"names, or a different number of operations)"))
         if self.joined:
             out.append(Response("join", JOIN, {}, "join() can never complete: ranks "
                                 f"{_ranks(sorted(self.joined))} joined, the others are blocked "
-                                "waiting for operations", joined, -1))
-        self.table.clear()
+                                "waiting for operations", -1))
+        self.table = kept
         self.joined = []
         return out
 

@@ -1,7 +1,10 @@
 """Horovod's reduction op constants and how they map onto mpicoll's ops.
 
 ``Average`` is a sum followed by one scaling by ``postscale_factor / size()`` (ranks that
-called :func:`join` count in ``size()``); integer averages floor-divide.
+called :func:`join` count in ``size()``). As in Horovod, scaling factors apply to integer
+tensors in float64, cast back toward zero, so an integer average divides toward zero, as C
+does (-75 averaged over 2 ranks is -37; without a postscale factor the division is exact
+integer arithmetic, with the same result).
 """
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "resolve_op",
+__all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "resolve_reduce_op",
            "mpicoll_op", "check_op_dtype"]
 
 
@@ -34,7 +37,7 @@ Product = ReduceOp(5)
 _MPICOLL = {0: "sum", 1: "sum", 3: "min", 4: "max", 5: "prod"}
 
 
-def resolve_op(average: Any = None, op: Any = None) -> ReduceOp:
+def resolve_reduce_op(average: Any = None, op: Any = None) -> ReduceOp:
     """Combine Horovod's deprecated ``average=`` with ``op=`` (default ``Average``).
 
     Raises:
@@ -62,5 +65,5 @@ def check_op_dtype(op: ReduceOp, dtype: torch.dtype, prescale: float, postscale:
         raise TypeError(f"op={op!r} does not apply to torch.bool tensors (use Min or Max)")
     if dtype.is_complex and int(op) in (3, 4):
         raise TypeError(f"op={op!r} does not apply to complex tensors")
-    if (prescale != 1.0 or postscale != 1.0) and not (dtype.is_floating_point or dtype.is_complex):
-        raise ValueError(f"prescale_factor/postscale_factor need a floating tensor, not {dtype}")
+    if (prescale != 1.0 or postscale != 1.0) and dtype is torch.bool:
+        raise ValueError("prescale_factor/postscale_factor do not apply to torch.bool tensors")

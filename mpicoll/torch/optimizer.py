@@ -29,12 +29,13 @@ import torch
 
 from . import mpi_ops
 from .compression import Compression
-from .dtypes import check_supported, dtype_name
+from .dtypes import dtype_name
 from .negotiation import Meta
-from .ops import Average, check_op_dtype, resolve_op
+from .ops import Average, resolve_reduce_op
+from .optim_wrapping import check_named_parameters, wrap_optimizer
 from .state import engine
 
-__all__ = ["DistributedOptimizer", "check_named_parameters"]
+__all__ = ["DistributedOptimizer"]
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -47,7 +48,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be an int >= 1, not "
                              f"{backward_passes_per_step!r}")
-        self.op = resolve_op(None, op)
+        self.op = resolve_reduce_op(None, op)
         if gradient_predivide_factor != 1.0 and int(self.op) != int(Average):
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         self._compression = compression
@@ -56,7 +57,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         all_params = [p for group in self.param_groups for p in group["params"]]
         named = check_named_parameters(named_parameters, self.param_groups, "noname")
         by_id = {id(p): name for name, p in named}
-        self._groups = _check_groups(groups, all_params)
+        _check_groups(groups, all_params)
         self._params = [p for p in all_params if p.requires_grad]
         self._names = {p: f"allreduce.{by_id[id(p)]}" for p in self._params}
         self._flat = _flat_gradients(self._params, self._names)
@@ -136,18 +137,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compressed, ctx = self._compression.compress(flat.buffer)
         pre, post = self._scaling()
         if compressed is not flat.buffer:
-            handle = mpi_ops._allreduce_async(compressed, compressed, flat.name, None, self.op,
-                                              pre, post, layout=flat.layout, waiting=True)
+            handle = mpi_ops.submit_allreduce(compressed, compressed, flat.name, self.op, pre,
+                                              post, layout=flat.layout, waiting=True)
             return handle, (ctx, compressed)
         # The same buffer every step: validated once, then submitted straight to the engine.
         meta = self._metas.get(flat.name)
         if meta is None or meta.op != int(self.op) or meta.prescale != pre \
                 or meta.postscale != post:
-            check_supported(flat.buffer)
-            check_op_dtype(self.op, flat.buffer.dtype, pre, post)
-            meta = self._metas[flat.name] = Meta(
-                flat.name, "allreduce", dtype_name(flat.buffer.dtype), (flat.buffer.numel(),),
-                int(self.op), -1, pre, post, flat.layout)
+            meta = self._metas[flat.name] = mpi_ops.allreduce_meta(
+                flat.buffer, flat.name, self.op, pre, post, flat.layout)
         future = engine().submit(meta, flat.buffer, flat.buffer, waiting=True)
         return future, (ctx, compressed)
 
@@ -277,56 +275,27 @@ def _flat_gradients(params: list, names: dict) -> list[_FlatGradients]:
     return out
 
 
-def _check_groups(groups: Any, params: list) -> Any:
-    """Validate Horovod's ``groups`` (accepted; the engine fuses whatever is ready)."""
+def _check_groups(groups: Any, params: list) -> None:
+    """Validate Horovod's ``groups`` (accepted; the engine fuses whatever is ready).
+
+    Raises:
+        ValueError: not None, an int >= 1 or lists of the optimizer's parameters.
+    """
     if groups is None:
-        return None
+        return
     if isinstance(groups, int) and not isinstance(groups, bool):
         if groups < 1:
             raise ValueError(f"groups must be >= 1, not {groups}")
-        return groups
+        return
     if isinstance(groups, (list, tuple)):
         ids = {id(p) for p in params}
         for group in groups:
             for p in group:
                 if id(p) not in ids:
                     raise ValueError("groups names a tensor that is not an optimizer parameter")
-        return groups
+        return
     raise ValueError(f"groups must be None, an int or a list of lists of parameters, not "
                      f"{type(groups).__name__}")
-
-
-def check_named_parameters(named_parameters: Any, param_groups: list,
-                           default_prefix: str) -> list[tuple[str, torch.Tensor]]:
-    """The validated ``(name, parameter)`` pairs for an optimizer's ``param_groups``.
-
-    ``named_parameters=None`` names parameters ``<default_prefix>.<group>.<index>``.
-    Raises:
-        ValueError: not (name, parameter) pairs, duplicate names, or a parameter of the
-            optimizer left unnamed.
-    """
-    if named_parameters is None:
-        return [(f"{default_prefix}.{i}.{j}", p) for i, group in enumerate(param_groups)
-                for j, p in enumerate(group["params"])]
-    named = list(named_parameters)
-    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
-        raise ValueError("named_parameters should be a sequence of (name, parameter) "
-                         "tuples, usually produced by model.named_parameters()")
-    seen: dict[str, int] = {}
-    for name, _ in named:
-        seen[name] = seen.get(name, 0) + 1
-    duplicates = sorted(n for n, c in seen.items() if c > 1)
-    if duplicates:
-        raise ValueError(f"parameter names in named_parameters must be unique; "
-                         f"duplicates: {duplicates}")
-    named_ids = {id(p) for _, p in named}
-    all_params = [p for group in param_groups for p in group["params"]]
-    unnamed = [i for i, p in enumerate(all_params) if id(p) not in named_ids]
-    if unnamed:
-        raise ValueError(f"named_parameters was given but {len(unnamed)} optimizer "
-                         f"parameter(s) are not in it (positions {unnamed} in the "
-                         f"optimizer's param_groups); name every parameter")
-    return named
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,
@@ -352,7 +321,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
             tensors; without it a sparse gradient raises ``TypeError``.
         backend: ``"allreduce"`` (default: gradients all-reduced over ranks) or ``"ps"``:
             gradients averaged through a :class:`mpicoll.ps.ParameterServer` built from
-            ``ps_options`` (see :func:`mpicoll.ps.torch.distributed_optimizer`; e.g.
+            ``ps_options`` (see :func:`mpicoll.ps.torch_optimizer.distributed_optimizer`; e.g.
             ``num_servers="colocated"``, ``server_optimizer="adam"``, ``lr=...``).
         ps_options: the parameter server's options (only with ``backend="ps"``).
     Returns:
@@ -369,7 +338,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                              "compression, backward_passes_per_step, op, "
                              "gradient_predivide_factor, num_groups, groups and "
                              "sparse_as_dense are for backend='allreduce'")
-        from ..ps.torch import distributed_optimizer  # noqa: PLC0415  (optional layer)
+        from ..ps.torch_optimizer import distributed_optimizer  # noqa: PLC0415  (optional layer)
 
         return distributed_optimizer(optimizer, named_parameters, **ps_options)
     if backend != "allreduce":
@@ -377,11 +346,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     if ps_options:
         raise TypeError(f"unexpected keyword arguments {sorted(ps_options)} "
                         f"(parameter-server options need backend='ps')")
-    base = optimizer.__class__
-    cls = type(base.__name__, (base,), {k: v for k, v in _DistributedOptimizer.__dict__.items()
-                                        if k not in ("__dict__", "__weakref__")})
-    dist = cls.__new__(cls)
-    dist.__dict__.update(optimizer.__dict__)
+    dist = wrap_optimizer(optimizer, _DistributedOptimizer)
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
         raise ValueError(f"num_groups must be an int >= 0, not {num_groups!r}")
     dist._sparse_as_dense = bool(sparse_as_dense)

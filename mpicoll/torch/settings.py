@@ -26,19 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from .. import config
 from ..algorithms.registry import names
 
-__all__ = ["Settings", "from_environment", "VARIABLES"]
-
-VARIABLES = {
-    "MPICOLL_FUSION_THRESHOLD": "largest fused all-reduce buffer in bytes (default 64 MiB)",
-    "MPICOLL_CYCLE_TIME_MS": "shortest time between negotiation rounds in ms (default 0.5)",
-    "MPICOLL_ALLREDUCE_ALGORITHM": "all-reduce algorithm of mpicoll.torch (default auto)",
-    "MPICOLL_STALL_CHECK_TIME_SECONDS": "stall inspector warning delay in s (default 60)",
-    "MPICOLL_OVERLAP": "overlap communication with computation: auto (default), 1 or 0",
-}
+__all__ = ["Settings", "from_environment"]
 
 DEFAULT_FUSION_THRESHOLD = 64 << 20
 

@@ -69,11 +69,7 @@ def shutdown() -> None:
         engine, _engine = _engine, None
     if engine is None or not engine.alive() or MPI.Is_finalized():
         return
-    from .negotiation import SHUTDOWN, Meta  # noqa: PLC0415
-
-    future = engine.submit(Meta(SHUTDOWN, "shutdown"))
-    engine.wait(future)
-    engine._thread.join()
+    engine.shutdown()
 
 
 def is_initialized() -> bool:

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from mpicoll.torch import Compression, ops  # noqa: E402
 from mpicoll.torch.dtypes import check_supported, numpy_view, reduce_dtype  # noqa: E402
 from mpicoll.torch.fusion import plan_buckets  # noqa: E402
-from mpicoll.torch.negotiation import JOIN, Meta, Negotiator  # noqa: E402
+from mpicoll.torch.negotiation import JOIN, SHUTDOWN, Meta, Negotiator  # noqa: E402
 from mpicoll.torch.settings import from_environment  # noqa: E402
 
 
@@ -40,11 +40,24 @@ def test_join_counts_joined_ranks_as_submitted_and_reports_last():
     neg = Negotiator(3)
     neg.process([[Meta(JOIN, "join")], [], []], [True, False, False])
     out = neg.process([[], [ar("g")], [ar("g")]], [True, False, False])
-    assert [r.name for r in out] == ["g"] and out[0].joined == frozenset({0})
+    assert [r.name for r in out] == ["g"] and out[0].error is None
     out = neg.process([[], [Meta(JOIN, "join")], []], [True, True, False])
     assert out == []
     out = neg.process([[], [], [Meta(JOIN, "join")]], [True, True, True])
     assert out[-1].kind == "join" and out[-1].last_joined == 2 and not neg.busy()
+
+
+def test_deadlock_verdict_keeps_shutdown_pending():
+    # Rank 1 asked to shut down while rank 0 waits for an operation rank 1 never submits:
+    # the operation fails, the shutdown waits for rank 0 (which goes on to ask for it).
+    neg = Negotiator(2)
+    shutdown = Meta(SHUTDOWN, "shutdown")
+    out = neg.process([[ar("x")], [shutdown]], [True, True])
+    assert [(r.name, "can never complete" in r.error) for r in out] == [("x", True)]
+    assert neg.busy()
+    assert neg.process([[], []], [False, True]) == []
+    out = neg.process([[shutdown], []], [True, True])
+    assert [(r.kind, r.error) for r in out] == [("shutdown", None)] and not neg.busy()
 
 
 def test_deadlock_fails_every_incomplete_entry():
@@ -81,13 +94,13 @@ def test_fusion_buckets_respect_threshold_and_key():
 
 
 def test_ops_resolution():
-    assert ops.resolve_op() is not None and int(ops.resolve_op()) == int(ops.Average)
-    assert int(ops.resolve_op(average=False)) == int(ops.Sum)
+    assert ops.resolve_reduce_op() is not None and int(ops.resolve_reduce_op()) == int(ops.Average)
+    assert int(ops.resolve_reduce_op(average=False)) == int(ops.Sum)
     assert repr(ops.Max) == "Max"
     with pytest.raises(ValueError, match="not both"):
-        ops.resolve_op(average=True, op=ops.Sum)
+        ops.resolve_reduce_op(average=True, op=ops.Sum)
     with pytest.raises(ValueError):
-        ops.resolve_op(op=17)
+        ops.resolve_reduce_op(op=17)
     with pytest.raises(TypeError):
         ops.check_op_dtype(ops.Sum, torch.bool, 1.0, 1.0)
 

@@ -66,8 +66,8 @@ def test_bad_arguments_raise_locally_before_sending():
         hvd.broadcast(torch.ones(2), root_rank=hvd.size())
     with pytest.raises(ValueError, match="at least one dimension"):
         hvd.allgather(torch.tensor(1.0))
-    with pytest.raises(ValueError, match="floating"):
-        hvd.allreduce_async(torch.ones(2, dtype=torch.int32), prescale_factor=2.0)
+    with pytest.raises(ValueError, match="bool"):
+        hvd.allreduce_async(torch.ones(2, dtype=torch.bool), op=hvd.Max, prescale_factor=2.0)
     with pytest.raises(ValueError, match="unknown handle"):
         hvd.synchronize(10 ** 9)
 

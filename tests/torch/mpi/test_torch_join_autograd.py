@@ -50,22 +50,40 @@ def test_allreduce_gradient():
     assert torch.allclose(z.grad, torch.ones(2))
 
 
-def test_allgather_gradient():
-    rows = hvd.rank() + 1
-    x = torch.ones(rows, 2, requires_grad=True)
-    y = hvd.allgather(x)
-    weights = torch.arange(float(y.shape[0])).unsqueeze(1).expand(-1, 2)
-    (y * weights).sum().backward()
-    start = sum(r + 1 for r in range(hvd.rank()))
-    expect = weights[start:start + rows] * hvd.size()
-    assert torch.equal(x.grad, expect)
+def test_allgather_gradient_is_averaged_over_ranks_like_horovod():
+    # Horovod's backward: all-reduce the incoming gradient with Average, keep this rank's
+    # rows. The incoming gradient differs per rank (scaled by rank + 1). Every collective
+    # runs before the first assertion: gradients differ per rank, so a rank that failed
+    # early would leave the others waiting in the next collective.
+    n, me = hvd.size(), hvd.rank()
+    rows = me + 1
+    start = sum(r + 1 for r in range(me))
+    mean_scale = sum(r + 1 for r in range(n)) / n
+    got, expected = [], []
+    for rep in range(2):
+        x = torch.full((rows, 2), float(rep), requires_grad=True)
+        y = hvd.allgather(x, name=f"ag.grad.{rep}")
+        base = torch.arange(float(y.shape[0])).unsqueeze(1).expand(-1, 2) + rep
+        (y * base * (me + 1)).sum().backward()
+        got.append(x.grad)
+        expected.append(base[start:start + rows] * mean_scale)
+    for grad, expect in zip(got, expected):
+        assert grad.shape == (rows, 2)
+        assert torch.allclose(grad, expect, rtol=1e-6, atol=0)
 
 
-def test_broadcast_gradient():
-    root = hvd.size() - 1
-    x = torch.full((2,), float(hvd.rank()), requires_grad=True)
-    y = hvd.broadcast(x, root_rank=root)
-    assert torch.equal(y.detach(), torch.full((2,), float(root)))
-    (y * 3).sum().backward()
-    expect = torch.full((2,), 3.0 * hvd.size()) if hvd.rank() == root else torch.zeros(2)
-    assert torch.equal(x.grad, expect)
+def test_broadcast_gradient_is_averaged_onto_the_root_like_horovod():
+    # Horovod's backward: all-reduce the incoming gradient with Average; zero off the root.
+    # (Collectives first, assertions after: see the all-gather test.)
+    n, me = hvd.size(), hvd.rank()
+    mean_scale = sum(r + 1 for r in range(n)) / n
+    got = []
+    for root in sorted({0, n - 1}):
+        x = torch.full((2,), float(me), requires_grad=True)
+        y = hvd.broadcast(x, root_rank=root, name=f"bc.grad.{root}")
+        (y * torch.tensor([3.0, 5.0]) * (me + 1)).sum().backward()
+        got.append((root, y.detach(), x.grad))
+    for root, value, grad in got:
+        assert torch.equal(value, torch.full((2,), float(root)))
+        expect = torch.tensor([3.0, 5.0]) * mean_scale if me == root else torch.zeros(2)
+        assert torch.allclose(grad, expect, rtol=1e-6, atol=0)

@@ -35,7 +35,7 @@ opt.serve()`` instead of the loop.
 :class:`PSOptimizer` — a torch-optimizer-shaped front end with the server-side optimizer
 only (no wrapped torch optimizer)::
 
-    from mpicoll.ps.torch import PSOptimizer
+    from mpicoll.ps.torch_optimizer import PSOptimizer
     opt = PSOptimizer(model.named_parameters(), num_servers=1, optimizer="adam", lr=1e-3)
     if opt.is_server:
         opt.serve()
@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from ..torch.optimizer import check_named_parameters
+from ..torch.optim_wrapping import check_named_parameters, wrap_optimizer
 from .core import ParameterServer
 from .errors import PSError
 
@@ -293,15 +293,8 @@ def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: An
     local = server_optimizer == "sum"
     if local:
         options.setdefault("average", True)
-    base = optimizer.__class__
-    attrs: dict[str, Any] = {}
-    for mixin in (_PSTraining, _PSDistributedOptimizer):
-        attrs.update({k: v for k, v in mixin.__dict__.items()
-                      if k not in ("__dict__", "__weakref__", "__annotations__")})
-    attrs["_ps_base"] = base
-    cls = type(base.__name__, (base,), attrs)
-    dist = cls.__new__(cls)
-    dist.__dict__.update(optimizer.__dict__)
+    dist = wrap_optimizer(optimizer, _PSTraining, _PSDistributedOptimizer,
+                          _ps_base=optimizer.__class__)
     dist._ps_skip = False
     dist._ps_setup(named, local_update=local, ps_options=options)
     return dist
