@@ -13,7 +13,9 @@ through the dispatcher ``mpirun -n N python -m bench <name> [options]``:
 ``tune``           measure this machine and write a tuning table for ``algorithm="auto"``
 ``make_docs``      run the documented sweep and regenerate docs/benchmarks.md (+ PNGs)
 ``torch``          training throughput: mpicoll.torch vs DDP (gloo) vs hand-rolled loop
-``ps``             parameter-server push/pull throughput and loss vs time (docs/ps.md)
+``ps``             parameter-server push/pull throughput and loss vs time (docs/results/ps.md)
+``compression``    gradient codecs' throughput; compressed vs uncompressed all-reduce
+                   (docs/compression.md)
 =================  ==============================================================
 
 Importing this package does not initialise MPI (``--thread-level`` must be applied first).
@@ -30,5 +32,5 @@ BENCHMARKS = {
     "broadcast": "osu_bcast", "bcast": "osu_bcast", "osu_bcast": "osu_bcast",
     "reduce": "osu_reduce", "osu_reduce": "osu_reduce",
     "overhead": "overhead", "tune": "tune", "make_docs": "make_docs", "report": "report",
-    "torch": "bench_torch", "ps": "bench_ps",
+    "torch": "bench_torch", "ps": "bench_ps", "compression": "compression",
 }

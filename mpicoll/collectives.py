@@ -245,7 +245,8 @@ def _allreduce_steps(ctx: CommContext, send: Any, recv: Any, result: Any, opo: A
 
 
 def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
-              algorithm: str = "auto", *, check: bool | None = None) -> Any:
+              algorithm: str = "auto", *, check: bool | None = None,
+              compression: Any = None, feedback: Any = None) -> Any:
     """Reduce ``sendbuf`` elementwise over all ranks; every rank gets the result.
 
     Args:
@@ -257,7 +258,14 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
             ``"bor"``, ``"bxor"``, an mpi4py op (``MPI.SUM`` ...) or an :class:`Op`.
         comm: mpi4py intracommunicator; ``None`` means ``MPI.COMM_WORLD``.
         algorithm: a name from ``mpicoll.algorithms("allreduce")`` or ``"auto"``.
-        check: run the cross-rank agreement step (default: ``MPICOLL_CHECK``).
+        check: run the cross-rank agreement step (default: ``MPICOLL_CHECK``; with
+            ``compression`` the default is on).
+        compression: a codec name (``"fp16"``, ``"bf16"``, ``"int8"``, ``"onebit"``,
+            ``"topk:0.01"``, ``"randomk:0.01"``) or an :mod:`mpicoll.compression` codec:
+            run :func:`mpicoll.compression.allreduce` (float32/float64, op ``"sum"`` or
+            ``"average"``, its own ring); ``None`` or ``"none"``: uncompressed.
+        feedback: with ``compression``, the :class:`mpicoll.compression.ErrorFeedback`
+            holding this tensor's residual (default: kept with ``sendbuf``).
     Returns:
         The result array (``recvbuf`` when given). Every rank's result is bit-identical.
     Raises:
@@ -265,12 +273,28 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
         mpicoll.CollectiveError: in checked mode, another rank's bad arguments, or ranks
             that disagree.
     """
+    if compression is not None:
+        return _compressed_allreduce(sendbuf, recvbuf, op, comm, algorithm, check,
+                                     compression, feedback)
     if not check:  # the hot path: a cached call (mpicoll.fastpath)
         result = run_cached(("allreduce", id(sendbuf), id(recvbuf), id(op), id(algorithm),
                              id(comm)))
         if result is not MISS:
             return result
     return dispatch("allreduce", (sendbuf, recvbuf, op, algorithm), comm, check)
+
+
+def _compressed_allreduce(sendbuf: Any, recvbuf: Any, op: Any, comm: Any, algorithm: Any,
+                          check: Any, compression: Any, feedback: Any) -> Any:
+    if compression == "none":
+        return allreduce(sendbuf, recvbuf, op, comm, algorithm, check=check)
+    if algorithm != "auto":
+        raise ValueError(f"algorithm={algorithm!r} does not apply with compression=; the "
+                         f"compressed all-reduce runs its own ring")
+    from .compression import allreduce as compressed  # noqa: PLC0415  (loaded on first use)
+
+    return compressed(sendbuf, recvbuf, op, comm, compression=compression, feedback=feedback,
+                      check=True if check is None else check)
 
 
 def allreduce_init(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,

@@ -33,6 +33,8 @@ SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
         (3, {"MPICOLL_RANKS_PER_NODE": "2"}),                         # deferred path, uneven nodes
         (4, {"MPICOLL_RANKS_PER_NODE": "2", "MPICOLL_OVERLAP": "1"}),
     ],
+    # gradient compression (codecs, error feedback, compressed all-reduce)
+    "tests/compression/mpi": [(1, {}), (2, {}), (3, {}), (4, {}), (5, {}), (8, {})],
     # benchmark smoke tests: tiny sizes, validation on, no speed thresholds
     "tests/bench/mpi": [(1, {}), (2, {}), (3, {})],
 }

@@ -1,0 +1,183 @@
+"""Gradient compression benchmark: codec throughput and the compressed all-reduce.
+
+Two modes::
+
+    python -m bench.compression codecs [-s 16M] [-i 20]          # one process
+    mpirun -n 2 python -m bench.compression allreduce [-m 1M:64M] [-i 10] [-x 2]
+
+``codecs`` times ``encode`` and ``decode`` of every codec on a float32 vector of ``-s``
+bytes (standard normal data) and prints GB/s of input per second of encode+decode
+(best of ``-i`` runs, the machine being shared), the bytes on the wire and the relative
+error ``|x - decode(encode(x))| / |x|``.
+
+``allreduce`` times, for each power-of-two size, MPI's own all-reduce (``native``),
+mpicoll's ring (``ring``) and ``mpicoll.compression.allreduce`` with each codec (error
+feedback on, as in training), interleaved within each iteration; it prints the average
+time (the largest over ranks), the ratio to native and the payload bytes each rank sent
+(``mpicoll.compression.last_stats``; for ``ring`` the uncompressed ring's bytes).
+
+``--format csv|json --output PATH`` writes the rows as well. Options: ``--help``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if not __package__:  # run as a script: find bench and mpicoll
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from bench.common import (human_bytes, machine_description, parse_size,  # noqa: E402
+                          parse_size_range, power_of_two_sizes)
+
+CODECS = ["none", "fp16", "bf16", "int8", "int8:stochastic", "onebit", "topk:0.01",
+          "randomk:0.01"]
+ALLREDUCE_CODECS = ["fp16", "bf16", "int8", "onebit", "topk:0.01"]
+
+
+def bench_codecs(args: argparse.Namespace) -> list[dict]:
+    """Encode/decode throughput of each codec, best of ``args.iterations`` runs."""
+    from mpicoll.compression import get_codec, new_payload  # noqa: PLC0415
+
+    count = args.size // 4
+    x = np.random.default_rng(0).standard_normal(count).astype(np.float32)
+    out = np.empty_like(x)
+    rows = []
+    print(f"# mpicoll.compression codec throughput: {human_bytes(args.size)} float32, "
+          f"best of {args.iterations}")
+    print(f"# {'codec':<16}{'encode ms':>11}{'decode ms':>11}{'GB/s':>8}{'enc GB/s':>10}"
+          f"{'dec GB/s':>10}{'wire bytes':>13}{'ratio':>8}{'rel err':>10}")
+    for spec in args.codecs or CODECS:
+        codec = get_codec(spec)
+        _, parts = new_payload(codec, count)
+        enc = dec = float("inf")
+        for _ in range(args.iterations):
+            t0 = time.perf_counter()
+            codec.encode(x, parts)
+            t1 = time.perf_counter()
+            codec.decode(parts, count, np.float32, out)
+            t2 = time.perf_counter()
+            enc, dec = min(enc, t1 - t0), min(dec, t2 - t1)
+        wire = codec.wire_bytes(count)
+        err = float(np.linalg.norm(out - x) / np.linalg.norm(x))
+        row = {"codec": codec.name, "bytes": args.size, "encode_s": enc, "decode_s": dec,
+               "gbps": args.size / (enc + dec) / 1e9, "encode_gbps": args.size / enc / 1e9,
+               "decode_gbps": args.size / dec / 1e9, "wire_bytes": wire,
+               "ratio": args.size / wire, "rel_error": err}
+        rows.append(row)
+        print(f"  {row['codec']:<16}{enc * 1e3:>11.2f}{dec * 1e3:>11.2f}{row['gbps']:>8.2f}"
+              f"{row['encode_gbps']:>10.2f}{row['decode_gbps']:>10.2f}{wire:>13}"
+              f"{row['ratio']:>8.1f}{err:>10.2e}", flush=True)
+    return rows
+
+
+def bench_allreduce(args: argparse.Namespace) -> list[dict]:
+    """Compressed vs uncompressed all-reduce times and bytes per rank, under mpirun."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    import mpicoll  # noqa: PLC0415
+    from mpicoll import compression  # noqa: PLC0415
+
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    lo, hi = args.message_size
+    methods = ["native", "ring"] + (args.codecs or ALLREDUCE_CODECS)
+    rows = []
+    if rank == 0:
+        print(f"# mpicoll.compression.allreduce vs uncompressed, n = {n}, op = sum, "
+              f"float32, error feedback on; {args.iterations} iterations after "
+              f"{args.warmup} warm-up, time = average, largest over ranks")
+        print(f"# {'Size':>10} {'method':<16}{'time ms':>10}{'x native':>10}"
+              f"{'MB sent/rank':>14}{'rel err':>10}")
+    for size in power_of_two_sizes(lo, hi):
+        count = size // 4
+        x = np.random.default_rng([rank, size]).standard_normal(count).astype(np.float32)
+        exact = np.empty_like(x)
+        comm.Allreduce(x, exact)
+        outs = {m: np.empty_like(x) for m in methods}
+        fbs = {m: compression.ErrorFeedback() for m in methods}
+        times = {m: 0.0 for m in methods}
+        sent = {m: 0 for m in methods}
+
+        def run(m: str, x: np.ndarray = x, outs: dict = outs, fbs: dict = fbs,
+                sent: dict = sent) -> None:
+            if m == "native":
+                comm.Allreduce(x, outs[m])
+            elif m == "ring":
+                mpicoll.allreduce(x, outs[m], algorithm="ring")
+            else:
+                compression.allreduce(x, outs[m], compression=m, feedback=fbs[m])
+                sent[m] = compression.last_stats().bytes_sent
+
+        for it in range(args.warmup + args.iterations):
+            for m in methods:  # interleaved: every method sees the same machine state
+                comm.Barrier()
+                t0 = time.perf_counter()
+                run(m)
+                dt = time.perf_counter() - t0
+                if it >= args.warmup:
+                    times[m] += dt
+        ring_bytes = 2 * (n - 1) * size // n
+        base = comm.allreduce(times["native"] / args.iterations, op=MPI.MAX)
+        for m in methods:
+            t = comm.allreduce(times[m] / args.iterations, op=MPI.MAX)
+            b = comm.allreduce(sent[m] if m not in ("native", "ring") else ring_bytes,
+                               op=MPI.MAX)
+            err = float(np.linalg.norm(outs[m] - exact) / max(np.linalg.norm(exact), 1e-30))
+            err = comm.allreduce(err, op=MPI.MAX)
+            row = {"bytes": size, "method": m, "n": n, "time_s": t, "vs_native": t / base,
+                   "bytes_sent_per_rank": b, "rel_error_first_call": err}
+            rows.append(row)
+            if rank == 0:
+                print(f"  {size:>10} {m:<16}{t * 1e3:>10.2f}{t / base:>10.2f}"
+                      f"{b / 1e6:>14.2f}{err:>10.2e}", flush=True)
+    return rows if rank == 0 else []
+
+
+def _rank() -> int:
+    from mpi4py import MPI  # noqa: PLC0415
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["codecs", "allreduce"])
+    parser.add_argument("-s", "--size", type=parse_size, default="16M",
+                        help="codecs: vector size in bytes (default 16M)")
+    parser.add_argument("-m", "--message-size", type=parse_size_range, default="1M:64M",
+                        help="allreduce: MIN:MAX bytes, powers of two (default 1M:64M)")
+    parser.add_argument("-i", "--iterations", type=int, default=None,
+                        help="timed runs (default 20 for codecs, 10 for allreduce)")
+    parser.add_argument("-x", "--warmup", type=int, default=2, help="allreduce warm-up runs")
+    parser.add_argument("--codecs", nargs="+", default=None, help="codec specs to run")
+    parser.add_argument("--format", choices=["csv", "json"], default=None)
+    parser.add_argument("--output", default=None, help="file for --format (default stdout)")
+    args = parser.parse_args(argv)
+    if args.iterations is None:
+        args.iterations = 20 if args.mode == "codecs" else 10
+    if args.mode == "codecs" or _rank() == 0:
+        print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+              f"{machine_description()}")
+    rows = bench_codecs(args) if args.mode == "codecs" else bench_allreduce(args)
+    if args.format and rows:
+        if args.format == "json":
+            text = json.dumps(rows, indent=1)
+        else:
+            keys = list(rows[0])
+            text = "\n".join([",".join(keys)] + [",".join(str(r[k]) for k in keys)
+                                                   for r in rows]) + "\n"
+        if args.output:
+            with open(args.output, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        else:
+            print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""Gradient compression: codecs, error feedback and a compressed all-reduce.
+
+>>> import numpy as np
+>>> from mpicoll import compression
+>>> g = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+>>> out = compression.allreduce(g, op="average", compression="int8")   # any world size
+>>> compression.last_stats().bytes_sent                               # doctest: +SKIP
+
+Codecs (:mod:`~mpicoll.compression.codecs`): ``none``, ``fp16``, ``bf16``, ``int8``,
+``onebit``, ``topk:RATIO``, ``randomk:RATIO`` (:func:`get_codec`). Error feedback
+(:class:`ErrorFeedback`) is on by default for lossy codecs. See docs/compression.md.
+"""
+from __future__ import annotations
+
+from .allreduce import AllreduceStats, allreduce, last_stats
+from .codecs import (CODECS, BF16Codec, Codec, FP16Codec, Int8Codec, NoneCodec, OneBitCodec,
+                     RandomKCodec, TopKCodec, get_codec, new_payload)
+from .feedback import ErrorFeedback, tensor_feedback
+
+__all__ = ["allreduce", "last_stats", "AllreduceStats", "get_codec", "new_payload", "Codec",
+           "NoneCodec", "FP16Codec", "BF16Codec", "Int8Codec", "OneBitCodec", "TopKCodec",
+           "RandomKCodec", "CODECS", "ErrorFeedback", "tensor_feedback"]

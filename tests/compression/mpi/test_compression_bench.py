@@ -1,0 +1,37 @@
+"""Smoke test of bench/compression.py's all-reduce mode at every world size."""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from compression_cases import RANK, SIZE
+
+ROOT = str(Path(__file__).resolve().parents[3])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+pytestmark = pytest.mark.mpi
+
+
+def test_allreduce_mode_runs():
+    from bench import compression as bench_compression  # noqa: PLC0415
+
+    # (no pytest tmp_path: every rank's pytest would clean the same base directory)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        rc = bench_compression.main(["allreduce", "-m", "4K:8K", "-i", "1", "-x", "0",
+                                     "--codecs", "int8", "topk:0.1", "--format", "json",
+                                     "--output", str(out)])
+        assert rc == 0
+        rows = json.loads(out.read_text()) if RANK == 0 else []
+    if RANK == 0:
+        assert {r["method"] for r in rows} == {"native", "ring", "int8", "topk:0.1"}
+        assert {r["bytes"] for r in rows} == {4096, 8192}
+        for r in rows:
+            assert r["n"] == SIZE
+            if r["method"] == "native":
+                assert r["rel_error_first_call"] == 0
