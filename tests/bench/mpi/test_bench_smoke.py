@@ -121,7 +121,9 @@ def test_overhead_benchmark(tmp_path, capsys):
     if RANK == 0:
         with open(out, encoding="utf-8") as fh:
             res = json.load(fh)
-        assert set(res["per_call_us"]) == {"mpi", "auto", *mpicoll.algorithms("allreduce")}
+        assert set(res["per_call_us"]) == {"mpi", "auto", *mpicoll.algorithms("allreduce"),
+                                           "auto persistent", "mpi new-out", "auto new-out",
+                                           "mpi new-in", "auto uncached"}
         assert res["memcpy_GBps"] > 0 and res["add_GBps"] > 0
         assert res["command"].startswith(f"mpirun -n {SIZE} python -m bench.overhead ")
         assert res["date"].endswith("UTC")
