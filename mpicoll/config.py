@@ -75,8 +75,9 @@ VARIABLES: tuple[Variable, ...] = (
              "`srun` or `mpirun` (inside the allocation)"),
     Variable("MPICOLL_SRUN_MPI", "jobs/", "`pmi2`",
              "srun's `--mpi` plugin (`pmi2` is what the MPICH wheel speaks)"),
-    Variable("MPICOLL_MPIRUN", "jobs/", "`mpirun` on PATH",
-             "the mpirun executable when `MPICOLL_LAUNCHER=mpirun`"),
+    Variable("MPICOLL_MPIRUN", "jobs/, cluster/", "`mpirun` on PATH",
+             "the mpirun executable when `MPICOLL_LAUNCHER=mpirun`, and of "
+             "`cluster/cluster mpirun` (default there: the checkout's `.venv/bin/mpirun`)"),
     Variable("MPICOLL_PYTHON", "jobs/", "`python3` on PATH", "the Python the job runs"),
     Variable("MPICOLL_STEP_NTASKS", "jobs/", "`$SLURM_NTASKS`", "tasks of one job step"),
     Variable("MPICOLL_SLURM_TESTS", "tests", "on",
@@ -89,6 +90,16 @@ VARIABLES: tuple[Variable, ...] = (
              "slurmctld port; slurmd uses the next one"),
     Variable("MPICOLL_SLURM_TIMEOUT", ".ci/slurm/", "120",
              "seconds to wait for the local Slurm node to become idle"),
+    Variable("MPICOLL_CLUSTER_TESTS", "tests", "on",
+             "`0` skips the tests that bring up the namespace cluster (tests/cluster/)"),
+    Variable("MPICOLL_CLUSTER_DIR", "cluster/", "`/tmp/mpicoll-cluster`",
+             "state directory of the namespace cluster (docs/cluster.md)"),
+    Variable("MPICOLL_CLUSTER_PREFIX", "cluster/", "`mpicoll`",
+             "name prefix of the namespace cluster's network namespaces"),
+    Variable("MPICOLL_CLUSTER_SUBNET", "cluster/", "`10.78.0`",
+             "first three octets of the namespace cluster's /24 network"),
+    Variable("MPICOLL_CLUSTER_HOSTFILE", "cluster/", "the cluster's own",
+             "host file that `cluster/cluster mpirun` gives hydra"),
 )
 
 

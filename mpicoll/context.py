@@ -9,6 +9,7 @@ and a cache of plans (neighbours, chunk bounds, scratch buffers) keyed by
 """
 from __future__ import annotations
 
+import atexit
 import threading
 from typing import Any, Callable
 
@@ -114,6 +115,25 @@ class CommContext:
             self._topology = None
         if self.p2p != MPI.COMM_NULL and not MPI.Is_finalized():
             self.p2p.Free()
+
+
+@atexit.register
+def _free_all_at_exit() -> None:
+    """Free every context before mpi4py finalizes MPI.
+
+    mpi4py calls ``MPI_Finalize`` after the interpreter's own shutdown, when no attribute
+    delete callback runs any more, so contexts would still hold their MPI objects then; a
+    shared-memory window (``shm`` all-reduce) left open makes ``MPI_Finalize`` fail over
+    MPICH's ofi netmod ("OFI call fabricclose failed ... Device or resource busy").
+    Registered after ``mpi4py.MPI`` is imported, so it runs before mpi4py's own handler.
+    """
+    if MPI.Is_finalized():
+        return
+    contexts = list(_by_handle.values())
+    _by_handle.clear()
+    fastpath.invalidate()
+    for ctx in contexts:
+        ctx.free()
 
 
 def resolve_comm(comm: Any, argname: str = "comm") -> MPI.Comm:

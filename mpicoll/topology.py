@@ -1,6 +1,8 @@
 """Node layout of a communicator: node-local and cross-node communicators.
 
-Ranks that share memory form a node (``MPI.COMM_TYPE_SHARED``). ``MPICOLL_RANKS_PER_NODE=k``
+Ranks that share memory form a node (``MPI.COMM_TYPE_SHARED``; MPICH takes the node map
+from the process manager, hydra's hosts or Slurm's nodes, not from hostnames: see
+docs/cluster.md). ``MPICOLL_RANKS_PER_NODE=k``
 instead cuts the communicator into emulated nodes of ``k`` consecutive ranks (the last one
 may hold fewer), so node-aware code runs and is tested on one machine. The layout is
 computed collectively once per communicator and cached on its context.

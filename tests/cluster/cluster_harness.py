@@ -1,0 +1,68 @@
+"""Helpers for the namespace-cluster tests: a private cluster/cluster instance to drive."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = ROOT / "cluster" / "cluster"
+
+
+class Cluster:
+    """A private namespace cluster: its state directory, prefix, and helpers to run in it."""
+
+    def __init__(self, state: Path, prefix: str) -> None:
+        self.state = state
+        self.prefix = prefix
+        self.env = dict(os.environ, MPICOLL_CLUSTER_DIR=str(state),
+                        MPICOLL_CLUSTER_PREFIX=prefix, PYTHONPATH=str(ROOT),
+                        PYTHONUNBUFFERED="1")
+        mpirun = Path(sys.executable).parent / "mpirun"
+        if mpirun.exists():
+            self.env["MPICOLL_MPIRUN"] = str(mpirun)
+        for var in ("MPICOLL_RANKS_PER_NODE", "MPICOLL_ALGORITHM", "MPICOLL_TUNING_FILE"):
+            self.env.pop(var, None)  # the real layout, the shipped table
+
+    def run(self, *args: str, timeout: float = 60, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+        """``cluster/cluster ARGS`` with a timeout (the whole process group killed after it)."""
+        proc = subprocess.Popen([str(CLUSTER), *args], cwd=ROOT, env={**self.env, **(env or {})},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            raise AssertionError(f"cluster {' '.join(args)} timed out after {timeout} s:\n{out}")
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+    def namespaces(self) -> list[str]:
+        """Network namespaces that carry this cluster's prefix."""
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False,
+                             timeout=10).stdout
+        return [w.split()[0] for w in out.splitlines() if w.startswith(self.prefix + "-")]
+
+
+def unavailable() -> str | None:
+    """Why the namespace cluster cannot run here, or None."""
+    if os.environ.get("MPICOLL_CLUSTER_TESTS", "1") == "0":
+        return "MPICOLL_CLUSTER_TESTS=0"
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "not root: the namespace cluster needs root (ip netns, veth, tc)"
+    for tool in ("ip", "tc", "nsenter", "unshare"):
+        if shutil.which(tool) is None and not Path("/usr/sbin", tool).exists():
+            return f"'{tool}' not found"
+    return None
+
+
+def new_cluster(tmp_path_factory: pytest.TempPathFactory, tag: str) -> Cluster:
+    """A cluster with a private state directory and namespace prefix (not started)."""
+    return Cluster(tmp_path_factory.mktemp(f"cluster-{tag}") / "state",
+                   f"mpct{os.getpid() % 100000}{tag}")
