@@ -42,3 +42,12 @@ def algorithms(collective: str) -> list[str]:
         ValueError: unknown collective.
     """
     return _names(collective)
+
+
+def __getattr__(name: str):  # noqa: ANN202
+    """``mpicoll.info`` (a callable module: ``mpicoll.info()``) is imported on first use."""
+    if name == "info":
+        import importlib  # noqa: PLC0415
+
+        return importlib.import_module(".info", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

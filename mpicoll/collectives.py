@@ -18,6 +18,7 @@ from .buffers import flat_view, is_in_place
 from .checked import agree
 from .context import CommContext, get_context, resolve_comm
 from .fastpath import MISS, run_cached
+from .gpu.arrays import any_device as _any_device
 from .ops import resolve_op
 from .partition import block_bounds
 from .selection import algorithm_options, resolve_algorithm
@@ -178,6 +179,13 @@ def dispatch(collective: str, args: tuple, comm: Any = None, check: Any = None,
     ``(collective, args + (comm,))``: the same objects, in the same order, that the caller
     passes to :func:`~mpicoll.fastpath.run_cached`.
     """
+    if _any_device(args):  # device arrays (mpicoll.gpu): staged, or straight to MPI
+        from .gpu import route  # noqa: PLC0415  (GPU modules only from here on)
+
+        ran, value = route.device_call(collective, args, comm, check, _PUBLIC[collective])
+        if ran:
+            return value
+        args = value  # CUDA-aware MPI: producers synchronised, CuPy views of the buffers
     ctx = get_context(resolve_comm(comm))
     plan = _planned(ctx, collective, args, check)
     cacheable = plan.remake is not None or not plan.fresh
@@ -314,6 +322,8 @@ def allreduce_init(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
+    if _any_device((sendbuf, recvbuf)):  # device arrays: each call through dispatch
+        return lambda: allreduce(sendbuf, recvbuf, op, comm, algorithm, check=check)
     if recvbuf is None and not is_in_place(sendbuf):
         recvbuf = buffers.array_module(sendbuf).empty_like(sendbuf)
     ctx = get_context(resolve_comm(comm))
@@ -526,3 +536,8 @@ def reduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", root: int = 0,
 _PLANS: dict[str, Callable[..., Plan]] = {
     "allreduce": _allreduce_plan, "reduce_scatter": _reduce_scatter_plan,
     "allgather": _allgather_plan, "broadcast": _broadcast_plan, "reduce": _reduce_plan}
+
+#: The public function of each collective (what the staged path runs on host chunks).
+_PUBLIC: dict[str, Callable[..., Any]] = {
+    "allreduce": allreduce, "reduce_scatter": reduce_scatter, "allgather": allgather,
+    "broadcast": broadcast, "reduce": reduce}

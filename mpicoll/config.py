@@ -51,6 +51,21 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MPICOLL_ALGORITHM", "mpicoll", "unset",
              "force one algorithm wherever `auto` is asked for (a name not registered for a "
              "collective is ignored there)"),
+    Variable("MPICOLL_CUDA_AWARE", "mpicoll.gpu", "detect",
+             "`1`: the MPI library takes device pointers (device arrays go straight to "
+             "MPI); `0`: stage them through pinned host memory; unset or `auto`: detect "
+             "(`mpi_memory_alloc_kinds`, then `MPIX_GPU_query_support` / "
+             "`MPIX_Query_cuda_support`; unknown means not aware). Read once per process"),
+    Variable("MPICOLL_STAGING_BYTES", "mpicoll.gpu", "64 MiB",
+             "bound of the pinned host memory of the staged path (device arrays with an MPI "
+             "that is not CUDA-aware), per process: its three chunk slots fit in it"),
+    Variable("MPICOLL_STAGING_CHUNK_BYTES", "mpicoll.gpu", "`auto`",
+             "bytes of one pinned slot of the staged path (`auto`: about 1/8 of the "
+             "message, at least 256 KiB); must be equal on every rank"),
+    Variable("MPICOLL_DEVICE", "mpicoll.gpu", "`auto`",
+             "GPU of each rank in `mpicoll.gpu.device.select_device()`: `auto` (local rank "
+             "modulo the visible GPUs; ranks may share one), an ordinal, a comma-separated "
+             "list indexed by local rank, or `none` (leave the current device)"),
     Variable("MPICOLL_FUSION_THRESHOLD", "mpicoll.torch", "64 MiB",
              "largest fused all-reduce buffer in bytes (`0`: one all-reduce per tensor)"),
     Variable("MPICOLL_CYCLE_TIME_MS", "mpicoll.torch", "0.5",

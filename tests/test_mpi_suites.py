@@ -35,6 +35,8 @@ SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
     ],
     # gradient compression (codecs, error feedback, compressed all-reduce)
     "tests/compression/mpi": [(1, {}), (2, {}), (3, {}), (4, {}), (5, {}), (8, {})],
+    # GPU support on the CPU: the staged pipeline over simulated devices (GPU tests skip)
+    "tests/gpu/mpi": [(1, {}), (2, {}), (3, {})],
     # benchmark smoke tests: tiny sizes, validation on, no speed thresholds
     "tests/bench/mpi": [(1, {}), (2, {}), (3, {})],
 }

@@ -1,0 +1,22 @@
+"""GPU buffers: CUDA-awareness detection, device arrays, the staged (pinned host) path.
+
+Importing this package imports nothing GPU-related: CuPy is imported only by
+:mod:`mpicoll.gpu.cupy_copies`, when a device array actually reaches a collective.
+
+Modules:
+    detect: :func:`~mpicoll.gpu.detect.cuda_aware`, decided once per process.
+    arrays: recognising device arrays (CuPy, ``__cuda_array_interface__``, DLPack),
+        their producer streams, and the checks on one call's buffers.
+    staging: :func:`~mpicoll.gpu.staging.staged`, the chunked, pipelined path through
+        pinned host buffers for MPI libraries that are not CUDA-aware.
+    simulated: :class:`~mpicoll.gpu.simulated.SimulatedCopies`, a host stand-in for the
+        device with deferred streams (the CPU tests of the pipeline use it).
+    cupy_copies: the CuPy implementation of the copy interface.
+    device: :func:`~mpicoll.gpu.device.select_device` (``MPICOLL_DEVICE``).
+    route: what :func:`mpicoll.collectives.dispatch` calls when a device array is passed.
+
+See docs/gpu.md.
+"""
+from __future__ import annotations
+
+__all__: list[str] = []

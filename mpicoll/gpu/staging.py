@@ -1,0 +1,595 @@
+"""The staged path: device buffers through pinned host buffers, chunked and pipelined.
+
+For MPI libraries that are not CUDA-aware (the MPICH and Open MPI wheels), a collective on
+device arrays runs as a sequence of host collectives on chunks of the data, each chunk
+copied device-to-host (d2h) into a pinned host *slot*, reduced or moved by the host
+collective (the public ``mpicoll`` function, through ``host_call``), and copied
+host-to-device (h2d) into the result. With three slots the copies overlap the host work::
+
+    host thread:  issue d2h(0) | issue d2h(1), wait d2h(0), host(0), issue h2d(0)
+                               | issue d2h(2), wait d2h(1), host(1), issue h2d(1) | ...
+    d2h stream:   d2h(0) d2h(1)        d2h(2)            d2h(3) ...
+    h2d stream:                 h2d(0)          h2d(1) ...
+
+so while the host collective runs on chunk k, the d2h copy of chunk k+1 and the h2d copy of
+chunk k-1 run on their own CUDA streams. Events order what must be ordered: the host
+waits for d2h(k) before its host call; the d2h stream waits for the h2d that last read a
+slot before refilling it (slot reuse); both copy streams first wait for the streams that
+produce the arrays; the call returns once the last h2d has completed.
+
+Chunking is decided only from values every rank has (count, dtype size, world size, the
+chunk and staging sizes), so every rank makes the same number of host calls with matching
+counts:
+
+- ``allreduce``, ``reduce``, ``broadcast``: elementwise chunks ``[k*e, (k+1)*e)``.
+- ``reduce_scatter``: chunk k holds chunk k of every rank's block (blocks as
+  ``numpy.array_split``), packed one after another; because blocks differ by at most one
+  element and the longer ones come first, the packed chunk splits into exactly those
+  pieces again, and the host reduce-scatter gives this rank chunk k of its block.
+- ``allgather``: chunk k of this rank's block goes to its place in a packed host buffer,
+  the host all-gather (in place) fills the other ranks' chunk k, which are unpacked to
+  their blocks of the result.
+
+The device work goes through a *copies* object (:class:`Copies`): the CuPy one
+(:mod:`mpicoll.gpu.cupy_copies`), or :class:`mpicoll.gpu.simulated.SimulatedCopies`, which
+runs the whole pipeline on the host with deferred streams (the CPU tests).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from .. import buffers
+from ..partition import block_bounds
+from .slots import HostSlots
+
+__all__ = ["COLLECTIVES", "NSLOTS", "DEFAULT_STAGING_BYTES", "MIN_CHUNK_BYTES",
+           "TARGET_CHUNKS", "Copies", "HostSlots", "staging_bytes", "chunk_bytes_setting",
+           "chunk_elements", "staged"]
+
+#: The collectives the staged path runs.
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+
+#: Pinned host slots in flight: d2h of k+1, host call on k, h2d of k-1.
+NSLOTS = 3
+
+#: Default bound of the pinned host memory of the staged path, per process (bytes).
+DEFAULT_STAGING_BYTES = 64 << 20
+
+#: Smallest automatic chunk (bytes of one slot): below it a chunk costs more in per-call
+#: overhead than the overlap saves.
+MIN_CHUNK_BYTES = 256 << 10
+
+#: Automatic chunking aims at this many chunks per call (within the bounds above).
+TARGET_CHUNKS = 8
+
+_STAGING_VAR = "MPICOLL_STAGING_BYTES"
+_CHUNK_VAR = "MPICOLL_STAGING_CHUNK_BYTES"
+
+
+def _env_bytes(name: str, default: int | None, minimum: int) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw or raw.lower() == "auto":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer number of bytes") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def staging_bytes() -> int:
+    """Bound of the staged path's pinned host memory per process (``MPICOLL_STAGING_BYTES``).
+
+    Raises:
+        ValueError: the variable is not an integer >= 3 (one byte per slot).
+    """
+    return _env_bytes(_STAGING_VAR, DEFAULT_STAGING_BYTES, NSLOTS)
+
+
+def chunk_bytes_setting() -> int | None:
+    """``MPICOLL_STAGING_CHUNK_BYTES`` (bytes of one slot), ``None`` for automatic.
+
+    Raises:
+        ValueError: the variable is not an integer >= 1 (or ``auto``).
+    """
+    return _env_bytes(_CHUNK_VAR, None, 1)
+
+
+class Copies(Protocol):
+    """What the pipeline needs from a device (CuPy, or a simulation on the host).
+
+    Device arrays below are the implementation's own arrays (``as_array``), flat slices
+    of them are passed to ``d2h``/``h2d``; host arrays are numpy views of pinned slots.
+    """
+
+    def as_array(self, obj: Any) -> Any:
+        """A zero-copy array view (CuPy, or numpy in a simulation) of a user's object."""
+
+    def empty_like(self, obj: Any) -> Any:
+        """A new user-facing object like ``obj`` (same family, device, shape, layout)."""
+
+    def empty(self, shape: tuple, dtype: Any, like: Any) -> Any:
+        """A new C-ordered user-facing object of ``shape`` on ``like``'s device."""
+
+    #: The reusable host slots (pinned memory for CuPy) this device's calls share.
+    host_pool: "HostSlots"
+
+    def begin(self, objs: Sequence[Any]) -> None:
+        """Make both copy streams wait for the streams producing these user objects."""
+
+    def d2h(self, dst: np.ndarray, src: Any, chunk: int) -> None:
+        """Queue a copy of device ``src`` into host ``dst`` on the d2h stream."""
+
+    def h2d(self, dst: Any, src: np.ndarray, chunk: int) -> None:
+        """Queue a copy of host ``src`` into device ``dst`` on the h2d stream."""
+
+    def record(self, stream: str, chunk: int) -> Any:
+        """Record an event on stream ``"d2h"`` or ``"h2d"``; return it."""
+
+    def wait(self, event: Any) -> None:
+        """Block the calling thread until ``event`` has completed."""
+
+    def stream_wait(self, stream: str, event: Any) -> None:
+        """Make ``stream`` wait (on the device) for ``event``."""
+
+    def finish(self, event: Any) -> None:
+        """End of a call: block until ``event`` (the last h2d) has completed."""
+
+    def drain(self) -> None:
+        """After an error: block until both copy streams are idle."""
+
+
+def chunk_elements(rows: int, itemsize: int, width: int, chunk_bytes: int | None,
+                   limit: int) -> int:
+    """Elements per chunk (per block for reduce_scatter/allgather).
+
+    Args:
+        rows: elements to split (the longest block for reduce_scatter/allgather).
+        itemsize: bytes per element.
+        width: slot elements per chunk element (1 elementwise; ``size + 1`` for
+            reduce_scatter, ``size`` for allgather).
+        chunk_bytes: bytes of one slot asked for (``None``: automatic: about
+            ``rows / TARGET_CHUNKS``, at least :data:`MIN_CHUNK_BYTES`).
+        limit: the pinned memory bound: ``NSLOTS`` slots never exceed it.
+    Returns:
+        At least 1.
+    """
+    per = itemsize * width
+    most = max(1, (limit // NSLOTS) // per)
+    if chunk_bytes is None:
+        least = max(1, MIN_CHUNK_BYTES // per)
+        want = max(least, math.ceil(rows / TARGET_CHUNKS))
+    else:
+        want = max(1, int(chunk_bytes) // per)
+    return max(1, min(want, most, max(rows, 1)))
+
+
+def _memory_flat(a: Any) -> Any:
+    """Flat view of contiguous array ``a`` in memory order (no copy)."""
+    if a.ndim == 1:
+        return a
+    if a.flags.c_contiguous:
+        return a.reshape(-1)
+    return a.T.reshape(-1)  # Fortran order: the transpose is C-contiguous
+
+
+def _user_prefix(obj: Any, count: int, view: Any) -> Any:
+    """The first ``count`` elements of the user's object, flat, in its own family."""
+    if hasattr(obj, "reshape") and type(obj).__module__.split(".")[0] in ("torch", "cupy",
+                                                                           "numpy"):
+        flat = obj.reshape(-1) if getattr(obj, "ndim", 1) <= 1 or _c_order(obj) \
+            else obj.T.reshape(-1)
+        return flat[:count]
+    return view[:count]
+
+
+def _c_order(obj: Any) -> bool:
+    flags = getattr(obj, "flags", None)
+    if flags is not None:
+        return bool(flags.c_contiguous)
+    fn = getattr(obj, "is_contiguous", None)
+    return bool(fn()) if callable(fn) else True
+
+
+class _Layout:
+    """Chunk k's copies and host-call arguments for one collective (see module doc)."""
+
+    n_chunks: int
+    slot_bytes: int
+    inputs: list[Any]
+    result: Any
+
+    def d2h(self, k: int, slot: np.ndarray) -> list[tuple[np.ndarray, Any]]:
+        raise NotImplementedError
+
+    def host_args(self, k: int, slot: np.ndarray) -> tuple:
+        raise NotImplementedError
+
+    def h2d(self, k: int, slot: np.ndarray) -> list[tuple[Any, np.ndarray]]:
+        raise NotImplementedError
+
+
+class _Elementwise(_Layout):
+    """allreduce, reduce, broadcast: chunk k is elements ``[k*e, (k+1)*e)``."""
+
+    def __init__(self, slots: HostSlots, src: Any, dst: Any, count: int, dtype: np.dtype,
+                 e: int, make_args: Callable[[np.ndarray], tuple]) -> None:
+        self.slots, self.src, self.dst, self.dtype = slots, src, dst, dtype
+        self.count, self.e, self.make_args = count, e, make_args
+        self.n_chunks = max(1, math.ceil(count / e))
+        self.slot_bytes = e * dtype.itemsize
+
+    def _span(self, k: int) -> tuple[int, int]:
+        lo = k * self.e
+        return lo, min(self.count, lo + self.e)
+
+    def _host(self, k: int, slot: np.ndarray) -> np.ndarray:
+        lo, hi = self._span(k)
+        return self.slots.view(slot, self.dtype, 0, hi - lo)
+
+    def d2h(self, k: int, slot: np.ndarray) -> list:
+        lo, hi = self._span(k)
+        return [(self._host(k, slot), self.src[lo:hi])] if self.src is not None and hi > lo \
+            else []
+
+    def host_args(self, k: int, slot: np.ndarray) -> tuple:
+        return self.make_args(self._host(k, slot))
+
+    def h2d(self, k: int, slot: np.ndarray) -> list:
+        lo, hi = self._span(k)
+        return [(self.dst[lo:hi], self._host(k, slot))] if self.dst is not None and hi > lo \
+            else []
+
+
+class _ReduceScatter(_Layout):
+    """Chunk k of every rank's block, packed; host reduce-scatter into a second region."""
+
+    def __init__(self, slots: HostSlots, src: Any, dst: Any, count: int, dtype: np.dtype,
+                 rank: int, size: int, e: int, op: Any) -> None:
+        self.slots, self.src, self.dst, self.dtype = slots, src, dst, dtype
+        self.rank, self.size, self.e, self.op = rank, size, e, op
+        self.bounds = block_bounds(count, size)
+        self.lens = [self.bounds[i + 1] - self.bounds[i] for i in range(size)]
+        rows = max(self.lens) if self.lens else 0
+        self.n_chunks = max(1, math.ceil(rows / e))
+        self.slot_bytes = e * (size + 1) * dtype.itemsize
+        self.nothing = np.empty(0, dtype)
+
+    def _pieces(self, k: int) -> list[int]:
+        return [max(0, min(self.e, n - k * self.e)) for n in self.lens]
+
+    def d2h(self, k: int, slot: np.ndarray) -> list:
+        out, at = [], 0
+        for i, m in enumerate(self._pieces(k)):
+            if m:
+                lo = self.bounds[i] + k * self.e
+                out.append((self.slots.view(slot, self.dtype, at, m), self.src[lo:lo + m]))
+            at += m
+        return out
+
+    def host_args(self, k: int, slot: np.ndarray) -> tuple:
+        pieces = self._pieces(k)
+        total = sum(pieces)
+        packed = self.slots.view(slot, self.dtype, 0, total)
+        if pieces[self.rank]:
+            mine = self.slots.view(slot, self.dtype, self.size * self.e, pieces[self.rank])
+        else:  # an empty view of the slot may carry the slot's own address, which MPI
+            # then rejects as aliasing the send buffer: a separate empty array instead
+            mine = self.nothing
+        return (packed, mine, self.op)
+
+    def h2d(self, k: int, slot: np.ndarray) -> list:
+        m = self._pieces(k)[self.rank]
+        if not m:
+            return []
+        lo = k * self.e
+        return [(self.dst[lo:lo + m], self.slots.view(slot, self.dtype, self.size * self.e,
+                                                      m))]
+
+
+class _Allgather(_Layout):
+    """Chunk k of this rank's block into its place; host all-gather in place; unpack."""
+
+    def __init__(self, slots: HostSlots, src: Any, dst: Any, block: int, dtype: np.dtype,
+                 rank: int, size: int, e: int, in_place: bool) -> None:
+        self.slots, self.src, self.dst, self.dtype = slots, src, dst, dtype
+        self.block, self.rank, self.size, self.e = block, rank, size, e
+        self.in_place = in_place
+        self.n_chunks = max(1, math.ceil(block / e))
+        self.slot_bytes = e * size * dtype.itemsize
+
+    def _m(self, k: int) -> int:
+        return max(0, min(self.e, self.block - k * self.e))
+
+    def d2h(self, k: int, slot: np.ndarray) -> list:
+        m = self._m(k)
+        if not m:
+            return []
+        lo = k * self.e
+        return [(self.slots.view(slot, self.dtype, self.rank * m, m), self.src[lo:lo + m])]
+
+    def host_args(self, k: int, slot: np.ndarray) -> tuple:
+        return (buffers.IN_PLACE, self.slots.view(slot, self.dtype, 0, self.size * self._m(k)))
+
+    def h2d(self, k: int, slot: np.ndarray) -> list:
+        m = self._m(k)
+        out = []
+        for i in range(self.size):
+            if m and not (self.in_place and i == self.rank):
+                lo = i * self.block + k * self.e
+                out.append((self.dst[lo:lo + m], self.slots.view(slot, self.dtype, i * m, m)))
+        return out
+
+
+def _fail(exc: Exception, report_error: Callable[[Exception], Any] | None) -> None:
+    if report_error is not None:
+        report_error(exc)  # checked mode: tells the other ranks, raises
+    raise exc
+
+
+def _dtype_of(view: Any, argname: str) -> np.dtype:
+    dtype = np.dtype(view.dtype)
+    buffers.check_dtype(dtype, argname)
+    return dtype
+
+
+def _check_root(root: Any, size: int) -> int:
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+        raise TypeError(f"root must be an int, not {type(root).__name__}")
+    if not 0 <= root < size:
+        raise ValueError(f"root={root} is out of range for a communicator of {size} ranks")
+    return int(root)
+
+
+def _plan(collective: str, args: tuple, copies: Copies, slots: HostSlots, rank: int,
+          size: int, chunk_bytes: int | None, limit: int) -> _Layout:
+    """Validate this rank's device arguments; the layout of the staged call."""
+    in_place = buffers.is_in_place
+    if collective in ("allreduce", "reduce", "broadcast"):
+        if collective == "broadcast":
+            buf, root = args
+            r = _check_root(root, size)
+            view = _memory_flat(copies.as_array(buf))
+            dtype = _dtype_of(view, "buf")
+            src, dst = (view, None) if rank == r else (None, view)
+            e = chunk_elements(view.size, dtype.itemsize, 1, chunk_bytes, limit)
+            layout = _Elementwise(slots, src, dst, view.size, dtype, e, lambda h: (h, r))
+            layout.inputs, layout.result = [buf], buf
+            return layout
+        if collective == "allreduce":
+            sendbuf, recvbuf, op = args
+            r, at_root = None, True
+        else:
+            sendbuf, recvbuf, op, root = args
+            r = _check_root(root, size)
+            at_root = rank == r
+            if not at_root and in_place(sendbuf):
+                raise ValueError(f"sendbuf is IN_PLACE/None on rank {rank}, which is not "
+                                 f"the root ({r}); only the root may reduce in place")
+        if in_place(sendbuf):
+            if recvbuf is None:
+                raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
+            dst = _memory_flat(copies.as_array(recvbuf))
+            src, result, inputs = dst, recvbuf, [recvbuf]
+            dtype = _dtype_of(dst, "recvbuf")
+        else:
+            src = _memory_flat(copies.as_array(sendbuf))
+            dtype = _dtype_of(src, "sendbuf")
+            inputs = [sendbuf]
+            if not at_root:
+                dst, result = None, None
+            elif recvbuf is None:
+                result = copies.empty_like(sendbuf)
+                dst = _memory_flat(copies.as_array(result))
+            else:
+                dst = _memory_flat(copies.as_array(recvbuf))
+                if np.dtype(dst.dtype) != dtype:
+                    raise TypeError(f"recvbuf has dtype {dst.dtype} but sendbuf has dtype "
+                                    f"{dtype}")
+                if dst.size != src.size:
+                    raise ValueError(f"recvbuf has {dst.size} elements but {src.size} are "
+                                     f"needed (as many as sendbuf)")
+                result = recvbuf
+                inputs.append(recvbuf)
+        count = src.size
+        e = chunk_elements(count, dtype.itemsize, 1, chunk_bytes, limit)
+        if collective == "allreduce":
+            def make_args(h: np.ndarray) -> tuple:
+                return (buffers.IN_PLACE, h, op)
+        elif at_root:
+            def make_args(h: np.ndarray) -> tuple:
+                return (buffers.IN_PLACE, h, op, r)
+        else:
+            def make_args(h: np.ndarray) -> tuple:
+                return (h, None, op, r)
+        layout = _Elementwise(slots, src, dst, count, dtype, e, make_args)
+        layout.inputs, layout.result = inputs, result
+        return layout
+    if collective == "reduce_scatter":
+        sendbuf, recvbuf, op = args
+        if in_place(sendbuf):
+            if recvbuf is None:
+                raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
+            full = _memory_flat(copies.as_array(recvbuf))
+            dtype = _dtype_of(full, "recvbuf")
+            bounds = block_bounds(full.size, size)
+            mine = bounds[rank + 1] - bounds[rank]
+            src, dst, inputs = full, full[:mine], [recvbuf]
+            result = _user_prefix(recvbuf, mine, dst)
+        else:
+            src = _memory_flat(copies.as_array(sendbuf))
+            dtype = _dtype_of(src, "sendbuf")
+            bounds = block_bounds(src.size, size)
+            mine = bounds[rank + 1] - bounds[rank]
+            inputs = [sendbuf]
+            if recvbuf is None:
+                result = copies.empty((mine,), dtype, sendbuf)
+                dst = _memory_flat(copies.as_array(result))
+            else:
+                dst = _memory_flat(copies.as_array(recvbuf))
+                if np.dtype(dst.dtype) != dtype:
+                    raise TypeError(f"recvbuf has dtype {dst.dtype} but sendbuf has dtype "
+                                    f"{dtype}")
+                if dst.size != mine:
+                    raise ValueError(f"recvbuf has {dst.size} elements but {mine} are needed "
+                                     f"(block {rank} of {src.size} elements over {size} "
+                                     f"ranks)")
+                result = recvbuf
+                inputs.append(recvbuf)
+        lens = [bounds[i + 1] - bounds[i] for i in range(size)]
+        e = chunk_elements(max(lens), dtype.itemsize, size + 1, chunk_bytes, limit)
+        layout = _ReduceScatter(slots, src, dst, src.size, dtype, rank, size, e, op)
+        layout.inputs, layout.result = inputs, result
+        return layout
+    if collective == "allgather":
+        sendbuf, recvbuf = args
+        if in_place(sendbuf):
+            if recvbuf is None:
+                raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
+            dst = _memory_flat(copies.as_array(recvbuf))
+            dtype = _dtype_of(dst, "recvbuf")
+            if dst.size % size:
+                raise ValueError(f"recvbuf has {dst.size} elements, not a multiple of the "
+                                 f"{size} ranks")
+            block = dst.size // size
+            src = dst[rank * block:(rank + 1) * block]
+            result, inputs = recvbuf, [recvbuf]
+        else:
+            view = copies.as_array(sendbuf)
+            src = _memory_flat(view)
+            dtype = _dtype_of(src, "sendbuf")
+            block = src.size
+            inputs = [sendbuf]
+            if recvbuf is None:
+                shape = ((size * view.shape[0],) + tuple(view.shape[1:]) if view.ndim
+                         else (size,))
+                result = copies.empty(shape, dtype, sendbuf)
+                dst = _memory_flat(copies.as_array(result))
+            else:
+                dst = _memory_flat(copies.as_array(recvbuf))
+                if np.dtype(dst.dtype) != dtype:
+                    raise TypeError(f"recvbuf has dtype {dst.dtype} but sendbuf has dtype "
+                                    f"{dtype}")
+                if dst.size != block * size:
+                    raise ValueError(f"recvbuf has {dst.size} elements but {block * size} "
+                                     f"are needed ({size} ranks x {block})")
+                result = recvbuf
+                inputs.append(recvbuf)
+        e = chunk_elements(block, dtype.itemsize, size, chunk_bytes, limit)
+        layout = _Allgather(slots, src, dst, block, dtype, rank, size, e,
+                            in_place(sendbuf))
+        layout.inputs, layout.result = inputs, result
+        return layout
+    raise ValueError(f"unknown collective {collective!r}; the staged path runs "
+                     f"{', '.join(COLLECTIVES)}")
+
+
+def _rank_size(comm: Any) -> tuple[int, int]:
+    if comm is None:
+        from mpi4py import MPI  # noqa: PLC0415
+
+        comm = MPI.COMM_WORLD
+    return comm.Get_rank(), comm.Get_size()
+
+
+def _run(layout: _Layout, copies: Copies, host_call: Callable[[tuple], Any],
+         slots: list[np.ndarray], pipeline: bool) -> None:
+    """Issue the copies and host calls of every chunk (see the module doc)."""
+    nslots = len(slots)
+    count = layout.n_chunks
+    d2h_done: list[Any] = [None] * count
+    h2d_done: list[Any] = [None] * count
+
+    def issue_d2h(k: int) -> None:
+        if pipeline and k >= nslots:  # slot reuse: the h2d that last read it must be done
+            # (unpipelined, the host already waited for it)
+            copies.stream_wait("d2h", h2d_done[k - nslots])
+        for dst, src in layout.d2h(k, slots[k % nslots]):
+            copies.d2h(dst, src, k)
+        d2h_done[k] = copies.record("d2h", k)
+
+    # the arrays' producers (a new result too: its memory may come back from work still
+    # queued on the allocating stream) finish before either copy stream touches them
+    copies.begin(layout.inputs + ([layout.result] if layout.result is not None
+                                  and all(layout.result is not a for a in layout.inputs)
+                                  else []))
+    issue_d2h(0)
+    for k in range(count):
+        if pipeline and k + 1 < count:
+            issue_d2h(k + 1)  # runs while the host works on chunk k
+        copies.wait(d2h_done[k])
+        host_call(layout.host_args(k, slots[k % nslots]))
+        for dst, src in layout.h2d(k, slots[k % nslots]):
+            copies.h2d(dst, src, k)  # runs while the host works on chunk k+1
+        h2d_done[k] = copies.record("h2d", k)
+        if not pipeline:
+            copies.wait(h2d_done[k])
+            if k + 1 < count:
+                issue_d2h(k + 1)
+    copies.finish(h2d_done[count - 1])
+
+
+def staged(collective: str, args: tuple, host_call: Callable[[tuple], Any], *,
+           comm: Any = None, copies: Copies | None = None, chunk_bytes: int | None = None,
+           staging_limit: int | None = None, pipeline: bool = True,
+           report_error: Callable[[Exception], Any] | None = None) -> Any:
+    """Run one collective on device arrays through pinned host buffers.
+
+    Args:
+        collective: ``"allreduce"``, ``"reduce_scatter"``, ``"allgather"``,
+            ``"broadcast"`` or ``"reduce"``.
+        args: the public function's arguments as the user passed them, in its signature's
+            order without ``comm``/``algorithm``/``check``: ``(sendbuf, recvbuf, op)``,
+            ``(sendbuf, recvbuf, op)``, ``(sendbuf, recvbuf)``, ``(buf, root)``,
+            ``(sendbuf, recvbuf, op, root)``. Buffers are device arrays (or
+            ``IN_PLACE``/``None`` where the function allows it).
+        host_call: ``host_call(host_args)`` runs the host collective on numpy arrays given
+            in the same order (the core passes ``lambda a: mpicoll.<collective>(*a,
+            comm=..., algorithm=..., check=...)``). Called the same number of times, with
+            the same counts, on every rank.
+        comm: the communicator (its rank and size decide the blocks; ``None``:
+            ``MPI.COMM_WORLD``). Any object with ``Get_rank``/``Get_size``.
+        copies: the device interface (default: CuPy's, on the arrays' device).
+        chunk_bytes: bytes of one pinned slot per chunk (default
+            ``MPICOLL_STAGING_CHUNK_BYTES``, else automatic). Must be equal on every rank.
+        staging_limit: bound of pinned host memory (default ``MPICOLL_STAGING_BYTES``,
+            64 MiB); chunks shrink to fit three slots in it.
+        pipeline: ``False`` runs each chunk's d2h, host call and h2d one after another
+            (one slot; for comparison).
+        report_error: called with a validation error before it is raised (checked mode:
+            the core passes the agreement step, so the other ranks raise too).
+    Returns:
+        What the public function returns: the result on the device (``recvbuf`` when
+        given, a new device array like ``sendbuf`` otherwise; ``None`` off the root of a
+        reduce).
+    Raises:
+        TypeError, ValueError: bad arguments on this rank (before any message).
+        mpicoll.CollectiveError: from the host collectives (checked mode).
+    """
+    rank, size = _rank_size(comm)
+    if copies is None:
+        from .cupy_copies import copies_for  # noqa: PLC0415  (imports CuPy)
+
+        copies = copies_for(args)
+    limit = staging_bytes() if staging_limit is None else int(staging_limit)
+    if chunk_bytes is None:
+        chunk_bytes = chunk_bytes_setting()
+    pool = copies.host_pool
+    try:
+        layout = _plan(collective, tuple(args), copies, pool, rank, size, chunk_bytes,
+                       limit)
+    except (TypeError, ValueError) as exc:
+        _fail(exc, report_error)
+    slots = pool.get(NSLOTS if pipeline else 1, layout.slot_bytes, limit)
+    try:
+        _run(layout, copies, host_call, slots, pipeline)
+    except BaseException:
+        copies.drain()  # no copy may still write into buffers the caller gets back
+        raise
+    return layout.result
