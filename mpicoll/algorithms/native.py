@@ -107,6 +107,8 @@ def native_reduce_scatter(ctx: CommContext, send: Any, recv: Any, op: Any) -> tu
     datatype, mpi_op = native_types(send.dtype, op)
     bounds = rank_blocks(ctx, send.size)
     counts = [bounds[i + 1] - bounds[i] for i in range(ctx.size)]
+    if recv.size == 0:  # an empty view into sendbuf's memory is "aliased" for MPICH
+        recv = np.empty(0, dtype=recv.dtype)
     return ctx.comm.Reduce_scatter, (_typed(send, datatype), _typed(recv, datatype), counts,
                                      mpi_op)
 

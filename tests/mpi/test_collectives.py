@@ -144,3 +144,19 @@ def test_auto_is_told_the_node_layout(monkeypatch):
         call(np.ones(3), np.empty(3))
         assert seen[-1][0] == collective and seen[-1][3] == expected, seen[-1]
     fastpath.invalidate()
+
+
+@pytest.mark.parametrize("algorithm", mpicoll.algorithms("reduce_scatter"))
+def test_reduce_scatter_with_an_empty_block_viewing_the_send_buffer(algorithm):
+    """Ranks whose block is empty may pass an empty view into sendbuf's memory (MPICH
+    rejects that as aliased buffers if handed on as such)."""
+    n = COMM.Get_size()
+    count = max(n - 1, 1)
+    slot = np.zeros(2 * count + 2, dtype=np.int64)
+    send = slot[:count]
+    send[:] = np.arange(count) + RANK
+    mine = 1 if RANK < count else 0
+    recv = slot[count + 1:count + 1 + mine]
+    mpicoll.reduce_scatter(send, recv, algorithm=algorithm)
+    if mine:
+        assert recv[0] == n * RANK + n * (n - 1) // 2
