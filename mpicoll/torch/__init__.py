@@ -10,9 +10,10 @@ A Horovod training script runs with only its import changed::
 
 Modules: :mod:`.state` (init, layout), :mod:`.mpi_ops` (tensor collectives and their
 autograd functions), :mod:`.functions` (parameters, optimizer state, objects),
-:mod:`.optimizer`, :mod:`.optim_wrapping` (what it shares with the parameter-server
-optimizer), :mod:`.compression`; inside: :mod:`.engine` (the one thread that calls
-MPI), :mod:`.negotiation` (cross-rank agreement), :mod:`.fusion`, :mod:`.execute`,
+:mod:`.grouped` (grouped collectives), :mod:`.optimizer`, :mod:`.optim_wrapping` (what it
+shares with the parameter-server optimizer), :mod:`.compression`; inside: :mod:`.engine`
+(the one thread that calls MPI), :mod:`.negotiation` (cross-rank agreement),
+:mod:`.fusion`, :mod:`.execute`,
 :mod:`.dtypes`, :mod:`.settings` (environment variables). See docs/torch.md.
 """
 from __future__ import annotations
@@ -20,22 +21,36 @@ from __future__ import annotations
 from .compression import Compression, Compressor
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
+from .grouped import (grouped_allgather, grouped_allgather_async, grouped_allreduce,
+                      grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
+                      grouped_reducescatter, grouped_reducescatter_async)
 from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async,
-                      allreduce_async_, barrier, broadcast, broadcast_, broadcast_async,
-                      broadcast_async_, join, poll, synchronize)
+                      allreduce_async_, alltoall, alltoall_async, barrier, broadcast,
+                      broadcast_, broadcast_async, broadcast_async_, join, poll, reducescatter,
+                      reducescatter_async, synchronize)
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .optimizer import DistributedOptimizer
-from .state import (cross_rank, cross_size, gloo_built, gloo_enabled, init, is_initialized,
-                    local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
-                    nccl_built, rank, shutdown, size)
-from ..errors import CollectiveError, MismatchError
+from .state import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
+                    gloo_enabled, init, is_initialized, local_rank, local_size, mpi_built,
+                    mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
+                    size)
+from ..errors import CollectiveError, MismatchError, RemoteError
+
+#: Horovod's name for a failed collective (``except hvd.HorovodInternalError`` keeps working).
+HorovodInternalError = CollectiveError
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
            "cross_rank", "cross_size", "mpi_threads_supported", "mpi_enabled", "mpi_built",
-           "gloo_enabled", "gloo_built", "nccl_built",
+           "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
+           "rocm_built",
            "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather",
            "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+           "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+           "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+           "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
+           "grouped_reducescatter", "grouped_reducescatter_async",
            "poll", "synchronize", "barrier", "join", "allgather_object", "broadcast_object",
            "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
            "Compression", "Compressor", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-           "ReduceOp", "CollectiveError", "MismatchError"]
+           "ReduceOp", "CollectiveError", "MismatchError", "RemoteError",
+           "HorovodInternalError"]

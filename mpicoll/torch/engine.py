@@ -165,9 +165,33 @@ class Engine:
             ValueError: a request of the same name from this rank is still in flight.
             CollectiveError: the engine has stopped.
         """
+        work = Work(meta, tensor, output, Future())
+        self._enqueue(work, waiting)
+        return work.future
+
+    def submit_group(self, group: Meta, members: list[tuple[Any, Any]]) -> list[Future]:
+        """Queue a grouped operation: one request ``group`` (kind ``"group"``, whose
+        ``members`` are the members' metadata) negotiated as one unit; return the
+        members' futures.
+
+        Every rank's group completes (or fails) as a whole in one round; its members then
+        run with that round's other requests (all-reduces and reduce-scatters fuse).
+
+        Args:
+            group: the group's metadata. members: (tensor, output) per member, in order.
+        Raises:
+            ValueError: the group's name is already in flight on this rank.
+            CollectiveError: the engine has stopped.
+        """
+        works = [Work(meta, tensor, output, Future())
+                 for meta, (tensor, output) in zip(group.members, members)]
+        self._enqueue(Work(group, works, None, Future()), False)
+        return [work.future for work in works]
+
+    def _enqueue(self, work: Work, waiting: bool) -> None:
+        meta = work.meta
         key = JOIN if meta.kind == "join" else meta.name
-        future = Future()
-        work = Work(meta, tensor, output, future)
+        inline = self._inline is not None and meta.kind != "shutdown"
         with self._lock:
             if self._fatal is not None or self.stopping or not self._thread.is_alive():
                 raise CollectiveError(f"mpicoll.torch engine is not running "
@@ -176,29 +200,38 @@ class Engine:
                 raise ValueError(f"a {meta.kind} named {meta.name!r} is already in flight on "
                                  f"this rank; names must be unique until synchronized")
             self._inflight.add(key)
-            if self._inline is None or meta.kind == "shutdown":
+            if not inline:
                 if waiting:
-                    self._waited[id(future)] = future
+                    self._waited[id(work.future)] = work.future
                 self._submitted.append(work)
                 self._last_submit = time.monotonic()
-        if self._inline is not None and meta.kind != "shutdown":
+        if inline:
             self._run_inline(key, work)
         elif self.overlap:
             self._queue.put(None)                # wake the engine thread
         # Without overlap the thread that waits runs the round; the engine thread looks
         # every _MAX_DEFER_SECONDS for requests nobody waits for (no wake-up per request).
-        return future
+
+    def _register(self, work: Work) -> None:
+        """Make ``work`` (and a group's members) findable by :meth:`finish`."""
+        self.local[JOIN if work.meta.kind == "join" else work.meta.name] = work
+        if work.meta.kind == "group":
+            for member in work.tensor:
+                self.local[member.meta.name] = member
 
     def _run_inline(self, key: str, work: Work) -> None:
         """One rank: negotiate and execute ``work`` on the calling thread."""
         with self._inline_lock:
-            self.local[key] = work
+            self._register(work)
             try:
                 run_responses(self, self._inline.process([[work.meta]], [False]))
             finally:
-                if key in self.local:               # run_responses() failed before finishing
-                    self.finish(key, error=CollectiveError(f"{work.meta.kind} "
-                                                           f"{work.meta.name!r} failed"))
+                members = work.tensor if work.meta.kind == "group" else []
+                for item in [work, *members]:
+                    name = key if item is work else item.meta.name
+                    if name in self.local:          # run_responses() failed before finishing
+                        self.finish(name, error=CollectiveError(
+                            f"{item.meta.kind} {item.meta.name!r} failed"))
 
     def wait(self, future: Future) -> None:
         """Block until ``future`` is done, telling the other ranks this rank is blocked.
@@ -336,7 +369,7 @@ class Engine:
             self._fatal = self._fatal or exc
             submitted, self._submitted = self._submitted, []
         for work in submitted:
-            self.local[JOIN if work.meta.kind == "join" else work.meta.name] = work
+            self._register(work)
         for key in list(self.local):
             self.finish(key, error=CollectiveError(f"mpicoll.torch engine stopped: {exc}"))
 
@@ -386,7 +419,7 @@ class Engine:
             if len(data) <= SLOT_BYTES:
                 header.view(np.uint8)[16:16 + len(data)] = np.frombuffer(data, dtype=np.uint8)
         for work in new:
-            self.local[JOIN if work.meta.kind == "join" else work.meta.name] = work
+            self._register(work)
         stall_after = self.settings.stall_check_time
         if self.size == 1:
             headers[0, :2] = header[:2]

@@ -1,10 +1,11 @@
-"""Running negotiated responses: fused all-reduce, all-gather, broadcast, barrier, join.
+"""Running negotiated responses: fused all-reduce, fused reduce-scatter, all-gather,
+broadcast, all-to-all, barrier, join.
 
 Called only by the thread that runs the negotiation round, with the same responses in the
 same order on every rank, so every rank issues the same mpicoll collectives on the
-adapter's private communicator. A rank without a local request for a response (it called
-``join()``) takes part with zeros (all-reduce), no rows (all-gather) or a scratch buffer
-(broadcast).
+adapter's private communicator. A rank without a local request for an all-reduce (it
+called ``join()``) takes part with zeros; the other collectives fail in negotiation while
+a rank has joined.
 
 The engine passes itself; :class:`EngineInterface` names what is used of it, so this module
 does not import :mod:`mpicoll.torch.engine` (which imports this one).
@@ -17,10 +18,11 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from mpi4py import MPI
 
 from .. import collectives
 from ..buffers import IN_PLACE
-from ..errors import CollectiveError, MismatchError
+from ..errors import CollectiveError, MismatchError, RemoteError
 from .dtypes import from_name, numpy_view, reduce_dtype
 from .fusion import numel, plan_buckets
 from .negotiation import JOIN, Response
@@ -37,6 +39,7 @@ class EngineInterface(Protocol):
 
     settings: Settings
     comm: Any
+    rank: int
     size: int
     local: dict[str, Any]
 
@@ -55,25 +58,68 @@ class EngineInterface(Protocol):
 
 
 def run_responses(engine: EngineInterface, responses: list[Response]) -> None:
-    """Run one round's responses (errors first, then fused all-reduces, then the rest)."""
-    ok_allreduce = []
+    """Run one round's responses (errors first, then fused all-reduces, then fused
+    reduce-scatters, then the rest)."""
+    fused: dict[str, list[Response]] = {"allreduce": [], "reducescatter": []}
     others = []
-    for response in responses:
+    for response in _expand_groups(engine, responses):
         if response.error is not None:
-            cls = MismatchError if "disagree" in response.error else CollectiveError
-            engine.finish(_local_key(response), error=cls(response.error))
-        elif response.kind == "allreduce":
-            ok_allreduce.append(response)
+            engine.finish(_local_key(response), error=response_error(engine.rank, response))
+        elif response.kind in fused:
+            fused[response.kind].append(response)
         else:
             others.append(response)
-    for bucket in plan_buckets(ok_allreduce, max(engine.settings.fusion_threshold, 1)):
-        if engine.settings.fusion_threshold == 0 and len(bucket) > 1:
-            for response in bucket:
-                _guarded(engine, [response], _allreduce_bucket)
-        else:
-            _guarded(engine, bucket, _allreduce_bucket)
+    threshold = engine.settings.fusion_threshold
+    for kind, run in (("allreduce", _allreduce_bucket),
+                      ("reducescatter", _reducescatter_bucket)):
+        for bucket in plan_buckets(fused[kind], max(threshold, 1)):
+            if threshold == 0 and len(bucket) > 1:
+                for response in bucket:
+                    _guarded(engine, [response], run)
+            else:
+                _guarded(engine, bucket, run)
     for response in others:
         _guarded(engine, [response], _RUNNERS[response.kind])
+
+
+def _expand_groups(engine: EngineInterface, responses: list[Response]) -> list[Response]:
+    """Replace each completed group by its members' responses, in place, so members fuse
+    with the round's other requests. A failed group (or a name that one rank used for a
+    group and another for something else) fails this rank's entry and all its members."""
+    out = []
+    for response in responses:
+        mine = response.metas.get(engine.rank)
+        own_group = mine is not None and mine.kind == "group"
+        if response.kind != "group" and not own_group:
+            out.append(response)
+            continue
+        if response.error is not None:
+            out.append(response)                          # this rank's own entry
+            if own_group:
+                out.extend(Response(m.kind, m.name, {}, response.error)
+                           for m in mine.members)
+            continue
+        engine.finish(response.name, result=None)        # the group's own entry
+        first = _first_meta(response)
+        for index, member in enumerate(first.members):
+            out.append(Response(member.kind, member.name,
+                                {r: m.members[index] for r, m in response.metas.items()}))
+    return out
+
+
+def response_error(rank: int, response: Response) -> Exception:
+    """The exception that ``response.error`` raises on ``rank``: ``ValueError`` on a rank
+    whose own arguments were bad and :class:`mpicoll.RemoteError` on the others (the core's
+    rule, with the same message everywhere); ``MismatchError`` when ranks disagree;
+    ``CollectiveError`` otherwise (an operation that can never complete)."""
+    message = response.error or ""
+    if response.bad_ranks:
+        if rank in response.bad_ranks:
+            return ValueError(message)
+        return RemoteError(message, {r: response.metas[r].error for r in response.bad_ranks})
+    if "disagree" in message:
+        return MismatchError(message)
+    return CollectiveError(message)
 
 
 def _local_key(response: Response) -> str:
@@ -193,11 +239,8 @@ def _allgather(engine: EngineInterface, bucket: list[Response]) -> None:
     dtype = from_name(meta.dtype)
     rows = tuple(meta.shape[1:])
     row = int(prod(rows))
-    dims = [response.metas[r].shape[0] if r in response.metas else 0
-            for r in range(engine.size)]
-    work = engine.local.get(response.name)
-    mine = (work.tensor.contiguous() if work is not None
-            else torch.empty((0, *rows), dtype=dtype))
+    dims = [response.metas[r].shape[0] for r in range(engine.size)]   # nobody joined
+    mine = engine.local[response.name].tensor.contiguous()
     out = torch.empty((sum(dims), *rows), dtype=dtype)
     if out.numel():
         if engine.size == 1:
@@ -221,15 +264,108 @@ def _allgather(engine: EngineInterface, bucket: list[Response]) -> None:
 def _broadcast(engine: EngineInterface, bucket: list[Response]) -> None:
     response = bucket[0]
     meta = _first_meta(response)
-    work = engine.local.get(response.name)
-    target = work.output if work is not None else torch.empty(meta.shape,
-                                                               dtype=from_name(meta.dtype))
+    target = engine.local[response.name].output         # nobody joined: every rank has it
     buf = target if target.is_contiguous() else target.contiguous()
     if buf.numel() and engine.size > 1:
         collectives.broadcast(numpy_view(buf), root=meta.root, comm=engine.comm)
     if buf is not target:
         target.copy_(buf)
     engine.finish(response.name, result=target)
+
+
+def _alltoall(engine: EngineInterface, bucket: list[Response]) -> None:
+    """All-to-all along dimension 0 (one ``MPI_Alltoallv`` on the adapter's communicator;
+    every rank's splits come from the negotiation table, no extra message)."""
+    response = bucket[0]
+    n, me = engine.size, engine.rank
+    meta = response.metas[me]
+    dtype = from_name(meta.dtype)
+    rows = tuple(meta.shape[1:])
+    row = int(prod(rows))
+    splits = [alltoall_splits(response.metas[r], n) for r in range(n)]
+    received = [splits[r][me] for r in range(n)]
+    work = engine.local.get(response.name)
+    out = torch.empty((sum(received), *rows), dtype=dtype)
+    source = work.tensor.contiguous()
+    if n == 1:
+        out.copy_(source[:received[0]])
+    elif row and any(any(rank_splits) for rank_splits in splits):   # the same on every rank
+        item = dtype.itemsize * row                  # bytes per row
+        send = numpy_view(source).view(np.uint8)
+        recv = numpy_view(out).view(np.uint8)
+        engine.comm.Alltoallv([send, (_counts(splits[me], item), _displs(splits[me], item)),
+                               MPI.BYTE],
+                              [recv, (_counts(received, item), _displs(received, item)),
+                               MPI.BYTE])
+    engine.finish(response.name, result=(out, torch.tensor(received, dtype=torch.int32)))
+
+
+def alltoall_splits(meta: Any, size: int) -> tuple[int, ...]:
+    """The rows ``meta``'s rank sends to each rank (its splits, or dimension 0 evenly)."""
+    return tuple(meta.splits) if meta.splits else (meta.shape[0] // size,) * size
+
+
+def _counts(splits: list[int] | tuple[int, ...], item: int) -> list[int]:
+    return [s * item for s in splits]
+
+
+def _displs(splits: list[int] | tuple[int, ...], item: int) -> list[int]:
+    out, offset = [], 0
+    for s in splits:
+        out.append(offset)
+        offset += s * item
+    return out
+
+
+def reducescatter_rows(rows: int, size: int) -> list[int]:
+    """Rows of dimension 0 that each rank gets: Horovod's rule, ``rows // size`` each and
+    one more for the first ``rows % size`` ranks."""
+    return [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+
+
+def _reducescatter_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
+    """Reduce-scatter of one or more tensors (same reduction dtype, op and scaling) as one
+    ``mpicoll.reduce_scatter``: rank ``r``'s block is the concatenation of its rows of every
+    tensor, padded with zeros to the largest block, so blocks are equal."""
+    n, me = engine.size, engine.rank
+    meta = _first_meta(bucket[0])
+    dtype = from_name(meta.dtype)
+    rdtype = reduce_dtype(dtype)
+    op = ReduceOp(meta.op)
+    counts = []                                      # per tensor: elements per rank
+    for response in bucket:
+        shape = _first_meta(response).shape
+        row = int(prod(shape[1:]))
+        counts.append([rows * row for rows in reducescatter_rows(shape[0], n)])
+    block = max(sum(c[r] for c in counts) for r in range(n))
+    works = [engine.local.get(r.name) for r in bucket]
+    send = engine.fusion_buffer(rdtype, block * n)
+    send.zero_()
+    offsets = [0] * n                                # filled part of each rank's block
+    for work, count in zip(works, counts):
+        flat = work.tensor.reshape(-1)
+        start = 0
+        for r in range(n):
+            dst = r * block + offsets[r]
+            send[dst:dst + count[r]].copy_(flat[start:start + count[r]])
+            start += count[r]
+            offsets[r] += count[r]
+    _scale(send, meta.prescale)
+    recv = torch.empty(block, dtype=rdtype)
+    if n == 1:
+        recv.copy_(send)
+    elif block:
+        collectives.reduce_scatter(numpy_view(send), numpy_view(recv), op=mpicoll_op(op),
+                                   comm=engine.comm)
+    _finalize(recv, op, meta.postscale, n)
+    offset = 0
+    for response, work, count in zip(bucket, works, counts):
+        shape = _first_meta(response).shape
+        rows = reducescatter_rows(shape[0], n)[me]
+        out = recv[offset:offset + count[me]].to(dtype).view(rows, *shape[1:])
+        offset += count[me]
+        engine.finish(response.name,
+                      result=out.clone() if rdtype is dtype and len(bucket) > 1 else out)
 
 
 def _barrier(engine: EngineInterface, bucket: list[Response]) -> None:
@@ -245,5 +381,6 @@ def _shutdown(engine: EngineInterface, bucket: list[Response]) -> None:
     engine.finish(bucket[0].name, result=None)
 
 
-_RUNNERS = {"allgather": _allgather, "broadcast": _broadcast, "barrier": _barrier,
+_RUNNERS = {"allgather": _allgather, "broadcast": _broadcast, "alltoall": _alltoall,
+            "barrier": _barrier,
             "join": _join, "shutdown": _shutdown}

@@ -5,7 +5,7 @@ import itertools
 import threading
 from typing import Any
 
-__all__ = ["Future", "register", "lookup", "release"]
+__all__ = ["Future", "GroupFuture", "register", "lookup", "release"]
 
 
 class Future:
@@ -37,12 +37,50 @@ class Future:
         return self._event.wait(timeout)
 
 
+class GroupFuture:
+    """The futures of a grouped operation as one: done when all are; the result is the
+    list of their results (``combine`` may reshape it), the error the first member's."""
+
+    __slots__ = ("members", "_combine")
+
+    def __init__(self, members: list[Future], combine: Any = None) -> None:
+        self.members = members
+        self._combine = combine
+
+    def done(self) -> bool:
+        """Whether every member is done."""
+        return all(f.done() for f in self.members)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every member is done (or ``timeout`` seconds); return :meth:`done`."""
+        for future in self.members:
+            if not future.wait(timeout):
+                return False
+        return True
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first member's error, if any."""
+        return next((f.error for f in self.members if f.error is not None), None)
+
+    @property
+    def result(self) -> Any:
+        """The members' results, in order (through ``combine`` if given)."""
+        results = [f.result for f in self.members]
+        return self._combine(results) if self._combine is not None else results
+
+    @property
+    def extra(self) -> list[Any]:
+        """The members' side results, in order."""
+        return [f.extra for f in self.members]
+
+
 _ids = itertools.count(1)
 _futures: dict[int, Future] = {}
 _lock = threading.Lock()
 
 
-def register(future: Future) -> int:
+def register(future: Future | GroupFuture) -> int:
     """Return a new integer handle for ``future``."""
     with _lock:
         handle = next(_ids)
@@ -50,7 +88,7 @@ def register(future: Future) -> int:
     return handle
 
 
-def lookup(handle: int) -> Future:
+def lookup(handle: int) -> Future | GroupFuture:
     """The future of ``handle``.
 
     Raises:

@@ -1,6 +1,6 @@
 """Tensor collectives with Horovod's names: ``allreduce``, ``allgather``, ``broadcast``
-(each also ``_async``, and in place with a trailing ``_``), ``poll``, ``synchronize``,
-``barrier`` and ``join``.
+(each also ``_async``, and in place with a trailing ``_``), ``alltoall``,
+``reducescatter`` (and ``_async``), ``poll``, ``synchronize``, ``barrier`` and ``join``.
 
 Every function validates its arguments on the calling thread (raising ``TypeError`` or
 ``ValueError`` before anything is sent), then submits one request to the engine. Requests
@@ -16,7 +16,10 @@ The non-underscore functions support autograd, with Horovod's gradients (the
 - all-gather: the incoming gradients are averaged over ranks and each rank keeps the rows
   it contributed;
 - broadcast: the incoming gradients are averaged over ranks onto the root; other ranks get
-  zeros.
+  zeros;
+- all-to-all: the incoming gradient goes back by an all-to-all with the received splits;
+- reduce-scatter: the incoming gradient, times ``size()`` for Sum (not for Average) and
+  times both scaling factors, is all-gathered (Horovod's rule, exactly).
 
 :func:`allreduce_meta` and :func:`submit_allreduce` are the validated building blocks that
 :class:`~mpicoll.torch.DistributedOptimizer` uses for its gradient buffers.
@@ -33,19 +36,23 @@ from . import handles
 from .compression import Compression
 from .dtypes import check_supported, dtype_name
 from .negotiation import JOIN, Meta
-from .ops import Average, ReduceOp, check_op_dtype, resolve_reduce_op
+from .ops import Average, ReduceOp, Sum, check_op_dtype, resolve_reduce_op
 from .state import engine
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather",
            "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+           "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
            "poll", "synchronize", "barrier", "join", "allreduce_meta", "submit_allreduce",
-           "AllreduceFn", "AllgatherFn", "BroadcastFn"]
+           "alltoall_meta", "reducescatter_meta", "check_process_set", "request_name",
+           "check_gather", "resolve_scatter_op",
+           "AllreduceFn", "AllgatherFn", "BroadcastFn", "AlltoallFn", "ReducescatterFn"]
 
 _counters: dict[str, Any] = {}
 _counter_lock = threading.Lock()
 
 
-def _name(kind: str, name: str | None) -> str:
+def request_name(kind: str, name: str | None) -> str:
+    """``name`` (checked to be a string), or the next ``<kind>.noname.<n>``."""
     if name is not None:
         if not isinstance(name, str):
             raise TypeError(f"name must be a string, not {type(name).__name__}")
@@ -75,7 +82,7 @@ def allreduce_meta(tensor: torch.Tensor, name: str | None, op: ReduceOp,
     """
     check_supported(tensor)
     check_op_dtype(op, tensor.dtype, prescale_factor, postscale_factor)
-    return Meta(_name("allreduce", name), "allreduce", dtype_name(tensor.dtype),
+    return Meta(request_name("allreduce", name), "allreduce", dtype_name(tensor.dtype),
                 tuple(tensor.shape), int(op), -1, float(prescale_factor),
                 float(postscale_factor), layout)
 
@@ -145,7 +152,7 @@ def allreduce(tensor: torch.Tensor, average: Any = None, name: str | None = None
     """
     op = resolve_reduce_op(average, op)
     compressed, ctx = compression.compress(tensor)
-    reduced = AllreduceFn.apply(compressed, _name("allreduce", name), op,
+    reduced = AllreduceFn.apply(compressed, request_name("allreduce", name), op,
                                 prescale_factor, postscale_factor)
     return compression.decompress(reduced, ctx)
 
@@ -158,7 +165,7 @@ def allreduce_(tensor: torch.Tensor, average: Any = None, name: str | None = Non
                                         postscale_factor))
 
 
-def _check_gather(tensor: Any) -> None:
+def check_gather(tensor: Any) -> None:
     check_supported(tensor)
     if tensor.dim() == 0:
         raise ValueError("allgather needs a tensor with at least one dimension")
@@ -169,8 +176,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
 
     The other dimensions and the dtype must agree across ranks.
     """
-    _check_gather(tensor)
-    meta = Meta(_name("allgather", name), "allgather", dtype_name(tensor.dtype),
+    check_gather(tensor)
+    meta = Meta(request_name("allgather", name), "allgather", dtype_name(tensor.dtype),
                 tuple(tensor.shape))
     return _submit(meta, tensor.detach(), None)
 
@@ -182,8 +189,8 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
         TypeError, ValueError: bad arguments. mpicoll.MismatchError: ranks disagree on the
             dtype or on the dimensions after the first.
     """
-    _check_gather(tensor)
-    return AllgatherFn.apply(tensor, _name("allgather", name))
+    check_gather(tensor)
+    return AllgatherFn.apply(tensor, request_name("allgather", name))
 
 
 def _check_root(root_rank: Any) -> int:
@@ -198,7 +205,7 @@ def _check_root(root_rank: Any) -> int:
 def _broadcast_async(tensor: Any, output: Any, root_rank: int, name: str | None) -> int:
     check_supported(tensor)
     root = _check_root(root_rank)
-    meta = Meta(_name("broadcast", name), "broadcast", dtype_name(tensor.dtype),
+    meta = Meta(request_name("broadcast", name), "broadcast", dtype_name(tensor.dtype),
                 tuple(tensor.shape), -1, root)
     return _submit(meta, None, output)
 
@@ -220,12 +227,186 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> 
     """Return ``root_rank``'s ``tensor`` on every rank, as a new tensor (differentiable)."""
     check_supported(tensor)
     _check_root(root_rank)
-    return BroadcastFn.apply(tensor, root_rank, _name("broadcast", name))
+    return BroadcastFn.apply(tensor, root_rank, request_name("broadcast", name))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s, in place; return it."""
     return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+def check_process_set(process_set: Any) -> None:
+    """Accept Horovod's ``process_set=`` argument only for the global set.
+
+    Raises:
+        ValueError: any other process set (process sets are not supported yet).
+    """
+    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
+        raise ValueError("mpicoll.torch does not support process sets yet: every operation "
+                         "runs on the communicator given to init()")
+
+
+def _alltoall_splits(splits: Any, first_dim: int, size: int) -> tuple[tuple, str]:
+    """Check ``splits`` on this rank: (the splits as ints, an error message or "").
+
+    Type problems raise here; value problems (length, negative entries, a sum larger than
+    dimension 0, dimension 0 not a multiple of ``size`` without splits) become the
+    request's error, raised on every rank once all have submitted.
+    """
+    if splits is None:
+        if first_dim % size:
+            return (), (f"splits not given, but the first dimension ({first_dim}) is not a "
+                        f"multiple of the number of ranks ({size})")
+        return (), ""
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype.is_floating_point or splits.dtype.is_complex or \
+                splits.dtype is torch.bool:
+            raise TypeError(f"splits must hold integers, not {splits.dtype}")
+        if splits.dim() > 1:
+            raise TypeError(f"splits must be one-dimensional, not of shape "
+                            f"{tuple(splits.shape)}")
+        values = [int(v) for v in splits.reshape(-1).tolist()]
+    elif isinstance(splits, (list, tuple)):
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in splits):
+            raise TypeError(f"splits must be integers, not {list(splits)!r}")
+        values = [int(v) for v in splits]
+    else:
+        raise TypeError(f"splits must be a list, tuple or integer tensor, not "
+                        f"{type(splits).__name__}")
+    if len(values) != size:
+        return tuple(values), (f"splits has {len(values)} entries; it needs one per rank "
+                               f"({size})")
+    if any(v < 0 for v in values):
+        return tuple(values), f"splits {values} has negative entries"
+    if sum(values) > first_dim:
+        return tuple(values), (f"splits {values} sum to {sum(values)}, more than the first "
+                               f"dimension of the tensor ({first_dim})")
+    return tuple(values), ""
+
+
+def alltoall_meta(tensor: Any, splits: Any, name: str | None) -> Meta:
+    """Validate one all-to-all and describe it for the engine.
+
+    Raises:
+        TypeError, ValueError: a bad tensor, or splits that are not integers (this rank).
+    """
+    check_supported(tensor)
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    values, error = _alltoall_splits(splits, int(tensor.shape[0]), engine().size)
+    return Meta(request_name("alltoall", name), "alltoall", dtype_name(tensor.dtype),
+                tuple(tensor.shape), splits=values, error=error)
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: Any = None) -> int:
+    """Start an all-to-all along dimension 0; return a handle.
+
+    :func:`synchronize` returns ``(output, received_splits)`` (as Horovod's).
+
+    Args:
+        tensor: rows to send; every dimension after the first must agree across ranks.
+        splits: rows of ``tensor`` for each rank, in rank order (a list, tuple or integer
+            tensor of ``size()`` entries, summing to at most ``tensor.shape[0]``; rows past
+            the sum are not sent). ``None`` splits dimension 0 evenly (it must then be a
+            multiple of ``size()``).
+        name: matches this request across ranks. process_set: only the global set.
+    Returns:
+        A handle for :func:`poll` / :func:`synchronize`.
+    Raises:
+        TypeError, ValueError: a bad tensor or splits type (this rank, before sending).
+        Bad split values fail on every rank at :func:`synchronize`: ``ValueError`` on the
+        ranks that passed them, ``mpicoll.RemoteError`` (same message) on the others.
+    """
+    check_process_set(process_set)
+    meta = alltoall_meta(tensor, splits, name)
+    return _submit(meta, tensor.detach(), None)
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+             process_set: Any = None) -> Any:
+    """Send row block ``i`` of ``tensor`` to rank ``i``; return the blocks every rank sent
+    here, concatenated in rank order (differentiable).
+
+    Args: as for :func:`alltoall_async`.
+    Returns:
+        The received tensor; with ``splits`` given, ``(received, received_splits)`` where
+        ``received_splits`` (``int32``, one entry per rank) says how many rows came from
+        each rank (Horovod's return convention).
+    Raises:
+        as :func:`alltoall_async`; mpicoll.MismatchError: ranks disagree on the dtype or
+        the dimensions after the first; mpicoll.CollectiveError: a rank has joined.
+    """
+    check_process_set(process_set)
+    check_supported(tensor)
+    out, received = AlltoallFn.apply(tensor, splits, request_name("alltoall", name))
+    return out if splits is None else (out, received)
+
+
+def reducescatter_meta(tensor: Any, name: str | None, op: ReduceOp,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Meta:
+    """Validate one reduce-scatter and describe it for the engine.
+
+    Raises:
+        TypeError, ValueError: a bad tensor, an op other than Average/Sum, bad scaling.
+    """
+    check_supported(tensor)
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    if int(op) not in (int(Average), int(Sum)):
+        raise ValueError(f"reducescatter supports op=Average or op=Sum, not {op!r}")
+    check_op_dtype(op, tensor.dtype, prescale_factor, postscale_factor)
+    return Meta(request_name("reducescatter", name), "reducescatter", dtype_name(tensor.dtype),
+                tuple(tensor.shape), int(op), -1, float(prescale_factor),
+                float(postscale_factor))
+
+
+def resolve_scatter_op(op: Any) -> ReduceOp:
+    if isinstance(op, bool) or not isinstance(op, int):
+        raise ValueError(f"reducescatter supports op=Average or op=Sum, not {op!r}")
+    return ReduceOp(int(op))
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
+                        process_set: Any = None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> int:
+    """Start a reduce-scatter along dimension 0; return a handle.
+
+    Every rank passes a tensor of the same shape; the reduced tensor's rows are split
+    across ranks as Horovod splits them: ``rows // size()`` each, one more for the first
+    ``rows % size()`` ranks.
+
+    Args:
+        op: ``Average`` (default) or ``Sum``.
+        prescale_factor, postscale_factor: as for :func:`allreduce_async`.
+        name, process_set: as for :func:`allreduce_async`.
+    Raises:
+        TypeError, ValueError: bad arguments (this rank, before sending).
+    """
+    check_process_set(process_set)
+    meta = reducescatter_meta(tensor, name, resolve_scatter_op(op), prescale_factor,
+                              postscale_factor)
+    return _submit(meta, tensor.detach(), None)
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None,
+                  compression: Any = Compression.none, op: Any = Average,
+                  process_set: Any = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` over ranks and return this rank's rows of the result
+    (differentiable). Arguments as for :func:`reducescatter_async`, plus ``compression``
+    (as for :func:`allreduce`).
+
+    Raises:
+        TypeError, ValueError: bad arguments. mpicoll.MismatchError: ranks disagree on shape,
+        dtype, op or scaling. mpicoll.CollectiveError: a rank has joined.
+    """
+    check_process_set(process_set)
+    resolved = resolve_scatter_op(op)
+    compressed, ctx = compression.compress(tensor)
+    reduced = ReducescatterFn.apply(compressed, request_name("reducescatter", name), resolved,
+                                    float(prescale_factor), float(postscale_factor))
+    return compression.decompress(reduced, ctx)
 
 
 def poll(handle: int) -> bool:
@@ -256,7 +437,7 @@ def synchronize(handle: int) -> Any:
 
 def barrier() -> None:
     """Return once every rank (that has not joined) has called ``barrier``."""
-    synchronize(_submit(Meta(_name("barrier", None), "barrier")))
+    synchronize(_submit(Meta(request_name("barrier", None), "barrier")))
 
 
 def join(device: int = -1) -> int:
@@ -327,3 +508,48 @@ class BroadcastFn(torch.autograd.Function):
         if engine().rank != ctx.root:
             averaged.zero_()
         return averaged, None, None
+
+
+class AlltoallFn(torch.autograd.Function):
+    """Differentiable all-to-all: the gradient goes back by an all-to-all with the splits
+    this rank received (rows this rank held but did not send get zero gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str) -> tuple:
+        out, received = synchronize(alltoall_async(tensor, splits, name=name))
+        ctx.received = received
+        ctx.rows = tensor.shape[0]
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _unused: Any) -> tuple:
+        back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received))
+        if back.shape[0] < ctx.rows:
+            back = torch.cat([back, back.new_zeros((ctx.rows - back.shape[0],
+                                                    *back.shape[1:]))])
+        return back, None, None
+
+
+class ReducescatterFn(torch.autograd.Function):
+    """Differentiable reduce-scatter, with Horovod's gradient: the incoming gradient times
+    ``size()`` for Sum (not for Average), times the prescale and postscale factors, then
+    all-gathered."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str, op: ReduceOp, prescale: float,
+                postscale: float) -> torch.Tensor:
+        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        return synchronize(reducescatter_async(tensor, name=name, op=op,
+                                               prescale_factor=prescale,
+                                               postscale_factor=postscale))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        scaled = grad * engine().size if int(ctx.op) == int(Sum) else grad.clone()
+        if ctx.prescale != 1.0:
+            scaled = scaled * ctx.prescale
+        if ctx.postscale != 1.0:
+            scaled = scaled * ctx.postscale
+        gathered = synchronize(allgather_async(scaled.contiguous()))
+        return gathered, None, None, None, None

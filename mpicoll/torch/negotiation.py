@@ -10,7 +10,8 @@ to fire on each rank, decides fusion and execution.
 Rules:
 
 - An entry completes when every rank that has not joined has submitted it; ranks that
-  called ``join()`` take part with zeros (all-reduce) or no rows (all-gather).
+  called ``join()`` take part in all-reduces with zeros; all-gather, broadcast,
+  all-to-all and reduce-scatter fail on every rank while a rank has joined (as Horovod's).
 - A completed entry whose ranks disagree (kind, dtype, shape, op, scaling, root) becomes
   an error response, identical on every rank.
 - ``join`` completes when every rank has joined; ``shutdown`` when every rank asked.
@@ -35,7 +36,8 @@ class Meta(NamedTuple):
     """What one rank asked for (small; pickled once per round)."""
 
     name: str
-    kind: str                 # allreduce | allgather | broadcast | barrier | join | shutdown
+    kind: str        # allreduce | allgather | broadcast | alltoall | reducescatter | group
+    #                  | barrier | join | shutdown
     dtype: str = ""
     shape: tuple = ()
     op: int = -1
@@ -46,6 +48,14 @@ class Meta(NamedTuple):
     #: count and a checksum of their names and shapes), so that ranks whose models differ
     #: but happen to have equal totals still disagree.
     layout: str = ""
+    #: All-to-all: how many rows of dimension 0 go to each rank (empty: split evenly).
+    splits: tuple = ()
+    #: A problem with this rank's own arguments that only shows once every rank has
+    #: submitted (bad all-to-all splits): the request fails on every rank, naming this one.
+    error: str = ""
+    #: A grouped operation (kind ``"group"``): its members' metadata, in order. The group
+    #: is one entry of the table: it completes, or fails, as a whole on every rank.
+    members: tuple = ()
 
 
 class Response(NamedTuple):
@@ -56,6 +66,9 @@ class Response(NamedTuple):
     metas: dict               # rank -> Meta, for the ranks that submitted
     error: str | None = None
     last_joined: int = -1
+    #: Ranks whose own arguments caused ``error`` (they raise ``ValueError``, the others
+    #: ``mpicoll.RemoteError``); empty for disagreements and deadlocks.
+    bad_ranks: tuple = ()
 
 
 class _Entry:
@@ -111,8 +124,14 @@ class Negotiator:
             need = range(self.size) if entry.kind == "shutdown" else active
             if entry.metas and all(r in entry.metas for r in need):
                 del self.table[name]
-                responses.append(Response(entry.kind, name, entry.metas,
-                                          _mismatch(entry.kind, name, entry.metas, joined)))
+                bad = tuple(sorted(r for r, m in entry.metas.items() if m.error))
+                if bad:
+                    error = f"{entry.kind} {name!r}: " + "; ".join(
+                        f"rank {r}: {entry.metas[r].error}" for r in bad)
+                else:
+                    error = _mismatch(entry.kind, name, entry.metas, joined)
+                responses.append(Response(entry.kind, name, entry.metas, error,
+                                          bad_ranks=bad))
         if len(self.joined) == self.size:
             responses.append(Response("join", JOIN, {}, None, self.joined[-1]))
             self.joined = []
@@ -218,6 +237,8 @@ _FIELDS = {
     "allreduce": ("kind", "dtype", "shape", "op", "prescale", "postscale", "layout"),
     "allgather": ("kind", "dtype", "rows"),
     "broadcast": ("kind", "dtype", "shape", "root"),
+    "alltoall": ("kind", "dtype", "rows"),
+    "reducescatter": ("kind", "dtype", "shape", "op", "prescale", "postscale"),
     "barrier": ("kind",),
     "shutdown": ("kind",),
 }
@@ -230,7 +251,25 @@ def _field(meta: Meta, field: str) -> object:
     return tuple(value) if field == "shape" else value
 
 
+def _group_mismatch(name: str, metas: dict, joined: frozenset) -> str | None:
+    sizes: dict[int, list[int]] = {}
+    for rank in sorted(metas):
+        sizes.setdefault(len(metas[rank].members), []).append(rank)
+    if len(sizes) > 1:
+        return (f"group {name!r}: ranks disagree: members: "
+                + "; ".join(f"ranks {_ranks(rs)} have {v}" for v, rs in sizes.items()))
+    first = next(iter(metas.values()))
+    for index, member in enumerate(first.members):
+        error = _mismatch(member.kind, member.name,
+                          {r: m.members[index] for r, m in metas.items()}, joined)
+        if error:
+            return f"group {name!r}: member {index}: {error}"
+    return None
+
+
 def _mismatch(kind: str, name: str, metas: dict, joined: frozenset) -> str | None:
+    if kind == "group" and all(m.kind == "group" for m in metas.values()):
+        return _group_mismatch(name, metas, joined)
     details = []
     kinds = {m.kind for m in metas.values()}
     fields = ("kind",) if len(kinds) > 1 else _FIELDS.get(kind, ("kind",))
@@ -244,10 +283,18 @@ def _mismatch(kind: str, name: str, metas: dict, joined: frozenset) -> str | Non
                                                     for v, rs in groups.items()))
     if details:
         return f"{kind} {name!r}: ranks disagree: " + " | ".join(details)
-    if kind == "broadcast":
-        root = next(iter(metas.values())).root
-        if root in joined:
-            return f"broadcast {name!r}: root rank {root} has already called join()"
     if kind == "allgather" and any(not m.shape for m in metas.values()):
         return f"allgather {name!r}: tensors must have at least one dimension"
+    if kind in _NO_JOIN and joined:
+        return (f"{kind} {name!r}: {_NO_JOIN[kind]} is not supported with join() "
+                f"(ranks {_ranks(sorted(joined))} joined), as in Horovod"
+                + (" (DistributedOptimizer(sparse_as_dense=True) reduces sparse gradients "
+                   "by all-reduce)" if kind == "allgather" else ""))
     return None
+
+
+#: Collectives that fail on every rank while some rank has joined: Horovod 0.28 refuses
+#: them too (its join tests expect allgather and broadcast to raise), only all-reduce (and
+#: barrier) go on without the joined ranks.
+_NO_JOIN = {"allgather": "Allgather", "broadcast": "Broadcast", "alltoall": "Alltoall",
+            "reducescatter": "Reducescatter"}

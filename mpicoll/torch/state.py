@@ -20,7 +20,8 @@ from .settings import from_environment
 
 __all__ = ["init", "shutdown", "is_initialized", "engine", "size", "rank", "local_rank",
            "local_size", "cross_rank", "cross_size", "mpi_threads_supported", "mpi_enabled",
-           "mpi_built", "gloo_enabled", "gloo_built", "nccl_built"]
+           "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
+           "cuda_built", "rocm_built"]
 
 _engine: Engine | None = None
 _lock = threading.Lock()
@@ -144,5 +145,25 @@ def gloo_built() -> bool:
 
 
 def nccl_built() -> bool:
+    """Always false (CPU tensors only)."""
+    return False
+
+
+def ddl_built() -> bool:
+    """Always false (no IBM DDL)."""
+    return False
+
+
+def ccl_built() -> bool:
+    """Always false (no oneCCL)."""
+    return False
+
+
+def cuda_built() -> bool:
+    """Always false (CPU tensors only)."""
+    return False
+
+
+def rocm_built() -> bool:
     """Always false (CPU tensors only)."""
     return False

@@ -179,3 +179,91 @@ def test_distributed_optimizer_backend_argument_errors():
     with pytest.raises(ValueError, match="must be unique"):
         DistributedOptimizer(opt, named_parameters=[("w", p) for p in model.parameters()],
                              backend="ps")
+
+
+def test_argument_errors_travel_and_fail_every_rank_naming_the_rank():
+    from mpicoll.errors import RemoteError
+    from mpicoll.torch.execute import response_error
+
+    neg = Negotiator(3)
+    good = Meta("x", "alltoall", "float32", (4, 2), splits=(2, 1, 1))
+    bad = good._replace(splits=(9, 0, 0), error="splits sum to 9")
+    out = neg.process([[good], [bad], [good]], [False] * 3)
+    assert len(out) == 1 and out[0].bad_ranks == (1,)
+    assert out[0].error == "alltoall 'x': rank 1: splits sum to 9"
+    assert type(response_error(1, out[0])) is ValueError
+    remote = response_error(0, out[0])
+    assert isinstance(remote, RemoteError) and remote.errors == {1: "splits sum to 9"}
+    assert str(remote) == str(response_error(1, out[0]))
+
+
+def test_collectives_but_allreduce_refuse_joined_ranks_and_check_fields():
+    for kind in ("alltoall", "reducescatter", "allgather", "broadcast"):
+        neg = Negotiator(2)
+        neg.process([[Meta(JOIN, "join")], []], [False, False])
+        out = neg.process([[], [Meta("y", kind, "int64", (2, 3))]], [False, False])
+        assert "not supported with join()" in out[0].error, kind
+    neg = Negotiator(2)
+    out = neg.process([[Meta("z", "alltoall", "int64", (2, 3))],
+                       [Meta("z", "alltoall", "int64", (5, 4))]], [False, False])
+    assert "rows" in out[0].error and "disagree" in out[0].error
+    out = neg.process([[Meta("w", "reducescatter", "float32", (5,), 0)],
+                       [Meta("w", "reducescatter", "float32", (5,), 1)]], [False, False])
+    assert "op" in out[0].error
+
+
+def test_reducescatter_rows_follow_horovods_rule():
+    from mpicoll.torch.execute import reducescatter_rows
+
+    assert reducescatter_rows(7, 3) == [3, 2, 2]
+    assert reducescatter_rows(2, 4) == [1, 1, 0, 0]
+    assert reducescatter_rows(8, 4) == [2, 2, 2, 2]
+
+
+def test_a_group_is_one_entry_that_completes_or_fails_whole():
+    def group(name, *shapes):
+        return Meta(name, "group", members=tuple(ar(f"{name}.{i}", shape=s)
+                                                 for i, s in enumerate(shapes)))
+
+    neg = Negotiator(2)
+    assert neg.process([[group("g", (2,), (3,))], []], [False, False]) == []
+    out = neg.process([[], [group("g", (2,), (3,))]], [False, False])
+    assert [(r.kind, r.name, r.error) for r in out] == [("group", "g", None)]
+    out = neg.process([[group("h", (2,), (3,))], [group("h", (2,), (4,))]], [False, False])
+    assert out[0].error.startswith("group 'h': member 1: allreduce 'h.1': ranks disagree")
+    out = neg.process([[group("k", (2,))], [group("k", (2,), (3,))]], [False, False])
+    assert "members: ranks 0 have 1; ranks 1 have 2" in out[0].error
+
+
+def test_group_future_is_done_when_every_member_is():
+    from mpicoll.torch.handles import Future, GroupFuture
+
+    a, b = Future(), Future()
+    group = GroupFuture([a, b])
+    a.set_result(1)
+    assert not group.done() and not group.wait(0.01)
+    b.set_error(ValueError("x"))
+    assert group.done() and isinstance(group.error, ValueError) and group.result == [1, None]
+
+
+def test_a_group_and_a_plain_request_of_one_name_fail_every_member():
+    from mpicoll.torch.execute import run_responses
+
+    class FakeEngine:
+        rank, size, comm, local = 1, 2, None, {}
+        settings = from_environment()
+
+        def __init__(self):
+            self.finished = {}
+
+        def finish(self, key, result=None, error=None, extra=None):
+            self.finished[key] = error
+
+    group = Meta("g", "group", members=(ar("g.0"), ar("g.1")))
+    neg = Negotiator(2)
+    out = neg.process([[ar("g")], [group]], [False, False])
+    assert "kind" in out[0].error
+    engine = FakeEngine()
+    run_responses(engine, out)
+    assert set(engine.finished) == {"g", "g.0", "g.1"}
+    assert all("kind" in str(e) for e in engine.finished.values())
