@@ -12,7 +12,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from . import buffers, config, fastpath
+from . import buffers, config, fastpath, tracking
 from .algorithms.registry import bind, lookup, scales_shards
 from .buffers import flat_view, is_in_place
 from .checked import agree
@@ -187,7 +187,10 @@ def dispatch(collective: str, args: tuple, comm: Any = None, check: Any = None,
             return value
         args = value  # CUDA-aware MPI: producers synchronised, CuPy views of the buffers
     ctx = get_context(resolve_comm(comm))
-    plan = _planned(ctx, collective, args, check)
+    if tracking.wanted():  # the stall inspector or the timeline: number and describe it
+        plan = _tracked_plan(ctx, collective, args, check)
+    else:
+        plan = _planned(ctx, collective, args, check)
     cacheable = plan.remake is not None or not plan.fresh
     if cacheable and not check and not config.check_enabled():
         # (checked calls are never cached: the agreement step runs on every call; with
@@ -202,6 +205,24 @@ def dispatch(collective: str, args: tuple, comm: Any = None, check: Any = None,
         return plan.remake()
     plan.run()
     return plan.result
+
+
+def _tracked_plan(ctx: CommContext, collective: str, args: tuple, check: Any) -> Plan:
+    """:func:`_planned`, counted as call ``#seq`` while it plans (checked mode's agreement
+    step may wait for the other ranks), with its ``run``/``remake`` recorded
+    (:func:`mpicoll.tracking.recorded`), which numbers it ``#seq`` again when it runs."""
+    tracker = ctx.tracker
+    seq = tracker.begin(tracking.CallInfo(collective))
+    try:
+        plan = _planned(ctx, collective, args, check)
+    finally:
+        tracker.entered = seq - 1  # numbered again by the recorded run
+    info = tracking.CallInfo(collective, plan.count, plan.dtype, plan.op, plan.root,
+                             plan.requested, plan.algorithm,
+                             plan.count * np.dtype(plan.dtype).itemsize)
+    if plan.remake is not None:
+        return plan._replace(remake=tracking.recorded(tracker, info, plan.remake))
+    return plan._replace(run=tracking.recorded(tracker, info, plan.run or _noop))
 
 
 def _allreduce_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
@@ -327,7 +348,8 @@ def allreduce_init(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
     if recvbuf is None and not is_in_place(sendbuf):
         recvbuf = buffers.array_module(sendbuf).empty_like(sendbuf)
     ctx = get_context(resolve_comm(comm))
-    plan = _planned(ctx, "allreduce", (sendbuf, recvbuf, op, algorithm), check)
+    args = (sendbuf, recvbuf, op, algorithm)
+    plan = (_tracked_plan if tracking.wanted() else _planned)(ctx, "allreduce", args, check)
     run, result = plan.run, plan.result
 
     def call() -> Any:

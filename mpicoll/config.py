@@ -51,6 +51,18 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MPICOLL_ALGORITHM", "mpicoll", "unset",
              "force one algorithm wherever `auto` is asked for (a name not registered for a "
              "collective is ignored there)"),
+    Variable("MPICOLL_STALL_WARN_SECONDS", "mpicoll", "60",
+             "the stall inspector (`mpicoll.watchdog`) logs, on every rank, why a collective "
+             "has waited this long: ranks that have not entered it, are in another one, "
+             "disagree on its arguments or do not answer (`0`: inspector, and the "
+             "announcement of a rank's exit to its peers, off)"),
+    Variable("MPICOLL_STALL_ABORT_SECONDS", "mpicoll", "0 (off)",
+             "abort the job (`MPI_Abort`, after the inspector's report) when a collective "
+             "has waited this long"),
+    Variable("MPICOLL_TIMELINE", "mpicoll", "unset",
+             "write a Chrome-trace timeline of every collective (and of the PyTorch "
+             "adapter's operations) to this file, merged across ranks at exit "
+             "(`mpicoll.timeline`)"),
     Variable("MPICOLL_CUDA_AWARE", "mpicoll.gpu", "detect",
              "`1`: the MPI library takes device pointers (device arrays go straight to "
              "MPI); `0`: stage them through pinned host memory; unset or `auto`: detect "

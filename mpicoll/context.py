@@ -15,8 +15,9 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
-from . import config, fastpath
+from . import config, fastpath, timeline, watchdog
 from .topology import Topology
+from .tracking import Tracker
 
 __all__ = ["CommContext", "get_context", "resolve_comm"]
 
@@ -62,6 +63,10 @@ class CommContext:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.p2p = comm.Dup()
+        #: This rank's record of its collectives here (:mod:`mpicoll.tracking`).
+        self.tracker = Tracker(_comm_name(comm))
+        #: The stall inspector's view of this communicator (``None``: not watched).
+        self.watched = watchdog.watch(self.comm, self.tracker)
         #: Largest message of segmented algorithms, in bytes (``MPICOLL_SEGMENT_BYTES``).
         self.segment_bytes = config.segment_bytes()
         self._plans: dict[Any, Any] = {}
@@ -113,8 +118,34 @@ class CommContext:
         if self._topology is not None:
             self._topology.free()
             self._topology = None
+        watchdog.unwatch(self.watched)
+        self.watched = None
         if self.p2p != MPI.COMM_NULL and not MPI.Is_finalized():
             self.p2p.Free()
+
+
+def _comm_name(comm: MPI.Comm) -> str:
+    """How reports and the timeline name ``comm``: its MPI name, else its world ranks
+    (``"world ranks 0,2,4-7"``)."""
+    try:
+        name = comm.Get_name()
+        if name:
+            return name
+        world = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
+                                          MPI.COMM_WORLD.Get_group())
+    except MPI.Exception:
+        return f"communicator {comm.handle:#x}"
+    spans: list[str] = []
+    for rank in world:
+        if spans and rank == _span_end(spans[-1]) + 1:
+            spans[-1] = f"{spans[-1].split('-')[0]}-{rank}"
+        else:
+            spans.append(str(rank))
+    return "world ranks " + ",".join(spans)
+
+
+def _span_end(span: str) -> int:
+    return int(span.rsplit("-", 1)[-1])
 
 
 @atexit.register
@@ -129,6 +160,7 @@ def _free_all_at_exit() -> None:
     """
     if MPI.Is_finalized():
         return
+    watchdog.announce_exit()  # before the communicators it talks on are freed
     contexts = list(_by_handle.values())
     _by_handle.clear()
     fastpath.invalidate()
@@ -153,12 +185,26 @@ def resolve_comm(comm: Any, argname: str = "comm") -> MPI.Comm:
     return comm
 
 
+_timeline_checked = False
+
+
+def _start_timeline_once() -> None:
+    """``MPICOLL_TIMELINE=path``: start the timeline with the first communicator."""
+    global _timeline_checked
+    if not _timeline_checked:
+        _timeline_checked = True
+        path = config.env_str("MPICOLL_TIMELINE")
+        if path and not timeline.ON:
+            timeline.start(path)
+
+
 def get_context(comm: MPI.Comm) -> CommContext:
     """Return (creating on first use; collective then) the context of ``comm``."""
     ctx = _by_handle.get(comm.handle)
     if ctx is not None:
         return ctx
     keyval = _get_keyval()
+    _start_timeline_once()
     ctx = comm.Get_attr(keyval)
     if ctx is None:
         ctx = CommContext(comm)

@@ -1,0 +1,366 @@
+"""The stall inspector: a watchdog thread that explains, on every rank, why a collective waits.
+
+A collective waits forever when a rank skipped it, called another one, disagrees on its
+arguments, or has ended. Every mpicoll communicator context numbers and describes its
+collectives (:mod:`mpicoll.tracking`); one daemon thread per process watches them, talking
+to its peers on a private duplicate of each communicator (so it needs
+``MPI_THREAD_MULTIPLE``; at a lower thread level it is off and says so once).
+
+- When a call has waited ``MPICOLL_STALL_WARN_SECONDS`` (default 60), the thread asks every
+  peer what it is doing and logs (logger ``mpicoll.stall``) which ranks are in the same
+  call, which have not entered it, which are inside a different one (its name and sequence
+  number), which disagree on its arguments (now, or in an earlier call still remembered),
+  and which did not answer. Each asked rank that is not in that call logs its side too.
+  It asks again every further ``MPICOLL_STALL_WARN_SECONDS`` of the same wait.
+- ``MPICOLL_STALL_ABORT_SECONDS`` (default 0: off): a call that has waited that long
+  aborts the job (``MPI_Abort``) after logging the report.
+- A process that ends while its peers go on (its script returned, ``sys.exit``, an
+  uncaught exception without ``-m mpi4py``, pytest returning after a failed test) tells
+  every peer at exit how many collectives it completed on each communicator. A peer that
+  is, or later gets, stuck in a call the leaver never completed aborts the job within
+  about :data:`LEFT_GRACE_SECONDS`, with a message naming the rank that left.
+
+``MPICOLL_STALL_WARN_SECONDS=0`` turns all of it off. The calling thread only pays for the
+counting in :mod:`mpicoll.tracking`; everything else happens on the watchdog thread.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+import threading
+import time
+import warnings
+from typing import Any
+
+from mpi4py import MPI
+
+from . import config, tracking
+from .tracking import CallInfo, Tracker
+
+__all__ = ["enabled", "watch", "unwatch", "announce_exit", "Watched", "POLL_SECONDS",
+           "LEFT_GRACE_SECONDS", "ANSWER_SECONDS"]
+
+log = logging.getLogger("mpicoll.stall")
+
+#: How often the watchdog looks at the calls in progress and at its messages.
+POLL_SECONDS = 0.1
+#: How long a call may still run after a peer left without completing it.
+LEFT_GRACE_SECONDS = 1.0
+#: How long a stalled rank waits for its peers' answers before it logs the report.
+ANSWER_SECONDS = 2.0
+
+_QUERY, _REPLY, _LEFT = 31001, 31002, 31003
+_lock = threading.Lock()
+_watched: list["Watched"] = []
+_thread: threading.Thread | None = None
+_stop = threading.Event()
+_said_off = False
+
+
+def warn_seconds() -> float:
+    """``MPICOLL_STALL_WARN_SECONDS`` (0 turns the inspector off)."""
+    return config.env_float("MPICOLL_STALL_WARN_SECONDS", 60.0, minimum=0.0)
+
+
+def abort_seconds() -> float:
+    """``MPICOLL_STALL_ABORT_SECONDS`` (0: never abort)."""
+    return config.env_float("MPICOLL_STALL_ABORT_SECONDS", 0.0, minimum=0.0)
+
+
+def enabled() -> bool:
+    """Whether the inspector runs in this process (on, and MPI at THREAD_MULTIPLE)."""
+    global _said_off
+    if warn_seconds() <= 0:
+        return False
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        if not _said_off:
+            _said_off = True
+            warnings.warn("mpicoll: the stall inspector is off: MPI was initialized below "
+                          "MPI_THREAD_MULTIPLE (its watchdog thread calls MPI)", RuntimeWarning,
+                          stacklevel=3)
+        return False
+    return True
+
+
+class Watched:
+    """One communicator as the watchdog sees it."""
+
+    def __init__(self, comm: MPI.Intracomm, tracker: Tracker) -> None:
+        self.comm = comm.Dup()  # collective: every rank creates its context together
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.tracker = tracker
+        self.world = _world_ranks(comm)
+        self.left: dict[int, int] = {}          # rank -> collectives it completed
+        self.sends: list[MPI.Request] = []
+        self.seq = 0                             # the call in progress being timed
+        self.since = 0.0
+        self.next_query = 0.0
+        self.query: dict[str, Any] | None = None
+        self.left_stuck_since: float | None = None
+        self.answered: tuple[int, int] | None = None  # the wait last logged by _answer
+        self.answered_at = 0.0
+
+    def who(self, rank: int) -> str:
+        """``rank 2`` (``rank 2 (world 5)`` on a communicator other than the world)."""
+        world = self.world[rank]
+        return f"rank {rank}" if world == rank else f"rank {rank} (world rank {world})"
+
+    def send(self, obj: Any, dest: int, tag: int) -> None:
+        try:
+            self.sends.append(self.comm.isend(obj, dest=dest, tag=tag))
+        except MPI.Exception:  # a peer already gone: nothing to tell it
+            pass
+
+    def free(self) -> None:
+        if not MPI.Is_finalized():
+            self.comm.Free()
+
+
+def _world_ranks(comm: MPI.Intracomm) -> list[int]:
+    try:
+        return list(MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
+                                              MPI.COMM_WORLD.Get_group()))
+    except MPI.Exception:
+        return list(range(comm.Get_size()))
+
+
+def watch(comm: MPI.Intracomm, tracker: Tracker) -> Watched | None:
+    """Start watching ``comm`` (collective over it; ``None`` when the inspector is off or
+    ``comm`` has one rank)."""
+    global _thread
+    if comm.Get_size() < 2 or not enabled():
+        return None
+    watched = Watched(comm, tracker)
+    tracking.INSPECTED = True
+    with _lock:
+        _watched.append(watched)
+        if _thread is None:
+            _stop.clear()
+            _thread = threading.Thread(target=_loop, name="mpicoll-watchdog", daemon=True)
+            _thread.start()
+    return watched
+
+
+def unwatch(watched: Watched | None) -> None:
+    """Stop watching (the communicator is being freed) and free the duplicate."""
+    if watched is None:
+        return
+    with _lock:
+        if watched in _watched:
+            _watched.remove(watched)
+    watched.free()
+
+
+def announce_exit() -> None:
+    """At interpreter exit: stop the thread; tell every peer how far this rank got."""
+    global _thread
+    _stop.set()
+    if _thread is not None:
+        _thread.join(timeout=2.0)
+        _thread = None
+    if MPI.Is_finalized():
+        return
+    with _lock:
+        for w in _watched:
+            for peer in range(w.size):
+                if peer != w.rank:
+                    w.send((w.tracker.done,), peer, _LEFT)
+        deadline = time.monotonic() + 1.0
+        for w in _watched:
+            while w.sends and time.monotonic() < deadline:
+                _reap(w)
+                time.sleep(0.001)
+
+
+def _loop() -> None:
+    while not _stop.wait(POLL_SECONDS):
+        with _lock:
+            for w in list(_watched):
+                try:
+                    _poll(w, time.monotonic())
+                except MPI.Exception as exc:  # never let the watchdog kill the process
+                    log.debug("watchdog: %s", exc)
+
+
+def _reap(w: Watched) -> None:
+    w.sends = [req for req in w.sends if not req.Test()]
+
+
+def _poll(w: Watched, now: float) -> None:
+    _reap(w)
+    status = MPI.Status()
+    while w.comm.iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+        source, tag = status.Get_source(), status.Get_tag()
+        message = w.comm.recv(source=source, tag=tag)
+        if tag == _QUERY:
+            _answer(w, source, *message)
+        elif tag == _REPLY and w.query is not None and message[0] == w.query["seq"]:
+            w.query["replies"][source] = message
+        elif tag == _LEFT:
+            w.left[source] = message[0]
+    _check(w, now)
+
+
+def _check(w: Watched, now: float) -> None:
+    t = w.tracker
+    seq = t.entered
+    if t.done >= seq:  # nothing in progress
+        w.seq, w.query, w.left_stuck_since = 0, None, None
+        return
+    if seq != w.seq:
+        warn = warn_seconds()
+        w.seq, w.since, w.next_query = seq, now, now + warn
+        w.query, w.left_stuck_since = None, None
+    waited = now - w.since
+    _check_left(w, seq, now, waited)
+    if now >= w.next_query:
+        _ask(w, seq, waited)
+        w.next_query = now + warn_seconds()
+    if w.query is not None and not w.query.get("logged") and (
+            len(w.query["replies"]) == w.size - 1 or now >= w.query["deadline"]):
+        w.query["logged"] = True
+        log.warning(_report(w, w.query))
+    limit = abort_seconds()
+    if limit > 0 and waited >= limit:
+        report = _report(w, w.query) if w.query else _headline(w, seq, waited)
+        _abort(f"{report}\n  aborting: waited longer than MPICOLL_STALL_ABORT_SECONDS="
+               f"{limit:g}")
+
+
+def _check_left(w: Watched, seq: int, now: float, waited: float) -> None:
+    gone = sorted(r for r, done in w.left.items() if done < seq)
+    if not gone:
+        return
+    if w.left_stuck_since is None:
+        w.left_stuck_since = now
+    elif now - w.left_stuck_since >= LEFT_GRACE_SECONDS:
+        names = ", ".join(f"{w.who(r)} (after completing {w.left[r]} collectives on it)"
+                          for r in gone)
+        _abort(f"{_headline(w, seq, waited)}\n  {names} ended its process and will never "
+               f"take part in it: aborting the job")
+
+
+def _headline(w: Watched, seq: int, waited: float) -> str:
+    info = w.tracker.info(seq)
+    what = info.describe() if info else "a collective"
+    return (f"mpicoll stall inspector: {w.who(w.rank)} has waited {waited:.1f} s in {what} "
+            f"#{seq} on {w.tracker.name} ({w.size} ranks)")
+
+
+def _ask(w: Watched, seq: int, waited: float) -> None:
+    w.query = {"seq": seq, "waited": waited, "replies": {},
+               "deadline": time.monotonic() + ANSWER_SECONDS}
+    for peer in range(w.size):
+        if peer != w.rank:
+            w.send((seq, w.tracker.info(seq), waited), peer, _QUERY)
+
+
+def _answer(w: Watched, source: int, seq: int, info: CallInfo | None, waited: float) -> None:
+    """Tell a stalled peer what this rank is doing; log it here if it is not that call."""
+    t = w.tracker
+    current = t.info(t.entered) if t.entered > t.done else None
+    w.send((seq, t.entered, t.done, current, t.recent(seq)), source, _REPLY)
+    now = time.monotonic()
+    if (t.entered == seq and current == info) or (
+            w.answered == (seq, t.entered) and now - w.answered_at < warn_seconds() * 0.9):
+        return  # in that call too, or this wait was told here lately (by another asker)
+    w.answered, w.answered_at = (seq, t.entered), now
+    what = info.describe() if info else "a collective"
+    here = (f"is in {current.describe()} #{t.entered}" if current is not None
+            else f"is not in an mpicoll collective on it (completed {t.done})")
+    made = t.info(seq) if seq <= t.entered else None
+    diff = made.differences(info) if made is not None and info is not None else []
+    if diff and (made is not current or t.entered != seq):
+        here += f"; its own call #{seq} differed: {', '.join(diff)}"
+    elif diff:
+        here = f"is in that call with other arguments: {', '.join(diff)}"
+    log.warning(f"mpicoll stall inspector: {w.who(source)} has waited {waited:.1f} s in "
+                f"{what} #{seq} on {t.name}; this rank ({w.who(w.rank)}) {here}")
+
+
+def _report(w: Watched, query: dict) -> str:
+    """The report of a stalled call from every answer received."""
+    seq, replies, t = query["seq"], query["replies"], w.tracker
+    mine = t.info(seq)
+    groups: dict[str, list[str]] = {"in the same call": [],
+                                    "have not entered it": [], "inside a different one": [],
+                                    "disagree on its arguments": [], "past it": [],
+                                    "did not answer": []}
+    earlier: list[str] = []
+    for peer in range(w.size):
+        if peer == w.rank:
+            groups["in the same call"].append(w.who(peer))
+            continue
+        if peer not in replies:
+            groups["did not answer"].append(w.who(peer))
+            continue
+        _classify(w, peer, seq, mine, replies[peer], groups)
+        earlier += _earlier_disagreement(w, peer, seq, replies[peer][4])
+    lines = [_headline(w, seq, query["waited"])]
+    lines += [f"  {label}: {', '.join(names)}" for label, names in groups.items() if names]
+    lines += [f"  earlier disagreement: {line}" for line in earlier]
+    return "\n".join(lines)
+
+
+def _classify(w: Watched, peer: int, seq: int, mine: CallInfo | None, reply: tuple,
+              groups: dict[str, list[str]]) -> None:
+    """File ``peer`` under one heading of the report, from its answer."""
+    _, entered, done, current, recent = reply
+    name = w.who(peer)
+    inside = current is not None and entered == seq
+    theirs = current if inside else recent.get(seq)  # its call #seq, if it made one
+    diff = mine.differences(theirs) if mine is not None and theirs is not None else []
+    now = ("" if inside else f"; now in {current.describe()} #{entered}" if current
+           else f"; completed {done}")
+    if inside and not diff:
+        groups["in the same call"].append(name)
+    elif diff and theirs.collective != mine.collective:
+        groups["inside a different one"].append(f"{name} in {theirs.describe()} #{seq}{now}")
+    elif diff:
+        groups["disagree on its arguments"].append(f"{name}: {', '.join(diff)}{now}")
+    elif current is not None:
+        groups["inside a different one"].append(f"{name} in {current.describe()} #{entered}")
+    elif done < seq:
+        groups["have not entered it"].append(f"{name} (completed {done}, not in an mpicoll "
+                                             f"collective on this communicator)")
+    else:
+        groups["past it"].append(f"{name} (completed {done})")
+
+
+def _earlier_disagreement(w: Watched, peer: int, seq: int, recent: dict) -> list[str]:
+    """The first earlier call, still remembered by both, where ``peer`` differed."""
+    for s in sorted(recent):
+        if s >= seq:
+            break
+        mine, theirs = w.tracker.info(s), recent[s]
+        diff = mine.differences(theirs) if mine is not None else []
+        if diff:
+            return [f"#{s}: {w.who(peer)} differed: {', '.join(diff)} (it called "
+                    f"{theirs.describe()}, this rank {mine.describe()})"]
+    return []
+
+
+def _abort(message: str) -> None:
+    if log.hasHandlers():
+        log.error(message)
+    _print_uncaptured(message)
+    MPI.COMM_WORLD.Abort(1)
+
+
+def _print_uncaptured(message: str) -> None:
+    """Print to the process's real stderr, even inside a pytest test.
+
+    pytest captures file descriptors 1 and 2 during a test and shows the capture only when
+    the test ends, which an aborted process never reaches: the message would be lost. Its
+    capture manager is found among live objects (only when aborting) and suspended while
+    the message is written.
+    """
+    capture = sys.modules.get("_pytest.capture")
+    if capture is not None:
+        for obj in gc.get_objects():
+            if isinstance(obj, capture.CaptureManager):
+                with obj.global_and_fixture_disabled():
+                    print(message, file=sys.stderr, flush=True)
+                return
+    print(message, file=sys.stderr, flush=True)
