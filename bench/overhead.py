@@ -14,6 +14,10 @@ rank takes the median block, the table shows the average over ranks. Variants:
   ``native - mpi`` is mpicoll's per-call overhead (argument checks, op and algorithm
   resolution, dispatch);
 - each hand-written algorithm, and ``auto``;
+- ``mpi recorded``: the direct call wrapped as the stall inspector records every call
+  (:func:`mpicoll.tracking.recorded`): ``mpi recorded - mpi`` is the inspector's cost per
+  call on the fast path (it is on by default: the other mpicoll variants include it unless
+  ``MPICOLL_STALL_WARN_SECONDS=0``);
 - the other forms of a call, each beside the MPI call doing the same work:
   ``auto persistent`` (``call = mpicoll.allreduce_init(x, y)``, then ``call()``),
   ``auto new-out`` (``y = mpicoll.allreduce(x)``) beside ``mpi new-out`` (a new output
@@ -26,6 +30,7 @@ in GB/s, the physical limits for the bus bandwidth of the collectives here.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -89,6 +94,10 @@ def measure(args: argparse.Namespace) -> dict:
     for a in ["native", *[a for a in mpicoll.algorithms("allreduce") if a != "native"], "auto"]:
         variants[a] = (lambda a=a: mpicoll.allreduce(x, y, "sum", comm, a))
     persistent = mpicoll.allreduce_init(x, y, "sum", comm)
+    from mpicoll import tracking, watchdog  # noqa: PLC0415
+
+    recorded = tracking.recorded(tracking.Tracker("bench"), tracking.CallInfo("allreduce"),
+                                 functools.partial(comm.Allreduce, x, y, MPI.SUM))
     variants.update({
         # the forms of a call, each against the MPI call that does the same work
         "auto persistent": persistent,                    # allreduce_init once, call()
@@ -96,6 +105,9 @@ def measure(args: argparse.Namespace) -> dict:
         "auto new-out": lambda: mpicoll.allreduce(x, None, "sum", comm),    # y = f(x)
         "mpi new-in": lambda: comm.Allreduce(x.copy(), y, MPI.SUM),
         "auto uncached": lambda: mpicoll.allreduce(x.copy(), y, "sum", comm),  # planned
+        # the stall inspector's record of a call (what every cached call pays while the
+        # inspector or the timeline is on), around the direct MPI call
+        "mpi recorded": recorded,
     })
     blocks: dict[str, list[float]] = {v: [] for v in variants}
     calls = args.calls
@@ -150,6 +162,8 @@ def measure(args: argparse.Namespace) -> dict:
         "machine": meta["machine"], "date": meta["date"], "command": meta["command"],
         "per_call_us": per_call,
         "mpicoll_overhead_us": per_call["native"] - per_call["mpi"],
+        "inspector_us": per_call["mpi recorded"] - per_call["mpi"],
+        "inspector_on": watchdog.enabled(),
         "memcpy_GBps": memcpy, "add_GBps": add, "memcpy_bytes": args.memcpy_bytes,
         "profile": profile_text,
     }
@@ -170,6 +184,10 @@ def format_text(res: dict) -> str:
         lines.append(f"{v:<22s}{us:10.2f}{us / base:9.2f}")
     lines.append(f"# mpicoll overhead per call (native through mpicoll - direct mpi4py): "
                  f"{res['mpicoll_overhead_us']:.2f} us")
+    if "inspector_us" in res:
+        lines.append(f"# stall inspector's record per call (mpi recorded - mpi): "
+                     f"{res['inspector_us']:.2f} us; inspector "
+                     f"{'on' if res['inspector_on'] else 'off'} in this run")
     if res.get("memcpy_GBps"):
         lines.append(f"# Memory: np.copyto {res['memcpy_bytes'] // MiB} MiB: "
                      f"{res['memcpy_GBps']:.2f} GB/s; np.add(a, b, out=b): "

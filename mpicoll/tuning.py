@@ -64,6 +64,23 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _spans_nodes(ranks_per_node: int, size: int) -> bool | None:
+    """Whether a layout spans several nodes (``None``: unknown layout)."""
+    return None if ranks_per_node <= 0 else ranks_per_node < size
+
+
+def _nearest_layout(layouts: dict, pick: int, size: int, ranks_per_node: int) -> Any:
+    """The entry measured at the layout nearest ``ranks_per_node`` (ties: the larger), never
+    across the node boundary: timings of one shared-memory node say nothing of a network,
+    so a layout spanning nodes with only one-node entries (or the reverse) gets ``None``
+    (the built-in rules, which know about nodes)."""
+    spans = _spans_nodes(ranks_per_node, size)
+    alike = [r for r in layouts if spans is None or _spans_nodes(r, pick) == spans]
+    if not alike:
+        return None
+    return layouts[min(alike, key=lambda r: (abs(r - ranks_per_node), -r))]
+
+
 class TuningTable:
     """A parsed, validated tuning table.
 
@@ -164,7 +181,7 @@ class TuningTable:
             elif 0 in layouts:
                 found = layouts[0]
             else:  # the measured layout nearest to the one asked for; ties: the larger
-                found = layouts[min(layouts, key=lambda r: (abs(r - ranks_per_node), -r))]
+                found = _nearest_layout(layouts, pick, size, ranks_per_node)
         if len(self._cache) < 4096:
             self._cache[key] = found
         return found

@@ -96,6 +96,30 @@ def test_ranks_per_node_exact_then_wildcard_then_nearest():
     assert t2.lookup("allreduce", 8, 4, 1) == "any"
 
 
+def test_one_node_timings_never_choose_for_several_nodes():
+    def e(size, rpn, name):
+        return {"world_size": size, "ranks_per_node": rpn,
+                "rules": [{"max_bytes": None, "algorithm": name}]}
+
+    one_node = tuning.TuningTable(table_dict(allreduce=[e(4, 4, "one-node")]))
+    assert one_node.lookup("allreduce", 4, 4, 1) == "one-node"
+    assert one_node.lookup("allreduce", 4, 2, 1) is None        # 2 nodes x 2: built-in rules
+    assert one_node.lookup("allreduce", 4, 0, 1) == "one-node"  # unknown layout
+    multi = tuning.TuningTable(table_dict(allreduce=[e(8, 2, "multi")]))
+    assert multi.lookup("allreduce", 8, 4, 1) == "multi"
+    assert multi.lookup("allreduce", 8, 8, 1) is None
+
+
+def test_builtin_rules_take_hierarchical_across_nodes():
+    big, small = 16 << 20, 4096
+    assert selection.builtin_choice("allreduce", 4, 2, big) == "hierarchical"
+    assert selection.builtin_choice("allreduce", 8, 4, small) == "recursive_doubling"
+    assert selection.builtin_choice("allreduce", 4, 4, big) != "hierarchical"  # one node
+    assert selection.builtin_choice("allreduce", 4, 1, big) != "hierarchical"  # 1 per node
+    assert tuning.active_table().source.endswith("tuning_default.json")
+    assert selection.choose("allreduce", 4, 2, big) == "hierarchical"  # shipped: one node
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"format": "other/9", "collectives": {}}, "format"),
     ({"format": tuning.FORMAT}, "'collectives'"),

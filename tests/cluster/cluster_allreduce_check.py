@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 import mpicoll
 from mpicoll.context import get_context
+from mpicoll.selection import choose
 
 COUNTS = "0,1,2,3,4,5,7,1001,65537,262147"
 
@@ -83,6 +84,10 @@ def main() -> int:
         if rank == 0:
             print(f"layout: nodes {topo.node_sizes} emulated {topo.emulated} hosts {hosts}",
                   flush=True)
+            ctx = get_context(comm)
+            picks = {f"{b >> 10}K": choose("allreduce", comm.Get_size(), ctx.ranks_per_node, b)
+                     for b in (4 << 10, 16 << 20)}
+            print(f"auto picks: {picks}", flush=True)
         if args.expect_nodes:
             want = [int(s) for s in args.expect_nodes.split(",")]
             if topo.node_sizes != want or topo.emulated:
