@@ -3,12 +3,20 @@
     mpirun -n 4 python examples/ps_train.py --servers 1
     mpirun -n 5 python -m mpi4py examples/ps_train.py --servers 2 --consistency ssp --staleness 2
     mpirun -n 2 python -m mpi4py examples/ps_train.py --servers colocated
+    mpirun -n 4 python -m mpi4py examples/ps_train.py --backup-workers 1 --slow-rank 3 --slow-factor 3
 
 Ranks ``0 .. servers-1`` serve; the others are workers (with ``--servers colocated`` every
 rank is a worker and serves its own shards), each training on its own slice of a
 synthetic 4-class problem (noisy concentric rings in 2-D lifted to 8 features). Every step a
 worker computes the gradient of the cross-entropy on a minibatch and calls ``push_pull``;
 the servers apply the optimizer. The first worker prints test loss and accuracy.
+
+Training runs until the worker's clock (the round it pushes next) has advanced ``--steps``
+rounds: with ``--backup-workers`` a worker whose pushes were dropped skips rounds, so it
+gets there in fewer steps. A worker's minibatch depends only on (seed, worker index,
+clock), so a run restored from a checkpoint takes the same next step as an uninterrupted
+one (``--save DIR --save-every K`` checkpoints every K rounds; ``--dump FILE`` writes the
+first worker's parameters at every clock).
 
 Launch with ``python -m mpi4py`` so that an exception on any rank aborts the whole job
 (MPI_Abort) instead of leaving the others waiting; ``--crash-rank`` injects one to show it.
@@ -89,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "serves its shards; bsp only)")
     ap.add_argument("--consistency", default="bsp", choices=["bsp", "asp", "ssp"])
     ap.add_argument("--staleness", type=int, default=0)
+    ap.add_argument("--backup-workers", type=int, default=0,
+                    help="bsp: a round closes once all but this many workers have pushed")
     ap.add_argument("--optimizer", default="adam", choices=["sgd", "momentum", "adam"])
     ap.add_argument("--lr", type=float, default=0.02)
     ap.add_argument("--steps", type=int, default=300, help="steps per worker")
@@ -100,8 +110,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--straggler-rank", type=int, default=-1,
                     help="this rank sleeps --straggler-delay seconds every step")
     ap.add_argument("--straggler-delay", type=float, default=0.0)
+    ap.add_argument("--slow-rank", type=int, default=-1,
+                    help="this worker's compute is --slow-factor times slower (it sleeps "
+                         "(factor - 1) x its measured gradient time every step)")
+    ap.add_argument("--slow-factor", type=float, default=1.0)
     ap.add_argument("--json", help="the first worker writes [(seconds, step, loss, acc)] here")
     ap.add_argument("--save", help="checkpoint directory, written at the end of training")
+    ap.add_argument("--save-every", type=int, default=0,
+                    help="also checkpoint into --save every this many rounds")
+    ap.add_argument("--dump", help="the first worker writes its parameters at every clock "
+                                   "here (npz, keys '<clock>/<name>')")
     ap.add_argument("--restore", help="start from this checkpoint")
     ap.add_argument("--reshard", action="store_true",
                     help="allow restoring a checkpoint saved with another layout")
@@ -130,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ps = ParameterServer(params, comm=comm, num_servers=args.servers,
                          consistency=args.consistency, staleness=args.staleness,
                          optimizer=args.optimizer, lr=args.lr, restore=args.restore,
-                         reshard=args.reshard, split_bytes=args.split_bytes)
+                         reshard=args.reshard, split_bytes=args.split_bytes,
+                         backup_workers=args.backup_workers)
     # the constructor has returned on every rank: collective calls before serve() are fine
     roles = comm.allgather("server" if ps.is_server else "worker")
     if rank == 0:
@@ -145,45 +164,96 @@ def main(argv: list[str] | None = None) -> int:
         ps.free()
         return 0
 
-    x, y = make_data(args.samples, seed=args.seed + 1)
-    xt, yt = make_data(2000, seed=args.seed + 2)
-    mine = slice(ps.worker_index, None, ps.num_workers)       # this worker's data
-    x, y = x[mine], y[mine]
-    rng = np.random.default_rng(args.seed + 100 + rank)
-    first = ps.worker_index == 0
-    log = []
-    start = time.perf_counter()
-    w = ps.pull()
-    for step in range(args.steps):
-        if rank == args.crash_rank and step == args.crash_step:
-            crash(args.crash_mode, f"worker rank {rank} at step {step}")
-        idx = rng.integers(0, len(y), args.batch)
-        g = gradients(w, x[idx], y[idx])
-        if rank == args.straggler_rank:
-            time.sleep(args.straggler_delay)
-        w = ps.push_pull(g, out=w)
-        if first and (step % args.log_every == 0 or step == args.steps - 1):
-            loss, acc = loss_and_accuracy(w, xt, yt)
-            log.append((time.perf_counter() - start, step, loss, acc))
-            print(f"step {step:5d}  test loss {loss:.4f}  accuracy {acc:.3f}", flush=True)
-    if args.save:
-        ps.save(args.save)
+    result = train(ps, args)
     stats = ps.stats()
     ps.close()
-    if first:
-        loss, acc = loss_and_accuracy(w, xt, yt)
-        s = stats["worker"]
-        print(f"final: test loss {loss:.4f}  accuracy {acc:.3f}  "
-              f"({args.consistency}, {ps.num_servers} server(s), {ps.num_workers} workers, "
-              f"{time.perf_counter() - start:.2f} s, staleness max {s['staleness_max']} "
-              f"mean {s['staleness_mean']:.2f}, bytes per server {stats['bytes_per_server']})",
-              flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "log": log, "final": [loss, acc],
-                           "seconds": time.perf_counter() - start, "stats": stats}, f)
+    if ps.worker_index == 0:
+        report(ps, args, result, stats)
     ps.free()
     return 0
+
+
+def worker_data(seed: int, samples: int, worker: int, workers: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Worker ``worker``'s slice of the training set (every ``workers``-th sample)."""
+    x, y = make_data(samples, seed=seed + 1)
+    return x[worker::workers], y[worker::workers]
+
+
+def minibatch(seed: int, worker: int, clock: int, n: int, batch: int) -> np.ndarray:
+    """Indices of a worker's minibatch at ``clock``: a function of (seed, worker, clock)
+    only, so a restored run draws what the uninterrupted one drew."""
+    return np.random.default_rng([seed, 100 + worker, clock]).integers(0, n, batch)
+
+
+def compute_step(args: argparse.Namespace, ps: ParameterServer, w: dict, data: tuple
+                 ) -> dict[str, np.ndarray]:
+    """This worker's gradient at its clock; the slow rank then sleeps (factor - 1) x the
+    time it took."""
+    x, y = data
+    idx = minibatch(args.seed, ps.worker_index, ps.clock, len(y), args.batch)
+    t0 = time.perf_counter()
+    g = gradients(w, x[idx], y[idx])
+    if ps.rank == args.slow_rank and args.slow_factor > 1:
+        time.sleep((args.slow_factor - 1) * (time.perf_counter() - t0))
+    if ps.rank == args.straggler_rank:
+        time.sleep(args.straggler_delay)
+    return g
+
+
+def train(ps: ParameterServer, args: argparse.Namespace) -> dict:
+    """Push and pull until the clock has advanced ``args.steps`` rounds; checkpoint and
+    record on the way. Returns the first worker's record (log, step times, dump)."""
+    data = worker_data(args.seed, args.samples, ps.worker_index, ps.num_workers)
+    test = make_data(2000, seed=args.seed + 2)
+    first = ps.worker_index == 0
+    rec: dict = {"log": [], "step_seconds": [], "dump": {}}
+    start = time.perf_counter()
+    w = ps.pull()
+    end = ps.clock + args.steps
+    step = 0
+    while ps.clock < end:
+        if ps.rank == args.crash_rank and step == args.crash_step:
+            crash(args.crash_mode, f"worker rank {ps.rank} at step {step}")
+        t0 = time.perf_counter()
+        before = ps.clock
+        if first and args.dump:
+            rec["dump"].update({f"{before}/{k}": v.copy() for k, v in w.items()})
+        w = ps.push_pull(compute_step(args, ps, w, data), out=w)
+        rec["step_seconds"].append(time.perf_counter() - t0)
+        if args.save_every and ps.clock // args.save_every > before // args.save_every:
+            ps.save(args.save)
+        if first and (step % args.log_every == 0 or ps.clock >= end):
+            loss, acc = loss_and_accuracy(w, *test)
+            rec["log"].append((time.perf_counter() - start, step, loss, acc))
+            print(f"step {step:5d}  test loss {loss:.4f}  accuracy {acc:.3f}", flush=True)
+        step += 1
+    if first and args.dump:
+        rec["dump"].update({f"{ps.clock}/{k}": v.copy() for k, v in w.items()})
+        np.savez(args.dump, **rec.pop("dump"))
+    if args.save:
+        ps.save(args.save)
+    rec.update(seconds=time.perf_counter() - start, steps=step,
+               final=list(loss_and_accuracy(w, *test)))
+    return rec
+
+
+def report(ps: ParameterServer, args: argparse.Namespace, rec: dict, stats: dict) -> None:
+    """The first worker's summary line, and the JSON record with ``--json``."""
+    loss, acc = rec["final"]
+    s = stats["worker"]
+    dropped = sum(v.get("late_pushes_dropped", 0) for v in stats["servers"])
+    print(f"final: test loss {loss:.4f}  accuracy {acc:.3f}  "
+          f"({args.consistency}, {ps.num_servers} server(s), {ps.num_workers} workers, "
+          f"{rec['seconds']:.2f} s, {rec['steps']} steps to clock {ps.clock}, "
+          f"staleness max {s['staleness_max']} mean {s['staleness_mean']:.2f}, "
+          f"late pushes dropped {dropped}, bytes per server {stats['bytes_per_server']})",
+          flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "log": rec["log"], "final": rec["final"],
+                       "seconds": rec["seconds"], "steps": rec["steps"],
+                       "step_seconds": rec["step_seconds"], "stats": stats}, f)
 
 
 if __name__ == "__main__":

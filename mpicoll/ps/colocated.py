@@ -524,7 +524,8 @@ class ColocatedEngine:
                 **self.counters, "staleness_max": 0, "staleness_mean": 0.0,
                 "staleness_count": self.counters["pulls"],
                 "staleness_hist": [self.counters["pulls"]] + [0] * (P.STALENESS_BINS - 1),
-                "active_workers": sum(self.active)}
+                "active_workers": sum(self.active), "late_pushes_dropped": 0,
+                "short_rounds": 0}
 
     def stats_steps(self) -> Steps:
         """Collective: every rank's server counters."""

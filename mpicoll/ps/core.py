@@ -138,6 +138,15 @@ class ParameterServer:
             ``pull()`` or ``save()`` before the next push then raises :class:`PSError`.
             For pure gradient averaging (``mpicoll.torch.DistributedOptimizer(...,
             backend="ps")``).
+        backup_workers: ``b`` (``bsp`` with separate servers and a server-side
+            optimizer; ``0 <= b <`` number of workers): a round closes as soon as all but
+            ``b`` active workers have pushed it and is updated with the average of the
+            pushes it holds; a push that arrives for a closed round is dropped and counted
+            (``stats()``: ``late_pushes_dropped``, ``short_rounds``), and that worker's
+            next pull returns the newest parameters and moves its :attr:`clock` forward.
+            Which pushes are counted depends on timing, so with ``b > 0`` runs are not
+            reproducible bit for bit. End training at a round count (``while ps.clock <
+            steps``): a worker whose pushes were dropped reaches it in fewer steps.
         **hyperparameters: ``lr``, ``momentum``, ``beta1``, ``beta2``, ``eps``,
             ``weight_decay`` (plain numbers).
     Raises:
@@ -151,7 +160,7 @@ class ParameterServer:
                  split_bytes: int = DEFAULT_SPLIT_BYTES,
                  chunk_bytes: int = P.DEFAULT_CHUNK_BYTES, init: bool = True,
                  restore: str | None = None, reshard: bool = False, max_sleep: float = 1e-3,
-                 keep_aggregate: bool = True,
+                 keep_aggregate: bool = True, backup_workers: int = 0,
                  **hyperparameters: Any) -> None:
         self.comm = (MPI.COMM_WORLD if comm is None else comm).Dup()
         self.rank = self.comm.Get_rank()
@@ -163,7 +172,7 @@ class ParameterServer:
                              hyperparameters=hyperparameters, average=average,
                              split_bytes=split_bytes, chunk_bytes=chunk_bytes, init=init,
                              restore=restore, reshard=reshard,
-                             keep_aggregate=keep_aggregate))
+                             keep_aggregate=keep_aggregate, backup_workers=backup_workers))
             specs = self._agree(settings, specs)
             self._take_roles(settings, specs, max_sleep)
             self._init_or_restore(settings, values)
@@ -231,6 +240,7 @@ class ParameterServer:
         self.num_servers = size if settings.colocated else settings.num_servers
         self.consistency = settings.consistency
         self.staleness = settings.staleness
+        self.backup_workers = settings.backup_workers
         self.optimizer = settings.optimizer
         self.hyperparameters = settings.hyperparameters
         self.average = settings.average
@@ -256,9 +266,10 @@ class ParameterServer:
             self._server = Server(self.comm, self.placement, rank, self.worker_ranks,
                                   self.consistency, self.staleness, self.optimizer,
                                   self.hyperparameters, self.average, self.chunk_bytes,
-                                  max_sleep)
+                                  max_sleep, self.backup_workers)
         else:
-            self._client = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep)
+            self._client = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep,
+                                        adopt_version=self.backup_workers > 0)
 
     def _init_or_restore(self, settings: Settings, values: dict[str, np.ndarray] | None
                          ) -> None:
@@ -308,7 +319,9 @@ class ParameterServer:
 
     @property
     def clock(self) -> int:
-        """This worker's clock: pushes made so far (``None`` on servers)."""
+        """This worker's clock: pushes made so far, i.e. the round its next push is for
+        (``None`` on servers); with backup workers it also skips rounds that closed
+        without this worker."""
         if self._engine is not None:
             return self._engine.clock
         return None if self._client is None else self._client.clock
@@ -433,7 +446,10 @@ class ParameterServer:
         """Counters: placement (bytes and shards per server), per-server and this worker's.
 
         On a worker, asks every server for its counters (pushes, pulls, updates, bytes in
-        and out, staleness max/mean/histogram). On a server, its own counters.
+        and out, staleness max/mean/histogram; with backup workers ``late_pushes_dropped``
+        and ``short_rounds``, the shard updates applied before every active worker had
+        pushed) and adds its own (``late_pushes_dropped``: its shard pushes the servers
+        dropped). On a server, its own counters.
 
         Returns:
             ``{"bytes_per_server": [...], "shards_per_server": [...], "servers": [...],
@@ -443,7 +459,8 @@ class ParameterServer:
             "bytes_per_server": self.placement.bytes_per_server(),
             "shards_per_server": [len(self.placement.shards_on(s))
                                   for s in range(self.num_servers)],
-            "consistency": self.consistency, "staleness_bound": self.staleness}
+            "consistency": self.consistency, "staleness_bound": self.staleness,
+            "backup_workers": self.backup_workers}
         if self._server is not None:
             out["server"] = self._server.stats()
             return out
@@ -501,6 +518,7 @@ class ParameterServer:
                     "num_workers": self.num_workers, "worker_clocks": clocks,
                     "colocated": self.colocated,
                     "consistency": self.consistency, "staleness": self.staleness,
+                    "backup_workers": self.backup_workers,
                     "optimizer": self.optimizer, "hyperparameters": self.hyperparameters,
                     "average": self.average,
                     "files": [ckpt.server_file(ckpt_id, s) for s in range(self.num_servers)]}
@@ -537,10 +555,10 @@ class ParameterServer:
         error = None
         holder = self._server or self._engine
         if holder is not None:
-            worker_clock = None if same_workers else {w: common for w in self.worker_ranks}
-            if self._engine is not None:   # clocks are kept by rank: map saved worker order
-                worker_clock = {w: clocks[i] if same_workers else common
-                                for i, w in enumerate(self.worker_ranks)}
+            # servers keep clocks by worker rank, the manifest by worker index: with another
+            # number of servers the same workers have other ranks
+            worker_clock = {w: clocks[i] if same_workers else common
+                            for i, w in enumerate(self.worker_ranks)}
             loader = ckpt.ShardLoader(path, manifest)
             try:
                 for state in holder.states.values():

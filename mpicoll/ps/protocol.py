@@ -39,7 +39,9 @@ Header fields:
 ``SHAPE``  ``zlib.crc32`` of the tensor's shape, so a same-size reshape is caught
 ``STATUS`` reply status (0 ok, else an :class:`Status` code)
 ``NBYTES`` payload bytes (``COUNT * itemsize``, or the UTF-8 error message's length)
-``AUX``    op-specific: for a reply to a pull, the staleness the server saw
+``AUX``    op-specific: for a reply to a pull, the staleness the server saw; for a reply
+           to a push, 1 if the push came for a round already closed (``bsp`` with backup
+           workers) and was dropped
 ======== ==================================================================================
 """
 from __future__ import annotations
@@ -82,7 +84,7 @@ _CODE = {d: i for i, d in enumerate(DTYPES)}
 #: counters in a STATS reply (float64 payload), followed by STALENESS_BINS histogram bins.
 STATS_FIELDS = ("server", "rank", "shards", "bytes_stored", "pushes", "pulls", "updates",
                 "bytes_in", "bytes_out", "errors", "staleness_max", "staleness_sum",
-                "staleness_count", "active_workers")
+                "staleness_count", "active_workers", "late_pushes_dropped", "short_rounds")
 STALENESS_BINS = 16
 
 

@@ -10,7 +10,10 @@ Consistency, per shard (a worker's *clock* is the number of pushes it has made):
 - ``bsp``: pushes of round ``r`` are buffered per worker; once every active (not closed)
   worker has pushed round ``r`` they are summed in worker-rank order (reproducible), divided
   by the number of contributors when averaging, and applied as one update. A pull at clock
-  ``c`` waits until ``c`` rounds have been applied.
+  ``c`` waits until ``c`` rounds have been applied. With ``b`` backup workers a round closes
+  as soon as all but ``b`` of the active workers have pushed it (the average of the pushes
+  it holds then); a push that comes for a round already closed is received, dropped and
+  counted (``late_pushes_dropped``), and its reply says so (``AUX`` = 1).
 - ``asp``: each push is applied on arrival (divided by the number of workers when
   averaging); pulls are answered at once.
 - ``ssp`` with bound ``s``: pushes as ``asp``; a pull at clock ``c`` waits until every
@@ -78,11 +81,14 @@ class Server:
             (``bsp``) or by the number of workers (``asp``/``ssp``).
         chunk_bytes: payload chunk size.
         max_sleep: longest idle pause, in seconds.
+        backup_workers: ``bsp``: a round closes once all but this many active workers have
+            pushed it; later pushes for it are dropped (0: every active worker).
     """
 
     def __init__(self, comm: MPI.Comm, placement: Placement, server: int, workers: list[int],
                  consistency: str, staleness: int, optimizer: str, hyper: dict[str, float],
-                 average: bool, chunk_bytes: int, max_sleep: float = 1e-3) -> None:
+                 average: bool, chunk_bytes: int, max_sleep: float = 1e-3,
+                 backup_workers: int = 0) -> None:
         self.comm = comm
         self.placement = placement
         self.index = server
@@ -93,11 +99,12 @@ class Server:
         self.average = average
         self.chunk_bytes = chunk_bytes
         self.max_sleep = max_sleep
+        self.backup_workers = int(backup_workers)
         self.states: dict[tuple[int, int], ShardState] = {
             sh.ident: ShardState(sh, optimizer, hyper, self.workers)
             for sh in placement.shards_on(server)}
         self.counters = {k: 0 for k in ("pushes", "pulls", "updates", "bytes_in", "bytes_out",
-                                        "errors")}
+                                        "errors", "late_pushes_dropped", "short_rounds")}
         self.staleness_hist = np.zeros(P.STALENESS_BINS, dtype=np.int64)
         self.staleness_max = 0
         self.staleness_sum = 0
@@ -254,11 +261,17 @@ class Server:
         if op != P.Op.INIT and state.param is None:
             return (P.Status.NOT_INITIALIZED, f"{spec.name!r} is not initialized yet "
                     f"({P.Op(op).name.lower()} before init)")
-        if op == P.Op.PUSH and int(h[P.CLOCK]) != state.clocks[src]:
+        if op == P.Op.PUSH and not self._clock_fits(int(h[P.CLOCK]), state.clocks[src]):
             return (P.Status.BAD_REQUEST,
                     f"push of {sh.label()} at clock {int(h[P.CLOCK])}, but this worker's "
                     f"next clock here is {state.clocks[src]}")
         return None
+
+    def _clock_fits(self, clock: int, expected: int) -> bool:
+        """Whether a push at ``clock`` may follow this worker's pushes so far: the next
+        clock, or (with backup workers, whose workers skip rounds that closed without
+        them) any later one."""
+        return clock >= expected if self.backup_workers else clock == expected
 
     # ------------------------------------------------------------------ operations
     def _init(self, src: int, h: np.ndarray, state: ShardState) -> None:
@@ -286,9 +299,14 @@ class Server:
         if self.consistency == "bsp":
             buf = self._buffer(state)
             P.recv_payload(self.comm, buf, src, P.TAG_REQUEST_DATA, self.chunk_bytes)
-            state.rounds.setdefault(clock, {})[src] = buf
-            state.clocks[src] += 1
-            self._reply(src, h, clock=state.version)
+            state.clocks[src] = clock + 1
+            late = clock < state.version       # only with backup workers: the round closed
+            if late:
+                self._pool[sh.ident].append(buf)
+                self.counters["late_pushes_dropped"] += 1
+            else:
+                state.rounds.setdefault(clock, {})[src] = buf
+            self._reply(src, h, clock=state.version, aux=int(late))
             self._complete_rounds(state)
         else:
             key = (sh.ident[0], sh.ident[1], src)
@@ -305,12 +323,24 @@ class Server:
             self._reply(src, h, clock=state.version)
             self._answer_deferred(state)
 
+    def _round_complete(self, grads: dict[int, np.ndarray] | None) -> bool:
+        """bsp: whether a round holding pushes ``grads`` closes now: every active worker
+        but ``backup_workers`` has pushed it (all of them without backup workers)."""
+        if not grads:
+            return False
+        pushed = sum(1 for w in self.active if w in grads)
+        if pushed < len(self.active):
+            if pushed < len(self.active) - self.backup_workers:
+                return False
+            self.counters["short_rounds"] += 1
+        return True
+
     def _complete_rounds(self, state: ShardState) -> None:
-        """bsp: apply every round that all active workers have pushed, in order."""
+        """bsp: apply every round that can close (see :meth:`_round_complete`), in order."""
         applied = False
         while True:
             grads = state.rounds.get(state.version)
-            if grads is None or any(w not in grads for w in self.active):
+            if not self._round_complete(grads):
                 break
             del state.rounds[state.version]
             order = sorted(grads)
@@ -436,7 +466,8 @@ class Server:
         s = self.stats()
         head = [s["server"], s["rank"], s["shards"], s["bytes_stored"], s["pushes"], s["pulls"],
                 s["updates"], s["bytes_in"], s["bytes_out"], s["errors"], s["staleness_max"],
-                self.staleness_sum, s["staleness_count"], s["active_workers"]]
+                self.staleness_sum, s["staleness_count"], s["active_workers"],
+                s["late_pushes_dropped"], s["short_rounds"]]
         return np.array(head + s["staleness_hist"], dtype=np.float64)
 
 

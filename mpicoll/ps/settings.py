@@ -36,6 +36,7 @@ class Settings:
     restore: str | None
     reshard: bool
     keep_aggregate: bool
+    backup_workers: int = 0
 
     @property
     def colocated(self) -> bool:
@@ -55,7 +56,8 @@ class Settings:
         """Plain values that every rank must have alike (compared at set-up)."""
         return [self.num_servers, self.consistency, self.staleness, self.optimizer,
                 sorted(self.hyperparameters.items()), self.average, self.split_bytes,
-                self.chunk_bytes, self.init, self.restore, self.reshard, self.keep_aggregate]
+                self.chunk_bytes, self.init, self.restore, self.reshard, self.keep_aggregate,
+                self.backup_workers]
 
 
 def _check_layout(size: int, num_servers: Any, consistency: Any, init: bool) -> None:
@@ -77,10 +79,38 @@ def _check_layout(size: int, num_servers: Any, consistency: Any, init: bool) -> 
                          f"passes the parameters; the first rank's values are used)")
 
 
+def _check_backup_workers(size: int, num_servers: Any, consistency: str, optimizer: str,
+                          backup_workers: Any) -> None:
+    """``backup_workers``: an int in ``0 .. workers-1``; above 0 only where a round can
+    close without some workers (separate servers, ``bsp``, an optimizer on the servers)."""
+    b = backup_workers
+    if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+        raise ValueError(f"backup_workers={b!r} must be an int >= 0")
+    if b == 0:
+        return
+    if num_servers == COLOCATED:
+        raise ValueError(f"backup_workers={b} needs separate servers, not "
+                         f"num_servers={COLOCATED!r}: there every step is collective and a "
+                         f"slow rank also owns shards every other rank must receive, so "
+                         f"no round can close without it")
+    workers = size - int(num_servers)
+    if b >= workers:
+        raise ValueError(f"backup_workers={b} must be less than the number of workers "
+                         f"({workers}): a round needs at least one push")
+    if consistency != "bsp":
+        raise ValueError(f"backup_workers={b} needs consistency='bsp' ({consistency!r} "
+                         f"never waits for a round, so there is nothing to close early)")
+    if optimizer == "sum":
+        raise ValueError(f"backup_workers={b} needs an optimizer on the servers, not "
+                         f"optimizer='sum': with 'sum' each worker updates its own weights "
+                         f"from every round's aggregate, and a worker that skips rounds "
+                         f"would diverge from the others")
+
+
 def check_settings(size: int, num_servers: Any, consistency: Any, staleness: Any,
                    optimizer: Any, hyperparameters: dict[str, Any], average: bool | None,
                    split_bytes: Any, chunk_bytes: Any, init: bool, restore: str | None,
-                   reshard: bool, keep_aggregate: bool) -> Settings:
+                   reshard: bool, keep_aggregate: bool, backup_workers: Any = 0) -> Settings:
     """Check one rank's constructor arguments for a communicator of ``size`` ranks.
 
     Returns:
@@ -103,9 +133,10 @@ def check_settings(size: int, num_servers: Any, consistency: Any, staleness: Any
                          f"optimizer='sum'")
     if int(split_bytes) < 1 or int(chunk_bytes) < 1:
         raise ValueError("split_bytes and chunk_bytes must be positive")
+    _check_backup_workers(size, num_servers, consistency, optimizer, backup_workers)
     return Settings(num_servers=num_servers, consistency=consistency, staleness=staleness,
                     optimizer=optimizer, hyperparameters=hyper,
                     average=optimizer != "sum" if average is None else bool(average),
                     split_bytes=int(split_bytes), chunk_bytes=int(chunk_bytes),
                     init=bool(init), restore=restore, reshard=bool(reshard),
-                    keep_aggregate=bool(keep_aggregate))
+                    keep_aggregate=bool(keep_aggregate), backup_workers=backup_workers)

@@ -5,6 +5,11 @@ per shard (header, then payload chunks, all non-blocking) and returns a :class:`
 Replies are matched by sequence number, so any number of requests may be outstanding and
 servers may answer them in any order (a ``bsp`` pull is answered only when its round is
 complete). Waiting polls with a back-off instead of spinning.
+
+With backup workers (``bsp``) a round may close without this worker: the server drops its
+late push (the reply says so) and a pull may return a newer version than this worker's
+clock; the client then moves its clock to that version (``adopt_version``), so its next
+push goes to the round that is open instead of falling further behind.
 """
 from __future__ import annotations
 
@@ -102,14 +107,18 @@ class WorkerClient:
         placement: the layout.
         chunk_bytes: payload chunk size.
         max_sleep: longest pause while waiting, in seconds.
+        adopt_version: (``bsp`` with backup workers) after a pull, move the clock up to
+            the newest version a server answered with (rounds that closed without this
+            worker are skipped).
     """
 
     def __init__(self, comm: MPI.Comm, placement: Placement, chunk_bytes: int,
-                 max_sleep: float = 1e-3) -> None:
+                 max_sleep: float = 1e-3, adopt_version: bool = False) -> None:
         self.comm = comm
         self.placement = placement
         self.chunk_bytes = chunk_bytes
         self.max_sleep = max_sleep
+        self.adopt_version = adopt_version
         self.clock = 0
         self._seq = 0
         self._pending: dict[int, tuple[Handle, np.ndarray | None, str]] = {}
@@ -117,7 +126,8 @@ class WorkerClient:
         self._status = MPI.Status()
         self._hdr = np.empty(P.HEADER_LEN, dtype=np.int64)
         self.counters = {"pushes": 0, "pulls": 0, "bytes_sent": 0, "bytes_received": 0,
-                         "staleness_max": 0, "staleness_sum": 0, "staleness_count": 0}
+                         "staleness_max": 0, "staleness_sum": 0, "staleness_count": 0,
+                         "late_pushes_dropped": 0}
 
     # ------------------------------------------------------------------ sending
     def _send(self, handle: Handle, server: int, header: np.ndarray,
@@ -297,11 +307,21 @@ class WorkerClient:
                     handle.ok += 1
             else:
                 handle.ok += 1
-            if hdr[P.OP] == P.Op.PULL and hdr[P.STATUS] == 0:
-                stale = int(hdr[P.AUX])
-                c = self.counters
-                c["staleness_max"] = max(c["staleness_max"], stale)
-                c["staleness_sum"] += stale
-                c["staleness_count"] += 1
+            if hdr[P.STATUS] == 0:
+                self._note_reply(hdr)
             handle.remaining -= 1
         return got
+
+    def _note_reply(self, hdr: np.ndarray) -> None:
+        """Counters (staleness of a pull, a dropped late push) and, with backup workers,
+        the clock a pull's version allows."""
+        c = self.counters
+        if hdr[P.OP] == P.Op.PULL:
+            stale = int(hdr[P.AUX])
+            c["staleness_max"] = max(c["staleness_max"], stale)
+            c["staleness_sum"] += stale
+            c["staleness_count"] += 1
+            if self.adopt_version:
+                self.clock = max(self.clock, int(hdr[P.CLOCK]))
+        elif hdr[P.OP] == P.Op.PUSH and hdr[P.AUX]:
+            c["late_pushes_dropped"] += 1

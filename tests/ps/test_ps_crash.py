@@ -49,7 +49,9 @@ def test_crash_aborts_colocated_job():
 
 
 @pytest.mark.parametrize("args", [["--servers", "colocated"], ["--servers", "1"],
-                                  ["--servers", "2", "--consistency", "ssp", "--staleness", "2"]])
+                                  ["--servers", "2", "--consistency", "ssp", "--staleness", "2"],
+                                  ["--servers", "1", "--backup-workers", "1", "--slow-rank",
+                                   "3", "--slow-factor", "3"]])
 def test_example_trains(args):
     out = _launch(4, [*args, "--steps", "150"])
     assert out.returncode == 0, out.stdout + out.stderr

@@ -95,6 +95,8 @@ def test_settings_defaults_and_layout():
     assert s.as_plain() == check_settings(4, **{**_ARGS, "hyperparameters": {"lr": 1.0}}
                                           ).as_plain()
     json.dumps(s.as_plain())
+    b = check_settings(4, **_ARGS, backup_workers=2)
+    assert b.backup_workers == 2 and b.as_plain() != s.as_plain()
 
 
 @pytest.mark.parametrize("change,fragment", [
@@ -108,6 +110,11 @@ def test_settings_defaults_and_layout():
     ({"optimizer": "sum", "consistency": "ssp"}, "needs consistency='bsp'"),
     ({"keep_aggregate": False}, "keep_aggregate=False needs"),
     ({"split_bytes": 0}, "must be positive"),
+    ({"backup_workers": -1}, "backup_workers=-1 must be an int >= 0"),
+    ({"backup_workers": 3}, "must be less than the number of workers (3)"),
+    ({"backup_workers": 1, "num_servers": COLOCATED}, "needs separate servers"),
+    ({"backup_workers": 1, "consistency": "asp"}, "needs consistency='bsp'"),
+    ({"backup_workers": 1, "optimizer": "sum"}, "not optimizer='sum'"),
 ])
 def test_settings_errors_name_the_argument(change, fragment):
     with pytest.raises(ValueError) as info:
