@@ -29,6 +29,11 @@ the round to the engine thread and the result back costs two thread wake-ups per
 requests nobody waits for (after :data:`_MAX_DEFER_SECONDS`, or when ``poll()`` pokes it).
 With one rank, requests run at once on the submitting thread (nothing to negotiate).
 
+Shutdown, as in Horovod, is not collective: :meth:`Engine.shutdown` (``hvd.shutdown()``,
+and at interpreter exit) puts a ``shutdown`` request in the next round and wakes the other
+ranks for it (:mod:`mpicoll.torch.notices`); after that round every rank's engine stops and
+what is still pending, or submitted later, fails with an error naming the rank that left.
+
 The stall inspector (rank 0) logs requests that some ranks submitted and others did not.
 """
 from __future__ import annotations
@@ -51,7 +56,8 @@ from ..errors import CollectiveError
 from .dtypes import numpy_view
 from .execute import run_responses
 from .handles import Future
-from .negotiation import JOIN, SHUTDOWN, Meta, Negotiator, ResponseCache
+from .negotiation import JOIN, SHUTDOWN, Meta, Negotiator, ResponseCache, shutdown_message
+from .notices import Notices
 from .settings import Settings
 
 __all__ = ["Engine", "Work"]
@@ -72,6 +78,13 @@ _PERSISTENT_VIEWS = 16
 #: Without overlap, the longest the engine waits for the user thread to block after the
 #: latest request arrived (bounds the delay for threads that never wait on a handle).
 _MAX_DEFER_SECONDS = 0.05
+
+#: How often an idle engine thread looks for another rank's shutdown notice (seconds).
+_NOTICE_POLL_SECONDS = 0.05
+
+#: The longest a rank that shuts down waits for the other ranks to take part in its
+#: shutdown round (they do within about :data:`_NOTICE_POLL_SECONDS` unless they are gone).
+SHUTDOWN_WAIT_SECONDS = 10.0
 
 
 class Work(NamedTuple):
@@ -124,6 +137,13 @@ class Engine:
         self._views: dict[tuple, np.ndarray] = {}
         self.local: dict[str, Work] = {}
         self.stopping = False
+        #: rank -> its ``shutdown`` request, once a shutdown round has run.
+        self.leaving: dict[int, Meta] | None = None
+        self._notices: Notices | None = None
+        #: Another rank's shutdown notice arrived: make a round now.
+        self._woken = False
+        #: While shutting down: when to stop waiting for the other ranks' round.
+        self._give_up_at = 0.0
         self.overlap = True
         #: Whether DistributedOptimizer reduces each flat gradient buffer as one request at
         #: ``step()`` (the same on every rank: one rank alone, or no rank overlaps).
@@ -149,9 +169,13 @@ class Engine:
         if self._init_error is not None:
             raise self._init_error
 
-    def alive(self) -> bool:
-        """Whether the engine thread is still running."""
-        return self._thread.is_alive()
+    def running(self) -> bool:
+        """Whether the engine takes requests (not stopped by a shutdown or a failure)."""
+        return self._thread.is_alive() and not self.stopping and self._fatal is None
+
+    def join(self) -> None:
+        """Wait (at most :data:`SHUTDOWN_WAIT_SECONDS`) for a stopped engine's thread."""
+        self._thread.join(SHUTDOWN_WAIT_SECONDS)
 
     def submit(self, meta: Meta, tensor: Any = None, output: Any = None,
                waiting: bool = False) -> Future:
@@ -194,8 +218,8 @@ class Engine:
         inline = self._inline is not None and meta.kind != "shutdown"
         with self._lock:
             if self._fatal is not None or self.stopping or not self._thread.is_alive():
-                raise CollectiveError(f"mpicoll.torch engine is not running "
-                                      f"({self._fatal or 'shut down'})")
+                raise CollectiveError(f"{meta.kind} {meta.name!r} failed: "
+                                      f"{self._fatal or 'mpicoll.torch has been shut down'}")
             if key in self._inflight:
                 raise ValueError(f"a {meta.kind} named {meta.name!r} is already in flight on "
                                  f"this rank; names must be unique until synchronized")
@@ -343,6 +367,8 @@ class Engine:
                 bool(self.comm.allreduce(not self.overlap, op=MPI.LAND))
             if self.size == 1:
                 self._inline = Negotiator(1)
+            else:
+                self._notices = Notices(self.comm)
             self._negotiator = Negotiator(self.size)
             self._cache = ResponseCache()
             self._header = np.zeros(2 + SLOT_BYTES // 8, dtype=np.int64)
@@ -358,33 +384,42 @@ class Engine:
             log.exception("mpicoll.torch engine failed")
             self._fail_all(exc)
             return
-        self._fail_all(CollectiveError("mpicoll.torch was shut down"))
+        self._fail_all(CollectiveError("mpicoll.torch has been shut down"))
         try:
+            if self._notices is not None and self.leaving is not None:
+                self._notices.close(sum(1 for r in self.leaving if r != self.rank))
             self.comm.Free()
         except Exception:  # noqa: BLE001
-            log.debug("freeing the adapter communicator failed", exc_info=True)
+            log.debug("freeing the adapter communicators failed", exc_info=True)
 
     def _fail_all(self, exc: BaseException) -> None:
+        """Fail every request of this rank (pending, or submitted later) with ``exc``'s
+        message (the first failure is kept for later submissions)."""
         with self._lock:
             self._fatal = self._fatal or exc
             submitted, self._submitted = self._submitted, []
         for work in submitted:
             self._register(work)
         for key in list(self.local):
-            self.finish(key, error=CollectiveError(f"mpicoll.torch engine stopped: {exc}"))
+            meta = self.local[key].meta
+            self.finish(key, error=CollectiveError(f"{meta.kind} {meta.name!r} failed: {exc}"))
 
     def _pending(self) -> bool:
         """Whether a round is due: this rank has new requests, or some request is
         incomplete somewhere (then every rank must keep negotiating)."""
-        return bool(self._submitted) or self._negotiator.busy()
+        return bool(self._submitted) or self._negotiator.busy() or self._woken
 
     def _loop(self) -> None:
         while not self.stopping and self._fatal is None:
+            if self._notices is not None and self._notices.poll():
+                self._woken = True               # another rank shuts down: round now
             if not self._pending():
-                # a wake-up: new request (with overlap), poke, stop; without overlap, look
-                # again after a while (requests are not announced: see submit())
+                # a wake-up: new request (with overlap), poke, stop, or time to look for a
+                # shutdown notice; without overlap, look again after a while (requests
+                # are not announced: see submit())
                 with contextlib.suppress(queue.Empty):
-                    self._queue.get(timeout=None if self.overlap else _MAX_DEFER_SECONDS)
+                    self._queue.get(timeout=_NOTICE_POLL_SECONDS if self.overlap
+                                    else min(_NOTICE_POLL_SECONDS, _MAX_DEFER_SECONDS))
                 continue
             if self.overlap:
                 # Wait out the cycle so that requests close together fuse, unless this
@@ -420,6 +455,8 @@ class Engine:
                 header.view(np.uint8)[16:16 + len(data)] = np.frombuffer(data, dtype=np.uint8)
         for work in new:
             self._register(work)
+        if self._notices is not None and any(m.kind == "shutdown" for m in metas):
+            self._notices.announce()             # before the round: see notices.py
         stall_after = self.settings.stall_check_time
         if self.size == 1:
             headers[0, :2] = header[:2]
@@ -446,22 +483,39 @@ class Engine:
             self._poked = True
             self._queue.put(None)
 
-    def shutdown(self) -> None:
-        """Stop the engine on every rank (collective): submit ``shutdown``, wait until every
-        rank has asked (then each engine thread leaves its loop) and the thread has ended."""
-        self.wait(self.submit(Meta(SHUTDOWN, "shutdown")))
-        self._thread.join()
+    def shutdown(self, reason: str = "") -> None:
+        """Stop the engine here and, in the same round, on every other rank (not
+        collective, as Horovod's): submit ``shutdown`` (``reason`` says why, for the other
+        ranks' errors), wait for its round, at most :data:`SHUTDOWN_WAIT_SECONDS` for the
+        other ranks to take part, and for the thread to end. Already stopped (another rank
+        shut down first, or a failure): just wait for the thread."""
+        try:
+            future = self.submit(Meta(SHUTDOWN, "shutdown", reason=reason))
+        except CollectiveError:
+            future = None
+        if future is not None:
+            self._give_up_at = time.monotonic() + SHUTDOWN_WAIT_SECONDS
+            with contextlib.suppress(CollectiveError):
+                self.wait(future)
+            if future.error is not None and self.leaving is None:
+                log.warning("rank %d shut down without the other ranks: %s", self.rank,
+                            future.error)
+        self.join()
 
-    def stop(self) -> None:
-        """Make the engine thread leave its loop (run for the ``shutdown`` response)."""
+    def stop(self, leaving: dict[int, Meta]) -> None:
+        """Run for the ``shutdown`` response (``leaving``: rank -> its request): fail every
+        request of this rank with :func:`~mpicoll.torch.negotiation.shutdown_message` and
+        make the engine thread leave its loop."""
+        self.leaving = leaving
         self.stopping = True
+        self._fail_all(CollectiveError(shutdown_message(leaving, self.rank)))
         self._queue.put(None)
 
     def _defer(self) -> bool:
         """Without overlap, on the engine thread: wait for a poke, or until
         :data:`_MAX_DEFER_SECONDS` after the latest request while no user thread waits
         (a waiting thread runs the rounds itself). Returns whether to run a round now."""
-        while not self._poked and not self.stopping and not self.overlap:
+        while not self._poked and not self.stopping and not self.overlap and not self._woken:
             if self._blocked():
                 # The waiting thread does the rounds; look again now and then (the wait
                 # may end with requests still pending, or overlap be switched on).
@@ -515,10 +569,13 @@ class Engine:
                 continue
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
-            if stall_after > 0:
-                now = time.monotonic()
-                if now - warned >= stall_after:
-                    warned = now
-                    stall_log.warning("stall: rank %d has waited %.0f s for the other ranks to "
-                                      "negotiate (its requests in flight: %s)", self.rank,
-                                      now - start, sorted(self.local) or "none")
+            now = time.monotonic()
+            if self._give_up_at and now > self._give_up_at:
+                raise CollectiveError(
+                    f"rank {self.rank} is shutting down, but the other ranks did not take "
+                    f"part in a negotiation round within {SHUTDOWN_WAIT_SECONDS:.0f} s")
+            if stall_after > 0 and now - warned >= stall_after:
+                warned = now
+                stall_log.warning("stall: rank %d has waited %.0f s for the other ranks to "
+                                  "negotiate (its requests in flight: %s)", self.rank,
+                                  now - start, sorted(self.local) or "none")

@@ -53,8 +53,9 @@ class EngineInterface(Protocol):
     def persistent_view(self, flat: torch.Tensor) -> np.ndarray:
         """The same numpy view of ``flat`` every time."""
 
-    def stop(self) -> None:
-        """Make the engine thread leave its loop."""
+    def stop(self, leaving: dict[int, Any]) -> None:
+        """Fail what is pending (``leaving``: the ranks that shut down) and make the engine
+        thread leave its loop."""
 
 
 def run_responses(engine: EngineInterface, responses: list[Response]) -> None:
@@ -377,8 +378,8 @@ def _join(engine: EngineInterface, bucket: list[Response]) -> None:
 
 
 def _shutdown(engine: EngineInterface, bucket: list[Response]) -> None:
-    engine.stop()
-    engine.finish(bucket[0].name, result=None)
+    engine.finish(bucket[0].name, result=None)      # this rank's own request, if it asked
+    engine.stop(bucket[0].metas)
 
 
 _RUNNERS = {"allgather": _allgather, "broadcast": _broadcast, "alltoall": _alltoall,

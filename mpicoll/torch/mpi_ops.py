@@ -417,6 +417,18 @@ def poll(handle: int) -> bool:
     return future.done()
 
 
+def _wait(future: Any) -> None:
+    """Wait for ``future`` on the engine; a future already done (failed by a shutdown of
+    this rank, so without an engine now) needs none."""
+    try:
+        running = engine()
+    except ValueError:
+        if future.done():
+            return
+        raise
+    running.wait(future)
+
+
 def synchronize(handle: int) -> Any:
     """Wait for the operation of ``handle``; return its result and release the handle.
 
@@ -426,7 +438,7 @@ def synchronize(handle: int) -> Any:
     """
     future = handles.lookup(handle)
     try:
-        engine().wait(future)
+        _wait(future)
     finally:
         if future.done():
             handles.release(handle)

@@ -14,19 +14,24 @@ Rules:
   all-to-all and reduce-scatter fail on every rank while a rank has joined (as Horovod's).
 - A completed entry whose ranks disagree (kind, dtype, shape, op, scaling, root) becomes
   an error response, identical on every rank.
-- ``join`` completes when every rank has joined; ``shutdown`` when every rank asked.
+- ``join`` completes when every rank has joined.
+- ``shutdown`` is not negotiated: as in Horovod, one rank asking is enough. The round that
+  carries a rank's ``shutdown`` first runs what completed in it, then ends with one
+  ``shutdown`` response (the ranks that asked, and why): every engine stops, and every
+  request still incomplete fails on every rank with :func:`shutdown_message`, which names
+  the ranks that left.
 - Deadlock: when a round completes nothing, every rank that has not joined is blocked
   waiting for a result, and some entries are incomplete, no rank can submit what is missing
   (a rank's thread submits before it waits), so every incomplete entry fails on every rank,
-  naming who submitted it and who did not; except ``shutdown``, which stays pending until
-  the ranks blocked elsewhere have had their errors and asked for it too.
+  naming who submitted it and who did not.
 """
 from __future__ import annotations
 
 import time
 from typing import NamedTuple
 
-__all__ = ["Meta", "Response", "Negotiator", "ResponseCache", "JOIN", "SHUTDOWN"]
+__all__ = ["Meta", "Response", "Negotiator", "ResponseCache", "JOIN", "SHUTDOWN",
+           "shutdown_message"]
 
 JOIN = "__join__"
 SHUTDOWN = "__shutdown__"
@@ -56,6 +61,9 @@ class Meta(NamedTuple):
     #: A grouped operation (kind ``"group"``): its members' metadata, in order. The group
     #: is one entry of the table: it completes, or fails, as a whole on every rank.
     members: tuple = ()
+    #: ``shutdown``: why this rank left (``"it called hvd.shutdown()"``, ``"its process is
+    #: exiting ..."``).
+    reason: str = ""
 
 
 class Response(NamedTuple):
@@ -102,8 +110,12 @@ class Negotiator:
         """Add one round of requests; return the responses to run, in order."""
         now = time.monotonic() if now is None else now
         responses: list[Response] = []
+        leaving: dict[int, Meta] = {}
         for rank, items in enumerate(payloads):
             for meta in items:
+                if meta.kind == "shutdown":
+                    leaving[rank] = meta
+                    continue
                 if meta.kind == "join":
                     if rank not in self.joined:
                         self.joined.append(rank)
@@ -121,8 +133,7 @@ class Negotiator:
         active = [r for r in range(self.size) if r not in joined]
         for name in list(self.table):
             entry = self.table[name]
-            need = range(self.size) if entry.kind == "shutdown" else active
-            if entry.metas and all(r in entry.metas for r in need):
+            if entry.metas and all(r in entry.metas for r in active):
                 del self.table[name]
                 bad = tuple(sorted(r for r, m in entry.metas.items() if m.error))
                 if bad:
@@ -135,21 +146,20 @@ class Negotiator:
         if len(self.joined) == self.size:
             responses.append(Response("join", JOIN, {}, None, self.joined[-1]))
             self.joined = []
-        if (not responses and self.busy() and active
+        if leaving:
+            # Every engine stops after this round: what is still incomplete fails locally.
+            responses.append(Response("shutdown", SHUTDOWN, leaving))
+            self.table = {}
+            self.joined = []
+        elif (not responses and self.busy() and active
                 and all(waiting[r] for r in active)):
             responses.extend(self._fail_all(joined))
         return responses
 
     def _fail_all(self, joined: frozenset) -> list[Response]:
-        """Fail every incomplete entry except ``shutdown``: a rank blocked elsewhere gets
-        its error, goes on and calls ``shutdown()`` too (failing the shutdown instead
-        would leave the ranks that asked first unable to stop, and the others hanging
-        in a round with them)."""
+        """Fail every incomplete entry (and a pending ``join``) on every rank."""
         out = []
-        kept = {name: entry for name, entry in self.table.items() if entry.kind == "shutdown"}
         for name, entry in self.table.items():
-            if name in kept:
-                continue
             have = sorted(entry.metas)
             missing = [r for r in range(self.size) if r not in entry.metas and r not in joined]
             out.append(Response(entry.kind, name, entry.metas,
@@ -161,7 +171,7 @@ class Negotiator:
             out.append(Response("join", JOIN, {}, "join() can never complete: ranks "
                                 f"{_ranks(sorted(self.joined))} joined, the others are blocked "
                                 "waiting for operations", -1))
-        self.table = kept
+        self.table = {}
         self.joined = []
         return out
 
@@ -240,8 +250,27 @@ _FIELDS = {
     "alltoall": ("kind", "dtype", "rows"),
     "reducescatter": ("kind", "dtype", "shape", "op", "prescale", "postscale"),
     "barrier": ("kind",),
-    "shutdown": ("kind",),
 }
+
+
+def shutdown_message(leaving: dict, rank: int) -> str:
+    """The error of every operation that a ``shutdown`` response leaves incomplete on
+    ``rank`` (or that it submits later): the ranks that left and why, and Horovod's
+    explanation.
+
+    Args:
+        leaving: rank -> the ``shutdown`` :class:`Meta` it sent.
+        rank: the rank the message is for.
+    """
+    who = "; ".join(("this rank (" if r == rank else f"rank {r} (") +
+                    (leaving[r].reason or "it called hvd.shutdown()") + ")"
+                    for r in sorted(leaving))
+    return (f"mpicoll.torch has been shut down by {who}. As in Horovod, this is caused by "
+            f"an exception on one of the ranks or an attempt to allreduce, allgather or "
+            f"broadcast a tensor after one of the ranks finished execution (if an "
+            f"exception caused it, it is in that rank's log); operations still pending "
+            f"fail, and so does any later one until hvd.init() is called again on every "
+            f"rank")
 
 
 def _field(meta: Meta, field: str) -> object:

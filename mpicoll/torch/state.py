@@ -3,12 +3,18 @@
 ``init()`` checks that MPI runs at ``THREAD_MULTIPLE`` (the engine thread calls MPI while
 user threads may too), starts the :class:`~mpicoll.torch.engine.Engine` on a private
 duplicate of ``comm`` and registers ``shutdown`` to run at exit. Calling it again while
-initialized does nothing.
+initialized does nothing; after ``shutdown`` (this rank's or another's) it starts afresh.
+
+``shutdown`` is Horovod's: not collective. The rank that calls it (or whose interpreter
+exits: its script ended, it called ``sys.exit``, pytest returned) announces it in the next
+negotiation round, and every other rank's pending and later operations fail with
+``CollectiveError`` naming that rank, instead of waiting forever for it.
 """
 from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
 from typing import Any
 
@@ -37,8 +43,10 @@ def init(comm: Any = None) -> None:
     """
     global _engine, _atexit_registered
     with _lock:
-        if _engine is not None and _engine.alive():
+        if _engine is not None and _engine.running():
             return
+        if _engine is not None:
+            _engine.join()                    # stopped (a shutdown): let it finish cleaning
         if isinstance(comm, (list, tuple)):
             raise ValueError("init(comm=[ranks]) is not supported; pass an mpi4py communicator")
         comm = resolve_comm(comm)
@@ -56,26 +64,45 @@ def init(comm: Any = None) -> None:
             _atexit_registered = True
 
 
+def _exit_reason() -> str:
+    """Why this process is exiting, as far as the interpreter knows (for the other ranks)."""
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if exc is not None:
+        return (f"its process is exiting after an uncaught {type(exc).__name__}: "
+                f"{str(exc)[:200]}")
+    return ("its process is exiting: its script ended, it called sys.exit(), or a test "
+            "run (pytest) on it returned")
+
+
 def _shutdown_at_exit() -> None:
     try:
-        shutdown()
+        _stop(_exit_reason())
     except Exception as exc:  # noqa: BLE001  (nothing to raise to at exit)
         logging.getLogger("mpicoll.torch").warning("shutdown at exit failed: %s", exc)
 
 
 def shutdown() -> None:
-    """Stop the engine (collective: every rank must call it); a no-op if not initialized."""
+    """Stop mpicoll.torch on this rank and, as in Horovod, on every other one: not
+    collective. The other ranks learn it in their next negotiation round (within about
+    0.1 s, even while they compute), and their pending and later operations fail with
+    ``CollectiveError`` naming this rank. A no-op if not initialized; it also runs at exit.
+    """
+    _stop("it called hvd.shutdown()")
+
+
+def _stop(reason: str) -> None:
     global _engine
     with _lock:
         engine, _engine = _engine, None
-    if engine is None or not engine.alive() or MPI.Is_finalized():
+    if engine is None or MPI.Is_finalized():
         return
-    engine.shutdown()
+    engine.shutdown(reason)
 
 
 def is_initialized() -> bool:
-    """Whether :func:`init` has run (and :func:`shutdown` has not)."""
-    return _engine is not None and _engine.alive()
+    """Whether :func:`init` has run and mpicoll.torch has not been shut down since (by
+    this rank or another)."""
+    return _engine is not None and _engine.running()
 
 
 def engine() -> Engine:

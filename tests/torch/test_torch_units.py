@@ -9,7 +9,8 @@ torch = pytest.importorskip("torch")
 from mpicoll.torch import Compression, ops  # noqa: E402
 from mpicoll.torch.dtypes import check_supported, numpy_view, reduce_dtype  # noqa: E402
 from mpicoll.torch.fusion import plan_buckets  # noqa: E402
-from mpicoll.torch.negotiation import JOIN, SHUTDOWN, Meta, Negotiator  # noqa: E402
+from mpicoll.torch.negotiation import (JOIN, SHUTDOWN, Meta, Negotiator,  # noqa: E402
+                                       shutdown_message)
 from mpicoll.torch.settings import from_environment  # noqa: E402
 
 
@@ -47,17 +48,24 @@ def test_join_counts_joined_ranks_as_submitted_and_reports_last():
     assert out[-1].kind == "join" and out[-1].last_joined == 2 and not neg.busy()
 
 
-def test_deadlock_verdict_keeps_shutdown_pending():
-    # Rank 1 asked to shut down while rank 0 waits for an operation rank 1 never submits:
-    # the operation fails, the shutdown waits for rank 0 (which goes on to ask for it).
-    neg = Negotiator(2)
-    shutdown = Meta(SHUTDOWN, "shutdown")
-    out = neg.process([[ar("x")], [shutdown]], [True, True])
-    assert [(r.name, "can never complete" in r.error) for r in out] == [("x", True)]
-    assert neg.busy()
-    assert neg.process([[], []], [False, True]) == []
-    out = neg.process([[shutdown], []], [True, True])
-    assert [(r.kind, r.error) for r in out] == [("shutdown", None)] and not neg.busy()
+def test_one_rank_shutting_down_ends_the_round_for_everyone():
+    # As in Horovod, one rank's shutdown is enough: the round runs what completed in it,
+    # then ends with one shutdown response; what is still incomplete is dropped (the
+    # engines fail it locally with shutdown_message).
+    neg = Negotiator(3)
+    assert neg.process([[ar("x")], [], []], [True, False, False]) == []
+    leaving = Meta(SHUTDOWN, "shutdown", reason="its process is exiting")
+    out = neg.process([[ar("y")], [leaving, ar("y")], [ar("y")]], [True, False, False])
+    assert [(r.kind, r.error) for r in out] == [("allreduce", None), ("shutdown", None)]
+    assert list(out[1].metas) == [1] and not neg.busy()
+    message = shutdown_message(out[1].metas, 0)
+    assert "rank 1 (its process is exiting)" in message and "has been shut down" in message
+    assert "by this rank (" in shutdown_message(out[1].metas, 1)
+
+
+def test_shutdown_message_names_every_leaving_rank():
+    both = {0: Meta(SHUTDOWN, "shutdown"), 2: Meta(SHUTDOWN, "shutdown", reason="r2")}
+    assert "rank 0 (it called hvd.shutdown()); rank 2 (r2)" in shutdown_message(both, 1)
 
 
 def test_deadlock_fails_every_incomplete_entry():

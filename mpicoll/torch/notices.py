@@ -1,0 +1,90 @@
+"""Wake-up calls for a shutdown round: a rank that shuts down tells every other rank.
+
+Negotiation rounds are all-gathers, so a rank's ``shutdown`` request reaches the others in
+the next round that *all* ranks make. A rank whose user thread is busy elsewhere makes no
+round until it submits something; the rank that shuts down would wait for it in its exit.
+So, right before posting the round that carries its ``shutdown``, a rank sends a one-integer
+notice to every other rank on a private communicator; each engine thread, when idle, looks
+for a notice every few hundredths of a second and then makes a round at once. Every rank
+stops after that round (see :mod:`mpicoll.torch.negotiation`), and each one then receives
+exactly the notices that the round's leaving ranks sent it (so no message outlives the
+communicator, whose context id a later ``init`` may reuse).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["Notices"]
+
+log = logging.getLogger("mpicoll.torch.notices")
+
+_TAG = 7
+
+
+class Notices:
+    """The notice channel of one engine (a private duplicate of its communicator).
+
+    :meth:`poll` belongs to the engine thread; :meth:`announce` to the thread running the
+    round that carries this rank's ``shutdown``; :meth:`close` to the engine thread once the
+    engine has stopped.
+    """
+
+    def __init__(self, comm: MPI.Intracomm) -> None:
+        self.comm = comm.Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self._buf = np.zeros(1, dtype=np.int64)
+        self._recv: MPI.Request | None = self.comm.Irecv(self._buf, source=MPI.ANY_SOURCE,
+                                                        tag=_TAG)
+        self._sends: list[MPI.Request] = []
+        self._mine = np.full(1, self.rank, dtype=np.int64)
+        #: Whether a notice has arrived (set by :meth:`poll`).
+        self.arrived = False
+
+    def poll(self) -> bool:
+        """Whether another rank has announced its shutdown (tests the pending receive)."""
+        if not self.arrived and self._recv is not None and self._recv.Test():
+            self._recv = None
+            self.arrived = True
+            log.debug("rank %d: shutdown notice from rank %d", self.rank, int(self._buf[0]))
+        return self.arrived
+
+    def announce(self) -> None:
+        """Send this rank's notice to every other rank (non-blocking)."""
+        if not self._sends:
+            self._sends = [self.comm.Isend(self._mine, dest=r, tag=_TAG)
+                           for r in range(self.size) if r != self.rank]
+
+    def close(self, expected: int, timeout: float = 5.0) -> None:
+        """Receive the ``expected`` notices sent to this rank, complete this rank's own, and
+        free the communicator. If that takes longer than ``timeout`` seconds (a rank that
+        announced is gone), leave the communicator unfreed rather than wait.
+
+        Args:
+            expected: how many other ranks announced (they sent one notice each).
+        """
+        deadline = time.monotonic() + timeout
+        received = 1 if self.arrived else 0
+        requests = list(self._sends)
+        if self._recv is not None:
+            if expected > 0:
+                requests.append(self._recv)
+                received += 1
+            else:
+                self._recv.Cancel()
+                requests.append(self._recv)
+            self._recv = None
+        scratch = np.zeros(max(expected - received, 0), dtype=np.int64)
+        requests += [self.comm.Irecv(scratch[i:i + 1], source=MPI.ANY_SOURCE, tag=_TAG)
+                     for i in range(scratch.size)]
+        while not MPI.Request.Testall(requests):
+            if time.monotonic() > deadline:
+                log.warning("rank %d: shutdown notices incomplete after %.0f s; the notice "
+                            "communicator is left as it is", self.rank, timeout)
+                return
+            time.sleep(0.001)
+        self._sends = []
+        self.comm.Free()
