@@ -1,6 +1,6 @@
 """Parameter-server benchmarks: aggregation throughput vs all-reduce; loss vs wall time.
 
-Two parts, each a driver that launches its own ``mpirun`` runs (with timeouts):
+Three parts, each a driver that launches its own ``mpirun`` runs (with timeouts):
 
 ``throughput``
     Every worker pushes ``S`` bytes of float32 gradient and pulls the aggregate back
@@ -14,6 +14,14 @@ Two parts, each a driver that launches its own ``mpirun`` runs (with timeouts):
     straggling worker (sleeps every step); records the first worker's test loss against
     wall time and plots it.
 
+``stragglers``
+    ``examples/ps_train.py`` with one worker's compute ``--slow-factor`` times slower
+    (``--slow-rank``: it sleeps (factor - 1) x its measured gradient time) under each of
+    ``--modes`` (``bsp``, ``bsp:b1`` = bsp with 1 backup worker, ``ssp:2``, ``asp``);
+    records per mode the first worker's step times (median; rounds per second of wall
+    time), the server's updates, the late pushes dropped, and test loss against wall time.
+    Written to ``--out-json`` and plotted to ``--plot``.
+
 A config is ``SERVERSxWORKERS`` (separate server ranks), ``cxWORKERS``: the co-located
 layout (``num_servers="colocated"``: every one of the WORKERS ranks is also the server of
 its shard), or ``caxWORKERS``: co-located with ``keep_aggregate=False`` (the aggregate goes
@@ -22,6 +30,8 @@ straight into ``out`` and is not kept). From the repository root::
     python -m bench.bench_ps throughput --configs 1x2,2x2,cx2,1x3,3x3,cx3 -m 16M -i 10
     python -m bench.bench_ps training --workers 3 --straggler-delay 0.01
     python -m bench.bench_ps all --out docs        # both, JSON + PNG into docs/
+    python -m bench.bench_ps stragglers --out-json docs/results/ps_stragglers.json \
+        --plot docs/results/ps_stragglers.png
 
 The JSON records the date, the command relative to the repository root (``python -m
 bench.bench_ps ...``) and no absolute path of the machine; docs/results/ps.md shows the
@@ -65,23 +75,26 @@ def mpirun(n: int) -> list[str]:
     return cmd
 
 
-def launch(n: int, args: list[str], timeout: float) -> tuple[int, str]:
+def launch(n: int, args: list[str], timeout: float,
+           env: dict[str, str] | None = None) -> tuple[int, str]:
     cmd = mpirun(n) + [sys.executable, "-m", "mpi4py", *args]
     print("+", " ".join(cmd), flush=True)
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                           env=dict(os.environ, PYTHONPATH=ROOT), start_new_session=True)
+                           env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})),
+                           start_new_session=True)
         return p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as exc:
         return 124, f"timeout after {timeout} s\n{exc.stdout or ''}{exc.stderr or ''}"
 
 
-def launch_json(n: int, args: list[str], label: str, timeout: float) -> dict | None:
+def launch_json(n: int, args: list[str], label: str, timeout: float,
+                env: dict[str, str] | None = None) -> dict | None:
     """Launch ``args --json FILE`` on ``n`` ranks; the JSON it wrote, or None if it failed."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     try:
-        rc, text = launch(n, [*args, "--json", out], timeout)
+        rc, text = launch(n, [*args, "--json", out], timeout, env)
         if rc != 0:
             print(f"# {label} failed (rc={rc}):\n{text[-2000:]}")
             return None
@@ -211,15 +224,24 @@ def portable_record(res: dict) -> dict:
     return {**res, "args": args}
 
 
+def mode_args(mode: str) -> list[str]:
+    """``ps_train.py`` options of a mode: ``bsp``, ``asp``, ``ssp:S`` (bound S) or
+    ``bsp:bB`` (B backup workers)."""
+    consistency, _, extra = mode.partition(":")
+    args = ["--consistency", consistency]
+    if extra.startswith("b"):
+        return args + ["--backup-workers", extra[1:]]
+    return args + ["--staleness", extra or "0"]
+
+
 def run_training(workers: int, servers: int, modes: list[str], steps: int,
                  delay: float, timeout: float) -> dict:
     results = {}
     n = servers + workers
     straggler = n - 1
     for mode in modes:
-        consistency, _, s = mode.partition(":")
         args = [os.path.join(ROOT, "examples", "ps_train.py"), "--servers", str(servers),
-                "--consistency", consistency, "--staleness", s or "0", "--steps", str(steps),
+                *mode_args(mode), "--steps", str(steps),
                 "--log-every", "10", "--straggler-rank", str(straggler),
                 "--straggler-delay", str(delay)]
         res = launch_json(n, args, mode, timeout)
@@ -233,28 +255,97 @@ def run_training(workers: int, servers: int, modes: list[str], steps: int,
     return results
 
 
-def plot(training: dict, throughput: list[dict], outdir: str) -> list[str]:
+#: test losses whose first crossing (first worker's wall time) the stragglers summary gives
+LOSS_TARGETS = (0.3, 0.1)
+
+
+def straggler_summary(res: dict) -> dict:
+    """One mode's numbers: the first worker's step times (median), rounds per second of
+    its wall time (its clock advance: with backup workers it may skip a round whose push
+    was dropped), the servers' updates and late pushes dropped (per shard), final loss."""
+    import statistics
+    steps = res["step_seconds"]
+    servers = res["stats"]["servers"]
+    shards = sum(s["shards"] for s in servers)
+    return {"steps": res["steps"], "seconds": res["seconds"],
+            "median_step_ms": 1e3 * statistics.median(steps),
+            "rounds": res["args"]["steps"],   # the clock advance: rounds it took part in
+            "rounds_per_s": res["args"]["steps"] / res["seconds"],
+            "server_updates": sum(s["updates"] for s in servers) / shards,
+            "late_pushes_dropped": sum(s["late_pushes_dropped"] for s in servers) / shards,
+            "short_rounds": sum(s["short_rounds"] for s in servers) / shards,
+            "seconds_to_loss": {str(t): next((r[0] for r in res["log"] if r[2] <= t), None)
+                                for t in LOSS_TARGETS},
+            "staleness_max": res["stats"]["worker"]["staleness_max"],
+            "final_loss": res["final"][0], "final_accuracy": res["final"][1]}
+
+
+def run_stragglers(a: argparse.Namespace) -> dict:
+    """Every mode with one slow worker; returns {mode: {"summary", "record"}}."""
+    n = a.servers + a.workers
+    slow = n - 1 if a.slow_rank < 0 else a.slow_rank
+    print(f"# ps_train.py, {a.servers} server(s), {a.workers} workers, rank {slow}'s "
+          f"compute {a.slow_factor}x slower, {a.steps} rounds, hidden {a.hidden}, "
+          f"batch {a.batch}")
+    print(f"# {'mode':8s} {'median ms':>9} {'rounds/s':>8} {'seconds':>7} {'dropped':>7} "
+          f"{'loss':>7}  seconds to loss {LOSS_TARGETS}")
+    results = {}
+    for mode in a.modes.split(","):
+        args = [os.path.join(ROOT, "examples", "ps_train.py"), "--servers", str(a.servers),
+                *mode_args(mode), "--steps", str(a.steps), "--log-every", "10",
+                "--hidden", str(a.hidden), "--batch", str(a.batch),
+                "--slow-rank", str(slow), "--slow-factor", str(a.slow_factor)]
+        res = launch_json(n, args, mode, a.timeout, env=STRAGGLER_ENV)
+        if res is None:
+            continue
+        summary = straggler_summary(res)
+        results[mode] = {"summary": summary, "record": portable_record(res)}
+        print(f"  {mode:8s} {summary['median_step_ms']:9.2f} {summary['rounds_per_s']:8.1f} "
+              f"{summary['seconds']:7.2f} {summary['late_pushes_dropped']:7.0f} "
+              f"{summary['final_loss']:7.4f}  {list(summary['seconds_to_loss'].values())}",
+              flush=True)
+    return results
+
+
+#: one BLAS thread per rank: 4 ranks share 2 cores (threads only fight over them)
+STRAGGLER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_loss(training: dict, path: str, title: str) -> str | None:
+    """Test loss against the first worker's wall time, one line per mode."""
+    plt = _pyplot()
+    if plt is None or not training:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, res in training.items():
+        log = res["log"]
+        ax.plot([r[0] for r in log], [r[2] for r in log], marker=".", label=mode)
+    ax.set_xlabel("wall time of the first worker (s)")
+    ax.set_ylabel("test loss")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def plot(training: dict, throughput: list[dict], outdir: str) -> list[str]:
+    plt = _pyplot()
+    if plt is None:
         return []
-    paths = []
-    if training:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for mode, res in training.items():
-            log = res["log"]
-            ax.plot([r[0] for r in log], [r[2] for r in log], marker=".", label=mode)
-        ax.set_xlabel("wall time of the first worker (s)")
-        ax.set_ylabel("test loss")
-        ax.set_yscale("log")
-        ax.set_title("ps_train.py with one straggling worker")
-        ax.legend()
-        fig.tight_layout()
-        p = os.path.join(outdir, "ps_loss_vs_time.png")
-        fig.savefig(p, dpi=100)
-        paths.append(p)
+    paths = [p for p in [plot_loss(training, os.path.join(outdir, "ps_loss_vs_time.png"),
+                                   "ps_train.py with one straggling worker")] if p]
     if throughput:
         fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(throughput)), 4))
         labels = [f"{config_label(r['servers'], r.get('keep_aggregate', True))} x "
@@ -279,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "_throughput_rank":
         return throughput_rank(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["throughput", "training", "all"])
+    ap.add_argument("what", choices=["throughput", "training", "all", "stragglers"])
     ap.add_argument("--configs", default="1x2,2x2,1x3,3x3",
                     help="servers x workers, comma-separated")
     ap.add_argument("-m", "--size", default="16M")
@@ -287,12 +378,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-x", "--warmup", type=int, default=2)
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--servers", type=int, default=1)
-    ap.add_argument("--modes", default="bsp,ssp:1,ssp:3,asp")
+    ap.add_argument("--modes", default=None,
+                    help="training: bsp,ssp:1,ssp:3,asp; stragglers: bsp,bsp:b1,ssp:2,asp")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--straggler-delay", type=float, default=0.01)
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--out", help="directory for ps_bench.json and plots")
+    ap.add_argument("--slow-rank", type=int, default=-1, help="stragglers: default the last")
+    ap.add_argument("--slow-factor", type=float, default=3.0)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--out-json", help="stragglers: the JSON file to write")
+    ap.add_argument("--plot", help="stragglers: the loss-vs-time PNG to write")
     a = ap.parse_args(argv)
+    if a.modes is None:
+        a.modes = "bsp,bsp:b1,ssp:2,asp" if a.what == "stragglers" else "bsp,ssp:1,ssp:3,asp"
     result = {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
               "python": platform.python_version(),
               "command": command_line(None, "bench_ps", argv),
@@ -305,6 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.what in ("throughput", "all"):
         configs = [parse_config(c) for c in a.configs.split(",")]
         result["throughput"] = run_throughput(configs, a.size, a.iters, a.warmup, a.timeout)
+    if a.what == "stragglers":
+        result["environment"] = STRAGGLER_ENV
+        result["stragglers"] = run_stragglers(a)
+        write_stragglers(result, a)
+        return 0
     if a.what in ("training", "all"):
         print(f"# ps_train.py, {a.servers} server(s), {a.workers} workers, last worker "
               f"sleeps {a.straggler_delay} s per step, {a.steps} steps")
@@ -317,6 +422,20 @@ def main(argv: list[str] | None = None) -> int:
         for p in plot(result.get("training", {}), result.get("throughput", []), a.out):
             print("wrote", p)
     return 0
+
+
+def write_stragglers(result: dict, a: argparse.Namespace) -> None:
+    """The stragglers JSON and its loss-vs-time plot, where asked for."""
+    if a.out_json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out_json)), exist_ok=True)
+        with open(a.out_json, "w") as f:
+            json.dump(result, f, indent=1)
+        print("wrote", a.out_json)
+    if a.plot:
+        records = {m: r["record"] for m, r in result["stragglers"].items()}
+        title = f"one worker's compute {a.slow_factor:g}x slower ({a.workers} workers)"
+        if plot_loss(records, a.plot, title):
+            print("wrote", a.plot)
 
 
 if __name__ == "__main__":

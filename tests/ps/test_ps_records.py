@@ -52,3 +52,17 @@ def test_reference_page_links_results_and_keeps_dated_notes_out():
     assert "results/ps.md" in ref
     assert not re.search(r"20\d\d-\d\d-\d\d", ref)
     assert "returns on every rank" in ref
+
+
+def test_straggler_modes_and_stored_results():
+    assert bench_ps.mode_args("bsp:b1") == ["--consistency", "bsp", "--backup-workers", "1"]
+    assert bench_ps.mode_args("ssp:2") == ["--consistency", "ssp", "--staleness", "2"]
+    assert bench_ps.mode_args("asp") == ["--consistency", "asp", "--staleness", "0"]
+    text = (ROOT / "docs" / "results" / "ps_stragglers.json").read_text()
+    assert not MACHINE_PATH.search(text), MACHINE_PATH.search(text)
+    data = json.loads(text)
+    page = " ".join((ROOT / "docs" / "results" / "ps.md").read_text().replace("\\\n", " ")
+                    .split())
+    assert data["command"] in page and data["date"][:10] in page
+    assert set(data["stragglers"]) == {"bsp", "bsp:b1", "ssp:2", "asp"}
+    assert data["stragglers"]["bsp:b1"]["summary"]["late_pushes_dropped"] > 0
