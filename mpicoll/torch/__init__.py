@@ -14,7 +14,8 @@ autograd functions), :mod:`.functions` (parameters, optimizer state, objects),
 shares with the parameter-server optimizer), :mod:`.compression`; inside: :mod:`.engine`
 (the one thread that calls MPI), :mod:`.negotiation` (cross-rank agreement),
 :mod:`.fusion`, :mod:`.execute`,
-:mod:`.dtypes`, :mod:`.settings` (environment variables). See docs/torch.md.
+:mod:`.dtypes`, :mod:`.settings` (environment variables), :mod:`.notices` (shutdown
+wake-ups), :mod:`.trace` (the timeline's tensor tracks). See docs/torch.md.
 """
 from __future__ import annotations
 
@@ -33,13 +34,13 @@ from .optimizer import DistributedOptimizer
 from .state import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
                     gloo_enabled, init, is_initialized, local_rank, local_size, mpi_built,
                     mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
-                    size)
+                    size, start_timeline, stop_timeline)
 from ..errors import CollectiveError, MismatchError, RemoteError
 
 #: Horovod's name for a failed collective (``except hvd.HorovodInternalError`` keeps working).
 HorovodInternalError = CollectiveError
 
-__all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
+__all__ = ["init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "rank", "local_rank", "local_size",
            "cross_rank", "cross_size", "mpi_threads_supported", "mpi_enabled", "mpi_built",
            "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
            "rocm_built",

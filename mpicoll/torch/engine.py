@@ -51,8 +51,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .. import timeline
 from ..context import get_context
 from ..errors import CollectiveError
+from . import trace
 from .dtypes import numpy_view
 from .execute import run_responses
 from .handles import Future
@@ -94,6 +96,8 @@ class Work(NamedTuple):
     tensor: Any
     output: Any
     future: Future
+    #: When it was submitted, while a timeline records (else 0): see :mod:`.trace`.
+    since: float = 0.0
 
 
 def _decide_overlap(setting: str, local_size: int) -> bool:
@@ -145,6 +149,10 @@ class Engine:
         #: While shutting down: when to stop waiting for the other ranks' round.
         self._give_up_at = 0.0
         self.overlap = True
+        #: Record each negotiation round on the timeline (``hvd.start_timeline(...,
+        #: mark_cycles=True)``); ``rounds`` counts them.
+        self.mark_cycles = False
+        self.rounds = 0
         #: Whether DistributedOptimizer reduces each flat gradient buffer as one request at
         #: ``step()`` (the same on every rank: one rank alone, or no rank overlaps).
         self.bulk_gradients = False
@@ -189,7 +197,7 @@ class Engine:
             ValueError: a request of the same name from this rank is still in flight.
             CollectiveError: the engine has stopped.
         """
-        work = Work(meta, tensor, output, Future())
+        work = Work(meta, tensor, output, Future(), trace.submit_time())
         self._enqueue(work, waiting)
         return work.future
 
@@ -207,7 +215,8 @@ class Engine:
             ValueError: the group's name is already in flight on this rank.
             CollectiveError: the engine has stopped.
         """
-        works = [Work(meta, tensor, output, Future())
+        since = trace.submit_time()
+        works = [Work(meta, tensor, output, Future(), since)
                  for meta, (tensor, output) in zip(group.members, members)]
         self._enqueue(Work(group, works, None, Future()), False)
         return [work.future for work in works]
@@ -434,7 +443,19 @@ class Engine:
                     self._round()
 
     def _round(self) -> None:
-        """One negotiation round, then run what it completed (holding the round lock)."""
+        """One negotiation round, then run what it completed (holding the round lock);
+        recorded on the timeline as a ``CYCLE`` with ``mark_cycles``."""
+        self.rounds += 1
+        if not (self.mark_cycles and timeline.enabled()):
+            self._negotiate_and_run()
+            return
+        begin = timeline.now()
+        try:
+            self._negotiate_and_run()
+        finally:
+            trace.cycle(begin, {"round": self.rounds})
+
+    def _negotiate_and_run(self) -> None:
         header, headers = self._header, self._headers
         header[1] = self._blocked()              # read before draining: see negotiation.py
         with self._lock:

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import collectives
+from .. import collectives, timeline
 from ..buffers import IN_PLACE
 from ..errors import CollectiveError, MismatchError, RemoteError
+from . import trace
 from .dtypes import from_name, numpy_view, reduce_dtype
 from .fusion import numel, plan_buckets
 from .negotiation import JOIN, Response
@@ -63,7 +64,10 @@ def run_responses(engine: EngineInterface, responses: list[Response]) -> None:
     reduce-scatters, then the rest)."""
     fused: dict[str, list[Response]] = {"allreduce": [], "reducescatter": []}
     others = []
-    for response in _expand_groups(engine, responses):
+    responses = _expand_groups(engine, responses)
+    if timeline.enabled():
+        _trace_negotiations(engine, responses)
+    for response in responses:
         if response.error is not None:
             engine.finish(_local_key(response), error=response_error(engine.rank, response))
         elif response.kind in fused:
@@ -81,6 +85,14 @@ def run_responses(engine: EngineInterface, responses: list[Response]) -> None:
                 _guarded(engine, bucket, run)
     for response in others:
         _guarded(engine, [response], _RUNNERS[response.kind])
+
+
+def _trace_negotiations(engine: EngineInterface, responses: list[Response]) -> None:
+    """Record how long each of this rank's requests of the round waited to be negotiated."""
+    for response in responses:
+        work = engine.local.get(_local_key(response))
+        if work is not None:
+            trace.negotiated(response.kind, response.name, work.since)
 
 
 def _expand_groups(engine: EngineInterface, responses: list[Response]) -> list[Response]:
@@ -128,12 +140,20 @@ def _local_key(response: Response) -> str:
 
 
 def _guarded(engine: EngineInterface, bucket: list[Response], run: Any) -> None:
+    """Run one bucket; its failure fails its requests. Traced (:mod:`.trace`) while a
+    timeline records."""
+    if timeline.enabled() and bucket[0].kind != "shutdown":
+        trace.begin_bucket(bucket[0].kind, [r.name for r in bucket])
+    error = None
     try:
         run(engine, bucket)
     except Exception as exc:  # noqa: BLE001  (reported through the futures)
+        error = exc
         log.exception("mpicoll.torch: %s failed", [r.name for r in bucket])
         for response in bucket:
             engine.finish(_local_key(response), error=exc)
+    finally:
+        trace.end_bucket(error)
 
 
 def _first_meta(response: Response) -> Any:
@@ -186,6 +206,7 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
         segments = [(0, 0)] * len(works)
         in_place = True
     else:
+        trace.step("MEMCPY_IN_FUSION_BUFFER")
         total = sum(numel(_first_meta(r)) for r in bucket)
         flat = engine.fusion_buffer(rdtype, total)
         segments = []
@@ -202,8 +223,10 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
     _scale(flat, meta.prescale)
     if flat.numel() and engine.size > 1:
         array = engine.persistent_view(flat) if in_place and meta.layout else numpy_view(flat)
+        trace.step("MPICOLL_ALLREDUCE")
         collectives.allreduce(IN_PLACE, array, op=mpicoll_op(op), comm=engine.comm,
                               algorithm=engine.settings.algorithm)
+    trace.step(None if in_place else "MEMCPY_OUT_FUSION_BUFFER")
     _finalize(flat, op, meta.postscale, engine.size)
     for response, work, (offset, n) in zip(bucket, works, segments):
         if work is None:
@@ -247,13 +270,17 @@ def _allgather(engine: EngineInterface, bucket: list[Response]) -> None:
         if engine.size == 1:
             out.copy_(mine)
         elif len(set(dims)) == 1:
+            trace.step("MPICOLL_ALLGATHER")
             collectives.allgather(numpy_view(mine), numpy_view(out), comm=engine.comm)
         else:
+            trace.step("MEMCPY_IN_FUSION_BUFFER")
             block = max(dims) * row
             send = torch.zeros(block, dtype=dtype)
             send[:mine.numel()].copy_(mine.reshape(-1))
             recv = torch.empty(block * engine.size, dtype=dtype)
+            trace.step("MPICOLL_ALLGATHER")
             collectives.allgather(numpy_view(send), numpy_view(recv), comm=engine.comm)
+            trace.step("MEMCPY_OUT_FUSION_BUFFER")
             flat = out.view(-1)
             offset = 0
             for r, d in enumerate(dims):
@@ -268,7 +295,9 @@ def _broadcast(engine: EngineInterface, bucket: list[Response]) -> None:
     target = engine.local[response.name].output         # nobody joined: every rank has it
     buf = target if target.is_contiguous() else target.contiguous()
     if buf.numel() and engine.size > 1:
+        trace.step("MPICOLL_BROADCAST")
         collectives.broadcast(numpy_view(buf), root=meta.root, comm=engine.comm)
+        trace.step(None)
     if buf is not target:
         target.copy_(buf)
     engine.finish(response.name, result=target)
@@ -294,6 +323,7 @@ def _alltoall(engine: EngineInterface, bucket: list[Response]) -> None:
         item = dtype.itemsize * row                  # bytes per row
         send = numpy_view(source).view(np.uint8)
         recv = numpy_view(out).view(np.uint8)
+        trace.step("MPI_ALLTOALLV")
         engine.comm.Alltoallv([send, (_counts(splits[me], item), _displs(splits[me], item)),
                                MPI.BYTE],
                               [recv, (_counts(received, item), _displs(received, item)),
@@ -340,6 +370,7 @@ def _reducescatter_bucket(engine: EngineInterface, bucket: list[Response]) -> No
         counts.append([rows * row for rows in reducescatter_rows(shape[0], n)])
     block = max(sum(c[r] for c in counts) for r in range(n))
     works = [engine.local.get(r.name) for r in bucket]
+    trace.step("MEMCPY_IN_FUSION_BUFFER")
     send = engine.fusion_buffer(rdtype, block * n)
     send.zero_()
     offsets = [0] * n                                # filled part of each rank's block
@@ -356,8 +387,10 @@ def _reducescatter_bucket(engine: EngineInterface, bucket: list[Response]) -> No
     if n == 1:
         recv.copy_(send)
     elif block:
+        trace.step("MPICOLL_REDUCESCATTER")
         collectives.reduce_scatter(numpy_view(send), numpy_view(recv), op=mpicoll_op(op),
                                    comm=engine.comm)
+    trace.step("MEMCPY_OUT_FUSION_BUFFER")
     _finalize(recv, op, meta.postscale, n)
     offset = 0
     for response, work, count in zip(bucket, works, counts):

@@ -20,11 +20,13 @@ from typing import Any
 
 from mpi4py import MPI
 
+from .. import timeline
 from ..context import resolve_comm
 from .engine import Engine
 from .settings import from_environment
 
-__all__ = ["init", "shutdown", "is_initialized", "engine", "size", "rank", "local_rank",
+__all__ = ["init", "shutdown", "is_initialized", "engine", "start_timeline", "stop_timeline",
+           "size", "rank", "local_rank",
            "local_size", "cross_rank", "cross_size", "mpi_threads_supported", "mpi_enabled",
            "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
            "cuda_built", "rocm_built"]
@@ -114,6 +116,38 @@ def engine() -> Engine:
     if _engine is None:
         raise ValueError("mpicoll.torch has not been initialized; use hvd.init().")
     return _engine
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start recording a Chrome-trace timeline into ``file_path`` (Horovod's signature).
+
+    Call it on every rank with the same path (each rank records its own events; rank 0
+    merges them into ``file_path`` at :func:`stop_timeline`). Besides the core's events
+    (every collective, on its communicator's track), each tensor gets a track with
+    Horovod's activities: ``NEGOTIATE_<OP>``, ``<OP>``, ``MEMCPY_IN_FUSION_BUFFER``,
+    ``MPICOLL_<OP>``, ``MEMCPY_OUT_FUSION_BUFFER`` (see :mod:`mpicoll.torch.trace`).
+
+    Args:
+        file_path: the merged Chrome-trace JSON file to write.
+        mark_cycles: also record each negotiation round (``CYCLE``, track ``cycles``).
+    Raises:
+        ValueError: not initialized.
+    """
+    running = engine()
+    timeline.start(file_path)
+    running.mark_cycles = bool(mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop recording; this rank writes its events, rank 0 merges every rank's into the
+    file (waiting a few seconds for the others' parts; see :func:`mpicoll.timeline.stop`).
+
+    Raises:
+        ValueError: not initialized.
+    """
+    running = engine()
+    running.mark_cycles = False
+    timeline.stop()
 
 
 def size() -> int:

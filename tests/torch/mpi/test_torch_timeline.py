@@ -1,0 +1,89 @@
+"""``hvd.start_timeline`` / ``hvd.stop_timeline``: a tiny training recorded on every rank,
+merged by rank 0 into one Chrome trace with Horovod's per-tensor activities."""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import mpicoll.torch as hvd
+
+pytestmark = pytest.mark.mpi
+
+
+def _train(steps: int) -> None:
+    torch.manual_seed(hvd.rank())
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(5, 4)).square().mean().backward()
+        optimizer.step()
+    handles = [hvd.allreduce_async(torch.ones(3) * i, name=f"tl.fused.{i}") for i in range(2)]
+    for handle in handles:
+        hvd.synchronize(handle)
+    hvd.allgather(torch.ones(1 + hvd.rank(), 2), name="tl.gather")
+
+
+def _by_rank(trace: dict) -> dict:
+    """rank -> {track name: [events]} from a merged Chrome trace."""
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    out: dict = defaultdict(lambda: defaultdict(list))
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X":
+            out[e["pid"]][names[(e["pid"], e["tid"])]].append(e)
+    return out
+
+
+def _inside(inner: dict, outer: dict) -> bool:
+    slack = 1.0                               # microseconds of rounding
+    return (outer["ts"] - slack <= inner["ts"]
+            and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + slack)
+
+
+def test_timeline_of_a_tiny_training_has_every_rank_and_horovods_activities():
+    directory = MPI.COMM_WORLD.bcast(tempfile.mkdtemp() if hvd.rank() == 0 else None)
+    path = Path(directory) / "timeline.json"
+    before = time.time()
+    hvd.start_timeline(str(path), mark_cycles=True)
+    try:
+        _train(steps=3)
+    finally:
+        hvd.stop_timeline()
+    after = time.time()
+    hvd.barrier()
+    if hvd.rank() != 0:
+        return
+    ranks = _by_rank(json.loads(path.read_text()))
+    assert sorted(ranks) == list(range(hvd.size()))
+    for rank, tracks in ranks.items():
+        events = [e for track in tracks.values() for e in track]
+        assert all(before * 1e6 <= e["ts"] and e["dur"] >= 0
+                   and e["ts"] + e["dur"] <= after * 1e6 for e in events), rank
+        gradients = [t for t in tracks if t.startswith("allreduce.")]
+        assert gradients, (rank, sorted(tracks))
+        for track in [*gradients, "tl.fused.0", "tl.fused.1"]:
+            kinds = {e["name"] for e in tracks[track]}
+            assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE"} <= kinds, (rank, track, kinds)
+        fused = tracks["tl.fused.0"]
+        op = next(e for e in fused if e["name"] == "ALLREDUCE")
+        # one rank runs each request at once, alone and in place: nothing to copy or reduce
+        activities = ("MEMCPY_IN_FUSION_BUFFER", "MPICOLL_ALLREDUCE",
+                      "MEMCPY_OUT_FUSION_BUFFER") if hvd.size() > 1 else ()
+        for activity in activities:
+            inner = next(e for e in fused if e["name"] == activity)
+            assert _inside(inner, op), (rank, activity, inner, op)
+        negotiate = next(e for e in fused if e["name"] == "NEGOTIATE_ALLREDUCE")
+        assert negotiate["ts"] <= op["ts"] + 1.0
+        assert {e["name"] for e in tracks["tl.gather"]} >= {"NEGOTIATE_ALLGATHER", "ALLGATHER"}
+        assert any(t.startswith("broadcast.") for t in tracks), sorted(tracks)
+        assert [e["name"] for e in tracks["cycles"]].count("CYCLE") >= 3 or hvd.size() == 1
