@@ -223,7 +223,7 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
     _scale(flat, meta.prescale)
     if flat.numel() and engine.size > 1:
         array = engine.persistent_view(flat) if in_place and meta.layout else numpy_view(flat)
-        trace.step("MPICOLL_ALLREDUCE")
+        trace.step("MPI_ALLREDUCE")
         collectives.allreduce(IN_PLACE, array, op=mpicoll_op(op), comm=engine.comm,
                               algorithm=engine.settings.algorithm)
     trace.step(None if in_place else "MEMCPY_OUT_FUSION_BUFFER")
@@ -270,7 +270,7 @@ def _allgather(engine: EngineInterface, bucket: list[Response]) -> None:
         if engine.size == 1:
             out.copy_(mine)
         elif len(set(dims)) == 1:
-            trace.step("MPICOLL_ALLGATHER")
+            trace.step("MPI_ALLGATHER")
             collectives.allgather(numpy_view(mine), numpy_view(out), comm=engine.comm)
         else:
             trace.step("MEMCPY_IN_FUSION_BUFFER")
@@ -278,7 +278,7 @@ def _allgather(engine: EngineInterface, bucket: list[Response]) -> None:
             send = torch.zeros(block, dtype=dtype)
             send[:mine.numel()].copy_(mine.reshape(-1))
             recv = torch.empty(block * engine.size, dtype=dtype)
-            trace.step("MPICOLL_ALLGATHER")
+            trace.step("MPI_ALLGATHER")
             collectives.allgather(numpy_view(send), numpy_view(recv), comm=engine.comm)
             trace.step("MEMCPY_OUT_FUSION_BUFFER")
             flat = out.view(-1)
@@ -295,7 +295,7 @@ def _broadcast(engine: EngineInterface, bucket: list[Response]) -> None:
     target = engine.local[response.name].output         # nobody joined: every rank has it
     buf = target if target.is_contiguous() else target.contiguous()
     if buf.numel() and engine.size > 1:
-        trace.step("MPICOLL_BROADCAST")
+        trace.step("MPI_BCAST")
         collectives.broadcast(numpy_view(buf), root=meta.root, comm=engine.comm)
         trace.step(None)
     if buf is not target:
@@ -323,7 +323,7 @@ def _alltoall(engine: EngineInterface, bucket: list[Response]) -> None:
         item = dtype.itemsize * row                  # bytes per row
         send = numpy_view(source).view(np.uint8)
         recv = numpy_view(out).view(np.uint8)
-        trace.step("MPI_ALLTOALLV")
+        trace.step("MPI_ALLTOALL")
         engine.comm.Alltoallv([send, (_counts(splits[me], item), _displs(splits[me], item)),
                                MPI.BYTE],
                               [recv, (_counts(received, item), _displs(received, item)),
@@ -387,7 +387,7 @@ def _reducescatter_bucket(engine: EngineInterface, bucket: list[Response]) -> No
     if n == 1:
         recv.copy_(send)
     elif block:
-        trace.step("MPICOLL_REDUCESCATTER")
+        trace.step("MPI_REDUCESCATTER")
         collectives.reduce_scatter(numpy_view(send), numpy_view(recv), op=mpicoll_op(op),
                                    comm=engine.comm)
     trace.step("MEMCPY_OUT_FUSION_BUFFER")

@@ -125,7 +125,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     merges them into ``file_path`` at :func:`stop_timeline`). Besides the core's events
     (every collective, on its communicator's track), each tensor gets a track with
     Horovod's activities: ``NEGOTIATE_<OP>``, ``<OP>``, ``MEMCPY_IN_FUSION_BUFFER``,
-    ``MPICOLL_<OP>``, ``MEMCPY_OUT_FUSION_BUFFER`` (see :mod:`mpicoll.torch.trace`).
+    ``MPI_<OP>``, ``MEMCPY_OUT_FUSION_BUFFER`` (see :mod:`mpicoll.torch.trace`).
 
     Args:
         file_path: the merged Chrome-trace JSON file to write.

@@ -7,9 +7,10 @@ each rank records, on one track per tensor name (Horovod draws one row per tenso
   round in which every rank had submitted it (how long it waited for the others);
 - ``<OP>`` (``ALLREDUCE``, ``ALLGATHER``, ``BROADCAST``, ``ALLTOALL``, ``REDUCESCATTER``,
   ``BARRIER``, ``JOIN``): the execution of the bucket it ran in, and inside it the
-  activities ``MEMCPY_IN_FUSION_BUFFER``, ``MPICOLL_<OP>`` (the collective itself; the core
-  records it on its communicator's track too) and ``MEMCPY_OUT_FUSION_BUFFER``; every tensor
-  of a fused bucket gets the bucket's activities, as in Horovod;
+  activities ``MEMCPY_IN_FUSION_BUFFER``, ``MPI_<OP>`` (the collective: Horovod's name for
+  it on MPI, here mpicoll's algorithm, which the core also records on its communicator's
+  track) and ``MEMCPY_OUT_FUSION_BUFFER``; every tensor of a fused bucket gets the
+  bucket's activities, as in Horovod;
 - with ``mark_cycles=True``, each negotiation round as a ``CYCLE`` event on the track
   ``cycles`` (Horovod marks the start of its background cycles).
 

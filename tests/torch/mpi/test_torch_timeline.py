@@ -77,7 +77,7 @@ def test_timeline_of_a_tiny_training_has_every_rank_and_horovods_activities():
         fused = tracks["tl.fused.0"]
         op = next(e for e in fused if e["name"] == "ALLREDUCE")
         # one rank runs each request at once, alone and in place: nothing to copy or reduce
-        activities = ("MEMCPY_IN_FUSION_BUFFER", "MPICOLL_ALLREDUCE",
+        activities = ("MEMCPY_IN_FUSION_BUFFER", "MPI_ALLREDUCE",
                       "MEMCPY_OUT_FUSION_BUFFER") if hvd.size() > 1 else ()
         for activity in activities:
             inner = next(e for e in fused if e["name"] == activity)
