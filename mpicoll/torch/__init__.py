@@ -15,7 +15,7 @@ shares with the parameter-server optimizer), :mod:`.compression`; inside: :mod:`
 (the one thread that calls MPI), :mod:`.negotiation` (cross-rank agreement),
 :mod:`.fusion`, :mod:`.execute`,
 :mod:`.dtypes`, :mod:`.settings` (environment variables), :mod:`.notices` (shutdown
-wake-ups), :mod:`.trace` (the timeline's tensor tracks). See docs/torch.md.
+wake-ups), :mod:`.trace` (the timeline's tensor tracks), :mod:`.process_sets`. See docs/torch.md.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allredu
                       reducescatter_async, synchronize)
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .optimizer import DistributedOptimizer
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .state import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
                     gloo_enabled, init, is_initialized, local_rank, local_size, mpi_built,
                     mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
@@ -53,5 +54,6 @@ __all__ = ["init", "shutdown", "is_initialized", "start_timeline", "stop_timelin
            "poll", "synchronize", "barrier", "join", "allgather_object", "broadcast_object",
            "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
            "Compression", "Compressor", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-           "ReduceOp", "CollectiveError", "MismatchError", "RemoteError",
+           "ReduceOp", "ProcessSet", "global_process_set", "add_process_set",
+           "remove_process_set", "CollectiveError", "MismatchError", "RemoteError",
            "HorovodInternalError"]

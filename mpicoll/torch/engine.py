@@ -153,6 +153,11 @@ class Engine:
         #: mark_cycles=True)``); ``rounds`` counts them.
         self.mark_cycles = False
         self.rounds = 0
+        #: Called (with the leaving ranks) on the engine thread once another rank's
+        #: shutdown has stopped this engine.
+        self.on_peer_shutdown: Any = None
+        #: A process set's engine: the global ranks of its members (``None``: global).
+        self.members: list[int] | None = None
         #: Whether DistributedOptimizer reduces each flat gradient buffer as one request at
         #: ``step()`` (the same on every rank: one rank alone, or no rank overlaps).
         self.bulk_gradients = False
@@ -197,7 +202,7 @@ class Engine:
             ValueError: a request of the same name from this rank is still in flight.
             CollectiveError: the engine has stopped.
         """
-        work = Work(meta, tensor, output, Future(), trace.submit_time())
+        work = Work(meta, tensor, output, Future(self), trace.submit_time())
         self._enqueue(work, waiting)
         return work.future
 
@@ -216,9 +221,9 @@ class Engine:
             CollectiveError: the engine has stopped.
         """
         since = trace.submit_time()
-        works = [Work(meta, tensor, output, Future(), since)
+        works = [Work(meta, tensor, output, Future(self), since)
                  for meta, (tensor, output) in zip(group.members, members)]
-        self._enqueue(Work(group, works, None, Future()), False)
+        self._enqueue(Work(group, works, None, Future(self)), False)
         return [work.future for work in works]
 
     def _enqueue(self, work: Work, waiting: bool) -> None:
@@ -394,6 +399,12 @@ class Engine:
             self._fail_all(exc)
             return
         self._fail_all(CollectiveError("mpicoll.torch has been shut down"))
+        leaving = sorted(self.leaving or ())
+        if self.on_peer_shutdown is not None and leaving and self.rank not in leaving:
+            try:
+                self.on_peer_shutdown(leaving)
+            except Exception:  # noqa: BLE001  (nothing to report to on this thread)
+                log.exception("stopping the process sets after a shutdown failed")
         try:
             if self._notices is not None and self.leaving is not None:
                 self._notices.close(sum(1 for r in self.leaving if r != self.rank))
@@ -529,7 +540,9 @@ class Engine:
         make the engine thread leave its loop."""
         self.leaving = leaving
         self.stopping = True
-        self._fail_all(CollectiveError(shutdown_message(leaving, self.rank)))
+        ranks = self.members or range(self.size)          # messages name global ranks
+        self._fail_all(CollectiveError(shutdown_message(
+            {ranks[r]: meta for r, meta in leaving.items()}, ranks[self.rank])))
         self._queue.put(None)
 
     def _defer(self) -> bool:

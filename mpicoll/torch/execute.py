@@ -143,17 +143,52 @@ def _guarded(engine: EngineInterface, bucket: list[Response], run: Any) -> None:
     """Run one bucket; its failure fails its requests. Traced (:mod:`.trace`) while a
     timeline records."""
     if timeline.enabled() and bucket[0].kind != "shutdown":
-        trace.begin_bucket(bucket[0].kind, [r.name for r in bucket])
-    error = None
+        _traced(engine, bucket, run)
+        return
     try:
         run(engine, bucket)
     except Exception as exc:  # noqa: BLE001  (reported through the futures)
+        _failed(engine, bucket, exc)
+
+
+def _failed(engine: EngineInterface, bucket: list[Response], exc: Exception) -> None:
+    log.exception("mpicoll.torch: %s failed", [r.name for r in bucket])
+    for response in bucket:
+        engine.finish(_local_key(response), error=exc)
+
+
+class _DeferredFinish:
+    """The engine, with :meth:`finish` held back until :meth:`flush`: the bucket's
+    timeline events are recorded before any waiting thread wakes up (and, say, stops the
+    timeline)."""
+
+    def __init__(self, engine: EngineInterface) -> None:
+        self._engine = engine
+        self._finished: list[tuple[tuple, dict]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def finish(self, *args: Any, **kwargs: Any) -> None:
+        self._finished.append((args, kwargs))
+
+    def flush(self) -> None:
+        for args, kwargs in self._finished:
+            self._engine.finish(*args, **kwargs)
+
+
+def _traced(engine: EngineInterface, bucket: list[Response], run: Any) -> None:
+    trace.begin_bucket(bucket[0].kind, [r.name for r in bucket])
+    deferred = _DeferredFinish(engine)
+    error = None
+    try:
+        run(deferred, bucket)
+    except Exception as exc:  # noqa: BLE001  (reported through the futures)
         error = exc
-        log.exception("mpicoll.torch: %s failed", [r.name for r in bucket])
-        for response in bucket:
-            engine.finish(_local_key(response), error=exc)
+        _failed(deferred, bucket, exc)
     finally:
         trace.end_bucket(error)
+        deferred.flush()
 
 
 def _first_meta(response: Response) -> Any:

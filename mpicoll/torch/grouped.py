@@ -25,10 +25,11 @@ from . import handles
 from .compression import Compression
 from .dtypes import dtype_name
 from .handles import GroupFuture
-from .mpi_ops import (allreduce_meta, check_gather, check_process_set, reducescatter_meta,
+from .mpi_ops import (allreduce_meta, check_gather, reducescatter_meta,
                       request_name, resolve_scatter_op, synchronize)
 from .negotiation import Meta
 from .ops import Average, ReduceOp, Sum, resolve_reduce_op
+from .process_sets import backward_in_scope, forward_in_scope, scoped
 from .state import engine
 
 __all__ = ["grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
@@ -61,7 +62,6 @@ def _submit_group(base: str, metas: list[Meta], tensors: Sequence[Any],
 def _grouped_allreduce_async(tensors: Any, outputs: Any, average: Any, name: str | None,
                              op: Any, prescale_factor: float, postscale_factor: float,
                              process_set: Any) -> int:
-    check_process_set(process_set)
     tensors = _tensor_list(tensors)
     resolved = resolve_reduce_op(average, op)
     base, names = _member_names("grouped_allreduce", name, len(tensors))
@@ -69,7 +69,8 @@ def _grouped_allreduce_async(tensors: Any, outputs: Any, average: Any, name: str
              for t, n in zip(tensors, names)]
     if outputs is None:
         outputs = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
-    return _submit_group(base, metas, [t.detach() for t in tensors], outputs)
+    with scoped(process_set):
+        return _submit_group(base, metas, [t.detach() for t in tensors], outputs)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Any = None,
@@ -121,13 +122,13 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Any = None,
         TypeError, ValueError: bad arguments. mpicoll.MismatchError: ranks disagree on the
             number of tensors or on any member (raised on every rank, for the whole group).
     """
-    check_process_set(process_set)
     tensors = _tensor_list(tensors)
     resolved = resolve_reduce_op(average, op)
     pairs = [compression.compress(t) for t in tensors]
-    reduced = GroupedAllreduceFn.apply(request_name("grouped_allreduce", name), resolved,
-                                       float(prescale_factor), float(postscale_factor),
-                                       *[p[0] for p in pairs])
+    with scoped(process_set):
+        reduced = GroupedAllreduceFn.apply(request_name("grouped_allreduce", name), resolved,
+                                           float(prescale_factor), float(postscale_factor),
+                                           *[p[0] for p in pairs])
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, pairs)]
 
 
@@ -136,6 +137,7 @@ class GroupedAllreduceFn(torch.autograd.Function):
     the incoming gradients."""
 
     @staticmethod
+    @forward_in_scope
     def forward(ctx: Any, name: str, op: ReduceOp, prescale: float, postscale: float,
                 *tensors: torch.Tensor) -> tuple:
         ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
@@ -144,6 +146,7 @@ class GroupedAllreduceFn(torch.autograd.Function):
             postscale_factor=postscale)))
 
     @staticmethod
+    @backward_in_scope
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         reduced = synchronize(grouped_allreduce_async(
             [g.contiguous() for g in grads], op=ctx.op, prescale_factor=ctx.prescale,
@@ -160,15 +163,15 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     Raises:
         TypeError, ValueError: bad arguments (this rank, before anything is sent).
     """
-    check_process_set(process_set)
     tensors = _tensor_list(tensors)
     base, names = _member_names("grouped_allgather", name, len(tensors))
     metas = []
     for tensor, member in zip(tensors, names):
         check_gather(tensor)
         metas.append(Meta(member, "allgather", dtype_name(tensor.dtype), tuple(tensor.shape)))
-    return _submit_group(base, metas, [t.detach() for t in tensors],
-                         [None] * len(tensors))
+    with scoped(process_set):
+        return _submit_group(base, metas, [t.detach() for t in tensors],
+                             [None] * len(tensors))
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -180,9 +183,10 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
         TypeError, ValueError: bad arguments. mpicoll.MismatchError: ranks disagree on the
             number of tensors, a dtype or the dimensions after the first (every rank).
     """
-    check_process_set(process_set)
     tensors = _tensor_list(tensors)
-    return list(GroupedAllgatherFn.apply(request_name("grouped_allgather", name), *tensors))
+    with scoped(process_set):
+        return list(GroupedAllgatherFn.apply(request_name("grouped_allgather", name),
+                                             *tensors))
 
 
 class GroupedAllgatherFn(torch.autograd.Function):
@@ -190,6 +194,7 @@ class GroupedAllgatherFn(torch.autograd.Function):
     (one grouped all-reduce) and each tensor keeps the rows this rank contributed."""
 
     @staticmethod
+    @forward_in_scope
     def forward(ctx: Any, name: str, *tensors: torch.Tensor) -> tuple:
         handle = grouped_allgather_async(list(tensors), name=name)
         future = handles.lookup(handle)
@@ -199,6 +204,7 @@ class GroupedAllgatherFn(torch.autograd.Function):
         return tuple(results)
 
     @staticmethod
+    @backward_in_scope
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         averaged = synchronize(grouped_allreduce_async([g.contiguous() for g in grads],
                                                        op=Average))
@@ -222,14 +228,14 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     Raises:
         TypeError, ValueError: bad arguments (this rank, before anything is sent).
     """
-    check_process_set(process_set)
     tensors = _tensor_list(tensors)
     resolved = resolve_scatter_op(op)
     base, names = _member_names("grouped_reducescatter", name, len(tensors))
     metas = [reducescatter_meta(t, n, resolved, prescale_factor, postscale_factor)
              for t, n in zip(tensors, names)]
-    return _submit_group(base, metas, [t.detach() for t in tensors],
-                         [None] * len(tensors))
+    with scoped(process_set):
+        return _submit_group(base, metas, [t.detach() for t in tensors],
+                             [None] * len(tensors))
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -243,13 +249,14 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
         TypeError, ValueError: bad arguments. mpicoll.MismatchError: ranks disagree
             (every rank, for the whole group).
     """
-    check_process_set(process_set)
     tensors = _tensor_list(tensors)
     resolved = resolve_scatter_op(op)
     pairs = [compression.compress(t) for t in tensors]
-    reduced = GroupedReducescatterFn.apply(request_name("grouped_reducescatter", name),
-                                           resolved, float(prescale_factor),
-                                           float(postscale_factor), *[p[0] for p in pairs])
+    with scoped(process_set):
+        reduced = GroupedReducescatterFn.apply(request_name("grouped_reducescatter", name),
+                                               resolved, float(prescale_factor),
+                                               float(postscale_factor),
+                                               *[p[0] for p in pairs])
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, pairs)]
 
 
@@ -259,6 +266,7 @@ class GroupedReducescatterFn(torch.autograd.Function):
     group."""
 
     @staticmethod
+    @forward_in_scope
     def forward(ctx: Any, name: str, op: ReduceOp, prescale: float, postscale: float,
                 *tensors: torch.Tensor) -> tuple:
         ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
@@ -267,6 +275,7 @@ class GroupedReducescatterFn(torch.autograd.Function):
             postscale_factor=postscale)))
 
     @staticmethod
+    @backward_in_scope
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         scaled = []
         for grad in grads:                   # Horovod's order: size, prescale, postscale

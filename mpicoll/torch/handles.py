@@ -11,10 +11,12 @@ __all__ = ["Future", "GroupFuture", "register", "lookup", "release"]
 class Future:
     """The result of one submitted operation, set once by the engine thread."""
 
-    __slots__ = ("_event", "result", "error", "extra")
+    __slots__ = ("_event", "extra", "error", "owner", "result")
 
-    def __init__(self) -> None:
+    def __init__(self, owner: Any = None) -> None:
         self._event = threading.Event()
+        #: The engine that runs it (waiting and polling go through it).
+        self.owner = owner
         self.result: Any = None
         self.error: BaseException | None = None
         #: Side results (the per-rank first dimensions of an all-gather).
@@ -57,6 +59,11 @@ class GroupFuture:
             if not future.wait(timeout):
                 return False
         return True
+
+    @property
+    def owner(self) -> Any:
+        """The engine of the members."""
+        return self.members[0].owner if self.members else None
 
     @property
     def error(self) -> BaseException | None:

@@ -37,13 +37,14 @@ from .compression import Compression
 from .dtypes import check_supported, dtype_name
 from .negotiation import JOIN, Meta
 from .ops import Average, ReduceOp, Sum, check_op_dtype, resolve_reduce_op
+from .process_sets import backward_in_scope, forward_in_scope, scoped
 from .state import engine
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather",
            "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
            "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
            "poll", "synchronize", "barrier", "join", "allreduce_meta", "submit_allreduce",
-           "alltoall_meta", "reducescatter_meta", "check_process_set", "request_name",
+           "alltoall_meta", "reducescatter_meta", "request_name",
            "check_gather", "resolve_scatter_op",
            "AllreduceFn", "AllgatherFn", "BroadcastFn", "AlltoallFn", "ReducescatterFn"]
 
@@ -105,7 +106,7 @@ def submit_allreduce(tensor: torch.Tensor, output: torch.Tensor, name: str | Non
 
 def allreduce_async(tensor: torch.Tensor, average: Any = None, name: str | None = None,
                     op: Any = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0) -> int:
+                    postscale_factor: float = 1.0, process_set: Any = None) -> int:
     """Start an all-reduce of ``tensor`` into a new tensor; return a handle.
 
     Args:
@@ -116,6 +117,8 @@ def allreduce_async(tensor: torch.Tensor, average: Any = None, name: str | None 
         prescale_factor, postscale_factor: multiply the input before, the result after
             (as Horovod: integer tensors in float64, cast back toward zero; float16 in
             float32).
+        process_set: a registered :class:`~mpicoll.torch.ProcessSet` (only its ranks
+            call this; ``Average`` divides by its size); default the global set.
     Returns:
         A handle for :func:`poll` / :func:`synchronize` (which returns the result).
     Raises:
@@ -123,22 +126,25 @@ def allreduce_async(tensor: torch.Tensor, average: Any = None, name: str | None 
     """
     output = torch.empty(tensor.shape, dtype=tensor.dtype) if isinstance(tensor, torch.Tensor) \
         else None
-    return submit_allreduce(tensor, output, name, resolve_reduce_op(average, op),
-                            prescale_factor, postscale_factor)
+    with scoped(process_set):
+        return submit_allreduce(tensor, output, name, resolve_reduce_op(average, op),
+                                prescale_factor, postscale_factor)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Any = None, name: str | None = None,
                      op: Any = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0) -> int:
+                     postscale_factor: float = 1.0, process_set: Any = None) -> int:
     """As :func:`allreduce_async`, writing the result into ``tensor``."""
-    return submit_allreduce(tensor, tensor.detach() if isinstance(tensor, torch.Tensor)
-                            else None, name, resolve_reduce_op(average, op), prescale_factor,
-                            postscale_factor)
+    with scoped(process_set):
+        return submit_allreduce(tensor, tensor.detach() if isinstance(tensor, torch.Tensor)
+                                else None, name, resolve_reduce_op(average, op),
+                                prescale_factor, postscale_factor)
 
 
 def allreduce(tensor: torch.Tensor, average: Any = None, name: str | None = None,
               compression: Any = Compression.none, op: Any = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: Any = None) -> torch.Tensor:
     """All-reduce ``tensor`` (differentiable); return a new tensor.
 
     Args:
@@ -152,17 +158,18 @@ def allreduce(tensor: torch.Tensor, average: Any = None, name: str | None = None
     """
     op = resolve_reduce_op(average, op)
     compressed, ctx = compression.compress(tensor)
-    reduced = AllreduceFn.apply(compressed, request_name("allreduce", name), op,
-                                prescale_factor, postscale_factor)
+    with scoped(process_set):
+        reduced = AllreduceFn.apply(compressed, request_name("allreduce", name), op,
+                                    prescale_factor, postscale_factor)
     return compression.decompress(reduced, ctx)
 
 
 def allreduce_(tensor: torch.Tensor, average: Any = None, name: str | None = None,
                op: Any = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0) -> torch.Tensor:
+               postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
     """All-reduce ``tensor`` in place; return it."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor))
+                                        postscale_factor, process_set))
 
 
 def check_gather(tensor: Any) -> None:
@@ -171,7 +178,8 @@ def check_gather(tensor: Any) -> None:
         raise ValueError("allgather needs a tensor with at least one dimension")
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: Any = None) -> int:
     """Start an all-gather along dimension 0 (sizes may differ across ranks); return a handle.
 
     The other dimensions and the dtype must agree across ranks.
@@ -179,10 +187,12 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
     check_gather(tensor)
     meta = Meta(request_name("allgather", name), "allgather", dtype_name(tensor.dtype),
                 tuple(tensor.shape))
-    return _submit(meta, tensor.detach(), None)
+    with scoped(process_set):
+        return _submit(meta, tensor.detach(), None)
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: Any = None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dimension 0, in rank order (differentiable).
 
     Raises:
@@ -190,13 +200,21 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
             dtype or on the dimensions after the first.
     """
     check_gather(tensor)
-    return AllgatherFn.apply(tensor, request_name("allgather", name))
+    with scoped(process_set):
+        return AllgatherFn.apply(tensor, request_name("allgather", name))
 
 
 def _check_root(root_rank: Any) -> int:
+    """``root_rank`` (a global rank, as in Horovod) as a rank of the engine in scope."""
     if isinstance(root_rank, bool) or not isinstance(root_rank, int):
         raise TypeError(f"root_rank must be an int, not {type(root_rank).__name__}")
-    n = engine().size
+    running = engine()
+    if running.members is not None:
+        if root_rank not in running.members:
+            raise ValueError(f"root_rank={root_rank} is not in the process set "
+                             f"{running.members}")
+        return running.members.index(root_rank)
+    n = running.size
     if not 0 <= root_rank < n:
         raise ValueError(f"root_rank={root_rank} is out of range for {n} ranks")
     return int(root_rank)
@@ -210,40 +228,39 @@ def _broadcast_async(tensor: Any, output: Any, root_rank: int, name: str | None)
     return _submit(meta, None, output)
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
-    """Start a broadcast of ``root_rank``'s ``tensor`` into a new tensor; return a handle."""
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: Any = None) -> int:
+    """Start a broadcast of ``root_rank``'s ``tensor`` into a new tensor; return a handle.
+
+    ``root_rank`` is a global rank (``hvd.rank()``), in ``process_set`` if one is given."""
     check_supported(tensor)
-    return _broadcast_async(tensor, tensor.detach().clone(memory_format=torch.contiguous_format),
-                            root_rank, name)
+    with scoped(process_set):
+        return _broadcast_async(tensor,
+                                tensor.detach().clone(memory_format=torch.contiguous_format),
+                                root_rank, name)
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: Any = None) -> int:
     """Start a broadcast of ``root_rank``'s ``tensor`` into ``tensor`` itself."""
     check_supported(tensor)
-    return _broadcast_async(tensor, tensor.detach(), root_rank, name)
+    with scoped(process_set):
+        return _broadcast_async(tensor, tensor.detach(), root_rank, name)
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: Any = None) -> torch.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank, as a new tensor (differentiable)."""
     check_supported(tensor)
-    _check_root(root_rank)
-    return BroadcastFn.apply(tensor, root_rank, request_name("broadcast", name))
+    with scoped(process_set):
+        _check_root(root_rank)
+        return BroadcastFn.apply(tensor, root_rank, request_name("broadcast", name))
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: Any = None) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s, in place; return it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
-
-
-def check_process_set(process_set: Any) -> None:
-    """Accept Horovod's ``process_set=`` argument only for the global set.
-
-    Raises:
-        ValueError: any other process set (process sets are not supported yet).
-    """
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise ValueError("mpicoll.torch does not support process sets yet: every operation "
-                         "runs on the communicator given to init()")
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 def _alltoall_splits(splits: Any, first_dim: int, size: int) -> tuple[tuple, str]:
@@ -310,7 +327,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
             tensor of ``size()`` entries, summing to at most ``tensor.shape[0]``; rows past
             the sum are not sent). ``None`` splits dimension 0 evenly (it must then be a
             multiple of ``size()``).
-        name: matches this request across ranks. process_set: only the global set.
+        name: matches this request across ranks. process_set: as for
+            :func:`allreduce_async` (``splits`` then has one entry per rank of the set).
     Returns:
         A handle for :func:`poll` / :func:`synchronize`.
     Raises:
@@ -318,9 +336,9 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
         Bad split values fail on every rank at :func:`synchronize`: ``ValueError`` on the
         ranks that passed them, ``mpicoll.RemoteError`` (same message) on the others.
     """
-    check_process_set(process_set)
-    meta = alltoall_meta(tensor, splits, name)
-    return _submit(meta, tensor.detach(), None)
+    with scoped(process_set):
+        meta = alltoall_meta(tensor, splits, name)
+        return _submit(meta, tensor.detach(), None)
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
@@ -337,9 +355,9 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
         as :func:`alltoall_async`; mpicoll.MismatchError: ranks disagree on the dtype or
         the dimensions after the first; mpicoll.CollectiveError: a rank has joined.
     """
-    check_process_set(process_set)
     check_supported(tensor)
-    out, received = AlltoallFn.apply(tensor, splits, request_name("alltoall", name))
+    with scoped(process_set):
+        out, received = AlltoallFn.apply(tensor, splits, request_name("alltoall", name))
     return out if splits is None else (out, received)
 
 
@@ -383,10 +401,10 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     Raises:
         TypeError, ValueError: bad arguments (this rank, before sending).
     """
-    check_process_set(process_set)
     meta = reducescatter_meta(tensor, name, resolve_scatter_op(op), prescale_factor,
                               postscale_factor)
-    return _submit(meta, tensor.detach(), None)
+    with scoped(process_set):
+        return _submit(meta, tensor.detach(), None)
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
@@ -401,11 +419,12 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
         TypeError, ValueError: bad arguments. mpicoll.MismatchError: ranks disagree on shape,
         dtype, op or scaling. mpicoll.CollectiveError: a rank has joined.
     """
-    check_process_set(process_set)
     resolved = resolve_scatter_op(op)
     compressed, ctx = compression.compress(tensor)
-    reduced = ReducescatterFn.apply(compressed, request_name("reducescatter", name), resolved,
-                                    float(prescale_factor), float(postscale_factor))
+    with scoped(process_set):
+        reduced = ReducescatterFn.apply(compressed, request_name("reducescatter", name),
+                                        resolved, float(prescale_factor),
+                                        float(postscale_factor))
     return compression.decompress(reduced, ctx)
 
 
@@ -413,19 +432,21 @@ def poll(handle: int) -> bool:
     """Whether the operation of ``handle`` has finished (``synchronize`` will not block)."""
     future = handles.lookup(handle)
     if not future.done():
-        engine().poke()
+        (future.owner or engine()).poke()
     return future.done()
 
 
 def _wait(future: Any) -> None:
     """Wait for ``future`` on the engine; a future already done (failed by a shutdown of
     this rank, so without an engine now) needs none."""
-    try:
-        running = engine()
-    except ValueError:
-        if future.done():
-            return
-        raise
+    running = future.owner
+    if running is None:
+        try:
+            running = engine()
+        except ValueError:
+            if future.done():
+                return
+            raise
     running.wait(future)
 
 
@@ -447,9 +468,12 @@ def synchronize(handle: int) -> Any:
     return future.result
 
 
-def barrier() -> None:
-    """Return once every rank (that has not joined) has called ``barrier``."""
-    synchronize(_submit(Meta(request_name("barrier", None), "barrier")))
+def barrier(process_set: Any = None) -> None:
+    """Return once every rank (that has not joined) of ``process_set`` (default: all) has
+    called ``barrier``."""
+    with scoped(process_set):
+        handle = _submit(Meta(request_name("barrier", None), "barrier"))
+    synchronize(handle)
 
 
 def join(device: int = -1) -> int:
@@ -471,6 +495,7 @@ class AllreduceFn(torch.autograd.Function):
     gradients."""
 
     @staticmethod
+    @forward_in_scope
     def forward(ctx: Any, tensor: torch.Tensor, name: str, op: ReduceOp, prescale: float,
                 postscale: float) -> torch.Tensor:
         ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
@@ -478,6 +503,7 @@ class AllreduceFn(torch.autograd.Function):
                                            postscale_factor=postscale))
 
     @staticmethod
+    @backward_in_scope
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         reduced = synchronize(allreduce_async(grad.contiguous(), op=ctx.op,
                                               prescale_factor=ctx.prescale,
@@ -490,6 +516,7 @@ class AllgatherFn(torch.autograd.Function):
     of the incoming gradients, rows of this rank (as Horovod)."""
 
     @staticmethod
+    @forward_in_scope
     def forward(ctx: Any, tensor: torch.Tensor, name: str) -> torch.Tensor:
         handle = allgather_async(tensor, name=name)
         future = handles.lookup(handle)
@@ -499,6 +526,7 @@ class AllgatherFn(torch.autograd.Function):
         return result
 
     @staticmethod
+    @backward_in_scope
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         averaged = synchronize(allreduce_async(grad.contiguous(), op=Average))
         start = sum(ctx.dims[:ctx.rank])
@@ -510,11 +538,13 @@ class BroadcastFn(torch.autograd.Function):
     incoming gradients, other ranks' is zero (as Horovod)."""
 
     @staticmethod
+    @forward_in_scope
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str) -> torch.Tensor:
-        ctx.root = root_rank
+        ctx.root = _check_root(root_rank)           # within the engine in scope
         return synchronize(broadcast_async(tensor, root_rank, name=name))
 
     @staticmethod
+    @backward_in_scope
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         averaged = synchronize(allreduce_async(grad.contiguous(), op=Average))
         if engine().rank != ctx.root:
@@ -527,6 +557,7 @@ class AlltoallFn(torch.autograd.Function):
     this rank received (rows this rank held but did not send get zero gradient)."""
 
     @staticmethod
+    @forward_in_scope
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str) -> tuple:
         out, received = synchronize(alltoall_async(tensor, splits, name=name))
         ctx.received = received
@@ -535,6 +566,7 @@ class AlltoallFn(torch.autograd.Function):
         return out, received
 
     @staticmethod
+    @backward_in_scope
     def backward(ctx: Any, grad: torch.Tensor, _unused: Any) -> tuple:
         back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received))
         if back.shape[0] < ctx.rows:
@@ -549,6 +581,7 @@ class ReducescatterFn(torch.autograd.Function):
     all-gathered."""
 
     @staticmethod
+    @forward_in_scope
     def forward(ctx: Any, tensor: torch.Tensor, name: str, op: ReduceOp, prescale: float,
                 postscale: float) -> torch.Tensor:
         ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
@@ -557,6 +590,7 @@ class ReducescatterFn(torch.autograd.Function):
                                                postscale_factor=postscale))
 
     @staticmethod
+    @backward_in_scope
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         scaled = grad * engine().size if int(ctx.op) == int(Sum) else grad.clone()
         if ctx.prescale != 1.0:

@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from .. import timeline
 from ..context import resolve_comm
+from . import process_sets as process_set_registry
 from .engine import Engine
 from .settings import from_environment
 
@@ -36,12 +37,16 @@ _lock = threading.Lock()
 _atexit_registered = False
 
 
-def init(comm: Any = None) -> None:
+def init(comm: Any = None, process_sets: Any = None) -> None:
     """Start mpicoll.torch on ``comm`` (default ``MPI.COMM_WORLD``); collective.
 
+    Args:
+        comm: an mpi4py communicator.
+        process_sets: :class:`~mpicoll.torch.process_sets.ProcessSet` objects to register
+            (in this order on every rank; duplicates are left unregistered).
     Raises:
         RuntimeError: MPI was initialized below ``THREAD_MULTIPLE``.
-        ValueError: a malformed ``MPICOLL_*`` variable.
+        ValueError: a malformed ``MPICOLL_*`` variable; bad process sets.
     """
     global _engine, _atexit_registered
     with _lock:
@@ -59,11 +64,22 @@ def init(comm: Any = None) -> None:
                 f"calls MPI while your threads may too) but MPI provides level {provided}; "
                 f"do not set mpi4py.rc.thread_level / MPI4PY_RC_THREAD_LEVEL below 'multiple'")
         engine = Engine(comm, from_environment())
+        engine.on_peer_shutdown = _stop_process_sets
         engine.start()
         _engine = engine
+        process_set_registry.attach(engine, comm)
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
+    process_set_registry.register_all(process_sets)
+
+
+def _stop_process_sets(leaving: list[int]) -> None:
+    """Another rank shut the adapter down: stop this rank's process-set engines too, so
+    that their other ranks' operations fail instead of waiting for this one."""
+    process_set_registry.detach(
+        f"mpicoll.torch was shut down by rank{'s' if len(leaving) > 1 else ''} "
+        f"{', '.join(map(str, leaving))}")
 
 
 def _exit_reason() -> str:
@@ -98,6 +114,7 @@ def _stop(reason: str) -> None:
         engine, _engine = _engine, None
     if engine is None or MPI.Is_finalized():
         return
+    process_set_registry.detach(reason)
     engine.shutdown(reason)
 
 
@@ -108,11 +125,16 @@ def is_initialized() -> bool:
 
 
 def engine() -> Engine:
-    """The running engine.
+    """The engine of the operations in scope: a process set's
+    (:func:`mpicoll.torch.process_sets.scoped`), else the global one.
 
     Raises:
         ValueError: not initialized.
     """
+    return process_set_registry.current_engine() or _global()
+
+
+def _global() -> Engine:
     if _engine is None:
         raise ValueError("mpicoll.torch has not been initialized; use hvd.init().")
     return _engine
@@ -133,7 +155,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     Raises:
         ValueError: not initialized.
     """
-    running = engine()
+    running = _global()
     timeline.start(file_path)
     running.mark_cycles = bool(mark_cycles)
 
@@ -145,39 +167,39 @@ def stop_timeline() -> None:
     Raises:
         ValueError: not initialized.
     """
-    running = engine()
+    running = _global()
     running.mark_cycles = False
     timeline.stop()
 
 
 def size() -> int:
     """Number of ranks."""
-    return engine().size
+    return _global().size
 
 
 def rank() -> int:
     """This process's rank."""
-    return engine().rank
+    return _global().rank
 
 
 def local_rank() -> int:
     """This process's rank on its node."""
-    return engine().local_rank
+    return _global().local_rank
 
 
 def local_size() -> int:
     """Number of ranks on this node."""
-    return engine().local_size
+    return _global().local_size
 
 
 def cross_rank() -> int:
     """This node's index among the nodes (rank in the communicator of equal local ranks)."""
-    return engine().cross_rank
+    return _global().cross_rank
 
 
 def cross_size() -> int:
     """Number of nodes (ranks with this local rank)."""
-    return engine().cross_size
+    return _global().cross_size
 
 
 def mpi_threads_supported() -> bool:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from mpi4py import MPI
 
 import mpicoll.torch as hvd
 
@@ -77,6 +78,7 @@ def test_shutdown_reaches_ranks_busy_elsewhere(fresh):
 def test_pending_handles_fail_on_every_rank_with_their_names(fresh):
     last, me = fresh, hvd.rank()
     handle = hvd.allreduce_async(torch.ones(2), name=f"own.{me}")   # never matched
+    MPI.COMM_WORLD.Barrier()                # every rank has submitted before the shutdown
     if me == last:
         hvd.shutdown()
         who = r"by this rank \(it called hvd.shutdown\(\)\)"
