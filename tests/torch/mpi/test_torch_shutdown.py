@@ -17,8 +17,8 @@ import mpicoll.torch as hvd
 pytestmark = pytest.mark.mpi
 
 #: The bound this suite holds the adapter to, in seconds: a rank waiting in an operation
-#: gets its error, and a rank that shuts down returns, within it (measured: 0.05-0.3 s on
-#: a loaded 2-core machine; the notice is looked for every 0.05 s).
+#: gets its error, and a rank that shuts down returns, within it (measured: a few ms on a
+#: loaded 2-core machine; an idle engine looks for the shutdown notice every 0.05 s).
 BOUND = 3.0
 
 
