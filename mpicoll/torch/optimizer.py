@@ -33,6 +33,7 @@ from .dtypes import dtype_name
 from .negotiation import Meta
 from .ops import Average, resolve_reduce_op
 from .optim_wrapping import check_named_parameters, wrap_optimizer
+from .process_sets import check_usable, scoped
 from .state import engine
 
 __all__ = ["DistributedOptimizer"]
@@ -43,11 +44,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _dist_setup(self, named_parameters: Any, compression: Any,
                     backward_passes_per_step: int, op: Any,
-                    gradient_predivide_factor: float, groups: Any) -> None:
+                    gradient_predivide_factor: float, groups: Any,
+                    process_set: Any = None) -> None:
         if isinstance(backward_passes_per_step, bool) or \
                 not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be an int >= 1, not "
                              f"{backward_passes_per_step!r}")
+        check_usable(process_set)
+        self._process_set = process_set
         self.op = resolve_reduce_op(None, op)
         if gradient_predivide_factor != 1.0 and int(self.op) != int(Average):
             raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -77,7 +81,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _bulk_mode(self) -> bool:
         """Whether gradients go as whole flat buffers at ``step()`` (decided once per
         engine, identically on every rank: see :attr:`Engine.bulk_gradients`)."""
-        eng = engine()
+        with scoped(self._process_set):
+            eng = engine()
         if self._mode_engine is not eng:
             self._mode_engine = eng
             self._bulk = (eng.bulk_gradients and bool(self._flat)
@@ -119,7 +124,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compressed, ctx = self._compression.compress(p.grad)
         pre, post = self._scaling()
         handle = mpi_ops.allreduce_async_(compressed, name=self._names[p], op=self.op,
-                                          prescale_factor=pre, postscale_factor=post)
+                                          prescale_factor=pre, postscale_factor=post,
+                                          process_set=self._process_set)
         return handle, (ctx, compressed)
 
     def _allreduce_flat_async(self, flat: "_FlatGradients") -> tuple[int, Any]:
@@ -135,6 +141,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     view.copy_(grad)
                 p.grad = view
         compressed, ctx = self._compression.compress(flat.buffer)
+        with scoped(self._process_set):
+            return self._submit_flat(flat, compressed, ctx)
+
+    def _submit_flat(self, flat: "_FlatGradients", compressed: torch.Tensor,
+                     ctx: Any) -> tuple[int, Any]:
         pre, post = self._scaling()
         if compressed is not flat.buffer:
             handle = mpi_ops.submit_allreduce(compressed, compressed, flat.name, self.op, pre,
@@ -229,7 +240,7 @@ def _wait(handle: Any) -> Any:
     """The result of a handle (an ``int``) or of a future submitted to the engine directly."""
     if isinstance(handle, int):
         return mpi_ops.synchronize(handle)
-    engine().wait(handle)
+    handle.owner.wait(handle)
     if handle.error is not None:
         raise handle.error
     return handle.result
@@ -303,7 +314,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          backward_passes_per_step: int = 1, op: Any = Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Any = None, sparse_as_dense: bool = False,
-                         backend: str = "allreduce",
+                         process_set: Any = None, backend: str = "allreduce",
                          **ps_options: Any) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
 
@@ -319,6 +330,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         num_groups, groups: accepted for compatibility (validated); fusion is automatic.
         sparse_as_dense: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense
             tensors; without it a sparse gradient raises ``TypeError``.
+        process_set: reduce gradients over this registered
+            :class:`~mpicoll.torch.ProcessSet` only (default: every rank); only its ranks
+            may use the optimizer.
         backend: ``"allreduce"`` (default: gradients all-reduced over ranks) or ``"ps"``:
             gradients averaged through a :class:`mpicoll.ps.ParameterServer` built from
             ``ps_options`` (see :func:`mpicoll.ps.torch_optimizer.distributed_optimizer`; e.g.
@@ -333,11 +347,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     if backend == "ps":
         if (compression is not Compression.none or backward_passes_per_step != 1
                 or op is not Average or gradient_predivide_factor != 1.0 or num_groups
-                or groups is not None or sparse_as_dense):
+                or groups is not None or sparse_as_dense or process_set is not None):
             raise ValueError("backend='ps' averages dense gradients through mpicoll.ps; "
                              "compression, backward_passes_per_step, op, "
-                             "gradient_predivide_factor, num_groups, groups and "
-                             "sparse_as_dense are for backend='allreduce'")
+                             "gradient_predivide_factor, num_groups, groups, "
+                             "sparse_as_dense and process_set are for backend='allreduce'")
         from ..ps.torch_optimizer import distributed_optimizer  # noqa: PLC0415  (optional layer)
 
         return distributed_optimizer(optimizer, named_parameters, **ps_options)
@@ -351,5 +365,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         raise ValueError(f"num_groups must be an int >= 0, not {num_groups!r}")
     dist._sparse_as_dense = bool(sparse_as_dense)
     dist._dist_setup(named_parameters, compression, backward_passes_per_step, op,
-                     gradient_predivide_factor, groups)
+                     gradient_predivide_factor, groups, process_set)
     return dist

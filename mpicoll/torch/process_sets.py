@@ -26,7 +26,7 @@ from mpi4py import MPI
 from .engine import Engine
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-           "register_all", "scoped", "scoped_engine", "current_engine", "attach", "detach",
+           "register_all", "check_usable", "scoped", "scoped_engine", "current_engine", "attach", "detach",
            "forward_in_scope", "backward_in_scope"]
 
 #: The engine of the process set an operation is running in (``None``: the global one).
@@ -248,6 +248,12 @@ def _engine_of(process_set: ProcessSet | None) -> Engine | None:
         raise ValueError(f"this rank is not in {process_set!r}: only its ranks may run "
                          f"operations on it")
     return engine
+
+
+def check_usable(process_set: ProcessSet | None) -> None:
+    """Raise unless this rank may run operations on ``process_set`` (see
+    :func:`_engine_of`)."""
+    _engine_of(process_set)
 
 
 def current_engine() -> Engine | None:

@@ -91,6 +91,34 @@ def test_grid_hybrid_step_with_both_sets_in_flight(grid):
                        torch.full((2, 3), expected))
 
 
+@pytest.mark.parametrize("bulk", [True, False])
+def test_grid_distributed_optimizer_averages_over_its_set(grid, bulk):
+    # Data parallel over the column: after step(), parameters equal the manual update
+    # with the gradient averaged over the column only (both reduction modes).
+    from mpicoll.torch.state import engine
+
+    _, col, foreign = grid
+    me = hvd.rank()
+    layer = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        layer.weight.fill_(0.5)
+        layer.bias.fill_(0.0)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=1.0),
+                                         named_parameters=layer.named_parameters(),
+                                         process_set=col)
+    optimizer._bulk_mode = lambda: bulk                        # force the mode under test
+    x = torch.full((1, 3), float(me + 1))
+    layer(x).sum().backward()
+    optimizer.step()
+    mean = sum(r + 1 for r in col.ranks) / 2                  # d(sum)/dW = x, per rank
+    assert torch.allclose(layer.weight, torch.full((2, 3), 0.5 - mean))
+    assert torch.allclose(layer.bias, torch.full((2,), -1.0))
+    assert engine().size == 4                                  # no set left in scope
+    with pytest.raises(ValueError, match="this rank is not in"):
+        hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=1.0),
+                                 process_set=foreign[0])
+
+
 def test_registration_errors_raise_on_every_rank():
     n, me = hvd.size(), hvd.rank()
     with pytest.raises(ValueError, match="out of range"):
