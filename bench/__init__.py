@@ -32,5 +32,5 @@ BENCHMARKS = {
     "broadcast": "osu_bcast", "bcast": "osu_bcast", "osu_bcast": "osu_bcast",
     "reduce": "osu_reduce", "osu_reduce": "osu_reduce",
     "overhead": "overhead", "tune": "tune", "make_docs": "make_docs", "report": "report",
-    "torch": "bench_torch", "ps": "bench_ps", "compression": "compression",
+    "torch": "bench_torch", "ps": "bench_ps", "compression": "compression", "soak": "soak",
 }

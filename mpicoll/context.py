@@ -62,7 +62,7 @@ class CommContext:
         self.handle = comm.handle
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.p2p = comm.Dup()
+        self.p2p = self.comm.Dup()  # a plain Intracomm: never an mpicoll.Comm (checked)
         #: This rank's record of its collectives here (:mod:`mpicoll.tracking`).
         self.tracker = Tracker(_comm_name(comm))
         #: The stall inspector's view of this communicator (``None``: not watched).

@@ -160,3 +160,20 @@ def test_native_through_mpicoll_comm_does_not_recurse():
         np.testing.assert_array_equal(g, np.tile(x, SIZE))
     finally:
         comm.Free()
+
+
+@pytest.mark.parametrize("root", [0, SIZE - 1])
+def test_checked_comm_as_first_call_on_a_communicator(root):
+    """A checked mpicoll.Comm making the first mpicoll call on its communicator: the
+    context's private duplicate must be a plain communicator (it was an mpicoll.Comm with
+    check=True, whose agreement step recursed forever; found by bench.soak, seed 15)."""
+    comm = mpicoll.Comm(MPI.COMM_WORLD.Dup(), check=True)
+    try:
+        x = np.arange(7, dtype="d") + RANK
+        y = np.empty_like(x)
+        comm.Allreduce(x, y)
+        np.testing.assert_array_equal(y, np.arange(7) * SIZE + SIZE * (SIZE - 1) / 2)
+        comm.Reduce(mpicoll.IN_PLACE if RANK == root else x, x if RANK == root else None,
+                    root=root)
+    finally:
+        comm.Free()
