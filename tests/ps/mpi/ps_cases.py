@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -20,6 +21,16 @@ SERVER_COUNTS = [k for k in (1, 2) if k < SIZE]
 
 #: small chunks and split threshold, so tests reach multi-chunk payloads and split tensors
 SMALL = dict(chunk_bytes=96, split_bytes=64)
+
+
+def wait_request(req: MPI.Request, deadline: float) -> bool:
+    """Wait for ``req`` without spinning, at most ``deadline`` seconds; whether it completed."""
+    end = time.monotonic() + deadline
+    while not req.Test():
+        if time.monotonic() > end:
+            return False
+        time.sleep(1e-3)
+    return True
 
 
 def need_servers(k: int | str) -> None:

@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from mpicoll.ps import ParameterServer
 
-from ps_cases import (COMM, SIZE, SMALL, assert_params_equal, make_grads, make_params,
+from ps_cases import (wait_request, COMM, SIZE, SMALL, assert_params_equal, make_grads, make_params,
                       need_servers, reference_bsp, run_ps, sgd_update)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(90)]
@@ -33,13 +33,7 @@ def _layouts() -> list[int]:
 
 
 def _poll(req: MPI.Request, deadline: float = DEADLINE) -> bool:
-    """Wait for ``req`` without spinning, at most ``deadline`` seconds; whether it completed."""
-    end = time.monotonic() + deadline
-    while not req.Test():
-        if time.monotonic() > end:
-            return False
-        time.sleep(1e-3)
-    return True
+    return wait_request(req, deadline)
 
 
 def _workers_meet(ps: ParameterServer) -> None:

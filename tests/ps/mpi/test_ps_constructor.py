@@ -22,7 +22,7 @@ import pytest
 from mpicoll.ps import COLOCATED, ParameterServer
 from mpicoll.ps.protocol import wait_all
 
-from ps_cases import (COMM, RANK, SIZE, SMALL, assert_params_equal, make_grads, make_params,
+from ps_cases import (wait_request, COMM, RANK, SIZE, SMALL, assert_params_equal, make_grads, make_params,
                       need_servers, remove_shared, run_ps, shared_tmpdir)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
@@ -43,12 +43,7 @@ HYPER = dict(optimizer="momentum", lr=0.25, momentum=0.5)
 def _bounded_barrier(deadline: float) -> bool:
     """A barrier over COMM; False if it did not complete within ``deadline`` seconds."""
     req = COMM.Ibarrier()
-    end = time.monotonic() + deadline
-    while not req.Test():
-        if time.monotonic() > end:
-            return False
-        time.sleep(1e-3)
-    return True
+    return wait_request(req, deadline)
 
 
 def _collectives_before_serve(ps: ParameterServer) -> None:
