@@ -8,7 +8,6 @@ waiting (``DEADLINE``), and the counters and clocks checked below would then be 
 """
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest

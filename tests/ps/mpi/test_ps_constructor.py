@@ -14,7 +14,6 @@ collective verdict.
 """
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
