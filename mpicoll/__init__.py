@@ -23,13 +23,14 @@ from .collectives import (allgather, allreduce, allreduce_init, broadcast, reduc
                           reduce_scatter)
 from .comm import Comm
 from .errors import CollectiveError, MismatchError, RemoteError
+from .grid import ProcessGrid, process_grid
 from .ops import OPS, Op
 
 __version__ = "0.1.0"
 
 __all__ = ["allreduce", "allreduce_init", "reduce_scatter", "allgather", "broadcast", "reduce", "algorithms",
            "Comm", "IN_PLACE", "Op", "OPS", "COLLECTIVES", "CollectiveError", "MismatchError",
-           "RemoteError", "__version__"]
+           "RemoteError", "__version__", "ProcessGrid", "process_grid"]
 
 
 def algorithms(collective: str) -> list[str]:

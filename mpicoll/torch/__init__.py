@@ -32,6 +32,7 @@ from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allredu
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .process_sets import ProcessSetGrid, process_grid
 from .state import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
                     gloo_enabled, init, is_initialized, local_rank, local_size, mpi_built,
                     mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
@@ -55,5 +56,5 @@ __all__ = ["init", "shutdown", "is_initialized", "start_timeline", "stop_timelin
            "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
            "Compression", "Compressor", "Average", "Sum", "Adasum", "Min", "Max", "Product",
            "ReduceOp", "ProcessSet", "global_process_set", "add_process_set",
-           "remove_process_set", "CollectiveError", "MismatchError", "RemoteError",
+           "remove_process_set", "process_grid", "ProcessSetGrid", "CollectiveError", "MismatchError", "RemoteError",
            "HorovodInternalError"]

@@ -3,6 +3,11 @@
 Objects travel as pickled bytes in a ``uint8`` tensor (a buffer collective, never a pickle
 collective); optimizer state travels as one small pickled *structure* plus one tensor
 broadcast per state tensor.
+
+Every function takes ``process_set=`` (Horovod 0.28 has it on ``broadcast_object`` only;
+here on all four, with the same rules): only the set's ranks call it (another rank gets
+``ValueError`` before anything is sent), ``root_rank`` is a *global* rank of the set, and
+``allgather_object`` returns the set's objects in the set's rank order.
 """
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from typing import Any, Iterable
 import torch
 
 from . import mpi_ops
-from .state import engine
+from .process_sets import check_usable
+from .state import rank
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
            "allgather_object"]
@@ -31,24 +37,29 @@ def _named(params: Any) -> list[tuple[Any, torch.Tensor]]:
                      f"tensors, not {type(params).__name__}")
 
 
-def broadcast_parameters(params: Any, root_rank: int) -> None:
+def broadcast_parameters(params: Any, root_rank: int, process_set: Any = None) -> None:
     """Overwrite every rank's tensors with ``root_rank``'s, in place.
 
     Args:
         params: ``model.state_dict()`` or ``named_parameters()`` (broadcast sorted by
             name), or a list of tensors (in the given order, the same on every rank).
-        root_rank: the rank whose values everyone gets.
+        root_rank: the (global) rank whose values everyone gets.
+        process_set: a registered :class:`~mpicoll.torch.ProcessSet` (default: all ranks);
+            only its ranks call this.
     Raises:
-        ValueError: ``params`` of another type. mpicoll.MismatchError: ranks disagree on
-            names, shapes or dtypes.
+        ValueError: ``params`` of another type; this rank or ``root_rank`` not in
+            ``process_set``. mpicoll.MismatchError: ranks disagree on names, shapes or
+            dtypes.
     """
+    check_usable(process_set)
     handles = []
     for index, (name, tensor) in enumerate(_named(params)):
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"parameter {name or index!r} is a {type(tensor).__name__}, "
                              f"not a tensor")
         tag = f"broadcast.param.{name if name is not None else index}"
-        handles.append(mpi_ops.broadcast_async_(tensor.data, root_rank, name=tag))
+        handles.append(mpi_ops.broadcast_async_(tensor.data, root_rank, name=tag,
+                                                process_set=process_set))
     for handle in handles:
         mpi_ops.synchronize(handle)
 
@@ -59,28 +70,45 @@ def _to_bytes_tensor(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    """Return ``root_rank``'s ``obj`` (pickled) on every rank."""
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: Any = None) -> Any:
+    """Return ``root_rank``'s ``obj`` (pickled) on every rank of ``process_set``.
+
+    Args:
+        obj: any picklable object (only the root's is used).
+        root_rank: a global rank (in ``process_set`` if one is given).
+        name: names the two broadcasts (default ``broadcast_object``).
+        process_set: a registered set (default: all ranks); only its ranks call this.
+    Raises:
+        ValueError: this rank or ``root_rank`` not in ``process_set``.
+    """
+    check_usable(process_set)
     tag = name or "broadcast_object"
-    me = engine().rank
+    me = rank()
     payload = _to_bytes_tensor(obj) if me == root_rank else None
     length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
-    mpi_ops.broadcast_(length, root_rank, name=f"{tag}.len")
+    mpi_ops.broadcast_(length, root_rank, name=f"{tag}.len", process_set=process_set)
     if payload is None:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    mpi_ops.broadcast_(payload, root_rank, name=f"{tag}.data")
+    mpi_ops.broadcast_(payload, root_rank, name=f"{tag}.data", process_set=process_set)
     if me == root_rank:
         return obj
     return pickle.loads(payload.numpy().tobytes())
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    """Return the list of every rank's ``obj`` (pickled), in rank order."""
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
+    """Return every rank's ``obj`` (pickled): a list in rank order, of ``process_set``'s
+    ranks in the set's order (``ps.rank()``) when one is given.
+
+    Raises:
+        ValueError: this rank is not in ``process_set``.
+    """
+    check_usable(process_set)
     tag = name or "allgather_object"
     payload = _to_bytes_tensor(obj)
     lengths = mpi_ops.allgather(torch.tensor([payload.numel()], dtype=torch.int64),
-                                name=f"{tag}.len")
-    data = mpi_ops.allgather(payload, name=f"{tag}.data").numpy()
+                                name=f"{tag}.len", process_set=process_set)
+    data = mpi_ops.allgather(payload, name=f"{tag}.data", process_set=process_set).numpy()
     out, offset = [], 0
     for n in lengths.tolist():
         out.append(pickle.loads(data[offset:offset + n].tobytes()))
@@ -127,21 +155,29 @@ def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
     return value
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
-    """Give every rank ``root_rank``'s optimizer state and hyperparameters.
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              process_set: Any = None) -> None:
+    """Give every rank (of ``process_set``) ``root_rank``'s optimizer state and
+    hyperparameters.
 
     The structure of ``optimizer.state_dict()`` is broadcast as a small object; every state
     tensor is broadcast as a tensor; other ranks then ``load_state_dict`` it (so optimizers
     whose state is still empty on some ranks work too).
+
+    Raises:
+        ValueError: this rank or ``root_rank`` not in ``process_set``.
     """
-    me = engine().rank
+    check_usable(process_set)
+    me = rank()
     tensors: list[torch.Tensor] = []
     structure = _strip(optimizer.state_dict(), tensors) if me == root_rank else None
-    structure = broadcast_object(structure, root_rank, name="broadcast_optimizer_state")
+    structure = broadcast_object(structure, root_rank, name="broadcast_optimizer_state",
+                                 process_set=process_set)
     if me != root_rank:
         tensors = []
         _collect_slots(structure, tensors)
-    handles = [mpi_ops.broadcast_async_(t, root_rank, name=f"broadcast_optimizer_state.{i}")
+    handles = [mpi_ops.broadcast_async_(t, root_rank, name=f"broadcast_optimizer_state.{i}",
+                                        process_set=process_set)
                for i, t in enumerate(tensors)]
     for handle in handles:
         mpi_ops.synchronize(handle)

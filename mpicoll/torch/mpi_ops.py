@@ -37,7 +37,7 @@ from .compression import Compression
 from .dtypes import check_supported, dtype_name
 from .negotiation import JOIN, Meta
 from .ops import Average, ReduceOp, Sum, check_op_dtype, resolve_reduce_op
-from .process_sets import backward_in_scope, forward_in_scope, scoped
+from .process_sets import backward_in_scope, forward_in_scope, global_rank, scoped
 from .state import engine
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather",
@@ -476,8 +476,9 @@ def barrier(process_set: Any = None) -> None:
     synchronize(handle)
 
 
-def join(device: int = -1) -> int:
-    """Stop taking part with data; return once every rank has joined.
+def join(device: int = -1, process_set: Any = None) -> int:
+    """Stop taking part with data; return once every rank (of ``process_set``: default
+    all) has joined.
 
     ``device`` is accepted for Horovod compatibility (CPU only: ignored).
 
@@ -485,9 +486,11 @@ def join(device: int = -1) -> int:
     divide by :func:`size`) and no rows to their all-gathers.
 
     Returns:
-        The rank that joined last.
+        The (global) rank that joined last.
     """
-    return int(synchronize(_submit(Meta(JOIN, "join"))))
+    with scoped(process_set):
+        handle = _submit(Meta(JOIN, "join"))
+        return global_rank(int(synchronize(handle)))
 
 
 class AllreduceFn(torch.autograd.Function):

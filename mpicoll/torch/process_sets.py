@@ -8,6 +8,9 @@ engine. Ranks are always *global* ranks (``hvd.rank()``), as in Horovod: ``root_
 broadcast too; ``ps.rank()`` is the rank within the set (the order of an all-gather's
 result). ``hvd.global_process_set`` (id 0) is the whole communicator.
 
+:func:`process_grid` registers the process sets of a data-parallel x tensor-parallel grid
+(:mod:`mpicoll.grid`'s layout) in one call.
+
 An operation's engine is found through :func:`scoped` (a context variable that
 :func:`mpicoll.torch.state.engine` reads), so the collectives and their autograd
 functions need no engine argument.
@@ -19,15 +22,18 @@ import contextvars
 import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from mpi4py import MPI
 
+from ..grid import agreed_shape, grid_coords, grid_groups
 from .engine import Engine
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
            "register_all", "check_usable", "scoped", "scoped_engine", "current_engine", "attach", "detach",
-           "forward_in_scope", "backward_in_scope"]
+           "forward_in_scope", "backward_in_scope", "ProcessSetGrid", "process_grid",
+           "global_rank"]
 
 #: The engine of the process set an operation is running in (``None``: the global one).
 _current: contextvars.ContextVar[Engine | None] = contextvars.ContextVar(
@@ -299,3 +305,87 @@ def backward_in_scope(backward: Callable) -> Callable:
         with scoped_engine(getattr(ctx, "scope_engine", None)):
             return backward(ctx, *grads)
     return wrapper
+
+
+def global_rank(set_rank: int) -> int:
+    """The global rank of ``set_rank`` in the engine in scope (itself for the global one)."""
+    running = current_engine()
+    if running is None or running.members is None:
+        return set_rank
+    return running.members[set_rank]
+
+
+@dataclass
+class ProcessSetGrid:
+    """The process sets of a ``dp x tp`` grid (see :func:`process_grid`).
+
+    Attributes:
+        dp, tp: the data-parallel degree (rows) and the tensor-parallel degree (columns).
+        dp_rank, tp_rank: this rank's row and column (its rank in ``data_parallel`` and in
+            ``tensor_parallel``).
+        tensor_parallel: this rank's row (``tp`` consecutive global ranks).
+        data_parallel: this rank's column (``dp`` ranks, stride ``tp``).
+        tensor_parallel_sets, data_parallel_sets: every row and every column, in order.
+    """
+
+    dp: int
+    tp: int
+    dp_rank: int
+    tp_rank: int
+    tensor_parallel: ProcessSet
+    data_parallel: ProcessSet
+    tensor_parallel_sets: list[ProcessSet]
+    data_parallel_sets: list[ProcessSet]
+    #: The sets this grid registered (not the global set, nor sets registered before).
+    registered: list[ProcessSet] = field(default_factory=list)
+
+    def remove(self) -> None:
+        """Unregister the sets this grid registered (collective, like
+        :func:`remove_process_set`)."""
+        for process_set in self.registered:
+            remove_process_set(process_set)
+        self.registered = []
+
+
+def _registered_with(ranks: list[int]) -> ProcessSet | None:
+    with _lock:
+        return next((ps for ps, _ in _registry.values() if ps.ranks == ranks), None)
+
+
+def process_grid(dp: int, tp: int) -> ProcessSetGrid:
+    """Register the process sets of a ``dp x tp`` grid of the adapter's ranks; collective
+    over every rank (the same sets in the same order everywhere: every row, then every
+    column).
+
+    Rank ``r`` sits at ``(dp_rank, tp_rank) = divmod(r, tp)`` (:mod:`mpicoll.grid`): a row
+    of ``tp`` consecutive ranks is a tensor-parallel group, a column a data-parallel group.
+    A group of every rank is :data:`global_process_set`; a group already registered is
+    reused (and left registered by :meth:`ProcessSetGrid.remove`).
+
+    Args:
+        dp, tp: the data-parallel and tensor-parallel degrees, ``dp * tp == hvd.size()``.
+    Returns:
+        This rank's :class:`ProcessSetGrid`.
+    Raises:
+        ValueError: on every rank, with the same message: ranks disagree, a degree is not a
+            positive int, or ``dp * tp`` is not the number of ranks.
+    """
+    world, comm = _world_or_raise()
+    agreed_shape(comm, dp, tp)
+    rows, cols = grid_groups(dp, tp)
+    registered: list[ProcessSet] = []
+
+    def register(ranks: list[int]) -> ProcessSet:
+        if len(ranks) == world.size:
+            return global_process_set
+        existing = _registered_with(ranks)
+        if existing is not None:
+            return existing
+        registered.append(add_process_set(ranks))
+        return registered[-1]
+
+    row_sets = [register(ranks) for ranks in rows]
+    col_sets = [register(ranks) for ranks in cols]
+    dp_rank, tp_rank = grid_coords(world.rank, tp)
+    return ProcessSetGrid(dp, tp, dp_rank, tp_rank, row_sets[dp_rank], col_sets[tp_rank],
+                          row_sets, col_sets, registered)
