@@ -26,6 +26,9 @@ all-reduce, and all messages of a phase are posted at once. Only **bsp** is supp
 server part of a rank runs only while that rank is inside a call, so nobody can answer a
 pull or apply a push on arrival while its owner computes (asp/ssp need the separate layout).
 
+With ``compression=`` the data step is :meth:`~mpicoll.ps.colocated_coded.CodedExchange._coded_step`
+(encoded gradients to the owners, encoded pulls back; see :mod:`mpicoll.ps.colocated_coded`).
+
 A rank that finishes early calls ``close()``; it then keeps serving its shards (taking part
 in the others' operations without contributing gradients) until every rank has closed, so
 ``close()`` returns only when all ranks have closed. Early finish therefore works as in the
@@ -40,8 +43,11 @@ from typing import Any, Generator, Iterator
 import numpy as np
 from mpi4py import MPI
 
+from ..compression import Codec
 from . import protocol as P
 from .checkpoint import write_server_file
+from .colocated_coded import CodedExchange
+from .compressed import PushEncoder
 from .errors import PSError
 from .placement import Placement, Shard
 from .server import ShardState
@@ -124,7 +130,7 @@ class ColocatedHandle:
         return self._result
 
 
-class ColocatedEngine:
+class ColocatedEngine(CodedExchange):
     """The worker and server parts of one rank in the co-located layout.
 
     Args:
@@ -138,11 +144,13 @@ class ColocatedEngine:
         check_arrays: the worker-side validation (raises :class:`PSError`).
         keep_aggregate: ``False`` (``sum`` only): a push_pull writes each owned shard's
             aggregate straight into the caller's ``out`` and does not keep it.
+        codec: compress pushes and pulls with it (``None``: uncompressed).
     """
 
     def __init__(self, comm: MPI.Comm, placement: Placement, optimizer: str,
                  hyper: dict[str, float], average: bool, chunk_bytes: int,
-                 max_sleep: float, check_arrays: Any, keep_aggregate: bool = True) -> None:
+                 max_sleep: float, check_arrays: Any, keep_aggregate: bool = True,
+                 codec: Codec | None = None) -> None:
         self.comm = comm
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.placement = placement
@@ -174,8 +182,13 @@ class ColocatedEngine:
         self._acc: dict[tuple[int, int], np.ndarray] = {}       # ident -> aggregate
         self._current: ColocatedHandle | None = None
         self.counters = {"pushes": 0, "pulls": 0, "updates": 0, "bytes_in": 0, "bytes_out": 0,
-                         "errors": 0}
-        self.worker_counters = {"pushes": 0, "pulls": 0, "bytes_sent": 0, "bytes_received": 0}
+                         "errors": 0, "bytes_in_uncompressed": 0, "bytes_out_uncompressed": 0}
+        self.worker_counters = {"pushes": 0, "pulls": 0, "bytes_sent": 0, "bytes_received": 0,
+                                "bytes_sent_uncompressed": 0, "bytes_received_uncompressed": 0}
+        self.codec = codec
+        self.push_encoder = None if codec is None else PushEncoder(codec)
+        self._pull_deltas = optimizer != "sum"
+        self._coded_init()
 
     # ------------------------------------------------------------------ waiting
     def wait(self, reqs: list[MPI.Request]) -> None:
@@ -233,6 +246,8 @@ class ColocatedEngine:
         for r in self.ranks:
             if ops[r] == CollOp.CLOSE:
                 self.active[r] = False
+        if self.codec is not None:
+            self.forget_pullers([r for r in self.ranks if ops[r] == CollOp.CLOSE])
         if len(kinds) > 1:
             what = ", ".join(f"rank {r}: {ops[r].name.lower()}" for r in busy)
             raise PSError(f"colocated parameter server: every rank must make the same call "
@@ -277,6 +292,7 @@ class ColocatedEngine:
                 for lo, hi in self._segments(sh):
                     reqs.append(self.comm.Irecv(view(lo, hi), sh.server, TAG_GATHER))
                 self.worker_counters["bytes_received"] += sh.nbytes
+                self.worker_counters["bytes_received_uncompressed"] += sh.nbytes
         return reqs
 
     def _push_steps(self, grads_flat: dict[str, np.ndarray], contributors: list[int],
@@ -324,6 +340,7 @@ class ColocatedEngine:
                 sends += [self.comm.Isend(view(lo, hi), sh.server, TAG_SCATTER)
                           for lo, hi in self._segments(sh)]
                 self.worker_counters["bytes_sent"] += sh.nbytes
+                self.worker_counters["bytes_sent_uncompressed"] += sh.nbytes
         return sends
 
     def _update_shard(self, state: ShardState, grads_flat: dict[str, np.ndarray],
@@ -368,9 +385,11 @@ class ColocatedEngine:
         self.counters["updates"] += 1
         self.counters["pushes"] += len(contributors)
         self.counters["bytes_in"] += sh.nbytes * (len(contributors) - me_contributes)
+        self.counters["bytes_in_uncompressed"] += sh.nbytes * (len(contributors) - me_contributes)
         if others:
             self.counters["pulls"] += pullers
             self.counters["bytes_out"] += sh.nbytes * others
+            self.counters["bytes_out_uncompressed"] += sh.nbytes * others
 
     def _reduce(self, acc: np.ndarray, parts: list[np.ndarray]) -> None:
         """``acc = (parts[0] + parts[1] + ...) / len(parts)`` in this order (average)."""
@@ -399,6 +418,7 @@ class ColocatedEngine:
                     sends += [self.comm.Isend(raw(lo, hi), dst, TAG_GATHER)
                               for lo, hi in self._segments(sh)]
                     self.counters["bytes_out"] += sh.nbytes
+                    self.counters["bytes_out_uncompressed"] += sh.nbytes
             self.counters["pulls"] += len(pullers)
         return sends
 
@@ -452,6 +472,9 @@ class ColocatedEngine:
         grads_flat = self._flat_grads(grads) if grads is not None else {}
         if self.rank in busy and pushing:
             self.aggregate_dropped = pulling and not self.keep_aggregate
+        if self.codec is not None:
+            yield from self._coded_step(busy, pushing, pulling, grads_flat, out_flat)
+            return self._finish_step(busy, kind, pulling, result)
         if out_flat is not None and any(np.shares_memory(out_flat[n], g)
                                         for n, g in grads_flat.items()):
             # out overwrites the gradients being sent: receive only after they are sent
@@ -465,6 +488,11 @@ class ColocatedEngine:
         elif pulling:
             sends = self._send_shards(busy, out_flat)
         yield gather_recvs + sends
+        return self._finish_step(busy, kind, pulling, result)
+
+    def _finish_step(self, busy: list[int], kind: CollOp, pulling: bool,
+                     result: dict[str, np.ndarray] | None) -> dict[str, np.ndarray] | None:
+        """Advance this rank's clock and worker counters after a data step."""
         if self.rank in busy:
             if kind in (CollOp.PUSH, CollOp.PUSH_PULL):
                 self.clock += 1

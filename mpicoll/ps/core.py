@@ -29,6 +29,7 @@ from mpi4py import MPI
 from . import checkpoint as ckpt
 from . import protocol as P
 from .colocated import CollOp, ColocatedEngine
+from .compressed import check_compressible
 from .errors import PSError
 from .placement import DEFAULT_SPLIT_BYTES, ParamSpec, Placement, specs_from_params
 from .server import Server, stats_from_vector
@@ -57,6 +58,11 @@ def _collective_verdict(comm: MPI.Comm, error: str | None) -> None:
     P.wait_all([comm.Iallreduce([flag, MPI.INT64_T], [any_error, MPI.INT64_T], op=MPI.MAX)])
     if any_error[0]:
         _collective_check(comm, error)
+
+
+def settings_name(codec: Any) -> str | None:
+    """The name of a codec as stats and checkpoints record it (``None``: uncompressed)."""
+    return None if codec is None else codec.name
 
 
 def _wait_collective(req: MPI.Request) -> None:
@@ -147,10 +153,20 @@ class ParameterServer:
             Which pushes are counted depends on timing, so with ``b > 0`` runs are not
             reproducible bit for bit. End training at a round count (``while ps.clock <
             steps``): a worker whose pushes were dropped reaches it in fewer steps.
+        compression: compress pushes and pulls with this codec (a name of
+            :func:`mpicoll.compression.get_codec`: ``"fp16"``, ``"bf16"``, ``"int8"``,
+            ``"onebit"``, ``"topk:0.01"``, ``"randomk:0.01"`` ..., or a
+            :class:`~mpicoll.compression.Codec`; ``None``/``"none"``: uncompressed).
+            Pushes carry each shard's gradient plus the worker's residual (worker-side error
+            feedback); pulls carry the change since that worker's last pull (server-side
+            error feedback; with ``optimizer="sum"`` the round's aggregate plus the
+            server's residual), see :mod:`mpicoll.ps.compressed`. Every parameter must
+            be float32 or float64.
         **hyperparameters: ``lr``, ``momentum``, ``beta1``, ``beta2``, ``eps``,
             ``weight_decay`` (plain numbers).
     Raises:
-        ValueError: bad arguments on some rank (raised on every rank).
+        ValueError: bad arguments on some rank (raised on every rank), e.g. an unknown
+            codec, a ratio outside (0, 1], parameters a codec cannot encode.
         PSError: ranks disagree (arguments, parameter specs), or the checkpoint does not fit.
     """
 
@@ -161,7 +177,7 @@ class ParameterServer:
                  chunk_bytes: int = P.DEFAULT_CHUNK_BYTES, init: bool = True,
                  restore: str | None = None, reshard: bool = False, max_sleep: float = 1e-3,
                  keep_aggregate: bool = True, backup_workers: int = 0,
-                 **hyperparameters: Any) -> None:
+                 compression: Any = None, **hyperparameters: Any) -> None:
         self.comm = (MPI.COMM_WORLD if comm is None else comm).Dup()
         self.rank = self.comm.Get_rank()
         self.worker_comm = MPI.COMM_NULL
@@ -172,7 +188,8 @@ class ParameterServer:
                              hyperparameters=hyperparameters, average=average,
                              split_bytes=split_bytes, chunk_bytes=chunk_bytes, init=init,
                              restore=restore, reshard=reshard,
-                             keep_aggregate=keep_aggregate, backup_workers=backup_workers))
+                             keep_aggregate=keep_aggregate, backup_workers=backup_workers,
+                             compression=compression))
             specs = self._agree(settings, specs)
             self._take_roles(settings, specs, max_sleep)
             self._init_or_restore(settings, values)
@@ -199,6 +216,7 @@ class ParameterServer:
             if params is not None or not settings.is_server(self.rank):
                 specs = specs_from_params(params)
                 _check_dtypes(specs, settings.optimizer)
+                check_compressible(specs, settings.compression)
             if self.rank == settings.first_worker and settings.restore is None and \
                     settings.init:
                 values = _as_arrays(params, specs)
@@ -245,6 +263,7 @@ class ParameterServer:
         self.hyperparameters = settings.hyperparameters
         self.average = settings.average
         self.chunk_bytes = settings.chunk_bytes
+        self.compression = settings.compression
         self.placement = Placement(specs, self.num_servers, settings.split_bytes)
         self.server_ranks = list(range(self.num_servers))
         self.worker_ranks = list(range(first_worker, size))
@@ -261,15 +280,17 @@ class ParameterServer:
             self._engine = ColocatedEngine(self.comm, self.placement, self.optimizer,
                                            self.hyperparameters, self.average,
                                            self.chunk_bytes, max_sleep, checker.check_arrays,
-                                           settings.keep_aggregate)
+                                           settings.keep_aggregate, self.compression)
         elif self.is_server:
             self._server = Server(self.comm, self.placement, rank, self.worker_ranks,
                                   self.consistency, self.staleness, self.optimizer,
                                   self.hyperparameters, self.average, self.chunk_bytes,
-                                  max_sleep, self.backup_workers)
+                                  max_sleep, self.backup_workers, self.compression)
         else:
             self._client = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep,
-                                        adopt_version=self.backup_workers > 0)
+                                        adopt_version=self.backup_workers > 0,
+                                        codec=self.compression,
+                                        pull_deltas=self.optimizer != "sum")
 
     def _init_or_restore(self, settings: Settings, values: dict[str, np.ndarray] | None
                          ) -> None:
@@ -449,7 +470,9 @@ class ParameterServer:
         and out, staleness max/mean/histogram; with backup workers ``late_pushes_dropped``
         and ``short_rounds``, the shard updates applied before every active worker had
         pushed) and adds its own (``late_pushes_dropped``: its shard pushes the servers
-        dropped). On a server, its own counters.
+        dropped). On a server, its own counters. Byte counters count what travels
+        (compressed payloads with ``compression=``); ``bytes_*_uncompressed`` what the same
+        messages carry without compression.
 
         Returns:
             ``{"bytes_per_server": [...], "shards_per_server": [...], "servers": [...],
@@ -460,7 +483,8 @@ class ParameterServer:
             "shards_per_server": [len(self.placement.shards_on(s))
                                   for s in range(self.num_servers)],
             "consistency": self.consistency, "staleness_bound": self.staleness,
-            "backup_workers": self.backup_workers}
+            "backup_workers": self.backup_workers,
+            "compression": settings_name(self.compression)}
         if self._server is not None:
             out["server"] = self._server.stats()
             return out
@@ -519,6 +543,7 @@ class ParameterServer:
                     "colocated": self.colocated,
                     "consistency": self.consistency, "staleness": self.staleness,
                     "backup_workers": self.backup_workers,
+                    "compression": settings_name(self.compression),
                     "optimizer": self.optimizer, "hyperparameters": self.hyperparameters,
                     "average": self.average,
                     "files": [ckpt.server_file(ckpt_id, s) for s in range(self.num_servers)]}

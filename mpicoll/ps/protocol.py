@@ -42,6 +42,9 @@ Header fields:
 ``AUX``    op-specific: for a reply to a pull, the staleness the server saw; for a reply
            to a push, 1 if the push came for a round already closed (``bsp`` with backup
            workers) and was dropped
+``CODED``  1 if the payload is the agreed codec's encoding of ``COUNT`` elements
+           (``compression=``, :mod:`~mpicoll.ps.compressed`; ``NBYTES`` is then the
+           codec's ``wire_bytes``), 0 if it holds the elements themselves
 ======== ==================================================================================
 """
 from __future__ import annotations
@@ -56,15 +59,16 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["Op", "Status", "HEADER_LEN", "OP", "KEY", "SHARD", "CLOCK", "COUNT", "TOTAL",
-           "DTYPE", "SEQ", "OFFSET", "SHAPE", "STATUS", "NBYTES", "AUX",
+           "DTYPE", "SEQ", "OFFSET", "SHAPE", "STATUS", "NBYTES", "AUX", "CODED",
            "TAG_REQUEST", "TAG_REQUEST_DATA", "TAG_REPLY", "TAG_REPLY_DATA", "TAG_SCATTER",
            "TAG_GATHER", "DTYPES",
            "dtype_code", "dtype_of", "key_of", "shape_code", "new_header", "chunk_count",
            "send_payload", "recv_payload", "drain_payload", "Backoff", "wait_all",
            "STATS_FIELDS", "STALENESS_BINS", "DEFAULT_CHUNK_BYTES"]
 
-HEADER_LEN = 13
-OP, KEY, SHARD, CLOCK, COUNT, TOTAL, DTYPE, SEQ, OFFSET, SHAPE, STATUS, NBYTES, AUX = range(13)
+HEADER_LEN = 14
+(OP, KEY, SHARD, CLOCK, COUNT, TOTAL, DTYPE, SEQ, OFFSET, SHAPE, STATUS, NBYTES, AUX,
+ CODED) = range(HEADER_LEN)
 
 TAG_REQUEST = 7101
 TAG_REQUEST_DATA = 7102
@@ -84,7 +88,8 @@ _CODE = {d: i for i, d in enumerate(DTYPES)}
 #: counters in a STATS reply (float64 payload), followed by STALENESS_BINS histogram bins.
 STATS_FIELDS = ("server", "rank", "shards", "bytes_stored", "pushes", "pulls", "updates",
                 "bytes_in", "bytes_out", "errors", "staleness_max", "staleness_sum",
-                "staleness_count", "active_workers", "late_pushes_dropped", "short_rounds")
+                "staleness_count", "active_workers", "late_pushes_dropped", "short_rounds",
+                "bytes_in_uncompressed", "bytes_out_uncompressed")
 STALENESS_BINS = 16
 
 

@@ -21,6 +21,12 @@ Consistency, per shard (a worker's *clock* is the number of pushes it has made):
 
 The staleness of each answered pull (the puller's clock minus the slowest active worker's
 clock) is recorded and sent back in the reply's ``AUX`` field.
+
+With a codec (``compression=``) pushes arrive encoded and are decoded on receipt (the
+aggregation above then runs on the decoded gradients); pulls are answered with the
+compressed change since the worker's last pull, or with the compressed aggregate under
+``optimizer="sum"`` (:class:`~mpicoll.ps.compressed.PullEncoder`, server-side error
+feedback). The shard's value itself always stays exact (what checkpoints hold).
 """
 from __future__ import annotations
 
@@ -30,8 +36,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from ..compression import Codec
 from . import protocol as P
 from .checkpoint import write_server_file
+from .compressed import PullEncoder, decode_into
 from .optimizers import ShardOptimizer, make_optimizer
 from .placement import Placement, Shard
 
@@ -83,12 +91,13 @@ class Server:
         max_sleep: longest idle pause, in seconds.
         backup_workers: ``bsp``: a round closes once all but this many active workers have
             pushed it; later pushes for it are dropped (0: every active worker).
+        codec: pushes arrive and pulls leave compressed with it (``None``: uncompressed).
     """
 
     def __init__(self, comm: MPI.Comm, placement: Placement, server: int, workers: list[int],
                  consistency: str, staleness: int, optimizer: str, hyper: dict[str, float],
                  average: bool, chunk_bytes: int, max_sleep: float = 1e-3,
-                 backup_workers: int = 0) -> None:
+                 backup_workers: int = 0, codec: Codec | None = None) -> None:
         self.comm = comm
         self.placement = placement
         self.index = server
@@ -103,8 +112,12 @@ class Server:
         self.states: dict[tuple[int, int], ShardState] = {
             sh.ident: ShardState(sh, optimizer, hyper, self.workers)
             for sh in placement.shards_on(server)}
+        self.codec = codec
+        self._encoders: dict[tuple[int, int], PullEncoder] = {}
+        self._coded_in: dict[tuple[int, int], np.ndarray] = {}   # a shard's push payload
         self.counters = {k: 0 for k in ("pushes", "pulls", "updates", "bytes_in", "bytes_out",
-                                        "errors", "late_pushes_dropped", "short_rounds")}
+                                        "errors", "late_pushes_dropped", "short_rounds",
+                                        "bytes_in_uncompressed", "bytes_out_uncompressed")}
         self.staleness_hist = np.zeros(P.STALENESS_BINS, dtype=np.int64)
         self.staleness_max = 0
         self.staleness_sum = 0
@@ -165,22 +178,27 @@ class Server:
 
     # ------------------------------------------------------------------ replies
     def _reply(self, dest: int, request: np.ndarray, status: int = 0, payload: Any = None,
-               clock: int = 0, aux: int = 0, state: ShardState | None = None) -> None:
+               clock: int = 0, aux: int = 0, state: ShardState | None = None,
+               coded: bool = False) -> None:
+        """Answer ``request``; a ``coded`` payload is the codec's encoding of ``state``'s
+        shard; ``state`` (uncompressed) marks a payload that reads the shard's value."""
         h = P.new_header(int(request[P.OP]), key=int(request[P.KEY]),
                          shard=int(request[P.SHARD]), seq=int(request[P.SEQ]), status=status,
-                         clock=clock, aux=aux)
+                         clock=clock, aux=aux, coded=int(coded))
         if isinstance(payload, str):
             payload = np.frombuffer(payload.encode("utf-8"), dtype=np.uint8)
         if payload is not None:
-            h[P.COUNT] = payload.size
+            h[P.COUNT] = state.shard.count if coded else payload.size
             h[P.NBYTES] = payload.nbytes
+            self.counters["bytes_out_uncompressed"] += \
+                state.shard.nbytes if coded else payload.nbytes
         reqs = [self.comm.Isend([h, MPI.INT64_T], dest, P.TAG_REPLY)]
         if payload is not None and payload.size:
             data_reqs = P.send_payload(self.comm, payload, dest, P.TAG_REPLY_DATA,
                                        self.chunk_bytes)
             reqs += data_reqs
             self.counters["bytes_out"] += payload.nbytes
-            if state is not None:
+            if state is not None and not coded:
                 state.inflight += data_reqs
         self._sending.append((reqs, (h, payload)))
         self._reap()
@@ -251,11 +269,19 @@ class Server:
             return (P.Status.BAD_SHAPE,
                     f"{spec.name!r} has shape {spec.shape} ({spec.size} elements); the "
                     f"request's tensor has {int(h[P.TOTAL])} elements or another shape")
+        coded = op == P.Op.PUSH and self.codec is not None
+        if op != P.Op.PULL and int(h[P.CODED]) != coded:
+            return (P.Status.BAD_REQUEST,
+                    f"{P.Op(op).name.lower()} of {sh.label()}: this server expects "
+                    + (f"payloads compressed with {self.codec.name!r}" if coded
+                       else "uncompressed values"))
+        nbytes = self.codec.wire_bytes(sh.count, spec.dtype) if coded else sh.nbytes
         if op != P.Op.PULL and (int(h[P.COUNT]) != sh.count or int(h[P.OFFSET]) != sh.lo
-                                or int(h[P.NBYTES]) != sh.nbytes):
+                                or int(h[P.NBYTES]) != nbytes):
             return (P.Status.BAD_SHAPE,
-                    f"shard {sh.label()} needs {sh.count} elements at offset {sh.lo}; got "
-                    f"{int(h[P.COUNT])} at {int(h[P.OFFSET])} ({int(h[P.NBYTES])} bytes)")
+                    f"shard {sh.label()} needs {sh.count} elements at offset {sh.lo} "
+                    f"({nbytes} bytes); got {int(h[P.COUNT])} at {int(h[P.OFFSET])} "
+                    f"({int(h[P.NBYTES])} bytes)")
         if op == P.Op.INIT and state.param is not None:
             return P.Status.DUPLICATE_INIT, f"{spec.name!r} is already initialized (duplicate init)"
         if op != P.Op.INIT and state.param is None:
@@ -278,6 +304,7 @@ class Server:
         state.initialize()
         P.recv_payload(self.comm, state.param, src, P.TAG_REQUEST_DATA, self.chunk_bytes)
         self.counters["bytes_in"] += state.shard.nbytes
+        self.counters["bytes_in_uncompressed"] += state.shard.nbytes
         self._reply(src, h)
 
     def _buffer(self, state: ShardState) -> np.ndarray:
@@ -291,14 +318,29 @@ class Server:
         state.inflight = []
         return state.param
 
+    def _receive_gradient(self, src: int, h: np.ndarray, state: ShardState,
+                          buf: np.ndarray) -> None:
+        """Receive a push's payload into ``buf`` (decoding it when compressed)."""
+        sh = state.shard
+        nbytes = int(h[P.NBYTES])
+        self.counters["bytes_in"] += nbytes
+        self.counters["bytes_in_uncompressed"] += sh.nbytes
+        if self.codec is None:
+            P.recv_payload(self.comm, buf, src, P.TAG_REQUEST_DATA, self.chunk_bytes)
+            return
+        raw = self._coded_in.get(sh.ident)
+        if raw is None:
+            raw = self._coded_in[sh.ident] = np.empty(nbytes, dtype=np.uint8)
+        P.recv_payload(self.comm, raw, src, P.TAG_REQUEST_DATA, self.chunk_bytes)
+        decode_into(self.codec, raw, sh.count, buf)
+
     def _push(self, src: int, h: np.ndarray, state: ShardState) -> None:
         sh = state.shard
         clock = int(h[P.CLOCK])
         self.counters["pushes"] += 1
-        self.counters["bytes_in"] += sh.nbytes
         if self.consistency == "bsp":
             buf = self._buffer(state)
-            P.recv_payload(self.comm, buf, src, P.TAG_REQUEST_DATA, self.chunk_bytes)
+            self._receive_gradient(src, h, state, buf)
             state.clocks[src] = clock + 1
             late = clock < state.version       # only with backup workers: the round closed
             if late:
@@ -313,7 +355,7 @@ class Server:
             buf = self._scratch.get(key)
             if buf is None:
                 buf = self._scratch[key] = np.empty(sh.count, dtype=sh.spec.dtype)
-            P.recv_payload(self.comm, buf, src, P.TAG_REQUEST_DATA, self.chunk_bytes)
+            self._receive_gradient(src, h, state, buf)
             state.clocks[src] += 1
             if self.average and len(self.workers) > 1:
                 np.divide(buf, len(self.workers), out=buf)
@@ -398,7 +440,22 @@ class Server:
         self.staleness_sum += stale
         self.staleness_count += 1
         self.staleness_hist[min(stale, P.STALENESS_BINS - 1)] += 1
-        self._reply(src, h, payload=state.param, clock=state.version, aux=stale, state=state)
+        if self.codec is None:
+            self._reply(src, h, payload=state.param, clock=state.version, aux=stale,
+                        state=state)
+            return
+        data, coded = self._encoder(state).payload(src, state.param, state.version)
+        self._reply(src, h, payload=data, clock=state.version, aux=stale,
+                    state=state if coded else None, coded=coded)   # data never is the value
+
+    def _encoder(self, state: ShardState) -> PullEncoder:
+        """The compressed-pull state of a shard (server-side error feedback)."""
+        enc = self._encoders.get(state.shard.ident)
+        if enc is None:
+            sh = state.shard
+            enc = self._encoders[sh.ident] = PullEncoder(self.codec, sh.count, sh.spec.dtype,
+                                                         delta=state.opt.name != "sum")
+        return enc
 
     def _answer_deferred(self, state: ShardState) -> None:
         waiting, state.deferred = state.deferred, []
@@ -408,6 +465,8 @@ class Server:
     def _close(self, src: int, h: np.ndarray) -> None:
         self.active.discard(src)
         self._saves.pop(src, None)
+        for enc in self._encoders.values():
+            enc.forget(src)
         self._reply(src, h)
         for state in self.states.values():
             if self.consistency == "bsp":
@@ -467,7 +526,8 @@ class Server:
         head = [s["server"], s["rank"], s["shards"], s["bytes_stored"], s["pushes"], s["pulls"],
                 s["updates"], s["bytes_in"], s["bytes_out"], s["errors"], s["staleness_max"],
                 self.staleness_sum, s["staleness_count"], s["active_workers"],
-                s["late_pushes_dropped"], s["short_rounds"]]
+                s["late_pushes_dropped"], s["short_rounds"], s["bytes_in_uncompressed"],
+                s["bytes_out_uncompressed"]]
         return np.array(head + s["staleness_hist"], dtype=np.float64)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..compression import Codec
+from .compressed import resolve_codec
 from .optimizers import check_hyperparameters
 
 __all__ = ["Settings", "check_settings", "CONSISTENCY", "COLOCATED"]
@@ -37,6 +39,13 @@ class Settings:
     reshard: bool
     keep_aggregate: bool
     backup_workers: int = 0
+    #: the codec of pushes and pulls (``None``: uncompressed)
+    compression: Codec | None = None
+
+    @property
+    def compression_name(self) -> str | None:
+        """The codec's name (``None`` without compression), compared across ranks."""
+        return None if self.compression is None else self.compression.name
 
     @property
     def colocated(self) -> bool:
@@ -57,7 +66,7 @@ class Settings:
         return [self.num_servers, self.consistency, self.staleness, self.optimizer,
                 sorted(self.hyperparameters.items()), self.average, self.split_bytes,
                 self.chunk_bytes, self.init, self.restore, self.reshard, self.keep_aggregate,
-                self.backup_workers]
+                self.backup_workers, self.compression_name]
 
 
 def _check_layout(size: int, num_servers: Any, consistency: Any, init: bool) -> None:
@@ -110,14 +119,17 @@ def _check_backup_workers(size: int, num_servers: Any, consistency: str, optimiz
 def check_settings(size: int, num_servers: Any, consistency: Any, staleness: Any,
                    optimizer: Any, hyperparameters: dict[str, Any], average: bool | None,
                    split_bytes: Any, chunk_bytes: Any, init: bool, restore: str | None,
-                   reshard: bool, keep_aggregate: bool, backup_workers: Any = 0) -> Settings:
+                   reshard: bool, keep_aggregate: bool, backup_workers: Any = 0,
+                   compression: Any = None) -> Settings:
     """Check one rank's constructor arguments for a communicator of ``size`` ranks.
 
     Returns:
         the :class:`Settings`, hyperparameters completed with their defaults and
-        ``average`` defaulting to ``optimizer != "sum"``.
+        ``average`` defaulting to ``optimizer != "sum"`` and ``compression`` resolved to
+        a codec (``None`` for ``None``/``"none"``).
     Raises:
-        ValueError: an argument is out of range or does not fit the others.
+        ValueError: an argument is out of range or does not fit the others (an unknown
+            codec name, a top-k/random-k ratio outside (0, 1]).
         TypeError: an argument has the wrong type.
     """
     _check_layout(size, num_servers, consistency, init)
@@ -134,9 +146,11 @@ def check_settings(size: int, num_servers: Any, consistency: Any, staleness: Any
     if int(split_bytes) < 1 or int(chunk_bytes) < 1:
         raise ValueError("split_bytes and chunk_bytes must be positive")
     _check_backup_workers(size, num_servers, consistency, optimizer, backup_workers)
+    codec = resolve_codec(compression)
     return Settings(num_servers=num_servers, consistency=consistency, staleness=staleness,
                     optimizer=optimizer, hyperparameters=hyper,
                     average=optimizer != "sum" if average is None else bool(average),
                     split_bytes=int(split_bytes), chunk_bytes=int(chunk_bytes),
                     init=bool(init), restore=restore, reshard=bool(reshard),
-                    keep_aggregate=bool(keep_aggregate), backup_workers=backup_workers)
+                    keep_aggregate=bool(keep_aggregate), backup_workers=backup_workers,
+                    compression=codec)

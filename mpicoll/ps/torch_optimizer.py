@@ -46,6 +46,11 @@ only (no wrapped torch optimizer)::
 
 Parameters and gradients travel as numpy views of CPU tensors (no copy for contiguous CPU
 tensors, a staging copy otherwise). Collective over ``comm`` like :class:`ParameterServer`.
+
+Both take ``compression=``: a codec name (``"int8"``, ``"onebit"``, ``"topk:0.01"`` ...), a
+:class:`mpicoll.compression.Codec`, or a torch compressor (``hvd.Compression.int8``,
+``.topk(0.01)`` ...: its ``codec`` attribute is used; ``Compression.none`` means none,
+``Compression.fp16`` ``"fp16"``); see :func:`codec_option`.
 """
 from __future__ import annotations
 
@@ -59,7 +64,30 @@ from ..torch.optim_wrapping import check_named_parameters, wrap_optimizer
 from .core import ParameterServer
 from .errors import PSError
 
-__all__ = ["PSOptimizer", "distributed_optimizer"]
+__all__ = ["PSOptimizer", "distributed_optimizer", "codec_option"]
+
+
+def codec_option(compression: Any) -> Any:
+    """The :class:`ParameterServer`'s ``compression`` for a torch-side value.
+
+    ``None``, names and codecs pass unchanged; a compressor (class or instance) gives its
+    ``codec`` attribute, Horovod's ``Compression.none`` ``None`` and ``Compression.fp16``
+    ``"fp16"``. A compressor without a codec becomes a name the parameter server refuses
+    (``ValueError`` on every rank, at construction), never an error on this rank alone.
+    """
+    if compression is None or isinstance(compression, str) or \
+            not hasattr(compression, "compress"):
+        return compression
+    codec = getattr(compression, "codec", None)
+    if codec is not None:
+        return codec
+    name = compression.__name__ if isinstance(compression, type) else \
+        type(compression).__name__
+    if name == "NoneCompressor":
+        return None
+    if name == "FP16Compressor":
+        return "fp16"
+    return f"<{name}: a compressor without a codec>"
 
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
@@ -94,6 +122,8 @@ class _PSTraining:
                 raise PSError(f"parameter {name!r} ({p.dtype}) cannot be sent: {exc}") from None
         self._named = named
         self._local_update = local_update
+        if "compression" in ps_options:
+            ps_options = dict(ps_options, compression=codec_option(ps_options["compression"]))
         self.ps = ParameterServer(values, **ps_options)
         self._views = {n: p.data.numpy() if _direct(p) else None for n, p in named.items()}
         if not self.ps.is_worker:
@@ -194,7 +224,8 @@ class PSOptimizer(_PSTraining):
     Args:
         named_parameters: ``model.named_parameters()`` (name -> ``torch.nn.Parameter``).
         **kwargs: everything :class:`ParameterServer` takes (``comm``, ``num_servers``,
-            ``consistency``, ``staleness``, ``optimizer``, hyperparameters ...).
+            ``consistency``, ``staleness``, ``optimizer``, ``compression`` (see
+            :func:`codec_option`), hyperparameters ...).
     Raises:
         PSError: a parameter's dtype has no numpy equivalent (e.g. bfloat16).
     """
@@ -273,8 +304,10 @@ def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: An
             optimizer's rule is not used).
         **ps_options: the other :class:`ParameterServer` arguments (``comm``,
             ``num_servers`` (1, k or ``"colocated"``), ``consistency``, hyperparameters,
-            ``split_bytes`` ...). With ``"sum"``, ``average`` defaults to True (gradients
-            averaged over the workers, as with ``op=Average``).
+            ``split_bytes``, ``compression`` (a codec name, a codec or a torch
+            compressor, see :func:`codec_option`) ...). With ``"sum"``, ``average``
+            defaults to True (gradients averaged over the workers, as with
+            ``op=Average``).
     Returns:
         An instance of a subclass of ``type(optimizer)`` with ``step()``, ``synchronize()``,
         ``skip_synchronize()``, ``is_server``/``serve()``, ``close()``, ``save()``,

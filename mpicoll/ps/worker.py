@@ -10,6 +10,10 @@ With backup workers (``bsp``) a round may close without this worker: the server 
 late push (the reply says so) and a pull may return a newer version than this worker's
 clock; the client then moves its clock to that version (``adopt_version``), so its next
 push goes to the round that is open instead of falling further behind.
+
+With a codec (``compression=``) each shard of a push is encoded with this worker's error
+feedback (:class:`~mpicoll.ps.compressed.PushEncoder`) and each compressed pull reply is
+decoded into this worker's replica of the shard (:class:`~mpicoll.ps.compressed.PullDecoder`).
 """
 from __future__ import annotations
 
@@ -18,9 +22,11 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from ..compression import Codec
 from . import protocol as P
+from .compressed import PullDecoder, PushEncoder
 from .errors import PSError
-from .placement import ParamSpec, Placement
+from .placement import ParamSpec, Placement, Shard
 
 __all__ = ["Handle", "WorkerClient", "pull_destination"]
 
@@ -110,10 +116,14 @@ class WorkerClient:
         adopt_version: (``bsp`` with backup workers) after a pull, move the clock up to
             the newest version a server answered with (rounds that closed without this
             worker are skipped).
+        codec: compress pushes and decode compressed pulls with it (``None``: off).
+        pull_deltas: compressed pulls carry the change since this worker's last pull
+            (parameters), not the value itself (``optimizer="sum"``).
     """
 
     def __init__(self, comm: MPI.Comm, placement: Placement, chunk_bytes: int,
-                 max_sleep: float = 1e-3, adopt_version: bool = False) -> None:
+                 max_sleep: float = 1e-3, adopt_version: bool = False,
+                 codec: Codec | None = None, pull_deltas: bool = True) -> None:
         self.comm = comm
         self.placement = placement
         self.chunk_bytes = chunk_bytes
@@ -121,30 +131,44 @@ class WorkerClient:
         self.adopt_version = adopt_version
         self.clock = 0
         self._seq = 0
-        self._pending: dict[int, tuple[Handle, np.ndarray | None, str]] = {}
+        self.codec = codec
+        self.pull_deltas = pull_deltas
+        self.push_encoder = None if codec is None else PushEncoder(codec)
+        self._decoders: dict[tuple[int, int], PullDecoder] = {}
+        self._raw: dict[tuple[int, int], np.ndarray] = {}     # compressed replies land here
+        self._pending: dict[int, tuple[Handle, np.ndarray | None, str,
+                                       PullDecoder | None]] = {}
         self._open: list[Handle] = []
         self._status = MPI.Status()
         self._hdr = np.empty(P.HEADER_LEN, dtype=np.int64)
         self.counters = {"pushes": 0, "pulls": 0, "bytes_sent": 0, "bytes_received": 0,
                          "staleness_max": 0, "staleness_sum": 0, "staleness_count": 0,
-                         "late_pushes_dropped": 0}
+                         "late_pushes_dropped": 0, "bytes_sent_uncompressed": 0,
+                         "bytes_received_uncompressed": 0}
 
     # ------------------------------------------------------------------ sending
     def _send(self, handle: Handle, server: int, header: np.ndarray,
               payload: np.ndarray | None = None, dest: np.ndarray | None = None,
-              what: str = "") -> None:
+              what: str = "", decoder: PullDecoder | None = None,
+              dense: np.ndarray | None = None) -> None:
+        """Send one request; ``dense`` is the shard a compressed ``payload`` encodes
+        (``CODED`` and ``COUNT`` then describe it), ``decoder`` decodes a compressed reply
+        into ``dest``."""
         seq = self._seq
         self._seq += 1
         header[P.SEQ] = seq
         if payload is not None:
-            header[P.COUNT] = payload.size
+            header[P.COUNT] = payload.size if dense is None else dense.size
             header[P.NBYTES] = payload.nbytes
+            header[P.CODED] = int(dense is not None)
         handle.track([self.comm.Isend([header, MPI.INT64_T], server, P.TAG_REQUEST)], header)
         if payload is not None and payload.size:
             handle.track(P.send_payload(self.comm, payload, server, P.TAG_REQUEST_DATA,
                                         self.chunk_bytes), payload)
             self.counters["bytes_sent"] += payload.nbytes
-        self._pending[seq] = (handle, dest, what)
+            self.counters["bytes_sent_uncompressed"] += \
+                payload.nbytes if dense is None else dense.nbytes
+        self._pending[seq] = (handle, dest, what, decoder)
         handle.remaining += 1
 
     def _tensor_requests(self, handle: Handle, op: int, arrays: dict[str, Any],
@@ -169,10 +193,16 @@ class WorkerClient:
                 self._send(handle, server, P.new_header(op, shard=0, offset=0, **base),
                            flat, what=name)
                 continue
+            encode = op == P.Op.PUSH and self.push_encoder is not None and \
+                arr.dtype == spec.dtype
             for sh in shards:
-                self._send(handle, sh.server,
-                           P.new_header(op, shard=sh.index, offset=sh.lo, **base),
-                           flat[sh.lo:sh.hi], what=sh.label())
+                part = flat[sh.lo:sh.hi]
+                header = P.new_header(op, shard=sh.index, offset=sh.lo, **base)
+                if encode:    # this worker's error feedback, one residual per shard
+                    raw, _ = self.push_encoder.encode((name, sh.index), part)
+                    self._send(handle, sh.server, header, raw, what=sh.label(), dense=part)
+                else:
+                    self._send(handle, sh.server, header, part, what=sh.label())
 
     def check_arrays(self, arrays: dict[str, Any], complete: bool, what: str) -> None:
         """Raise :class:`PSError` unless names, shapes and dtypes match the parameters."""
@@ -238,7 +268,8 @@ class WorkerClient:
                 hdr = P.new_header(P.Op.PULL, key=spec.key, shard=sh.index, clock=self.clock,
                                    total=spec.size, dtype=P.dtype_code(spec.dtype),
                                    offset=sh.lo, count=sh.count, shape=P.shape_code(spec.shape))
-                self._send(h, sh.server, hdr, dest=flat[sh.lo:sh.hi], what=sh.label())
+                self._send(h, sh.server, hdr, dest=flat[sh.lo:sh.hi], what=sh.label(),
+                           decoder=self._decoder(sh))
         h.result = result
         self.counters["pulls"] += 1
         return h if handle else self._opened(h)
@@ -262,6 +293,16 @@ class WorkerClient:
                 h.result[server] = dest
             self._send(h, server, P.new_header(op), data, dest=dest, what=f"server {server}")
         return self._opened(h)
+
+    def _decoder(self, sh: Shard) -> PullDecoder | None:
+        """The decoder of compressed pulls of shard ``sh`` (``None`` without a codec)."""
+        if self.codec is None:
+            return None
+        dec = self._decoders.get(sh.ident)
+        if dec is None:
+            dec = self._decoders[sh.ident] = PullDecoder(self.codec, sh.count, sh.spec.dtype,
+                                                         self.pull_deltas)
+        return dec
 
     def _opened(self, h: Handle) -> Handle:
         self._open.append(h)
@@ -293,17 +334,20 @@ class WorkerClient:
             comm.Recv([hdr, MPI.INT64_T], src, P.TAG_REPLY)
             got = True
             seq, nbytes = int(hdr[P.SEQ]), int(hdr[P.NBYTES])
-            handle, dest, what = self._pending.pop(seq)
+            handle, dest, what, decoder = self._pending.pop(seq)
+            coded = bool(hdr[P.CODED])
             if hdr[P.STATUS] != 0:
                 text = P.drain_payload(comm, nbytes, src, P.TAG_REPLY_DATA, self.chunk_bytes)
                 handle.errors.append(f"{what}: {text.decode('utf-8', 'replace')}")
             elif nbytes:
-                if dest is None or dest.nbytes != nbytes:
+                expected = None if dest is None else (
+                    decoder.wire_bytes() if coded and decoder is not None else
+                    None if coded else dest.nbytes)
+                if expected != nbytes:
                     P.drain_payload(comm, nbytes, src, P.TAG_REPLY_DATA, self.chunk_bytes)
                     handle.errors.append(f"{what}: reply of {nbytes} bytes does not fit")
                 else:
-                    P.recv_payload(comm, dest, src, P.TAG_REPLY_DATA, self.chunk_bytes)
-                    self.counters["bytes_received"] += nbytes
+                    self._receive_reply(src, nbytes, dest, coded, decoder)
                     handle.ok += 1
             else:
                 handle.ok += 1
@@ -311,6 +355,24 @@ class WorkerClient:
                 self._note_reply(hdr)
             handle.remaining -= 1
         return got
+
+    def _receive_reply(self, src: int, nbytes: int, dest: np.ndarray, coded: bool,
+                       decoder: PullDecoder | None) -> None:
+        """Receive a reply's payload into ``dest`` (decoding a compressed one)."""
+        comm = self.comm
+        if coded:
+            key = (int(self._hdr[P.KEY]), int(self._hdr[P.SHARD]))
+            raw = self._raw.get(key)
+            if raw is None or raw.size != nbytes:
+                raw = self._raw[key] = np.empty(nbytes, dtype=np.uint8)
+            P.recv_payload(comm, raw, src, P.TAG_REPLY_DATA, self.chunk_bytes)
+            decoder.apply(raw, True, dest)
+        else:
+            P.recv_payload(comm, dest, src, P.TAG_REPLY_DATA, self.chunk_bytes)
+            if decoder is not None:
+                decoder.apply(dest, False, dest)
+        self.counters["bytes_received"] += nbytes
+        self.counters["bytes_received_uncompressed"] += dest.nbytes
 
     def _note_reply(self, hdr: np.ndarray) -> None:
         """Counters (staleness of a pull, a dropped late push) and, with backup workers,

@@ -1,0 +1,271 @@
+"""Compressed pushes and pulls: the codec state each side of the parameter server keeps.
+
+With ``ParameterServer(..., compression="int8")`` (any codec of
+:func:`mpicoll.compression.get_codec`):
+
+- **push** (worker -> server): a worker encodes each shard of its gradient with error
+  feedback (:class:`PushEncoder`: one residual and one codec object per shard it pushes);
+  the server decodes the payload and aggregates the decoded gradients as before.
+- **pull** (server -> worker), with a server-side optimizer (values are *parameters*): the
+  server sends the **delta since that worker's last pull**, compressed, with error feedback
+  (as BytePS does). It keeps, per worker and shard, an exact copy of what the worker holds
+  (its *replica*): the delta is ``param - replica`` (the newest change plus everything
+  earlier deltas dropped, i.e. the residual), both sides add ``decode(payload)`` to their
+  replica with the same numpy operation, so they stay bit-identical. A worker's first pull
+  of a shard (no replica yet, e.g. after a restore) is sent uncompressed (:class:`PullEncoder`).
+  Replicas are shared between workers with the same pull history (the same versions
+  pulled from the same replica), so under ``bsp`` a shard is encoded once per round,
+  whatever the number of workers, and the server keeps one or two replicas per shard.
+- **pull** with ``optimizer="sum"`` (values are the round's *aggregated gradient*): the
+  server encodes ``value + residual`` with one residual per shard (server-side error
+  feedback over the stream of aggregates, as BytePS compresses its summed gradients) once
+  per version; every worker pulling that version gets the same bytes.
+
+Every shard has its own copy of the codec (``copy.deepcopy``), so stateful codecs
+(``randomk``'s step counter, stochastic ``int8``'s generator) advance per shard and the
+result does not depend on the order in which shards happen to be served.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Hashable
+
+import numpy as np
+
+from ..compression import Codec, ErrorFeedback, NoneCodec, get_codec, new_payload
+from .placement import ParamSpec
+
+__all__ = ["resolve_codec", "check_compressible", "PushEncoder", "PullEncoder",
+           "PullDecoder", "decode_into"]
+
+
+def resolve_codec(spec: Any) -> Codec | None:
+    """The codec of a ``compression=`` argument; ``None`` for no compression.
+
+    Args:
+        spec: ``None``, ``"none"``, a codec name (``"int8"``, ``"topk:0.01"`` ...) or a
+            :class:`~mpicoll.compression.Codec`.
+    Raises:
+        ValueError: unknown name, a ratio outside (0, 1], a malformed parameter.
+        TypeError: neither a name nor a codec.
+    """
+    codec = get_codec(spec, argname="compression")
+    return None if isinstance(codec, NoneCodec) else codec
+
+
+def check_compressible(specs: list[ParamSpec], codec: Codec | None) -> None:
+    """Raise ``TypeError`` naming the first parameter ``codec`` cannot encode.
+
+    Raises:
+        TypeError: a parameter is not float32/float64 (integers, float16, complex, bool).
+    """
+    if codec is None:
+        return
+    for spec in specs:
+        codec.check_dtype(spec.dtype, f"parameter {spec.name!r}")
+
+
+def decode_into(codec: Codec, raw: np.ndarray, count: int, out: np.ndarray) -> np.ndarray:
+    """Decode the payload bytes ``raw`` of ``count`` elements into flat array ``out``."""
+    layout = codec.layout(count, out.dtype)
+    parts, off = [], 0
+    for dt, n in layout:
+        nbytes = np.dtype(dt).itemsize * n
+        parts.append(raw[off:off + nbytes].view(dt))
+        off += nbytes
+    return codec.decode(tuple(parts), count, out.dtype, out=out)
+
+
+class _PerKeyCodecs:
+    """One copy of a codec per key (a shard), made on first use."""
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        self._codecs: dict[Hashable, Codec] = {}
+
+    def codec_for(self, key: Hashable) -> Codec:
+        c = self._codecs.get(key)
+        if c is None:
+            c = self._codecs[key] = copy.deepcopy(self.codec)
+        return c
+
+
+def _encode_with_feedback(codec: Codec, residual: np.ndarray, x: np.ndarray,
+                          sent: np.ndarray) -> np.ndarray:
+    """Encode ``y = residual + x``; leave ``y - sent`` in ``residual`` and what the receiver
+    decodes in ``sent``. Returns the payload bytes (a fresh buffer, safe to send)."""
+    np.add(residual, x, out=residual)
+    raw, parts = new_payload(codec, x.size, x.dtype)
+    codec.encode(residual, out=parts)
+    codec.decode(parts, x.size, x.dtype, out=sent)
+    np.subtract(residual, sent, out=residual)
+    return raw
+
+
+class PushEncoder:
+    """Worker side of compressed pushes: a residual and a codec copy per pushed shard.
+
+    Args:
+        codec: the agreed codec.
+    """
+
+    def __init__(self, codec: Codec) -> None:
+        self.codecs = _PerKeyCodecs(codec)
+        #: the residual of every shard pushed so far (key: ``(name, shard index)``)
+        self.feedback = ErrorFeedback()
+        self._sent: dict[Hashable, np.ndarray] = {}
+
+    def encode(self, key: Hashable, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Compress gradient shard ``x`` (flat) plus its residual; keep the new residual.
+
+        Returns:
+            ``(payload bytes, decoded)``: the bytes to send (a fresh buffer) and what the
+            server will decode from them (valid until this key's next ``encode``).
+        """
+        residual = self.feedback.buffer(key, x)
+        sent = self._sent.get(key)
+        if sent is None or sent.size != x.size or sent.dtype != x.dtype:
+            sent = self._sent[key] = np.empty(x.size, dtype=x.dtype)
+        return _encode_with_feedback(self.codecs.codec_for(key), residual, x, sent), sent
+
+    def wire_bytes(self, count: int, dtype: Any) -> int:
+        """Payload bytes of a shard of ``count`` elements."""
+        return self.codecs.codec.wire_bytes(count, dtype)
+
+
+class PullEncoder:
+    """Server side of compressed pulls of one shard.
+
+    Args:
+        codec: the agreed codec (this shard gets its own copy).
+        count, dtype: the shard's elements.
+        delta: ``True`` for parameters (send the delta since each puller's last pull,
+            against a replica of what it holds); ``False`` for ``optimizer="sum"``
+            (send ``value + residual``, one residual per shard, once per version).
+    """
+
+    def __init__(self, codec: Codec, count: int, dtype: Any, delta: bool) -> None:
+        self.codec = copy.deepcopy(codec)
+        self.count = int(count)
+        self.dtype = np.dtype(dtype)
+        self.delta = delta
+        self.residual = np.zeros(self.count, dtype=self.dtype)   # value mode
+        self._cached: tuple[int, np.ndarray] | None = None        # value mode: (version, raw)
+        # delta mode: replica id -> array; puller -> replica id; (from id, version) ->
+        # (to id, payload, coded)
+        self.replicas: dict[int, np.ndarray] = {}
+        self.holders: dict[int, int] = {}
+        self._moves: dict[tuple[int | None, int], tuple[int, np.ndarray, bool]] = {}
+        self._next_id = 0
+
+    def wire_bytes(self) -> int:
+        """Bytes of a compressed pull of this shard."""
+        return self.codec.wire_bytes(self.count, self.dtype)
+
+    def has_replica(self, puller: int) -> bool:
+        """Whether ``puller``'s next pull is compressed (it holds a replica already)."""
+        return not self.delta or puller in self.holders
+
+    def payload(self, puller: int, value: np.ndarray, version: int) -> tuple[np.ndarray, bool]:
+        """What to send ``puller`` for ``value`` (the shard at ``version``).
+
+        Returns:
+            ``(data, coded)``: the codec's payload bytes (``coded``), or the values
+            themselves for a first pull (an array the encoder never modifies again).
+        """
+        if not self.delta:
+            return self._value_payload(value, version), True
+        src = self.holders.get(puller)
+        move = self._moves.get((src, version))
+        if move is None:
+            move = self._moves[(src, version)] = self._new_move(src, value)
+        to, data, coded = move
+        self.holders[puller] = to
+        self._prune()
+        return data, coded
+
+    def value_of(self, puller: int) -> np.ndarray | None:
+        """The replica ``puller`` holds (what its last pull delivered), or ``None``."""
+        rid = self.holders.get(puller)
+        return None if rid is None else self.replicas[rid]
+
+    def forget(self, puller: int) -> None:
+        """``puller`` will not pull again (it closed): drop its replica."""
+        if self.holders.pop(puller, None) is not None:
+            self._prune()
+
+    def _value_payload(self, value: np.ndarray, version: int) -> np.ndarray:
+        if self._cached is None or self._cached[0] != version:
+            sent = np.empty(self.count, dtype=self.dtype)
+            raw = _encode_with_feedback(self.codec, self.residual, value, sent)
+            self._cached = (version, raw)
+        return self._cached[1]
+
+    def _new_move(self, src: int | None, value: np.ndarray) -> tuple[int, np.ndarray, bool]:
+        rid = self._next_id
+        self._next_id += 1
+        if src is None:                      # first pull: the values, uncompressed
+            new = value.copy()
+            self.replicas[rid] = new
+            return rid, new, False
+        old = self.replicas[src]
+        delta = np.subtract(value, old)
+        raw, parts = new_payload(self.codec, self.count, self.dtype)
+        self.codec.encode(delta, out=parts)
+        self.codec.decode(parts, self.count, self.dtype, out=delta)
+        self.replicas[rid] = np.add(old, delta, out=delta)
+        return rid, raw, True
+
+    def _prune(self) -> None:
+        """Drop replicas no puller holds or can still move to, and moves nobody can make."""
+        held = set(self.holders.values())
+        live = held | {to for (src, _), (to, _, _) in self._moves.items() if src in held}
+        self._moves = {k: m for k, m in self._moves.items()
+                       if k[0] in held or (k[0] is None and m[0] in live)}
+        self.replicas = {r: a for r, a in self.replicas.items() if r in live}
+
+
+class PullDecoder:
+    """Worker side of compressed pulls of one shard: its replica (delta mode).
+
+    Args:
+        codec: the agreed codec (decoding never depends on the codec's state).
+        count, dtype: the shard's elements.
+        delta: as :class:`PullEncoder`.
+    """
+
+    def __init__(self, codec: Codec, count: int, dtype: Any, delta: bool) -> None:
+        self.codec = codec
+        self.count = int(count)
+        self.dtype = np.dtype(dtype)
+        self.delta = delta
+        self.replica: np.ndarray | None = None
+        self._tmp: np.ndarray | None = None
+
+    def wire_bytes(self) -> int:
+        """Bytes of a compressed pull of this shard."""
+        return self.codec.wire_bytes(self.count, self.dtype)
+
+    def apply(self, data: np.ndarray, coded: bool, dest: np.ndarray) -> None:
+        """Turn a received pull into values in flat ``dest``.
+
+        Args:
+            data: the payload bytes (``coded``) or the values (an uncompressed first pull;
+                may be ``dest`` itself).
+        """
+        if not coded:
+            if data is not dest:
+                np.copyto(dest, data)
+            if self.delta:
+                self.replica = dest.copy()
+            return
+        if not self.delta:
+            decode_into(self.codec, data, self.count, dest)
+            return
+        if self.replica is None:
+            raise ValueError("a compressed pull arrived before the uncompressed first one")
+        if self._tmp is None:
+            self._tmp = np.empty(self.count, dtype=self.dtype)
+        decode_into(self.codec, data, self.count, self._tmp)
+        np.add(self.replica, self._tmp, out=self.replica)
+        np.copyto(dest, self.replica)
