@@ -24,10 +24,11 @@ from .. import collectives, timeline
 from ..buffers import IN_PLACE
 from ..errors import CollectiveError, MismatchError, RemoteError
 from . import trace
+from .adasum import adasum_allreduce
 from .dtypes import from_name, numpy_view, reduce_dtype
 from .fusion import numel, plan_buckets
 from .negotiation import JOIN, Response
-from .ops import Average, ReduceOp, mpicoll_op
+from .ops import Adasum, Average, ReduceOp, mpicoll_op
 from .settings import Settings
 
 __all__ = ["run_responses", "EngineInterface"]
@@ -230,7 +231,8 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
     rdtype = reduce_dtype(dtype)
     op = ReduceOp(meta.op)
     works = [engine.local.get(r.name) for r in bucket]
-    adjacent = _adjacent_outputs(works, dtype) if rdtype is dtype else None
+    adasum = int(op) == int(Adasum)         # per-tensor dot products: the negotiated layout
+    adjacent = _adjacent_outputs(works, dtype) if rdtype is dtype and not adasum else None
     if adjacent is not None:
         # Zero-copy: the outputs tile one contiguous range (a single tensor, or gradients
         # that DistributedOptimizer keeps as views of one flat buffer): reduce it in place.
@@ -258,9 +260,13 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
     _scale(flat, meta.prescale)
     if flat.numel() and engine.size > 1:
         array = engine.persistent_view(flat) if in_place and meta.layout else numpy_view(flat)
-        trace.step("MPI_ALLREDUCE")
-        collectives.allreduce(IN_PLACE, array, op=mpicoll_op(op), comm=engine.comm,
-                              algorithm=engine.settings.algorithm)
+        if adasum:
+            trace.step("MPI_ADASUM_ALLREDUCE")
+            adasum_allreduce(array, [n for _, n in segments], engine.comm)
+        else:
+            trace.step("MPI_ALLREDUCE")
+            collectives.allreduce(IN_PLACE, array, op=mpicoll_op(op), comm=engine.comm,
+                                  algorithm=engine.settings.algorithm)
     trace.step(None if in_place else "MEMCPY_OUT_FUSION_BUFFER")
     _finalize(flat, op, meta.postscale, engine.size)
     for response, work, (offset, n) in zip(bucket, works, segments):

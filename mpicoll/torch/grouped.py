@@ -63,7 +63,7 @@ def _grouped_allreduce_async(tensors: Any, outputs: Any, average: Any, name: str
                              op: Any, prescale_factor: float, postscale_factor: float,
                              process_set: Any) -> int:
     tensors = _tensor_list(tensors)
-    resolved = resolve_reduce_op(average, op)
+    resolved = resolve_reduce_op(average, op, adasum=True)
     base, names = _member_names("grouped_allreduce", name, len(tensors))
     metas = [allreduce_meta(t, n, resolved, prescale_factor, postscale_factor)
              for t, n in zip(tensors, names)]
@@ -123,7 +123,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Any = None,
             number of tensors or on any member (raised on every rank, for the whole group).
     """
     tensors = _tensor_list(tensors)
-    resolved = resolve_reduce_op(average, op)
+    resolved = resolve_reduce_op(average, op, adasum=True)
     pairs = [compression.compress(t) for t in tensors]
     with scoped(process_set):
         reduced = GroupedAllreduceFn.apply(request_name("grouped_allreduce", name), resolved,

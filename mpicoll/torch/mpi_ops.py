@@ -33,10 +33,11 @@ from typing import Any
 import torch
 
 from . import handles
+from .adasum import check_adasum_size
 from .compression import Compression
 from .dtypes import check_supported, dtype_name
 from .negotiation import JOIN, Meta
-from .ops import Average, ReduceOp, Sum, check_op_dtype, resolve_reduce_op
+from .ops import Adasum, Average, ReduceOp, Sum, check_op_dtype, resolve_reduce_op
 from .process_sets import backward_in_scope, forward_in_scope, global_rank, scoped
 from .state import engine
 
@@ -98,9 +99,14 @@ def submit_allreduce(tensor: torch.Tensor, output: torch.Tensor, name: str | Non
         waiting: the caller will :func:`synchronize` at once (see :meth:`Engine.submit`).
         Others: as for :func:`allreduce_meta`.
     Raises:
-        TypeError, ValueError: as :func:`allreduce_meta`.
+        TypeError, ValueError: as :func:`allreduce_meta`; for ``Adasum``, a number of ranks
+            (in scope) that is not a power of two
+            (:class:`~mpicoll.torch.adasum.AdasumUnsupportedError`, also a
+            ``NotImplementedError`` as in Horovod).
     """
     meta = allreduce_meta(tensor, name, op, prescale_factor, postscale_factor, layout)
+    if int(op) == int(Adasum):
+        check_adasum_size(engine().size)
     return _submit(meta, tensor.detach(), output, waiting)
 
 
@@ -113,7 +119,9 @@ def allreduce_async(tensor: torch.Tensor, average: Any = None, name: str | None 
         tensor: CPU tensor (any supported dtype, any shape; same on every rank).
         average: deprecated; ``True`` means ``op=Average``, ``False`` ``op=Sum``.
         name: matches this request across ranks (default: an ordered counter).
-        op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``
+            (floating tensors, a power-of-two number of ranks; see
+            :mod:`~mpicoll.torch.adasum`).
         prescale_factor, postscale_factor: multiply the input before, the result after
             (as Horovod: integer tensors in float64, cast back toward zero; float16 in
             float32).
@@ -127,7 +135,7 @@ def allreduce_async(tensor: torch.Tensor, average: Any = None, name: str | None 
     output = torch.empty(tensor.shape, dtype=tensor.dtype) if isinstance(tensor, torch.Tensor) \
         else None
     with scoped(process_set):
-        return submit_allreduce(tensor, output, name, resolve_reduce_op(average, op),
+        return submit_allreduce(tensor, output, name, resolve_reduce_op(average, op, adasum=True),
                                 prescale_factor, postscale_factor)
 
 
@@ -137,7 +145,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Any = None, name: str | None
     """As :func:`allreduce_async`, writing the result into ``tensor``."""
     with scoped(process_set):
         return submit_allreduce(tensor, tensor.detach() if isinstance(tensor, torch.Tensor)
-                                else None, name, resolve_reduce_op(average, op),
+                                else None, name, resolve_reduce_op(average, op, adasum=True),
                                 prescale_factor, postscale_factor)
 
 
@@ -156,7 +164,7 @@ def allreduce(tensor: torch.Tensor, average: Any = None, name: str | None = None
         TypeError, ValueError: bad arguments. mpicoll.MismatchError: ranks disagree on
             shape, dtype, op or scaling (raised on every rank).
     """
-    op = resolve_reduce_op(average, op)
+    op = resolve_reduce_op(average, op, adasum=True)
     compressed, ctx = compression.compress(tensor)
     with scoped(process_set):
         reduced = AllreduceFn.apply(compressed, request_name("allreduce", name), op,

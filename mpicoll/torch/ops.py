@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .adasum import check_adasum_dtype
+
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "resolve_reduce_op",
            "mpicoll_op", "check_op_dtype"]
 
@@ -37,11 +39,15 @@ Product = ReduceOp(5)
 _MPICOLL = {0: "sum", 1: "sum", 3: "min", 4: "max", 5: "prod"}
 
 
-def resolve_reduce_op(average: Any = None, op: Any = None) -> ReduceOp:
+def resolve_reduce_op(average: Any = None, op: Any = None, adasum: bool = False) -> ReduceOp:
     """Combine Horovod's deprecated ``average=`` with ``op=`` (default ``Average``).
 
+    Args:
+        adasum: whether the caller takes ``Adasum`` (the tensor all-reduces do; the
+            DistributedOptimizer, whose Horovod Adasum mode is a different algorithm, does
+            not).
     Raises:
-        ValueError: both given, or an unknown/unsupported op (Adasum).
+        ValueError: both given, or an unknown op, or ``Adasum`` where it is not taken.
     """
     if op is not None and average is not None:
         raise ValueError("specify op= or the deprecated average=, not both")
@@ -49,8 +55,11 @@ def resolve_reduce_op(average: Any = None, op: Any = None) -> ReduceOp:
         op = Average if average is None or average else Sum
     if isinstance(op, bool) or not isinstance(op, int) or int(op) not in ReduceOp._names:
         raise ValueError(f"op must be one of Average, Sum, Min, Max, Product, not {op!r}")
-    if int(op) == int(Adasum):
-        raise ValueError("op=Adasum is not supported by mpicoll.torch")
+    if int(op) == int(Adasum) and not adasum:
+        raise ValueError("op=Adasum is supported by allreduce and grouped_allreduce (and "
+                         "their async and in-place forms) only; DistributedOptimizer("
+                         "op=Adasum), Horovod's delta-based Adasum optimizer, is not "
+                         "implemented by mpicoll.torch")
     return ReduceOp(int(op))
 
 
@@ -61,6 +70,8 @@ def mpicoll_op(op: ReduceOp) -> str:
 
 def check_op_dtype(op: ReduceOp, dtype: torch.dtype, prescale: float, postscale: float) -> None:
     """Raise ``TypeError``/``ValueError`` for an op or scaling that ``dtype`` cannot take."""
+    if int(op) == int(Adasum):
+        check_adasum_dtype(dtype)
     if dtype is torch.bool and int(op) not in (3, 4):
         raise TypeError(f"op={op!r} does not apply to torch.bool tensors (use Min or Max)")
     if dtype.is_complex and int(op) in (3, 4):
