@@ -1,8 +1,22 @@
-"""Gradient compression with Horovod's two-method interface.
+"""Gradient compression: Horovod's two-method compressors and mpicoll's codecs.
 
-``compress(tensor) -> (tensor, ctx)`` runs before the all-reduce, ``decompress(tensor,
-ctx) -> tensor`` after it. ``Compression.fp16`` sends floating tensors as float16 (halving
-the bytes) and casts the result back to the original dtype.
+Horovod's interface: ``compress(tensor) -> (tensor, ctx)`` runs before the all-reduce,
+``decompress(tensor, ctx) -> tensor`` after it; the compressed tensors are summed as they
+are. ``Compression.none`` and ``Compression.fp16`` (float16 on the wire, cast back after)
+work that way, and so does any user-defined :class:`Compressor`.
+
+``Compression.bf16``, ``.int8``, ``.onebit``, ``.topk(ratio)`` and ``.randomk(ratio)`` are
+:class:`CodecCompressor` objects wrapping an :mod:`mpicoll.compression` codec: their
+payloads (scales and int8 values, packed sign bits, index/value pairs) cannot be summed as
+they are, so ``DistributedOptimizer`` reduces them with
+:func:`mpicoll.compression.allreduce` (dense codecs: a ring that decodes, adds and
+re-encodes; sparse codecs: an all-gather of the pairs), with error feedback per parameter
+kept by the optimizer (:mod:`mpicoll.torch.compressed`). Their ``compress``/``decompress``
+raise ``TypeError``: they are not for ``hvd.allreduce``.
+
+Every compressor has a ``codec`` attribute: the :class:`mpicoll.compression.Codec` it
+stands for (``None`` for ``Compression.none`` and user-defined compressors), so other
+back ends (the parameter server) can map compressors to codecs.
 """
 from __future__ import annotations
 
@@ -10,11 +24,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "Compression"]
+from ..compression import Codec, RandomKCodec, TopKCodec, get_codec
+
+__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "CodecCompressor",
+           "Compression", "codec_of"]
 
 
 class Compressor:
-    """Interface: a pair of static methods."""
+    """Interface: a pair of static methods.
+
+    Attributes:
+        codec: the :class:`mpicoll.compression.Codec` this compressor stands for, or
+            ``None`` (user-defined compressors need not set it).
+    """
+
+    codec: Codec | None = None
 
     @staticmethod
     def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -40,7 +64,9 @@ class NoneCompressor(Compressor):
 
 
 class FP16Compressor(Compressor):
-    """Send floating tensors as float16; other dtypes unchanged."""
+    """Send floating tensors as float16; other dtypes unchanged (summed as float16)."""
+
+    codec = get_codec("fp16")
 
     @staticmethod
     def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -56,8 +82,112 @@ class FP16Compressor(Compressor):
         return tensor
 
 
+#: torch dtypes the codecs encode (mpicoll.compression takes float32 and float64).
+CODEC_DTYPES = (torch.float32, torch.float64)
+
+
+class CodecCompressor(Compressor):
+    """A compressor made of an :mod:`mpicoll.compression` codec, with error feedback.
+
+    Used by ``DistributedOptimizer`` only: the optimizer reduces each fused gradient
+    buffer with :func:`mpicoll.compression.allreduce` and keeps one residual per
+    parameter (``optimizer.error_feedback``).
+
+    Args:
+        codec: a codec or a codec name (``"int8"``, ``"int8:512:stochastic"``,
+            ``"onebit"``, ``"topk:0.01"``...; see :func:`mpicoll.compression.get_codec`).
+        feedback: keep what compression dropped and add it to the next step's gradient
+            (default: on for lossy codecs, which is every codec but ``none``).
+    Raises:
+        ValueError: unknown codec name, ratio outside (0, 1].
+        TypeError: ``codec`` neither a name nor a codec, ``feedback`` not a bool.
+    """
+
+    def __init__(self, codec: Codec | str, feedback: bool | None = None) -> None:
+        self.codec = get_codec(codec, "compression")
+        if feedback is not None and not isinstance(feedback, bool):
+            raise TypeError(f"feedback must be True, False or None, not "
+                            f"{type(feedback).__name__}")
+        self.feedback = self.codec.lossy if feedback is None else feedback
+
+    @property
+    def name(self) -> str:
+        """The codec's name (``"int8"``, ``"topk:0.01"``...)."""
+        return self.codec.name
+
+    def check_dtype(self, dtype: torch.dtype, what: str) -> None:
+        """Raise ``TypeError`` (naming ``what``) unless the codec encodes ``dtype``."""
+        if dtype not in CODEC_DTYPES:
+            raise TypeError(f"{what} has dtype {dtype}; compression={self.name!r} needs "
+                            f"float32 or float64 gradients (use Compression.none or "
+                            f"Compression.fp16 for other dtypes)")
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Refused: payloads of this codec cannot be summed as tensors.
+
+        Raises:
+            TypeError: always (use it with ``DistributedOptimizer``, or
+                :func:`mpicoll.compression.allreduce` on numpy arrays).
+        """
+        raise self._not_summable()
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Refused, as :meth:`compress`."""
+        raise self._not_summable()
+
+    def _not_summable(self) -> TypeError:
+        return TypeError(f"Compression {self.name!r} cannot be summed in compressed form, "
+                         f"so it works only as DistributedOptimizer(compression=...) (or "
+                         f"with mpicoll.compression.allreduce on numpy arrays); hvd.allreduce "
+                         f"and friends take Compression.none, Compression.fp16 or a "
+                         f"compress/decompress compressor")
+
+    def __repr__(self) -> str:
+        return f"<Compression {self.name}{'' if self.feedback else ' (no error feedback)'}>"
+
+
 class Compression:
-    """The available compressors: ``Compression.none`` and ``Compression.fp16``."""
+    """The available compressors.
+
+    ``none`` and ``fp16`` are Horovod's; ``bf16``, ``int8`` (one float32 scale per chunk of
+    256), ``onebit`` (signs and one scale per chunk) and the constructors ``topk(ratio)``,
+    ``randomk(ratio, seed=0)`` and ``from_codec(spec)`` give :class:`CodecCompressor`
+    objects for ``DistributedOptimizer``, with error feedback on by default.
+    """
 
     none = NoneCompressor
     fp16 = FP16Compressor
+    bf16 = CodecCompressor("bf16")
+    int8 = CodecCompressor("int8")
+    onebit = CodecCompressor("onebit")
+
+    @staticmethod
+    def topk(ratio: float, feedback: bool = True) -> CodecCompressor:
+        """The ``ceil(ratio * count)`` largest-magnitude elements of each fused buffer.
+
+        Raises:
+            ValueError: ``ratio`` outside (0, 1]. TypeError: not a number.
+        """
+        return CodecCompressor(TopKCodec(ratio), feedback)
+
+    @staticmethod
+    def randomk(ratio: float, seed: int = 0, feedback: bool = True) -> CodecCompressor:
+        """``ceil(ratio * count)`` elements chosen at random (the same on every rank that
+        uses the same ``seed``: see :class:`mpicoll.compression.RandomKCodec`).
+
+        Raises:
+            ValueError: ``ratio`` outside (0, 1]. TypeError: not a number.
+        """
+        return CodecCompressor(RandomKCodec(ratio, seed), feedback)
+
+    @staticmethod
+    def from_codec(spec: Codec | str, feedback: bool | None = None) -> CodecCompressor:
+        """Any codec by name (``"int8:512:stochastic"``, ``"onebit:1024"``...) or object."""
+        return CodecCompressor(spec, feedback)
+
+
+def codec_of(compression: Any) -> Codec | None:
+    """The codec ``compression`` stands for (``None``: a Horovod-style compressor without
+    one, such as ``Compression.none`` or a user-defined class)."""
+    codec = getattr(compression, "codec", None)
+    return codec if isinstance(codec, Codec) else None

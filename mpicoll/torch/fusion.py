@@ -14,7 +14,7 @@ from typing import Sequence
 from .dtypes import from_name, reduce_dtype
 from .negotiation import Meta, Response
 
-__all__ = ["numel", "plan_buckets", "fusion_key"]
+__all__ = ["numel", "plan_buckets", "fusion_key", "plan_runs"]
 
 
 def numel(meta: Meta) -> int:
@@ -42,3 +42,23 @@ def plan_buckets(responses: Sequence[Response], threshold: int) -> list[list[Res
         buckets[-1].append(response)
         sizes[key] = sizes.get(key, 0) + nbytes
     return [bucket for buckets in groups.values() for bucket in buckets]
+
+
+def plan_runs(nbytes: Sequence[int], threshold: int) -> list[range]:
+    """Split consecutive tensors of ``nbytes`` bytes each into runs (index ranges) of at
+    most ``threshold`` bytes, in order; a larger tensor gets a run of its own and
+    ``threshold == 0`` gives one run per tensor (fusion off).
+
+    Used for DistributedOptimizer's flat gradient buffers under a codec compressor: each
+    run is one contiguous slice of the buffer, reduced by one compressed all-reduce.
+    """
+    runs: list[range] = []
+    start, size = 0, 0
+    for i, n in enumerate(nbytes):
+        if i > start and (threshold == 0 or size + n > threshold):
+            runs.append(range(start, i))
+            start, size = i, 0
+        size += n
+    if len(nbytes) > start:
+        runs.append(range(start, len(nbytes)))
+    return runs

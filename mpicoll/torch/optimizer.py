@@ -17,6 +17,11 @@ Two ways to reduce, chosen by the engine (the same on every rank):
   parameters' names and shapes that ranks must agree on), reduced in place: one small
   negotiation and one all-reduce per dtype per step, no copies, and parameters without a
   gradient are zeros in the buffer.
+
+A codec compressor (``Compression.int8``, ``.bf16``, ``.onebit``, ``.topk(r)``,
+``.randomk(r)``) always works like bulk mode: hooks count, and ``step()`` reduces the flat
+buffers with :func:`mpicoll.compression.allreduce` and per-parameter error feedback
+(:mod:`mpicoll.torch.compressed`; ``optimizer.error_feedback``).
 """
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ from typing import Any, Iterator, NamedTuple
 import torch
 
 from . import mpi_ops
-from .compression import Compression
+from .compressed import CompressedGradients
+from .compression import CodecCompressor, Compression
 from .dtypes import dtype_name
 from .negotiation import Meta
 from .ops import Average, resolve_reduce_op
@@ -75,8 +81,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bulk = False
         self._synchronized = False
         self._should_synchronize = True
+        self._codec_grads = None
+        if isinstance(compression, CodecCompressor):
+            self._codec_grads = CompressedGradients(
+                compression, self._flat, self._params, {p: by_id[id(p)] for p in self._params},
+                self.op, self.gradient_predivide_factor, process_set)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
                               for p in self._params]
+
+    @property
+    def error_feedback(self) -> Any:
+        """The residuals of a codec compressor: an :class:`mpicoll.compression.ErrorFeedback`
+        keyed by parameter name, kept across steps (``None`` for other compressors)."""
+        return None if self._codec_grads is None else self._codec_grads.feedback
+
+    @property
+    def compression_stats(self) -> list:
+        """``mpicoll.compression.AllreduceStats`` of each compressed all-reduce of the
+        latest step (bytes this rank sent...); empty for Horovod-style compressors."""
+        return [] if self._codec_grads is None else list(self._codec_grads.stats)
 
     def _bulk_mode(self) -> bool:
         """Whether gradients go as whole flat buffers at ``step()`` (decided once per
@@ -85,8 +108,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             eng = engine()
         if self._mode_engine is not eng:
             self._mode_engine = eng
-            self._bulk = (eng.bulk_gradients and bool(self._flat)
-                          and self._compression in (Compression.none, Compression.fp16))
+            self._bulk = self._codec_grads is not None or (
+                eng.bulk_gradients and bool(self._flat)
+                and self._compression in (Compression.none, Compression.fp16))
         return self._bulk
 
     def _make_hook(self, p: torch.Tensor) -> Any:
@@ -132,6 +156,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Submit one flat gradient buffer (bulk mode), after putting back into it any
         gradient that is not its view (``model.zero_grad()`` set it to ``None``, or the
         user assigned one): a missing gradient is reduced as zeros."""
+        self._fill_flat(flat)
+        compressed, ctx = self._compression.compress(flat.buffer)
+        with scoped(self._process_set):
+            return self._submit_flat(flat, compressed, ctx)
+
+    def _fill_flat(self, flat: "_FlatGradients") -> None:
+        """Make every parameter's gradient its view of ``flat`` again (zeros for none)."""
         for p, view in zip(flat.params, flat.views):
             if p.grad is not view:
                 grad = self._dense_grad(p)
@@ -140,9 +171,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 else:
                     view.copy_(grad)
                 p.grad = view
-        compressed, ctx = self._compression.compress(flat.buffer)
-        with scoped(self._process_set):
-            return self._submit_flat(flat, compressed, ctx)
 
     def _submit_flat(self, flat: "_FlatGradients", compressed: torch.Tensor,
                      ctx: Any) -> tuple[int, Any]:
@@ -162,6 +190,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait for every gradient's all-reduce (submitting zeros for missing ones)."""
+        if self._codec_grads is not None:
+            self._synchronize_compressed()
+            return
         bulk = self._bulk_mode()
         pending: list[tuple[Any, tuple[int, Any]]] = []
         errors: list[BaseException] = []
@@ -189,6 +220,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     grad.copy_(self._compression.decompress(output, ctx))
         if errors:
             raise errors[0]
+        self._synchronized = True
+
+    def _synchronize_compressed(self) -> None:
+        """Reduce the flat buffers with the codec compressor (see :mod:`.compressed`)."""
+        try:
+            for flat in self._flat:
+                self._fill_flat(flat)
+            self._codec_grads.reduce()
+        finally:
+            for p in self._params:
+                self._delay[p] = self.backward_passes_per_step
+            self._accumulated = 0
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -322,7 +365,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         optimizer: any ``torch.optim.Optimizer``; its state is shared, not copied.
         named_parameters: ``model.named_parameters()``; names match gradients across ranks
             (default: positions in ``param_groups``). Must name every parameter, uniquely.
-        compression: ``Compression.none`` or ``Compression.fp16``.
+        compression: ``Compression.none``, ``Compression.fp16`` or any Horovod-style
+            compressor (compress, all-reduce, decompress), or a codec compressor:
+            ``Compression.bf16``, ``.int8``, ``.onebit``, ``.topk(ratio)``,
+            ``.randomk(ratio)``, ``.from_codec(spec)`` (reduced with
+            :func:`mpicoll.compression.allreduce` and error feedback per parameter,
+            ``optimizer.error_feedback``; op Average or Sum; float32/float64 parameters).
         backward_passes_per_step: backward passes accumulated locally per ``step()``.
         op: ``Average`` (default), ``Sum``, ...
         gradient_predivide_factor: with Average, divide by this before the sum and by
@@ -341,8 +389,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     Returns:
         An instance of a subclass of ``type(optimizer)``.
     Raises:
-        ValueError: duplicate or missing parameter names, bad arguments.
-        TypeError: parameter-server options without ``backend="ps"``.
+        ValueError: duplicate or missing parameter names, bad arguments (an op other
+            than Average or Sum with a codec compressor).
+        TypeError: parameter-server options without ``backend="ps"``; a codec
+            compressor with parameters that are not float32/float64 CPU tensors.
     """
     if backend == "ps":
         if (compression is not Compression.none or backward_passes_per_step != 1

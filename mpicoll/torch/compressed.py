@@ -1,0 +1,247 @@
+"""DistributedOptimizer's gradient reduction with a codec compressor (``Compression.int8``,
+``.bf16``, ``.onebit``, ``.topk(r)``, ``.randomk(r)``).
+
+Those payloads cannot be summed as tensors, so they do not go through the engine's fused
+all-reduce. At ``step()`` (or ``synchronize()``) the optimizer's flat gradient buffers
+(one per dtype, gradients as views; see :mod:`mpicoll.torch.optimizer`) are cut into
+*runs* of consecutive parameters of at most ``MPICOLL_FUSION_THRESHOLD`` bytes
+(:func:`~mpicoll.torch.fusion.plan_runs`; ``0``: one run per parameter), and each run is
+reduced in place by one :func:`mpicoll.compression.allreduce`.
+
+Error feedback belongs to the optimizer: :attr:`CompressedGradients.feedback` is an
+:class:`mpicoll.compression.ErrorFeedback` keyed by parameter name, whose residuals
+survive from step to step. A run of several parameters is compressed as one vector, so
+its residual is one array; each parameter's residual in the store is its slice (a view)
+of that array. Residuals put into the store by hand (or stored for another run layout)
+are copied into the run's array before the next reduction.
+
+Order and agreement: every reduction starts with one tiny all-reduce through the engine
+(``allreduce.__compressed__``, whose layout names the codec, the op and the parameters), so
+ranks with different models or codecs get ``MismatchError`` on every rank, and a rank
+that called ``hvd.join()`` (it would never take part in the compressed all-reduce) makes
+the others raise ``CollectiveError`` instead of hanging. The compressed all-reduces run on
+the calling thread, on a communicator of the engine's ranks made for them on first use
+(never the engine's own, which the engine thread uses).
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+import zlib
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .. import compression as codecs
+from ..buffers import IN_PLACE
+from ..checked import agree
+from ..context import get_context
+from ..errors import CollectiveError
+from . import mpi_ops
+from .compression import CodecCompressor
+from .dtypes import numpy_view
+from .fusion import plan_runs
+from .ops import Average, ReduceOp, Sum
+from .process_sets import scoped
+from .state import engine
+
+__all__ = ["CompressedGradients", "PRESENCE_NAME"]
+
+log = logging.getLogger("mpicoll.torch.compressed")
+
+#: Name of the engine all-reduce that starts every compressed reduction.
+PRESENCE_NAME = "allreduce.__compressed__"
+
+#: ``Create_group`` tag of the communicators made for compressed all-reduces.
+_GROUP_TAG = 1414
+
+#: Engine -> the communicator of its ranks used for compressed all-reduces.
+_comms: "weakref.WeakKeyDictionary[Any, MPI.Intracomm]" = weakref.WeakKeyDictionary()
+
+
+def codec_comm(eng: Any) -> MPI.Intracomm:
+    """The communicator of ``eng``'s ranks for compressed all-reduces (made on first use,
+    collectively over those ranks only: ``MPI_Comm_create_group`` from ``COMM_WORLD``)."""
+    comm = _comms.get(eng)
+    if comm is None:
+        group = eng.comm.Get_group()         # local: does not use the engine's communicator
+        try:
+            comm = MPI.COMM_WORLD.Create_group(group, _GROUP_TAG)
+        finally:
+            group.Free()
+        _comms[eng] = comm
+    return comm
+
+
+class _Slot(NamedTuple):
+    """One parameter in a run: its name and its element range within the run."""
+
+    name: str
+    lo: int
+    hi: int
+
+
+class _Run(NamedTuple):
+    """Consecutive parameters of one flat buffer reduced by one compressed all-reduce."""
+
+    key: str                 # the run's residual key: "<buffer name>[lo:hi]"
+    buffer: torch.Tensor     # the run's slice of the flat gradient buffer
+    slots: tuple             # _Slot per parameter
+
+
+class CompressedGradients:
+    """Reduce DistributedOptimizer's flat gradient buffers with a codec compressor.
+
+    Args:
+        compressor: the codec compressor.
+        flats: the optimizer's flat gradient buffers (``buffer``, ``params``, ``views``,
+            ``name``, ``layout``), params in buffer order.
+        names: parameter -> name (the residual keys).
+        op: ``Average`` or ``Sum``. predivide: Average's ``gradient_predivide_factor``.
+        process_set: the optimizer's process set (``None``: global).
+    Raises:
+        ValueError: an op other than Average and Sum.
+        TypeError: a parameter the codec cannot encode (not float32/float64), or one
+            outside the flat buffers (not a CPU tensor).
+    """
+
+    def __init__(self, compressor: CodecCompressor, flats: list, params: list,
+                 names: dict, op: ReduceOp, predivide: float, process_set: Any) -> None:
+        if int(op) not in (int(Average), int(Sum)):
+            raise ValueError(f"compression={compressor.name!r} reduces gradients with "
+                             f"op=Average or op=Sum, not {op!r}")
+        in_flats = {id(p) for flat in flats for p in flat.params}
+        for p in params:
+            compressor.check_dtype(p.dtype, f"parameter {names[p]!r}")
+            if id(p) not in in_flats:
+                raise TypeError(f"parameter {names[p]!r} is not a dense CPU tensor; "
+                                f"compression={compressor.name!r} needs dense CPU tensors")
+        self.compressor = compressor
+        #: Residuals of lossy compression, one per parameter name (kept across steps).
+        self.feedback = codecs.ErrorFeedback()
+        #: ``mpicoll.compression.AllreduceStats`` of each run of the latest reduction.
+        self.stats: list[codecs.AllreduceStats] = []
+        self._flats = flats
+        self._names = names
+        self._process_set = process_set
+        average = int(op) == int(Average)
+        self._opname = "average" if average and predivide == 1.0 else "sum"
+        self._pre = 1.0 / predivide if average else 1.0
+        self._post = predivide if average and predivide != 1.0 else 1.0
+        self._runs: dict[int, list[_Run]] = {}           # fusion threshold -> runs
+        self._fused: dict[str, np.ndarray] = {}         # run key -> its residual
+        self._stores: dict[str, codecs.ErrorFeedback] = {}
+        self._views: dict[str, tuple[str, np.ndarray]] = {}  # name -> (run key, view)
+        described = repr([(names[p], tuple(p.shape), str(p.dtype)) for flat in flats
+                          for p in flat.params]).encode()
+        self._layout = (f"{compressor.name} {self._opname} feedback={compressor.feedback}, "
+                        f"crc32 {zlib.crc32(described):08x}")
+        self._one = torch.ones(1, dtype=torch.int32)
+        self._present = torch.zeros(1, dtype=torch.int32)
+
+    # ---------------------------------------------------------------------- reduction
+    def reduce(self) -> None:
+        """All-reduce every flat buffer in place (Average or Sum of the ranks' gradients
+        plus their residuals, as the codec delivers it; the same bits on every rank).
+
+        Raises:
+            mpicoll.MismatchError: ranks disagree on the codec, op or parameters.
+            CollectiveError: a rank has joined (``hvd.join()``), or the engine stopped.
+            TypeError, ValueError, mpicoll.RemoteError: a residual that does not fit its
+                parameter (on the rank that has it; the others raise ``RemoteError``).
+        """
+        with scoped(self._process_set):
+            eng = engine()
+            self._check_presence(eng)
+        comm = codec_comm(eng)
+        codec = self.compressor.codec
+        runs = self._plan(eng.settings.fusion_threshold)
+        prepared = []
+        error: BaseException | None = None
+        try:
+            for run in runs:
+                array = numpy_view(run.buffer)
+                prepared.append((array, *self._feedback_for(run, array)))
+        except (TypeError, ValueError) as exc:
+            error = exc
+        # one agreement for the whole step (the runs' own checks are then skipped)
+        agree(get_context(comm), error, collective="DistributedOptimizer compression",
+              count=sum(a.size for a, _, _ in prepared), algorithm=codec.name)
+        self.stats = []
+        for array, feedback, key in prepared:
+            if self._pre != 1.0:
+                np.multiply(array, self._pre, out=array)
+            codecs.allreduce(IN_PLACE, array, op=self._opname, comm=comm, compression=codec,
+                             feedback=feedback, key=key, check=False)
+            self.stats.append(codecs.last_stats())
+            if self._post != 1.0:
+                np.multiply(array, self._post / comm.Get_size(), out=array)
+
+    def _check_presence(self, eng: Any) -> None:
+        """One all-reduce of a 1 per rank through the engine: ranks disagreeing on the
+        layout raise ``MismatchError``; a joined rank adds 0 (then raise here)."""
+        handle = mpi_ops.submit_allreduce(self._one, self._present, PRESENCE_NAME, Sum,
+                                          layout=self._layout, waiting=True)
+        present = int(mpi_ops.synchronize(handle)[0])
+        if present != eng.size:
+            raise CollectiveError(
+                f"DistributedOptimizer(compression={self.compressor.name!r}): "
+                f"{eng.size - present} rank(s) called hvd.join(); compressed gradients are "
+                f"reduced outside the engine and cannot stand in zeros for joined ranks "
+                f"(use Compression.none or Compression.fp16 with join())")
+
+    def _plan(self, threshold: int) -> list[_Run]:
+        """The runs for fusion ``threshold`` (computed once per threshold)."""
+        runs = self._runs.get(threshold)
+        if runs is not None:
+            return runs
+        runs = []
+        for flat in self._flats:
+            sizes = [p.numel() for p in flat.params]
+            starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+            item = flat.buffer.element_size()
+            for r in plan_runs([s * item for s in sizes], threshold):
+                lo, hi = starts[r.start], starts[r.stop]
+                slots = tuple(_Slot(self._names[flat.params[i]], starts[i] - lo,
+                                    starts[i + 1] - lo) for i in r)
+                runs.append(_Run(f"{flat.name}[{lo}:{hi}]", flat.buffer[lo:hi], slots))
+        self._runs[threshold] = runs
+        return runs
+
+    def _feedback_for(self, run: _Run, array: np.ndarray) -> tuple[Any, Any]:
+        """``(feedback, key)`` for :func:`mpicoll.compression.allreduce` on ``run``.
+
+        One parameter: the optimizer's store under its name. Several: a store holding the
+        run's residual array, each parameter's residual in :attr:`feedback` being a view
+        of it (residuals stored otherwise are copied in first).
+
+        Raises:
+            ValueError: a stored residual of the wrong size or dtype.
+        """
+        if not self.compressor.feedback:
+            return False, None
+        if len(run.slots) == 1:
+            self.feedback.check(run.slots[0].name, array)
+            return self.feedback, run.slots[0].name
+        fused = self._fused.get(run.key)
+        if fused is None:
+            fused = self._fused[run.key] = np.zeros(array.size, dtype=array.dtype)
+            store = self._stores[run.key] = codecs.ErrorFeedback()
+            store.store(run.key, fused)
+        for slot in run.slots:
+            current = self.feedback.residual(slot.name)
+            known = self._views.get(slot.name)
+            if current is not None and known is not None and known[0] == run.key \
+                    and current is known[1]:
+                continue
+            part = fused[slot.lo:slot.hi]
+            if current is None:
+                part.fill(0)
+            else:
+                self.feedback.check(slot.name, part)
+                np.copyto(part, current)
+            self.feedback.store(slot.name, part)
+            self._views[slot.name] = (run.key, self.feedback.residual(slot.name))
+        return self._stores[run.key], run.key

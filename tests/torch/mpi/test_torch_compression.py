@@ -1,0 +1,216 @@
+"""DistributedOptimizer with codec compressors (Compression.bf16/int8/onebit/topk/randomk):
+each step equals mpicoll.compression.allreduce of the same data with the same codec and
+an error-feedback store of its own, with fusion on and off; residuals carry over; the
+error-feedback identity holds; wrong uses raise on every rank, never hang."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import mpicoll.torch as hvd
+from mpicoll import compression
+from mpicoll.torch.state import engine
+
+pytestmark = pytest.mark.mpi
+
+#: (name, shape, dtype): odd sizes, one past an int8/onebit chunk (256), two dtypes.
+SHAPES = [("a.weight", (7, 5), torch.float32), ("a.bias", (7,), torch.float32),
+          ("b.weight", (300,), torch.float32), ("c.weight", (3, 3), torch.float64),
+          ("c.bias", (1,), torch.float32)]
+
+
+def make_params() -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, torch.nn.Parameter(torch.zeros(shape, dtype=dtype)))
+            for name, shape, dtype in SHAPES]
+
+
+def coef(rank: int, step: int, k: int, name: str, shape: tuple, dtype) -> torch.Tensor:
+    """The gradient of parameter ``name`` on ``rank`` at ``step``, backward pass ``k``."""
+    seed = 1000 * rank + 100 * step + 10 * k + sum(map(ord, name))
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * (1 + rank)).to(dtype)
+
+
+def backward(named: list, rank: int, step: int, passes: int) -> None:
+    for k in range(passes):
+        loss = sum((p * coef(rank, step, k, name, tuple(p.shape), p.dtype)).sum()
+                   for name, p in named)
+        loss.backward()
+
+
+def buffer_order(named: list) -> list[list[str]]:
+    """Parameter names per flat buffer, in buffer order (reversed, grouped by dtype)."""
+    groups: dict = {}
+    for name, p in reversed(named):
+        groups.setdefault(p.dtype, []).append(name)
+    return list(groups.values())
+
+
+def set_fusion(threshold: int) -> None:
+    eng = engine()
+    eng.settings = dataclasses.replace(eng.settings, fusion_threshold=threshold)
+
+
+CASES = [  # (label, compressor factory, codec spec of the reference, op, predivide, passes)
+    ("none", lambda: hvd.Compression.from_codec("none"), "none", hvd.Average, 1.0, 1),
+    ("bf16", lambda: hvd.Compression.bf16, "bf16", hvd.Average, 1.0, 1),
+    ("int8", lambda: hvd.Compression.int8, "int8", hvd.Average, 1.0, 2),
+    ("onebit", lambda: hvd.Compression.onebit, "onebit", hvd.Sum, 1.0, 1),
+    ("topk", lambda: hvd.Compression.topk(0.1), "topk:0.1", hvd.Average, 2.0, 1),
+    ("randomk", lambda: hvd.Compression.randomk(0.3), "randomk:0.3", hvd.Average, 1.0, 1),
+]
+
+
+def test_steps_equal_the_compressed_allreduce_with_the_same_feedback():
+    n, rank = hvd.size(), hvd.rank()
+    saved = engine().settings
+    comm = MPI.COMM_WORLD
+    try:
+        for fused in (True, False):
+            set_fusion(64 << 20 if fused else 0)
+            for label, make, spec, op, predivide, passes in CASES:
+                named = make_params()
+                opt = hvd.DistributedOptimizer(
+                    torch.optim.SGD([p for _, p in named], lr=0.0), named_parameters=named,
+                    compression=make(), op=op, gradient_predivide_factor=predivide,
+                    backward_passes_per_step=passes)
+                params = dict(named)
+                codec = compression.get_codec(spec)          # fresh: randomk's step at 0
+                ref_fb = compression.ErrorFeedback()
+                runs = buffer_order(named) if fused else [
+                    [name] for group in buffer_order(named) for name in group]
+                for step in range(2):
+                    opt.zero_grad()
+                    backward(named, rank, step, passes)
+                    old = {name: _residual(opt, name) for name, _ in named}
+                    opt.step()
+                    for run in runs:
+                        mine = [_grad_sum(rank, step, passes, name, params[name])
+                                for name in run]
+                        x = torch.cat([g.reshape(-1) for g in mine]).numpy().copy()
+                        if op == hvd.Average and predivide != 1.0:
+                            x *= 1.0 / predivide
+                        key = "+".join(run)
+                        expected = compression.allreduce(
+                            x, op="average" if op == hvd.Average and predivide == 1.0
+                            else "sum", comm=comm, compression=codec, feedback=ref_fb,
+                            key=key)
+                        if predivide != 1.0:
+                            expected *= predivide / n
+                        got = torch.cat([params[name].grad.reshape(-1) for name in run])
+                        where = f"{label} fused={fused} step={step} run={run}"
+                        assert np.array_equal(got.numpy(), expected), where
+                        every = [torch.cat([_grad_sum(r, step, passes, name,
+                                                      params[name]).reshape(-1)
+                                            for name in run]) for r in range(n)]
+                        exact = (sum(every) / (n if op == hvd.Average else 1)).numpy()
+                        if label == "none":     # lossless: the plain average (or sum)
+                            assert np.allclose(expected, exact, rtol=1e-6, atol=1e-9), where
+                            assert opt.error_feedback.keys() == []
+                            continue
+                        if expected.size > 8:   # it compressed
+                            assert not np.array_equal(expected, exact), where
+                        res = np.concatenate([_residual(opt, name) for name in run])
+                        assert np.array_equal(res, ref_fb.residual(key)), where
+                        # identity: what every rank put in (gradient + old residual) is
+                        # the result plus every rank's new residual
+                        put = x + np.concatenate([old[name] for name in run])
+                        total = np.stack([put, res]).astype(np.float64)
+                        comm.Allreduce(MPI.IN_PLACE, total)
+                        scale = n / predivide if op == hvd.Average else 1.0
+                        assert np.allclose(total[0], expected * scale + total[1],
+                                           rtol=1e-5, atol=1e-5 * np.abs(total[0]).max()), \
+                            where
+                    stats = opt.compression_stats
+                    assert len(stats) == len(runs)
+                    assert all(s.codec == codec.name for s in stats)
+                    if n > 1:
+                        assert sum(s.bytes_sent for s in stats) > 0
+                if label != "none":
+                    assert sorted(opt.error_feedback.keys()) == sorted(params)
+    finally:
+        engine().settings = saved
+
+
+def _grad_sum(rank: int, step: int, passes: int, name: str, p: torch.Tensor) -> torch.Tensor:
+    """This rank's accumulated gradient of ``p`` (the passes added in order, as autograd)."""
+    total = coef(rank, step, 0, name, tuple(p.shape), p.dtype)
+    for k in range(1, passes):
+        total = total + coef(rank, step, k, name, tuple(p.shape), p.dtype)
+    return total
+
+
+def _residual(opt, name: str) -> np.ndarray:
+    fb = opt.error_feedback
+    res = None if fb is None else fb.residual(name)
+    if res is None:
+        return np.zeros(dict(SHAPES_BY_NAME)[name], dtype=DTYPES[name])
+    return res.copy()
+
+
+SHAPES_BY_NAME = [(name, int(np.prod(shape))) for name, shape, _ in SHAPES]
+DTYPES = {name: np.float64 if dtype is torch.float64 else np.float32
+          for name, _, dtype in SHAPES}
+
+
+def test_wrong_uses_raise_on_every_rank():
+    n, rank = hvd.size(), hvd.rank()
+    half = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    with pytest.raises(TypeError, match="'h' has dtype torch.float16; compression='int8' "
+                                        "needs float32 or float64"):
+        hvd.DistributedOptimizer(torch.optim.SGD([half], lr=0.1),
+                                 named_parameters=[("h", half)],
+                                 compression=hvd.Compression.int8)
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=r"topk ratio must be in \(0, 1\]"):
+            hvd.Compression.topk(bad)
+        with pytest.raises(ValueError, match=r"randomk ratio must be in \(0, 1\]"):
+            hvd.Compression.randomk(bad)
+    with pytest.raises(TypeError, match="ratio must be a number"):
+        hvd.Compression.topk("0.1")
+    with pytest.raises(ValueError, match="unknown compression='lz4'"):
+        hvd.Compression.from_codec("lz4")
+    p = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match="op=Average or op=Sum, not Max"):
+        hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=[("p", p)],
+                                 compression=hvd.Compression.int8, op=hvd.Max)
+    with pytest.raises(TypeError, match="cannot be summed in compressed form"):
+        hvd.allreduce(torch.ones(3), compression=hvd.Compression.onebit)
+    if n < 2:
+        return
+    # ranks disagree on the codec: MismatchError on every rank, the adapter still works
+    named = [("p", p)]
+    codec = hvd.Compression.int8 if rank == 0 else hvd.Compression.onebit
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=named,
+                                   compression=codec)
+    p.grad = torch.ones(4)
+    with pytest.raises(hvd.MismatchError, match="layout"):
+        opt.step()
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+    # a residual that does not fit, on one rank: ValueError there, RemoteError elsewhere
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=named,
+                                   compression=hvd.Compression.int8)
+    if rank == n - 1:
+        opt.error_feedback.store("p", np.zeros(5, dtype=np.float32))
+    p.grad = torch.ones(4)
+    if rank == n - 1:
+        with pytest.raises(ValueError, match="has 5 float32 elements but the tensor has 4"):
+            opt.step()
+    else:
+        with pytest.raises(hvd.RemoteError, match=f"rank {n - 1}"):
+            opt.step()
+    opt.error_feedback.reset()
+    opt.zero_grad()
+    p.grad = torch.ones(4)
+    opt.step()                                       # usable again
+    # a rank that joined cannot stand in zeros: the others raise instead of hanging
+    if rank == n - 1:
+        hvd.join()
+    else:
+        with pytest.raises(hvd.CollectiveError, match=r"1 rank\(s\) called hvd.join\(\)"):
+            opt.step()
+        hvd.join()
