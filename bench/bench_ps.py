@@ -22,6 +22,13 @@ Three parts, each a driver that launches its own ``mpirun`` runs (with timeouts)
     time), the server's updates, the late pushes dropped, and test loss against wall time.
     Written to ``--out-json`` and plotted to ``--plot``.
 
+``compression``
+    Per codec (``--codecs``): the bytes one worker pushes and pulls per step (from
+    ``stats()``; ``optimizer="sum"``, ``-m`` bytes of float32, config ``--configs``) and the
+    push_pull time against uncompressed; then ``examples/ps_train.py`` (adam on one server,
+    ``--workers`` workers, ``--steps`` rounds) for each of ``--train-codecs``: final test
+    loss and accuracy, wall time and bytes per step. Written to ``--out-json``.
+
 A config is ``SERVERSxWORKERS`` (separate server ranks), ``cxWORKERS``: the co-located
 layout (``num_servers="colocated"``: every one of the WORKERS ranks is also the server of
 its shard), or ``caxWORKERS``: co-located with ``keep_aggregate=False`` (the aggregate goes
@@ -32,6 +39,7 @@ straight into ``out`` and is not kept). From the repository root::
     python -m bench.bench_ps all --out docs        # both, JSON + PNG into docs/
     python -m bench.bench_ps stragglers --out-json docs/results/ps_stragglers.json \
         --plot docs/results/ps_stragglers.png
+    python -m bench.bench_ps compression --configs 1x2 -m 4M -i 10 --workers 2 --steps 300
 
 The JSON records the date, the command relative to the repository root (``python -m
 bench.bench_ps ...``) and no absolute path of the machine; docs/results/ps.md shows the
@@ -121,6 +129,7 @@ def throughput_rank(argv: list[str]) -> int:
     ap.add_argument("--max-sleep", type=float, default=1e-3)
     ap.add_argument("--chunk-bytes", default="4M")
     ap.add_argument("--no-keep", action="store_true", help="keep_aggregate=False")
+    ap.add_argument("--compression", default=None, help="codec of pushes and pulls")
     a = ap.parse_args(argv)
     nbytes = parse_size(a.size)
     count = nbytes // 4
@@ -129,7 +138,7 @@ def throughput_rank(argv: list[str]) -> int:
     ps = ParameterServer({"x": np.zeros(count, np.float32)}, comm=comm,
                          num_servers=servers, optimizer="sum", split_bytes=1 << 16,
                          max_sleep=a.max_sleep, chunk_bytes=parse_size(a.chunk_bytes),
-                         keep_aggregate=not a.no_keep)
+                         keep_aggregate=not a.no_keep, compression=a.compression)
     if ps.is_server:
         ps.serve()
         ps.free()
@@ -140,7 +149,10 @@ def throughput_rank(argv: list[str]) -> int:
     ar = np.empty(count, np.float32)
     nat = np.empty(count, np.float32)
     times = {"ps": [], "allreduce": [], "native": []}
+    counted = ps.worker_counters()
     for it in range(a.warmup + a.iters):
+        if it == a.warmup:
+            counted = ps.worker_counters()          # bytes of the timed steps only
         wc.Barrier()
         t0 = time.perf_counter()
         ps.push_pull({"x": g}, out=out)
@@ -158,9 +170,11 @@ def throughput_rank(argv: list[str]) -> int:
             times["allreduce"].append(t3 - t2)
             times["native"].append(t5 - t4)
     valid = bool(np.array_equal(out["x"], ar) and np.array_equal(ar, nat))
-    valid = wc.allreduce(valid, op=MPI.LAND)
+    valid = wc.allreduce(valid, op=MPI.LAND) if a.compression is None else None  # lossy
     worst = {k: wc.allreduce(float(np.mean(v)), op=MPI.MAX) for k, v in times.items()}
     best = {k: wc.allreduce(float(np.min(v)), op=MPI.MAX) for k, v in times.items()}
+    counted = {k: v - counted[k] for k, v in ps.worker_counters().items()
+               if k.startswith("bytes_")}
     stats = ps.stats()
     ps.close()
     if ps.worker_index == 0:
@@ -168,7 +182,9 @@ def throughput_rank(argv: list[str]) -> int:
                "keep_aggregate": not a.no_keep, "bytes": nbytes, "iters": a.iters,
                "valid": valid, "avg_s": worst, "min_s": best,
                "gbps": {k: nbytes / v / 1e9 for k, v in worst.items()},
-               "bytes_per_server": stats["bytes_per_server"]}
+               "bytes_per_server": stats["bytes_per_server"],
+               "compression": stats["compression"],
+               "worker_bytes": counted, "steps": a.iters}
         row["ratio_vs_allreduce"] = row["gbps"]["ps"] / row["gbps"]["allreduce"]
         row["ratio_vs_native"] = row["gbps"]["ps"] / row["gbps"]["native"]
         with open(a.json, "w") as f:
@@ -253,6 +269,54 @@ def run_training(workers: int, servers: int, modes: list[str], steps: int,
               f"acc {res['final'][1]:.3f}  staleness max {st['staleness_max']} "
               f"mean {st['staleness_mean']:.2f}", flush=True)
     return results
+
+
+def run_compression(a: argparse.Namespace) -> dict:
+    """Bytes per step and push_pull time per codec; then the training example per codec."""
+    out: dict = {"bytes": [], "training": {}}
+    print(f"# bytes one worker pushes + pulls per step, {a.size} float32, optimizer='sum'")
+    print(f"# {'config':>7} {'codec':>13} {'pushed':>10} {'pulled':>10} {'ratio':>7} "
+          f"{'push_pull ms':>12} {'x none':>7}")
+    for servers, workers, keep in [parse_config(c) for c in a.configs.split(",")]:
+        ranks = workers if servers == "colocated" else servers + workers
+        base = None
+        for codec in a.codecs.split(","):
+            row = launch_json(ranks, [__file__, "_throughput_rank", "--servers", str(servers),
+                                      "-m", a.size, "-i", str(a.iters), "-x", str(a.warmup),
+                                      "--compression", codec], f"{servers}x{workers} {codec}",
+                              a.timeout)
+            if row is None:
+                continue
+            b, steps = row["worker_bytes"], row["steps"]
+            row.update(codec=codec, pushed_per_step=b["bytes_sent"] / steps,
+                       pulled_per_step=b["bytes_received"] / steps,
+                       ratio=(b["bytes_sent_uncompressed"] + b["bytes_received_uncompressed"])
+                       / max(1, b["bytes_sent"] + b["bytes_received"]))
+            base = base or row["avg_s"]["ps"]
+            out["bytes"].append(row)
+            print(f"  {config_label(servers, keep):>7} {codec:>13} {row['pushed_per_step']:>10.0f} "
+                  f"{row['pulled_per_step']:>10.0f} {row['ratio']:>7.2f} "
+                  f"{row['avg_s']['ps'] * 1e3:>12.2f} {row['avg_s']['ps'] / base:>7.2f}",
+                  flush=True)
+    n = a.servers + a.workers
+    print(f"# ps_train.py, adam, {a.servers} server(s), {a.workers} workers, {a.steps} steps")
+    for codec in a.train_codecs.split(","):
+        args = [os.path.join(ROOT, "examples", "ps_train.py"), "--servers", str(a.servers),
+                "--steps", str(a.steps), "--log-every", "50"]
+        res = launch_json(n, args + ([] if codec == "none" else ["--compression", codec]),
+                          codec, a.timeout)
+        if res is None:
+            continue
+        st = res["stats"]["worker"]
+        res = portable_record(res)
+        res["bytes_per_step"] = (st["bytes_sent"] + st["bytes_received"]) / res["steps"]
+        res["uncompressed_bytes_per_step"] = (st["bytes_sent_uncompressed"] +
+                                              st["bytes_received_uncompressed"]) / res["steps"]
+        out["training"][codec] = res
+        print(f"  {codec:>13} final loss {res['final'][0]:.4f} acc {res['final'][1]:.3f}  "
+              f"{res['seconds']:6.2f} s  {res['bytes_per_step']:8.0f} B/step "
+              f"(uncompressed {res['uncompressed_bytes_per_step']:.0f})", flush=True)
+    return out
 
 
 #: test losses whose first crossing (first worker's wall time) the stragglers summary gives
@@ -370,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "_throughput_rank":
         return throughput_rank(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["throughput", "training", "all", "stragglers"])
+    ap.add_argument("what", choices=["throughput", "training", "all", "stragglers",
+                                     "compression"])
     ap.add_argument("--configs", default="1x2,2x2,1x3,3x3",
                     help="servers x workers, comma-separated")
     ap.add_argument("-m", "--size", default="16M")
@@ -390,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--out-json", help="stragglers: the JSON file to write")
     ap.add_argument("--plot", help="stragglers: the loss-vs-time PNG to write")
+    ap.add_argument("--codecs", default="none,fp16,bf16,int8,onebit,topk:0.01,randomk:0.01",
+                    help="compression: codecs of the bytes table")
+    ap.add_argument("--train-codecs", default="none,int8,onebit,topk:0.01",
+                    help="compression: codecs of the training runs")
     a = ap.parse_args(argv)
     if a.modes is None:
         a.modes = "bsp,bsp:b1,ssp:2,asp" if a.what == "stragglers" else "bsp,ssp:1,ssp:3,asp"
@@ -405,6 +474,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.what in ("throughput", "all"):
         configs = [parse_config(c) for c in a.configs.split(",")]
         result["throughput"] = run_throughput(configs, a.size, a.iters, a.warmup, a.timeout)
+    if a.what == "compression":
+        result["compression"] = run_compression(a)
+        if a.out_json:
+            os.makedirs(os.path.dirname(os.path.abspath(a.out_json)), exist_ok=True)
+            with open(a.out_json, "w") as f:
+                json.dump(result, f, indent=1)
+            print("wrote", a.out_json)
+        return 0
     if a.what == "stragglers":
         result["environment"] = STRAGGLER_ENV
         result["stragglers"] = run_stragglers(a)

@@ -101,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="bsp: a round closes once all but this many workers have pushed")
     ap.add_argument("--optimizer", default="adam", choices=["sgd", "momentum", "adam"])
     ap.add_argument("--lr", type=float, default=0.02)
+    ap.add_argument("--compression", default=None,
+                    help="codec of pushes and pulls: fp16, bf16, int8, onebit, topk:0.01, ...")
     ap.add_argument("--steps", type=int, default=300, help="steps per worker")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=32)
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                          consistency=args.consistency, staleness=args.staleness,
                          optimizer=args.optimizer, lr=args.lr, restore=args.restore,
                          reshard=args.reshard, split_bytes=args.split_bytes,
-                         backup_workers=args.backup_workers)
+                         backup_workers=args.backup_workers, compression=args.compression)
     # the constructor has returned on every rank: collective calls before serve() are fine
     roles = comm.allgather("server" if ps.is_server else "worker")
     if rank == 0:

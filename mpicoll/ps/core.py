@@ -505,6 +505,16 @@ class ParameterServer:
         out["worker"] = c
         return out
 
+    def worker_counters(self) -> dict[str, int]:
+        """This worker's own counters, read locally (no message, not collective): pushes,
+        pulls, ``bytes_sent``/``bytes_received`` (what travelled) and
+        ``bytes_sent_uncompressed``/``bytes_received_uncompressed`` (what the same
+        messages carry uncompressed). Empty on a server.
+        """
+        if self._engine is not None:
+            return dict(self._engine.worker_counters)
+        return {} if self._client is None else dict(self._client.counters)
+
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str) -> None:
         """Checkpoint parameters, optimizer state and clocks into directory ``path``.
