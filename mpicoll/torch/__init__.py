@@ -10,7 +10,8 @@ A Horovod training script runs with only its import changed::
 
 Modules: :mod:`.state` (init, layout), :mod:`.mpi_ops` (tensor collectives and their
 autograd functions), :mod:`.functions` (parameters, optimizer state, objects),
-:mod:`.grouped` (grouped collectives), :mod:`.optimizer`, :mod:`.optim_wrapping` (what it
+:mod:`.grouped` (grouped collectives), :mod:`.optimizer`, :mod:`.sync_batch_norm`,
+:mod:`.adasum` (``op=Adasum``), :mod:`.optim_wrapping` (what it
 shares with the parameter-server optimizer), :mod:`.compression`; inside: :mod:`.engine`
 (the one thread that calls MPI), :mod:`.negotiation` (cross-rank agreement),
 :mod:`.fusion`, :mod:`.execute`,
@@ -37,6 +38,7 @@ from .state import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gl
                     gloo_enabled, init, is_initialized, local_rank, local_size, mpi_built,
                     mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
                     size, start_timeline, stop_timeline)
+from .sync_batch_norm import SyncBatchNorm
 from ..errors import CollectiveError, MismatchError, RemoteError
 
 #: Horovod's name for a failed collective (``except hvd.HorovodInternalError`` keeps working).
@@ -54,6 +56,7 @@ __all__ = ["init", "shutdown", "is_initialized", "start_timeline", "stop_timelin
            "grouped_reducescatter", "grouped_reducescatter_async",
            "poll", "synchronize", "barrier", "join", "allgather_object", "broadcast_object",
            "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
+           "SyncBatchNorm",
            "Compression", "Compressor", "Average", "Sum", "Adasum", "Min", "Max", "Product",
            "ReduceOp", "ProcessSet", "global_process_set", "add_process_set",
            "remove_process_set", "process_grid", "ProcessSetGrid", "CollectiveError", "MismatchError", "RemoteError",

@@ -5,6 +5,9 @@ called :func:`join` count in ``size()``). As in Horovod, scaling factors apply t
 tensors in float64, cast back toward zero, so an integer average divides toward zero, as C
 does (-75 averaged over 2 ranks is -37; without a postscale factor the division is exact
 integer arithmetic, with the same result).
+
+``Adasum`` is not an element-wise op: :mod:`mpicoll.torch.adasum` runs it (floating tensors
+only, a power-of-two number of ranks).
 """
 from __future__ import annotations
 

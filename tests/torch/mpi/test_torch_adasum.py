@@ -140,7 +140,7 @@ def test_adasum_errors_on_every_rank():
         handle = hvd.grouped_allreduce_async([torch.ones(2), torch.ones(3)], op=hvd.Adasum)
         with pytest.raises(NotImplementedError, match="power of 2"):
             hvd.synchronize(handle)
-    total = hvd.allreduce(torch.ones(2), op=hvd.Sum)
+    total = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="adasum.after_errors")
     assert torch.equal(total, torch.full((2,), float(n)))
 
 
@@ -153,7 +153,8 @@ def test_adasum_in_a_process_set_of_two():
     pair = hvd.add_process_set([0, 2])
     out = None
     if me in (0, 2):
-        out = hvd.allreduce(_tensors(me, torch.float64)[3], op=hvd.Adasum, process_set=pair)
+        out = hvd.allreduce(_tensors(me, torch.float64)[3], op=hvd.Adasum, process_set=pair,
+                            name="adasum.pair")
     hvd.remove_process_set(pair)
     if out is not None:
         np.testing.assert_allclose(out.numpy(), tree([data(0, 3, 40, np.float64),
