@@ -4,6 +4,7 @@ with mpicoll.torch in place of horovod.torch.
     mpirun -n 4 python examples/train.py                       # 1, 2, 4, 8 ... ranks
     mpirun -n 4 python examples/train.py --epochs 20 --checkpoint-dir ckpt
     mpirun -n 4 python examples/train.py --epochs 30 --checkpoint-dir ckpt --resume
+    mpirun -n 4 python examples/train.py --compression int8      # or onebit, topk:0.01 ...
 
 The global batch (``--batch``) is split evenly over the ranks, so the same hyperparameters
 train the same way at any world size. Every epoch each rank takes its shard of one shared
@@ -12,12 +13,19 @@ loss and test accuracy (averaged over ranks) and writes a checkpoint that ``--re
 restores (parameters, optimizer state and epoch, broadcast from rank 0). The script exits
 with status 1 if the final test accuracy is below ``--min-accuracy``.
 
+``--compression`` picks the gradient compressor: Horovod's ``none`` (default) and ``fp16``,
+or mpicoll's codecs ``bf16``, ``int8``, ``onebit``, ``topk:RATIO``, ``randomk:RATIO`` (with
+error feedback unless ``--no-error-feedback``). ``--json FILE`` makes rank 0 write the run's
+record: loss against training wall time per epoch, final accuracy, samples per second and
+the bytes rank 0 sent per step.
+
 Without scikit-learn (``pip install scikit-learn``) it falls back to a synthetic 10-class
 task of the same shape (``--dataset synthetic``).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -92,6 +100,44 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return float(total[0] / total[1])
 
 
+CODEC_NAMES = ("bf16", "int8", "onebit")
+
+
+def compressor(spec: str, feedback: bool = True) -> object:
+    """The ``hvd.Compression`` object for ``--compression`` ``spec``.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown name or a bad ratio.
+    """
+    name, _, ratio = spec.partition(":")
+    try:
+        if name in ("none", "fp16") and not ratio:
+            return getattr(hvd.Compression, name)
+        if name in CODEC_NAMES and not ratio:
+            return hvd.Compression.from_codec(name, feedback)
+        if name in ("topk", "randomk") and ratio:
+            return getattr(hvd.Compression, name)(float(ratio), feedback=feedback)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--compression {spec}: {exc}") from None
+    raise argparse.ArgumentTypeError(
+        f"--compression {spec!r}: choose none, fp16, {', '.join(CODEC_NAMES)}, topk:RATIO or "
+        f"randomk:RATIO")
+
+
+def bytes_per_step(optimizer: object, model: nn.Module, spec: str) -> tuple[int, int]:
+    """(bytes this rank sent for the latest step's gradients, bytes uncompressed).
+
+    Codec compressors report what their compressed all-reduces sent; ``none`` and ``fp16``
+    go through the engine's all-reduce, counted as a ring would send them (``2 (n-1)/n``
+    of the gradients, at 2 bytes per value for fp16)."""
+    stats = optimizer.compression_stats
+    if stats:
+        return sum(s.bytes_sent for s in stats), sum(s.dense_bytes for s in stats)
+    n = hvd.size()
+    dense = 2 * (n - 1) * sum(p.numel() * p.element_size() for p in model.parameters()) // n
+    return (dense // 2 if spec == "fp16" else dense), dense
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=15)
@@ -107,10 +153,20 @@ def main() -> int:
     parser.add_argument("--min-accuracy", type=float, default=0.9,
                         help="exit with status 1 below this final test accuracy")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--compression", default="none",
+                        help="none (default), fp16, bf16, int8, onebit, topk:RATIO, "
+                             "randomk:RATIO")
+    parser.add_argument("--no-error-feedback", action="store_true",
+                        help="codec compressors without error feedback")
+    parser.add_argument("--json", default=None, help="rank 0 writes the run's record here")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     hvd.init()
+    try:
+        compression = compressor(args.compression, not args.no_error_feedback)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
     per_rank = max(1, args.batch // hvd.size())
     xtr, ytr, xte, yte, desc = load_data(args.dataset)
     torch.manual_seed(args.seed)
@@ -130,16 +186,20 @@ def main() -> int:
     # Everyone starts from rank 0's parameters and optimizer state.
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=compression)
 
     if hvd.rank() == 0:
         print(f"data: {desc}; model: {sum(p.numel() for p in model.parameters())} parameters; "
-              f"{hvd.size()} ranks x batch {per_rank}; epochs {start_epoch}..{args.epochs}",
-              flush=True)
+              f"{hvd.size()} ranks x batch {per_rank}; epochs {start_epoch}..{args.epochs}; "
+              f"compression {args.compression}"
+              f"{' without error feedback' if args.no_error_feedback else ''}", flush=True)
     started = time.perf_counter()
+    train_seconds, steps, mine, log = 0.0, 0, 0, []
     for epoch in range(start_epoch, args.epochs):
         indices = shard(len(ytr), epoch, args.seed)
         total_loss, batches = 0.0, 0
+        epoch_start = time.perf_counter()
         for i in range(0, len(indices), per_rank):
             idx = indices[i:i + per_rank]
             optimizer.zero_grad()
@@ -148,8 +208,12 @@ def main() -> int:
             optimizer.step()
             total_loss += float(loss.detach())
             batches += 1
+            mine += len(idx)
+        train_seconds += time.perf_counter() - epoch_start
+        steps += batches
         mean_loss = float(hvd.allreduce(torch.tensor(total_loss / batches), name="epoch.loss"))
         accuracy = evaluate(model, xte, yte)
+        log.append([round(train_seconds, 4), epoch + 1, mean_loss, accuracy])
         if hvd.rank() == 0:
             print(f"epoch {epoch + 1:3d}/{args.epochs}  loss {mean_loss:.4f}  "
                   f"test accuracy {accuracy:.4f}  ({time.perf_counter() - started:.1f} s)",
@@ -161,9 +225,25 @@ def main() -> int:
                             "epoch": epoch + 1}, tmp)
                 os.replace(tmp, path)
     accuracy = evaluate(model, xte, yte)
+    sent, dense = bytes_per_step(optimizer, model, args.compression)
     if hvd.rank() == 0:
         print(f"final test accuracy: {accuracy:.4f} ({hvd.size()} ranks, "
               f"{time.perf_counter() - started:.1f} s training)", flush=True)
+        samples = mine * hvd.size()           # every rank runs as many (padded) samples
+        print(f"bytes sent per step by rank 0: {sent} (uncompressed {dense}); {samples} "
+              f"samples in {train_seconds:.2f} s of steps: {samples / max(train_seconds, 1e-9):.0f}"
+              f" samples/s", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"compression": args.compression,
+                           "error_feedback": not args.no_error_feedback,
+                           "ranks": hvd.size(), "epochs": args.epochs, "seed": args.seed,
+                           "batch": args.batch, "dataset": desc,
+                           "final_accuracy": accuracy, "steps": steps, "samples": samples,
+                           "train_seconds": train_seconds,
+                           "samples_per_second": samples / max(train_seconds, 1e-9),
+                           "bytes_per_step": sent, "dense_bytes_per_step": dense,
+                           "log": log}, f, indent=1)
     hvd.shutdown()
     return 0 if accuracy >= args.min_accuracy else 1
 

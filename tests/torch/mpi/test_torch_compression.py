@@ -109,7 +109,7 @@ def test_steps_equal_the_compressed_allreduce_with_the_same_feedback():
                                             for name in run]) for r in range(n)]
                         exact = (sum(every) / (n if op == hvd.Average else 1)).numpy()
                         if label == "none":     # lossless: the plain average (or sum)
-                            assert np.allclose(expected, exact, rtol=1e-6, atol=1e-9), where
+                            assert np.allclose(expected, exact, rtol=1e-5, atol=1e-6), where
                             assert opt.error_feedback.keys() == []
                             continue
                         if expected.size > 8:   # it compressed

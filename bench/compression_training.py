@@ -1,0 +1,146 @@
+"""Training with gradient compression: ``examples/train.py`` per compressor, loss against
+wall time.
+
+For each seed (outer loop) and each ``--compressions`` entry (inner loop, so the
+compressors interleave and share the machine's load), one ``mpirun -n RANKS`` run of
+``examples/train.py --compression C --seed S --json FILE`` with the same epochs and batch;
+then a summary per compressor (final test accuracy per seed and its difference from
+``none``, bytes rank 0 sent per step, samples per second = total samples / total time of
+the training steps over every seed), written to ``--out/compression_training.json``, and
+the test loss against the training wall time (first seed) plotted to
+``--out/compression_training.png``. From the repository root::
+
+    python -m bench.compression_training --ranks 2 --seeds 1,2,3 --out docs
+    python -m bench.compression_training --replot docs/compression_training.json
+
+Paths written into the JSON are relative to the repository.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from bench.bench_ps import launch_json
+from bench.common import command_line, machine_description
+
+DEFAULT_COMPRESSIONS = "none,fp16,int8,onebit,topk:0.01"
+
+
+def run(ranks: int, compressions: list[str], seeds: list[int], epochs: int,
+        timeout: float) -> list[dict]:
+    """Every (seed, compression) run's record (``None`` entries for failed runs dropped)."""
+    records = []
+    for seed in seeds:
+        for comp in compressions:
+            args = ["examples/train.py", "--compression", comp, "--seed", str(seed),
+                    "--epochs", str(epochs), "--min-accuracy", "0"]
+            rec = launch_json(ranks, args, f"{comp} seed {seed}", timeout)
+            if rec is not None:
+                records.append(rec)
+                print(f"# {comp} seed {seed}: accuracy {rec['final_accuracy']:.4f}, "
+                      f"{rec['samples_per_second']:.0f} samples/s, "
+                      f"{rec['bytes_per_step']} B/step", flush=True)
+    return records
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per compressor, in first-seen order."""
+    rows: dict[str, dict] = {}
+    for rec in records:
+        row = rows.setdefault(rec["compression"], {"compression": rec["compression"],
+                                                   "accuracy": {}, "samples": 0,
+                                                   "seconds": 0.0})
+        row["accuracy"][rec["seed"]] = rec["final_accuracy"]
+        row["samples"] += rec["samples"]
+        row["seconds"] += rec["train_seconds"]
+        row["bytes_per_step"] = rec["bytes_per_step"]
+        row["dense_bytes_per_step"] = rec["dense_bytes_per_step"]
+    base = rows.get("none", {}).get("accuracy", {})
+    for row in rows.values():
+        accs = row["accuracy"]
+        row["mean_accuracy"] = sum(accs.values()) / len(accs)
+        row["pp_vs_none"] = {s: round(100 * (a - base[s]), 2) for s, a in accs.items()
+                             if s in base}
+        row["samples_per_second"] = row["samples"] / max(row["seconds"], 1e-9)
+    return list(rows.values())
+
+
+def table(rows: list[dict]) -> str:
+    """A markdown table of the summary."""
+    seeds = sorted({s for row in rows for s in row["accuracy"]})
+    head = ("| compression | " + " | ".join(f"accuracy seed {s} (pp vs none)" for s in seeds)
+            + " | bytes/step (rank 0) | x fewer | samples/s |")
+    lines = [head, "|---|" + "---:|" * (len(seeds) + 3)]
+    for row in rows:
+        cells = [f"{100 * row['accuracy'][s]:.2f}% ({row['pp_vs_none'].get(s, 0):+.2f})"
+                 if s in row["accuracy"] else "-" for s in seeds]
+        ratio = row["dense_bytes_per_step"] / max(row["bytes_per_step"], 1)
+        lines.append(f"| {row['compression']} | " + " | ".join(cells) +
+                     f" | {row['bytes_per_step']} | {ratio:.1f} | "
+                     f"{row['samples_per_second']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], path: str) -> str | None:
+    """Mean training loss per epoch against training wall time (first seed), one line each."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# matplotlib missing: no plot", file=sys.stderr)
+        return None
+    if not records:
+        return None
+    seed = records[0]["seed"]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for rec in records:
+        if rec["seed"] != seed:
+            continue
+        log = rec["log"]
+        ax.plot([r[0] for r in log], [r[2] for r in log], marker=".", label=rec["compression"])
+    ax.set_xlabel("training wall time, rank 0 (s; steps only, shared 2-core machine)")
+    ax.set_ylabel("mean training loss of the epoch")
+    ax.set_yscale("log")
+    ax.set_title(f"examples/train.py, {records[0]['ranks']} ranks, seed {seed}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--compressions", default=DEFAULT_COMPRESSIONS)
+    parser.add_argument("--seeds", default="1")
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    parser.add_argument("--out", default="docs", help="folder for the JSON and the PNG")
+    parser.add_argument("--replot", default=None, help="plot an earlier JSON instead")
+    a = parser.parse_args(argv)
+    if a.replot:
+        with open(a.replot) as f:
+            result = json.load(f)
+        out = os.path.dirname(a.replot)
+    else:
+        records = run(a.ranks, a.compressions.split(","), [int(s) for s in a.seeds.split(",")],
+                      a.epochs, a.timeout)
+        result = {"command": command_line(None, "compression_training", argv),
+                  "machine": machine_description(), "records": records,
+                  "summary": summarize(records)}
+        out = a.out
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "compression_training.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    print(table(result["summary"]))
+    path = plot(result["records"], os.path.join(out, "compression_training.png"))
+    if path:
+        print(f"# wrote {path}")
+    return 0 if result["records"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
