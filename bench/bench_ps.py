@@ -144,7 +144,10 @@ def throughput_rank(argv: list[str]) -> int:
         ps.free()
         return 0
     wc = ps.worker_comm
-    g = ((np.arange(count) % 1000) + ps.worker_index).astype(np.float32)   # exact sums
+    if a.compression is None:
+        g = ((np.arange(count) % 1000) + ps.worker_index).astype(np.float32)   # exact sums
+    else:   # gradient-like data (repeated values would make top-k's selection degenerate)
+        g = np.random.default_rng(ps.worker_index).standard_normal(count).astype(np.float32)
     out = {"x": np.empty(count, np.float32)}
     ar = np.empty(count, np.float32)
     nat = np.empty(count, np.float32)
@@ -280,7 +283,7 @@ def run_compression(a: argparse.Namespace) -> dict:
     for servers, workers, keep in [parse_config(c) for c in a.configs.split(",")]:
         ranks = workers if servers == "colocated" else servers + workers
         base = None
-        for codec in a.codecs.split(","):
+        for codec in [c for c in a.codecs.split(",") if c]:
             row = launch_json(ranks, [__file__, "_throughput_rank", "--servers", str(servers),
                                       "-m", a.size, "-i", str(a.iters), "-x", str(a.warmup),
                                       "--compression", codec], f"{servers}x{workers} {codec}",
@@ -300,7 +303,7 @@ def run_compression(a: argparse.Namespace) -> dict:
                   flush=True)
     n = a.servers + a.workers
     print(f"# ps_train.py, adam, {a.servers} server(s), {a.workers} workers, {a.steps} steps")
-    for codec in a.train_codecs.split(","):
+    for codec in [c for c in a.train_codecs.split(",") if c]:
         args = [os.path.join(ROOT, "examples", "ps_train.py"), "--servers", str(a.servers),
                 "--steps", str(a.steps), "--log-every", "50"]
         res = launch_json(n, args + ([] if codec == "none" else ["--compression", codec]),

@@ -13,7 +13,9 @@ Modules: :mod:`~mpicoll.ps.protocol` (wire format), :mod:`~mpicoll.ps.placement`
 :mod:`~mpicoll.ps.server`, :mod:`~mpicoll.ps.worker`, :mod:`~mpicoll.ps.optimizers`,
 :mod:`~mpicoll.ps.checkpoint`, :mod:`~mpicoll.ps.settings` (the constructor's arguments),
 :mod:`~mpicoll.ps.colocated` (``num_servers="colocated"``:
-every rank a worker and the server of its shards). See docs/ps.md.
+every rank a worker and the server of its shards), :mod:`~mpicoll.ps.compressed` and
+:mod:`~mpicoll.ps.colocated_coded` (``compression=``: compressed pushes and pulls with
+error feedback). See docs/ps.md.
 """
 from __future__ import annotations
 
