@@ -58,9 +58,10 @@ def _check_torch_grid(dp: int, tp: int) -> None:
         assert grid.data_parallel.rank() == grid.dp_rank == me // tp
         full = [ps for ps in ids if ps == 0]                  # a group of every rank
         assert len(full) == (dp == 1) + (tp == 1)
-        for ps, group in ((grid.tensor_parallel, rows[me // tp]),
-                          (grid.data_parallel, cols[me % tp])):
-            got = hvd.allreduce(torch.tensor([me + 1, 7 * me]), op=hvd.Sum, process_set=ps)
+        for axis, ps, group in (("tp", grid.tensor_parallel, rows[me // tp]),
+                                ("dp", grid.data_parallel, cols[me % tp])):
+            got = hvd.allreduce(torch.tensor([me + 1, 7 * me]), op=hvd.Sum,
+                                name=f"grid.{dp}x{tp}.{axis}", process_set=ps)
             assert got.tolist() == [sum(r + 1 for r in group), 7 * sum(group)]
     finally:
         grid.remove()
