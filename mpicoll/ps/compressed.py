@@ -8,11 +8,12 @@ With ``ParameterServer(..., compression="int8")`` (any codec of
   the server decodes the payload and aggregates the decoded gradients as before.
 - **pull** (server -> worker), with a server-side optimizer (values are *parameters*): the
   server sends the **delta since that worker's last pull**, compressed, with error feedback
-  (as BytePS does). It keeps, per worker and shard, an exact copy of what the worker holds
-  (its *replica*): the delta is ``param - replica`` (the newest change plus everything
-  earlier deltas dropped, i.e. the residual), both sides add ``decode(payload)`` to their
-  replica with the same numpy operation, so they stay bit-identical. A worker's first pull
-  of a shard (no replica yet, e.g. after a restore) is sent uncompressed (:class:`PullEncoder`).
+  (BytePS-style server-side error feedback, applied to the parameters' change). It keeps,
+  per worker and shard, an exact copy of what the worker holds (its *replica*): the delta
+  is ``param - replica`` (the newest change plus everything earlier deltas dropped, i.e.
+  the residual), both sides add ``decode(payload)`` to their replica with the same numpy
+  operation, so they stay bit-identical. A worker's first pull of a shard (no replica yet,
+  e.g. after a restore) is sent uncompressed (:class:`PullEncoder`).
   Replicas are shared between workers with the same pull history (the same versions
   pulled from the same replica), so under ``bsp`` a shard is encoded once per round,
   whatever the number of workers, and the server keeps one or two replicas per shard.
