@@ -196,7 +196,7 @@ class CodedExchange:
         sends: list[MPI.Request] = []
         for dst in pullers:
             self.counters["pulls"] += 1
-            data, coded = enc.payload(dst, state.param, state.version)
+            data, _ = enc.payload(dst, state.param, state.version)
             if dst == self.rank:
                 if out_flat is not None:
                     dest = out_flat[sh.spec.name][sh.lo:sh.hi]
