@@ -21,8 +21,10 @@ rank takes the median block, the table shows the average over ranks. Variants:
 - the other forms of a call, each beside the MPI call doing the same work:
   ``auto persistent`` (``call = mpicoll.allreduce_init(x, y)``, then ``call()``),
   ``auto new-out`` (``y = mpicoll.allreduce(x)``) beside ``mpi new-out`` (a new output
-  each call), ``auto uncached`` (a new input array each call: the call is planned, never
-  found in the cache) beside ``mpi new-in``.
+  each call), ``auto new-in`` (a new input array each call: never in the identity cache,
+  run as a call by shape, :func:`mpicoll.fastpath.run_shaped`) beside ``mpi new-in``, and
+  ``auto planned`` (the slow path itself, :func:`mpicoll.collectives.dispatch`: validation,
+  algorithm choice, plan, cache store; what the first call of a shape costs).
 
 Memory: one core's ``np.copyto`` of 64 MiB (others sleeping) and ``np.add(a, b, out=b)``,
 in GB/s, the physical limits for the bus bandwidth of the collectives here.
@@ -95,6 +97,7 @@ def measure(args: argparse.Namespace) -> dict:
         variants[a] = (lambda a=a: mpicoll.allreduce(x, y, "sum", comm, a))
     persistent = mpicoll.allreduce_init(x, y, "sum", comm)
     from mpicoll import tracking, watchdog  # noqa: PLC0415
+    from mpicoll.collectives import dispatch  # noqa: PLC0415
 
     recorded = tracking.recorded(tracking.Tracker("bench"), tracking.CallInfo("allreduce"),
                                  functools.partial(comm.Allreduce, x, y, MPI.SUM))
@@ -104,7 +107,8 @@ def measure(args: argparse.Namespace) -> dict:
         "mpi new-out": lambda: comm.Allreduce(x, np.empty_like(x), MPI.SUM),
         "auto new-out": lambda: mpicoll.allreduce(x, None, "sum", comm),    # y = f(x)
         "mpi new-in": lambda: comm.Allreduce(x.copy(), y, MPI.SUM),
-        "auto uncached": lambda: mpicoll.allreduce(x.copy(), y, "sum", comm),  # planned
+        "auto new-in": lambda: mpicoll.allreduce(x.copy(), y, "sum", comm),  # by shape
+        "auto planned": lambda: dispatch("allreduce", (x.copy(), y, "sum", "auto"), comm),
         # the stall inspector's record of a call (what every cached call pays while the
         # inspector or the timeline is on), around the direct MPI call
         "mpi recorded": recorded,

@@ -17,7 +17,7 @@ from .algorithms.registry import bind, lookup, scales_shards
 from .buffers import flat_view, is_in_place
 from .checked import agree
 from .context import CommContext, get_context, resolve_comm
-from .fastpath import MISS, run_cached
+from .fastpath import MISS, run_cached, run_shaped
 from .gpu.arrays import any_device as _any_device
 from .ops import resolve_op
 from .partition import block_bounds
@@ -42,6 +42,9 @@ class Plan(NamedTuple):
             ``remake``, or (``remake`` is ``None``) runs ``run`` and is never cached.
         remake: for a fresh result, a callable that allocates a new result, performs the
             collective into it and returns it.
+        shaped: ``shaped(sendbuf, recvbuf)`` runs the same call on other arrays of the
+            same shape and dtype (returns the result, or :data:`~mpicoll.fastpath.MISS`
+            for a layout it does not take); kept by :func:`mpicoll.fastpath.store_shaped`.
         count, dtype, op, root: what checked mode compares across ranks (``op``/``root``
             ``None`` where the collective has none).
         requested: the ``algorithm`` argument; ``algorithm``: the registered name it
@@ -59,6 +62,7 @@ class Plan(NamedTuple):
     op: str | None = None
     root: int | None = None
     remake: Callable[[], Any] | None = None
+    shaped: Callable[[Any, Any], Any] | None = None
 
 
 def _same_memory(a: Any, b: Any) -> bool:
@@ -201,6 +205,8 @@ def dispatch(collective: str, args: tuple, comm: Any = None, check: Any = None,
             fastpath.store(key, key_args, plan.remake, None)
         else:
             fastpath.store(key, key_args, plan.run, plan.result, plan.out)
+        if plan.shaped is not None:
+            fastpath.store_shaped(key, key_args[0], key_args[1], key_args[2:], plan.shaped)
     if plan.remake is not None:
         return plan.remake()
     plan.run()
@@ -220,9 +226,12 @@ def _tracked_plan(ctx: CommContext, collective: str, args: tuple, check: Any) ->
     info = tracking.CallInfo(collective, plan.count, plan.dtype, plan.op, plan.root,
                              plan.requested, plan.algorithm,
                              plan.count * np.dtype(plan.dtype).itemsize)
+    shaped = plan.shaped and tracking.recorded(tracker, info, plan.shaped)
     if plan.remake is not None:
-        return plan._replace(remake=tracking.recorded(tracker, info, plan.remake))
-    return plan._replace(run=tracking.recorded(tracker, info, plan.run or _noop))
+        return plan._replace(remake=tracking.recorded(tracker, info, plan.remake),
+                             shaped=shaped)
+    return plan._replace(run=tracking.recorded(tracker, info, plan.run or _noop),
+                         shaped=shaped)
 
 
 def _allreduce_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
@@ -250,14 +259,16 @@ def _allreduce_steps(ctx: CommContext, send: Any, recv: Any, result: Any, opo: A
         options["finalize"] = True   # the algorithm divides each shard once
         scale = False
     fields = (flat.size, flat.dtype.str, algorithm, name)
+    algorithm_fn = lookup("allreduce", name)
+    shaped = _allreduce_shaped(ctx, algorithm_fn, opo, options, trivial, scale, flat.dtype)
     if recv is not None:
         run = (_copy_step(recv, send) if trivial
                else bind("allreduce", name, ctx, send, recv, opo, **options))
         return Plan(_chain(run, _finalize_step(opo, recv, ctx.size) if scale else None),
-                    result, result, False, *fields, op=opo.name)
+                    result, result, False, *fields, op=opo.name,
+                    shaped=None if send is recv else shaped)
     sendbuf = result
     xp = buffers.array_module(sendbuf)
-    algorithm_fn = lookup("allreduce", name)
 
     def remake() -> Any:  # y = allreduce(x), cached: a new y each time
         new = xp.empty_like(sendbuf)
@@ -270,7 +281,39 @@ def _allreduce_steps(ctx: CommContext, send: Any, recv: Any, result: Any, opo: A
             opo.finalize(out, ctx.size)
         return new
 
-    return Plan(None, None, None, True, *fields, op=opo.name, remake=remake)
+    return Plan(None, None, None, True, *fields, op=opo.name, remake=remake, shaped=shaped)
+
+
+def _allreduce_shaped(ctx: CommContext, algorithm_fn: Callable, opo: Any, options: dict,
+                      trivial: bool, scale: bool, dtype: np.dtype) -> Callable[[Any, Any], Any]:
+    """The all-reduce planned here, as a function of new numpy arrays of the same shape
+    and dtype (:func:`mpicoll.fastpath.run_shaped`): C-contiguous ``sendbuf``; ``recvbuf``
+    ``None`` (a new result) or a writable C-contiguous array of ``dtype`` that does not
+    overlap ``sendbuf``. Anything else returns ``MISS`` (the slow path validates it)."""
+    size = ctx.size
+    empty = np.empty
+    overlap = np.may_share_memory
+
+    def shaped(sendbuf: Any, recvbuf: Any) -> Any:
+        if not sendbuf.flags.c_contiguous:
+            return MISS
+        if recvbuf is None:
+            recvbuf = empty(sendbuf.shape, dtype)
+        else:
+            flags = recvbuf.flags
+            if (not flags.c_contiguous or not flags.writeable or recvbuf.dtype != dtype
+                    or overlap(sendbuf, recvbuf)):
+                return MISS
+        out = recvbuf.reshape(-1)
+        if trivial:
+            out[...] = sendbuf.reshape(-1)
+        else:
+            algorithm_fn(ctx, sendbuf.reshape(-1), out, opo, **options)
+        if scale:
+            opo.finalize(out, size)
+        return recvbuf
+
+    return shaped
 
 
 def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
@@ -308,6 +351,9 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
     if not check:  # the hot path: a cached call (mpicoll.fastpath)
         result = run_cached(("allreduce", id(sendbuf), id(recvbuf), id(op), id(algorithm),
                              id(comm)))
+        if result is not MISS:
+            return result
+        result = run_shaped("allreduce", sendbuf, recvbuf, op, algorithm, comm)
         if result is not MISS:
             return result
     return dispatch("allreduce", (sendbuf, recvbuf, op, algorithm), comm, check)

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from . import collectives
 from .algorithms.registry import names
 from .buffers import IN_PLACE, Unsupported, is_in_place, parse_mpi_buffer
-from .fastpath import MISS, run_cached
+from .fastpath import MISS, run_cached, run_shaped
 from .ops import resolve_op
 from .partition import block_bounds
 
@@ -71,6 +71,8 @@ class Comm(MPI.Intracomm):
         if not self._mpicoll_check:  # the hot path: a cached call (mpicoll.fastpath)
             if run_cached(("Comm.Allreduce", id(sendbuf), id(recvbuf),
                            id(op), id(self))) is not MISS:
+                return None
+            if run_shaped("Comm.Allreduce", sendbuf, recvbuf, op, self) is not MISS:
                 return None
         try:
             ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op)

@@ -22,6 +22,17 @@ is referenced cannot be resized in place. Consequences and limits:
   (:func:`mpicoll.config.refresh`, a new tuning table) and when a communicator is freed.
 
 Checked mode never uses the cache: its agreement step runs on every call.
+
+**Calls by shape** (:func:`run_shaped`): a loop that passes a *new* array each time (a
+fresh gradient, ``y = allreduce(x * 2)``) never hits the identity cache. For the
+all-reduce, the slow path also keeps a *shaped* call: the same validated choices
+(algorithm, options, op, scaling) as a function of the buffers, keyed by the shape and
+dtype of the arrays and the identity of the other arguments. A new array of a known shape
+and dtype then costs a dictionary lookup and a few flag checks (C-contiguous, writable
+output, no overlap) instead of the whole validation; anything else (another layout, an
+overlap, in place, a buffer specification) goes back to the slow path, which validates and
+raises as usual. No array is held: only the shapes and the argument objects, which the
+entry keeps alive as the identity cache does. :func:`invalidate` forgets these too.
 """
 from __future__ import annotations
 
@@ -33,8 +44,8 @@ from mpi4py import MPI
 
 from .ops import Op
 
-__all__ = ["run_cached", "MISS", "key", "lookup", "store", "invalidate", "MAX_ENTRIES",
-           "MAX_BYTES"]
+__all__ = ["run_cached", "run_shaped", "store_shaped", "MISS", "key", "lookup", "store",
+           "invalidate", "MAX_ENTRIES", "MAX_BYTES"]
 
 #: Cached calls kept at most (oldest dropped first).
 MAX_ENTRIES = 64
@@ -44,6 +55,8 @@ MAX_BYTES = 64 * 1024 * 1024
 # key -> (run, result, output array to re-check for writability or None, held args, bytes)
 _calls: dict[tuple, tuple] = {}
 _held_bytes = 0
+# (collective, send shape, send dtype, recv shape or None, id(arg)...) -> (fn, held args)
+_shaped: dict[tuple, tuple] = {}
 _lock = threading.Lock()
 _VALUE_TYPES = (str, int, type(None), type(MPI.IN_PLACE))
 
@@ -76,6 +89,48 @@ def run_cached(call_key: tuple) -> Any:
         return MISS
     made = entry[0]()
     return entry[1] if made is None else made
+
+
+def run_shaped(collective: str, sendbuf: Any, recvbuf: Any, *rest: Any) -> Any:
+    """Run the shaped call kept for arrays shaped like these (see the module docstring).
+
+    ``rest`` are the other arguments the call depends on (op, algorithm, communicator),
+    compared by identity. Returns the result, or :data:`MISS` when none applies (no entry;
+    not exact numpy arrays; the entry refused this layout): the caller takes the slow path.
+    """
+    if type(sendbuf) is not np.ndarray:
+        return MISS
+    if recvbuf is None:
+        entry = _shaped.get((collective, sendbuf.shape, sendbuf.dtype, None, *map(id, rest)))
+    elif type(recvbuf) is np.ndarray:
+        entry = _shaped.get((collective, sendbuf.shape, sendbuf.dtype, recvbuf.shape,
+                             *map(id, rest)))
+    else:
+        return MISS
+    if entry is None:
+        return MISS
+    return entry[0](sendbuf, recvbuf)
+
+
+def store_shaped(collective: str, sendbuf: Any, recvbuf: Any, rest: tuple,
+                 fn: Callable[[Any, Any], Any]) -> None:
+    """Keep ``fn(sendbuf, recvbuf)`` for later arrays shaped like these (or no recvbuf).
+
+    ``fn`` returns the result or :data:`MISS` when it refuses the arrays it is given.
+    Only exact numpy arrays key an entry; ``rest`` (compared by identity) is held alive.
+    """
+    if type(sendbuf) is not np.ndarray or not (recvbuf is None or
+                                               type(recvbuf) is np.ndarray):
+        return
+    if any(_cacheable(arg) != 0 for arg in rest):
+        return
+    shape = None if recvbuf is None else recvbuf.shape
+    call_key = (collective, sendbuf.shape, sendbuf.dtype, shape, *map(id, rest))
+    with _lock:
+        _shaped.pop(call_key, None)
+        while len(_shaped) >= MAX_ENTRIES:
+            _shaped.pop(next(iter(_shaped)))
+        _shaped[call_key] = (fn, rest)
 
 
 def lookup(collective: str, *args: Any) -> tuple | None:
@@ -134,4 +189,5 @@ def invalidate() -> None:
     global _held_bytes
     with _lock:
         _calls.clear()
+        _shaped.clear()
         _held_bytes = 0

@@ -111,39 +111,39 @@ class Tracker:
         return seq
 
 
-def recorded(tracker: Tracker, info: CallInfo, run: Callable[[], Any]) -> Callable[[], Any]:
+def recorded(tracker: Tracker, info: CallInfo, run: Callable[..., Any]) -> Callable[..., Any]:
     """``run`` wrapped so that each call is numbered and described in ``tracker`` (and
-    drawn on the timeline when one is being recorded)."""
+    drawn on the timeline when one is being recorded); arguments are passed through."""
     history = tracker.history
     if timeline.ON:
         return _timed(tracker, info, run)
 
-    def call() -> Any:
+    def call(*args: Any) -> Any:
         seq = tracker.entered + 1
         history[seq & _MASK] = info
         tracker.entered = seq
         try:
-            return run()
+            return run(*args)
         finally:
             tracker.done = seq
 
     return call
 
 
-def _timed(tracker: Tracker, info: CallInfo, run: Callable[[], Any]) -> Callable[[], Any]:
+def _timed(tracker: Tracker, info: CallInfo, run: Callable[..., Any]) -> Callable[..., Any]:
     history = tracker.history
     clock = time.perf_counter
     name, track = info.collective, tracker.name
     args = {"algorithm": info.resolved, "bytes": info.nbytes, "count": info.count,
             "dtype": _dtype_name(info.dtype)}
 
-    def call() -> Any:
+    def call(*args: Any) -> Any:
         seq = tracker.entered + 1
         history[seq & _MASK] = info
         tracker.entered = seq
         begin = clock()
         try:
-            return run()
+            return run(*args)
         finally:
             tracker.done = seq
             timeline.event(name, begin, clock(), track=track, args={**args, "seq": seq})

@@ -129,13 +129,14 @@ def test_large_buffers_are_not_cached_and_held_bytes_are_bounded():
     mpicoll.allreduce(big, np.empty_like(big))
     assert not fastpath._calls
     keep = []
-    for _ in range(fastpath.MAX_ENTRIES + 8):
-        x = np.ones(fastpath.MAX_BYTES // 16, dtype=np.uint8)
+    for i in range(fastpath.MAX_ENTRIES + 8):  # shapes differ: no call by shape applies
+        x = np.ones(fastpath.MAX_BYTES // 16 + i, dtype=np.uint8)
         y = np.empty_like(x)
         keep.append((x, y))
         mpicoll.allreduce(x, y)
         assert fastpath._held_bytes <= fastpath.MAX_BYTES
         assert len(fastpath._calls) <= fastpath.MAX_ENTRIES
+        assert len(fastpath._shaped) <= fastpath.MAX_ENTRIES
     assert fastpath.lookup("allreduce", x, y, "sum", "auto", None) is not None
 
 
@@ -202,3 +203,62 @@ def test_the_public_path_runs_cached_calls_without_planning(monkeypatch):
             call()
             assert y.tolist() == x.tolist(), (label, k)
         assert len(planned) == 1, f"{label} planned {len(planned)} times in 3 calls"
+
+
+def _count_plans(monkeypatch) -> list:
+    from mpicoll import collectives  # noqa: PLC0415
+
+    planned: list = []
+    plan = collectives._PLANS["allreduce"]
+    monkeypatch.setitem(collectives._PLANS, "allreduce",
+                        lambda ctx, *a: (planned.append(1), plan(ctx, *a))[1])
+    return planned
+
+
+@pytest.mark.parametrize("form", ["new output", "given output", "Comm.Allreduce"])
+def test_new_arrays_of_a_known_shape_run_without_planning(monkeypatch, form):
+    """A loop passing new arrays each time (no identity hit) is planned once by shape,
+    and every call still reads its own input and writes its own output."""
+    planned = _count_plans(monkeypatch)
+    comm = mpicoll.Comm(MPI.COMM_SELF)
+    for k in range(4):
+        x = np.arange(7, dtype=np.int32).reshape(7, 1) * (k + 3)
+        if form == "new output":
+            y = mpicoll.allreduce(x, op="average")
+        else:
+            y = np.full((7, 1), -1, dtype=np.int32)
+            got = (comm.Allreduce(x, y, MPI.SUM) if form == "Comm.Allreduce"
+                   else mpicoll.allreduce(x, y))
+            assert got is (None if form == "Comm.Allreduce" else y)
+        assert y.shape == (7, 1) and y is not x and not np.may_share_memory(x, y)
+        assert y.ravel().tolist() == [i * (k + 3) for i in range(7)]
+    assert len(planned) == 1
+
+
+def test_calls_by_shape_send_other_layouts_and_bad_outputs_to_validation(monkeypatch):
+    planned = _count_plans(monkeypatch)
+    x = np.arange(12, dtype=np.float64).reshape(3, 4)
+    mpicoll.allreduce(x, np.empty((3, 4)))
+    assert len(planned) == 1
+    fortran = np.asfortranarray(x * 2)  # not C-contiguous: planned, still right
+    assert mpicoll.allreduce(fortran).tolist() == (x * 2).tolist()
+    out = np.empty((3, 4))
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        mpicoll.allreduce(x.copy(), out)
+    with pytest.raises(TypeError, match="dtype"):
+        mpicoll.allreduce(x.copy(), np.empty((3, 4), dtype=np.float32))
+    same = x.copy()  # sendbuf and recvbuf the same memory: in place, planned
+    assert mpicoll.allreduce(same, same[...]).tolist() == x.tolist()
+    wide = np.zeros(24)  # overlapping without being the same buffer
+    with pytest.raises(ValueError, match="overlap"):
+        mpicoll.allreduce(wide[:12].reshape(3, 4), wide[6:18].reshape(3, 4))
+    assert len(planned) == 6
+
+
+def test_calls_by_shape_are_forgotten_with_the_cache(monkeypatch):
+    planned = _count_plans(monkeypatch)
+    mpicoll.allreduce(np.ones(5))
+    fastpath.invalidate()
+    mpicoll.allreduce(np.ones(5))
+    assert len(planned) == 2

@@ -116,12 +116,16 @@ def test_node_aware_algorithms_on_the_real_node_layout(algorithm, monkeypatch):
         config.refresh()
 
 
+@pytest.mark.parametrize("fresh", [False, True], ids=["same x", "new x"])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_repeated_allocating_calls_follow_the_input(algorithm):
-    """``y = allreduce(x)`` on the same ``x`` (a cached call that allocates each time)."""
+def test_repeated_allocating_calls_follow_the_input(algorithm, fresh):
+    """``y = allreduce(x)`` on the same ``x`` (a cached call that allocates each time), and
+    on a new ``x`` of the same shape each time (a call by shape)."""
     x = np.empty((3, 7), dtype=np.int64)
     seen = []
     for rep in range(3):
+        if fresh:
+            x = np.empty((3, 7), dtype=np.int64)
         x[...] = make_data(RANK, x.size, rep, np.int64).reshape(x.shape)
         expected = reference_reduce(gather_inputs(x.reshape(-1).copy()), "average")
         got = mpicoll.allreduce(x, op="average", algorithm=algorithm)

@@ -123,7 +123,8 @@ def test_overhead_benchmark(tmp_path, capsys):
             res = json.load(fh)
         assert set(res["per_call_us"]) == {"mpi", "auto", *mpicoll.algorithms("allreduce"),
                                            "auto persistent", "mpi new-out", "auto new-out",
-                                           "mpi new-in", "auto uncached", "mpi recorded"}
+                                           "mpi new-in", "auto new-in", "auto planned",
+                                           "mpi recorded"}
         assert res["inspector_us"] == res["per_call_us"]["mpi recorded"] - res["per_call_us"]["mpi"]
         assert res["memcpy_GBps"] > 0 and res["add_GBps"] > 0
         assert res["command"].startswith(f"mpirun -n {SIZE} python -m bench.overhead ")
