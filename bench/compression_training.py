@@ -3,15 +3,22 @@ wall time.
 
 For each seed (outer loop) and each ``--compressions`` entry (inner loop, so the
 compressors interleave and share the machine's load), one ``mpirun -n RANKS`` run of
-``examples/train.py --compression C --seed S --json FILE`` with the same epochs and batch;
+``examples/train.py --compression C --seed S --json FILE`` with the same epochs and batch
+(an entry ``C-noef`` adds ``--no-error-feedback``);
 then a summary per compressor (final test accuracy per seed and its difference from
 ``none``, bytes rank 0 sent per step, samples per second = total samples / total time of
 the training steps over every seed), written to ``--out/compression_training.json``, and
-the test loss against the training wall time (first seed) plotted to
-``--out/compression_training.png``. From the repository root::
+the mean training loss of each epoch against the training wall time and against epochs
+(first seed) plotted to ``--out/compression_training.png``. From the repository root::
 
     python -m bench.compression_training --ranks 2 --seeds 1,2,3 --out docs
     python -m bench.compression_training --replot docs/compression_training.json
+    python -m bench.compression_training --step-times 200 --ranks 2
+
+``--step-times ITERS`` instead times ``optimizer.step()`` (the gradient reduction) of
+``examples/train.py``'s model, one model and ``DistributedOptimizer`` per compressor,
+the compressors taking turns step by step in one ``mpirun`` (so they share the machine's
+load): median and mean milliseconds per step (rank 0) and the ratio to ``none``.
 
 Paths written into the JSON are relative to the repository.
 """
@@ -27,6 +34,14 @@ from bench.common import command_line, machine_description
 
 DEFAULT_COMPRESSIONS = "none,fp16,int8,onebit,topk:0.01"
 
+#: Suffix of a ``--compressions`` entry that turns error feedback off (``onebit-noef``).
+NO_FEEDBACK = "-noef"
+
+
+def label(rec: dict) -> str:
+    """A run's compressor, with ``-noef`` when it ran without error feedback."""
+    return rec["compression"] + ("" if rec.get("error_feedback", True) else NO_FEEDBACK)
+
 
 def run(ranks: int, compressions: list[str], seeds: list[int], epochs: int,
         timeout: float) -> list[dict]:
@@ -34,12 +49,16 @@ def run(ranks: int, compressions: list[str], seeds: list[int], epochs: int,
     records = []
     for seed in seeds:
         for comp in compressions:
-            args = ["examples/train.py", "--compression", comp, "--seed", str(seed),
+            spec, no_feedback = (comp[:-len(NO_FEEDBACK)], True) if comp.endswith(NO_FEEDBACK) \
+                else (comp, False)
+            args = ["examples/train.py", "--compression", spec, "--seed", str(seed),
                     "--epochs", str(epochs), "--min-accuracy", "0"]
+            if no_feedback:
+                args.append("--no-error-feedback")
             rec = launch_json(ranks, args, f"{comp} seed {seed}", timeout)
             if rec is not None:
                 records.append(rec)
-                print(f"# {comp} seed {seed}: accuracy {rec['final_accuracy']:.4f}, "
+                print(f"# {label(rec)} seed {seed}: accuracy {rec['final_accuracy']:.4f}, "
                       f"{rec['samples_per_second']:.0f} samples/s, "
                       f"{rec['bytes_per_step']} B/step", flush=True)
     return records
@@ -49,7 +68,7 @@ def summarize(records: list[dict]) -> list[dict]:
     """One row per compressor, in first-seen order."""
     rows: dict[str, dict] = {}
     for rec in records:
-        row = rows.setdefault(rec["compression"], {"compression": rec["compression"],
+        row = rows.setdefault(label(rec), {"compression": label(rec),
                                                    "accuracy": {}, "samples": 0,
                                                    "seconds": 0.0})
         row["accuracy"][rec["seed"]] = rec["final_accuracy"]
@@ -84,7 +103,8 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(records: list[dict], path: str) -> str | None:
-    """Mean training loss per epoch against training wall time (first seed), one line each."""
+    """Mean training loss per epoch against training wall time and against epochs (first
+    seed), one line per compressor."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -95,20 +115,83 @@ def plot(records: list[dict], path: str) -> str | None:
     if not records:
         return None
     seed = records[0]["seed"]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for rec in records:
         if rec["seed"] != seed:
             continue
         log = rec["log"]
-        ax.plot([r[0] for r in log], [r[2] for r in log], marker=".", label=rec["compression"])
-    ax.set_xlabel("training wall time, rank 0 (s; steps only, shared 2-core machine)")
+        ax.plot([r[0] for r in log], [r[2] for r in log], marker=".", label=label(rec))
+        ax2.plot([r[1] for r in log], [r[2] for r in log], marker=".", label=label(rec))
+    ax.set_xlabel("training wall time, rank 0 (s; steps only; shared, noisy machine)")
     ax.set_ylabel("mean training loss of the epoch")
     ax.set_yscale("log")
     ax.set_title(f"examples/train.py, {records[0]['ranks']} ranks, seed {seed}")
+    ax2.set_xlabel("epoch")
+    ax2.set_title("the same runs against epochs")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return path
+
+
+def step_times_rank(argv: list[str]) -> int:
+    """Rank program of ``--step-times`` (run under mpirun): ``ITERS COMPRESSIONS --json F``."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "examples"))
+    import train  # noqa: PLC0415  (the example's model and compressor names)
+
+    iters, comps, out = int(argv[0]), argv[1].split(","), argv[3]
+    torch.set_num_threads(1)
+    hvd = train.hvd
+    hvd.init()
+    x = torch.rand(32, 1, 8, 8)
+    y = torch.randint(0, 10, (32,))
+    runs = []
+    for comp in comps:
+        torch.manual_seed(0)
+        model = train.DigitsCNN()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters(),
+                                       compression=train.compressor(comp))
+        runs.append((comp, model, opt, []))
+    for it in range(iters + 5):                    # the first 5 are warm-up
+        for comp, model, opt, times in runs:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            t0 = time.perf_counter()
+            opt.step()
+            if it >= 5:
+                times.append(time.perf_counter() - t0)
+    if hvd.rank() == 0:
+        rows = []
+        for comp, _, _, times in runs:
+            times.sort()
+            rows.append({"compression": comp, "median_ms": 1e3 * times[len(times) // 2],
+                         "mean_ms": 1e3 * sum(times) / len(times)})
+        with open(out, "w") as f:
+            json.dump({"ranks": hvd.size(), "iters": iters, "rows": rows}, f)
+    hvd.shutdown()
+    return 0
+
+
+def step_times(ranks: int, iters: int, compressions: str, timeout: float) -> dict | None:
+    """Interleaved ``optimizer.step()`` times per compressor (see the module's docstring)."""
+    res = launch_json(ranks, [os.path.abspath(__file__), "--rank-steps", str(iters),
+                              compressions], "step times", timeout)
+    if res is not None:
+        base = res["rows"][0]["median_ms"]
+        print(f"# optimizer.step() at n={ranks}, {iters} interleaved steps (rank 0)")
+        print("| compression | median ms | mean ms | median vs " + res["rows"][0]["compression"]
+              + " |\n|---|---:|---:|---:|")
+        for row in res["rows"]:
+            print(f"| {row['compression']} | {row['median_ms']:.3f} | {row['mean_ms']:.3f} | "
+                  f"{row['median_ms'] / base:.2f}x |")
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     parser.add_argument("--out", default="docs", help="folder for the JSON and the PNG")
     parser.add_argument("--replot", default=None, help="plot an earlier JSON instead")
+    parser.add_argument("--step-times", type=int, default=0, metavar="ITERS",
+                        help="time optimizer.step() per compressor instead (interleaved)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--rank-steps"]:
+        return step_times_rank(argv[1:])
     a = parser.parse_args(argv)
+    if a.step_times:
+        return 0 if step_times(a.ranks, a.step_times, a.compressions, a.timeout) else 1
     if a.replot:
         with open(a.replot) as f:
             result = json.load(f)

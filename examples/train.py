@@ -113,8 +113,8 @@ def compressor(spec: str, feedback: bool = True) -> object:
     try:
         if name in ("none", "fp16") and not ratio:
             return getattr(hvd.Compression, name)
-        if name in CODEC_NAMES and not ratio:
-            return hvd.Compression.from_codec(name, feedback)
+        if name in CODEC_NAMES:          # with options: "int8:512:stochastic", "onebit:64"
+            return hvd.Compression.from_codec(spec, feedback)
         if name in ("topk", "randomk") and ratio:
             return getattr(hvd.Compression, name)(float(ratio), feedback=feedback)
     except ValueError as exc:
@@ -154,8 +154,8 @@ def main() -> int:
                         help="exit with status 1 below this final test accuracy")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--compression", default="none",
-                        help="none (default), fp16, bf16, int8, onebit, topk:RATIO, "
-                             "randomk:RATIO")
+                        help="none (default), fp16, bf16, int8[:CHUNK][:stochastic], "
+                             "onebit[:CHUNK], topk:RATIO, randomk:RATIO")
     parser.add_argument("--no-error-feedback", action="store_true",
                         help="codec compressors without error feedback")
     parser.add_argument("--json", default=None, help="rank 0 writes the run's record here")

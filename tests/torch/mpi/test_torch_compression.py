@@ -214,3 +214,32 @@ def test_wrong_uses_raise_on_every_rank():
         with pytest.raises(hvd.CollectiveError, match=r"1 rank\(s\) called hvd.join\(\)"):
             opt.step()
         hvd.join()
+
+
+def test_process_set_reduces_over_its_ranks_only():
+    n, rank = hvd.size(), hvd.rank()
+    if n < 3:
+        pytest.skip("needs 3 ranks (a set smaller than the world)")
+    members = list(range(n - 1))
+    ps = hvd.add_process_set(members)
+    sub = MPI.COMM_WORLD.Split(0 if rank in members else MPI.UNDEFINED, rank)
+    try:
+        if rank not in members:
+            return
+        p = torch.nn.Parameter(torch.zeros(301))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.0),
+                                       named_parameters=[("p", p)],
+                                       compression=hvd.Compression.int8, process_set=ps)
+        ref_fb = compression.ErrorFeedback()
+        for step in range(2):
+            g = coef(rank, step, 0, "p", (301,), torch.float32)
+            p.grad = g.clone()
+            opt.step()
+            expected = compression.allreduce(g.numpy().copy(), op="average", comm=sub,
+                                             compression="int8", feedback=ref_fb, key="p")
+            assert np.array_equal(p.grad.numpy(), expected), step
+            assert np.array_equal(opt.error_feedback.residual("p"), ref_fb.residual("p"))
+    finally:
+        if sub != MPI.COMM_NULL:
+            sub.Free()
+        hvd.remove_process_set(ps)
