@@ -11,6 +11,7 @@ payload) without touching any algorithm.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ from mpi4py import MPI
 
 from . import buffers
 
-__all__ = ["Op", "OPS", "resolve_op", "SUM", "PROD", "MIN", "MAX", "AVERAGE",
+__all__ = ["Op", "OPS", "resolve_op", "scaled_sum", "SUM", "PROD", "MIN", "MAX", "AVERAGE",
            "BAND", "BOR", "BXOR"]
 
 _KIND_NAMES = {"b": "bool", "i": "signed integer", "u": "unsigned integer",
@@ -67,6 +68,33 @@ class Op:
             xp.floor_divide(result, nranks, out=result)
         else:
             xp.true_divide(result, result.dtype.type(nranks), out=result)
+
+
+@dataclass(frozen=True, eq=False)
+class _ScaledSum(Op):
+    """A sum whose result is multiplied by ``factor`` (:func:`scaled_sum`)."""
+
+    factor: float = 1.0
+
+    def finalize(self, result: Any, nranks: int) -> None:
+        """Multiply ``result`` by ``factor`` in place, in its own dtype (once per element:
+        the algorithms that scale shards call it on this rank's shard only)."""
+        xp = buffers.array_module(result)
+        xp.multiply(result, result.dtype.type(self.factor), out=result)
+
+
+@functools.lru_cache(maxsize=64)
+def scaled_sum(factor: float) -> Op:
+    """A floating-point sum multiplied by ``factor`` at the end, on each rank's shard.
+
+    Horovod's ``Average`` (``factor = postscale / size``) and ``postscale_factor`` as one
+    op: the algorithms that apply ``finalize`` per shard (ring, Rabenseifner,
+    hierarchical, shm) scale 1/n of the buffer on each rank instead of a pass over all
+    of it afterwards. ``x * factor`` in the buffer's dtype (not ``x / size``: the
+    rounding Horovod's scaling gives). Applied only when the communicator has more than
+    one rank. The same object for the same factor, so calls with it are cached.
+    """
+    return _ScaledSum("scaled_sum", "add", "fc", MPI.SUM, averages=True, factor=float(factor))
 
 
 SUM = Op("sum", "add", "iufc", MPI.SUM)

@@ -134,8 +134,8 @@ def _timed(tracker: Tracker, info: CallInfo, run: Callable[..., Any]) -> Callabl
     history = tracker.history
     clock = time.perf_counter
     name, track = info.collective, tracker.name
-    args = {"algorithm": info.resolved, "bytes": info.nbytes, "count": info.count,
-            "dtype": _dtype_name(info.dtype)}
+    described = {"algorithm": info.resolved, "bytes": info.nbytes, "count": info.count,
+                 "dtype": _dtype_name(info.dtype)}
 
     def call(*args: Any) -> Any:
         seq = tracker.entered + 1
@@ -146,6 +146,7 @@ def _timed(tracker: Tracker, info: CallInfo, run: Callable[..., Any]) -> Callabl
             return run(*args)
         finally:
             tracker.done = seq
-            timeline.event(name, begin, clock(), track=track, args={**args, "seq": seq})
+            timeline.event(name, begin, clock(), track=track,
+                           args={**described, "seq": seq})
 
     return call

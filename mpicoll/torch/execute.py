@@ -23,12 +23,13 @@ from mpi4py import MPI
 from .. import collectives, timeline
 from ..buffers import IN_PLACE
 from ..errors import CollectiveError, MismatchError, RemoteError
+from ..ops import scaled_sum
 from . import trace
 from .adasum import adasum_allreduce
 from .dtypes import from_name, numpy_view, reduce_dtype
 from .fusion import numel, plan_buckets
 from .negotiation import JOIN, Response
-from .ops import Adasum, Average, ReduceOp, mpicoll_op
+from .ops import Adasum, Average, ReduceOp, Sum, mpicoll_op
 from .settings import Settings
 
 __all__ = ["run_responses", "EngineInterface"]
@@ -225,6 +226,18 @@ def _finalize(flat: torch.Tensor, op: ReduceOp, postscale: float, size: int) -> 
     _scale(flat, postscale / size if average else postscale)
 
 
+def _passed_down(op: ReduceOp, postscale: float, dtype: torch.dtype, size: int) -> Any:
+    """The core op that folds Average's division and ``postscale`` into the all-reduce
+    (:func:`mpicoll.ops.scaled_sum`: multiplied on each rank's shard by the algorithms
+    that scale shards), or ``None`` when :func:`_finalize` must do it afterwards (integer
+    and float16 buffers, whose scaling torch computes in another dtype; other ops;
+    nothing to scale)."""
+    if dtype not in (torch.float32, torch.float64) or int(op) not in (int(Average), int(Sum)):
+        return None
+    factor = postscale / size if int(op) == int(Average) else postscale
+    return None if factor == 1.0 else scaled_sum(factor)
+
+
 def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
     meta = _first_meta(bucket[0])
     dtype = from_name(meta.dtype)
@@ -258,6 +271,7 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
             offset += n
         in_place = False
     _scale(flat, meta.prescale)
+    scaled = False
     if flat.numel() and engine.size > 1:
         array = engine.persistent_view(flat) if in_place and meta.layout else numpy_view(flat)
         if adasum:
@@ -265,10 +279,13 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
             adasum_allreduce(array, [n for _, n in segments], engine.comm)
         else:
             trace.step("MPI_ALLREDUCE")
-            collectives.allreduce(IN_PLACE, array, op=mpicoll_op(op), comm=engine.comm,
-                                  algorithm=engine.settings.algorithm)
+            core_op = _passed_down(op, meta.postscale, flat.dtype, engine.size)
+            scaled = core_op is not None
+            collectives.allreduce(IN_PLACE, array, op=core_op or mpicoll_op(op),
+                                  comm=engine.comm, algorithm=engine.settings.algorithm)
     trace.step(None if in_place else "MEMCPY_OUT_FUSION_BUFFER")
-    _finalize(flat, op, meta.postscale, engine.size)
+    if not scaled:
+        _finalize(flat, op, meta.postscale, engine.size)
     for response, work, (offset, n) in zip(bucket, works, segments):
         if work is None:
             continue

@@ -6,7 +6,7 @@ import pytest
 
 import mpicoll
 
-from cases import (ALL_DTYPES, COMM, COUNTS, RANK, applicable, describe,
+from cases import (ALL_DTYPES, COMM, COUNTS, RANK, SIZE, applicable, describe,
                    gather_inputs, make_data, reference_reduce, same_on_all_ranks)
 
 pytestmark = pytest.mark.mpi
@@ -155,3 +155,20 @@ def test_persistent_allreduce_rejects_bad_arguments_at_planning():
         mpicoll.allreduce_init(np.ones(3), np.ones(4))
     call = mpicoll.allreduce_init(np.ones(3))   # allocates one output, reused
     assert call() is call()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_scaled_sum_scales_once_after_the_sum(algorithm):
+    """``op=scaled_sum(f)`` (the torch adapter's Average/postscale, applied per shard by the
+    algorithms that scale shards): the exact sum times ``f`` in the buffer's dtype."""
+    from mpicoll.ops import scaled_sum  # noqa: PLC0415
+
+    factor = 1 / (3 * SIZE)
+    for dtype in (np.float32, np.float64):
+        for count in (1, 2 * SIZE + 3, 1001):
+            x = make_data(RANK, count, 1, np.int32).astype(dtype)  # integers: exact sums
+            expected = reference_reduce(gather_inputs(x), "sum")
+            if SIZE > 1:
+                expected = expected * dtype(factor)
+            got = mpicoll.allreduce(x, op=scaled_sum(factor), algorithm=algorithm)
+            assert np.array_equal(got, expected), (algorithm, dtype, count)
