@@ -243,3 +243,31 @@ def test_process_set_reduces_over_its_ranks_only():
         if sub != MPI.COMM_NULL:
             sub.Free()
         hvd.remove_process_set(ps)
+
+
+class Halving(hvd.Compressor):
+    """A user-defined Horovod-style compressor: sends half the gradient, doubles it back."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor / 2, "halved"
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        assert ctx == "halved"
+        return tensor * 2
+
+
+def test_horovod_style_compressors_still_work():
+    n, rank = hvd.size(), hvd.rank()
+    for comp, tol in ((Halving, 1e-6), (hvd.Compression.fp16, 2e-3)):
+        named = make_params()[:3]
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.0),
+                                       named_parameters=named, compression=comp)
+        assert opt.error_feedback is None and opt.compression_stats == []
+        opt.zero_grad()
+        backward(named, rank, 0, 1)
+        opt.step()
+        for name, p in named:
+            exact = sum(coef(r, 0, 0, name, tuple(p.shape), p.dtype) for r in range(n)) / n
+            assert torch.allclose(p.grad, exact, rtol=tol, atol=tol), (comp, name)
