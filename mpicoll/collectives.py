@@ -284,19 +284,34 @@ def _allreduce_steps(ctx: CommContext, send: Any, recv: Any, result: Any, opo: A
     return Plan(None, None, None, True, *fields, op=opo.name, remake=remake, shaped=shaped)
 
 
+#: Arrays up to this size are remembered by a call by shape (to notice them coming back).
+_KEEP_LAST_BYTES = fastpath.MAX_BYTES // 4
+
+
 def _allreduce_shaped(ctx: CommContext, algorithm_fn: Callable, opo: Any, options: dict,
                       trivial: bool, scale: bool, dtype: np.dtype) -> Callable[[Any, Any], Any]:
     """The all-reduce planned here, as a function of new numpy arrays of the same shape
     and dtype (:func:`mpicoll.fastpath.run_shaped`): C-contiguous ``sendbuf``; ``recvbuf``
     ``None`` (a new result) or a writable C-contiguous array of ``dtype`` that does not
-    overlap ``sendbuf``. Anything else returns ``MISS`` (the slow path validates it)."""
+    overlap ``sendbuf``. Anything else returns ``MISS`` (the slow path validates it), and
+    so do the arrays of the previous call coming back (the slow path then caches them by
+    identity: a loop over the same arrays ends up on the identity cache, even after its
+    entry was evicted)."""
     size = ctx.size
     empty = np.empty
     overlap = np.may_share_memory
+    last: list = [None, None]  # the arrays of the last call, when small enough to keep
 
     def shaped(sendbuf: Any, recvbuf: Any) -> Any:
+        if sendbuf is last[0] and recvbuf is last[1]:
+            # the same arrays twice in a row: the slow path caches them by identity
+            # (cheaper from then on), instead of this running for them forever
+            last[0] = None
+            return MISS
         if not sendbuf.flags.c_contiguous:
             return MISS
+        if sendbuf.nbytes <= _KEEP_LAST_BYTES:
+            last[0], last[1] = sendbuf, recvbuf
         if recvbuf is None:
             recvbuf = empty(sendbuf.shape, dtype)
         else:

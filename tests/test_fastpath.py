@@ -262,3 +262,15 @@ def test_calls_by_shape_are_forgotten_with_the_cache(monkeypatch):
     fastpath.invalidate()
     mpicoll.allreduce(np.ones(5))
     assert len(planned) == 2
+
+
+def test_the_same_arrays_again_go_to_the_identity_cache():
+    """A loop over the same arrays ends on the cheaper identity cache even when a call by
+    shape took them first (a first call of their shape with other arrays, an eviction)."""
+    mpicoll.allreduce(np.ones(5), np.empty(5))  # plans shape (5,)
+    x, y = np.arange(5.0), np.empty(5)
+    mpicoll.allreduce(x, y)  # by shape
+    assert fastpath.lookup("allreduce", x, y, "sum", "auto", None) is None
+    mpicoll.allreduce(x, y)  # the same arrays again: planned, cached by identity
+    assert fastpath.lookup("allreduce", x, y, "sum", "auto", None) is not None
+    assert mpicoll.allreduce(x, y).tolist() == [0, 1, 2, 3, 4]
