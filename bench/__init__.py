@@ -33,4 +33,5 @@ BENCHMARKS = {
     "reduce": "osu_reduce", "osu_reduce": "osu_reduce",
     "overhead": "overhead", "tune": "tune", "make_docs": "make_docs", "report": "report",
     "torch": "bench_torch", "ps": "bench_ps", "compression": "compression", "soak": "soak",
+    "compression_training": "compression_training",
 }

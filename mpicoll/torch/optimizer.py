@@ -385,7 +385,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
             gradients averaged through a :class:`mpicoll.ps.ParameterServer` built from
             ``ps_options`` (see :func:`mpicoll.ps.torch_optimizer.distributed_optimizer`; e.g.
             ``num_servers="colocated"``, ``server_optimizer="adam"``, ``lr=...``).
-        ps_options: the parameter server's options (only with ``backend="ps"``).
+        ps_options: the parameter server's options (only with ``backend="ps"``). With
+            ``backend="ps"``, ``compression`` (``Compression.fp16`` or a codec compressor)
+            compresses the server's pushes and pulls, with error feedback on both sides
+            (docs/ps.md, *Compression*); a compressor without a codec is refused.
     Returns:
         An instance of a subclass of ``type(optimizer)``.
     Raises:
@@ -395,15 +398,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
             compressor with parameters that are not float32/float64 CPU tensors.
     """
     if backend == "ps":
-        if (compression is not Compression.none or backward_passes_per_step != 1
+        if (backward_passes_per_step != 1
                 or op is not Average or gradient_predivide_factor != 1.0 or num_groups
                 or groups is not None or sparse_as_dense or process_set is not None):
             raise ValueError("backend='ps' averages dense gradients through mpicoll.ps; "
-                             "compression, backward_passes_per_step, op, "
+                             "backward_passes_per_step, op, "
                              "gradient_predivide_factor, num_groups, groups, "
                              "sparse_as_dense and process_set are for backend='allreduce'")
         from ..ps.torch_optimizer import distributed_optimizer  # noqa: PLC0415  (optional layer)
 
+        if compression is not Compression.none:  # the server compresses pushes and pulls
+            ps_options["compression"] = compression
         return distributed_optimizer(optimizer, named_parameters, **ps_options)
     if backend != "allreduce":
         raise ValueError(f"backend must be 'allreduce' or 'ps', not {backend!r}")

@@ -183,7 +183,7 @@ def test_distributed_optimizer_backend_argument_errors():
     with pytest.raises(TypeError, match="need backend='ps'"):
         DistributedOptimizer(opt, num_servers=1)
     with pytest.raises(ValueError, match="backend='allreduce'"):
-        DistributedOptimizer(opt, backend="ps", compression=Compression.fp16)
+        DistributedOptimizer(opt, backend="ps", backward_passes_per_step=2)
     with pytest.raises(ValueError, match="must be unique"):
         DistributedOptimizer(opt, named_parameters=[("w", p) for p in model.parameters()],
                              backend="ps")

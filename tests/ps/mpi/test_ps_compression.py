@@ -272,24 +272,33 @@ def test_torch_front_ends_take_compression():
     compression = "int8" if int8 is None else int8
     if int8 is not None:
         assert codec_option(int8).name == "int8"
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
-    opt = distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                named_parameters=model.named_parameters(),
-                                num_servers=COLOCATED, compression=compression)
-    try:
-        gen = torch.Generator().manual_seed(10 + RANK)
-        for _ in range(2):
-            x, y = torch.randn(8, 5, generator=gen), torch.randn(8, 2, generator=gen)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-        stats = opt.stats()
-    finally:
-        opt.close()
-        opt.free()
-    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-    for other in COMM.allgather(mine):
-        np.testing.assert_array_equal(other, mine)
-    assert stats["compression"] == "int8"
-    assert stats["worker"]["bytes_sent"] < stats["worker"]["bytes_sent_uncompressed"]
+    from mpicoll.torch import DistributedOptimizer
+
+    for front in ("mpicoll.ps", "hvd.DistributedOptimizer(backend='ps')"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(),
+                                    torch.nn.Linear(4, 2))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        if front == "mpicoll.ps":
+            opt = distributed_optimizer(sgd, named_parameters=model.named_parameters(),
+                                        num_servers=COLOCATED, compression=compression)
+        else:  # Horovod's front end passes compression= through to the server
+            opt = DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
+                                       backend="ps", num_servers=COLOCATED,
+                                       compression=compression)
+        try:
+            gen = torch.Generator().manual_seed(10 + RANK)
+            for _ in range(2):
+                x, y = torch.randn(8, 5, generator=gen), torch.randn(8, 2, generator=gen)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            stats = opt.stats()
+        finally:
+            opt.close()
+            opt.free()
+        mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        for other in COMM.allgather(mine):
+            np.testing.assert_array_equal(other, mine)
+        assert stats["compression"] == "int8", front
+        assert stats["worker"]["bytes_sent"] < stats["worker"]["bytes_sent_uncompressed"]
