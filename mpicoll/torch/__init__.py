@@ -38,6 +38,7 @@ from .state import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gl
                     gloo_enabled, init, is_initialized, local_rank, local_size, mpi_built,
                     mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
                     size, start_timeline, stop_timeline)
+from .sparse import sparse_allreduce_async
 from .sync_batch_norm import SyncBatchNorm
 from ..errors import CollectiveError, MismatchError, RemoteError
 
@@ -50,7 +51,7 @@ __all__ = ["init", "shutdown", "is_initialized", "start_timeline", "stop_timelin
            "rocm_built",
            "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather",
            "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-           "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+           "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "sparse_allreduce_async",
            "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
            "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
            "grouped_reducescatter", "grouped_reducescatter_async",

@@ -438,6 +438,8 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
 
 def poll(handle: int) -> bool:
     """Whether the operation of ``handle`` has finished (``synchronize`` will not block)."""
+    if callable(handle):                   # a sparse_allreduce_async handle (mpicoll.torch.sparse)
+        return bool(handle.poll())
     future = handles.lookup(handle)
     if not future.done():
         (future.owner or engine()).poke()
@@ -465,6 +467,8 @@ def synchronize(handle: int) -> Any:
         mpicoll.MismatchError: ranks disagreed about this operation (on every rank).
         mpicoll.CollectiveError: it can never complete, or the engine stopped.
     """
+    if callable(handle):                   # a sparse_allreduce_async handle (mpicoll.torch.sparse)
+        return handle()
     future = handles.lookup(handle)
     try:
         _wait(future)

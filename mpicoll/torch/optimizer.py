@@ -40,6 +40,7 @@ from .negotiation import Meta
 from .ops import Average, resolve_reduce_op
 from .optim_wrapping import check_named_parameters, wrap_optimizer
 from .process_sets import check_usable, scoped
+from .sparse import SparseGradients
 from .state import engine
 
 __all__ = ["DistributedOptimizer"]
@@ -82,6 +83,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._codec_grads = None
+        self._sparse = None             # sparse gradients (sparse_as_dense=False): .sparse
+        if not self._sparse_as_dense and not isinstance(compression, CodecCompressor):
+            self._sparse = SparseGradients(self._params, self._views,
+                                           {p: by_id[id(p)] for p in self._params},
+                                           process_set)
         if isinstance(compression, CodecCompressor):
             self._codec_grads = CompressedGradients(
                 compression, self._flat, self._params, {p: by_id[id(p)] for p in self._params},
@@ -131,9 +137,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _dense_grad(self, p: torch.Tensor) -> torch.Tensor | None:
         grad = p.grad
         if grad is not None and grad.is_sparse:
-            if not self._sparse_as_dense:
-                raise TypeError("sparse gradients are reduced only with "
-                                "DistributedOptimizer(..., sparse_as_dense=True)")
+            if not self._sparse_as_dense:    # only with a codec compressor
+                raise TypeError("with a codec compressor, sparse gradients are reduced only "
+                                "with DistributedOptimizer(..., sparse_as_dense=True)")
             grad = p.grad = grad.to_dense()
         return grad
 
@@ -143,6 +149,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return 1.0, 1.0
 
     def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[int, Any]:
+        if self._sparse is not None and self._sparse.routes(p):
+            return self._sparse.submit(p, self.op), (None, None)
         if self._dense_grad(p) is None:
             p.grad = torch.zeros_like(p)
         compressed, ctx = self._compression.compress(p.grad)
@@ -164,7 +172,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _fill_flat(self, flat: "_FlatGradients") -> None:
         """Make every parameter's gradient its view of ``flat`` again (zeros for none)."""
         for p, view in zip(flat.params, flat.views):
-            if p.grad is not view:
+            if p not in self._views:           # sparse: a zero slot until the rebuild
+                view.zero_()
+            elif p.grad is not view:
                 grad = self._dense_grad(p)
                 if grad is None:
                     view.zero_()
@@ -215,12 +225,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 except Exception as exc:  # noqa: BLE001  (the first is raised below)
                     errors.append(exc)
                     continue
+                if ctx is None and output is not None and output.is_sparse:
+                    target.grad = output         # a sparse gradient, reduced
+                    continue
                 grad = target.buffer if isinstance(target, _FlatGradients) else target.grad
                 if output is not grad:
                     grad.copy_(self._compression.decompress(output, ctx))
         if errors:
             raise errors[0]
+        if self._sparse is not None and self._sparse.step_done():
+            self._rebuild_flat()
         self._synchronized = True
+
+    def _rebuild_flat(self) -> None:
+        """Lay the flat buffers out again without the parameters found sparse (their
+        reduced gradients are copied into the new views)."""
+        self._flat = _flat_gradients([p for p in self._params if p not in self._sparse.sparse],
+                                     self._names)
+        self._views.clear()
+        self._views.update((p, view) for flat in self._flat
+                           for p, view in zip(flat.params, flat.views))
+        self._metas.clear()
+        self._mode_engine = None
 
     def _synchronize_compressed(self) -> None:
         """Reduce the flat buffers with the codec compressor (see :mod:`.compressed`)."""
@@ -281,7 +307,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 def _wait(handle: Any) -> Any:
     """The result of a handle (an ``int``) or of a future submitted to the engine directly."""
-    if isinstance(handle, int):
+    if isinstance(handle, int) or callable(handle):   # callable: a sparse handle
         return mpi_ops.synchronize(handle)
     handle.owner.wait(handle)
     if handle.error is not None:
