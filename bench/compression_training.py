@@ -4,7 +4,8 @@ wall time.
 For each seed (outer loop) and each ``--compressions`` entry (inner loop, so the
 compressors interleave and share the machine's load), one ``mpirun -n RANKS`` run of
 ``examples/train.py --compression C --seed S --json FILE`` with the same epochs and batch
-(an entry ``C-noef`` adds ``--no-error-feedback``);
+(an entry ``C-noef`` adds ``--no-error-feedback``, ``C-mom``/``C-nomom``
+``--compress-momentum yes``/``no``; onebit compresses the local momentum by default);
 then a summary per compressor (final test accuracy per seed and its difference from
 ``none``, bytes rank 0 sent per step, samples per second = total samples / total time of
 the training steps over every seed), written to ``--out/compression_training.json``, and
@@ -38,9 +39,28 @@ DEFAULT_COMPRESSIONS = "none,fp16,int8,onebit,topk:0.01"
 NO_FEEDBACK = "-noef"
 
 
+#: Suffixes forcing ``examples/train.py --compress-momentum yes`` / ``no`` (default: auto,
+#: which compresses the local momentum for onebit only).
+MOMENTUM, NO_MOMENTUM = "-mom", "-nomom"
+
+
 def label(rec: dict) -> str:
-    """A run's compressor, with ``-noef`` when it ran without error feedback."""
-    return rec["compression"] + ("" if rec.get("error_feedback", True) else NO_FEEDBACK)
+    """A run's compressor, with ``-noef`` when it ran without error feedback and ``-mom``
+    when it compressed the ranks' local momentum instead of their gradients."""
+    return (rec["compression"] + ("" if rec.get("error_feedback", True) else NO_FEEDBACK)
+            + (MOMENTUM if rec.get("compress_momentum") else ""))
+
+
+def parse_entry(comp: str) -> tuple[str, list[str]]:
+    """``(codec spec, extra examples/train.py arguments)`` of a ``--compressions`` entry."""
+    extra = []
+    for suffix, args in ((NO_MOMENTUM, ["--compress-momentum", "no"]),
+                         (MOMENTUM, ["--compress-momentum", "yes"]),
+                         (NO_FEEDBACK, ["--no-error-feedback"])):
+        if comp.endswith(suffix):
+            comp = comp[:-len(suffix)]
+            extra += args
+    return comp, extra
 
 
 def run(ranks: int, compressions: list[str], seeds: list[int], epochs: int,
@@ -49,12 +69,9 @@ def run(ranks: int, compressions: list[str], seeds: list[int], epochs: int,
     records = []
     for seed in seeds:
         for comp in compressions:
-            spec, no_feedback = (comp[:-len(NO_FEEDBACK)], True) if comp.endswith(NO_FEEDBACK) \
-                else (comp, False)
+            spec, extra = parse_entry(comp)
             args = ["examples/train.py", "--compression", spec, "--seed", str(seed),
-                    "--epochs", str(epochs), "--min-accuracy", "0"]
-            if no_feedback:
-                args.append("--no-error-feedback")
+                    "--epochs", str(epochs), "--min-accuracy", "0"] + extra
             rec = launch_json(ranks, args, f"{comp} seed {seed}", timeout)
             if rec is not None:
                 records.append(rec)

@@ -15,9 +15,10 @@ with status 1 if the final test accuracy is below ``--min-accuracy``.
 
 ``--compression`` picks the gradient compressor: Horovod's ``none`` (default) and ``fp16``,
 or mpicoll's codecs ``bf16``, ``int8``, ``onebit``, ``topk:RATIO``, ``randomk:RATIO`` (with
-error feedback unless ``--no-error-feedback``). ``--json FILE`` makes rank 0 write the run's
-record: loss against training wall time per epoch, final accuracy, samples per second and
-the bytes rank 0 sent per step.
+error feedback unless ``--no-error-feedback``; onebit compresses each rank's local
+momentum instead of its gradient, ``--compress-momentum``). ``--json FILE`` makes rank 0
+write the run's record: loss against training wall time per epoch, final accuracy, samples
+per second and the bytes rank 0 sent per step.
 
 Without scikit-learn (``pip install scikit-learn``) it falls back to a synthetic 10-class
 task of the same shape (``--dataset synthetic``).
@@ -103,8 +104,9 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 CODEC_NAMES = ("bf16", "int8", "onebit")
 
 
-def compressor(spec: str, feedback: bool = True) -> object:
-    """The ``hvd.Compression`` object for ``--compression`` ``spec``.
+def compressor(spec: str, feedback: bool = True, momentum: float = 0.0) -> object:
+    """The ``hvd.Compression`` object for ``--compression`` ``spec`` (codecs: compressing
+    the ranks' local momentum ``m = momentum m + g`` when ``momentum`` > 0).
 
     Raises:
         argparse.ArgumentTypeError: an unknown name or a bad ratio.
@@ -114,9 +116,10 @@ def compressor(spec: str, feedback: bool = True) -> object:
         if name in ("none", "fp16") and not ratio:
             return getattr(hvd.Compression, name)
         if name in CODEC_NAMES:          # with options: "int8:512:stochastic", "onebit:64"
-            return hvd.Compression.from_codec(spec, feedback)
+            return hvd.Compression.from_codec(spec, feedback, momentum)
         if name in ("topk", "randomk") and ratio:
-            return getattr(hvd.Compression, name)(float(ratio), feedback=feedback)
+            return getattr(hvd.Compression, name)(float(ratio), feedback=feedback,
+                                                  momentum=momentum)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"--compression {spec}: {exc}") from None
     raise argparse.ArgumentTypeError(
@@ -158,13 +161,22 @@ def main() -> int:
                              "onebit[:CHUNK], topk:RATIO, randomk:RATIO")
     parser.add_argument("--no-error-feedback", action="store_true",
                         help="codec compressors without error feedback")
+    parser.add_argument("--compress-momentum", choices=("auto", "yes", "no"), default="auto",
+                        help="codec compressors: compress each rank's local momentum "
+                             "instead of its gradient (Compression...with_momentum); auto: "
+                             "yes for onebit, no for the others")
     parser.add_argument("--json", default=None, help="rank 0 writes the run's record here")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     hvd.init()
     try:
-        compression = compressor(args.compression, not args.no_error_feedback)
+        compress_momentum = args.momentum > 0 and args.compression.split(":")[0] in \
+            CODEC_NAMES + ("topk", "randomk") and (
+                args.compress_momentum == "yes" or
+                (args.compress_momentum == "auto" and args.compression.startswith("onebit")))
+        compression = compressor(args.compression, not args.no_error_feedback,
+                                 args.momentum if compress_momentum else 0.0)
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
     per_rank = max(1, args.batch // hvd.size())
@@ -193,7 +205,8 @@ def main() -> int:
         print(f"data: {desc}; model: {sum(p.numel() for p in model.parameters())} parameters; "
               f"{hvd.size()} ranks x batch {per_rank}; epochs {start_epoch}..{args.epochs}; "
               f"compression {args.compression}"
-              f"{' without error feedback' if args.no_error_feedback else ''}", flush=True)
+              f"{' without error feedback' if args.no_error_feedback else ''}"
+              f"{' (local momentum compressed)' if compress_momentum else ''}", flush=True)
     started = time.perf_counter()
     train_seconds, steps, mine, log = 0.0, 0, 0, []
     for epoch in range(start_epoch, args.epochs):
@@ -237,6 +250,7 @@ def main() -> int:
             with open(args.json, "w") as f:
                 json.dump({"compression": args.compression,
                            "error_feedback": not args.no_error_feedback,
+                           "compress_momentum": compress_momentum,
                            "ranks": hvd.size(), "epochs": args.epochs, "seed": args.seed,
                            "batch": args.batch, "dataset": desc,
                            "final_accuracy": accuracy, "steps": steps, "samples": samples,

@@ -15,6 +15,18 @@ its residual is one array; each parameter's residual in the store is its slice (
 of that array. Residuals put into the store by hand (or stored for another run layout)
 are copied into the run's array before the next reduction.
 
+Momentum (``CodecCompressor.momentum = beta > 0``, e.g.
+``Compression.onebit.with_momentum(0.9)``): each rank keeps a local momentum
+``m = beta m + g`` per element of the flat buffers and the runs compress ``m`` (error
+feedback then keeps what was dropped of ``m``); after the reduction to ``M`` the gradient
+handed to the optimizer is ``M - beta M_prev``, ``M_prev`` being the previous step's
+reduced momentum (the same bits on every rank). Uncompressed this equals the reduced
+gradient; with ``SGD(momentum=beta)`` the optimizer's buffer becomes ``M``. Compressing
+gradients and applying momentum after made onebit + error feedback diverge on
+``examples/train.py``: the optimizer's momentum integrates the error-feedback residual
+(parameters end ``lr e / (1 - beta)`` away from the error-free trajectory instead of
+``lr e``), see docs/compression.md.
+
 Order and agreement: every reduction starts with one tiny all-reduce through the engine
 (``allreduce.__compressed__``, whose layout names the codec, the op and the parameters), so
 ranks with different models or codecs get ``MismatchError`` on every rank, and a rank
@@ -89,6 +101,9 @@ class _Run(NamedTuple):
     key: str                 # the run's residual key: "<buffer name>[lo:hi]"
     buffer: torch.Tensor     # the run's slice of the flat gradient buffer
     slots: tuple             # _Slot per parameter
+    flat: str                # the flat buffer's name
+    lo: int                  # the run's element range in the flat buffer
+    hi: int
 
 
 class CompressedGradients:
@@ -136,7 +151,11 @@ class CompressedGradients:
         self._views: dict[str, tuple[str, np.ndarray]] = {}  # name -> (run key, view)
         described = repr([(names[p], tuple(p.shape), str(p.dtype)) for flat in flats
                           for p in flat.params]).encode()
+        self._beta = float(getattr(compressor, "momentum", 0.0))
+        #: Local momentum and previous reduced momentum per flat buffer (momentum > 0).
+        self._momentum: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._layout = (f"{compressor.name} {self._opname} feedback={compressor.feedback}, "
+                        f"momentum={self._beta!r}, "
                         f"crc32 {zlib.crc32(described):08x}")
         self._one = torch.ones(1, dtype=torch.int32)
         self._present = torch.zeros(1, dtype=torch.int32)
@@ -170,12 +189,22 @@ class CompressedGradients:
         agree(get_context(comm), error, collective="DistributedOptimizer compression",
               count=sum(a.size for a, _, _ in prepared), algorithm=codec.name)
         self.stats = []
-        for array, feedback, key in prepared:
+        for run, (array, feedback, key) in zip(runs, prepared, strict=True):
             if self._pre != 1.0:
                 np.multiply(array, self._pre, out=array)
+            if self._beta:
+                local, previous = self._momentum_of(run)
+                np.multiply(local, self._beta, out=local)      # m = beta m + g
+                np.add(local, array, out=local)
+                np.copyto(array, local)
             codecs.allreduce(IN_PLACE, array, op=self._opname, comm=comm, compression=codec,
                              feedback=feedback, key=key, check=False)
             self.stats.append(codecs.last_stats())
+            if self._beta:                                     # g = M - beta M_prev
+                reduced = array.copy()
+                np.multiply(previous, self._beta, out=previous)
+                np.subtract(array, previous, out=array)
+                np.copyto(previous, reduced)
             if self._post != 1.0:
                 np.multiply(array, self._post / comm.Get_size(), out=array)
 
@@ -206,9 +235,20 @@ class CompressedGradients:
                 lo, hi = starts[r.start], starts[r.stop]
                 slots = tuple(_Slot(self._names[flat.params[i]], starts[i] - lo,
                                     starts[i + 1] - lo) for i in r)
-                runs.append(_Run(f"{flat.name}[{lo}:{hi}]", flat.buffer[lo:hi], slots))
+                runs.append(_Run(f"{flat.name}[{lo}:{hi}]", flat.buffer[lo:hi], slots,
+                                 flat.name, lo, hi))
         self._runs[threshold] = runs
         return runs
+
+    def _momentum_of(self, run: _Run) -> tuple[np.ndarray, np.ndarray]:
+        """Views of ``run``'s elements in the local momentum and the previous reduced
+        momentum of its flat buffer (zeros on first use)."""
+        state = self._momentum.get(run.flat)
+        if state is None:
+            flat = next(f for f in self._flats if f.name == run.flat)
+            size, dtype = flat.buffer.numel(), numpy_view(flat.buffer).dtype
+            state = self._momentum[run.flat] = (np.zeros(size, dtype), np.zeros(size, dtype))
+        return state[0][run.lo:run.hi], state[1][run.lo:run.hi]
 
     def _feedback_for(self, run: _Run, array: np.ndarray) -> tuple[Any, Any]:
         """``(feedback, key)`` for :func:`mpicoll.compression.allreduce` on ``run``.

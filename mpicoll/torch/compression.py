@@ -98,17 +98,35 @@ class CodecCompressor(Compressor):
             ``"onebit"``, ``"topk:0.01"``...; see :func:`mpicoll.compression.get_codec`).
         feedback: keep what compression dropped and add it to the next step's gradient
             (default: on for lossy codecs, which is every codec but ``none``).
+        momentum: ``0.0`` (default): each rank compresses its gradient. ``beta`` in
+            (0, 1): each rank compresses its *local momentum* ``m = beta m + g`` (error
+            feedback then keeps what compression dropped of ``m``), the ranks' momenta are
+            reduced to ``M``, and the optimizer receives ``M - beta M_prev`` (``M_prev``:
+            the previous step's reduced momentum), which an ``SGD(momentum=beta)`` turns
+            back into ``M``. Uncompressed this is exactly the reduced gradient, for any
+            optimizer; compressed, the error no longer passes through the optimizer's
+            momentum (which amplifies it ``1 / (1 - beta)`` times). Set it to the wrapped
+            SGD's momentum for ``onebit`` (see docs/compression.md, *Training with
+            compression*).
     Raises:
-        ValueError: unknown codec name, ratio outside (0, 1].
-        TypeError: ``codec`` neither a name nor a codec, ``feedback`` not a bool.
+        ValueError: unknown codec name, ratio outside (0, 1], momentum outside [0, 1).
+        TypeError: ``codec`` neither a name nor a codec, ``feedback`` not a bool,
+            ``momentum`` not a number.
     """
 
-    def __init__(self, codec: Codec | str, feedback: bool | None = None) -> None:
+    def __init__(self, codec: Codec | str, feedback: bool | None = None,
+                 momentum: float = 0.0) -> None:
         self.codec = get_codec(codec, "compression")
         if feedback is not None and not isinstance(feedback, bool):
             raise TypeError(f"feedback must be True, False or None, not "
                             f"{type(feedback).__name__}")
         self.feedback = self.codec.lossy if feedback is None else feedback
+        self.momentum = _check_momentum(momentum)
+
+    def with_momentum(self, momentum: float) -> "CodecCompressor":
+        """A compressor of the same codec and feedback that compresses the ranks' local
+        momentum ``m = momentum m + g`` (see the class's ``momentum`` argument)."""
+        return CodecCompressor(self.codec, self.feedback, momentum)
 
     @property
     def name(self) -> str:
@@ -143,7 +161,17 @@ class CodecCompressor(Compressor):
                          f"compress/decompress compressor")
 
     def __repr__(self) -> str:
-        return f"<Compression {self.name}{'' if self.feedback else ' (no error feedback)'}>"
+        return (f"<Compression {self.name}{'' if self.feedback else ' (no error feedback)'}"
+                f"{f', momentum {self.momentum:g}' if self.momentum else ''}>")
+
+
+def _check_momentum(momentum: Any) -> float:
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+        raise TypeError(f"momentum must be a number in [0, 1), not {type(momentum).__name__}")
+    beta = float(momentum)
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+    return beta
 
 
 class Compression:
@@ -152,7 +180,9 @@ class Compression:
     ``none`` and ``fp16`` are Horovod's; ``bf16``, ``int8`` (one float32 scale per chunk of
     256), ``onebit`` (signs and one scale per chunk) and the constructors ``topk(ratio)``,
     ``randomk(ratio, seed=0)`` and ``from_codec(spec)`` give :class:`CodecCompressor`
-    objects for ``DistributedOptimizer``, with error feedback on by default.
+    objects for ``DistributedOptimizer``, with error feedback on by default;
+    ``Compression.onebit.with_momentum(0.9)`` (and ``momentum=`` on the constructors)
+    compresses the ranks' local momentum instead of their gradients.
     """
 
     none = NoneCompressor
@@ -162,28 +192,30 @@ class Compression:
     onebit = CodecCompressor("onebit")
 
     @staticmethod
-    def topk(ratio: float, feedback: bool = True) -> CodecCompressor:
+    def topk(ratio: float, feedback: bool = True, momentum: float = 0.0) -> CodecCompressor:
         """The ``ceil(ratio * count)`` largest-magnitude elements of each fused buffer.
 
         Raises:
             ValueError: ``ratio`` outside (0, 1]. TypeError: not a number.
         """
-        return CodecCompressor(TopKCodec(ratio), feedback)
+        return CodecCompressor(TopKCodec(ratio), feedback, momentum)
 
     @staticmethod
-    def randomk(ratio: float, seed: int = 0, feedback: bool = True) -> CodecCompressor:
+    def randomk(ratio: float, seed: int = 0, feedback: bool = True,
+                momentum: float = 0.0) -> CodecCompressor:
         """``ceil(ratio * count)`` elements chosen at random (the same on every rank that
         uses the same ``seed``: see :class:`mpicoll.compression.RandomKCodec`).
 
         Raises:
             ValueError: ``ratio`` outside (0, 1]. TypeError: not a number.
         """
-        return CodecCompressor(RandomKCodec(ratio, seed), feedback)
+        return CodecCompressor(RandomKCodec(ratio, seed), feedback, momentum)
 
     @staticmethod
-    def from_codec(spec: Codec | str, feedback: bool | None = None) -> CodecCompressor:
+    def from_codec(spec: Codec | str, feedback: bool | None = None,
+                   momentum: float = 0.0) -> CodecCompressor:
         """Any codec by name (``"int8:512:stochastic"``, ``"onebit:1024"``...) or object."""
-        return CodecCompressor(spec, feedback)
+        return CodecCompressor(spec, feedback, momentum)
 
 
 def codec_of(compression: Any) -> Codec | None:
