@@ -153,7 +153,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
             not in (this rank, before anything is sent).
     """
     _check_sparse(tensor)
-    resolved = resolve_reduce_op(None, op)
+    resolved = resolve_reduce_op(None, op, adasum=True)
     if int(resolved) not in (int(Average), int(Sum)):
         raise ValueError(f"sparse_allreduce_async supports op=Average or op=Sum, not "
                          f"{resolved!r}")
