@@ -18,6 +18,10 @@ Two ways to reduce, chosen by the engine (the same on every rank):
   negotiation and one all-reduce per dtype per step, no copies, and parameters without a
   gradient are zeros in the buffer.
 
+Sparse gradients (``nn.Embedding(sparse=True)``), unless ``sparse_as_dense=True``, leave the
+flat buffers when a parameter's first gradient is sparse and go through
+:func:`~mpicoll.torch.sparse_allreduce_async` (:mod:`mpicoll.torch.sparse`).
+
 A codec compressor (``Compression.int8``, ``.bf16``, ``.onebit``, ``.topk(r)``,
 ``.randomk(r)``) always works like bulk mode: hooks count, and ``step()`` reduces the flat
 buffers with :func:`mpicoll.compression.allreduce` and per-parameter error feedback
@@ -403,7 +407,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
             ``size()/factor`` after.
         num_groups, groups: accepted for compatibility (validated); fusion is automatic.
         sparse_as_dense: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense
-            tensors; without it a sparse gradient raises ``TypeError``.
+            tensors; without it (the default) each is reduced by
+            :func:`~mpicoll.torch.sparse_allreduce_async` and ``.grad`` stays sparse
+            (:class:`~mpicoll.torch.sparse.SparseGradients`; not with a codec compressor).
         process_set: reduce gradients over this registered
             :class:`~mpicoll.torch.ProcessSet` only (default: every rank); only its ranks
             may use the optimizer.
