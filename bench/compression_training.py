@@ -15,6 +15,13 @@ the mean training loss of each epoch against the training wall time and against 
     python -m bench.compression_training --ranks 2 --seeds 1,2,3 --out docs
     python -m bench.compression_training --replot docs/compression_training.json
     python -m bench.compression_training --step-times 200 --ranks 2
+    python -m bench.compression_training --simulate ring --compressions onebit --seeds 1
+
+``--simulate MODE`` replays the training in one process, ``--ranks`` workers, with the
+compressed reduction written out in numpy (see :func:`simulate`): it separates what the
+algorithm does from what the implementation does (the ``ring`` mode reproduces
+``mpirun -n 2 examples/train.py --compression onebit --compress-momentum no`` epoch by
+epoch).
 
 ``--step-times ITERS`` instead times ``optimizer.step()`` (the gradient reduction) of
 ``examples/train.py``'s model, one model and ``DistributedOptimizer`` per compressor,
@@ -211,6 +218,143 @@ def step_times(ranks: int, iters: int, compressions: str, timeout: float) -> dic
     return res
 
 
+# ---------------------------------------------------------------------------------------
+# one-process simulation (what the compression does, without MPI or mpicoll.torch)
+
+class _TwoLevelSign:
+    """Seide et al.'s 1-bit quantizer (for ``--simulate`` only): the sign per element and
+    two values per chunk, the mean of the non-negative and of the negative elements."""
+
+    def __init__(self, chunk: int = 256) -> None:
+        self.chunk = chunk
+
+    def roundtrip(self, x):
+        import numpy as np
+        n, c = x.size, self.chunk
+        xp = np.concatenate([x, np.zeros(-n % c, x.dtype)]).reshape(-1, c)
+        neg = np.signbit(xp)
+        pad = np.zeros(xp.shape, bool)
+        pad.reshape(-1)[n:] = True
+        pos = ~neg & ~pad
+        mp = np.where(pos, xp, 0).sum(1) / np.maximum(pos.sum(1), 1)
+        mn = np.where(neg, xp, 0).sum(1) / np.maximum(neg.sum(1), 1)
+        return np.where(neg, mn[:, None], mp[:, None]).astype(x.dtype).reshape(-1)[:n]
+
+
+def simulate(mode: str, spec: str, ranks: int, seed: int, epochs: int, lr: float,
+             momentum: float, local_momentum: bool) -> list[tuple]:
+    """``examples/train.py``'s training with ``ranks`` workers in one process, reducing the
+    gradients (or, with ``local_momentum``, each worker's momentum ``m = momentum m + g``,
+    the optimizer then getting ``M - momentum M_prev``) by ``mode``:
+
+    - ``exact``: the average;
+    - ``ring``: the compressed all-reduce's dense ring replayed (each block encoded by its
+      first rank, then decoded, added and re-encoded by the next ones; every encoding's
+      loss kept as that rank's residual): the same arithmetic as
+      ``mpicoll.compression.allreduce``;
+    - ``direct``: every worker encodes its input plus residual once, the decoded payloads
+      are summed exactly (one level of error feedback, as with an uncompressed server);
+    - ``noef``: the ring without error feedback.
+
+    Returns one ``(epoch, mean loss, test accuracy, |reduced gradient|, [|residual| per
+    worker])`` per epoch. ``spec``: a codec name, or ``seide[:C]`` (two values per chunk).
+    """
+    import math
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from mpicoll.compression import get_codec
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "examples"))
+    import train  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    xtr, ytr, xte, yte, _ = train.load_data("digits")
+    torch.manual_seed(seed)
+    model = train.DigitsCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    params = list(model.parameters())[::-1]      # DistributedOptimizer's buffer order
+    count = sum(q.numel() for q in params)
+    codec = _TwoLevelSign(int(spec.split(":")[1]) if ":" in spec else 256) \
+        if spec.startswith("seide") else get_codec(spec)
+    rt = codec.roundtrip
+    res = [np.zeros(count, np.float32) for _ in range(ranks)]
+    local = [np.zeros(count, np.float32) for _ in range(ranks)]
+    prev = np.zeros(count, np.float32)
+    bb = np.concatenate([[0], np.cumsum([len(a) for a in
+                                         np.array_split(np.empty(count), ranks)])])
+
+    def ring(ins, feedback):
+        y = [x + r for x, r in zip(ins, feedback)]
+        new = [np.zeros(count, np.float32) for _ in range(ranks)]
+        out = np.zeros(count, np.float32)
+        for b in range(ranks):
+            lo, hi = bb[b], bb[b + 1]
+            dec = None
+            for step in range(ranks):
+                q = (b + step) % ranks
+                acc = y[q][lo:hi].copy() if dec is None else dec + y[q][lo:hi]
+                dec = rt(acc)
+                new[q][lo:hi] = acc - dec
+            out[lo:hi] = dec
+        return out, new
+
+    per = max(1, 64 // ranks)
+    log = []
+    for epoch in range(epochs):
+        perm = torch.randperm(len(ytr), generator=torch.Generator().manual_seed(seed + epoch))
+        total = math.ceil(len(ytr) / ranks) * ranks
+        perm = torch.cat([perm, perm[:total - len(ytr)]])
+        shards = [perm[r::ranks] for r in range(ranks)]
+        losses = []
+        for i in range(0, len(shards[0]), per):
+            grads = []
+            for r in range(ranks):
+                idx = shards[r][i:i + per]
+                model.zero_grad()
+                loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
+                loss.backward()
+                losses.append(float(loss.detach()))
+                grads.append(torch.cat([q.grad.reshape(-1) for q in params]).numpy().copy())
+            if local_momentum:
+                for r in range(ranks):
+                    local[r] = local[r] * momentum + grads[r]
+                grads = [m.copy() for m in local]
+            if mode == "exact":
+                out = sum(grads)
+            elif mode == "ring":
+                out, res = ring(grads, res)
+            elif mode == "noef":
+                out, _ = ring(grads, [np.zeros(count, np.float32)] * ranks)
+            elif mode == "direct":
+                y = [g + r for g, r in zip(grads, res)]
+                dec = [rt(v) for v in y]
+                out, res = sum(dec), [v - d for v, d in zip(y, dec)]
+            else:
+                raise ValueError(f"unknown mode {mode!r}")
+            out = out / ranks
+            if local_momentum:
+                out, prev = out - prev * momentum, out
+            o = 0
+            for q in params:
+                q.grad = torch.from_numpy(out[o:o + q.numel()].reshape(q.shape).copy())
+                o += q.numel()
+            opt.step()
+        with torch.no_grad():
+            acc = float((model(xte).argmax(1) == yte).float().mean())
+        row = (epoch + 1, float(np.mean(losses)), acc,
+               float(np.linalg.norm(sum(grads) / ranks)),
+               [float(np.linalg.norm(r)) for r in res])
+        log.append(row)
+        print(f"# {mode} {spec}{' local momentum' if local_momentum else ''} seed {seed} "
+              f"epoch {row[0]:2d}: loss {row[1]:.4f}, accuracy {row[2]:.4f}, |g| {row[3]:.3f}"
+              f", |residual| " + " ".join(f"{v:.3f}" for v in row[4]), flush=True)
+    return log
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
@@ -222,10 +366,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replot", default=None, help="plot an earlier JSON instead")
     parser.add_argument("--step-times", type=int, default=0, metavar="ITERS",
                         help="time optimizer.step() per compressor instead (interleaved)")
+    parser.add_argument("--simulate", default=None, metavar="MODE",
+                        choices=("exact", "ring", "direct", "noef"),
+                        help="one-process simulation instead (see simulate()): "
+                             "--compressions takes one codec (or seide[:C]), --seeds the seeds")
+    parser.add_argument("--local-momentum", action="store_true",
+                        help="--simulate: reduce each worker's momentum (momentum 0.9)")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rank-steps"]:
         return step_times_rank(argv[1:])
     a = parser.parse_args(argv)
+    if a.simulate:
+        for seed in [int(x) for x in a.seeds.split(",")]:
+            simulate(a.simulate, a.compressions, a.ranks, seed, a.epochs, 0.05, 0.9,
+                     a.local_momentum)
+        return 0
     if a.step_times:
         return 0 if step_times(a.ranks, a.step_times, a.compressions, a.timeout) else 1
     if a.replot:

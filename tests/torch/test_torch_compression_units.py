@@ -79,6 +79,25 @@ def test_plan_runs():
     assert plan_runs([4, 4, 4], 1 << 20) == [range(0, 3)]
 
 
+def _two_params(hvd, comp):
+    """Parameters w (5x3) and b (3), and a DistributedOptimizer (SGD, lr 0) over them."""
+    w = torch.nn.Parameter(torch.zeros(5, 3))
+    b = torch.nn.Parameter(torch.zeros(3))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w, b], lr=0.0),
+                                   named_parameters=[("w", w), ("b", b)], compression=comp)
+    return w, b, opt
+
+
+def _step(opt, w, b, step):
+    """One step with the seeded gradients of ``step``; returns (grad w, grad b)."""
+    g = torch.Generator().manual_seed(step)
+    gw, gb = torch.randn(5, 3, generator=g), torch.randn(3, generator=g)
+    opt.zero_grad()
+    ((w * gw).sum() + (b * gb).sum()).backward()
+    opt.step()
+    return gw, gb
+
+
 def test_single_process_steps_equal_a_numpy_replay():
     import mpicoll.torch as hvd
 
@@ -88,19 +107,11 @@ def test_single_process_steps_equal_a_numpy_replay():
             pytest.skip("one process only")
         for spec, comp in (("int8", Compression.int8), ("onebit", Compression.onebit),
                            ("topk:0.25", Compression.topk(0.25))):
-            w = torch.nn.Parameter(torch.zeros(5, 3))
-            b = torch.nn.Parameter(torch.zeros(3))
-            opt = hvd.DistributedOptimizer(torch.optim.SGD([w, b], lr=0.0),
-                                           named_parameters=[("w", w), ("b", b)],
-                                           compression=comp)
+            w, b, opt = _two_params(hvd, comp)
             codec = compression.get_codec(spec)
             residual = np.zeros(18, dtype=np.float32)
             for step in range(3):
-                g = torch.Generator().manual_seed(step)
-                gw, gb = torch.randn(5, 3, generator=g), torch.randn(3, generator=g)
-                opt.zero_grad()
-                ((w * gw).sum() + (b * gb).sum()).backward()
-                opt.step()
+                gw, gb = _step(opt, w, b, step)
                 y = np.concatenate([gb.numpy(), gw.numpy().reshape(-1)]) + residual  # b first
                 sent = codec.roundtrip(y)
                 residual = y - sent
@@ -147,19 +158,11 @@ def test_single_process_momentum_compression_equals_a_numpy_replay():
     try:
         for spec, comp in (("onebit", Compression.onebit.with_momentum(0.9)),
                            ("none", Compression.from_codec("none", momentum=0.9))):
-            w = torch.nn.Parameter(torch.zeros(5, 3))
-            b = torch.nn.Parameter(torch.zeros(3))
-            opt = hvd.DistributedOptimizer(torch.optim.SGD([w, b], lr=0.0),
-                                           named_parameters=[("w", w), ("b", b)],
-                                           compression=comp)
+            w, b, opt = _two_params(hvd, comp)
             codec = compression.get_codec(spec)
             m, residual, prev = (np.zeros(18, dtype=np.float32) for _ in range(3))
             for step in range(4):
-                g = torch.Generator().manual_seed(step)
-                gw, gb = torch.randn(5, 3, generator=g), torch.randn(3, generator=g)
-                opt.zero_grad()
-                ((w * gw).sum() + (b * gb).sum()).backward()
-                opt.step()
+                gw, gb = _step(opt, w, b, step)
                 grad = np.concatenate([gb.numpy(), gw.numpy().reshape(-1)])  # b first
                 m = m * 0.9 + grad
                 y = m + residual if codec.lossy else m
