@@ -141,9 +141,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _dense_grad(self, p: torch.Tensor) -> torch.Tensor | None:
         grad = p.grad
         if grad is not None and grad.is_sparse:
-            if not self._sparse_as_dense:    # only with a codec compressor
-                raise TypeError("with a codec compressor, sparse gradients are reduced only "
-                                "with DistributedOptimizer(..., sparse_as_dense=True)")
+            if not self._sparse_as_dense:    # a codec compressor, or dense first gradient
+                raise TypeError("this sparse gradient is reduced only with "
+                                "DistributedOptimizer(..., sparse_as_dense=True) (a codec "
+                                "compressor, or a parameter whose first gradient was dense)")
             grad = p.grad = grad.to_dense()
         return grad
 

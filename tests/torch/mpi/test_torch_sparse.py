@@ -108,6 +108,7 @@ def test_sparse_allreduce_in_a_process_set():
         hvd.remove_process_set(ps)
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_errors_on_the_calling_rank_before_anything_is_sent():
     """Each rank makes a different wrong call; then a valid one still matches everywhere
     (nothing was submitted by the wrong ones)."""
