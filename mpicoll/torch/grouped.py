@@ -46,8 +46,10 @@ def _tensor_list(tensors: Any) -> list[torch.Tensor]:
     return list(tensors)
 
 
-def _member_names(kind: str, name: str | None, count: int) -> tuple[str, list[str]]:
-    base = request_name(kind, name)
+def _member_names(kind: str, name: str | None, count: int,
+                  process_set: Any) -> tuple[str, list[str]]:
+    with scoped(process_set):  # unnamed groups are numbered per process set
+        base = request_name(kind, name)
     return base, [f"{base}.{i}" for i in range(count)]
 
 
@@ -64,7 +66,7 @@ def _grouped_allreduce_async(tensors: Any, outputs: Any, average: Any, name: str
                              process_set: Any) -> int:
     tensors = _tensor_list(tensors)
     resolved = resolve_reduce_op(average, op, adasum=True)
-    base, names = _member_names("grouped_allreduce", name, len(tensors))
+    base, names = _member_names("grouped_allreduce", name, len(tensors), process_set)
     metas = [allreduce_meta(t, n, resolved, prescale_factor, postscale_factor)
              for t, n in zip(tensors, names)]
     if outputs is None:
@@ -164,7 +166,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
         TypeError, ValueError: bad arguments (this rank, before anything is sent).
     """
     tensors = _tensor_list(tensors)
-    base, names = _member_names("grouped_allgather", name, len(tensors))
+    base, names = _member_names("grouped_allgather", name, len(tensors), process_set)
     metas = []
     for tensor, member in zip(tensors, names):
         check_gather(tensor)
@@ -230,7 +232,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     """
     tensors = _tensor_list(tensors)
     resolved = resolve_scatter_op(op)
-    base, names = _member_names("grouped_reducescatter", name, len(tensors))
+    base, names = _member_names("grouped_reducescatter", name, len(tensors), process_set)
     metas = [reducescatter_meta(t, n, resolved, prescale_factor, postscale_factor)
              for t, n in zip(tensors, names)]
     with scoped(process_set):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -38,7 +39,8 @@ from .compression import Compression
 from .dtypes import check_supported, dtype_name
 from .negotiation import JOIN, Meta
 from .ops import Adasum, Average, ReduceOp, Sum, check_op_dtype, resolve_reduce_op
-from .process_sets import backward_in_scope, forward_in_scope, global_rank, scoped
+from .process_sets import (backward_in_scope, current_engine, forward_in_scope, global_rank,
+                           scoped)
 from .state import engine
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather",
@@ -49,18 +51,26 @@ __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "al
            "check_gather", "resolve_scatter_op",
            "AllreduceFn", "AllgatherFn", "BroadcastFn", "AlltoallFn", "ReducescatterFn"]
 
+# unnamed requests: one counter per kind for the global engine, and one per kind for each
+# process set's engine (dropped with the engine)
 _counters: dict[str, Any] = {}
+_set_counters: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
 _counter_lock = threading.Lock()
 
 
 def request_name(kind: str, name: str | None) -> str:
-    """``name`` (checked to be a string), or the next ``<kind>.noname.<n>``."""
+    """``name`` (checked to be a string), or the next ``<kind>.noname.<n>`` of the engine in
+    scope: operations in a process set are numbered apart from the global ones, so unnamed
+    operations that only a set's ranks issue do not shift the numbering of later unnamed
+    global operations (which would then never match across ranks)."""
     if name is not None:
         if not isinstance(name, str):
             raise TypeError(f"name must be a string, not {type(name).__name__}")
         return name
+    in_set = current_engine()
     with _counter_lock:
-        counter = _counters.setdefault(kind, itertools.count())
+        counters = _counters if in_set is None else _set_counters.setdefault(in_set, {})
+        counter = counters.setdefault(kind, itertools.count())
         return f"{kind}.noname.{next(counter)}"
 
 
@@ -193,9 +203,9 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     The other dimensions and the dtype must agree across ranks.
     """
     check_gather(tensor)
-    meta = Meta(request_name("allgather", name), "allgather", dtype_name(tensor.dtype),
-                tuple(tensor.shape))
     with scoped(process_set):
+        meta = Meta(request_name("allgather", name), "allgather", dtype_name(tensor.dtype),
+                    tuple(tensor.shape))
         return _submit(meta, tensor.detach(), None)
 
 
@@ -409,9 +419,9 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     Raises:
         TypeError, ValueError: bad arguments (this rank, before sending).
     """
-    meta = reducescatter_meta(tensor, name, resolve_scatter_op(op), prescale_factor,
-                              postscale_factor)
     with scoped(process_set):
+        meta = reducescatter_meta(tensor, name, resolve_scatter_op(op), prescale_factor,
+                                  postscale_factor)
         return _submit(meta, tensor.detach(), None)
 
 
