@@ -269,7 +269,7 @@ def simulate(mode: str, spec: str, ranks: int, seed: int, epochs: int, lr: float
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                     "examples"))
-    import train  # noqa: PLC0415
+    import train
 
     torch.set_num_threads(1)
     xtr, ytr, xte, yte, _ = train.load_data("digits")

@@ -123,7 +123,7 @@ class CodecCompressor(Compressor):
         self.feedback = self.codec.lossy if feedback is None else feedback
         self.momentum = _check_momentum(momentum)
 
-    def with_momentum(self, momentum: float) -> "CodecCompressor":
+    def with_momentum(self, momentum: float) -> CodecCompressor:
         """A compressor of the same codec and feedback that compresses the ranks' local
         momentum ``m = momentum m + g`` (see the class's ``momentum`` argument)."""
         return CodecCompressor(self.codec, self.feedback, momentum)
