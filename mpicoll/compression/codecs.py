@@ -334,7 +334,10 @@ class OneBitCodec(_ChunkedCodec):
     """1-bit: the sign of each element (``np.packbits``, big-endian bit order; a set bit
     means negative, so ``+0`` is positive and ``-0`` negative) and one float32 scale per
     chunk, the mean of ``|x|`` over the chunk (1-bit SGD / 1-bit Adam). Decodes to
-    ``±scale``. Without error feedback it does not converge; with it, it does.
+    ``±scale``. For training with momentum SGD compress the momentum rather than the
+    gradient (``Compression.onebit.with_momentum(beta)``; docs/compression.md, *Training
+    with compression*): with error feedback on gradients and momentum applied after the
+    reduction the example's training diverged.
 
     ``chunk`` must be a multiple of 8 so chunks start on byte boundaries.
     """
