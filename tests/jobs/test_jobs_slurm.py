@@ -384,7 +384,7 @@ def test_train_job_requeued_resumes_from_checkpoint(slurm: Slurm, tmp_path: Path
         _assert_world(run, 2)
     done = 0
     for i, run in enumerate(runs):
-        m = re.search(rf"epochs (\d+)\.\.{TRAIN_EPOCHS}$", run, re.M)
+        m = re.search(rf"epochs (\d+)\.\.{TRAIN_EPOCHS}(;|$)", run, re.M)
         assert m, f"run {i} has no 'epochs S..E' line:\n{run}"
         start = int(m.group(1))
         if i > 0:
