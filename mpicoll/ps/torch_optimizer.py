@@ -80,6 +80,10 @@ def codec_option(compression: Any) -> Any:
         return compression
     codec = getattr(compression, "codec", None)
     if codec is not None:
+        if getattr(compression, "momentum", 0.0):
+            # refused on every rank by the server's check of the codec, not here alone
+            return f"<{codec.name} with momentum: the parameter server compresses " \
+                   f"gradients, not a local momentum>"
         return codec
     name = compression.__name__ if isinstance(compression, type) else \
         type(compression).__name__

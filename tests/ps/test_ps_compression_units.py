@@ -181,3 +181,5 @@ def test_torch_codec_option():
             assert codec_option(getattr(Compression, name)).name == name
     with pytest.raises(ValueError, match="Mine: a compressor without a codec"):
         resolve_codec(codec_option(Mine))
+    with pytest.raises(ValueError, match="onebit with momentum: the parameter server"):
+        resolve_codec(codec_option(Compression.onebit.with_momentum(0.9)))
