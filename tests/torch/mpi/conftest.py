@@ -21,3 +21,19 @@ def hvd():
     hvd.init()
     yield hvd
     hvd.shutdown()
+
+
+
+@pytest.fixture(params=["bulk", "per-tensor", "per-tensor-overlap"])
+def mode(request, hvd):
+    """DistributedOptimizer's two ways to reduce dense gradients (the same on every rank),
+    and who runs the negotiation rounds (the waiting thread without overlap, the engine
+    thread with); sparse gradients go their own way in each."""
+    from mpicoll.torch.state import engine
+
+    eng = engine()
+    saved = eng.bulk_gradients, eng.overlap
+    eng.bulk_gradients = request.param == "bulk"
+    eng.overlap = request.param == "per-tensor-overlap"
+    yield request.param
+    eng.bulk_gradients, eng.overlap = saved

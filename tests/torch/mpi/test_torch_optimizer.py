@@ -6,23 +6,10 @@ import pytest
 import torch
 
 import mpicoll.torch as hvd
-from mpicoll.torch.state import engine
 
 pytestmark = pytest.mark.mpi
 
 B = 4           # samples per rank
-
-
-@pytest.fixture(params=["bulk", "per-tensor", "per-tensor-overlap"])
-def mode(request):
-    """DistributedOptimizer's two ways to reduce (the same on every rank), and who runs
-    the negotiation rounds (the waiting thread without overlap, the engine thread with)."""
-    eng = engine()
-    saved = eng.bulk_gradients, eng.overlap
-    eng.bulk_gradients = request.param == "bulk"
-    eng.overlap = request.param == "per-tensor-overlap"
-    yield request.param
-    eng.bulk_gradients, eng.overlap = saved
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:

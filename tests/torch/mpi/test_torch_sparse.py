@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import mpicoll.torch as hvd
-from mpicoll.torch.state import engine
 
 pytestmark = pytest.mark.mpi
 
@@ -149,18 +148,6 @@ def test_ranks_with_different_sizes_raise_mismatch_on_every_rank():
 
 # ------------------------------------------------------------------ DistributedOptimizer
 VOCAB, DIM, N_GLOBAL = 12, 4, 12
-
-
-@pytest.fixture(params=["bulk", "per-tensor", "per-tensor-overlap"])
-def mode(request):
-    """DistributedOptimizer's two ways to reduce dense gradients (see
-    test_torch_optimizer.py): sparse gradients go their own way in both."""
-    eng = engine()
-    saved = eng.bulk_gradients, eng.overlap
-    eng.bulk_gradients = request.param == "bulk"
-    eng.overlap = request.param == "per-tensor-overlap"
-    yield request.param
-    eng.bulk_gradients, eng.overlap = saved
 
 
 class EmbeddingModel(torch.nn.Module):
