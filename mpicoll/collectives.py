@@ -260,7 +260,16 @@ def _allreduce_steps(ctx: CommContext, send: Any, recv: Any, result: Any, opo: A
         scale = False
     fields = (flat.size, flat.dtype.str, algorithm, name)
     algorithm_fn = lookup("allreduce", name)
-    shaped = _allreduce_shaped(ctx, algorithm_fn, opo, options, trivial, scale, flat.dtype)
+
+    def reduce_into(source: Any, out: Any) -> None:  # flat views, chosen per call
+        if trivial:
+            buffers.copy(out, source)
+        else:
+            algorithm_fn(ctx, source, out, opo, **options)
+        if scale:
+            opo.finalize(out, ctx.size)
+
+    shaped = _allreduce_shaped(reduce_into, flat.dtype)
     if recv is not None:
         run = (_copy_step(recv, send) if trivial
                else bind("allreduce", name, ctx, send, recv, opo, **options))
@@ -272,13 +281,7 @@ def _allreduce_steps(ctx: CommContext, send: Any, recv: Any, result: Any, opo: A
 
     def remake() -> Any:  # y = allreduce(x), cached: a new y each time
         new = xp.empty_like(sendbuf)
-        out = new.reshape(-1, order="A")
-        if trivial:
-            buffers.copy(out, send)
-        else:
-            algorithm_fn(ctx, send, out, opo, **options)
-        if scale:
-            opo.finalize(out, ctx.size)
+        reduce_into(send, new.reshape(-1, order="A"))
         return new
 
     return Plan(None, None, None, True, *fields, op=opo.name, remake=remake, shaped=shaped)
@@ -288,16 +291,16 @@ def _allreduce_steps(ctx: CommContext, send: Any, recv: Any, result: Any, opo: A
 _KEEP_LAST_BYTES = fastpath.MAX_BYTES // 4
 
 
-def _allreduce_shaped(ctx: CommContext, algorithm_fn: Callable, opo: Any, options: dict,
-                      trivial: bool, scale: bool, dtype: np.dtype) -> Callable[[Any, Any], Any]:
-    """The all-reduce planned here, as a function of new numpy arrays of the same shape
+def _allreduce_shaped(reduce_into: Callable[[Any, Any], None],
+                      dtype: np.dtype) -> Callable[[Any, Any], Any]:
+    """``reduce_into(send, out)`` (the all-reduce planned in :func:`_allreduce_steps`, on
+    flat views), as a function of new numpy arrays of the same shape
     and dtype (:func:`mpicoll.fastpath.run_shaped`): C-contiguous ``sendbuf``; ``recvbuf``
     ``None`` (a new result) or a writable C-contiguous array of ``dtype`` that does not
     overlap ``sendbuf``. Anything else returns ``MISS`` (the slow path validates it), and
     so do the arrays of the previous call coming back (the slow path then caches them by
     identity: a loop over the same arrays ends up on the identity cache, even after its
     entry was evicted)."""
-    size = ctx.size
     empty = np.empty
     overlap = np.may_share_memory
     last: list = [None, None]  # the arrays of the last call, when small enough to keep
@@ -310,23 +313,16 @@ def _allreduce_shaped(ctx: CommContext, algorithm_fn: Callable, opo: Any, option
             return MISS
         if not sendbuf.flags.c_contiguous:
             return MISS
-        if sendbuf.nbytes <= _KEEP_LAST_BYTES:
-            last[0], last[1] = sendbuf, recvbuf
-        if recvbuf is None:
-            recvbuf = empty(sendbuf.shape, dtype)
-        else:
+        if recvbuf is not None:
             flags = recvbuf.flags
             if (not flags.c_contiguous or not flags.writeable or recvbuf.dtype != dtype
                     or overlap(sendbuf, recvbuf)):
                 return MISS
-        out = recvbuf.reshape(-1)
-        if trivial:
-            out[...] = sendbuf.reshape(-1)
-        else:
-            algorithm_fn(ctx, sendbuf.reshape(-1), out, opo, **options)
-        if scale:
-            opo.finalize(out, size)
-        return recvbuf
+        if sendbuf.nbytes <= _KEEP_LAST_BYTES:
+            last[0], last[1] = sendbuf, recvbuf
+        result = empty(sendbuf.shape, dtype) if recvbuf is None else recvbuf
+        reduce_into(sendbuf.reshape(-1), result.reshape(-1))
+        return result
 
     return shaped
 
