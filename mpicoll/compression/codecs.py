@@ -147,12 +147,32 @@ class Codec:
         """``decode(encode(x))``: what a receiver would get for ``x``."""
         return self.decode(self.encode(x), x.size, x.dtype)
 
+    def state_dict(self) -> dict:
+        """The state that decides this codec's next encodings (random-k's step, stochastic
+        int8's generator), for checkpoints: plain ints and strings. Empty for codecs whose
+        encoding depends on the input alone."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (for a codec of the same name).
+
+        Raises:
+            ValueError: ``state`` does not belong to a codec like this one.
+        """
+        self._check_state(state, ())
+
     # implementations ------------------------------------------------------------------
     def _encode(self, x: np.ndarray, out: tuple) -> None:
         raise NotImplementedError
 
     def _decode(self, payload: tuple, count: int, out: np.ndarray) -> None:
         raise NotImplementedError
+
+    def _check_state(self, state: Any, keys: tuple) -> None:
+        """Raise ``ValueError`` unless ``state`` is a dict with exactly ``keys``."""
+        if not isinstance(state, dict) or set(state) != set(keys):
+            raise ValueError(f"codec state {state!r} does not belong to compression="
+                             f"{self.name!r} (expected the keys {sorted(keys)})")
 
     def __repr__(self) -> str:
         return f"<codec {self.name}>"
@@ -312,6 +332,17 @@ class Int8Codec(_ChunkedCodec):
             else:
                 np.rint(tb, out=tb)
             np.copyto(q[lo:hi], tb, casting="unsafe")
+
+    def state_dict(self) -> dict:
+        """Stochastic rounding: the generator's state (``numpy`` ``bit_generator.state``)."""
+        return {"rng": self._rng.bit_generator.state} if self.stochastic else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self.stochastic:
+            super().load_state_dict(state)
+            return
+        self._check_state(state, ("rng",))
+        self._rng.bit_generator.state = state["rng"]
 
     def _decode(self, payload: tuple, count: int, out: np.ndarray) -> None:
         scales, q = payload
@@ -490,6 +521,17 @@ class RandomKCodec(_SparseCodec):
             return super().encode(x, out)
         finally:
             self.step += 1
+
+    def state_dict(self) -> dict:
+        """``{"step": the number of encodings so far}``."""
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._check_state(state, ("step",))
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"codec state: step must be an int >= 0, not {step!r}")
+        self.step = int(step)
 
 
 #: Codec names :func:`get_codec` accepts (``topk``/``randomk`` take ``:ratio``).

@@ -51,15 +51,15 @@ from ..buffers import IN_PLACE
 from ..checked import agree
 from ..context import get_context
 from ..errors import CollectiveError
-from . import mpi_ops
 from .compression import CodecCompressor
-from .dtypes import numpy_view
+from .dtypes import dtype_name, numpy_view
 from .fusion import plan_runs
+from .negotiation import Meta
 from .ops import Average, ReduceOp, Sum
 from .process_sets import scoped
 from .state import engine
 
-__all__ = ["CompressedGradients", "PRESENCE_NAME"]
+__all__ = ["CompressedGradients", "PRESENCE_NAME", "codec_comm", "check_presence"]
 
 log = logging.getLogger("mpicoll.torch.compressed")
 
@@ -85,6 +85,43 @@ def codec_comm(eng: Any) -> MPI.Intracomm:
             group.Free()
         _comms[eng] = comm
     return comm
+
+
+def check_presence(name: str, layout: str, what: str) -> Any:
+    """Start a reduction that runs outside the engine: one all-reduce named ``name`` of a
+    1 per rank through the engine in scope; return that engine.
+
+    It orders the reduction with the engine's other requests of the same name, and the
+    engine checks that every rank's ``layout`` (what the reduction covers) is the same.
+    A rank that called ``hvd.join()`` adds 0: the others then raise here instead of
+    waiting for it in a reduction it will never join.
+
+    Args:
+        name: the request's name (matched across ranks). layout: what ranks must agree
+            on. what: the caller, for the message (``"DistributedOptimizer(...)"``).
+    Raises:
+        mpicoll.MismatchError: ranks disagree on the layout (or some ranks submitted an
+            uncompressed request of this name).
+        CollectiveError: a rank has joined, or the engine stopped.
+    """
+    eng = engine()
+    present = torch.zeros(1, dtype=torch.int32)
+    meta = Meta(name, "allreduce", dtype_name(torch.int32), (1,), int(Sum), layout=layout)
+    future = eng.submit(meta, _ONE, present, waiting=True)
+    eng.wait(future)
+    if future.error is not None:
+        raise future.error
+    joined = eng.size - int(present[0])
+    if joined:
+        raise CollectiveError(
+            f"{what}: {joined} rank(s) called hvd.join(); a compressed all-reduce runs "
+            f"outside the engine and cannot stand in zeros for joined ranks (use "
+            f"Compression.none or Compression.fp16 with join())")
+    return eng
+
+
+#: Every rank's contribution to :func:`check_presence` (never written).
+_ONE = torch.ones(1, dtype=torch.int32)
 
 
 class _Slot(NamedTuple):
@@ -157,8 +194,6 @@ class CompressedGradients:
         self._layout = (f"{compressor.name} {self._opname} feedback={compressor.feedback}, "
                         f"momentum={self._beta!r}, "
                         f"crc32 {zlib.crc32(described):08x}")
-        self._one = torch.ones(1, dtype=torch.int32)
-        self._present = torch.zeros(1, dtype=torch.int32)
 
     # ---------------------------------------------------------------------- reduction
     def reduce(self) -> None:
@@ -172,8 +207,8 @@ class CompressedGradients:
                 parameter (on the rank that has it; the others raise ``RemoteError``).
         """
         with scoped(self._process_set):
-            eng = engine()
-            self._check_presence(eng)
+            eng = check_presence(PRESENCE_NAME, self._layout,
+                                 f"DistributedOptimizer(compression={self.compressor.name!r})")
         comm = codec_comm(eng)
         codec = self.compressor.codec
         runs = self._plan(eng.settings.fusion_threshold)
@@ -208,18 +243,104 @@ class CompressedGradients:
             if self._post != 1.0:
                 np.multiply(array, self._post / comm.Get_size(), out=array)
 
-    def _check_presence(self, eng: Any) -> None:
-        """One all-reduce of a 1 per rank through the engine: ranks disagreeing on the
-        layout raise ``MismatchError``; a joined rank adds 0 (then raise here)."""
-        handle = mpi_ops.submit_allreduce(self._one, self._present, PRESENCE_NAME, Sum,
-                                          layout=self._layout, waiting=True)
-        present = int(mpi_ops.synchronize(handle)[0])
-        if present != eng.size:
-            raise CollectiveError(
-                f"DistributedOptimizer(compression={self.compressor.name!r}): "
-                f"{eng.size - present} rank(s) called hvd.join(); compressed gradients are "
-                f"reduced outside the engine and cannot stand in zeros for joined ranks "
-                f"(use Compression.none or Compression.fp16 with join())")
+    # ----------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """This rank's compression state, as tensors and plain values (``torch.save``
+        writes it, ``torch.load(weights_only=True)`` reads it back).
+
+        Returns:
+            ``{"codec", "momentum", "residuals", "local_momentum", "reduced_momentum",
+            "codec_state"}``: the codec's name and momentum (checked on load); copies of
+            the residuals per parameter name; with momentum, each parameter's slice of
+            the local momentum ``m`` and of the previous reduced momentum ``M_prev``;
+            the codec's :meth:`~mpicoll.compression.Codec.state_dict`.
+        """
+        residuals = {name: torch.from_numpy(self.feedback.residual(name).copy())
+                     for name in self.feedback.keys()}
+        local: dict[str, torch.Tensor] = {}
+        reduced: dict[str, torch.Tensor] = {}
+        for name, (flat, lo, hi) in self._positions().items():
+            state = self._momentum.get(flat)
+            if state is not None:
+                local[name] = torch.from_numpy(state[0][lo:hi].copy())
+                reduced[name] = torch.from_numpy(state[1][lo:hi].copy())
+        return {"codec": self.compressor.name, "momentum": self._beta,
+                "residuals": residuals, "local_momentum": local, "reduced_momentum": reduced,
+                "codec_state": self.compressor.codec.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace this rank's compression state with ``state`` (from :meth:`state_dict`);
+        parameters it does not mention start from zero. Checked first: on error nothing
+        changes.
+
+        Raises:
+            ValueError: another codec or momentum, an unknown parameter name, or a tensor
+                whose size or dtype does not fit its parameter.
+            TypeError: not a dict of the expected form.
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"a compression state must be a dict, not {type(state).__name__}")
+        missing = {"codec", "momentum", "residuals", "local_momentum", "reduced_momentum",
+                   "codec_state"} - set(state)
+        if missing:
+            raise ValueError(f"a compression state needs the keys {sorted(missing)}")
+        saved = (state["codec"], float(state["momentum"]))
+        if saved != (self.compressor.name, self._beta):
+            raise ValueError(f"the compression state was saved with compression="
+                             f"{saved[0]!r}, momentum {saved[1]:g}; this optimizer has "
+                             f"{self.compressor.name!r}, momentum {self._beta:g}")
+        positions = self._positions()
+        arrays = {part: {name: self._array(part, name, value, positions)
+                         for name, value in state[part].items()}
+                  for part in ("residuals", "local_momentum", "reduced_momentum")}
+        if not self._beta and (arrays["local_momentum"] or arrays["reduced_momentum"]):
+            raise ValueError("the compression state holds momentum, but this optimizer's "
+                             "compressor has none")
+        self.compressor.codec.load_state_dict(state["codec_state"])  # checked there
+        self.feedback.reset()
+        for name, array in arrays["residuals"].items():
+            self.feedback.store(name, array)
+        self._momentum = {}
+        for name, (flat, lo, hi) in positions.items():
+            for target, part in zip(self._momentum_arrays(flat) if self._beta else (),
+                                    ("local_momentum", "reduced_momentum")):
+                if name in arrays[part]:
+                    target[lo:hi] = arrays[part][name]
+
+    def _array(self, part: str, name: Any, value: Any, positions: dict) -> np.ndarray:
+        """``value`` (a tensor of ``state[part][name]``) as a fresh flat numpy array, checked
+        against parameter ``name``."""
+        if name not in positions:
+            raise ValueError(f"the compression state's {part} name a parameter this "
+                             f"optimizer does not have: {name!r}")
+        flat, lo, hi = positions[name]
+        dtype = numpy_view(next(f for f in self._flats if f.name == flat).buffer).dtype
+        if not isinstance(value, torch.Tensor) or value.numel() != hi - lo \
+                or numpy_view(value.detach().contiguous()).dtype != dtype:
+            shown = (f"{value.numel()} {value.dtype}" if isinstance(value, torch.Tensor)
+                     else type(value).__name__)
+            raise ValueError(f"the compression state's {part}[{name!r}] is {shown}; the "
+                             f"parameter has {hi - lo} {dtype} elements")
+        return numpy_view(value.detach().contiguous()).copy()
+
+    def _positions(self) -> dict[str, tuple[str, int, int]]:
+        """Parameter name -> (its flat buffer's name, its element range there)."""
+        out = {}
+        for flat in self._flats:
+            lo = 0
+            for p in flat.params:
+                out[self._names[p]] = (flat.name, lo, lo + p.numel())
+                lo += p.numel()
+        return out
+
+    def _momentum_arrays(self, flat_name: str) -> tuple[np.ndarray, np.ndarray]:
+        """The local and previous reduced momentum of a flat buffer (zeros on first use)."""
+        state = self._momentum.get(flat_name)
+        if state is None:
+            flat = next(f for f in self._flats if f.name == flat_name)
+            size, dtype = flat.buffer.numel(), numpy_view(flat.buffer).dtype
+            state = self._momentum[flat_name] = (np.zeros(size, dtype), np.zeros(size, dtype))
+        return state
 
     def _plan(self, threshold: int) -> list[_Run]:
         """The runs for fusion ``threshold`` (computed once per threshold)."""
@@ -243,12 +364,8 @@ class CompressedGradients:
     def _momentum_of(self, run: _Run) -> tuple[np.ndarray, np.ndarray]:
         """Views of ``run``'s elements in the local momentum and the previous reduced
         momentum of its flat buffer (zeros on first use)."""
-        state = self._momentum.get(run.flat)
-        if state is None:
-            flat = next(f for f in self._flats if f.name == run.flat)
-            size, dtype = flat.buffer.numel(), numpy_view(flat.buffer).dtype
-            state = self._momentum[run.flat] = (np.zeros(size, dtype), np.zeros(size, dtype))
-        return state[0][run.lo:run.hi], state[1][run.lo:run.hi]
+        local, previous = self._momentum_arrays(run.flat)
+        return local[run.lo:run.hi], previous[run.lo:run.hi]
 
     def _feedback_for(self, run: _Run, array: np.ndarray) -> tuple[Any, Any]:
         """``(feedback, key)`` for :func:`mpicoll.compression.allreduce` on ``run``.

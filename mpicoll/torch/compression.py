@@ -11,8 +11,10 @@ payloads (scales and int8 values, packed sign bits, index/value pairs) cannot be
 they are, so ``DistributedOptimizer`` reduces them with
 :func:`mpicoll.compression.allreduce` (dense codecs: a ring that decodes, adds and
 re-encodes; sparse codecs: an all-gather of the pairs), with error feedback per parameter
-kept by the optimizer (:mod:`mpicoll.torch.compressed`). Their ``compress``/``decompress``
-raise ``TypeError``: they are not for ``hvd.allreduce``.
+kept by the optimizer (:mod:`mpicoll.torch.compressed`), and so do ``hvd.allreduce`` and
+``hvd.grouped_allreduce`` (:mod:`mpicoll.torch.codec_allreduce`; error feedback only with
+a caller-held ``feedback=``). Their ``compress``/``decompress`` raise ``TypeError``: the
+other collectives (``hvd.reducescatter`` ...) do not take them.
 
 Every compressor has a ``codec`` attribute: the :class:`mpicoll.compression.Codec` it
 stands for (``None`` for ``Compression.none`` and user-defined compressors), so other
@@ -89,16 +91,18 @@ CODEC_DTYPES = (torch.float32, torch.float64)
 class CodecCompressor(Compressor):
     """A compressor made of an :mod:`mpicoll.compression` codec, with error feedback.
 
-    Used by ``DistributedOptimizer`` only: the optimizer reduces each fused gradient
-    buffer with :func:`mpicoll.compression.allreduce` and keeps one residual per
-    parameter (``optimizer.error_feedback``).
+    ``DistributedOptimizer`` reduces each fused gradient buffer with
+    :func:`mpicoll.compression.allreduce` and keeps one residual per parameter
+    (``optimizer.error_feedback``); ``hvd.allreduce`` and ``hvd.grouped_allreduce`` reduce
+    each tensor so, with error feedback only in a caller-held ``feedback=`` object.
 
     Args:
         codec: a codec or a codec name (``"int8"``, ``"int8:512:stochastic"``,
             ``"onebit"``, ``"topk:0.01"``...; see :func:`mpicoll.compression.get_codec`).
         feedback: keep what compression dropped and add it to the next step's gradient
             (default: on for lossy codecs, which is every codec but ``none``).
-        momentum: ``0.0`` (default): each rank compresses its gradient. ``beta`` in
+        momentum: (``DistributedOptimizer`` only) ``0.0`` (default): each rank compresses
+            its gradient. ``beta`` in
             (0, 1): each rank compresses its *local momentum* ``m = beta m + g`` (error
             feedback then keeps what compression dropped of ``m``), the ranks' momenta are
             reduced to ``M``, and the optimizer receives ``M - beta M_prev`` (``M_prev``:
@@ -137,15 +141,16 @@ class CodecCompressor(Compressor):
         """Raise ``TypeError`` (naming ``what``) unless the codec encodes ``dtype``."""
         if dtype not in CODEC_DTYPES:
             raise TypeError(f"{what} has dtype {dtype}; compression={self.name!r} needs "
-                            f"float32 or float64 gradients (use Compression.none or "
+                            f"float32 or float64 tensors (use Compression.none or "
                             f"Compression.fp16 for other dtypes)")
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Refused: payloads of this codec cannot be summed as tensors.
 
         Raises:
-            TypeError: always (use it with ``DistributedOptimizer``, or
-                :func:`mpicoll.compression.allreduce` on numpy arrays).
+            TypeError: always (use it with ``DistributedOptimizer``, ``hvd.allreduce``,
+                ``hvd.grouped_allreduce``, or :func:`mpicoll.compression.allreduce` on
+                numpy arrays).
         """
         raise self._not_summable()
 
@@ -155,9 +160,10 @@ class CodecCompressor(Compressor):
 
     def _not_summable(self) -> TypeError:
         return TypeError(f"Compression {self.name!r} cannot be summed in compressed form, "
-                         f"so it works only as DistributedOptimizer(compression=...) (or "
-                         f"with mpicoll.compression.allreduce on numpy arrays); hvd.allreduce "
-                         f"and friends take Compression.none, Compression.fp16 or a "
+                         f"so it works only with DistributedOptimizer(compression=...), "
+                         f"hvd.allreduce and hvd.grouped_allreduce (or "
+                         f"mpicoll.compression.allreduce on numpy arrays); the other "
+                         f"collectives take Compression.none, Compression.fp16 or a "
                          f"compress/decompress compressor")
 
     def __repr__(self) -> str:

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from . import handles
-from .compression import Compression
+from .codec_allreduce import codec_allreduce
+from .compression import CodecCompressor, Compression
 from .dtypes import dtype_name
 from .handles import GroupFuture
 from .mpi_ops import (allreduce_meta, check_gather, reducescatter_meta,
@@ -70,7 +71,7 @@ def _grouped_allreduce_async(tensors: Any, outputs: Any, average: Any, name: str
     metas = [allreduce_meta(t, n, resolved, prescale_factor, postscale_factor)
              for t, n in zip(tensors, names)]
     if outputs is None:
-        outputs = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
+        outputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     with scoped(process_set):
         return _submit_group(base, metas, [t.detach() for t in tensors], outputs)
 
@@ -115,16 +116,28 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Any = None,
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Any = None,
                       name: str | None = None, compression: Any = Compression.none,
                       op: Any = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0,
-                      process_set: Any = None) -> list[torch.Tensor]:
+                      postscale_factor: float = 1.0, process_set: Any = None,
+                      feedback: Any = None) -> list[torch.Tensor]:
     """All-reduce every tensor of ``tensors`` as one group (differentiable); return the
     list of reduced tensors.
+
+    ``compression`` and ``feedback`` as for :func:`~mpicoll.torch.allreduce`: with a codec
+    compressor the group agrees once, then each member is reduced by its own compressed
+    all-reduce (member ``i``'s residual key in ``feedback``: ``(name, i)``).
 
     Raises:
         TypeError, ValueError: bad arguments. mpicoll.MismatchError: ranks disagree on the
             number of tensors or on any member (raised on every rank, for the whole group).
     """
     tensors = _tensor_list(tensors)
+    if isinstance(compression, CodecCompressor):
+        with scoped(process_set):
+            return list(codec_allreduce(tensors, request_name("grouped_allreduce", name),
+                                        [(name, i) for i in range(len(tensors))],
+                                        compression, average, op, prescale_factor,
+                                        postscale_factor, feedback))
+    if feedback is not None:
+        raise TypeError("feedback= needs a codec compressor (Compression.int8, ...)")
     resolved = resolve_reduce_op(average, op, adasum=True)
     pairs = [compression.compress(t) for t in tensors]
     with scoped(process_set):

@@ -35,7 +35,8 @@ import torch
 
 from . import handles
 from .adasum import check_adasum_size
-from .compression import Compression
+from .codec_allreduce import codec_allreduce
+from .compression import CodecCompressor, Compression
 from .dtypes import check_supported, dtype_name
 from .negotiation import JOIN, Meta
 from .ops import Adasum, Average, ReduceOp, Sum, check_op_dtype, resolve_reduce_op
@@ -142,8 +143,8 @@ def allreduce_async(tensor: torch.Tensor, average: Any = None, name: str | None 
     Raises:
         TypeError, ValueError: bad arguments (on this rank, before anything is sent).
     """
-    output = torch.empty(tensor.shape, dtype=tensor.dtype) if isinstance(tensor, torch.Tensor) \
-        else None
+    output = torch.empty_like(tensor, memory_format=torch.contiguous_format) \
+        if isinstance(tensor, torch.Tensor) else None     # on the tensor's device
     with scoped(process_set):
         return submit_allreduce(tensor, output, name, resolve_reduce_op(average, op, adasum=True),
                                 prescale_factor, postscale_factor)
@@ -162,18 +163,36 @@ def allreduce_async_(tensor: torch.Tensor, average: Any = None, name: str | None
 def allreduce(tensor: torch.Tensor, average: Any = None, name: str | None = None,
               compression: Any = Compression.none, op: Any = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: Any = None) -> torch.Tensor:
+              process_set: Any = None, feedback: Any = None) -> torch.Tensor:
     """All-reduce ``tensor`` (differentiable); return a new tensor.
 
     Args:
-        compression: a compressor (``Compression.none`` or ``Compression.fp16``).
+        compression: a Horovod-style compressor (``Compression.none``,
+            ``Compression.fp16``, or any compress/decompress pair), or a codec compressor
+            (``Compression.bf16``, ``.int8``, ``.onebit``, ``.topk(r)``, ``.randomk(r)``,
+            ``.from_codec(spec)``): float32/float64 CPU tensors, op Average or Sum,
+            reduced by :func:`mpicoll.compression.allreduce` (see
+            :mod:`~mpicoll.torch.codec_allreduce`; its gradient is compressed too).
+        feedback: codec compressors only: an :class:`mpicoll.compression.ErrorFeedback`
+            that keeps this tensor's residual under the key ``name`` (the caller keeps it
+            across calls). ``None`` (default): no error feedback.
         Others: as for :func:`allreduce_async`.
     Returns:
         The reduced tensor, identical on every rank.
     Raises:
-        TypeError, ValueError: bad arguments. mpicoll.MismatchError: ranks disagree on
-            shape, dtype, op or scaling (raised on every rank).
+        TypeError, ValueError: bad arguments (with a codec compressor: on the rank that
+            passed them, the others raise ``mpicoll.RemoteError``). mpicoll.MismatchError:
+            ranks disagree on shape, dtype, op, scaling or codec (raised on every rank).
+        mpicoll.CollectiveError: with a codec compressor, a rank has joined.
     """
+    if isinstance(compression, CodecCompressor):
+        with scoped(process_set):
+            return codec_allreduce([tensor], request_name("allreduce", name), [name],
+                                   compression, average, op, prescale_factor,
+                                   postscale_factor, feedback)[0]
+    if feedback is not None:
+        raise TypeError("feedback= needs a codec compressor (Compression.int8, ...); "
+                        f"{compression!r} keeps no residuals")
     op = resolve_reduce_op(average, op, adasum=True)
     compressed, ctx = compression.compress(tensor)
     with scoped(process_set):

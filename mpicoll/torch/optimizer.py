@@ -25,7 +25,9 @@ flat buffers when a parameter's first gradient is sparse and go through
 A codec compressor (``Compression.int8``, ``.bf16``, ``.onebit``, ``.topk(r)``,
 ``.randomk(r)``) always works like bulk mode: hooks count, and ``step()`` reduces the flat
 buffers with :func:`mpicoll.compression.allreduce` and per-parameter error feedback
-(:mod:`mpicoll.torch.compressed`; ``optimizer.error_feedback``).
+(:mod:`mpicoll.torch.compressed`; ``optimizer.error_feedback``). That state is per rank, so
+it lives outside ``state_dict()``: ``compression_state_dict()`` and
+``load_compression_state_dict()`` carry it through checkpoints.
 """
 from __future__ import annotations
 
@@ -104,6 +106,41 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The residuals of a codec compressor: an :class:`mpicoll.compression.ErrorFeedback`
         keyed by parameter name, kept across steps (``None`` for other compressors)."""
         return None if self._codec_grads is None else self._codec_grads.feedback
+
+    def compression_state_dict(self) -> dict:
+        """This rank's state of a codec compressor, for checkpoints (``{}`` for other
+        compressors): the error-feedback residuals per parameter name, with
+        ``momentum=`` the local momentum and the previous reduced momentum per parameter,
+        and the codec's random state (random-k's step, stochastic int8's generator); as
+        tensors and plain values, so ``torch.save`` / ``torch.load(weights_only=True)``
+        work.
+
+        Not part of :meth:`state_dict`: that is the wrapped optimizer's state, the same on
+        every rank, which Horovod's convention saves on rank 0 and
+        ``broadcast_optimizer_state`` copies from the root to every rank; residuals and
+        local momenta differ per rank, and rank 0's copied to the others would be wrong.
+        Save this on every rank (one file per rank); restored with
+        :meth:`load_compression_state_dict` on the same rank of the same world size,
+        training continues bit for bit as if uninterrupted.
+        """
+        return {} if self._codec_grads is None else self._codec_grads.state_dict()
+
+    def load_compression_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`compression_state_dict` returned (on this rank, local: no
+        communication). Parameters the state does not mention start from zero.
+
+        Raises:
+            ValueError: a state of another codec or momentum, unknown parameter names,
+                tensors that do not fit their parameters, or a non-empty state for an
+                optimizer without a codec compressor.
+            TypeError: ``state`` is not a dict.
+        """
+        if self._codec_grads is None:
+            if state:
+                raise ValueError("this DistributedOptimizer has no codec compressor, so it "
+                                 "keeps no compression state to load")
+            return
+        self._codec_grads.load_state_dict(state)
 
     @property
     def compression_stats(self) -> list:

@@ -278,3 +278,35 @@ def test_blocked_kernels_match_one_big_block(spec, dtype, monkeypatch):
     if spec.startswith("int8"):
         s = np.repeat(payload[0].astype(np.float64), blocked.chunk)[:count]
         assert (np.abs(y.astype(np.float64) - x) <= s * (0.5 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("spec", ["randomk:0.3", "int8:stochastic", "int8", "onebit", "topk:0.2"])
+def test_codec_state_restores_the_next_encodings(spec):
+    """A codec made afresh and given another's state_dict encodes the next vectors as that
+    one does (randomk's step, stochastic int8's generator); stateless codecs have none."""
+    x = np.random.default_rng(5).standard_normal(300).astype(np.float32)
+    used = get_codec(spec)
+    for _ in range(3):
+        used.encode(x)
+    state = used.state_dict()
+    if spec in ("int8", "onebit", "topk:0.2"):
+        assert state == {}
+    fresh = get_codec(spec)
+    fresh.load_state_dict(state)
+    for _ in range(2):
+        a, b = used.encode(x), fresh.encode(x)
+        assert all(np.array_equal(p, q) for p, q in zip(a, b))
+    if spec.startswith(("randomk", "int8:")):
+        assert not all(np.array_equal(p, q)
+                       for p, q in zip(get_codec(spec).encode(x), used.encode(x)))
+
+
+def test_codec_state_of_another_codec_is_refused():
+    with pytest.raises(ValueError, match="does not belong to compression='int8'"):
+        get_codec("int8").load_state_dict({"step": 3})
+    with pytest.raises(ValueError, match="does not belong to compression='randomk:0.5'"):
+        get_codec("randomk:0.5").load_state_dict({})
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        get_codec("randomk:0.5").load_state_dict({"step": -1})
+    with pytest.raises(ValueError, match="does not belong to compression='int8:stochastic'"):
+        get_codec("int8:stochastic").load_state_dict({"step": 1})

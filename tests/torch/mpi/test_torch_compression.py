@@ -179,7 +179,7 @@ def test_wrong_uses_raise_on_every_rank():
         hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=[("p", p)],
                                  compression=hvd.Compression.int8, op=hvd.Max)
     with pytest.raises(TypeError, match="cannot be summed in compressed form"):
-        hvd.allreduce(torch.ones(3), compression=hvd.Compression.onebit)
+        hvd.reducescatter(torch.ones(3), compression=hvd.Compression.onebit)
     if n < 2:
         return
     # ranks disagree on the codec: MismatchError on every rank, the adapter still works
@@ -239,6 +239,17 @@ def test_process_set_reduces_over_its_ranks_only():
                                              compression="int8", feedback=ref_fb, key="p")
             assert np.array_equal(p.grad.numpy(), expected), step
             assert np.array_equal(opt.error_feedback.residual("p"), ref_fb.residual("p"))
+        # the functional API too (hvd.allreduce with a codec, a caller-held feedback,
+        # Sum with a postscale factor)
+        fb = compression.ErrorFeedback()
+        for step in range(2):
+            g = coef(rank, step, 1, "p", (301,), torch.float32)
+            out = hvd.allreduce(g, name="set.p", compression=hvd.Compression.onebit,
+                                op=hvd.Sum, postscale_factor=0.5, process_set=ps, feedback=fb)
+            expected = compression.allreduce(g.numpy().copy(), op="sum", comm=sub,
+                                             compression="onebit", feedback=ref_fb, key="f")
+            assert np.array_equal(out.numpy(), expected * 0.5), step
+            assert np.array_equal(fb.residual("set.p"), ref_fb.residual("f"))
     finally:
         if sub != MPI.COMM_NULL:
             sub.Free()
