@@ -18,10 +18,29 @@ from . import collectives
 from .algorithms.registry import names
 from .buffers import IN_PLACE, Unsupported, is_in_place, parse_mpi_buffer
 from .fastpath import MISS, run_cached, run_shaped
+from .gpu.arrays import is_device
 from .ops import resolve_op
 from .partition import block_bounds
 
 __all__ = ["Comm"]
+
+
+def _buffer(spec: Any, argname: str, writable: bool = False) -> Any:
+    """One rank's buffer spec as mpicoll takes it: a flat host view, or for device memory
+    (:mod:`mpicoll.gpu.specs`) a device argument the collectives route
+    (:mod:`mpicoll.gpu.route`: straight to CUDA-aware MPI, or staged through host memory)."""
+    if is_device(spec):
+        from .gpu.specs import device_buffer  # noqa: PLC0415
+
+        return device_buffer(spec, argname)
+    return parse_mpi_buffer(spec, argname, writable)
+
+
+def _block_counts(recvcounts: Any, size: int) -> bool:
+    """Whether ``recvcounts`` are all equal (a device Reduce_scatter is then a
+    Reduce_scatter_block; other counts go to MPI, which must then be CUDA-aware)."""
+    counts = [int(c) for c in recvcounts] if recvcounts is not None else []
+    return len(counts) == size and len(set(counts)) == 1
 
 
 class Comm(MPI.Intracomm):
@@ -48,7 +67,7 @@ class Comm(MPI.Intracomm):
         return name if name == "auto" or name in names(collective) else "auto"
 
     def _parse(self, spec: Any, argname: str, writable: bool = False) -> Any:
-        return IN_PLACE if is_in_place(spec) else parse_mpi_buffer(spec, argname, writable)
+        return IN_PLACE if is_in_place(spec) else _buffer(spec, argname, writable)
 
     def _parse_reduction(self, sendbuf: Any, recvbuf: Any, op: Any,
                          with_recv: bool = True) -> tuple:
@@ -56,7 +75,7 @@ class Comm(MPI.Intracomm):
         MPI must handle the call (``recv`` is ``None`` when ``with_recv`` is false)."""
         ours = resolve_op(op)
         send = self._parse(sendbuf, "sendbuf")
-        recv = parse_mpi_buffer(recvbuf, "recvbuf", writable=True) if with_recv else None
+        recv = _buffer(recvbuf, "recvbuf", writable=True) if with_recv else None
         return ours, send, recv
 
     def _run(self, method: str, collective: str, args: tuple, key_args: tuple) -> None:
@@ -91,7 +110,8 @@ class Comm(MPI.Intracomm):
             ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op)
         except (Unsupported, ValueError):
             return super().Reduce_scatter_block(sendbuf, recvbuf, op)
-        if send is not IN_PLACE and send.size != recv.size * self.Get_size():
+        if send is not IN_PLACE and not is_device(send) and \
+                send.size != recv.size * self.Get_size():     # (device: the route checks)
             raise ValueError(f"sendbuf has {send.size} elements; Reduce_scatter_block needs "
                              f"size x recvbuf = {recv.size * self.Get_size()}")
         self._run("Reduce_scatter_block", "reduce_scatter", (send, recv, ours),
@@ -101,6 +121,10 @@ class Comm(MPI.Intracomm):
     def Reduce_scatter(self, sendbuf: Any, recvbuf: Any, recvcounts: Any = None,
                        op: MPI.Op = MPI.SUM) -> None:
         """As ``MPI.Comm.Reduce_scatter``; mpicoll's when ``recvcounts`` are array_split's."""
+        if is_device(sendbuf) or is_device(recvbuf):   # no vector counts on the device
+            return self.Reduce_scatter_block(sendbuf, recvbuf, op) \
+                if _block_counts(recvcounts, self.Get_size()) \
+                else super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
         try:
             ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op)
             if recvcounts is None:
@@ -127,7 +151,7 @@ class Comm(MPI.Intracomm):
                 return None
         try:
             send = self._parse(sendbuf, "sendbuf")
-            recv = parse_mpi_buffer(recvbuf, "recvbuf", writable=True)
+            recv = _buffer(recvbuf, "recvbuf", writable=True)
         except (Unsupported, ValueError):
             return super().Allgather(sendbuf, recvbuf)
         self._run("Allgather", "allgather", (send, recv), (sendbuf, recvbuf))
@@ -139,7 +163,7 @@ class Comm(MPI.Intracomm):
             if run_cached(("Comm.Bcast", id(buf), id(root), id(self))) is not MISS:
                 return None
         try:
-            flat = parse_mpi_buffer(buf, "buf", writable=self.Get_rank() != root)
+            flat = _buffer(buf, "buf", writable=self.Get_rank() != root)
         except (Unsupported, ValueError):
             return super().Bcast(buf, root)
         self._run("Bcast", "broadcast", (flat, root), (buf, root))

@@ -17,12 +17,35 @@
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 from .. import config
 from . import arrays, detect
 
-__all__ = ["device_call", "prepare_aware", "reporter"]
+__all__ = ["device_call", "prepare_aware", "reporter", "simulated", "simulation",
+           "as_device_array"]
+
+#: CPU tests (:func:`simulated`): the copies object (it also makes device views) and the
+#: CUDA-awareness decision every device call uses instead of CuPy's and detection's.
+_simulation: tuple[Any, tuple[bool, str]] | None = None
+
+
+@contextlib.contextmanager
+def simulated(copies: Any, aware: tuple[bool, str] = (False, "simulated")) -> Iterator[None]:
+    """Within: every device call (``mpicoll.<collective>``, :class:`mpicoll.Comm`) runs with
+    ``copies`` (e.g. :class:`mpicoll.gpu.simulated.SimulatedCopies`) and ``aware``."""
+    global _simulation
+    saved, _simulation = _simulation, (copies, aware)
+    try:
+        yield
+    finally:
+        _simulation = saved
+
+
+def simulation() -> tuple[Any, tuple[bool, str]] | None:
+    """The ``(copies, aware)`` of :func:`simulated` in force, or ``None``."""
+    return _simulation
 
 
 def reporter(collective: str, comm: Any, check: Any) -> Callable[[Exception], Any] | None:
@@ -57,6 +80,15 @@ def _synchronise(obj: Any) -> None:
     if cai is not None and cai.get("version", 0) >= 3:
         return  # version 3 with stream None: the producer says the data is ready
     cupy.cuda.runtime.deviceSynchronize()  # nothing says which stream: be safe
+
+
+def as_device_array(obj: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """An array view of device object ``obj`` (CuPy; the simulation's arrays in tests)
+    and the function that turns a view of it back into a device argument."""
+    if _simulation is not None:
+        copies = _simulation[0]
+        return copies.as_array(obj), copies.wrap
+    return _as_cupy(obj), lambda a: a
 
 
 def _as_cupy(obj: Any) -> Any:
@@ -106,6 +138,9 @@ def device_call(collective: str, args: tuple, comm: Any, check: Any,
         TypeError, ValueError: bad buffers on this rank (in checked mode after telling the
             other ranks).
     """
+    if _simulation is not None:
+        aware = _simulation[1] if aware is None else aware
+        staged_options.setdefault("copies", _simulation[0])
     report = reporter(collective, comm, check)
     try:
         arrays.call_kind(collective, args)

@@ -73,8 +73,11 @@ class SimulatedCopies:
             raise TypeError(f"SimulatedCopies handles numpy arrays, not {type(obj).__name__}")
         return obj
 
-    def _new(self, array: np.ndarray) -> Any:
+    def wrap(self, array: np.ndarray) -> Any:
+        """``array`` as a device argument (what ``wrap`` makes of it)."""
         return array if self._wrap is None else self._wrap(array)
+
+    _new = wrap
 
     def empty_like(self, obj: Any) -> Any:
         """A new array like ``obj`` (same shape, dtype and memory order)."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["SUPPORTED", "numpy_view", "reduce_dtype", "check_supported", "dtype_name", "from_name"]
+__all__ = ["SUPPORTED", "numpy_view", "reduce_dtype", "check_supported", "dtype_name", "from_name",
+           "move_dtype", "numpy_dtype"]
 
 #: torch dtype -> the torch dtype whose numpy view carries its bytes.
 _MOVE: dict[torch.dtype, torch.dtype] = {
@@ -31,16 +32,16 @@ SUPPORTED = tuple(_MOVE)
 
 
 def check_supported(tensor: object, argname: str = "tensor") -> torch.Tensor:
-    """Raise unless ``tensor`` is a CPU tensor of a supported dtype; return it.
+    """Raise unless ``tensor`` is a CPU or CUDA tensor of a supported dtype; return it.
 
     Raises:
-        TypeError: not a tensor, not on the CPU, or an unsupported dtype.
+        TypeError: not a tensor, on another kind of device, or an unsupported dtype.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{argname} must be a torch.Tensor, not {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise TypeError(f"{argname} is on {tensor.device}; mpicoll.torch handles CPU tensors "
-                        f"(move it with .cpu())")
+    if not tensor.is_cpu and not tensor.is_cuda:
+        raise TypeError(f"{argname} is on {tensor.device}; mpicoll.torch handles CPU and CUDA "
+                        f"tensors (move it with .cpu() or .cuda())")
     if tensor.dtype not in _MOVE:
         raise TypeError(f"{argname} has dtype {tensor.dtype}, which mpicoll.torch does not "
                         f"handle (supported: {', '.join(str(d) for d in SUPPORTED)})")
@@ -56,6 +57,22 @@ def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     if move is not tensor.dtype:
         flat = flat.view(move)
     return flat.numpy()
+
+
+def move_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype that carries the bytes of ``dtype`` (bfloat16 -> int16)."""
+    return _MOVE[dtype]
+
+
+_NUMPY: dict[torch.dtype, np.dtype] = {}
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype of :func:`move_dtype` (``dtype``)'s numpy views."""
+    hit = _NUMPY.get(dtype)
+    if hit is None:
+        hit = _NUMPY[dtype] = torch.empty(0, dtype=_MOVE[dtype]).numpy().dtype
+    return hit
 
 
 def reduce_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -55,6 +55,8 @@ from .. import timeline
 from ..context import get_context
 from ..errors import CollectiveError
 from . import trace
+from ..gpu.slots import HostSlots
+from .device import TensorDevice, device_of, same_device
 from .dtypes import numpy_view
 from .execute import run_responses
 from .handles import Future
@@ -98,6 +100,15 @@ class Work(NamedTuple):
     future: Future
     #: When it was submitted, while a timeline records (else 0): see :mod:`.trace`.
     since: float = 0.0
+    #: Device tensors: the event recorded on the caller's stream at submission, which the
+    #: engine's stream waits for before touching them (:mod:`.device`); ``None`` on the host.
+    ready: Any = None
+
+
+def _ready(tensor: Any, output: Any) -> Any:
+    """The submit-time event of a request's tensors (``None`` for host tensors)."""
+    dev = device_of(tensor if tensor is not None else output)
+    return None if dev is None else dev.record()
 
 
 def _decide_overlap(setting: str, local_size: int) -> bool:
@@ -137,7 +148,8 @@ class Engine:
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._fatal: BaseException | None = None
-        self._fusion: dict[torch.dtype, torch.Tensor] = {}
+        self._fusion: dict[Any, torch.Tensor] = {}
+        self._pinned: dict[str, HostSlots] = {}
         self._views: dict[tuple, np.ndarray] = {}
         self.local: dict[str, Work] = {}
         self.stopping = False
@@ -202,7 +214,8 @@ class Engine:
             ValueError: a request of the same name from this rank is still in flight.
             CollectiveError: the engine has stopped.
         """
-        work = Work(meta, tensor, output, Future(self), trace.submit_time())
+        work = Work(meta, tensor, output, Future(self), trace.submit_time(),
+                    _ready(tensor, output))
         self._enqueue(work, waiting)
         return work.future
 
@@ -217,11 +230,15 @@ class Engine:
         Args:
             group: the group's metadata. members: (tensor, output) per member, in order.
         Raises:
+            TypeError: the members' tensors are not all on one device (or all on the host).
             ValueError: the group's name is already in flight on this rank.
             CollectiveError: the engine has stopped.
         """
         since = trace.submit_time()
-        works = [Work(meta, tensor, output, Future(self), since)
+        dev = same_device([t if t is not None else out for t, out in members],
+                          f"the tensors of group {group.name!r}")
+        ready = None if dev is None else dev.record()
+        works = [Work(meta, tensor, output, Future(self), since, ready)
                  for meta, (tensor, output) in zip(group.members, members)]
         self._enqueue(Work(group, works, None, Future(self)), False)
         return [work.future for work in works]
@@ -342,12 +359,24 @@ class Engine:
         else:
             work.future.set_result(result, extra)
 
-    def fusion_buffer(self, dtype: torch.dtype, count: int) -> torch.Tensor:
-        """A flat scratch tensor of ``count`` elements, reused across buckets."""
-        buf = self._fusion.get(dtype)
+    def fusion_buffer(self, dtype: torch.dtype, count: int,
+                      device: TensorDevice | None = None) -> torch.Tensor:
+        """A flat scratch tensor of ``count`` elements on ``device`` (``None``: the host),
+        reused across buckets (on a device: used only on the engine's stream)."""
+        key = dtype if device is None else (dtype, device.name)
+        buf = self._fusion.get(key)
         if buf is None or buf.numel() < count:
-            buf = self._fusion[dtype] = torch.empty(max(count, 1024), dtype=dtype)
+            size = max(count, 1024)
+            buf = self._fusion[key] = torch.empty(size, dtype=dtype) if device is None \
+                else device.empty((size,), dtype)
         return buf[:count]
+
+    def host_slots(self, device: TensorDevice) -> HostSlots:
+        """The pinned host memory that stages this engine's requests on ``device``."""
+        slots = self._pinned.get(device.name)
+        if slots is None:
+            slots = self._pinned[device.name] = HostSlots(device.pinned)
+        return slots
 
     def persistent_view(self, flat: torch.Tensor) -> np.ndarray:
         """The same numpy view of ``flat`` every time it is reduced (DistributedOptimizer's

@@ -12,9 +12,10 @@ does not import :mod:`mpicoll.torch.engine` (which imports this one).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from math import prod
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -26,6 +27,8 @@ from ..errors import CollectiveError, MismatchError, RemoteError
 from ..ops import scaled_sum
 from . import trace
 from .adasum import adasum_allreduce
+from ..gpu.staging import staging_bytes
+from .device import host_run, request_device
 from .dtypes import from_name, numpy_view, reduce_dtype
 from .fusion import numel, plan_buckets
 from .negotiation import JOIN, Response
@@ -50,8 +53,11 @@ class EngineInterface(Protocol):
                extra: Any = None) -> None:
         """Complete this rank's request ``key`` (if it has one)."""
 
-    def fusion_buffer(self, dtype: torch.dtype, count: int) -> torch.Tensor:
-        """A flat scratch tensor of ``count`` elements."""
+    def fusion_buffer(self, dtype: torch.dtype, count: int, device: Any = None) -> torch.Tensor:
+        """A flat scratch tensor of ``count`` elements (on ``device``: ``None`` the host)."""
+
+    def host_slots(self, device: Any) -> Any:
+        """The pinned host memory that stages requests on ``device``."""
 
     def persistent_view(self, flat: torch.Tensor) -> np.ndarray:
         """The same numpy view of ``flat`` every time."""
@@ -245,10 +251,55 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
     op = ReduceOp(meta.op)
     works = [engine.local.get(r.name) for r in bucket]
     adasum = int(op) == int(Adasum)         # per-tensor dot products: the negotiated layout
+    dev = request_device(works)
+    if dev is None:
+        flat, segments, in_place = _fill(engine, bucket, works, dtype, rdtype, adasum, None)
+    else:
+        _await(dev, works)
+        with dev.stream():                   # the fusion buffer is packed on the device
+            flat, segments, in_place = _fill(engine, bucket, works, dtype, rdtype, adasum,
+                                             dev)
+    scaled = False
+    if flat.numel() and engine.size > 1:
+        core_op = None if adasum else _passed_down(op, meta.postscale, flat.dtype,
+                                                   engine.size)
+        scaled = core_op is not None
+
+        def reduce(array: Any) -> None:
+            if adasum:
+                trace.step("MPI_ADASUM_ALLREDUCE")
+                adasum_allreduce(array, [n for _, n in segments], engine.comm)
+            else:
+                trace.step("MPI_ALLREDUCE")
+                collectives.allreduce(IN_PLACE, array, op=core_op or mpicoll_op(op),
+                                      comm=engine.comm, algorithm=engine.settings.algorithm)
+
+        if dev is None:
+            reduce(engine.persistent_view(flat) if in_place and meta.layout
+                   else numpy_view(flat))
+        else:                                # Adasum's dot products run on the host
+            _staged(engine, dev, [flat], [flat], reduce, aware=not adasum)
+    trace.step(None if in_place else "MEMCPY_OUT_FUSION_BUFFER")
+    if dev is None:
+        _unpack(flat, works, segments, in_place, op, meta.postscale, engine.size, scaled)
+    else:
+        with dev.stream():
+            _unpack(flat, works, segments, in_place, op, meta.postscale, engine.size, scaled)
+        dev.synchronize()                    # results ready for any stream
+    for response, work in zip(bucket, works):
+        if work is not None:
+            engine.finish(response.name, result=work.output)
+
+
+def _fill(engine: EngineInterface, bucket: list[Response], works: list, dtype: torch.dtype,
+          rdtype: torch.dtype, adasum: bool, dev: Any) -> tuple[torch.Tensor, list, bool]:
+    """The flat tensor an all-reduce bucket reduces (prescaled), its segments, and whether
+    it is the outputs themselves: zero-copy when the outputs tile one contiguous range (a
+    single tensor, or gradients that DistributedOptimizer keeps as views of one flat
+    buffer), else packed into the fusion buffer (on ``dev``; ``None``: the host)."""
+    meta = _first_meta(bucket[0])
     adjacent = _adjacent_outputs(works, dtype) if rdtype is dtype and not adasum else None
     if adjacent is not None:
-        # Zero-copy: the outputs tile one contiguous range (a single tensor, or gradients
-        # that DistributedOptimizer keeps as views of one flat buffer): reduce it in place.
         flat = adjacent
         for work in works:
             if work.tensor is not work.output:
@@ -258,7 +309,7 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
     else:
         trace.step("MEMCPY_IN_FUSION_BUFFER")
         total = sum(numel(_first_meta(r)) for r in bucket)
-        flat = engine.fusion_buffer(rdtype, total)
+        flat = engine.fusion_buffer(rdtype, total, dev)
         segments = []
         offset = 0
         for response, work in zip(bucket, works):
@@ -271,27 +322,31 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
             offset += n
         in_place = False
     _scale(flat, meta.prescale)
-    scaled = False
-    if flat.numel() and engine.size > 1:
-        array = engine.persistent_view(flat) if in_place and meta.layout else numpy_view(flat)
-        if adasum:
-            trace.step("MPI_ADASUM_ALLREDUCE")
-            adasum_allreduce(array, [n for _, n in segments], engine.comm)
-        else:
-            trace.step("MPI_ALLREDUCE")
-            core_op = _passed_down(op, meta.postscale, flat.dtype, engine.size)
-            scaled = core_op is not None
-            collectives.allreduce(IN_PLACE, array, op=core_op or mpicoll_op(op),
-                                  comm=engine.comm, algorithm=engine.settings.algorithm)
-    trace.step(None if in_place else "MEMCPY_OUT_FUSION_BUFFER")
+    return flat, segments, in_place
+
+
+def _unpack(flat: torch.Tensor, works: list, segments: list, in_place: bool, op: ReduceOp,
+            postscale: float, size: int, scaled: bool) -> None:
+    """Finalize (Average, postscale) a reduced bucket and copy it out to the outputs."""
     if not scaled:
-        _finalize(flat, op, meta.postscale, engine.size)
-    for response, work, (offset, n) in zip(bucket, works, segments):
-        if work is None:
-            continue
-        if not in_place:
-            work.output.copy_(flat[offset:offset + n].view(work.output.shape))
-        engine.finish(response.name, result=work.output)
+        _finalize(flat, op, postscale, size)
+    if not in_place:
+        for work, (offset, n) in zip(works, segments):
+            if work is not None:
+                work.output.copy_(flat[offset:offset + n].view(work.output.shape))
+
+
+def _await(dev: Any, works: list) -> None:
+    """The engine's stream waits for each request's submit-time event."""
+    for work in works:
+        if work is not None and work.ready is not None:
+            dev.wait(work.ready)
+
+
+def _staged(engine: EngineInterface, dev: Any, inputs: list, outputs: list, fn: Any,
+            aware: bool = True) -> None:
+    """:func:`mpicoll.torch.device.host_run` with the engine's pinned memory for ``dev``."""
+    host_run(dev, engine.host_slots(dev), staging_bytes(), inputs, outputs, fn, aware)
 
 
 def _adjacent_outputs(works: list, dtype: torch.dtype) -> torch.Tensor | None:
@@ -312,7 +367,8 @@ def _adjacent_outputs(works: list, dtype: torch.dtype) -> torch.Tensor | None:
         end += t.numel() * item
     first = outputs[0]
     total = (end - first.data_ptr()) // item
-    return torch.empty(0, dtype=dtype).set_(storage, first.storage_offset(), (total,))
+    return torch.empty(0, dtype=dtype, device=first.device).set_(
+        storage, first.storage_offset(), (total,))
 
 
 def _allgather(engine: EngineInterface, bucket: list[Response]) -> None:
@@ -322,42 +378,54 @@ def _allgather(engine: EngineInterface, bucket: list[Response]) -> None:
     rows = tuple(meta.shape[1:])
     row = int(prod(rows))
     dims = [response.metas[r].shape[0] for r in range(engine.size)]   # nobody joined
-    mine = engine.local[response.name].tensor.contiguous()
-    out = torch.empty((sum(dims), *rows), dtype=dtype)
-    if out.numel():
-        if engine.size == 1:
-            out.copy_(mine)
-        elif len(set(dims)) == 1:
-            trace.step("MPI_ALLGATHER")
-            collectives.allgather(numpy_view(mine), numpy_view(out), comm=engine.comm)
-        else:
-            trace.step("MEMCPY_IN_FUSION_BUFFER")
-            block = max(dims) * row
-            send = torch.zeros(block, dtype=dtype)
-            send[:mine.numel()].copy_(mine.reshape(-1))
-            recv = torch.empty(block * engine.size, dtype=dtype)
-            trace.step("MPI_ALLGATHER")
-            collectives.allgather(numpy_view(send), numpy_view(recv), comm=engine.comm)
-            trace.step("MEMCPY_OUT_FUSION_BUFFER")
-            flat = out.view(-1)
-            offset = 0
-            for r, d in enumerate(dims):
-                flat[offset:offset + d * row].copy_(recv[r * block:r * block + d * row])
-                offset += d * row
+    work = engine.local[response.name]
+    dev = request_device([work])
+    with _scope(dev, [work]):
+        mine = work.tensor.contiguous()
+        out = _empty(dev, (sum(dims), *rows), dtype, work)
+        if out.numel():
+            if engine.size == 1:
+                out.copy_(mine)
+            elif len(set(dims)) == 1:
+                trace.step("MPI_ALLGATHER")
+                _collect(engine, dev, [mine.view(-1)], [out.view(-1)],
+                         lambda send, recv: collectives.allgather(send, recv,
+                                                                  comm=engine.comm))
+            else:
+                trace.step("MEMCPY_IN_FUSION_BUFFER")
+                block = max(dims) * row
+                send = _empty(dev, (block,), dtype).zero_()
+                send[:mine.numel()].copy_(mine.reshape(-1))
+                recv = _empty(dev, (block * engine.size,), dtype)
+                trace.step("MPI_ALLGATHER")
+                _collect(engine, dev, [send], [recv],
+                         lambda a, b: collectives.allgather(a, b, comm=engine.comm))
+                trace.step("MEMCPY_OUT_FUSION_BUFFER")
+                flat = out.view(-1)
+                offset = 0
+                for r, d in enumerate(dims):
+                    flat[offset:offset + d * row].copy_(recv[r * block:r * block + d * row])
+                    offset += d * row
     engine.finish(response.name, result=out, extra=dims)
 
 
 def _broadcast(engine: EngineInterface, bucket: list[Response]) -> None:
     response = bucket[0]
     meta = _first_meta(response)
-    target = engine.local[response.name].output         # nobody joined: every rank has it
-    buf = target if target.is_contiguous() else target.contiguous()
-    if buf.numel() and engine.size > 1:
-        trace.step("MPI_BCAST")
-        collectives.broadcast(numpy_view(buf), root=meta.root, comm=engine.comm)
-        trace.step(None)
-    if buf is not target:
-        target.copy_(buf)
+    work = engine.local[response.name]
+    target = work.output                     # nobody joined: every rank has it
+    dev = request_device([work])
+    with _scope(dev, [work]):
+        buf = target if target.is_contiguous() else target.contiguous()
+        if buf.numel() and engine.size > 1:
+            trace.step("MPI_BCAST")
+            at_root = engine.rank == meta.root
+            _collect(engine, dev, [buf.view(-1)] if at_root else [],
+                     [] if at_root else [buf.view(-1)],
+                     lambda a: collectives.broadcast(a, root=meta.root, comm=engine.comm))
+            trace.step(None)
+        if buf is not target:
+            target.copy_(buf)
     engine.finish(response.name, result=target)
 
 
@@ -373,20 +441,56 @@ def _alltoall(engine: EngineInterface, bucket: list[Response]) -> None:
     splits = [alltoall_splits(response.metas[r], n) for r in range(n)]
     received = [splits[r][me] for r in range(n)]
     work = engine.local.get(response.name)
-    out = torch.empty((sum(received), *rows), dtype=dtype)
-    source = work.tensor.contiguous()
-    if n == 1:
-        out.copy_(source[:received[0]])
-    elif row and any(any(rank_splits) for rank_splits in splits):   # the same on every rank
-        item = dtype.itemsize * row                  # bytes per row
-        send = numpy_view(source).view(np.uint8)
-        recv = numpy_view(out).view(np.uint8)
-        trace.step("MPI_ALLTOALL")
-        engine.comm.Alltoallv([send, (_counts(splits[me], item), _displs(splits[me], item)),
-                               MPI.BYTE],
-                              [recv, (_counts(received, item), _displs(received, item)),
-                               MPI.BYTE])
+    dev = request_device([work])
+    with _scope(dev, [work]):
+        out = _empty(dev, (sum(received), *rows), dtype, work)
+        source = work.tensor.contiguous()
+        if n == 1:
+            out.copy_(source[:received[0]])
+        elif row and any(any(rank_splits) for rank_splits in splits):   # the same everywhere
+            item = dtype.itemsize * row              # bytes per row
+
+            def exchange(send: Any, recv: Any) -> None:
+                engine.comm.Alltoallv(
+                    [send, (_counts(splits[me], item), _displs(splits[me], item)), MPI.BYTE],
+                    [recv, (_counts(received, item), _displs(received, item)), MPI.BYTE])
+
+            trace.step("MPI_ALLTOALL")
+            _collect(engine, dev, [source.view(-1).view(torch.uint8)],
+                     [out.view(-1).view(torch.uint8)], exchange)
     engine.finish(response.name, result=(out, torch.tensor(received, dtype=torch.int32)))
+
+
+@contextlib.contextmanager
+def _scope(dev: Any, works: list) -> Iterator[None]:
+    """For device requests: wait for their submit-time events, run the body on the
+    engine's stream, then synchronise it (results ready for any stream). Nothing on the
+    host."""
+    if dev is None:
+        yield
+        return
+    _await(dev, works)
+    with dev.stream():
+        yield
+    dev.synchronize()
+
+
+def _empty(dev: Any, shape: tuple, dtype: torch.dtype, work: Any = None) -> torch.Tensor:
+    """A new tensor on ``dev`` (``None``: the host); a result for ``work``'s caller when
+    ``work`` is given, else engine scratch."""
+    if dev is None:
+        return torch.empty(shape, dtype=dtype)
+    return dev.empty(shape, dtype, None if work is None else work.ready)
+
+
+def _collect(engine: EngineInterface, dev: Any, inputs: list, outputs: list,
+             fn: Any) -> None:
+    """``fn(*inputs, *outputs)`` on numpy views of flat host tensors, or for device
+    tensors through :func:`_staged` (pinned host memory, or CUDA-aware MPI)."""
+    if dev is None:
+        fn(*(numpy_view(t) for t in (*inputs, *outputs)))
+    else:
+        _staged(engine, dev, inputs, outputs, fn)
 
 
 def alltoall_splits(meta: Any, size: int) -> tuple[int, ...]:
@@ -428,36 +532,41 @@ def _reducescatter_bucket(engine: EngineInterface, bucket: list[Response]) -> No
         counts.append([rows * row for rows in reducescatter_rows(shape[0], n)])
     block = max(sum(c[r] for c in counts) for r in range(n))
     works = [engine.local.get(r.name) for r in bucket]
-    trace.step("MEMCPY_IN_FUSION_BUFFER")
-    send = engine.fusion_buffer(rdtype, block * n)
-    send.zero_()
-    offsets = [0] * n                                # filled part of each rank's block
-    for work, count in zip(works, counts):
-        flat = work.tensor.reshape(-1)
-        start = 0
-        for r in range(n):
-            dst = r * block + offsets[r]
-            send[dst:dst + count[r]].copy_(flat[start:start + count[r]])
-            start += count[r]
-            offsets[r] += count[r]
-    _scale(send, meta.prescale)
-    recv = torch.empty(block, dtype=rdtype)
-    if n == 1:
-        recv.copy_(send)
-    elif block:
-        trace.step("MPI_REDUCESCATTER")
-        collectives.reduce_scatter(numpy_view(send), numpy_view(recv), op=mpicoll_op(op),
-                                   comm=engine.comm)
-    trace.step("MEMCPY_OUT_FUSION_BUFFER")
-    _finalize(recv, op, meta.postscale, n)
-    offset = 0
-    for response, work, count in zip(bucket, works, counts):
-        shape = _first_meta(response).shape
-        rows = reducescatter_rows(shape[0], n)[me]
-        out = recv[offset:offset + count[me]].to(dtype).view(rows, *shape[1:])
-        offset += count[me]
-        engine.finish(response.name,
-                      result=out.clone() if rdtype is dtype and len(bucket) > 1 else out)
+    dev = request_device(works)
+    results = []
+    with _scope(dev, works):
+        trace.step("MEMCPY_IN_FUSION_BUFFER")
+        send = engine.fusion_buffer(rdtype, block * n, dev)
+        send.zero_()
+        offsets = [0] * n                            # filled part of each rank's block
+        for work, count in zip(works, counts):
+            flat = work.tensor.reshape(-1)
+            start = 0
+            for r in range(n):
+                dst = r * block + offsets[r]
+                send[dst:dst + count[r]].copy_(flat[start:start + count[r]])
+                start += count[r]
+                offsets[r] += count[r]
+        _scale(send, meta.prescale)
+        recv = _empty(dev, (block,), rdtype, works[0])
+        if n == 1:
+            recv.copy_(send)
+        elif block:
+            trace.step("MPI_REDUCESCATTER")
+            _collect(engine, dev, [send], [recv],
+                     lambda a, b: collectives.reduce_scatter(a, b, op=mpicoll_op(op),
+                                                             comm=engine.comm))
+        trace.step("MEMCPY_OUT_FUSION_BUFFER")
+        _finalize(recv, op, meta.postscale, n)
+        offset = 0
+        for response, count in zip(bucket, counts):
+            shape = _first_meta(response).shape
+            rows = reducescatter_rows(shape[0], n)[me]
+            out = recv[offset:offset + count[me]].to(dtype).view(rows, *shape[1:])
+            offset += count[me]
+            results.append(out.clone() if rdtype is dtype and len(bucket) > 1 else out)
+    for response, out in zip(bucket, results):
+        engine.finish(response.name, result=out)
 
 
 def _barrier(engine: EngineInterface, bucket: list[Response]) -> None:
