@@ -166,6 +166,9 @@ def main() -> int:
                              "instead of its gradient (Compression...with_momentum); auto: "
                              "yes for onebit, no for the others")
     parser.add_argument("--json", default=None, help="rank 0 writes the run's record here")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default), cuda (each rank on GPU local_rank %% count) or "
+                             "cuda:N: where the model, data and gradients live")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -180,9 +183,13 @@ def main() -> int:
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
     per_rank = max(1, args.batch // hvd.size())
-    xtr, ytr, xte, yte, desc = load_data(args.dataset)
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+    xtr, ytr, xte, yte, desc = (v.to(device) if isinstance(v, torch.Tensor) else v
+                                for v in load_data(args.dataset))
     torch.manual_seed(args.seed)
-    model = DigitsCNN()
+    model = DigitsCNN().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     start_epoch = 0
     path = os.path.join(args.checkpoint_dir, "checkpoint.pt") if args.checkpoint_dir else None
@@ -210,7 +217,7 @@ def main() -> int:
     started = time.perf_counter()
     train_seconds, steps, mine, log = 0.0, 0, 0, []
     for epoch in range(start_epoch, args.epochs):
-        indices = shard(len(ytr), epoch, args.seed)
+        indices = shard(len(ytr), epoch, args.seed).to(device)
         total_loss, batches = 0.0, 0
         epoch_start = time.perf_counter()
         for i in range(0, len(indices), per_rank):

@@ -220,3 +220,14 @@ def gpu_skip_reason() -> str | None:
     if count < 1:
         return "no CUDA device is visible"
     return None
+
+
+def torch_cuda_skip_reason() -> str | None:
+    """Why torch CUDA tests cannot run here (``None``: torch sees a CUDA device)."""
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001
+        return f"torch is not importable ({type(exc).__name__}: {exc})"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device"
+    return None
