@@ -163,14 +163,32 @@ def announce_exit() -> None:
         return
     with _lock:
         for w in _watched:
+            _collect_left(w)
             for peer in range(w.size):
-                if peer != w.rank:
+                if peer != w.rank and peer not in w.left:
                     w.send((w.tracker.done,), peer, _LEFT)
         deadline = time.monotonic() + 1.0
         for w in _watched:
             while w.sends and time.monotonic() < deadline:
                 _reap(w)
                 time.sleep(0.001)
+
+
+def _collect_left(w: Watched) -> None:
+    """Receive the exit notices peers have already sent (into ``w.left``).
+
+    A peer that has left may have finalized MPI: a message sent to it can wait forever
+    (over MPICH's ofi/tcp an ``isend`` to a finalized process spins in the progress
+    engine), and this rank would then never reach ``MPI_Finalize`` or free a shared
+    window its node peers wait on. So the exit notice goes only to peers not known gone.
+    """
+    status = MPI.Status()
+    try:
+        while w.comm.iprobe(MPI.ANY_SOURCE, _LEFT, status):
+            source = status.Get_source()
+            w.left[source] = w.comm.recv(source=source, tag=_LEFT)[0]
+    except MPI.Exception as exc:  # never fail an exit over a notice
+        log.debug("watchdog: %s", exc)
 
 
 def _loop() -> None:
