@@ -53,7 +53,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -62,7 +61,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import command_line, relative_paths  # noqa: E402
+from bench.common import command_line, mpirun_command, relative_paths  # noqa: E402
 
 MiB = 1 << 20
 
@@ -73,19 +72,9 @@ def parse_size(text: str) -> int:
     return int(float(text.rstrip("KMG")) * mult)
 
 
-def mpirun(n: int) -> list[str]:
-    exe = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
-    if exe is None:
-        raise SystemExit("mpirun not found")
-    cmd = [exe, "-n", str(n)]
-    if "Open MPI" in subprocess.run([exe, "--version"], capture_output=True, text=True).stdout:
-        cmd.insert(1, "--oversubscribe")
-    return cmd
-
-
 def launch(n: int, args: list[str], timeout: float,
            env: dict[str, str] | None = None) -> tuple[int, str]:
-    cmd = mpirun(n) + [sys.executable, "-m", "mpi4py", *args]
+    cmd = mpirun_command(n) + [sys.executable, "-m", "mpi4py", *args]
     print("+", " ".join(cmd), flush=True)
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,

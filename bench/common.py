@@ -13,7 +13,10 @@ import json
 import os
 import platform
 import re
+import shlex
+import shutil
 import statistics
+import subprocess
 import sys
 import sysconfig
 import time
@@ -21,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-__all__ = ["THREAD_LEVELS", "add_common_options", "parse_size", "parse_size_range",
+__all__ = ["THREAD_LEVELS", "mpirun_command", "add_common_options", "parse_size", "parse_size_range",
            "power_of_two_sizes", "start_mpi", "thread_level_name", "library_version",
            "machine_description", "memcpy_bandwidth", "Row", "RankStats", "rank_stats",
            "write_rows", "format_osu_rows", "Progress", "iterations_for", "human_bytes",
@@ -47,6 +50,29 @@ BUS_FACTOR = {
     "broadcast": lambda n: 1.0,
     "reduce": lambda n: 1.0,
 }
+
+
+def mpirun_command(n: int) -> list[str]:
+    """The launcher words a driver puts before ``python ...`` to run ``n`` ranks.
+
+    ``MPICOLL_BENCH_MPIRUN`` (a command prefix, split like a shell line) replaces the
+    ``mpirun`` next to this Python: ``MPICOLL_BENCH_MPIRUN="cluster/cluster mpirun -ppn 1"``
+    runs the driver's launches across the namespace test bed (docs/cluster.md). Open MPI's
+    ``mpirun`` gets ``--oversubscribe``.
+
+    Raises:
+        SystemExit: no ``mpirun`` found.
+    """
+    prefix = os.environ.get("MPICOLL_BENCH_MPIRUN", "").strip()
+    if prefix:
+        return [*shlex.split(prefix), "-n", str(n)]
+    exe = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
+    if exe is None:
+        raise SystemExit("mpirun not found")
+    cmd = [exe, "-n", str(n)]
+    if "Open MPI" in subprocess.run([exe, "--version"], capture_output=True, text=True).stdout:
+        cmd.insert(1, "--oversubscribe")
+    return cmd
 
 
 def parse_size(text: str) -> int:

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ if not __package__:  # run as a script (python bench/make_docs.py)
 from bench import report  # noqa: E402
 from bench.collective import MODULES  # noqa: E402
 from bench.common import (REPO_ROOT, KiB, MiB, command_line, human_bytes,  # noqa: E402
-                          parse_args, relative_paths)
+                          mpirun_command, parse_args, relative_paths)
 
 ROOT = REPO_ROOT
 DATA = ROOT / "docs" / "bench"
@@ -38,8 +37,7 @@ OTHER = ("reduce_scatter", "allgather", "broadcast", "reduce")
 
 def mpirun(n: int, args: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
     """Run ``python -m bench.<args>`` under ``mpirun -n n``; (exit status, output)."""
-    exe = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or "mpirun"
-    cmd = [exe, "-n", str(n), sys.executable, "-m", *args]
+    cmd = [*mpirun_command(n), sys.executable, "-m", *args]
     print(f"$ {' '.join(shlex.quote(c) for c in cmd[1:])}", flush=True)
     start = time.monotonic()
     try:

@@ -127,6 +127,9 @@ VARIABLES: tuple[Variable, ...] = (
              "first three octets of the namespace cluster's /24 network"),
     Variable("MPICOLL_CLUSTER_HOSTFILE", "cluster/", "the cluster's own",
              "host file that `cluster/cluster mpirun` gives hydra"),
+    Variable("MPICOLL_BENCH_MPIRUN", "bench/ drivers", "the `mpirun` beside Python",
+             "launcher prefix of the drivers' own launches (e.g. `cluster/cluster mpirun "
+             "-ppn 1`: across the test bed)"),
 )
 
 

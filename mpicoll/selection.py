@@ -50,14 +50,20 @@ def choose(collective: str, size: int, ranks_per_node: int, nbytes: int) -> str:
 def builtin_choice(collective: str, size: int, ranks_per_node: int, nbytes: int) -> str:
     """The built-in rules, used where no tuning table has an entry.
 
-    An all-reduce over several nodes of several ranks each takes ``hierarchical`` above
-    256 KiB: it sends each byte across the network once per node instead of once per rank
-    (on the namespace test bed, 2 nodes x 2 ranks at 1 Gbit/s, 1.2-1.5x faster than ring
-    and MPI from 512 KiB up; recursive doubling was fastest below).
+    An all-reduce over several nodes (rules from the namespace test bed at 1 Gbit/s,
+    docs/cluster.md): recursive doubling up to 64 KiB with several ranks per node (128 KiB
+    with one), where latency rules; above, with several ranks per node, ``hierarchical``,
+    which sends each byte across the network once per node instead of once per rank
+    (1.37-1.40x faster than ring at 16-64 MiB on 2 nodes x 2 ranks, 1.16-1.40x than MPI);
+    with one rank per node, ``ring``, which puts 2(n-1)/n of the vector on each link, the
+    least any all-reduce can (4 nodes x 1: within 2% of that bound at 64 MiB, 1.15-1.23x
+    faster than MPI from 8 MiB up).
     """
     if collective == "allreduce":
-        if 1 < ranks_per_node < size:  # several nodes of several ranks (docs/cluster.md)
-            return "recursive_doubling" if nbytes <= 256 * KiB else "hierarchical"
+        if 0 < ranks_per_node < size:  # several nodes (docs/cluster.md)
+            if ranks_per_node == 1:
+                return "recursive_doubling" if nbytes <= 128 * KiB else "ring"
+            return "recursive_doubling" if nbytes <= 64 * KiB else "hierarchical"
         if nbytes <= 4 * KiB:
             return "recursive_doubling"
         if nbytes <= 512 * KiB or (_is_power_of_two(size) and nbytes <= 4096 * KiB):

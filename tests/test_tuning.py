@@ -115,7 +115,10 @@ def test_builtin_rules_take_hierarchical_across_nodes():
     assert selection.builtin_choice("allreduce", 4, 2, big) == "hierarchical"
     assert selection.builtin_choice("allreduce", 8, 4, small) == "recursive_doubling"
     assert selection.builtin_choice("allreduce", 4, 4, big) != "hierarchical"  # one node
-    assert selection.builtin_choice("allreduce", 4, 1, big) != "hierarchical"  # 1 per node
+    assert selection.builtin_choice("allreduce", 4, 1, big) == "ring"  # 1 rank per node
+    assert selection.builtin_choice("allreduce", 4, 1, small) == "recursive_doubling"
+    assert selection.builtin_choice("allreduce", 4, 2, 64 << 10) == "recursive_doubling"
+    assert selection.builtin_choice("allreduce", 4, 2, 128 << 10) == "hierarchical"
     assert tuning.active_table().source.endswith("tuning_default.json")
     assert selection.choose("allreduce", 4, 2, big) == "hierarchical"  # shipped: one node
 
