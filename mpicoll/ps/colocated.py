@@ -145,12 +145,13 @@ class ColocatedEngine(CodedExchange):
         keep_aggregate: ``False`` (``sum`` only): a push_pull writes each owned shard's
             aggregate straight into the caller's ``out`` and does not keep it.
         codec: compress pushes and pulls with it (``None``: uncompressed).
+        feedback: error feedback of the codec (pushes, ``sum`` pulls).
     """
 
     def __init__(self, comm: MPI.Comm, placement: Placement, optimizer: str,
                  hyper: dict[str, float], average: bool, chunk_bytes: int,
                  max_sleep: float, check_arrays: Any, keep_aggregate: bool = True,
-                 codec: Codec | None = None) -> None:
+                 codec: Codec | None = None, feedback: bool = True) -> None:
         self.comm = comm
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.placement = placement
@@ -186,7 +187,8 @@ class ColocatedEngine(CodedExchange):
         self.worker_counters = {"pushes": 0, "pulls": 0, "bytes_sent": 0, "bytes_received": 0,
                                 "bytes_sent_uncompressed": 0, "bytes_received_uncompressed": 0}
         self.codec = codec
-        self.push_encoder = None if codec is None else PushEncoder(codec)
+        self.feedback = feedback
+        self.push_encoder = None if codec is None else PushEncoder(codec, feedback)
         self._pull_deltas = optimizer != "sum"
         self._coded_init()
 

@@ -43,7 +43,7 @@ class CodedExchange:
     """Compressed push/pull steps of a :class:`~mpicoll.ps.colocated.ColocatedEngine`.
 
     Uses the engine's ``comm``, ``rank``, ``order``, ``states``, ``codec``,
-    ``push_encoder``, ``chunk_bytes``, ``counters``, ``worker_counters``, ``_scratch_for``,
+    ``feedback``, ``push_encoder``, ``chunk_bytes``, ``counters``, ``worker_counters``, ``_scratch_for``,
     ``_acc_for``, ``_reduce`` and ``_acc``.
     """
 
@@ -71,7 +71,8 @@ class CodedExchange:
         enc = self._encoders.get(sh.ident)
         if enc is None:
             enc = self._encoders[sh.ident] = PullEncoder(
-                self.codec, sh.count, sh.spec.dtype, delta=state.opt.name != "sum")
+                self.codec, sh.count, sh.spec.dtype, delta=state.opt.name != "sum",
+                feedback=self.feedback)
         return enc
 
     def _pull_decoder(self, sh: Shard) -> PullDecoder:

@@ -22,6 +22,17 @@ With ``ParameterServer(..., compression="int8")`` (any codec of
   feedback over the stream of aggregates, as BytePS compresses its summed gradients) once
   per version; every worker pulling that version gets the same bytes.
 
+``feedback=False`` (``ParameterServer(..., feedback=False)``) drops the residuals: a push
+encodes the gradient alone, an ``optimizer="sum"`` pull the aggregate alone. Pulls of
+parameters keep encoding ``param - replica``: the replica is not a feedback buffer but the
+worker's copy of the parameters, which the server must know to send a change at all, and
+what an earlier pull dropped is still in ``param - replica``. Encoding instead the exact
+change since the last pulled version (dropping the error for good) would let every
+worker's parameters drift from the server's by a random walk of codec errors, never
+corrected: workers would train on weights nobody holds, and with a second codec state per
+shard to keep. So with parameter pulls ``feedback`` switches off the pushes' error
+feedback only.
+
 Every shard has its own copy of the codec (``copy.deepcopy``), so stateful codecs
 (``randomk``'s step counter, stochastic ``int8``'s generator) advance per shard and the
 result does not depend on the order in which shards happen to be served.
@@ -91,15 +102,18 @@ class _PerKeyCodecs:
         return c
 
 
-def _encode_with_feedback(codec: Codec, residual: np.ndarray, x: np.ndarray,
+def _encode_with_feedback(codec: Codec, residual: np.ndarray | None, x: np.ndarray,
                           sent: np.ndarray) -> np.ndarray:
     """Encode ``y = residual + x``; leave ``y - sent`` in ``residual`` and what the receiver
-    decodes in ``sent``. Returns the payload bytes (a fresh buffer, safe to send)."""
-    np.add(residual, x, out=residual)
+    decodes in ``sent``. Without a residual (``None``: error feedback off) encode ``x``.
+    Returns the payload bytes (a fresh buffer, safe to send)."""
+    if residual is not None:
+        x = np.add(residual, x, out=residual)
     raw, parts = new_payload(codec, x.size, x.dtype)
-    codec.encode(residual, out=parts)
+    codec.encode(x, out=parts)
     codec.decode(parts, x.size, x.dtype, out=sent)
-    np.subtract(residual, sent, out=residual)
+    if residual is not None:
+        np.subtract(residual, sent, out=residual)
     return raw
 
 
@@ -108,12 +122,15 @@ class PushEncoder:
 
     Args:
         codec: the agreed codec.
+        feedback: keep a residual per shard (error feedback); ``False``: send each
+            gradient's own encoding and keep nothing.
     """
 
-    def __init__(self, codec: Codec) -> None:
+    def __init__(self, codec: Codec, feedback: bool = True) -> None:
         self.codecs = _PerKeyCodecs(codec)
-        #: the residual of every shard pushed so far (key: ``(name, shard index)``)
-        self.feedback = ErrorFeedback()
+        #: the residual of every shard pushed so far (key: ``(name, shard index)``);
+        #: ``None`` with error feedback off
+        self.feedback = ErrorFeedback() if feedback else None
         self._sent: dict[Hashable, np.ndarray] = {}
 
     def encode(self, key: Hashable, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +140,7 @@ class PushEncoder:
             ``(payload bytes, decoded)``: the bytes to send (a fresh buffer) and what the
             server will decode from them (valid until this key's next ``encode``).
         """
-        residual = self.feedback.buffer(key, x)
+        residual = None if self.feedback is None else self.feedback.buffer(key, x)
         sent = self._sent.get(key)
         if sent is None or sent.size != x.size or sent.dtype != x.dtype:
             sent = self._sent[key] = np.empty(x.size, dtype=x.dtype)
@@ -143,14 +160,19 @@ class PullEncoder:
         delta: ``True`` for parameters (send the delta since each puller's last pull,
             against a replica of what it holds); ``False`` for ``optimizer="sum"``
             (send ``value + residual``, one residual per shard, once per version).
+        feedback: value mode only: keep the residual (``False``: encode each version's
+            value alone). Delta mode always sends ``param - replica``: see the module
+            docstring.
     """
 
-    def __init__(self, codec: Codec, count: int, dtype: Any, delta: bool) -> None:
+    def __init__(self, codec: Codec, count: int, dtype: Any, delta: bool,
+                 feedback: bool = True) -> None:
         self.codec = copy.deepcopy(codec)
         self.count = int(count)
         self.dtype = np.dtype(dtype)
         self.delta = delta
-        self.residual = np.zeros(self.count, dtype=self.dtype)   # value mode
+        #: value mode's residual (``None`` with error feedback off)
+        self.residual = np.zeros(self.count, dtype=self.dtype) if feedback else None
         self._cached: tuple[int, np.ndarray] | None = None        # value mode: (version, raw)
         # delta mode: replica id -> array; puller -> replica id; (from id, version) ->
         # (to id, payload, coded)

@@ -162,6 +162,12 @@ class ParameterServer:
             error feedback; with ``optimizer="sum"`` the round's aggregate plus the
             server's residual), see :mod:`mpicoll.ps.compressed`. Every parameter must
             be float32 or float64.
+        feedback: error feedback of compressed pushes (each worker's residual per shard)
+            and of ``optimizer="sum"`` pulls (the server's residual per shard); ``False``
+            keeps no residuals (the spelling of :func:`mpicoll.compression.allreduce` and
+            the torch compressors). Pulls of parameters always send ``param - replica``,
+            which corrects itself (see :mod:`mpicoll.ps.compressed`). No effect without
+            ``compression``; must be the same on every rank.
         **hyperparameters: ``lr``, ``momentum``, ``beta1``, ``beta2``, ``eps``,
             ``weight_decay`` (plain numbers).
     Raises:
@@ -177,7 +183,8 @@ class ParameterServer:
                  chunk_bytes: int = P.DEFAULT_CHUNK_BYTES, init: bool = True,
                  restore: str | None = None, reshard: bool = False, max_sleep: float = 1e-3,
                  keep_aggregate: bool = True, backup_workers: int = 0,
-                 compression: Any = None, **hyperparameters: Any) -> None:
+                 compression: Any = None, feedback: bool = True,
+                 **hyperparameters: Any) -> None:
         self.comm = (MPI.COMM_WORLD if comm is None else comm).Dup()
         self.rank = self.comm.Get_rank()
         self.worker_comm = MPI.COMM_NULL
@@ -189,7 +196,7 @@ class ParameterServer:
                              split_bytes=split_bytes, chunk_bytes=chunk_bytes, init=init,
                              restore=restore, reshard=reshard,
                              keep_aggregate=keep_aggregate, backup_workers=backup_workers,
-                             compression=compression))
+                             compression=compression, feedback=feedback))
             specs = self._agree(settings, specs)
             self._take_roles(settings, specs, max_sleep)
             self._init_or_restore(settings, values)
@@ -264,6 +271,7 @@ class ParameterServer:
         self.average = settings.average
         self.chunk_bytes = settings.chunk_bytes
         self.compression = settings.compression
+        self.feedback = settings.feedback
         self.placement = Placement(specs, self.num_servers, settings.split_bytes)
         self.server_ranks = list(range(self.num_servers))
         self.worker_ranks = list(range(first_worker, size))
@@ -280,16 +288,18 @@ class ParameterServer:
             self._engine = ColocatedEngine(self.comm, self.placement, self.optimizer,
                                            self.hyperparameters, self.average,
                                            self.chunk_bytes, max_sleep, checker.check_arrays,
-                                           settings.keep_aggregate, self.compression)
+                                           settings.keep_aggregate, self.compression,
+                                           self.feedback)
         elif self.is_server:
             self._server = Server(self.comm, self.placement, rank, self.worker_ranks,
                                   self.consistency, self.staleness, self.optimizer,
                                   self.hyperparameters, self.average, self.chunk_bytes,
-                                  max_sleep, self.backup_workers, self.compression)
+                                  max_sleep, self.backup_workers, self.compression,
+                                  self.feedback)
         else:
             self._client = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep,
                                         adopt_version=self.backup_workers > 0,
-                                        codec=self.compression,
+                                        codec=self.compression, feedback=self.feedback,
                                         pull_deltas=self.optimizer != "sum")
 
     def _init_or_restore(self, settings: Settings, values: dict[str, np.ndarray] | None

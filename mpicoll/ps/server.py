@@ -92,12 +92,14 @@ class Server:
         backup_workers: ``bsp``: a round closes once all but this many active workers have
             pushed it; later pushes for it are dropped (0: every active worker).
         codec: pushes arrive and pulls leave compressed with it (``None``: uncompressed).
+        feedback: keep the residual of ``optimizer="sum"`` pulls (error feedback).
     """
 
     def __init__(self, comm: MPI.Comm, placement: Placement, server: int, workers: list[int],
                  consistency: str, staleness: int, optimizer: str, hyper: dict[str, float],
                  average: bool, chunk_bytes: int, max_sleep: float = 1e-3,
-                 backup_workers: int = 0, codec: Codec | None = None) -> None:
+                 backup_workers: int = 0, codec: Codec | None = None,
+                 feedback: bool = True) -> None:
         self.comm = comm
         self.placement = placement
         self.index = server
@@ -113,6 +115,7 @@ class Server:
             sh.ident: ShardState(sh, optimizer, hyper, self.workers)
             for sh in placement.shards_on(server)}
         self.codec = codec
+        self.feedback = feedback
         self._encoders: dict[tuple[int, int], PullEncoder] = {}
         self._coded_in: dict[tuple[int, int], np.ndarray] = {}   # a shard's push payload
         self.counters = {k: 0 for k in ("pushes", "pulls", "updates", "bytes_in", "bytes_out",
@@ -454,7 +457,8 @@ class Server:
         if enc is None:
             sh = state.shard
             enc = self._encoders[sh.ident] = PullEncoder(self.codec, sh.count, sh.spec.dtype,
-                                                         delta=state.opt.name != "sum")
+                                                         delta=state.opt.name != "sum",
+                                                         feedback=self.feedback)
         return enc
 
     def _answer_deferred(self, state: ShardState) -> None:

@@ -41,6 +41,8 @@ class Settings:
     backup_workers: int = 0
     #: the codec of pushes and pulls (``None``: uncompressed)
     compression: Codec | None = None
+    #: error feedback of compressed pushes (and ``optimizer="sum"`` pulls)
+    feedback: bool = True
 
     @property
     def compression_name(self) -> str | None:
@@ -66,7 +68,7 @@ class Settings:
         return [self.num_servers, self.consistency, self.staleness, self.optimizer,
                 sorted(self.hyperparameters.items()), self.average, self.split_bytes,
                 self.chunk_bytes, self.init, self.restore, self.reshard, self.keep_aggregate,
-                self.backup_workers, self.compression_name]
+                self.backup_workers, self.compression_name, self.feedback]
 
 
 def _check_layout(size: int, num_servers: Any, consistency: Any, init: bool) -> None:
@@ -120,7 +122,7 @@ def check_settings(size: int, num_servers: Any, consistency: Any, staleness: Any
                    optimizer: Any, hyperparameters: dict[str, Any], average: bool | None,
                    split_bytes: Any, chunk_bytes: Any, init: bool, restore: str | None,
                    reshard: bool, keep_aggregate: bool, backup_workers: Any = 0,
-                   compression: Any = None) -> Settings:
+                   compression: Any = None, feedback: Any = True) -> Settings:
     """Check one rank's constructor arguments for a communicator of ``size`` ranks.
 
     Returns:
@@ -130,7 +132,7 @@ def check_settings(size: int, num_servers: Any, consistency: Any, staleness: Any
     Raises:
         ValueError: an argument is out of range or does not fit the others (an unknown
             codec name, a top-k/random-k ratio outside (0, 1]).
-        TypeError: an argument has the wrong type.
+        TypeError: an argument has the wrong type (``feedback`` not a bool).
     """
     _check_layout(size, num_servers, consistency, init)
     colocated = num_servers == COLOCATED
@@ -147,10 +149,12 @@ def check_settings(size: int, num_servers: Any, consistency: Any, staleness: Any
         raise ValueError("split_bytes and chunk_bytes must be positive")
     _check_backup_workers(size, num_servers, consistency, optimizer, backup_workers)
     codec = resolve_codec(compression)
+    if not isinstance(feedback, bool):
+        raise TypeError(f"feedback={feedback!r} must be True or False")
     return Settings(num_servers=num_servers, consistency=consistency, staleness=staleness,
                     optimizer=optimizer, hyperparameters=hyper,
                     average=optimizer != "sum" if average is None else bool(average),
                     split_bytes=int(split_bytes), chunk_bytes=int(chunk_bytes),
                     init=bool(init), restore=restore, reshard=bool(reshard),
                     keep_aggregate=bool(keep_aggregate), backup_workers=backup_workers,
-                    compression=codec)
+                    compression=codec, feedback=feedback)

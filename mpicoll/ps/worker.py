@@ -119,11 +119,13 @@ class WorkerClient:
         codec: compress pushes and decode compressed pulls with it (``None``: off).
         pull_deltas: compressed pulls carry the change since this worker's last pull
             (parameters), not the value itself (``optimizer="sum"``).
+        feedback: keep a residual per pushed shard (error feedback).
     """
 
     def __init__(self, comm: MPI.Comm, placement: Placement, chunk_bytes: int,
                  max_sleep: float = 1e-3, adopt_version: bool = False,
-                 codec: Codec | None = None, pull_deltas: bool = True) -> None:
+                 codec: Codec | None = None, pull_deltas: bool = True,
+                 feedback: bool = True) -> None:
         self.comm = comm
         self.placement = placement
         self.chunk_bytes = chunk_bytes
@@ -133,7 +135,7 @@ class WorkerClient:
         self._seq = 0
         self.codec = codec
         self.pull_deltas = pull_deltas
-        self.push_encoder = None if codec is None else PushEncoder(codec)
+        self.push_encoder = None if codec is None else PushEncoder(codec, feedback)
         self._decoders: dict[tuple[int, int], PullDecoder] = {}
         self._raw: dict[tuple[int, int], np.ndarray] = {}     # compressed replies land here
         self._pending: dict[int, tuple[Handle, np.ndarray | None, str,

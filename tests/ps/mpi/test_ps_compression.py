@@ -56,17 +56,21 @@ def _update(optimizer: str):
     return update, hyper
 
 
-def _encode(codec, residual: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Error feedback, written out: send ``y = residual + x``, keep ``y - sent``."""
+def _encode(codec, residual: np.ndarray | None, x: np.ndarray) -> np.ndarray:
+    """Error feedback, written out: send ``y = residual + x``, keep ``y - sent``
+    (``residual=None``: no error feedback, send ``x``)."""
+    if residual is None:
+        return codec.decode(codec.encode(x), x.size, x.dtype)
     y = np.add(residual, x)
     sent = codec.decode(codec.encode(y), y.size, y.dtype)
     np.subtract(y, sent, out=residual)
     return sent
 
 
-def _replay(params, grads, shards, codec_spec, optimizer, workers):
+def _replay(params, grads, shards, codec_spec, optimizer, workers, feedback=True):
     """One process: what every worker pulls at each step, the true parameters after the
-    last step, and every worker's residuals."""
+    last step, and every worker's residuals (``feedback=False``: none kept, and parameter
+    pulls still send ``param - replica``)."""
     proto = get_codec(codec_spec)
     update, _ = _update(optimizer)
     w = {k: v.copy() for k, v in params.items()}
@@ -86,7 +90,8 @@ def _replay(params, grads, shards, codec_spec, optimizer, workers):
             for s in shards[n]:
                 key, value = (n, s.index), p.reshape(-1)[s.lo:s.hi]
                 if optimizer == "sum":          # the aggregate plus the server's residual
-                    flat[s.lo:s.hi] = _encode(pull_codec[key], server_res[key], value)
+                    flat[s.lo:s.hi] = _encode(pull_codec[key],
+                                              server_res[key] if feedback else None, value)
                     continue
                 if key not in replica:          # first pull: the values themselves
                     replica[key] = value.copy()
@@ -107,7 +112,8 @@ def _replay(params, grads, shards, codec_spec, optimizer, workers):
                 dec = np.empty_like(g)
                 for s in shards[n]:
                     key = (i, n, s.index)
-                    dec[s.lo:s.hi] = _encode(push_codec[key], residual[key], g[s.lo:s.hi])
+                    dec[s.lo:s.hi] = _encode(push_codec[key], residual[key] if feedback
+                                             else None, g[s.lo:s.hi])
                 sent.append(dec.reshape(w[n].shape))
             acc = sent[0].copy()
             for g in sent[1:]:
@@ -134,7 +140,7 @@ def _read_checkpoint(path: str, params: dict) -> dict[str, np.ndarray]:
     return {n: out[n].reshape(p.shape) for n, p in params.items()}
 
 
-def _run_case(layout, codec_spec, optimizer):
+def _run_case(layout, codec_spec, optimizer, feedback=True):
     params = _params()
     workers = SIZE if layout == COLOCATED else SIZE - layout
     grads = [[make_grads(params, i, t) for i in range(workers)] for t in range(STEPS)]
@@ -152,14 +158,15 @@ def _run_case(layout, codec_spec, optimizer):
             else:
                 seen.append(ps.push_pull(g))
         ps.save(path)
-        enc = (ps._engine or ps._client).push_encoder
-        res = {(n, s.index): enc.feedback.residual((n, s.index)) for n in shards
-               for s in shards[n]}
+        fb = (ps._engine or ps._client).push_encoder.feedback
+        res = {} if fb is None else {(n, s.index): fb.residual((n, s.index)) for n in shards
+                                     for s in shards[n]}
         return seen, shards, res, ps.stats()
 
     try:
         ps, result = run_ps(params, worker, layout, optimizer=optimizer,
-                            compression=codec_spec, split_bytes=64, chunk_bytes=40, **hyper)
+                            compression=codec_spec, split_bytes=64, chunk_bytes=40,
+                            feedback=feedback, **hyper)
         COMM.Barrier()
         saved = _read_checkpoint(path, params)
     finally:
@@ -167,10 +174,15 @@ def _run_case(layout, codec_spec, optimizer):
     if ps.is_server:
         return
     seen, shards, res, stats = result
-    what = f"{layout}/{codec_spec}/{optimizer}"
-    pulled, want, want_res = _replay(params, grads, shards, codec_spec, optimizer, workers)
+    what = f"{layout}/{codec_spec}/{optimizer}/feedback={feedback}"
+    assert bool(res) == feedback, what
+    pulled, want, want_res = _replay(params, grads, shards, codec_spec, optimizer, workers,
+                                     feedback)
     for t in range(STEPS + 1):
         assert_params_equal(seen[t], pulled[t], f"{what}: pull {t}:")
+    if not feedback:    # the switch changes something
+        with_fb = _replay(params, grads, shards, codec_spec, optimizer, workers)[0]
+        assert any(not np.array_equal(seen[-1][n], with_fb[-1][n]) for n in params), what
     assert_params_equal(saved, want, f"{what}: checkpointed (true) parameters:")
     me = RANK - (0 if layout == COLOCATED else layout)
     for (n, i), r in res.items():
@@ -186,6 +198,27 @@ def test_compressed_bsp_equals_one_process_replay():
     """Per world size, three (layout, codec, optimizer) cases (see CASES)."""
     for layout, codec_spec, optimizer in CASES[SIZE]:
         _run_case(layout, codec_spec, optimizer)
+
+
+#: error feedback off (``feedback=False``), per world size: pushes and ``sum`` pulls
+NO_FEEDBACK = {2: [(COLOCATED, "int8:8", "sum")], 3: [(1, "onebit:8", "sum"),
+                                                     (COLOCATED, "topk:0.2", "sgd")],
+               4: [(2, "int8:8", "sgd")]}
+
+
+def test_feedback_off_equals_one_process_replay():
+    """``feedback=False``: no residuals on the workers, none on the servers' ``sum``
+    pulls; the result equals the replay without error feedback (and differs from the one
+    with it, so the switch does something)."""
+    for layout, codec_spec, optimizer in NO_FEEDBACK.get(SIZE, []):
+        _run_case(layout, codec_spec, optimizer, feedback=False)
+    layout = COLOCATED if SIZE % 2 else 1
+    with pytest.raises(PSError, match="other settings"):   # ranks disagree: every rank
+        ParameterServer(_params(), comm=COMM, num_servers=layout, compression="int8",
+                        feedback=RANK != SIZE - 1)
+    with pytest.raises(ValueError, match="feedback='no' must be True or False"):
+        ParameterServer(_params(), comm=COMM, num_servers=layout, compression="int8",
+                        feedback="no" if RANK == 0 else True)
 
 
 def test_async_modes_and_restore():
