@@ -4,6 +4,8 @@ Layout of a checkpoint directory::
 
     manifest.json                 what the checkpoint holds and which files make it up
     <id>.server<i>.npz            server i's shards: values, optimizer state, metadata
+    <id>.codec<r>.npz             with compression: rank r's codec state (push residuals,
+                                  pull replicas and residuals, codec states)
 
 Each file is written to a temporary name in the same directory, flushed, ``fsync``-ed and
 moved into place with ``os.replace``. The manifest is written last, so a crash mid-save
@@ -25,7 +27,8 @@ from typing import Any, Iterable
 import numpy as np
 
 __all__ = ["MANIFEST", "FORMAT", "server_file", "write_server_file", "write_manifest",
-           "read_manifest", "remove_stale", "ShardLoader"]
+           "read_manifest", "remove_stale", "ShardLoader", "codec_file", "write_codec_file",
+           "read_codec_file"]
 
 MANIFEST = "manifest.json"
 FORMAT = "mpicoll.ps/1"
@@ -34,6 +37,11 @@ FORMAT = "mpicoll.ps/1"
 def server_file(ckpt_id: str, server: int) -> str:
     """File name of server ``server``'s part of checkpoint ``ckpt_id``."""
     return f"{ckpt_id}.server{server}.npz"
+
+
+def codec_file(ckpt_id: str, rank: int) -> str:
+    """File name of rank ``rank``'s compression state in checkpoint ``ckpt_id``."""
+    return f"{ckpt_id}.codec{rank}.npz"
 
 
 def _atomic_write(path: str, write: Any) -> None:
@@ -79,11 +87,45 @@ def write_server_file(directory: str, ckpt_id: str, server: int, states: Iterabl
             arrays[f"s{i}.param"] = st.param
             for k, v in st.opt.state.items():
                 arrays[f"s{i}.{k}"] = v
-    arrays["meta"] = np.frombuffer(json.dumps({"format": FORMAT, "server": server,
-                                               "shards": meta}).encode("utf-8"), dtype=np.uint8)
-    path = os.path.join(directory, server_file(ckpt_id, server))
+    return _write_npz(os.path.join(directory, server_file(ckpt_id, server)), arrays,
+                      {"format": FORMAT, "server": server, "shards": meta})
+
+
+def _write_npz(path: str, arrays: dict[str, np.ndarray], meta: dict) -> str:
+    """Write ``arrays`` plus ``meta`` (JSON, as the bytes array ``"meta"``) atomically."""
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
     _atomic_write(path, lambda f: np.savez(f, **arrays))
     return path
+
+
+def write_codec_file(directory: str, ckpt_id: str, rank: int,
+                     parts: dict[str, tuple[dict, dict[str, np.ndarray]]]) -> str:
+    """Write one rank's compression state atomically.
+
+    Args:
+        parts: part name -> ``(JSON-able metadata, named arrays)`` (the ``state()`` of the
+            coders in :mod:`mpicoll.ps.compressed`).
+    Returns:
+        The path written.
+    """
+    os.makedirs(directory, exist_ok=True)
+    arrays: dict[str, np.ndarray] = {}
+    meta = []
+    for i, (name, (part_meta, part_arrays)) in enumerate(sorted(parts.items())):
+        meta.append({"part": name, "meta": part_meta, "arrays": sorted(part_arrays)})
+        for k, v in part_arrays.items():
+            arrays[f"p{i}.{k}"] = v
+    return _write_npz(os.path.join(directory, codec_file(ckpt_id, rank)), arrays,
+                      {"format": FORMAT, "rank": rank, "parts": meta})
+
+
+def read_codec_file(directory: str, ckpt_id: str, rank: int
+                    ) -> dict[str, tuple[dict, dict[str, np.ndarray]]]:
+    """Read back what :func:`write_codec_file` wrote for ``rank``."""
+    with np.load(os.path.join(directory, codec_file(ckpt_id, rank)), allow_pickle=False) as npz:
+        meta = json.loads(npz["meta"].tobytes().decode("utf-8"))
+        return {m["part"]: (m["meta"], {k: npz[f"p{i}.{k}"] for k in m["arrays"]})
+                for i, m in enumerate(meta["parts"])}
 
 
 def write_manifest(directory: str, manifest: dict) -> None:
@@ -95,7 +137,8 @@ def write_manifest(directory: str, manifest: dict) -> None:
 def remove_stale(directory: str, keep_id: str) -> None:
     """Delete server files of checkpoints other than ``keep_id`` (after the manifest moved)."""
     for name in os.listdir(directory):
-        if name.endswith(".npz") and ".server" in name and not name.startswith(keep_id + "."):
+        if name.endswith(".npz") and (".server" in name or ".codec" in name) and \
+                not name.startswith(keep_id + "."):
             try:
                 os.unlink(os.path.join(directory, name))
             except OSError:

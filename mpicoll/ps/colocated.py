@@ -45,7 +45,7 @@ from mpi4py import MPI
 
 from ..compression import Codec
 from . import protocol as P
-from .checkpoint import write_server_file
+from .checkpoint import write_codec_file, write_server_file
 from .colocated_coded import CodedExchange
 from .compressed import PushEncoder
 from .errors import PSError
@@ -583,6 +583,8 @@ class ColocatedEngine(CodedExchange):
         error = None
         try:
             write_server_file(path, ckpt_id, self.rank, list(self.states.values()))
+            if self.codec is not None:
+                write_codec_file(path, ckpt_id, self.rank, self.codec_state())
         except OSError as exc:
             error = f"rank {self.rank}: writing the checkpoint failed: {exc}"
         errors = [e for e in self.comm.allgather(error) if e]

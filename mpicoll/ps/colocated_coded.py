@@ -30,7 +30,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import protocol as P
-from .compressed import PullDecoder, PullEncoder, decode_into
+from .compressed import (PullDecoder, PullEncoder, coder_parts, decode_into,
+                         load_coder_parts)
 from .placement import Shard
 from .server import ShardState
 
@@ -81,6 +82,16 @@ class CodedExchange:
             dec = self._decoders[sh.ident] = PullDecoder(
                 self.codec, sh.count, sh.spec.dtype, delta=self._pull_deltas)
         return dec
+
+    def codec_state(self) -> dict:
+        """This rank's compression state (as worker and as owner), for checkpoints."""
+        return coder_parts(self.push_encoder, self._encoders, self._decoders)
+
+    def load_codec_state(self, parts: dict) -> None:
+        """Take back what :meth:`codec_state` returned (same rank, same layout)."""
+        load_coder_parts(parts, self.push_encoder,
+                         lambda i: self._pull_encoder(self.states[i]),
+                         lambda i: self._pull_decoder(self.placement.by_ident[i]))
 
     def forget_pullers(self, ranks: list[int]) -> None:
         """Closed ranks pull no more: drop their replicas."""

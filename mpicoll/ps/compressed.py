@@ -13,7 +13,7 @@ With ``ParameterServer(..., compression="int8")`` (any codec of
   is ``param - replica`` (the newest change plus everything earlier deltas dropped, i.e.
   the residual), both sides add ``decode(payload)`` to their replica with the same numpy
   operation, so they stay bit-identical. A worker's first pull of a shard (no replica yet,
-  e.g. after a restore) is sent uncompressed (:class:`PullEncoder`).
+  e.g. after a restore without the compression state) is sent uncompressed (:class:`PullEncoder`).
   Replicas are shared between workers with the same pull history (the same versions
   pulled from the same replica), so under ``bsp`` a shard is encoded once per round,
   whatever the number of workers, and the server keeps one or two replicas per shard.
@@ -48,7 +48,10 @@ from ..compression import Codec, ErrorFeedback, NoneCodec, get_codec, new_payloa
 from .placement import ParamSpec
 
 __all__ = ["resolve_codec", "check_compressible", "PushEncoder", "PullEncoder",
-           "PullDecoder", "decode_into"]
+           "PullDecoder", "decode_into", "State", "coder_parts", "load_coder_parts"]
+
+#: a coder's checkpointed state: JSON-able metadata and named arrays
+State = tuple[dict, dict[str, np.ndarray]]
 
 
 def resolve_codec(spec: Any) -> Codec | None:
@@ -150,6 +153,26 @@ class PushEncoder:
         """Payload bytes of a shard of ``count`` elements."""
         return self.codecs.codec.wire_bytes(count, dtype)
 
+    def state(self) -> State:
+        """Residuals and codec states, for checkpoints (see :func:`load_state`)."""
+        keys = sorted(self.codecs._codecs, key=repr)
+        arrays = {}
+        if self.feedback is not None:
+            for i, key in enumerate(keys):
+                res = self.feedback.residual(key)
+                if res is not None:
+                    arrays[f"r{i}"] = res
+        return {"keys": [list(k) for k in keys],
+                "codecs": [self.codecs._codecs[k].state_dict() for k in keys]}, arrays
+
+    def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        """Take back what :meth:`state` returned."""
+        for i, (k, cs) in enumerate(zip(meta["keys"], meta["codecs"])):
+            key = tuple(k)
+            self.codecs.codec_for(key).load_state_dict(cs)
+            if self.feedback is not None and f"r{i}" in arrays:
+                self.feedback.store(key, arrays[f"r{i}"].copy())
+
 
 class PullEncoder:
     """Server side of compressed pulls of one shard.
@@ -217,6 +240,29 @@ class PullEncoder:
         if self.holders.pop(puller, None) is not None:
             self._prune()
 
+    def state(self) -> State:
+        """Replicas, holders, residual and codec state, for checkpoints."""
+        arrays = {f"rep{r}": a for r, a in self.replicas.items()}
+        if self.residual is not None:
+            arrays["residual"] = self.residual
+        if self._cached is not None:
+            arrays["cached"] = self._cached[1]
+        return {"holders": {str(p): r for p, r in self.holders.items()},
+                "next_id": self._next_id, "codec": self.codec.state_dict(),
+                "cached_version": None if self._cached is None else self._cached[0]}, arrays
+
+    def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        """Take back what :meth:`state` returned."""
+        self.codec.load_state_dict(meta["codec"])
+        self.holders = {int(p): r for p, r in meta["holders"].items()}
+        self.replicas = {r: arrays[f"rep{r}"].copy() for r in set(self.holders.values())}
+        self._next_id = meta["next_id"]
+        self._moves = {}
+        if self.residual is not None:
+            self.residual = arrays["residual"].copy()
+        if meta["cached_version"] is not None:
+            self._cached = (meta["cached_version"], arrays["cached"].copy())
+
     def _value_payload(self, value: np.ndarray, version: int) -> np.ndarray:
         if self._cached is None or self._cached[0] != version:
             sent = np.empty(self.count, dtype=self.dtype)
@@ -269,6 +315,15 @@ class PullDecoder:
         """Bytes of a compressed pull of this shard."""
         return self.codec.wire_bytes(self.count, self.dtype)
 
+    def state(self) -> State:
+        """The replica, for checkpoints."""
+        return {}, {} if self.replica is None else {"replica": self.replica}
+
+    def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
+        """Take back what :meth:`state` returned."""
+        replica = arrays.get("replica")
+        self.replica = None if replica is None else replica.copy()
+
     def apply(self, data: np.ndarray, coded: bool, dest: np.ndarray) -> None:
         """Turn a received pull into values in flat ``dest``.
 
@@ -292,3 +347,39 @@ class PullDecoder:
         decode_into(self.codec, data, self.count, self._tmp)
         np.add(self.replica, self._tmp, out=self.replica)
         np.copyto(dest, self.replica)
+
+
+def _ident_name(kind: str, ident: tuple[int, int]) -> str:
+    return f"{kind}:{ident[0]},{ident[1]}"
+
+
+def coder_parts(push: PushEncoder | None, encoders: dict[tuple[int, int], PullEncoder],
+                decoders: dict[tuple[int, int], PullDecoder]) -> dict[str, State]:
+    """One rank's compression state (its push encoder, the pull encoders of the shards it
+    serves, the pull decoders of the shards it pulls), as checkpoint parts."""
+    parts = {} if push is None else {"push": push.state()}
+    parts.update({_ident_name("enc", i): e.state() for i, e in encoders.items()})
+    parts.update({_ident_name("dec", i): d.state() for i, d in decoders.items()})
+    return parts
+
+
+def load_coder_parts(parts: dict[str, State], push: PushEncoder | None,
+                     encoder_for: Any, decoder_for: Any) -> None:
+    """Load what :func:`coder_parts` saved on the same rank of the same layout.
+
+    Args:
+        encoder_for, decoder_for: ``ident -> PullEncoder`` / ``PullDecoder`` (made on
+            first use by the caller).
+    Raises:
+        ValueError: a part this rank has no use for (another layout).
+    """
+    for name, (meta, arrays) in parts.items():
+        if name == "push":
+            if push is None:
+                raise ValueError("the checkpoint holds push state for a rank that pushes none")
+            push.load_state(meta, arrays)
+            continue
+        kind, _, ident = name.partition(":")
+        a, b = (int(v) for v in ident.split(","))
+        coder = encoder_for((a, b)) if kind == "enc" else decoder_for((a, b))
+        coder.load_state(meta, arrays)

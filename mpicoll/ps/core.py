@@ -546,8 +546,12 @@ class ParameterServer:
         error = None
         try:
             client.control_async(P.Op.SAVE, f"{path}\n{ckpt_id}".encode("utf-8")).wait()
+            if self.compression is not None:
+                ckpt.write_codec_file(path, ckpt_id, self.rank, client.codec_state())
         except PSError as exc:
             error = str(exc)
+        except OSError as exc:
+            error = f"rank {self.rank}: writing the compression state failed: {exc}"
         errors = [e for e in self.worker_comm.allgather(error) if e]
         if errors:
             raise PSError(f"save({path!r}) failed: {errors[0]}")
@@ -564,6 +568,9 @@ class ParameterServer:
                     "consistency": self.consistency, "staleness": self.staleness,
                     "backup_workers": self.backup_workers,
                     "compression": settings_name(self.compression),
+                    "feedback": self.feedback,
+                    "codec_files": [] if self.compression is None else
+                    [ckpt.codec_file(ckpt_id, r) for r in range(self.comm.Get_size())],
                     "optimizer": self.optimizer, "hyperparameters": self.hyperparameters,
                     "average": self.average,
                     "files": [ckpt.server_file(ckpt_id, s) for s in range(self.num_servers)]}
@@ -616,6 +623,35 @@ class ParameterServer:
             self._engine.clock = clocks[self.worker_index] if same_workers else common
         elif self._client is not None:
             self._client.clock = clocks[self.worker_index] if same_workers else common
+        _collective_check(self.comm, error)
+        self._restore_codec_state(path, manifest, reshard)
+
+    def _restore_codec_state(self, path: str, manifest: dict, reshard: bool) -> None:
+        """Load every rank's compression state when the checkpoint has it for this very
+        layout, codec and ``feedback`` (collective); otherwise log on the first rank that
+        it is dropped (residuals at zero, first pulls uncompressed)."""
+        if self.compression is None:
+            return
+        why = None
+        if not manifest.get("codec_files"):
+            why = "the checkpoint holds no compression state"
+        elif (manifest.get("compression"), manifest.get("feedback", True)) != \
+                (settings_name(self.compression), self.feedback):
+            why = (f"it was saved with compression={manifest.get('compression')!r}, "
+                   f"feedback={manifest.get('feedback', True)!r}")
+        elif reshard and self._layout_mismatch(manifest, False) is not None:
+            why = "the layout changed (number of servers, workers or split_bytes)"
+        if why is not None:
+            if self.rank == 0:
+                log.warning("restore(%r): compression state dropped (%s): residuals restart "
+                            "at zero, the first pull of each shard is uncompressed", path, why)
+            return
+        error = None
+        holder = self._engine or self._server or self._client
+        try:
+            holder.load_codec_state(ckpt.read_codec_file(path, manifest["id"], self.rank))
+        except (OSError, ValueError, KeyError) as exc:
+            error = f"restoring the compression state from {path!r}: {exc}"
         _collective_check(self.comm, error)
 
     def _layout_mismatch(self, manifest: dict, reshard: bool) -> str | None:

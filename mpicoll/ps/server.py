@@ -38,8 +38,8 @@ from mpi4py import MPI
 
 from ..compression import Codec
 from . import protocol as P
-from .checkpoint import write_server_file
-from .compressed import PullEncoder, decode_into
+from .checkpoint import write_codec_file, write_server_file
+from .compressed import PullEncoder, coder_parts, decode_into, load_coder_parts
 from .optimizers import ShardOptimizer, make_optimizer
 from .placement import Placement, Shard
 
@@ -502,6 +502,9 @@ class Server:
             directory, ckpt_id = texts.pop().split("\n", 1)
             try:
                 write_server_file(directory, ckpt_id, self.index, list(self.states.values()))
+                if self.codec is not None:
+                    write_codec_file(directory, ckpt_id, self.comm.Get_rank(),
+                                     coder_parts(None, self._encoders, {}))
             except OSError as exc:
                 status, reason = P.Status.FAILED, f"writing the checkpoint failed: {exc}"
         for src, (h, _) in sorted(saves.items()):
@@ -511,6 +514,10 @@ class Server:
                             payload=f"server rank {self.comm.Get_rank()}: {reason}")
             else:
                 self._reply(src, h)
+
+    def load_codec_state(self, parts: dict) -> None:
+        """Restore the pull encoders saved with :func:`~mpicoll.ps.checkpoint.write_codec_file`."""
+        load_coder_parts(parts, None, lambda i: self._encoder(self.states[i]), None)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:

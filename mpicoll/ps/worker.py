@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from ..compression import Codec
 from . import protocol as P
-from .compressed import PullDecoder, PushEncoder
+from .compressed import PullDecoder, PushEncoder, coder_parts, load_coder_parts
 from .errors import PSError
 from .placement import ParamSpec, Placement, Shard
 
@@ -305,6 +305,15 @@ class WorkerClient:
             dec = self._decoders[sh.ident] = PullDecoder(self.codec, sh.count, sh.spec.dtype,
                                                          self.pull_deltas)
         return dec
+
+    def codec_state(self) -> dict:
+        """This worker's compression state (push residuals, pull replicas), for checkpoints."""
+        return coder_parts(self.push_encoder, {}, self._decoders)
+
+    def load_codec_state(self, parts: dict) -> None:
+        """Take back what :meth:`codec_state` returned (same rank, same layout)."""
+        load_coder_parts(parts, self.push_encoder, None,
+                         lambda i: self._decoder(self.placement.by_ident[i]))
 
     def _opened(self, h: Handle) -> Handle:
         self._open.append(h)

@@ -223,8 +223,8 @@ def test_feedback_off_equals_one_process_replay():
 
 def test_async_modes_and_restore():
     """asp/ssp with compression train (no hang); a final pull is close to the servers'
-    exact values; restoring starts with zero residuals, so the first pull is the
-    checkpointed values exactly (sent uncompressed)."""
+    exact values; restoring without the compression state starts with zero residuals, so
+    the first pull is the checkpointed values exactly (sent uncompressed)."""
     if SIZE < 3:
         pytest.skip("needs two workers")
     consistency = "ssp" if SIZE % 2 else "asp"
@@ -247,6 +247,10 @@ def test_async_modes_and_restore():
             for n, v in saved.items():
                 np.testing.assert_allclose(last[n], v, rtol=0, atol=0.02 * (1 + np.abs(v).max()
                                                                            if v.size else 1))
+        if RANK == 0:      # without the compression state the first pull is exact
+            manifest = ckpt.read_manifest(path)
+            ckpt.write_manifest(path, dict(manifest, codec_files=[]))
+        COMM.Barrier()
         _, first = run_ps(params, lambda ps: ps.pull(), 1, consistency=consistency,
                           staleness=1, optimizer="sgd", compression="int8", restore=path,
                           split_bytes=64)
@@ -335,3 +339,52 @@ def test_torch_front_ends_take_compression():
             np.testing.assert_array_equal(other, mine)
         assert stats["compression"] == "int8", front
         assert stats["worker"]["bytes_sent"] < stats["worker"]["bytes_sent_uncompressed"]
+
+
+#: (layout, codec, optimizer) of the restore cases per world size
+RESTORE = {2: [(1, "int8", "adam"), (COLOCATED, "onebit", "momentum")],
+           3: [(1, "onebit", "sgd"), (COLOCATED, "int8", "adam")],
+           4: [(2, "onebit:8", "sgd")]}
+
+
+def _steps(params, first, last, path=None):
+    """A worker function: push_pull steps ``first..last-1``, then save to ``path``."""
+    def worker(ps):
+        got = [ps.push_pull(make_grads(params, ps.worker_index, t)) for t in range(first, last)]
+        if path is not None:
+            ps.save(path)
+        return got
+    return worker
+
+
+def test_restore_continues_bit_identically():
+    """Checkpoints carry the compression state (residuals, replicas, codec states): k
+    steps, save, restore into a new ParameterServer, more steps: every pull equals the
+    uninterrupted run's bit for bit; without the state (dropped from the manifest) they
+    differ."""
+    params = _params()
+    k, more = 2, 2
+    for layout, codec_spec, optimizer in RESTORE.get(SIZE, []):
+        what = f"{layout}/{codec_spec}/{optimizer}"
+        kw = dict(optimizer=optimizer, compression=codec_spec, split_bytes=64,
+                  **UPDATES[optimizer][1])
+        ps, whole = run_ps(params, _steps(params, 0, k + more), layout, **kw)
+        path = shared_tmpdir()
+        try:
+            run_ps(params, _steps(params, 0, k, path), layout, **kw)
+            COMM.Barrier()
+            _, resumed = run_ps(params, _steps(params, k, k + more), layout, restore=path,
+                                **kw)
+            manifest = ckpt.read_manifest(path) if RANK == 0 else None
+            if RANK == 0:      # the same checkpoint without its compression state
+                ckpt.write_manifest(path, dict(manifest, codec_files=[]))
+            manifest = COMM.bcast(manifest)
+            assert len(manifest["codec_files"]) == SIZE, (what, manifest)
+            _, cold = run_ps(params, _steps(params, k, k + more), layout, restore=path, **kw)
+        finally:
+            remove_shared(path)
+        if ps.is_server:
+            continue
+        for t in range(more):
+            assert_params_equal(resumed[t], whole[k + t], f"{what}: step {k + t}:")
+        assert any(not np.array_equal(cold[-1][n], whole[-1][n]) for n in params), what
