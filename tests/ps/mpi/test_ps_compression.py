@@ -388,3 +388,25 @@ def test_restore_continues_bit_identically():
         for t in range(more):
             assert_params_equal(resumed[t], whole[k + t], f"{what}: step {k + t}:")
         assert any(not np.array_equal(cold[-1][n], whole[-1][n]) for n in params), what
+
+
+def test_restore_on_another_layout_drops_the_compression_state(caplog):
+    """reshard=True onto another layout (one server and 2 workers -> 3 co-located ranks):
+    the parameters come back, the compression state (kept per rank of the old layout) is
+    dropped, and the first rank says so."""
+    if SIZE != 3:
+        pytest.skip("one layout change, at n=3")
+    params = _params()
+    kw = dict(optimizer="sgd", compression="int8", split_bytes=64, **UPDATES["sgd"][1])
+    path = shared_tmpdir()
+    try:
+        run_ps(params, _steps(params, 0, 2, path), 1, **kw)
+        COMM.Barrier()
+        with caplog.at_level("WARNING", logger="mpicoll.ps"):
+            ps, got = run_ps(params, _steps(params, 2, 3), COLOCATED, restore=path,
+                             reshard=True, **kw)
+    finally:
+        remove_shared(path)
+    assert ps.is_worker and len(got) == 1 and set(got[0]) == set(params)
+    dropped = "compression state dropped (the layout changed" in caplog.text
+    assert dropped == (RANK == 0), caplog.text
