@@ -9,9 +9,10 @@ from cases import COMM, SMALL_SEGMENT
 
 
 #: World sizes from which the tiny-segment variant is skipped: the multi-segment paths are
-#: covered at n = 2..5 (even and uneven nodes, powers of two and not); at n = 8 it doubled
-#: the longest run of the CI suite (kept under 15 minutes on 2 cores).
-SMALL_SEGMENT_MAX_SIZE = 5
+#: covered at n = 2..4 (even nodes, uneven nodes with shm in many chunks at n = 3, powers
+#: of two and not); at n = 5 and 8 it took about half of the two longest runs of the CI
+#: suite (kept under 15 minutes on 2 cores).
+SMALL_SEGMENT_MAX_SIZE = 4
 
 
 @pytest.fixture(params=[SMALL_SEGMENT, None], ids=["seg64", "segdefault"])
