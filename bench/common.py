@@ -24,11 +24,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-__all__ = ["THREAD_LEVELS", "mpirun_command", "add_common_options", "parse_size", "parse_size_range",
-           "power_of_two_sizes", "start_mpi", "thread_level_name", "library_version",
-           "machine_description", "memcpy_bandwidth", "Row", "RankStats", "rank_stats",
-           "write_rows", "format_osu_rows", "Progress", "iterations_for", "human_bytes",
-           "BUS_FACTOR", "REPO_ROOT", "relative_paths", "command_line", "run_meta",
+__all__ = ["THREAD_LEVELS", "mpirun_command", "add_common_options", "parse_size",
+           "parse_size_range", "power_of_two_sizes", "start_mpi", "thread_level_name",
+           "library_version", "machine_description", "memcpy_bandwidth", "Row", "RankStats",
+           "rank_stats", "write_rows", "format_osu_rows", "Progress", "iterations_for",
+           "human_bytes", "BUS_FACTOR", "REPO_ROOT", "relative_paths", "command_line", "run_meta",
            "parse_args", "report_validation", "write_results"]
 
 #: ``--thread-level`` choices -> mpi4py rc values.

@@ -38,7 +38,7 @@ OTHER = ("reduce_scatter", "allgather", "broadcast", "reduce")
 def mpirun(n: int, args: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
     """Run ``python -m bench.<args>`` under ``mpirun -n n``; (exit status, output)."""
     cmd = [*mpirun_command(n), sys.executable, "-m", *args]
-    print(f"$ {' '.join(shlex.quote(c) for c in cmd[1:])}", flush=True)
+    print(f"$ {relative_paths(shlex.join(cmd))}", flush=True)
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
