@@ -22,8 +22,28 @@ codec          payload (in wire order)                                bytes for 
 ``C`` is the chunk size (``chunk=``, default 256 elements); ``k = ceil(r * count)`` (at least
 1 when ``count > 0``); indices are ``int64`` past 2**31 - 1 elements.
 
-Every kernel is vectorised numpy, and the chunked codecs work through the vector in blocks
-of whole chunks (``BLOCK_ELEMENTS``) so their temporaries stay in cache.
+Every kernel is vectorised and runs in the array module of its input
+(:mod:`~mpicoll.compression.namespace`): numpy on the host, working through the vector in
+blocks of whole chunks (``BLOCK_ELEMENTS``) so that temporaries stay in cache; CuPy on a
+device array, the whole vector at once, with bit for bit the same payload and decoded
+values (every step is elementwise IEEE arithmetic, integer bit operations or an ordered
+reduction that both modules compute alike):
+
+- ``onebit``'s chunk means sum ``|x|`` by pairwise halving (:func:`pairwise_row_sums`),
+  not with ``sum()``, whose order differs between numpy and CuPy;
+- ``int8:stochastic`` draws its uniforms from a counter-based hash
+  (:mod:`~mpicoll.compression.counter_rng`) keyed by ``(seed, encoding number)`` and the
+  element index, not from a ``numpy.random.Generator``;
+- ``topk`` keeps the ``k`` largest magnitudes, ties broken towards the lower index (NaN
+  counts as infinite), which both modules compute the same way;
+- ``randomk``'s indices do not depend on the data: they are drawn with numpy on the host,
+  as before, and only the ``k`` indices are copied to the device.
+
+A payload lives where it was encoded. :meth:`Codec.encode` of a device vector into host
+``out`` parts encodes on the device and copies only the payload to the host;
+:meth:`Codec.decode` of host parts into a device ``out`` copies only the payload to the
+device (:meth:`Codec.to_host_payload` and :meth:`Codec.decode_into` do the same for a
+payload held as one byte buffer, the form that travels over MPI).
 """
 from __future__ import annotations
 
@@ -32,9 +52,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from . import namespace
+from .counter_rng import stream_key, uniform
+
 __all__ = ["Codec", "NoneCodec", "FP16Codec", "BF16Codec", "Int8Codec", "OneBitCodec",
            "TopKCodec", "RandomKCodec", "CODECS", "get_codec", "new_payload",
-           "payload_views", "layout_nbytes", "check_float_dtype", "BLOCK_ELEMENTS"]
+           "payload_views", "layout_nbytes", "check_float_dtype", "BLOCK_ELEMENTS",
+           "pairwise_row_sums"]
 
 #: Elements the chunked codecs process per inner block (a whole number of chunks is used).
 BLOCK_ELEMENTS = 1 << 17
@@ -74,11 +98,34 @@ def payload_views(layout: Layout, raw: np.ndarray) -> tuple:
     return tuple(parts)
 
 
-def new_payload(codec: "Codec", count: int, dtype: Any = np.float32) -> tuple[np.ndarray, tuple]:
-    """Allocate one payload buffer for ``count`` elements: ``(raw uint8 buffer, parts)``."""
+def new_payload(codec: "Codec", count: int, dtype: Any = np.float32,
+                like: Any = None) -> tuple[Any, tuple]:
+    """Allocate one payload buffer for ``count`` elements: ``(raw uint8 buffer, parts)``,
+    in host memory, or in the module (and device) of array ``like`` when given."""
     layout = codec.layout(count, dtype)
-    raw = np.empty(layout_nbytes(layout), dtype=np.uint8)
+    xp = namespace.array_module(like)
+    raw = xp.empty(layout_nbytes(layout), dtype=np.uint8)
     return raw, payload_views(layout, raw)
+
+
+def pairwise_row_sums(xp: Any, rows: Any) -> Any:
+    """Sums of the rows of 2-D float array ``rows`` (which it overwrites), in a fixed
+    pairwise order: the right half of the columns is added onto the left half (an odd
+    last column onto the first) until one column is left; returned as a view of it.
+
+    Every step is an elementwise addition, so numpy and CuPy give the same bits (their
+    ``sum()`` reductions add in different orders).
+    """
+    width = rows.shape[1]
+    if width == 0:
+        rows = xp.zeros((rows.shape[0], 1), dtype=rows.dtype)
+    while width > 1:
+        half = width // 2
+        xp.add(rows[:, :half], rows[:, half:2 * half], out=rows[:, :half])
+        if width % 2:
+            xp.add(rows[:, :1], rows[:, width - 1:width], out=rows[:, :1])
+        width = half
+    return rows[:, 0]
 
 
 def _ordered(parts: Sequence[tuple[Any, int]]) -> Layout:
@@ -114,36 +161,78 @@ class Codec:
         """Raise ``TypeError`` (naming ``argname``) unless this codec encodes ``dtype``."""
         return check_float_dtype(dtype, argname, self.name)
 
-    def encode(self, x: np.ndarray, out: tuple | None = None) -> tuple:
-        """Encode the flat vector ``x``.
+    def encode(self, x: Any, out: tuple | None = None) -> tuple:
+        """Encode the flat vector ``x``, in the array module of ``x`` (numpy, CuPy).
 
         Args:
-            x: flat contiguous float32/float64 array.
-            out: payload parts to write (from :func:`new_payload`); allocated if ``None``.
+            x: flat contiguous float32/float64 array (host or device).
+            out: payload parts to write (from :func:`new_payload`); allocated beside ``x``
+                if ``None``. Parts on the host for a device ``x``: the payload is encoded
+                on the device and only it is copied to ``out``.
         Returns:
             The payload: a tuple of contiguous arrays (``out`` when given).
         """
         dt = self.check_dtype(x.dtype, "x")
+        xp = namespace.array_module(x)
+        x = namespace.as_module_array(x, xp)
+        if out is not None and out and namespace.array_module(out[0]) is not xp:
+            parts = self._encode_in(xp, x, new_payload(self, x.size, dt, like=x)[1])
+            for dst, src in zip(out, parts):
+                namespace.to_host(src, out=dst)
+            return tuple(out)
         if out is None:
-            out = new_payload(self, x.size, dt)[1]
-        self._encode(x, out)
+            out = new_payload(self, x.size, dt, like=x)[1]
+        return self._encode_in(xp, x, out)
+
+    def _encode_in(self, xp: Any, x: Any, out: tuple) -> tuple:
+        self._encode(xp, x, out)
         return out
 
-    def decode(self, payload: Sequence[np.ndarray], count: int, dtype: Any = np.float32,
-               out: np.ndarray | None = None) -> np.ndarray:
+    def decode(self, payload: Sequence[Any], count: int, dtype: Any = np.float32,
+               out: Any = None) -> Any:
         """Decode a payload of ``count`` elements into a flat array of ``dtype``.
+
+        Runs in the array module of ``out`` (of the payload when ``out`` is ``None``). A
+        host payload decoded into a device ``out`` is first copied to the device.
 
         Args:
             payload: the parts, as :meth:`encode` returned them (or received).
-            out: flat array of ``count`` elements of ``dtype`` to write; allocated if ``None``.
+            out: flat array of ``count`` elements of ``dtype`` to write; allocated beside
+                the payload if ``None``.
         """
         dt = self.check_dtype(dtype, "dtype")
+        payload = tuple(payload)
+        like = out if out is not None else (payload[0] if payload else None)
+        xp = namespace.array_module(like)
         if out is None:
-            out = np.empty(count, dtype=dt)
-        self._decode(tuple(payload), count, out)
+            out = xp.empty(count, dtype=dt)
+        payload = tuple(namespace.to_side(p, out) for p in payload)
+        self._decode(xp, payload, count, out)
         return out
 
-    def roundtrip(self, x: np.ndarray) -> np.ndarray:
+    def to_host_payload(self, raw: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """The payload byte buffer ``raw`` (from :func:`new_payload`) in host memory, to
+        send over an MPI library that is not CUDA-aware: a device buffer is copied (only
+        :meth:`wire_bytes` bytes cross), a host one returned as is (or copied into
+        ``out``)."""
+        return namespace.to_host(raw, out=out)
+
+    def decode_into(self, raw: Any, count: int, out: Any) -> Any:
+        """Decode the payload bytes ``raw`` (as received: one uint8 buffer, host or
+        device) of ``count`` elements into flat array ``out`` (host or device; a host
+        payload is copied to ``out``'s device first, only the payload crosses).
+
+        Raises:
+            ValueError: ``raw`` does not hold :meth:`wire_bytes` bytes.
+        """
+        layout = self.layout(count, out.dtype)
+        if raw.size != layout_nbytes(layout):
+            raise ValueError(f"payload of {raw.size} bytes for {count} {out.dtype} elements "
+                             f"of compression={self.name!r} ({layout_nbytes(layout)} bytes)")
+        raw = namespace.to_side(raw, out)
+        return self.decode(payload_views(layout, raw), count, out.dtype, out=out)
+
+    def roundtrip(self, x: Any) -> Any:
         """``decode(encode(x))``: what a receiver would get for ``x``."""
         return self.decode(self.encode(x), x.size, x.dtype)
 
@@ -161,11 +250,11 @@ class Codec:
         """
         self._check_state(state, ())
 
-    # implementations ------------------------------------------------------------------
-    def _encode(self, x: np.ndarray, out: tuple) -> None:
+    # implementations: ``xp`` is the array module of the arrays ---------------------------
+    def _encode(self, xp: Any, x: Any, out: tuple) -> None:
         raise NotImplementedError
 
-    def _decode(self, payload: tuple, count: int, out: np.ndarray) -> None:
+    def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
         raise NotImplementedError
 
     def _check_state(self, state: Any, keys: tuple) -> None:
@@ -187,11 +276,11 @@ class NoneCodec(Codec):
     def layout(self, count: int, dtype: Any = np.float32) -> Layout:
         return ((np.dtype(dtype), int(count)),)
 
-    def _encode(self, x: np.ndarray, out: tuple) -> None:
-        np.copyto(out[0], x)
+    def _encode(self, xp: Any, x: Any, out: tuple) -> None:
+        xp.copyto(out[0], x)
 
-    def _decode(self, payload: tuple, count: int, out: np.ndarray) -> None:
-        np.copyto(out, payload[0], casting="unsafe")
+    def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
+        xp.copyto(out, payload[0], casting="unsafe")
 
 
 class FP16Codec(Codec):
@@ -202,11 +291,27 @@ class FP16Codec(Codec):
     def layout(self, count: int, dtype: Any = np.float32) -> Layout:
         return ((np.dtype(np.float16), int(count)),)
 
-    def _encode(self, x: np.ndarray, out: tuple) -> None:
-        np.copyto(out[0], x, casting="unsafe")
+    def _encode(self, xp: Any, x: Any, out: tuple) -> None:
+        if x.dtype == np.float64 and xp is not np:
+            x = _round_to_odd_float32(xp, x)
+        xp.copyto(out[0], x, casting="unsafe")
 
-    def _decode(self, payload: tuple, count: int, out: np.ndarray) -> None:
-        np.copyto(out, payload[0], casting="unsafe")
+    def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
+        xp.copyto(out, payload[0], casting="unsafe")
+
+
+def _round_to_odd_float32(xp: Any, x: Any) -> Any:
+    """float64 ``x`` rounded to float32 *to odd* (toward zero, the last bit set when
+    inexact). Rounding that to float16 (nearest even) is exactly numpy's direct
+    float64 -> float16 cast, whatever the device library does for double -> half
+    (a plain cast through float32 would round twice)."""
+    f = x.astype(np.float32)
+    away = xp.abs(f.astype(np.float64)) > xp.abs(x)
+    f = xp.where(away, xp.nextafter(f, np.float32(0.0)), f)
+    inexact = (f.astype(np.float64) != x).astype(np.uint32)
+    bits = f.view(np.uint32)
+    xp.bitwise_or(bits, inexact, out=bits)
+    return f
 
 
 class BF16Codec(Codec):
@@ -220,40 +325,40 @@ class BF16Codec(Codec):
     def layout(self, count: int, dtype: Any = np.float32) -> Layout:
         return ((np.dtype(np.uint16), int(count)),)
 
-    def _encode(self, x: np.ndarray, out: tuple) -> None:
+    def _encode(self, xp: Any, x: Any, out: tuple) -> None:
         dst = out[0]
-        step = BLOCK_ELEMENTS
-        t = np.empty(min(step, x.size), dtype=np.uint32)
+        step = namespace.block_elements(xp, BLOCK_ELEMENTS) or max(x.size, 1)
+        t = xp.empty(min(step, x.size), dtype=np.uint32)
         for lo in range(0, x.size, step):
             xb = x[lo:lo + step]
             x32 = xb if xb.dtype == np.float32 else xb.astype(np.float32)
             b = x32.view(np.uint32)
             tb = t[:b.size]
-            np.right_shift(b, 16, out=tb)
-            np.bitwise_and(tb, 1, out=tb)
-            tb += 0x7FFF
-            tb += b
-            np.right_shift(tb, 16, out=tb)
-            np.copyto(dst[lo:lo + step], tb, casting="unsafe")
-        nan = np.isnan(x)
+            xp.right_shift(b, np.uint32(16), out=tb)
+            xp.bitwise_and(tb, np.uint32(1), out=tb)
+            xp.add(tb, np.uint32(0x7FFF), out=tb)
+            xp.add(tb, b, out=tb)
+            xp.right_shift(tb, np.uint32(16), out=tb)
+            xp.copyto(dst[lo:lo + step], tb, casting="unsafe")
+        nan = xp.isnan(x)
         if nan.any():  # rounding could carry a NaN's low mantissa bits into infinity
             b = x[nan].astype(np.float32).view(np.uint32)
-            dst[nan] = (b >> 16).astype(np.uint16) | np.uint16(0x0040)
+            dst[nan] = (b >> np.uint32(16)).astype(np.uint16) | np.uint16(0x0040)
 
-    def _decode(self, payload: tuple, count: int, out: np.ndarray) -> None:
+    def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
         src = payload[0]
         if out.dtype == np.float32:
             o = out.view(np.uint32)
-            np.copyto(o, src)
-            np.left_shift(o, 16, out=o)
+            xp.copyto(o, src)
+            xp.left_shift(o, np.uint32(16), out=o)
             return
-        step = BLOCK_ELEMENTS
-        t = np.empty(min(step, count), dtype=np.uint32)
+        step = namespace.block_elements(xp, BLOCK_ELEMENTS) or max(count, 1)
+        t = xp.empty(min(step, count), dtype=np.uint32)
         for lo in range(0, count, step):
             tb = t[:min(step, count - lo)]
-            np.copyto(tb, src[lo:lo + step])
-            np.left_shift(tb, 16, out=tb)
-            np.copyto(out[lo:lo + step], tb.view(np.float32))
+            xp.copyto(tb, src[lo:lo + step])
+            xp.left_shift(tb, np.uint32(16), out=tb)
+            xp.copyto(out[lo:lo + step], tb.view(np.float32))
 
 
 class _ChunkedCodec(Codec):
@@ -265,95 +370,125 @@ class _ChunkedCodec(Codec):
         if chunk < 1:
             raise ValueError(f"chunk must be a positive number of elements, got {chunk}")
         self.chunk = int(chunk)
-        # whole chunks per inner block (at least one)
-        self._block = max(1, BLOCK_ELEMENTS // self.chunk) * self.chunk
 
     def nchunks(self, count: int) -> int:
         """Number of chunks (and scales) for ``count`` elements."""
         return -(-int(count) // self.chunk)
 
-    def _blocks(self, count: int):
-        """(lo, hi, first chunk) of each inner block; blocks hold whole chunks."""
-        for lo in range(0, count, self._block):
-            yield lo, min(count, lo + self._block), lo // self.chunk
+    def _block_size(self, xp: Any, count: int) -> int:
+        """Elements per inner block in module ``xp``: whole chunks, at least one; on a
+        device the whole vector."""
+        step = namespace.block_elements(xp, BLOCK_ELEMENTS)
+        if step is None:
+            return max(1, self.nchunks(count)) * self.chunk
+        return max(1, step // self.chunk) * self.chunk
 
-    def _rows(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _blocks(self, xp: Any, count: int):
+        """(lo, hi, first chunk) of each inner block; blocks hold whole chunks."""
+        block = self._block_size(xp, count)
+        for lo in range(0, count, block):
+            yield lo, min(count, lo + block), lo // self.chunk
+
+    def _rows(self, a: Any) -> tuple[Any, Any]:
         """``a`` split into full chunks (2-D) and the partial tail chunk (1-D, maybe empty)."""
         full = a.size // self.chunk * self.chunk
         return a[:full].reshape(-1, self.chunk), a[full:]
 
 
 class Int8Codec(_ChunkedCodec):
-    """int8 with one float32 scale per chunk: ``q = round(x / s)``, ``s = max|x| / 127``.
+    """int8 with one float32 scale per chunk: ``q = round(x * (1/s))``, ``s = max|x| / 127``.
 
     Deterministic rounding (to nearest even) errs by at most ``s/2`` per element; stochastic
-    rounding (``stochastic=True``: ``q = floor(x/s + u)``, ``u`` uniform in [0, 1) from a
-    ``numpy.random.Generator`` seeded with ``seed``) is unbiased and errs by less than
-    ``s``. Up to float rounding in ``x / s`` in both cases. A chunk of zeros has scale 0.
+    rounding (``stochastic=True``: ``q = floor(x/s + u)``, ``u`` uniform in [0, 1) from
+    :func:`~mpicoll.compression.counter_rng.uniform`, keyed by ``seed``, the number of
+    encodings so far and the element index: the same numbers on the host and on a device)
+    is unbiased and errs by less than ``s``. Up to float rounding in ``x / s`` in both
+    cases. A chunk of zeros has scale 0. ``1/s`` is computed in float32.
     """
 
     def __init__(self, chunk: int = 256, stochastic: bool = False, seed: int = 0) -> None:
         super().__init__(chunk)
         self.stochastic = bool(stochastic)
-        self.seed = seed
-        self._rng = np.random.default_rng(seed)
+        self.seed = int(seed)
+        self.step = 0
         self.name = "int8" + (f":{self.chunk}" if self.chunk != 256 else "") + \
             (":stochastic" if self.stochastic else "")
 
     def layout(self, count: int, dtype: Any = np.float32) -> Layout:
         return _ordered([(np.float32, self.nchunks(count)), (np.int8, count)])
 
-    def _encode(self, x: np.ndarray, out: tuple) -> None:
+    def _encode(self, xp: Any, x: Any, out: tuple) -> None:
         scales, q = out
-        tmp = np.empty(min(self._block, x.size), dtype=x.dtype)
-        for lo, hi, k0 in self._blocks(x.size):
+        key = stream_key(self.seed, self.step) if self.stochastic else 0
+        if self.stochastic:
+            self.step += 1
+        tmp = xp.empty(min(self._block_size(xp, x.size), x.size), dtype=x.dtype)
+        for lo, hi, k0 in self._blocks(xp, x.size):
             xb = x[lo:hi]
             full, tail = self._rows(xb)
             nfull = full.shape[0]
-            amax = np.empty(nfull + (1 if tail.size else 0), dtype=x.dtype)
+            amax = xp.empty(nfull + (1 if tail.size else 0), dtype=x.dtype)
             if nfull:
-                np.maximum(full.max(axis=1), -full.min(axis=1), out=amax[:nfull])
+                xp.maximum(full.max(axis=1), -full.min(axis=1), out=amax[:nfull])
             if tail.size:
-                amax[nfull] = max(tail.max(), -tail.min())
+                xp.maximum(tail.max(), -tail.min(), out=amax[nfull:])
             sc = scales[k0:k0 + amax.size]
-            np.divide(amax, 127.0, out=sc, casting="unsafe")
-            inv = np.divide(1.0, sc, out=np.zeros(sc.size, dtype=x.dtype), where=sc > 0)
+            xp.divide(amax, x.dtype.type(127.0), out=amax)
+            xp.copyto(sc, amax, casting="unsafe")
+            positive = sc > 0
+            inv = xp.divide(np.float32(1.0), xp.where(positive, sc, np.float32(1.0)))
+            inv = xp.where(positive, inv, np.float32(0.0)).astype(x.dtype)
             tb = tmp[:xb.size]
             tfull, ttail = self._rows(tb)
             if nfull:
-                np.multiply(full, inv[:nfull, None], out=tfull)
+                xp.multiply(full, inv[:nfull, None], out=tfull)
             if tail.size:
-                np.multiply(tail, inv[-1], out=ttail)
+                xp.multiply(tail, inv[nfull:], out=ttail)
             if self.stochastic:
-                tb += self._rng.random(tb.size, dtype=np.float64 if tb.dtype == np.float64
-                                       else np.float32)
-                np.floor(tb, out=tb)
-                np.clip(tb, -127, 127, out=tb)
+                xp.add(tb, uniform(xp, key, lo, tb.size, tb.dtype), out=tb)
+                xp.floor(tb, out=tb)
+                xp.clip(tb, -127, 127, out=tb)
             else:
-                np.rint(tb, out=tb)
-            np.copyto(q[lo:hi], tb, casting="unsafe")
+                xp.rint(tb, out=tb)
+            xp.copyto(q[lo:hi], tb, casting="unsafe")
 
     def state_dict(self) -> dict:
-        """Stochastic rounding: the generator's state (``numpy`` ``bit_generator.state``)."""
-        return {"rng": self._rng.bit_generator.state} if self.stochastic else {}
+        """Stochastic rounding: ``{"rng_step": the number of encodings so far}`` (the
+        key of the next encoding's random numbers)."""
+        return {"rng_step": self.step} if self.stochastic else {}
 
     def load_state_dict(self, state: dict) -> None:
         if not self.stochastic:
             super().load_state_dict(state)
             return
-        self._check_state(state, ("rng",))
-        self._rng.bit_generator.state = state["rng"]
+        self._check_state(state, ("rng_step",))
+        self.step = _check_step(state["rng_step"])
 
-    def _decode(self, payload: tuple, count: int, out: np.ndarray) -> None:
+    def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
         scales, q = payload
-        for lo, hi, k0 in self._blocks(count):
+        for lo, hi, k0 in self._blocks(xp, count):
             qf, qt = self._rows(q[lo:hi])
             of, ot = self._rows(out[lo:hi])
             nfull = qf.shape[0]
             if nfull:
-                np.multiply(qf, scales[k0:k0 + nfull, None], out=of, casting="unsafe")
+                _scaled(xp, qf, scales[k0:k0 + nfull, None], of)
             if qt.size:
-                np.multiply(qt, scales[k0 + nfull], out=ot, casting="unsafe")
+                _scaled(xp, qt, scales[k0 + nfull:k0 + nfull + 1], ot)
+
+
+def _scaled(xp: Any, values: Any, scales: Any, out: Any) -> None:
+    """``out = values * scales`` computed in float32 (``scales``' dtype), then stored in
+    ``out``'s dtype: the same bits whichever module and output dtype."""
+    if out.dtype == np.float32:
+        xp.multiply(values, scales, out=out)
+    else:
+        xp.copyto(out, xp.multiply(values, scales))
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"codec state: step must be an int >= 0, not {step!r}")
+    return int(step)
 
 
 #: Row ``b`` holds the 8 signs (+1 for a clear bit, -1 for a set bit) of packed byte ``b``.
@@ -362,12 +497,14 @@ _SIGN_TABLE = (1.0 - 2.0 * np.unpackbits(np.arange(256, dtype=np.uint8)[:, None]
 
 
 class OneBitCodec(_ChunkedCodec):
-    """1-bit: the sign of each element (``np.packbits``, big-endian bit order; a set bit
+    """1-bit: the sign of each element (``packbits``, big-endian bit order; a set bit
     means negative, so ``+0`` is positive and ``-0`` negative) and one float32 scale per
-    chunk, the mean of ``|x|`` over the chunk (1-bit SGD / 1-bit Adam). Decodes to
-    ``±scale``. For training with momentum SGD compress the momentum rather than the
-    gradient (``Compression.onebit.with_momentum(beta)``; docs/compression.md, *Training
-    with compression*): with error feedback on gradients and momentum applied after the
+    chunk, the mean of ``|x|`` over the chunk (1-bit SGD / 1-bit Adam; the sum in the
+    pairwise order of :func:`pairwise_row_sums`, times ``1/chunk``, or divided by the
+    length of a shorter last chunk). Decodes to ``±scale``. For training with momentum
+    SGD compress the momentum rather than the gradient
+    (``Compression.onebit.with_momentum(beta)``; docs/compression.md, *Training with
+    compression*): with error feedback on gradients and momentum applied after the
     reduction the example's training diverged.
 
     ``chunk`` must be a multiple of 8 so chunks start on byte boundaries.
@@ -382,41 +519,47 @@ class OneBitCodec(_ChunkedCodec):
     def layout(self, count: int, dtype: Any = np.float32) -> Layout:
         return _ordered([(np.float32, self.nchunks(count)), (np.uint8, -(-int(count) // 8))])
 
-    def _encode(self, x: np.ndarray, out: tuple) -> None:
+    def _encode(self, xp: Any, x: Any, out: tuple) -> None:
         scales, bits = out
-        tmp = np.empty(min(self._block, x.size), dtype=x.dtype)
-        neg = np.empty(min(self._block, x.size), dtype=np.bool_)
-        for lo, hi, k0 in self._blocks(x.size):
+        block = min(self._block_size(xp, x.size), x.size)
+        tmp = xp.empty(block, dtype=x.dtype)
+        neg = xp.empty(block, dtype=np.bool_)
+        for lo, hi, k0 in self._blocks(xp, x.size):
             xb = x[lo:hi]
             tb = tmp[:xb.size]
-            np.abs(xb, out=tb)
+            xp.abs(xb, out=tb)
             full, tail = self._rows(tb)
             nfull = full.shape[0]
             sc = scales[k0:k0 + nfull + (1 if tail.size else 0)]
             if nfull:
-                np.multiply(full.sum(axis=1), 1.0 / self.chunk, out=sc[:nfull],
-                            casting="unsafe")
+                sums = pairwise_row_sums(xp, full)
+                xp.copyto(sc[:nfull], xp.multiply(sums, x.dtype.type(1.0 / self.chunk)),
+                          casting="unsafe")
             if tail.size:
-                sc[nfull] = tail.sum() / tail.size
+                tsum = pairwise_row_sums(xp, tail.reshape(1, -1))
+                xp.copyto(sc[nfull:], xp.divide(tsum, x.dtype.type(tail.size)),
+                          casting="unsafe")
             nb = neg[:xb.size]
-            np.signbit(xb, out=nb)
-            bits[lo // 8:(hi + 7) // 8] = np.packbits(nb)
+            xp.signbit(xb, out=nb)
+            bits[lo // 8:(hi + 7) // 8] = xp.packbits(nb)
 
-    def _decode(self, payload: tuple, count: int, out: np.ndarray) -> None:
+    def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
         scales, bits = payload
-        tmp = np.empty((min(self._block, count) + 7) // 8 * 8, dtype=np.float32)
-        for lo, hi, k0 in self._blocks(count):
+        table = namespace.constant(xp, "onebit.signs", _SIGN_TABLE)
+        block = min(self._block_size(xp, count), count)
+        tmp = xp.empty((block + 7) // 8 * 8, dtype=np.float32)
+        for lo, hi, k0 in self._blocks(xp, count):
             nbytes = (hi - lo + 7) // 8
             t2 = tmp[:nbytes * 8].reshape(nbytes, 8)
-            np.take(_SIGN_TABLE, bits[lo // 8:lo // 8 + nbytes], axis=0, out=t2)
+            xp.take(table, bits[lo // 8:lo // 8 + nbytes], axis=0, out=t2)
             signs = tmp[:hi - lo]
             sf, st = self._rows(signs)
             of, ot = self._rows(out[lo:hi])
             nfull = sf.shape[0]
             if nfull:
-                np.multiply(sf, scales[k0:k0 + nfull, None], out=of)
+                _scaled(xp, sf, scales[k0:k0 + nfull, None], of)
             if st.size:
-                np.multiply(st, scales[k0 + nfull], out=ot)
+                _scaled(xp, st, scales[k0 + nfull:k0 + nfull + 1], ot)
 
 
 def _check_ratio(ratio: Any, what: str) -> float:
@@ -451,45 +594,58 @@ class _SparseCodec(Codec):
         k = self.k(count)
         return _ordered([(np.dtype(dtype), k), (self.index_dtype(count), k)])
 
-    def _select(self, x: np.ndarray, k: int) -> np.ndarray:
+    def _select(self, xp: Any, x: Any, k: int) -> Any:
+        """The ``k`` indices to send, sorted, as an array of module ``xp``."""
         raise NotImplementedError
 
-    def _parts(self, payload: tuple) -> tuple[np.ndarray, np.ndarray]:
+    def _parts(self, payload: tuple) -> tuple[Any, Any]:
         """(values, indices) whatever their wire order."""
         a, b = payload
         return (a, b) if a.dtype.kind == "f" else (b, a)
 
-    def _encode(self, x: np.ndarray, out: tuple) -> None:
+    def _encode(self, xp: Any, x: Any, out: tuple) -> None:
         values, idx = self._parts(out)
         k = idx.size
         if k == 0:
             return
-        sel = self._select(x, k)
-        sel.sort()
-        np.copyto(idx, sel, casting="unsafe")
-        np.take(x, sel, out=values)
+        sel = self._select(xp, x, k)
+        xp.copyto(idx, sel, casting="unsafe")
+        xp.take(x, sel, out=values)
 
-    def _decode(self, payload: tuple, count: int, out: np.ndarray) -> None:
+    def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
         values, idx = self._parts(payload)
         out.fill(0)
         out[idx] = values
 
-    def indices_values(self, payload: tuple) -> tuple[np.ndarray, np.ndarray]:
+    def indices_values(self, payload: tuple) -> tuple[Any, Any]:
         """``(indices, values)`` of a payload (indices sorted, distinct)."""
         values, idx = self._parts(payload)
         return idx, values
 
 
 class TopKCodec(_SparseCodec):
-    """The ``k = ceil(ratio * count)`` elements of largest magnitude (``np.argpartition``,
-    deterministic for a given input), sent as values and sorted int32 indices."""
+    """The ``k = ceil(ratio * count)`` elements of largest magnitude, sent as values and
+    sorted int32 indices. Ties at the ``k``-th largest magnitude go to the lower indices
+    and NaN counts as infinite, so the choice is a function of the input alone, the same
+    with numpy and CuPy (a partition finds the ``k``-th largest magnitude ``t``; every
+    element above ``t`` is kept, then the first elements equal to ``t``)."""
 
     kind = "topk"
 
-    def _select(self, x: np.ndarray, k: int) -> np.ndarray:
-        if k == x.size:
-            return np.arange(x.size)
-        return np.argpartition(np.abs(x), x.size - k)[x.size - k:]
+    def _select(self, xp: Any, x: Any, k: int) -> Any:
+        n = x.size
+        if k == n:
+            return xp.arange(n)
+        mag = xp.abs(x)
+        nan = xp.isnan(mag)
+        if nan.any():
+            mag[nan] = xp.inf
+        t = xp.partition(mag, n - k)[n - k:n - k + 1]
+        above = xp.flatnonzero(mag > t)
+        ties = xp.flatnonzero(mag == t)[:k - int(above.size)]
+        sel = xp.concatenate([above, ties])
+        sel.sort()
+        return sel
 
 
 class RandomKCodec(_SparseCodec):
@@ -500,7 +656,8 @@ class RandomKCodec(_SparseCodec):
     and encode the same sequence of tensors choose the **same indices** at every step (the
     shared-seed variant: the sum of all ranks' payloads stays k-sparse). Give each rank its
     own seed for independent choices. The payload carries the indices either way, so
-    decoding never depends on the generator.
+    decoding never depends on the generator. The indices do not depend on the data: for a
+    device vector they are drawn on the host and copied to the device (``k`` integers).
     """
 
     kind = "randomk"
@@ -510,13 +667,15 @@ class RandomKCodec(_SparseCodec):
         self.seed = int(seed)
         self.step = 0
 
-    def _select(self, x: np.ndarray, k: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, self.step])
+    def _select(self, xp: Any, x: Any, k: int) -> Any:
         if k == x.size:
-            return np.arange(x.size)
-        return rng.choice(x.size, size=k, replace=False)
+            return xp.arange(x.size)
+        rng = np.random.default_rng([self.seed, self.step])
+        sel = rng.choice(x.size, size=k, replace=False)
+        sel.sort()
+        return namespace.to_device(sel, x)
 
-    def encode(self, x: np.ndarray, out: tuple | None = None) -> tuple:
+    def encode(self, x: Any, out: tuple | None = None) -> tuple:
         try:
             return super().encode(x, out)
         finally:
@@ -528,10 +687,7 @@ class RandomKCodec(_SparseCodec):
 
     def load_state_dict(self, state: dict) -> None:
         self._check_state(state, ("step",))
-        step = state["step"]
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"codec state: step must be an int >= 0, not {step!r}")
-        self.step = int(step)
+        self.step = _check_step(state["step"])
 
 
 #: Codec names :func:`get_codec` accepts (``topk``/``randomk`` take ``:ratio``).

@@ -10,6 +10,10 @@ residual per key (a parameter name, an index...), and is passed to every call th
 compresses that tensor. :func:`tensor_feedback` is the default used when the caller passes
 no object: a residual attached to the input array itself (held by a weak reference and
 dropped when the array is freed).
+
+Residuals live beside their tensors: a device tensor's residual is a device array of the
+same module (CuPy), and compensation, encoding and the residual update all run there
+(:mod:`~mpicoll.compression.namespace`).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Any, Hashable
 
 import numpy as np
 
+from . import namespace
 from .codecs import Codec
 
 __all__ = ["ErrorFeedback", "tensor_feedback"]
@@ -35,7 +40,7 @@ class ErrorFeedback:
     """
 
     def __init__(self) -> None:
-        self._residuals: dict[Hashable, np.ndarray] = {}
+        self._residuals: dict[Hashable, Any] = {}
 
     def residual(self, key: Hashable = None) -> np.ndarray | None:
         """The stored residual of ``key`` (``None`` if there is none yet)."""
@@ -51,6 +56,10 @@ class ErrorFeedback:
             raise ValueError(f"feedback: the residual stored for key={key!r} has {res.size} "
                              f"{res.dtype} elements but the tensor has {x.size} {x.dtype}; "
                              f"use one key per tensor (key=...) or reset(key)")
+        if res is not None and namespace.array_module(res) is not namespace.array_module(x):
+            raise ValueError(f"feedback: the residual stored for key={key!r} is "
+                             f"{_side(res)} but the tensor is {_side(x)}; use one key per "
+                             f"tensor (key=...) or reset(key)")
         return res
 
     def compensate(self, key: Hashable, x: np.ndarray, out: np.ndarray | None = None
@@ -61,24 +70,27 @@ class ErrorFeedback:
             ValueError: the stored residual does not match ``x``'s size and dtype.
         """
         res = self._check(key, x)
+        xp = namespace.array_module(x)
         if out is None:
-            out = np.empty(x.size, dtype=x.dtype)
+            out = xp.empty(x.size, dtype=x.dtype)
         if res is None:
-            np.copyto(out, x.reshape(-1))
+            xp.copyto(out, x.reshape(-1))
         else:
-            np.add(x.reshape(-1), res, out=out)
+            xp.add(x.reshape(-1), res, out=out)
         return out
 
     def buffer(self, key: Hashable, x: np.ndarray) -> np.ndarray:
         """The residual array of ``key`` to overwrite in place (allocated on first use)."""
         res = self._check(key, x)
         if res is None:
-            res = self._residuals[key] = np.zeros(x.size, dtype=x.dtype)
+            res = self._residuals[key] = namespace.array_module(x).zeros(x.size, dtype=x.dtype)
         return res
 
     def store(self, key: Hashable, residual: np.ndarray) -> None:
-        """Keep ``residual`` (flat) for ``key``, replacing what was there."""
-        self._residuals[key] = np.asarray(residual).reshape(-1)
+        """Keep ``residual`` (flat; host or device) for ``key``, replacing what was there."""
+        if namespace.array_module(residual) is np:
+            residual = np.asarray(residual)
+        self._residuals[key] = residual.reshape(-1)
 
     def encode(self, codec: Codec, x: np.ndarray, key: Hashable = None) -> tuple:
         """Compress ``x + residual(key)`` with ``codec``; keep what was not sent.
@@ -86,11 +98,11 @@ class ErrorFeedback:
         Returns:
             The payload (``codec.encode`` of the compensated input).
         """
-        flat = x.reshape(-1)
+        flat = namespace.as_module_array(x, namespace.array_module(x)).reshape(-1)
         y = self.compensate(key, flat)
         payload = codec.encode(y)
         sent = codec.decode(payload, y.size, y.dtype)
-        np.subtract(y, sent, out=y)
+        namespace.array_module(y).subtract(y, sent, out=y)
         self._residuals[key] = y
         return payload
 
@@ -137,6 +149,11 @@ class _TensorFeedback(ErrorFeedback):
         with self._lock:
             self._refs.pop(k, None)
             self._residuals.pop(k, None)
+
+
+def _side(a: Any) -> str:
+    xp = namespace.array_module(a)
+    return "in host memory" if xp is np else f"a {xp.__name__} array"
 
 
 _TENSOR_FEEDBACK = _TensorFeedback()

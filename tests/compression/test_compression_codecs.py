@@ -310,3 +310,55 @@ def test_codec_state_of_another_codec_is_refused():
         get_codec("randomk:0.5").load_state_dict({"step": -1})
     with pytest.raises(ValueError, match="does not belong to compression='int8:stochastic'"):
         get_codec("int8:stochastic").load_state_dict({"step": 1})
+
+
+def test_topk_ties_go_to_the_lower_indices():
+    """The k largest magnitudes, ties at the k-th broken towards the lower index (the
+    rule numpy and CuPy both compute), NaN as infinite; against a stable sort."""
+    rng = np.random.default_rng(8)
+    for count, k_ratio in [(1000, 0.05), (257, 0.3), (64, 0.5)]:
+        x = rng.integers(-4, 5, count).astype(np.float32)    # many equal magnitudes
+        x[3] = np.nan
+        codec = get_codec(f"topk:{k_ratio}")
+        k = codec.k(count)
+        idx, _values = codec.indices_values(codec.encode(x))
+        mag = np.where(np.isnan(x), np.inf, np.abs(x))
+        want = np.sort(np.lexsort((np.arange(count), -mag))[:k])
+        assert np.array_equal(idx, want)
+
+
+def test_counter_uniforms_exact_in_range_and_block_independent():
+    from mpicoll.compression.counter_rng import stream_key, uniform
+    key = stream_key(7, 3)
+    for dtype, bits in ((np.float32, 24), (np.float64, 53)):
+        u = uniform(np, key, 0, 10_000, dtype)
+        assert u.dtype == dtype and (u >= 0).all() and (u < 1).all()
+        assert np.array_equal(u * 2.0 ** bits, np.floor(u * 2.0 ** bits))   # on the grid
+        assert abs(u.mean() - 0.5) < 0.02 and len(np.unique(u)) > 9_900
+        assert np.array_equal(uniform(np, key, 1234, 500, dtype), u[1234:1734])
+    assert not np.array_equal(uniform(np, stream_key(7, 4), 0, 100, np.float32),
+                              uniform(np, key, 0, 100, np.float32))
+    assert stream_key(7, 3) != stream_key(8, 3)
+
+
+def test_pairwise_row_sums_order():
+    """Right half added onto the left half (odd last column onto the first), repeatedly:
+    the order both array modules follow, checked against a scalar replay."""
+    rng = np.random.default_rng(2)
+    for width in (1, 2, 3, 7, 8, 24, 256):
+        rows = (rng.standard_normal((5, width)) * 10.0 ** rng.integers(-6, 6, (5, width))
+                ).astype(np.float32)
+
+        def replay(r):
+            r = list(r)
+            while len(r) > 1:
+                h, odd = len(r) // 2, len(r) % 2
+                last = r[-1]
+                r = [np.float32(a + b) for a, b in zip(r[:h], r[h:2 * h])]
+                if odd:
+                    r[0] = np.float32(r[0] + last)
+            return r[0]
+
+        want = np.array([replay(r) for r in rows], dtype=np.float32)
+        got = C.pairwise_row_sums(np, rows.copy())
+        assert got.tobytes() == want.tobytes()
