@@ -24,7 +24,7 @@ from .. import config
 from . import arrays, detect
 
 __all__ = ["device_call", "prepare_aware", "reporter", "simulated", "simulation",
-           "as_device_array"]
+           "as_device_array", "synchronise"]
 
 #: CPU tests (:func:`simulated`): the copies object (it also makes device views) and the
 #: CUDA-awareness decision every device call uses instead of CuPy's and detection's.
@@ -67,6 +67,13 @@ def reporter(collective: str, comm: Any, check: Any) -> Callable[[Exception], An
         raise exc  # agree raises it already; never return normally
 
     return report
+
+
+def synchronise(obj: Any) -> None:
+    """Wait until the stream producing device object ``obj`` has finished (CuPy's current
+    stream, the ``stream`` of ``__cuda_array_interface__`` v3, torch's current stream; the
+    whole device for objects that name none)."""
+    _synchronise(obj)
 
 
 def _synchronise(obj: Any) -> None:

@@ -29,6 +29,11 @@ pull or apply a push on arrival while its owner computes (asp/ssp need the separ
 With ``compression=`` the data step is :meth:`~mpicoll.ps.colocated_coded.CodedExchange._coded_step`
 (encoded gradients to the owners, encoded pulls back; see :mod:`mpicoll.ps.colocated_coded`).
 
+Device arrays (:mod:`mpicoll.ps.device`): a rank's gradients are copied to host memory
+before the control step, its pulls land in host staging arrays copied into its device
+arrays at the end of the step; the shards it owns stay in host memory. A rank that mixes
+device and host arrays reports a bad argument in the control step, so every rank raises.
+
 A rank that finishes early calls ``close()``; it then keeps serving its shards (taking part
 in the others' operations without contributing gradients) until every rank has closed, so
 ``close()`` returns only when all ranks have closed. Early finish therefore works as in the
@@ -48,6 +53,7 @@ from . import protocol as P
 from .checkpoint import write_codec_file, write_server_file
 from .colocated_coded import CodedExchange
 from .compressed import PushEncoder
+from .device import DevicePull, call_side, device_views, first_device, host_arrays
 from .errors import PSError
 from .placement import Placement, Shard
 from .server import ShardState
@@ -447,19 +453,32 @@ class ColocatedEngine(CodedExchange):
         """
         pushing = op in (CollOp.PUSH, CollOp.PUSH_PULL)
         pulling = op in (CollOp.PULL, CollOp.PUSH_PULL)
-        error, result = None, None
+        error, result, device_pull = None, None, None
         try:
+            device = call_side(grads=grads if pushing else None, out=out if pulling else None)
             if op == CollOp.PULL:
                 self.check_aggregate_kept("pull()")
             if pushing:
-                self.check_arrays(grads, complete=True, what="gradient")
-            if pulling:
+                self.check_arrays(device_views(grads) if device else grads, complete=True,
+                                  what="gradient")
+            if pulling and device:
+                device_pull = DevicePull(out, first_device(grads if pushing else None, out))
+                result = {name: device_pull.destination(name, spec)
+                          for name, spec in self.placement.specs.items()}
+            elif pulling:
                 result = self._out_arrays(out)
+            if pushing and device:
+                grads = host_arrays(grads)
         except PSError as exc:
             error = str(exc)
         yield from self._control(op, error)
         busy = self._agree(op, error)
-        return (yield from self._data(busy, grads if pushing else None, result))
+        if device_pull is None:
+            return (yield from self._data(busy, grads if pushing else None, result))
+        yield from self._data(busy, grads if pushing else None,
+                              {name: pair[0] for name, pair in result.items()})
+        device_pull.finish()
+        return {name: pair[1] for name, pair in result.items()}
 
     def _data(self, busy: list[int], grads: dict[str, Any] | None,
               result: dict[str, np.ndarray] | None) -> Steps:

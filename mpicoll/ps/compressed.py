@@ -81,14 +81,9 @@ def check_compressible(specs: list[ParamSpec], codec: Codec | None) -> None:
 
 
 def decode_into(codec: Codec, raw: np.ndarray, count: int, out: np.ndarray) -> np.ndarray:
-    """Decode the payload bytes ``raw`` of ``count`` elements into flat array ``out``."""
-    layout = codec.layout(count, out.dtype)
-    parts, off = [], 0
-    for dt, n in layout:
-        nbytes = np.dtype(dt).itemsize * n
-        parts.append(raw[off:off + nbytes].view(dt))
-        off += nbytes
-    return codec.decode(tuple(parts), count, out.dtype, out=out)
+    """Decode the payload bytes ``raw`` of ``count`` elements into flat array ``out``
+    (:meth:`~mpicoll.compression.Codec.decode_into`)."""
+    return codec.decode_into(raw, count, out)
 
 
 class _PerKeyCodecs:

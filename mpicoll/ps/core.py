@@ -30,6 +30,7 @@ from . import checkpoint as ckpt
 from . import protocol as P
 from .colocated import CollOp, ColocatedEngine
 from .compressed import check_compressible
+from .device import call_side, device_views, host_arrays
 from .errors import PSError
 from .placement import DEFAULT_SPLIT_BYTES, ParamSpec, Placement, specs_from_params
 from .server import Server, stats_from_vector
@@ -113,7 +114,9 @@ class ParameterServer:
     Args:
         params: dict name -> array. On workers, the names, shapes and dtypes of the
             parameters (every worker the same); the first worker's values initialize the
-            servers. Servers may pass the same dict or ``None``.
+            servers. Servers may pass the same dict or ``None``. Host arrays or device
+            arrays (CuPy, ``__cuda_array_interface__`` objects), not both in one dict; the
+            server state always lives in host memory (:mod:`mpicoll.ps.device`).
         comm: mpi4py intracommunicator (default ``MPI.COMM_WORLD``); duplicated.
         num_servers: how many ranks are servers (1 .. size-1), or ``"colocated"``: no
             server processes; every rank is a worker and keeps (serves) its own shards of a
@@ -220,14 +223,15 @@ class ParameterServer:
         settings, specs, values = None, None, None
         try:
             settings = check_settings(size, **arguments)
+            device = call_side(params=params)     # device arrays: read through views
             if params is not None or not settings.is_server(self.rank):
-                specs = specs_from_params(params)
+                specs = specs_from_params(device_views(params) if device else params)
                 _check_dtypes(specs, settings.optimizer)
                 check_compressible(specs, settings.compression)
             if self.rank == settings.first_worker and settings.restore is None and \
                     settings.init:
-                values = _as_arrays(params, specs)
-        except (TypeError, ValueError) as exc:
+                values = _as_arrays(host_arrays(params) if device else params, specs)
+        except (TypeError, ValueError, PSError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         _collective_check(self.comm, error, kind=ValueError)
         return settings, specs, values
@@ -400,7 +404,9 @@ class ParameterServer:
         """Fetch the parameters this worker's clock allows (blocking).
 
         Args:
-            out: optional arrays to fill (name -> array); others are allocated.
+            out: optional arrays to fill (name -> array); others are allocated. Device
+                arrays in ``out`` (all of them, none on the host): the values land there,
+                and missing names get new CuPy arrays on that device.
         Returns:
             dict name -> array.
         """
@@ -418,11 +424,13 @@ class ParameterServer:
         until every server has received them).
 
         Args:
-            grads: name -> array, the same names, shapes and dtypes as the parameters.
+            grads: name -> array, the same names, shapes and dtypes as the parameters;
+                host or device arrays (copied to host memory when the call starts).
             check: check names, shapes and dtypes here first (``False`` leaves every check
                 to the servers).
         Raises:
-            PSError: bad gradients, or a server rejected them (the reason is in the message).
+            PSError: bad gradients, device and host arrays mixed, or a server rejected
+                them (the reason is in the message).
         """
         self.push_async(grads, check).wait()
 
@@ -435,7 +443,8 @@ class ParameterServer:
 
     def push_pull(self, grads: dict[str, Any], out: dict[str, Any] | None = None,
                   check: bool = True) -> dict[str, np.ndarray]:
-        """Push gradients, then pull the parameters for the next clock (one round trip)."""
+        """Push gradients, then pull the parameters for the next clock (one round trip).
+        Device gradients: the values land in device arrays (``out``'s, else new ones)."""
         return self.push_pull_async(grads, out, check).wait()
 
     def push_pull_async(self, grads: dict[str, Any], out: dict[str, Any] | None = None,

@@ -14,6 +14,10 @@ push goes to the round that is open instead of falling further behind.
 With a codec (``compression=``) each shard of a push is encoded with this worker's error
 feedback (:class:`~mpicoll.ps.compressed.PushEncoder`) and each compressed pull reply is
 decoded into this worker's replica of the shard (:class:`~mpicoll.ps.compressed.PullDecoder`).
+
+Device arrays (:mod:`mpicoll.ps.device`): a call's gradients or values are copied to host
+staging arrays when it starts; its pulls land in host staging arrays, copied into the
+caller's device arrays when the handle completes.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from mpi4py import MPI
 from ..compression import Codec
 from . import protocol as P
 from .compressed import PullDecoder, PushEncoder, coder_parts, load_coder_parts
+from .device import DevicePull, call_side, device_views, first_device, host_arrays
 from .errors import PSError
 from .placement import ParamSpec, Placement, Shard
 
@@ -65,6 +70,7 @@ class Handle:
         self.push_clock: int | None = None
         self._sends: list[MPI.Request] = []
         self._keep: list[Any] = []
+        self._device_pulls: list[DevicePull] = []
         self._done = False
 
     def track(self, sends: list[MPI.Request], keep: Any) -> None:
@@ -73,10 +79,21 @@ class Handle:
         self._sends += sends
         self._keep.append(keep)
 
+    def add_device_pull(self, pull: DevicePull) -> None:
+        """Copy ``pull``'s staging arrays to the device when this handle completes."""
+        self._device_pulls.append(pull)
+
+    def _finish_device(self) -> None:
+        for pull in self._device_pulls:
+            pull.finish()
+
     def test(self) -> bool:
-        """Make progress; return whether the operation is complete (without raising)."""
+        """Make progress; return whether the operation is complete (without raising); once
+        it is, pulled device arrays hold their values."""
         if self.remaining:
             self._client.progress()
+        if self.remaining == 0:
+            self._finish_device()
         return self.remaining == 0
 
     def wait(self) -> Any:
@@ -97,6 +114,7 @@ class Handle:
                     backoff.pause(busy=sending)
             P.wait_all(self._sends)
             self._sends, self._keep = [], []
+            self._finish_device()
             self._done = True
             self._client.finished(self)
         if self.errors:
@@ -175,10 +193,15 @@ class WorkerClient:
 
     def _tensor_requests(self, handle: Handle, op: int, arrays: dict[str, Any],
                          check: bool, clock: int) -> None:
-        """One request per shard of each tensor in ``arrays`` (INIT or PUSH)."""
+        """One request per shard of each tensor in ``arrays`` (INIT or PUSH); device arrays
+        are copied to host arrays first."""
+        what = "gradient" if op == P.Op.PUSH else "value"
+        device = call_side(**{"grads" if op == P.Op.PUSH else "params": arrays})
         if check:
-            self.check_arrays(arrays, complete=(op == P.Op.PUSH), what="gradient" if
-                              op == P.Op.PUSH else "value")
+            self.check_arrays(device_views(arrays) if device else arrays,
+                              complete=(op == P.Op.PUSH), what=what)
+        if device:
+            arrays = host_arrays(arrays)
         for name in sorted(arrays):
             arr = np.asarray(arrays[name])
             if not arr.flags.c_contiguous:      # (ascontiguousarray would make 0-d 1-d)
@@ -247,15 +270,22 @@ class WorkerClient:
         return self._opened(h)
 
     def pull_async(self, out: dict[str, Any] | None = None, names: list[str] | None = None,
-                   handle: Handle | None = None) -> Handle:
+                   handle: Handle | None = None, like: Any = None) -> Handle:
         """Ask for the values the consistency model allows at the current clock.
 
         Args:
-            out: arrays to receive into (name -> array of the parameter's shape and dtype);
-                missing names get new arrays.
+            out: arrays to receive into (name -> array of the parameter's shape and dtype),
+                host or device arrays (not both); missing names get new arrays (on the
+                device when ``out`` holds device arrays or ``like`` is given).
             names: which parameters (default all).
             handle: add the requests to this handle instead of a new one.
+            like: a device array: pull into device arrays on its device.
+        Raises:
+            PSError: unknown names, bad ``out`` arrays, device and host arrays mixed.
         """
+        call_side(out=out)
+        like = first_device(out) if like is None else like
+        device = None if like is None else DevicePull(out, like)
         h = handle or Handle(self, "pull")
         result = {} if h.result is None else h.result
         specs = self.placement.specs
@@ -263,8 +293,10 @@ class WorkerClient:
             spec = specs.get(name)
             if spec is None:
                 raise PSError(f"cannot pull unknown key {name!r}")
-            dest = pull_destination(spec, out)
-            result[name] = dest
+            if device is None:
+                dest = result[name] = pull_destination(spec, out)
+            else:
+                dest, result[name] = device.destination(name, spec)
             flat = dest.reshape(-1)
             for sh in self.placement.shards[name]:
                 hdr = P.new_header(P.Op.PULL, key=spec.key, shard=sh.index, clock=self.clock,
@@ -273,15 +305,19 @@ class WorkerClient:
                 self._send(h, sh.server, hdr, dest=flat[sh.lo:sh.hi], what=sh.label(),
                            decoder=self._decoder(sh))
         h.result = result
+        if device is not None:
+            h.add_device_pull(device)
         self.counters["pulls"] += 1
         return h if handle else self._opened(h)
 
     def push_pull_async(self, grads: dict[str, Any], out: dict[str, Any] | None = None,
                         check: bool = True) -> Handle:
-        """Push gradients, then pull the values for the next clock, as one handle."""
+        """Push gradients, then pull the values for the next clock, as one handle
+        (device gradients: pulled into device arrays)."""
+        like = first_device(grads, out) if call_side(grads=grads, out=out) else None
         h = self.push_async(grads, check=check)
         h.kind = "push_pull"
-        self.pull_async(out, handle=h)
+        self.pull_async(out, handle=h, like=like)
         return h
 
     def control_async(self, op: int, payload: bytes | None = None,
