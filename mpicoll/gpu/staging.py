@@ -48,7 +48,7 @@ from .slots import HostSlots
 
 __all__ = ["COLLECTIVES", "NSLOTS", "DEFAULT_STAGING_BYTES", "MIN_CHUNK_BYTES",
            "TARGET_CHUNKS", "Copies", "HostSlots", "staging_bytes", "chunk_bytes_setting",
-           "chunk_elements", "staged"]
+           "chunk_elements", "chunks", "staged"]
 
 #: The collectives the staged path runs.
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
@@ -168,6 +168,30 @@ def chunk_elements(rows: int, itemsize: int, width: int, chunk_bytes: int | None
     else:
         want = max(1, int(chunk_bytes) // per)
     return max(1, min(want, most, max(rows, 1)))
+
+
+def chunks(collective: str, count: int, itemsize: int, size: int, chunk_bytes: int | None,
+           limit: int) -> tuple[int, int]:
+    """How the staged path splits one call: (elements per chunk, number of host calls).
+
+    Depends only on values every rank has, so every rank can tell how many host calls
+    a staged call makes (also a rank whose own buffers are on the host).
+
+    Args:
+        collective: one of :data:`COLLECTIVES`.
+        count: elements of the buffer (``reduce_scatter``: the whole send buffer;
+            ``allgather``: one rank's block).
+        itemsize: bytes per element. size: ranks of the communicator.
+        chunk_bytes, limit: as :func:`chunk_elements`.
+    """
+    if collective == "reduce_scatter":
+        rows, width = -(-count // size), size + 1   # the longest block (array_split)
+    elif collective == "allgather":
+        rows, width = count, size
+    else:
+        rows, width = count, 1
+    e = chunk_elements(rows, itemsize, width, chunk_bytes, limit)
+    return e, max(1, math.ceil(rows / e))
 
 
 def _memory_flat(a: Any) -> Any:
@@ -358,7 +382,7 @@ def _plan(collective: str, args: tuple, copies: Copies, slots: HostSlots, rank: 
             view = _memory_flat(copies.as_array(buf))
             dtype = _dtype_of(view, "buf")
             src, dst = (view, None) if rank == r else (None, view)
-            e = chunk_elements(view.size, dtype.itemsize, 1, chunk_bytes, limit)
+            e = chunks(collective, view.size, dtype.itemsize, size, chunk_bytes, limit)[0]
             layout = _Elementwise(slots, src, dst, view.size, dtype, e, lambda h: (h, r))
             layout.inputs, layout.result = [buf], buf
             return layout
@@ -398,7 +422,7 @@ def _plan(collective: str, args: tuple, copies: Copies, slots: HostSlots, rank: 
                 result = recvbuf
                 inputs.append(recvbuf)
         count = src.size
-        e = chunk_elements(count, dtype.itemsize, 1, chunk_bytes, limit)
+        e = chunks(collective, count, dtype.itemsize, size, chunk_bytes, limit)[0]
         if collective == "allreduce":
             def make_args(h: np.ndarray) -> tuple:
                 return (buffers.IN_PLACE, h, op)
@@ -442,8 +466,7 @@ def _plan(collective: str, args: tuple, copies: Copies, slots: HostSlots, rank: 
                                      f"ranks)")
                 result = recvbuf
                 inputs.append(recvbuf)
-        lens = [bounds[i + 1] - bounds[i] for i in range(size)]
-        e = chunk_elements(max(lens), dtype.itemsize, size + 1, chunk_bytes, limit)
+        e = chunks(collective, src.size, dtype.itemsize, size, chunk_bytes, limit)[0]
         layout = _ReduceScatter(slots, src, dst, src.size, dtype, rank, size, e, op)
         layout.inputs, layout.result = inputs, result
         return layout
@@ -481,7 +504,7 @@ def _plan(collective: str, args: tuple, copies: Copies, slots: HostSlots, rank: 
                                      f"are needed ({size} ranks x {block})")
                 result = recvbuf
                 inputs.append(recvbuf)
-        e = chunk_elements(block, dtype.itemsize, size, chunk_bytes, limit)
+        e = chunks(collective, block, dtype.itemsize, size, chunk_bytes, limit)[0]
         layout = _Allgather(slots, src, dst, block, dtype, rank, size, e,
                             in_place(sendbuf))
         layout.inputs, layout.result = inputs, result

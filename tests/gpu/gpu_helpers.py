@@ -207,6 +207,34 @@ def _perform(collective: str, everyone: list[tuple], rank: int) -> Callable[[], 
     return write
 
 
+def log_index(log: list, op: str, chunk: int) -> int:
+    """Position of the first ``(op, stream, chunk)`` entry of a simulated copies log."""
+    return next(i for i, e in enumerate(log) if e[0] == op and e[2] == chunk)
+
+
+def assert_overlap(log: list, nslots: int, least: int = 5) -> None:
+    """Check that a :class:`SimulatedCopies` log of one staged call, with ``("host", "",
+    k)`` entries appended by its host calls, ran at least ``least`` chunks in the order
+    that overlaps copies with host calls (see :mod:`mpicoll.gpu.staging`)."""
+    chunks = sum(1 for e in log if e[0] == "host")
+    assert chunks >= least, log
+    for k in range(chunks):
+        host_k = log_index(log, "host", k)
+        # the host waits for chunk k's own d2h, and only for that, just before its call
+        assert log_index(log, "wait", k) < host_k
+        if k + 1 < chunks:  # d2h of k+1 issued before the host call on k: they overlap
+            assert log_index(log, "d2h", k + 1) < host_k
+        if k >= 1:  # h2d of k-1 issued after host(k-1), before host(k): overlaps host(k)
+            assert log_index(log, "host", k - 1) < log_index(log, "h2d", k - 1) < host_k
+            # and the host did not wait for it
+            assert not any(e[0] == "wait" and e[1] == "h2d" for e in log[:host_k])
+        assert host_k < log_index(log, "h2d", k)
+        if k >= nslots:  # refilling a slot waits (on the stream) for its h2d
+            refill = log_index(log, "d2h", k)
+            assert log[refill - 1] == ("stream_wait", "d2h", k - nslots)
+    assert log[-1][0] == "finish"
+
+
 def gpu_skip_reason() -> str | None:
     """Why GPU tests cannot run here (``None``: CuPy and a CUDA device are available)."""
     try:

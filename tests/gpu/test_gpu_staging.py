@@ -10,10 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import SimulatedWorld, rank_data, reference
+from gpu_helpers import SimulatedWorld, assert_overlap, log_index, rank_data, reference
 from mpicoll import IN_PLACE
 from mpicoll.gpu import staging
+from mpicoll.gpu.numpy_copies import NumpyCopies
 from mpicoll.gpu.simulated import SimulatedCopies
+from mpicoll.gpu.slots import HostSlots
 from mpicoll.partition import block_bounds
 
 COLLECTIVES = staging.COLLECTIVES
@@ -78,9 +80,9 @@ def _call(collective: str, world: SimulatedWorld, rank: int, inputs: list[np.nda
 
 def _run_world(collective: str, size: int, count: int, variant: str, mode: str,
                chunk_bytes: int, pipeline: bool = True, dtype=np.int32, root: int = 0,
-               reps: int = 2) -> list[SimulatedCopies]:
+               reps: int = 2, copies: list | None = None) -> list[SimulatedCopies]:
     world = SimulatedWorld(size)
-    copies = [SimulatedCopies(mode) for _ in range(size)]
+    copies = copies or [SimulatedCopies(mode) for _ in range(size)]
     for rep in range(reps):  # every call twice: nothing stale between calls
         inputs = [rank_data(r, count, dtype, rep) for r in range(size)]
 
@@ -98,7 +100,8 @@ def _run_world(collective: str, size: int, count: int, variant: str, mode: str,
                                           err_msg=f"{collective} rank {r} rep {rep}")
             if variant != "inplace" or collective == "reduce_scatter":
                 assert returned is not None
-            assert copies[r].pending() == 0, "copies still queued after the call returned"
+            assert getattr(copies[r], "pending", int)() == 0, \
+                "copies still queued after the call returned"
     # matching host calls on every rank (the world checks counts call by call, too)
     assert all(len(c) == len(world.calls[0]) for c in world.calls), world.calls
     return copies
@@ -118,6 +121,18 @@ def test_every_collective_every_count_small_chunks(collective: str, size: int) -
 def test_many_chunks_both_stream_modes(collective: str, mode: str, pipeline: bool) -> None:
     copies = _run_world(collective, 3, 1000, "out", mode, chunk_bytes=64, pipeline=pipeline)
     assert sum(1 for op in copies[0].log if op[0] == "wait") > 10  # many chunks ran
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_host_ranks_make_the_same_chunked_calls(collective: str) -> None:
+    """Ranks whose buffers are on the host (NumpyCopies: plain copies into host slots, as
+    mpicoll.torch's host ranks when another rank stages) next to staging ranks."""
+    copies = [SimulatedCopies(), NumpyCopies(HostSlots(lambda n: np.empty(n, np.uint8))),
+              SimulatedCopies()]
+    for variant in ("out", "inplace"):
+        _run_world(collective, 3, 101, variant, "lazy", chunk_bytes=40, copies=copies,
+                   root=1)
+    assert sum(1 for e in copies[0].log if e[0] == "wait") > 2 * 5
 
 
 @pytest.mark.parametrize("collective", ["reduce", "broadcast"])
@@ -173,31 +188,11 @@ def _logged_run(collective: str, count: int, chunk_bytes: int, pipeline: bool = 
     return copies.log
 
 
-def _index(log: list, op: str, chunk: int) -> int:
-    return next(i for i, e in enumerate(log) if e[0] == op and e[2] == chunk)
-
-
 @pytest.mark.parametrize("collective", ["allreduce", "reduce", "reduce_scatter",
                                         "allgather"])
 def test_order_of_operations_gives_the_overlap(collective: str) -> None:
     log = _logged_run(collective, 100, chunk_bytes=40)  # 10 int32 per slot: 10 chunks
-    chunks = sum(1 for e in log if e[0] == "host")
-    assert chunks >= 5
-    for k in range(chunks):
-        host_k = _index(log, "host", k)
-        # the host waits for chunk k's own d2h, and only for that, just before its call
-        assert _index(log, "wait", k) < host_k
-        if k + 1 < chunks:  # d2h of k+1 issued before the host call on k: they overlap
-            assert _index(log, "d2h", k + 1) < host_k
-        if k >= 1:  # h2d of k-1 issued after host(k-1), before host(k): overlaps host(k)
-            assert _index(log, "host", k - 1) < _index(log, "h2d", k - 1) < host_k
-            # and the host did not wait for it
-            assert not any(e[0] == "wait" and e[1] == "h2d" for e in log[:host_k])
-        assert host_k < _index(log, "h2d", k)
-        if k >= staging.NSLOTS:  # refilling a slot waits (on the stream) for its h2d
-            refill = _index(log, "d2h", k)
-            assert log[refill - 1] == ("stream_wait", "d2h", k - staging.NSLOTS)
-    assert log[-1][0] == "finish"
+    assert_overlap(log, staging.NSLOTS)
 
 
 def test_broadcast_order_at_root_and_elsewhere() -> None:
@@ -209,7 +204,8 @@ def test_unpipelined_runs_chunks_one_after_another() -> None:
     log = _logged_run("allreduce", 100, chunk_bytes=40, pipeline=False)
     chunks = sum(1 for e in log if e[0] == "host")
     for k in range(1, chunks):
-        assert _index(log, "wait", k - 1) < _index(log, "h2d", k - 1) < _index(log, "d2h", k)
+        assert log_index(log, "wait", k - 1) < log_index(log, "h2d", k - 1) \
+            < log_index(log, "d2h", k)
     assert not any(e[0] == "stream_wait" for e in log)  # one slot, always drained
 
 
