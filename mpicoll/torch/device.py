@@ -14,7 +14,9 @@ all going through a :class:`TensorDevice` (the CUDA one here, or
   device reductions) the device tensors go to mpicoll's collectives, which hand device
   pointers to MPI (:mod:`mpicoll.gpu.route`); otherwise each buffer is copied once to
   pinned host memory, the host collective runs on numpy views of it, and each result is
-  copied back once;
+  copied back once. All-reduce, broadcast, all-gather and reduce-scatter buffers that
+  span several staging chunks go through the core's chunked pipeline instead
+  (:mod:`mpicoll.torch.pipeline`, with the device's :meth:`TensorDevice.copies`);
 - before the request's future completes, the engine's stream is synchronised
   (:meth:`TensorDevice.synchronize`): results are ready for any stream when
   ``synchronize()`` returns, as on the host.
@@ -82,6 +84,11 @@ class TensorDevice(Protocol):
     def after_aware(self) -> None:
         """After a collective on device memory: block until its device work is done."""
 
+    def copies(self, slots: Any) -> Any:
+        """The staged pipeline's device interface (:class:`mpicoll.gpu.staging.Copies`:
+        two copy streams that first wait for the engine's stream, events) with the
+        engine's pinned host slots ``slots``."""
+
 
 class CudaDevice:
     """:class:`TensorDevice` of one CUDA device, with torch's streams and events.
@@ -95,6 +102,7 @@ class CudaDevice:
         self.index = int(index)
         self.name = f"cuda:{self.index}"
         self._stream: Any = None
+        self._copy_streams: dict[str, Any] = {}
         self._aware: bool | None = None
 
     def _engine_stream(self) -> Any:
@@ -121,9 +129,15 @@ class CudaDevice:
     def empty(self, shape: tuple, dtype: torch.dtype, event: Any = None) -> torch.Tensor:
         # the caching allocator ties a block to the stream it was allocated on: results
         # belong to the caller's stream, scratch to the engine's
-        stream = event[1] if event is not None else self._engine_stream()
+        engine = self._engine_stream()
+        stream = event[1] if event is not None else engine
         with torch.cuda.stream(stream):
-            return torch.empty(shape, dtype=dtype, device=self.name)
+            out = torch.empty(shape, dtype=dtype, device=self.name)
+        if stream != engine:
+            # a block the caller's stream freed may still be in use by work queued on it:
+            # the engine's stream (and the copy streams, which wait for it) writes after
+            engine.wait_stream(stream)
+        return out
 
     def pinned(self, nbytes: int) -> np.ndarray:
         return torch.empty(max(int(nbytes), 1), dtype=torch.uint8,
@@ -154,6 +168,16 @@ class CudaDevice:
                     aware = False
             self._aware = aware
         return self._aware
+
+    def copies(self, slots: Any) -> Any:
+        """:class:`mpicoll.torch.cuda_copies.CudaCopies` on this device's two copy
+        streams (created at the first chunked request)."""
+        from .cuda_copies import CudaCopies  # noqa: PLC0415
+
+        if not self._copy_streams:
+            self._copy_streams = {name: torch.cuda.Stream(device=self.index)
+                                  for name in ("d2h", "h2d")}
+        return CudaCopies(self._engine_stream(), self._copy_streams, slots)
 
     def buffer(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor itself: mpicoll's collectives route CUDA tensors

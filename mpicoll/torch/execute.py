@@ -28,6 +28,7 @@ from ..ops import scaled_sum
 from . import trace
 from .adasum import adasum_allreduce
 from ..gpu.staging import staging_bytes
+from . import pipeline
 from .device import host_run, request_device
 from .dtypes import from_name, numpy_view, reduce_dtype
 from .fusion import numel, plan_buckets
@@ -274,7 +275,10 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
                 collectives.allreduce(IN_PLACE, array, op=core_op or mpicoll_op(op),
                                       comm=engine.comm, algorithm=engine.settings.algorithm)
 
-        if dev is None:
+        if not adasum and pipeline.chunked(engine, "allreduce", flat.numel(),
+                                           flat.element_size(), dev):
+            pipeline.run(engine, dev, "allreduce", [], [flat], reduce)
+        elif dev is None:
             reduce(engine.persistent_view(flat) if in_place and meta.layout
                    else numpy_view(flat))
         else:                                # Adasum's dot products run on the host
@@ -390,7 +394,8 @@ def _allgather(engine: EngineInterface, bucket: list[Response]) -> None:
                 trace.step("MPI_ALLGATHER")
                 _collect(engine, dev, [mine.view(-1)], [out.view(-1)],
                          lambda send, recv: collectives.allgather(send, recv,
-                                                                  comm=engine.comm))
+                                                                  comm=engine.comm),
+                         "allgather")
             else:
                 trace.step("MEMCPY_IN_FUSION_BUFFER")
                 block = max(dims) * row
@@ -399,7 +404,8 @@ def _allgather(engine: EngineInterface, bucket: list[Response]) -> None:
                 recv = _empty(dev, (block * engine.size,), dtype)
                 trace.step("MPI_ALLGATHER")
                 _collect(engine, dev, [send], [recv],
-                         lambda a, b: collectives.allgather(a, b, comm=engine.comm))
+                         lambda a, b: collectives.allgather(a, b, comm=engine.comm),
+                         "allgather")
                 trace.step("MEMCPY_OUT_FUSION_BUFFER")
                 flat = out.view(-1)
                 offset = 0
@@ -422,7 +428,8 @@ def _broadcast(engine: EngineInterface, bucket: list[Response]) -> None:
             at_root = engine.rank == meta.root
             _collect(engine, dev, [buf.view(-1)] if at_root else [],
                      [] if at_root else [buf.view(-1)],
-                     lambda a: collectives.broadcast(a, root=meta.root, comm=engine.comm))
+                     lambda a: collectives.broadcast(a, root=meta.root, comm=engine.comm),
+                     "broadcast", meta.root)
             trace.step(None)
         if buf is not target:
             target.copy_(buf)
@@ -484,10 +491,16 @@ def _empty(dev: Any, shape: tuple, dtype: torch.dtype, work: Any = None) -> torc
 
 
 def _collect(engine: EngineInterface, dev: Any, inputs: list, outputs: list,
-             fn: Any) -> None:
+             fn: Any, chunkable: str | None = None, root: int = 0) -> None:
     """``fn(*inputs, *outputs)`` on numpy views of flat host tensors, or for device
-    tensors through :func:`_staged` (pinned host memory, or CUDA-aware MPI)."""
-    if dev is None:
+    tensors through :func:`_staged` (pinned host memory, or CUDA-aware MPI); in chunks
+    (:mod:`.pipeline`) where the collective ``chunkable`` is staged somewhere and spans
+    several chunks."""
+    first = (inputs or outputs)[0]
+    if chunkable is not None and pipeline.chunked(engine, chunkable, first.numel(),
+                                                  first.element_size(), dev):
+        pipeline.run(engine, dev, chunkable, inputs, outputs, fn, root)
+    elif dev is None:
         fn(*(numpy_view(t) for t in (*inputs, *outputs)))
     else:
         _staged(engine, dev, inputs, outputs, fn)
@@ -555,7 +568,8 @@ def _reducescatter_bucket(engine: EngineInterface, bucket: list[Response]) -> No
             trace.step("MPI_REDUCESCATTER")
             _collect(engine, dev, [send], [recv],
                      lambda a, b: collectives.reduce_scatter(a, b, op=mpicoll_op(op),
-                                                             comm=engine.comm))
+                                                             comm=engine.comm),
+                     "reduce_scatter")
         trace.step("MEMCPY_OUT_FUSION_BUFFER")
         _finalize(recv, op, meta.postscale, n)
         offset = 0

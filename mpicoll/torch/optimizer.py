@@ -3,7 +3,8 @@
 The returned object is an instance of a subclass of the user's optimizer class that shares
 the user's optimizer state (``param_groups``, ``state``, hooks), so ``isinstance``,
 ``state_dict`` and learning-rate schedulers keep working. Gradients are kept as views of
-one flat buffer per dtype, and each parameter gets a ``register_post_accumulate_grad_hook``.
+one flat buffer per device and dtype (CUDA parameters: a buffer on their device), and each
+parameter gets a ``register_post_accumulate_grad_hook``.
 Two ways to reduce, chosen by the engine (the same on every rank):
 
 - *per tensor* (the engine overlaps communication with backward): after the
@@ -41,6 +42,7 @@ import torch
 from . import mpi_ops
 from .compressed import CompressedGradients
 from .compression import CodecCompressor, Compression
+from .device import device_of
 from .dtypes import dtype_name
 from .negotiation import Meta
 from .ops import Average, resolve_reduce_op
@@ -95,8 +97,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                            {p: by_id[id(p)] for p in self._params},
                                            process_set)
         if isinstance(compression, CodecCompressor):
-            self._codec_grads = CompressedGradients(
-                compression, self._flat, self._params, {p: by_id[id(p)] for p in self._params},
+            self._codec_grads = CompressedGradients(      # codecs encode host buffers
+                compression, [f for f in self._flat if device_of(f.buffer) is None],
+                self._params, {p: by_id[id(p)] for p in self._params},
                 self.op, self.gradient_predivide_factor, process_set)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
                               for p in self._params]
@@ -368,19 +371,25 @@ class _FlatGradients(NamedTuple):
 
 
 def _flat_gradients(params: list, names: dict) -> list[_FlatGradients]:
-    """Give every parameter a ``.grad`` that is a view of one flat buffer per dtype.
+    """Give every parameter a ``.grad`` that is a view of one flat buffer per device and
+    dtype (on that device: CUDA parameters get a CUDA buffer, which bulk mode submits as
+    one device request).
 
     Parameters are laid out in reverse order (the order backward usually produces their
     gradients), existing gradients are copied in. Backward accumulates into existing
-    ``.grad`` tensors in place, so the views survive.
+    ``.grad`` tensors in place, so the views survive. Buffers are named by dtype (and,
+    for a second device of one dtype, its position), not by device, so ranks that keep
+    the same model on different devices (or one on the host) submit the same names.
     """
-    by_dtype: dict[torch.dtype, list] = {}
+    by_place: dict[tuple, list] = {}
     for p in reversed(params):
-        if p.layout is torch.strided and p.device.type == "cpu":
-            by_dtype.setdefault(p.dtype, []).append(p)
+        if p.layout is torch.strided and p.device.type in ("cpu", "cuda"):
+            by_place.setdefault((device_of(p), p.dtype), []).append(p)
     out = []
-    for dtype, group in by_dtype.items():
-        buf = torch.zeros(sum(p.numel() for p in group), dtype=dtype)
+    seen: dict[torch.dtype, int] = {}
+    for (_, dtype), group in by_place.items():
+        # new_zeros: on the parameters' device (a simulated device's tensor kind too)
+        buf = group[0].detach().new_zeros(sum(p.numel() for p in group))
         views = []
         offset = 0
         for p in group:
@@ -391,8 +400,9 @@ def _flat_gradients(params: list, names: dict) -> list[_FlatGradients]:
             views.append(view)
             offset += p.numel()
         described = repr([(names[p], tuple(p.shape)) for p in group]).encode()
-        out.append(_FlatGradients(buf, group, views,
-                                  f"allreduce.__gradients__.{dtype_name(dtype)}",
+        index = seen[dtype] = seen.get(dtype, -1) + 1
+        name = f"allreduce.__gradients__.{dtype_name(dtype)}" + (f".{index}" if index else "")
+        out.append(_FlatGradients(buf, group, views, name,
                                   f"{len(group)} tensors, crc32 {zlib.crc32(described):08x}"))
     return out
 

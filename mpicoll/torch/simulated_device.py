@@ -25,7 +25,14 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from ..gpu.simulated import SimulatedCopies
+
 __all__ = ["SimulatedTensor", "SimulatedDevice"]
+
+
+def _memory(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a device tensor's memory (what a device pointer would reach)."""
+    return tensor.as_subclass(torch.Tensor).detach().numpy()
 
 
 class SimulatedTensor(torch.Tensor):
@@ -60,6 +67,9 @@ class SimulatedDevice:
         self._caller: list[Callable[[], Any]] = []
         self._ran = 0
         self._lock = threading.Lock()
+        #: The chunked staged path's copies (:meth:`copies`), device tensors seen as
+        #: numpy views of their memory.
+        self.pipeline = SimulatedCopies("lazy", unwrap=_memory)
 
     # tensors ---------------------------------------------------------------------------
     def claims(self, tensor: torch.Tensor) -> bool:
@@ -137,10 +147,17 @@ class SimulatedDevice:
     def buffer(self, tensor: torch.Tensor) -> np.ndarray:
         """A numpy view of the "device" memory (what MPI would get as a device pointer)."""
         self.log.append(("buffer", tensor.numel() * tensor.element_size()))
-        return tensor.as_subclass(torch.Tensor).detach().numpy()
+        return _memory(tensor)
 
     def after_aware(self) -> None:
         self.log.append(("sync",))
+
+    def copies(self, slots: Any) -> SimulatedCopies:
+        """The staged pipeline's copies: :attr:`pipeline` (lazy deferred streams, so a
+        missing wait gives a wrong result; its ``log`` shows the order of operations),
+        with the engine's host slots ``slots``."""
+        self.pipeline.host_pool = slots
+        return self.pipeline
 
     def ops(self, *names: str) -> list[tuple]:
         """The log entries whose operation is one of ``names``."""

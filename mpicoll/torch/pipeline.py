@@ -1,0 +1,166 @@
+"""Chunked, pipelined staging of ``mpicoll.torch`` requests: the core's staged pipeline
+(:func:`mpicoll.gpu.staging.staged`) run on the adapter's flat tensors.
+
+A request on device tensors that the engine stages through pinned host memory (MPI not
+CUDA-aware) and whose buffer spans more than one chunk (``MPICOLL_STAGING_CHUNK_BYTES``,
+``MPICOLL_STAGING_BYTES``: :func:`mpicoll.gpu.staging.chunks`) runs as a series of host
+collectives on chunks: the device-to-host copy of chunk k+1, the host collective on
+chunk k and the host-to-device copy of chunk k-1 overlap on the device's two copy
+streams (:meth:`TensorDevice.copies <mpicoll.torch.device.TensorDevice.copies>`). The
+collectives whose layout allows it: all-reduce (fused buckets, DistributedOptimizer's
+flat buffers, Average, pre- and postscale: elementwise), broadcast (elementwise),
+all-gather and reduce-scatter (the core's packed chunks of every rank's block).
+All-to-all (per-rank counts of bytes: the core's pipeline has no layout for it) and
+Adasum (dot products over whole tensors) stay one copy each way.
+
+Every rank must make the same host calls, but a rank knows only where its *own* tensors
+are (ranks may disagree: device here, host there; aware or staged), and the negotiated
+metadata does not say. So the first time a collective of a given size that would span
+several chunks runs on the engine's communicator, its ranks agree with one small
+all-reduce whether any of them stages it. The answer is kept per communicator, keyed by
+collective, element count and item size (the same on every rank, since every rank runs
+the same responses in the same order), next to the staging settings, read at the
+communicator's first request (:func:`forget` reads them again). If one rank stages,
+every rank runs the chunks: staging ranks (and CUDA-aware ones) with their device's
+copies, host ranks with plain numpy copies into host slots
+(:class:`mpicoll.gpu.numpy_copies.NumpyCopies`). If none does, nothing changes: one host
+collective on the host buffers, or device pointers to a CUDA-aware MPI. A size first
+seen with no rank staging stays unchunked later (still correct, one copy each way), so
+host-only jobs pay the agreement once per size.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..buffers import IN_PLACE
+from ..context import get_context
+from ..gpu import staging
+from ..gpu.numpy_copies import NumpyCopies
+from .dtypes import move_dtype, numpy_view
+
+__all__ = ["CHUNKABLE", "chunked", "run", "forget"]
+
+#: The collectives (the core's names) whose staged requests run in chunks.
+CHUNKABLE = ("allreduce", "broadcast", "allgather", "reduce_scatter")
+
+#: Sizes whose decision a communicator keeps (the oldest forgotten first, on every rank
+#: alike).
+KEPT_DECISIONS = 256
+
+_KEY = "mpicoll.torch.pipeline.decisions"
+
+
+class _HostStage:
+    """What :meth:`Engine.host_slots` needs to keep host ranks' slots (plain memory)."""
+
+    name = "host"
+
+    @staticmethod
+    def pinned(nbytes: int) -> np.ndarray:
+        return np.empty(int(nbytes), np.uint8)
+
+
+class _Decisions:
+    """Per engine communicator (the same on every rank): the staging settings, read once,
+    and per size whether it is chunked."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Read the settings again and forget every decision."""
+        self.chunk_bytes = staging.chunk_bytes_setting()
+        self.limit = staging.staging_bytes()
+        self.chunked: OrderedDict[tuple, bool] = OrderedDict()
+
+
+def _decisions(engine: Any) -> _Decisions:
+    return get_context(engine.comm).resource(_KEY, _Decisions)
+
+
+def chunked(engine: Any, collective: str, count: int, itemsize: int, dev: Any) -> bool:
+    """Whether every rank runs this request in chunks (see the module doc).
+
+    Collective over the engine's communicator (one small all-reduce) the first time a
+    multi-chunk size of ``collective`` is seen; called by every rank at the same response.
+    After that, one dictionary look-up.
+
+    Args:
+        engine: the engine (its ``comm`` and ``size``).
+        collective: one of :data:`CHUNKABLE`.
+        count: elements (``reduce_scatter``: the whole send buffer; ``allgather``: one
+            rank's block), equal on every rank. itemsize: bytes per element.
+        dev: this rank's device of the request (``None``: the host).
+    Raises:
+        ValueError: a staging variable is not a valid number of bytes (on every rank).
+    """
+    if engine.size < 2:
+        return False
+    state = _decisions(engine)
+    key = (collective, count, itemsize)
+    hit = state.chunked.get(key)
+    if hit is None:
+        _, n = staging.chunks(collective, count, itemsize, engine.size, state.chunk_bytes,
+                              state.limit)
+        stages = dev is not None and not dev.aware()
+        hit = state.chunked[key] = n > 1 and bool(engine.comm.allreduce(int(stages),
+                                                                        op=MPI.MAX))
+        if len(state.chunked) > KEPT_DECISIONS:
+            state.chunked.popitem(last=False)
+    return hit
+
+
+def forget(engine: Any) -> None:
+    """Read the staging settings again and drop the decisions of ``engine``'s
+    communicator (tests; call on every rank at the same point)."""
+    _decisions(engine).reset()
+
+
+def _args(collective: str, inputs: Sequence[Any], outputs: Sequence[Any], root: int,
+          ) -> tuple[tuple, Callable[[Callable[..., Any]], Callable[[tuple], Any]]]:
+    """The staged call's arguments, and how a host call becomes ``fn``'s arguments."""
+    if collective == "allreduce":                   # in place on the output
+        return (IN_PLACE, outputs[0], None), lambda fn: lambda a: fn(a[1])
+    if collective == "broadcast":
+        return ((inputs or outputs)[0], root), lambda fn: lambda a: fn(a[0])
+    if collective == "allgather":
+        return (inputs[0], outputs[0]), lambda fn: lambda a: fn(*a)
+    if collective == "reduce_scatter":
+        return (inputs[0], outputs[0], None), lambda fn: lambda a: fn(a[0], a[1])
+    raise ValueError(f"{collective!r} is not chunked; chunked: {', '.join(CHUNKABLE)}")
+
+
+def run(engine: Any, dev: Any, collective: str, inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor], fn: Callable[..., Any], root: int = 0) -> None:
+    """Run ``fn`` (the host collective, as :func:`mpicoll.torch.device.host_run` calls it)
+    in chunks through :func:`mpicoll.gpu.staging.staged`.
+
+    Args:
+        engine: the engine (``comm``, ``host_slots``).
+        dev: the tensors' device (``None``: host tensors, copied into host slots).
+        collective: one of :data:`CHUNKABLE`; ``inputs`` and ``outputs`` as for
+            ``host_run``: allreduce ``[], [flat]`` (in place); broadcast ``[buf], []`` at
+            the root, ``[], [buf]`` elsewhere; allgather and reduce_scatter
+            ``[send], [recv]``. Flat contiguous tensors.
+        fn: ``fn(*buffers)`` on numpy arrays: allreduce ``fn(buf)``, broadcast ``fn(buf)``,
+            allgather ``fn(IN_PLACE, packed)``, reduce_scatter ``fn(packed, mine)``.
+        root: the broadcast's root.
+    """
+    if dev is None:
+        copies = NumpyCopies(engine.host_slots(_HostStage))
+        move = numpy_view
+    else:
+        copies = dev.copies(engine.host_slots(dev))
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.view(move_dtype(t.dtype))
+    args, host = _args(collective, [move(t) for t in inputs], [move(t) for t in outputs],
+                       root)
+    state = _decisions(engine)
+    staging.staged(collective, args, host(fn), comm=engine.comm, copies=copies,
+                   chunk_bytes=state.chunk_bytes, staging_limit=state.limit)
