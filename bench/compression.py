@@ -13,8 +13,12 @@ error ``|x - decode(encode(x))| / |x|``.
 ``allreduce`` times, for each power-of-two size, MPI's own all-reduce (``native``),
 mpicoll's ring (``ring``) and ``mpicoll.compression.allreduce`` with each codec (error
 feedback on, as in training), interleaved within each iteration; it prints the average
-time (the largest over ranks), the ratio to native and the payload bytes each rank sent
-(``mpicoll.compression.last_stats``; for ``ring`` the uncompressed ring's bytes).
+and the median time (each iteration's time is the slowest rank's), the ratio of the
+average to native's and the payload bytes each rank sent
+(``mpicoll.compression.last_stats``; for ``ring`` the uncompressed ring's bytes), and of
+those the bytes sent to other nodes (largest per rank, and summed over ranks).
+``--layouts flat node`` runs each codec in each layout (methods ``int8@flat``,
+``int8@node``; default: ``layout="auto"``, methods named by the codec alone).
 
 ``--format csv|json --output PATH`` writes the rows as well. Options: ``--help``.
 """
@@ -85,14 +89,19 @@ def bench_allreduce(args: argparse.Namespace) -> list[dict]:
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
     lo, hi = args.message_size
-    methods = ["native", "ring"] + (args.codecs or ALLREDUCE_CODECS)
+    codecs = args.codecs or ALLREDUCE_CODECS
+    if args.layouts:
+        coded = {f"{c}@{lay}": (c, lay) for c in codecs for lay in args.layouts}
+    else:
+        coded = {c: (c, "auto") for c in codecs}
+    methods = ["native", "ring", *coded]
     rows = []
     if rank == 0:
         print(f"# mpicoll.compression.allreduce vs uncompressed, n = {n}, op = sum, "
               f"float32, error feedback on; {args.iterations} iterations after "
-              f"{args.warmup} warm-up, time = average, largest over ranks")
-        print(f"# {'Size':>10} {'method':<16}{'time ms':>10}{'x native':>10}"
-              f"{'MB sent/rank':>14}{'rel err':>10}")
+              f"{args.warmup} warm-up; an iteration's time is the slowest rank's")
+        print(f"# {'Size':>10} {'method':<16}{'avg ms':>10}{'median ms':>11}{'x native':>10}"
+              f"{'MB sent/rank':>14}{'MB across':>11}{'rel err':>10}")
     for size in power_of_two_sizes(lo, hi):
         count = size // 4
         x = np.random.default_rng([rank, size]).standard_normal(count).astype(np.float32)
@@ -100,8 +109,8 @@ def bench_allreduce(args: argparse.Namespace) -> list[dict]:
         comm.Allreduce(x, exact)
         outs = {m: np.empty_like(x) for m in methods}
         fbs = {m: compression.ErrorFeedback() for m in methods}
-        times = {m: 0.0 for m in methods}
-        sent = {m: 0 for m in methods}
+        times = {m: np.zeros(args.iterations) for m in methods}
+        sent = {m: (0, 0) for m in methods}
 
         def run(m: str, x: np.ndarray = x, outs: dict = outs, fbs: dict = fbs,
                 sent: dict = sent) -> None:
@@ -110,8 +119,11 @@ def bench_allreduce(args: argparse.Namespace) -> list[dict]:
             elif m == "ring":
                 mpicoll.allreduce(x, outs[m], algorithm="ring")
             else:
-                compression.allreduce(x, outs[m], compression=m, feedback=fbs[m])
-                sent[m] = compression.last_stats().bytes_sent
+                codec, layout = coded[m]
+                compression.allreduce(x, outs[m], compression=codec, feedback=fbs[m],
+                                      layout=layout)
+                stats = compression.last_stats()
+                sent[m] = (stats.bytes_sent, stats.inter_node_bytes)
 
         for it in range(args.warmup + args.iterations):
             for m in methods:  # interleaved: every method sees the same machine state
@@ -120,21 +132,30 @@ def bench_allreduce(args: argparse.Namespace) -> list[dict]:
                 run(m)
                 dt = time.perf_counter() - t0
                 if it >= args.warmup:
-                    times[m] += dt
+                    times[m][it - args.warmup] = dt
         ring_bytes = 2 * (n - 1) * size // n
-        base = comm.allreduce(times["native"] / args.iterations, op=MPI.MAX)
+        slowest = {m: np.empty_like(times[m]) for m in methods}
+        for m in methods:  # each iteration's time: the slowest rank's
+            comm.Allreduce(times[m], slowest[m], op=MPI.MAX)
+        base = float(slowest["native"].mean())
         for m in methods:
-            t = comm.allreduce(times[m] / args.iterations, op=MPI.MAX)
-            b = comm.allreduce(sent[m] if m not in ("native", "ring") else ring_bytes,
-                               op=MPI.MAX)
+            t, med = float(slowest[m].mean()), float(np.median(slowest[m]))
+            mine = sent[m] if m in coded else (ring_bytes, None)
+            b = comm.allreduce(mine[0], op=MPI.MAX)
+            across = None if mine[1] is None else comm.allreduce(mine[1], op=MPI.MAX)
+            total = None if mine[1] is None else comm.allreduce(mine[1], op=MPI.SUM)
             err = float(np.linalg.norm(outs[m] - exact) / max(np.linalg.norm(exact), 1e-30))
             err = comm.allreduce(err, op=MPI.MAX)
-            row = {"bytes": size, "method": m, "n": n, "time_s": t, "vs_native": t / base,
-                   "bytes_sent_per_rank": b, "rel_error_first_call": err}
+            row = {"bytes": size, "method": m, "n": n, "time_s": t, "median_s": med,
+                   "vs_native": t / base, "median_vs_native":
+                   med / float(np.median(slowest["native"])),
+                   "bytes_sent_per_rank": b, "inter_node_bytes_per_rank": across,
+                   "inter_node_bytes_total": total, "rel_error_first_call": err}
             rows.append(row)
             if rank == 0:
-                print(f"  {size:>10} {m:<16}{t * 1e3:>10.2f}{t / base:>10.2f}"
-                      f"{b / 1e6:>14.2f}{err:>10.2e}", flush=True)
+                shown = "-" if across is None else f"{across / 1e6:.2f}"
+                print(f"  {size:>10} {m:<16}{t * 1e3:>10.2f}{med * 1e3:>11.2f}"
+                      f"{t / base:>10.2f}{b / 1e6:>14.2f}{shown:>11}{err:>10.2e}", flush=True)
     return rows if rank == 0 else []
 
 
@@ -155,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="timed runs (default 20 for codecs, 10 for allreduce)")
     parser.add_argument("-x", "--warmup", type=int, default=2, help="allreduce warm-up runs")
     parser.add_argument("--codecs", nargs="+", default=None, help="codec specs to run")
+    parser.add_argument("--layouts", nargs="+", choices=["auto", "flat", "node"], default=None,
+                        help="allreduce: run each codec in each of these layouts "
+                             "(default: auto only)")
     parser.add_argument("--format", choices=["csv", "json"], default=None)
     parser.add_argument("--output", default=None, help="file for --format (default stdout)")
     args = parser.parse_args(argv)

@@ -26,6 +26,21 @@ def test_one_rank_is_one_roundtrip_with_feedback(spec):
     assert stats.bytes_sent == 0 and stats.count == 35 and stats.codec == codec.name
 
 
+@pytest.mark.parametrize("spec", ["int8", "onebit", "topk:0.2"])
+def test_one_rank_layouts_agree(spec):
+    """One rank: ``auto`` is flat, and the node layout (one node of one rank) makes the
+    same single encoding; both report no bytes."""
+    x = np.random.default_rng(1).standard_normal(300).astype(np.float32)
+    outs = {}
+    for layout in ["auto", "flat", "node"]:
+        fb = ErrorFeedback()
+        outs[layout] = allreduce(x, comm=SELF, compression=spec, feedback=fb, layout=layout)
+        stats = last_stats()
+        assert stats.layout == ("flat" if layout == "auto" else layout)
+        assert stats.bytes_sent == stats.intra_node_bytes == stats.inter_node_bytes == 0
+    assert outs["auto"].tobytes() == outs["flat"].tobytes() == outs["node"].tobytes()
+
+
 def test_in_place_average_and_recvbuf():
     x = np.arange(10, dtype=np.float64)
     y = x.copy()
@@ -74,6 +89,10 @@ def test_default_feedback_is_kept_with_the_array():
      "segment_bytes must be positive"),
     (lambda: allreduce([1.0, 2.0], comm=SELF), TypeError, "sendbuf must be a numpy"),
     (lambda: allreduce(np.zeros(4, np.float32), comm="world"), TypeError, "comm must be"),
+    (lambda: allreduce(np.zeros(4, np.float32), comm=SELF, layout="hierarchical"), ValueError,
+     "unknown layout='hierarchical'; choose 'auto', 'flat' or 'node'"),
+    (lambda: allreduce(np.zeros(4, np.float32), comm=SELF, layout=1), TypeError,
+     "layout must be 'auto', 'flat' or 'node', not int"),
 ])
 @pytest.mark.parametrize("check", [True, False])
 def test_bad_arguments(call, exc, words, check):

@@ -1,16 +1,26 @@
 """Shared data and the one-process reference of the compressed all-reduce MPI suite.
 
 The reference replays the algorithm's arithmetic on every rank's (gathered) input with the
-same codec, written independently of mpicoll.compression.allreduce: for each block ``b``
-(``numpy.array_split`` of the vector into ``n`` blocks) and each segment of it, rank ``b``
-encodes its compensated input, then ranks ``b+1, b+2, ...`` each decode, add their own
-input and re-encode; the last encoding (by rank ``b - 1``) is the block's value, decoded.
-Every encoding's loss is that rank's new residual for those elements. Sparse codecs: every
-rank's payload decoded and added into zeros in rank order.
+same codec, written independently of mpicoll.compression.allreduce.
+
+Flat layout: for each block ``b`` (``numpy.array_split`` of the vector into ``n`` blocks)
+and each segment of it, rank ``b`` encodes its compensated input, then ranks ``b+1, b+2,
+...`` each decode, add their own input and re-encode; the last encoding (by rank ``b - 1``)
+is the block's value, decoded. Every encoding's loss is that rank's new residual for those
+elements. Sparse codecs: every rank's payload decoded and added into zeros in rank order.
+
+Node layout (nodes from ``MPICOLL_RANKS_PER_NODE``, else one node: this machine): nodes of
+``L`` ranks each sum shard ``i`` (``array_split`` into ``L``) exactly, in the order of a ring
+reduce-scatter ending at local rank ``i`` (``y[i+1] + y[i+2] + ... + y[i]``), and the flat
+replay runs on each shard over those node sums, its residuals going to local rank ``i`` of
+each node; nodes of different sizes sum the whole vector in binomial-tree order (a rank
+adds its children's subtree sums, nearest child first) and the flat replay runs over the
+node sums, its residuals going to each node's first rank. Every other residual is zero.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 from mpi4py import MPI
@@ -39,14 +49,80 @@ def split_bounds(count: int, parts: int) -> list[int]:
     return [0] + list(np.cumsum(sizes))
 
 
+def node_sizes(n: int) -> list[int]:
+    """The nodes the library sees at ``n`` ranks: emulated ones, else this one machine."""
+    per = int(os.environ.get("MPICOLL_RANKS_PER_NODE", "0") or 0)
+    if per <= 0:
+        return [n]
+    return [min(per, n - first) for first in range(0, n, per)]
+
+
+def resolved_layout(n: int, layout: str = "auto") -> str:
+    """What ``layout`` means at ``n`` ranks: ``node`` for ``auto`` with several nodes and
+    some node of more than one rank."""
+    if layout != "auto":
+        return layout
+    sizes = node_sizes(n)
+    return "node" if len(sizes) > 1 and max(sizes) > 1 else "flat"
+
+
 def reference(spec: str, inputs: list[np.ndarray], residuals: list[np.ndarray | None],
-              segment_bytes: int | None, randomk_step: int = 0
+              segment_bytes: int | None, randomk_step: int = 0, layout: str = "auto"
               ) -> tuple[np.ndarray, list[np.ndarray]]:
     """(result, new residuals) of the compressed all-reduce of ``inputs`` (sum)."""
-    n = len(inputs)
-    count = inputs[0].size
-    dtype = inputs[0].dtype
     y = [x + r if r is not None else x.copy() for x, r in zip(inputs, residuals, strict=True)]
+    if resolved_layout(len(inputs), layout) == "node":
+        return node_reference(spec, y, segment_bytes, randomk_step)
+    return flat_reference(spec, y, segment_bytes, randomk_step)
+
+
+def _tree_sum(ys: list[np.ndarray], v: int = 0) -> np.ndarray:
+    """Binomial-tree sum of ``ys`` at relative rank ``v``: own + children nearest first."""
+    acc = ys[v].copy()
+    low = v & -v if v else 1 << max(0, (len(ys) - 1).bit_length())
+    step = 1
+    while step < low and v + step < len(ys):
+        acc = acc + _tree_sum(ys, v + step)
+        step <<= 1
+    return acc
+
+
+def node_reference(spec: str, y: list[np.ndarray], segment_bytes: int | None,
+                   randomk_step: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The node layout's (result, new residuals) from the compensated inputs ``y``."""
+    n, count, dtype = len(y), y[0].size, y[0].dtype
+    sizes = node_sizes(n)
+    firsts = [sum(sizes[:k]) for k in range(len(sizes))]
+    new_res = [np.zeros(count, dtype) for _ in range(n)]
+    if len(set(sizes)) > 1:  # uneven: whole vector through each node's first rank
+        sums = [_tree_sum(y[f:f + size]) for f, size in zip(firsts, sizes, strict=True)]
+        result, res = flat_reference(spec, sums, segment_bytes, randomk_step)
+        for f, r in zip(firsts, res, strict=True):
+            new_res[f] = r
+        return result, new_res
+    local = sizes[0]
+    shards = split_bounds(count, local)
+    result = np.zeros(count, dtype)
+    for i in range(local):
+        lo, hi = shards[i], shards[i + 1]
+        sums = []
+        for f in firsts:
+            acc = y[f + (i + 1) % local][lo:hi].copy()
+            for t in range(2, local + 1):
+                acc = acc + y[f + (i + t) % local][lo:hi]
+            sums.append(acc)
+        result[lo:hi], res = flat_reference(spec, sums, segment_bytes, randomk_step)
+        for f, r in zip(firsts, res, strict=True):
+            new_res[f + i][lo:hi] = r
+    return result, new_res
+
+
+def flat_reference(spec: str, y: list[np.ndarray], segment_bytes: int | None,
+                   randomk_step: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The flat layout's (result, new residuals) from the compensated inputs ``y``."""
+    n = len(y)
+    count = y[0].size
+    dtype = y[0].dtype
     new_res = [np.zeros(count, dtype) for _ in range(n)]
     result = np.zeros(count, dtype)
     codec = get_codec(spec)
@@ -91,11 +167,11 @@ def gather(a: np.ndarray) -> list[np.ndarray]:
 
 
 def shared_reference(spec: str, inputs: list[np.ndarray], residuals: list[np.ndarray | None],
-                     segment_bytes: int | None, randomk_step: int = 0
+                     segment_bytes: int | None, randomk_step: int = 0, layout: str = "auto"
                      ) -> tuple[np.ndarray, list[np.ndarray]]:
     """:func:`reference` computed once, on rank 0, and broadcast (keeps the suite fast at
     8 ranks on 2 cores)."""
     ref = None
     if RANK == 0:
-        ref = reference(spec, inputs, residuals, segment_bytes, randomk_step)
+        ref = reference(spec, inputs, residuals, segment_bytes, randomk_step, layout)
     return COMM.bcast(ref, root=0)

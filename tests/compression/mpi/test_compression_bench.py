@@ -23,15 +23,20 @@ def test_allreduce_mode_runs():
     # (no pytest tmp_path: every rank's pytest would clean the same base directory)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        rc = bench_compression.main(["allreduce", "-m", "4K:8K", "-i", "1", "-x", "0",
-                                     "--codecs", "int8", "topk:0.1", "--format", "json",
-                                     "--output", str(out)])
+        rc = bench_compression.main(["allreduce", "-m", "4K:8K", "-i", "2", "-x", "0",
+                                     "--codecs", "int8", "topk:0.1", "--layouts", "flat",
+                                     "node", "--format", "json", "--output", str(out)])
         assert rc == 0
         rows = json.loads(out.read_text()) if RANK == 0 else []
     if RANK == 0:
-        assert {r["method"] for r in rows} == {"native", "ring", "int8", "topk:0.1"}
+        assert {r["method"] for r in rows} == {"native", "ring", "int8@flat", "int8@node",
+                                               "topk:0.1@flat", "topk:0.1@node"}
         assert {r["bytes"] for r in rows} == {4096, 8192}
         for r in rows:
-            assert r["n"] == SIZE
+            assert r["n"] == SIZE and r["median_s"] > 0
             if r["method"] == "native":
                 assert r["rel_error_first_call"] == 0
+                assert r["inter_node_bytes_total"] is None
+            elif "@" in r["method"]:
+                assert 0 <= r["inter_node_bytes_per_rank"] <= r["bytes_sent_per_rank"]
+                assert r["inter_node_bytes_total"] >= r["inter_node_bytes_per_rank"]

@@ -24,6 +24,10 @@ BAD = [
      "sendbuf has dtype float16"),
     (lambda c: allreduce(X, op="prod", check=c), ValueError, "unknown op='prod'"),
     (lambda c: allreduce(X, np.empty(9, np.float32), check=c), ValueError, "recvbuf has 9"),
+    (lambda c: allreduce(X, layout="ring", check=c), ValueError,
+     "unknown layout='ring'; choose 'auto', 'flat' or 'node'"),
+    (lambda c: allreduce(X, layout=None, check=c), TypeError,
+     "layout must be 'auto', 'flat' or 'node', not NoneType"),
 ]
 
 
@@ -63,6 +67,16 @@ def test_ranks_disagreeing_on_the_codec_all_raise():
     with pytest.raises(MismatchError) as info:
         allreduce(X, compression=spec)
     assert "algorithm" in str(info.value) and "int8" in str(info.value)
+    still_works()
+
+
+def test_ranks_disagreeing_on_the_layout_all_raise():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    layout = "flat" if RANK == 0 else "node"
+    with pytest.raises(MismatchError) as info:
+        allreduce(X, compression="int8", layout=layout)
+    assert "layout=flat" in str(info.value) and "layout=node" in str(info.value)
     still_works()
 
 
