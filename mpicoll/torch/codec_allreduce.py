@@ -113,10 +113,11 @@ def _reduce(name: str, compressor: CodecCompressor, op: tuple, prescale: Any, po
         if int(resolved) not in (int(Average), int(Sum)):
             raise ValueError(f"compression={codec.name!r} reduces with op=Average or op=Sum, "
                              f"not {resolved!r}")
-        if compressor.momentum:
-            raise ValueError(f"{compressor!r} compresses a local momentum, which only "
-                             f"DistributedOptimizer keeps; use the compressor without "
-                             f"momentum here")
+        if compressor.optimizer_only():
+            raise ValueError(f"{compressor!r}: {' and '.join(compressor.optimizer_only())} "
+                             f"need state that only DistributedOptimizer keeps (the local "
+                             f"momentum, the step count); use the compressor without them "
+                             f"here")
         pre, post = _factor(prescale, "prescale_factor"), _factor(postscale, "postscale_factor")
         store = _store(feedback, compressor)
         for i, (tensor, key) in enumerate(zip(tensors, keys, strict=True)):

@@ -27,13 +27,25 @@ gradients and applying momentum after made onebit + error feedback diverge on
 (parameters end ``lr e / (1 - beta)`` away from the error-free trajectory instead of
 ``lr e``), see docs/compression.md.
 
+Warm-up (``CodecCompressor.warmup = w > 0``, e.g.
+``Compression.onebit.with_momentum(0.9).with_warmup(46)``): the first ``w`` reductions
+(optimizer steps, however many backward passes each accumulates) send each flat buffer
+through the engine's all-reduce as ``Compression.none`` does (the same request name, op
+and scaling, so the same bits); with momentum they also advance the local momentum
+``m = beta m + g`` and the reduced momentum ``M = beta M + (reduced gradient)``, so the
+first compressed step continues the momentum an ``SGD(momentum=beta)`` holds (the same
+bits as its buffer) instead of restarting it. Error feedback starts at the first
+compressed step; the step count is in :meth:`CompressedGradients.state_dict`.
+
 Order and agreement: every reduction starts with one tiny all-reduce through the engine
 (``allreduce.__compressed__``, whose layout names the codec, the op and the parameters), so
 ranks with different models or codecs get ``MismatchError`` on every rank, and a rank
 that called ``hvd.join()`` (it would never take part in the compressed all-reduce) makes
-the others raise ``CollectiveError`` instead of hanging. The compressed all-reduces run on
-the calling thread, on a communicator of the engine's ranks made for them on first use
-(never the engine's own, which the engine thread uses).
+the others raise ``CollectiveError`` instead of hanging. Its layout also says whether the
+step is a warm-up step, so ranks whose step counts disagree (a checkpoint restored on
+some ranks only) raise ``MismatchError`` instead of sending different messages. The
+compressed all-reduces run on the calling thread, on a communicator of the engine's ranks
+made for them on first use (never the engine's own, which the engine thread uses).
 """
 from __future__ import annotations
 
@@ -171,6 +183,8 @@ class CompressedGradients:
                 raise TypeError(f"parameter {names[p]!r} is not a dense CPU tensor; "
                                 f"compression={compressor.name!r} needs dense CPU tensors")
         self.compressor = compressor
+        #: Reductions done so far (warm-up ones included); checkpointed.
+        self.steps = 0
         #: Residuals of lossy compression, one per parameter name (kept across steps).
         self.feedback = codecs.ErrorFeedback()
         #: ``mpicoll.compression.AllreduceStats`` of each run of the latest reduction.
@@ -179,6 +193,7 @@ class CompressedGradients:
         self._names = names
         self._process_set = process_set
         average = int(op) == int(Average)
+        self._op = int(op)
         self._opname = "average" if average and predivide == 1.0 else "sum"
         self._pre = 1.0 / predivide if average else 1.0
         self._post = predivide if average and predivide != 1.0 else 1.0
@@ -192,7 +207,7 @@ class CompressedGradients:
         #: Local momentum and previous reduced momentum per flat buffer (momentum > 0).
         self._momentum: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._layout = (f"{compressor.name} {self._opname} feedback={compressor.feedback}, "
-                        f"momentum={self._beta!r}, "
+                        f"momentum={self._beta!r}, warmup={compressor.warmup}, "
                         f"crc32 {zlib.crc32(described):08x}")
 
     # ---------------------------------------------------------------------- reduction
@@ -201,14 +216,58 @@ class CompressedGradients:
         plus their residuals, as the codec delivers it; the same bits on every rank).
 
         Raises:
-            mpicoll.MismatchError: ranks disagree on the codec, op or parameters.
+            mpicoll.MismatchError: ranks disagree on the codec, op or parameters, or on
+                whether this step is a warm-up step.
             CollectiveError: a rank has joined (``hvd.join()``), or the engine stopped.
             TypeError, ValueError, mpicoll.RemoteError: a residual that does not fit its
                 parameter (on the rank that has it; the others raise ``RemoteError``).
         """
+        warming = self.steps < self.compressor.warmup
         with scoped(self._process_set):
-            eng = check_presence(PRESENCE_NAME, self._layout,
+            eng = check_presence(PRESENCE_NAME,
+                                 f"{self._layout}, {'warm-up' if warming else 'compressed'}",
                                  f"DistributedOptimizer(compression={self.compressor.name!r})")
+        if warming:
+            self._reduce_uncompressed(eng)
+        else:
+            self._reduce_compressed(eng)
+        self.steps += 1
+
+    def _reduce_uncompressed(self, eng: Any) -> None:
+        """A warm-up step: each flat buffer through ``eng``'s all-reduce as
+        ``Compression.none`` submits it; with momentum, the local and reduced momentum
+        advanced as a lossless compression would (see the module's docstring)."""
+        self.stats = []
+        pre, post = self._pre, self._post
+        if self._beta:
+            for flat in self._flats:
+                local, _ = self._momentum_arrays(flat.name)
+                array = numpy_view(flat.buffer)
+                np.multiply(local, self._beta, out=local)      # m = beta m + pre g
+                np.add(local, array if pre == 1.0 else array * pre, out=local)
+        futures = []
+        for flat in self._flats:
+            meta = Meta(flat.name, "allreduce", dtype_name(flat.buffer.dtype),
+                        tuple(flat.buffer.shape), self._op, -1, pre, post, flat.layout)
+            futures.append(eng.submit(meta, flat.buffer, flat.buffer, waiting=True))
+        errors = []
+        for future in futures:                # every future, even after an error
+            eng.wait(future)
+            if future.error is not None:
+                errors.append(future.error)
+        if errors:
+            raise errors[0]
+        if self._beta:                                        # M = beta M + reduced g
+            for flat in self._flats:
+                _, previous = self._momentum_arrays(flat.name)
+                reduced = numpy_view(flat.buffer)
+                if post != 1.0:                               # in the units of M
+                    reduced = reduced * (eng.size / post)
+                np.multiply(previous, self._beta, out=previous)
+                np.add(previous, reduced, out=previous)
+
+    def _reduce_compressed(self, eng: Any) -> None:
+        """A compressed step: every run through :func:`mpicoll.compression.allreduce`."""
         comm = codec_comm(eng)
         codec = self.compressor.codec
         runs = self._plan(eng.settings.fusion_threshold)
@@ -250,10 +309,11 @@ class CompressedGradients:
 
         Returns:
             ``{"codec", "momentum", "residuals", "local_momentum", "reduced_momentum",
-            "codec_state"}``: the codec's name and momentum (checked on load); copies of
-            the residuals per parameter name; with momentum, each parameter's slice of
-            the local momentum ``m`` and of the previous reduced momentum ``M_prev``;
-            the codec's :meth:`~mpicoll.compression.Codec.state_dict`.
+            "codec_state", "steps"}``: the codec's name and momentum (checked on load);
+            copies of the residuals per parameter name; with momentum, each parameter's
+            slice of the local momentum ``m`` and of the previous reduced momentum
+            ``M_prev``; the codec's :meth:`~mpicoll.compression.Codec.state_dict`; the
+            number of reductions done (which decides where a warm-up ends).
         """
         residuals = {name: torch.from_numpy(self.feedback.residual(name).copy())
                      for name in self.feedback.keys()}
@@ -266,16 +326,18 @@ class CompressedGradients:
                 reduced[name] = torch.from_numpy(state[1][lo:hi].copy())
         return {"codec": self.compressor.name, "momentum": self._beta,
                 "residuals": residuals, "local_momentum": local, "reduced_momentum": reduced,
-                "codec_state": self.compressor.codec.state_dict()}
+                "codec_state": self.compressor.codec.state_dict(), "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
         """Replace this rank's compression state with ``state`` (from :meth:`state_dict`);
-        parameters it does not mention start from zero. Checked first: on error nothing
+        parameters it does not mention start from zero, and a state without ``"steps"``
+        (saved before warm-ups existed) counts as step 0. Checked first: on error nothing
         changes.
 
         Raises:
-            ValueError: another codec or momentum, an unknown parameter name, or a tensor
-                whose size or dtype does not fit its parameter.
+            ValueError: another codec or momentum, an unknown parameter name, a tensor
+                whose size or dtype does not fit its parameter, a step count that is not
+                an int >= 0.
             TypeError: not a dict of the expected form.
         """
         if not isinstance(state, dict):
@@ -289,6 +351,10 @@ class CompressedGradients:
             raise ValueError(f"the compression state was saved with compression="
                              f"{saved[0]!r}, momentum {saved[1]:g}; this optimizer has "
                              f"{self.compressor.name!r}, momentum {self._beta:g}")
+        steps = state.get("steps", 0)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"the compression state's steps must be an int >= 0, not "
+                             f"{steps!r}")
         positions = self._positions()
         arrays = {part: {name: self._array(part, name, value, positions)
                          for name, value in state[part].items()}
@@ -297,6 +363,7 @@ class CompressedGradients:
             raise ValueError("the compression state holds momentum, but this optimizer's "
                              "compressor has none")
         self.compressor.codec.load_state_dict(state["codec_state"])  # checked there
+        self.steps = steps
         self.feedback.reset()
         for name, array in arrays["residuals"].items():
             self.feedback.store(name, array)

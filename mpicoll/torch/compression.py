@@ -112,25 +112,48 @@ class CodecCompressor(Compressor):
             momentum (which amplifies it ``1 / (1 - beta)`` times). Set it to the wrapped
             SGD's momentum for ``onebit`` (see docs/compression.md, *Training with
             compression*).
+        warmup: (``DistributedOptimizer`` only) the number of optimizer steps (reductions:
+            ``step()``/``synchronize()`` calls, not backward passes) that run uncompressed
+            before compression starts, as 1-bit Adam's warm-up stage (default 0). Those
+            steps reduce the flat gradient buffers through the engine's all-reduce exactly
+            as ``Compression.none`` does (the same bits); with ``momentum`` the local and
+            the reduced momentum are kept through them, so the first compressed step
+            continues the same momentum. Error feedback starts at the first compressed
+            step. The step count is part of ``compression_state_dict()``.
     Raises:
-        ValueError: unknown codec name, ratio outside (0, 1], momentum outside [0, 1).
+        ValueError: unknown codec name, ratio outside (0, 1], momentum outside [0, 1),
+            a negative warm-up.
         TypeError: ``codec`` neither a name nor a codec, ``feedback`` not a bool,
-            ``momentum`` not a number.
+            ``momentum`` not a number, ``warmup`` not an int.
     """
 
     def __init__(self, codec: Codec | str, feedback: bool | None = None,
-                 momentum: float = 0.0) -> None:
+                 momentum: float = 0.0, warmup: int = 0) -> None:
         self.codec = get_codec(codec, "compression")
         if feedback is not None and not isinstance(feedback, bool):
             raise TypeError(f"feedback must be True, False or None, not "
                             f"{type(feedback).__name__}")
         self.feedback = self.codec.lossy if feedback is None else feedback
         self.momentum = _check_momentum(momentum)
+        self.warmup = _check_warmup(warmup)
 
     def with_momentum(self, momentum: float) -> CodecCompressor:
-        """A compressor of the same codec and feedback that compresses the ranks' local
-        momentum ``m = momentum m + g`` (see the class's ``momentum`` argument)."""
-        return CodecCompressor(self.codec, self.feedback, momentum)
+        """A compressor of the same codec, feedback and warm-up that compresses the ranks'
+        local momentum ``m = momentum m + g`` (see the class's ``momentum`` argument)."""
+        return CodecCompressor(self.codec, self.feedback, momentum, self.warmup)
+
+    def with_warmup(self, steps: int) -> CodecCompressor:
+        """A compressor of the same codec, feedback and momentum whose first ``steps``
+        optimizer steps run uncompressed (see the class's ``warmup`` argument)."""
+        return CodecCompressor(self.codec, self.feedback, self.momentum, steps)
+
+    def optimizer_only(self) -> list[str]:
+        """The options only ``DistributedOptimizer`` honours (it keeps the state they
+        need): ``"momentum 0.9"``, ``"warm-up of 23 steps"``; empty for none. Other users of
+        the compressor (``hvd.allreduce``, the parameter server) refuse a compressor that
+        has any."""
+        return ([f"momentum {self.momentum:g}"] if self.momentum else []) + \
+            ([f"warm-up of {self.warmup} steps"] if self.warmup else [])
 
     @property
     def name(self) -> str:
@@ -168,7 +191,7 @@ class CodecCompressor(Compressor):
 
     def __repr__(self) -> str:
         return (f"<Compression {self.name}{'' if self.feedback else ' (no error feedback)'}"
-                f"{f', momentum {self.momentum:g}' if self.momentum else ''}>")
+                f"{''.join(', ' + option for option in self.optimizer_only())}>")
 
 
 def _check_momentum(momentum: Any) -> float:
@@ -180,6 +203,15 @@ def _check_momentum(momentum: Any) -> float:
     return beta
 
 
+def _check_warmup(warmup: Any) -> int:
+    if isinstance(warmup, bool) or not isinstance(warmup, int):
+        raise TypeError(f"warmup must be an int (optimizer steps), not "
+                        f"{type(warmup).__name__}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0 optimizer steps, got {warmup}")
+    return warmup
+
+
 class Compression:
     """The available compressors.
 
@@ -188,7 +220,9 @@ class Compression:
     ``randomk(ratio, seed=0)`` and ``from_codec(spec)`` give :class:`CodecCompressor`
     objects for ``DistributedOptimizer``, with error feedback on by default;
     ``Compression.onebit.with_momentum(0.9)`` (and ``momentum=`` on the constructors)
-    compresses the ranks' local momentum instead of their gradients.
+    compresses the ranks' local momentum instead of their gradients;
+    ``.with_warmup(steps)`` (and ``warmup=`` on the constructors) runs the first ``steps``
+    optimizer steps uncompressed.
     """
 
     none = NoneCompressor
@@ -198,30 +232,31 @@ class Compression:
     onebit = CodecCompressor("onebit")
 
     @staticmethod
-    def topk(ratio: float, feedback: bool = True, momentum: float = 0.0) -> CodecCompressor:
+    def topk(ratio: float, feedback: bool = True, momentum: float = 0.0,
+             warmup: int = 0) -> CodecCompressor:
         """The ``ceil(ratio * count)`` largest-magnitude elements of each fused buffer.
 
         Raises:
             ValueError: ``ratio`` outside (0, 1]. TypeError: not a number.
         """
-        return CodecCompressor(TopKCodec(ratio), feedback, momentum)
+        return CodecCompressor(TopKCodec(ratio), feedback, momentum, warmup)
 
     @staticmethod
     def randomk(ratio: float, seed: int = 0, feedback: bool = True,
-                momentum: float = 0.0) -> CodecCompressor:
+                momentum: float = 0.0, warmup: int = 0) -> CodecCompressor:
         """``ceil(ratio * count)`` elements chosen at random (the same on every rank that
         uses the same ``seed``: see :class:`mpicoll.compression.RandomKCodec`).
 
         Raises:
             ValueError: ``ratio`` outside (0, 1]. TypeError: not a number.
         """
-        return CodecCompressor(RandomKCodec(ratio, seed), feedback, momentum)
+        return CodecCompressor(RandomKCodec(ratio, seed), feedback, momentum, warmup)
 
     @staticmethod
     def from_codec(spec: Codec | str, feedback: bool | None = None,
-                   momentum: float = 0.0) -> CodecCompressor:
+                   momentum: float = 0.0, warmup: int = 0) -> CodecCompressor:
         """Any codec by name (``"int8:512:stochastic"``, ``"onebit:1024"``...) or object."""
-        return CodecCompressor(spec, feedback, momentum)
+        return CodecCompressor(spec, feedback, momentum, warmup)
 
 
 def codec_of(compression: Any) -> Codec | None:

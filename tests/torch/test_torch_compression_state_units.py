@@ -41,6 +41,7 @@ def test_state_holds_residuals_momenta_and_codec_state(hvd):
     state = opt.compression_state_dict()
     assert state["codec"] == "randomk:0.5" and state["momentum"] == 0.9
     assert state["codec_state"] == {"step": 2}            # one encoding per flat buffer
+    assert state["steps"] == 1                            # reductions (for warm-ups)
     for part in ("residuals", "local_momentum", "reduced_momentum"):
         assert sorted(state[part]) == ["b", "w"]
         assert state[part]["w"].dtype == torch.float32 and state[part]["w"].numel() == 15
@@ -82,7 +83,9 @@ def test_bad_states_are_refused_and_change_nothing(hvd):
             (variant(b=torch.zeros(3)), ValueError, "the parameter has 3 float64"),
             (variant(w=np.zeros(15, np.float32)), ValueError, "is ndarray"),
             (variant(codec_state={"step": 1}), ValueError, "does not belong"),
-            (variant(local_momentum={"w": torch.zeros(15)}), ValueError, "holds momentum")):
+            (variant(local_momentum={"w": torch.zeros(15)}), ValueError, "holds momentum"),
+            (variant(steps=-1), ValueError, "steps must be an int >= 0, not -1"),
+            (variant(steps=1.0), ValueError, "steps must be an int >= 0, not 1.0")):
         with pytest.raises(error, match=words):
             opt.load_compression_state_dict(state)
         for k in ("w", "b"):
@@ -90,3 +93,8 @@ def test_bad_states_are_refused_and_change_nothing(hvd):
     # a state without a parameter's residual: it starts from zero
     opt.load_compression_state_dict(dict(good, residuals={"w": good["residuals"]["w"]}))
     assert opt.error_feedback.keys() == ["w"]
+    # the step count comes back; a state saved before warm-ups existed counts from 0
+    opt.load_compression_state_dict(dict(good, steps=7))
+    assert opt.compression_state_dict()["steps"] == 7
+    opt.load_compression_state_dict({k: v for k, v in good.items() if k != "steps"})
+    assert opt.compression_state_dict()["steps"] == 0

@@ -141,6 +141,25 @@ def test_momentum_option_and_its_errors():
             CodecCompressor("onebit", momentum=bad)
 
 
+def test_warmup_option_and_its_errors():
+    comp = Compression.onebit.with_momentum(0.9).with_warmup(23)
+    assert comp.warmup == 23 and comp.momentum == 0.9 and comp.feedback
+    assert comp.codec is Compression.onebit.codec and Compression.onebit.warmup == 0
+    assert comp.with_momentum(0.5).warmup == 23                 # each keeps the other
+    assert comp.optimizer_only() == ["momentum 0.9", "warm-up of 23 steps"]
+    assert Compression.int8.optimizer_only() == []
+    assert "momentum 0.9, warm-up of 23 steps" in repr(comp)
+    assert not Compression.from_codec("int8", feedback=False).with_warmup(1).feedback
+    assert Compression.topk(0.1, warmup=2).warmup == 2
+    assert Compression.randomk(0.1, warmup=3).warmup == 3
+    assert Compression.from_codec("int8", warmup=4).warmup == 4
+    with pytest.raises(ValueError, match="warmup must be >= 0 optimizer steps, got -1"):
+        Compression.onebit.with_warmup(-1)
+    for bad in (1.5, "2", True, None):
+        with pytest.raises(TypeError, match="warmup must be an int"):
+            CodecCompressor("onebit", warmup=bad)
+
+
 def _one_process():
     import mpicoll.torch as hvd
 
@@ -227,3 +246,56 @@ def test_onebit_with_error_feedback_trains_the_example_with_compressed_momentum(
         hvd.shutdown()
     assert losses["momentum"] < 1.0, losses
     assert losses["gradient"] > 1.5 * losses["momentum"], losses
+
+
+def test_single_process_warmup_is_uncompressed_then_continues_the_momentum():
+    """Compression.onebit.with_momentum(0.9).with_warmup(2), SGD(momentum 0.9): the two
+    warm-up steps leave the same bits as Compression.none; the momentum they carry is the
+    optimizer's own buffer, and the first compressed step is the numpy replay of local
+    momentum compression started from it."""
+    hvd = _one_process()
+    beta = 0.9
+    try:
+        models = {}
+        for label, comp in (("none", Compression.none),
+                            ("warm", Compression.onebit.with_momentum(beta).with_warmup(2))):
+            w = torch.nn.Parameter(torch.zeros(5, 3))
+            b = torch.nn.Parameter(torch.zeros(3))
+            opt = hvd.DistributedOptimizer(
+                torch.optim.SGD([w, b], lr=0.1, momentum=beta),
+                named_parameters=[("w", w), ("b", b)], compression=comp)
+            models[label] = (w, b, opt)
+        codec = compression.get_codec("onebit")
+        m, prev = np.zeros(18, np.float32), np.zeros(18, np.float32)
+        for step in range(3):
+            for w, b, opt in models.values():
+                gw, gb = _step(opt, w, b, step)
+            grad = np.concatenate([gb.numpy(), gw.numpy().reshape(-1)])       # b first
+            m = m * beta + grad
+            w, b, opt = models["warm"]
+            got = np.concatenate([b.grad.numpy(), w.grad.numpy().reshape(-1)])
+            state = opt.compression_state_dict()
+            assert state["steps"] == step + 1
+            if step < 2:                  # warm-up: Compression.none's bits, no residual
+                for mine, theirs in zip((w, b), models["none"][:2]):
+                    assert mine.detach().numpy().tobytes() == theirs.detach().numpy().tobytes()
+                    assert mine.grad.numpy().tobytes() == theirs.grad.numpy().tobytes()
+                assert opt.compression_stats == [] and opt.error_feedback.keys() == []
+                prev = prev * beta + got
+                # the reduced momentum kept is the optimizer's own buffer, bit for bit
+                for name, p in (("w", w), ("b", b)):
+                    buf = opt.state[p]["momentum_buffer"]
+                    assert np.array_equal(state["reduced_momentum"][name].numpy(),
+                                          buf.reshape(-1).numpy()), (step, name)
+                    local = state["local_momentum"][name].numpy()
+                    assert np.array_equal(local, m[:3] if name == "b" else m[3:])
+                continue
+            reduced = codec.roundtrip(m)          # the first compressed step: no residual yet
+            assert np.array_equal(got, reduced - prev * beta)
+            assert np.array_equal(np.concatenate([opt.error_feedback.residual("b"),
+                                                  opt.error_feedback.residual("w")]),
+                                  m - reduced)
+            assert len(opt.compression_stats) == 1
+            assert not np.allclose(got, grad, rtol=1e-3, atol=1e-3)   # it compressed
+    finally:
+        hvd.shutdown()

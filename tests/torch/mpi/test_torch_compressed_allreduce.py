@@ -138,6 +138,9 @@ def test_bad_input_raises_on_every_rank():
         hvd.allreduce(torch.ones(3), compression=int8, op=hvd.Max)
     with pytest.raises(ValueError, match="only DistributedOptimizer keeps"):
         hvd.allreduce(torch.ones(3), compression=int8.with_momentum(0.9))
+    with pytest.raises(ValueError, match="warm-up of 2 steps need state that only "
+                                         "DistributedOptimizer keeps"):
+        hvd.grouped_allreduce([torch.ones(3)], compression=int8.with_warmup(2))
     with pytest.raises(TypeError, match="feedback must be None or an"):
         hvd.allreduce(torch.ones(3), compression=int8, feedback={})
     with pytest.raises(TypeError, match="feedback= needs a codec compressor"):
@@ -182,6 +185,8 @@ SHAPES = [("a.weight", (7, 5), torch.float32), ("a.bias", (7,), torch.float32),
 COMPRESSORS = {  # fresh objects: a restored run must not rely on the old codec's state
     "int8": lambda: hvd.Compression.int8,
     "onebit-momentum": lambda: hvd.Compression.onebit.with_momentum(0.9),
+    # saved inside the warm-up (after 2 of 3 uncompressed steps), restored across the switch
+    "onebit-momentum-warmup": lambda: hvd.Compression.onebit.with_momentum(0.9).with_warmup(3),
     "randomk": lambda: hvd.Compression.randomk(0.3),
     "int8-stochastic": lambda: hvd.Compression.from_codec("int8:stochastic"),
 }

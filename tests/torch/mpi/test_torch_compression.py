@@ -239,6 +239,26 @@ def test_process_set_reduces_over_its_ranks_only():
                                              compression="int8", feedback=ref_fb, key="p")
             assert np.array_equal(p.grad.numpy(), expected), step
             assert np.array_equal(opt.error_feedback.residual("p"), ref_fb.residual("p"))
+        # a warm-up step over the set: the uncompressed average of its ranks (the same
+        # bits as hvd.allreduce), then compressed with fresh error feedback
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.0),
+                                       named_parameters=[("p", p)],
+                                       compression=hvd.Compression.int8.with_warmup(1),
+                                       process_set=ps)
+        for step in range(2):
+            g = dyadic(rank, step, 0, "p", (301,), torch.float32)
+            p.grad = g.clone()
+            opt.step()
+            if step == 0:
+                expected = hvd.allreduce(g, name="set.uncompressed", process_set=ps).numpy()
+                total = g.numpy().copy()
+                sub.Allreduce(MPI.IN_PLACE, total)       # eighths: the sum is exact
+                assert np.allclose(expected, total / len(members), rtol=1e-6, atol=0)
+            else:
+                expected = compression.allreduce(g.numpy().copy(), op="average", comm=sub,
+                                                 compression="int8",
+                                                 feedback=compression.ErrorFeedback(), key=0)
+            assert np.array_equal(p.grad.numpy(), expected), f"warm-up set, step {step}"
         # the functional API too (hvd.allreduce with a codec, a caller-held feedback,
         # Sum with a postscale factor)
         fb = compression.ErrorFeedback()
@@ -334,3 +354,123 @@ def test_compressed_momentum_equals_the_allreduce_of_local_momenta():
                     assert not np.allclose(got, exact, rtol=1e-3, atol=1e-3), where
                     res = np.concatenate([_residual(opt, name) for name in run])
                     assert np.array_equal(res, ref_fb.residual(key)), where
+
+
+def dyadic(rank: int, step: int, k: int, name: str, shape: tuple, dtype) -> torch.Tensor:
+    """Eighths times (1 + rank): sums of them are exact in any order, so the uncompressed
+    reduction has the same bits whichever way the engine fuses and orders it."""
+    g = torch.Generator().manual_seed(1000 * rank + 100 * step + 10 * k + sum(map(ord, name)))
+    return (torch.randint(-64, 65, shape, generator=g).to(dtype) / 8) * (1 + rank)
+
+
+WARMUPS = [  # (label, compressor, codec spec, op, predivide, backward passes, warm-up)
+    ("onebit+momentum", lambda: hvd.Compression.onebit.with_momentum(0.9).with_warmup(2),
+     "onebit", hvd.Average, 1.0, 2, 2),
+    ("int8:8+momentum predivide", lambda: hvd.Compression.from_codec(
+        "int8:8", momentum=0.9, warmup=1), "int8:8", hvd.Average, 2.0, 1, 1),
+    ("topk sum", lambda: hvd.Compression.topk(0.2, warmup=1), "topk:0.2", hvd.Sum, 1.0, 1, 1),
+]
+
+
+@pytest.mark.parametrize("case", WARMUPS, ids=[c[0] for c in WARMUPS])
+def test_warmup_is_uncompressed_then_continues_as_the_replay(case):
+    """Compression(...).with_warmup(w): the first w steps (each of `passes` backward
+    passes) leave the same bits as Compression.none (gradients and SGD-with-momentum
+    parameters); the next step equals compression.allreduce of the local momentum
+    accumulated through the warm-up (fresh error feedback), minus beta times the reduced
+    momentum, which at the switch is the optimizer's own momentum buffer."""
+    label, make, spec, op, predivide, passes, warmup = case
+    n, rank = hvd.size(), hvd.rank()
+    comm = MPI.COMM_WORLD
+    comp = make()
+    beta = comp.momentum
+    named, opts = {}, {}
+    for which, c in (("none", hvd.Compression.none), ("warm", comp)):
+        named[which] = make_params()
+        opts[which] = hvd.DistributedOptimizer(
+            torch.optim.SGD([p for _, p in named[which]], lr=0.1, momentum=0.9),
+            named_parameters=named[which], compression=c, op=op,
+            gradient_predivide_factor=predivide, backward_passes_per_step=passes)
+    params = dict(named["warm"])
+    runs = buffer_order(named["warm"])
+    local = {"+".join(run): 0.0 for run in runs}
+    prev = dict(local)
+    average, post = op == hvd.Average, predivide if op == hvd.Average else 1.0
+    for step in range(warmup + 1):
+        for which in ("none", "warm") if step < warmup else ("warm",):
+            opts[which].zero_grad()
+            for k in range(passes):
+                sum((p * dyadic(rank, step, k, name, tuple(p.shape), p.dtype)).sum()
+                    for name, p in named[which]).backward()
+            opts[which].step()
+        state = opts["warm"].compression_state_dict()
+        assert state["steps"] == step + 1
+        for run in runs:
+            key = "+".join(run)
+            x = sum(torch.cat([dyadic(rank, step, k, name, tuple(params[name].shape),
+                                      params[name].dtype).reshape(-1) for name in run])
+                    for k in range(passes)).numpy()
+            if average:
+                x = x * (1.0 / predivide)
+            if beta:
+                local[key] = local[key] * beta + x
+            got = torch.cat([params[name].grad.reshape(-1) for name in run]).numpy()
+            where = f"{label} step={step} run={run}"
+            if step < warmup:
+                others = dict(named["none"])
+                for name in run:       # Compression.none's bits, gradients and parameters
+                    for a, b in ((params[name].grad, others[name].grad),
+                                 (params[name].detach(), others[name].detach())):
+                        assert a.numpy().tobytes() == b.numpy().tobytes(), (where, name)
+                assert opts["warm"].compression_stats == []
+                if beta:
+                    reduced = got * (n / post) if post != 1.0 else got
+                    prev[key] = prev[key] * beta + reduced
+                    for name in run:   # the reduced momentum the state keeps
+                        assert np.array_equal(state["reduced_momentum"][name].numpy(),
+                                              prev[key][_slot(run, name)]), (where, name)
+                        if post == 1.0:    # ... is then the optimizer's momentum buffer
+                            buf = opts["warm"].state[params[name]]["momentum_buffer"]
+                            assert np.array_equal(buf.reshape(-1).numpy(),
+                                                  prev[key][_slot(run, name)]), (where, name)
+                continue
+            reduced = compression.allreduce(
+                (local[key] if beta else x).copy(),
+                op="average" if average and predivide == 1.0 else "sum", comm=comm,
+                compression=compression.get_codec(spec),
+                feedback=compression.ErrorFeedback(), key=key)
+            expected = reduced - prev[key] * beta if beta else reduced
+            if post != 1.0:
+                expected *= post / n
+            assert np.array_equal(got, expected), where
+            exact = sum(torch.cat([dyadic(r, step, k, name, tuple(params[name].shape),
+                                          params[name].dtype).reshape(-1) for name in run])
+                        for r in range(n) for k in range(passes)).numpy()
+            assert not np.allclose(got, exact / (n if average else 1), rtol=1e-3,
+                                   atol=1e-3), where                  # it compressed
+            assert len(opts["warm"].compression_stats) == len(runs)
+
+
+def _slot(run: list[str], name: str) -> slice:
+    """``name``'s elements in the concatenation of ``run``'s parameters."""
+    sizes = dict(SHAPES_BY_NAME)
+    lo = sum(sizes[other] for other in run[:run.index(name)])
+    return slice(lo, lo + sizes[name])
+
+
+def test_warmup_disagreements_raise_on_every_rank():
+    """Ranks with other warm-up lengths, or whose step counts put them on different sides
+    of the switch (a checkpoint restored on one rank only): MismatchError on every rank."""
+    n, rank = hvd.size(), hvd.rank()
+    if n < 2:
+        pytest.skip("needs 2 ranks")
+    p = torch.nn.Parameter(torch.zeros(5))
+    for warmup, steps in ((1 + (rank == n - 1), 0), (1, int(rank == n - 1))):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.1),
+                                       named_parameters=[("p", p)],
+                                       compression=hvd.Compression.int8.with_warmup(warmup))
+        opt.load_compression_state_dict(dict(opt.compression_state_dict(), steps=steps))
+        p.grad = torch.ones(5)
+        with pytest.raises(hvd.MismatchError, match="warm"):
+            opt.step()
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
