@@ -5,14 +5,18 @@ For each seed (outer loop) and each ``--compressions`` entry (inner loop, so the
 compressors interleave and share the machine's load), one ``mpirun -n RANKS`` run of
 ``examples/train.py --compression C --seed S --json FILE`` with the same epochs and batch
 (an entry ``C-noef`` adds ``--no-error-feedback``, ``C-mom``/``C-nomom``
-``--compress-momentum yes``/``no``; onebit compresses the local momentum by default);
+``--compress-momentum yes``/``no``, ``C-warmN``/``C-warmNep`` ``--compress-warmup N``/``Nep``:
+the first N steps or epochs uncompressed; onebit compresses the local momentum by default);
 then a summary per compressor (final test accuracy per seed and its difference from
 ``none``, bytes rank 0 sent per step, samples per second = total samples / total time of
 the training steps over every seed), written to ``--out/compression_training.json``, and
 the mean training loss of each epoch against the training wall time and against epochs
-(first seed) plotted to ``--out/compression_training.png``. From the repository root::
+(first seed) plotted to ``--out/compression_training.png`` (``--name`` changes the file
+names, ``--no-plot`` skips the plot). From the repository root::
 
     python -m bench.compression_training --ranks 2 --seeds 1,2,3 --out docs
+    python -m bench.compression_training --ranks 2 --seeds 1,2,3,4,5,6 \
+        --compressions none,onebit,onebit-warm1ep --out docs/results --name compression_warmup
     python -m bench.compression_training --replot docs/compression_training.json
     python -m bench.compression_training --step-times 200 --ranks 2
     python -m bench.compression_training --simulate ring --compressions onebit --seeds 1
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 from bench.bench_ps import launch_json
@@ -51,16 +56,27 @@ NO_FEEDBACK = "-noef"
 MOMENTUM, NO_MOMENTUM = "-mom", "-nomom"
 
 
+#: Suffix of a ``--compressions`` entry with an uncompressed warm-up: ``-warm46`` (optimizer
+#: steps) or ``-warm2ep`` (epochs).
+WARMUP = re.compile(r"-warm(\d+(?:ep)?)$")
+
+
 def label(rec: dict) -> str:
-    """A run's compressor, with ``-noef`` when it ran without error feedback and ``-mom``
-    when it compressed the ranks' local momentum instead of their gradients."""
+    """A run's compressor, with ``-noef`` when it ran without error feedback, ``-mom``
+    when it compressed the ranks' local momentum instead of their gradients and ``-warmN``
+    when its first N optimizer steps ran uncompressed."""
     return (rec["compression"] + ("" if rec.get("error_feedback", True) else NO_FEEDBACK)
-            + (MOMENTUM if rec.get("compress_momentum") else ""))
+            + (MOMENTUM if rec.get("compress_momentum") else "")
+            + (f"-warm{rec['compress_warmup']}" if rec.get("compress_warmup") else ""))
 
 
 def parse_entry(comp: str) -> tuple[str, list[str]]:
     """``(codec spec, extra examples/train.py arguments)`` of a ``--compressions`` entry."""
     extra = []
+    warm = WARMUP.search(comp)
+    if warm:
+        comp = comp[:warm.start()]
+        extra += ["--compress-warmup", warm.group(1)]
     for suffix, args in ((NO_MOMENTUM, ["--compress-momentum", "no"]),
                          (MOMENTUM, ["--compress-momentum", "yes"]),
                          (NO_FEEDBACK, ["--no-error-feedback"])):
@@ -111,17 +127,23 @@ def summarize(records: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    """A markdown table of the summary."""
+    """A markdown table of the summary: accuracy per seed (points vs ``none``), the mean
+    over seeds and its difference from ``none``'s mean over the same seeds."""
     seeds = sorted({s for row in rows for s in row["accuracy"]})
+    base = next((row["accuracy"] for row in rows if row["compression"] == "none"), {})
     head = ("| compression | " + " | ".join(f"accuracy seed {s} (pp vs none)" for s in seeds)
-            + " | bytes/step (rank 0) | x fewer | samples/s |")
-    lines = [head, "|---|" + "---:|" * (len(seeds) + 3)]
+            + " | mean | mean vs none (pp) | bytes/step (rank 0) | x fewer | samples/s |")
+    lines = [head, "|---|" + "---:|" * (len(seeds) + 5)]
     for row in rows:
         cells = [f"{100 * row['accuracy'][s]:.2f}% ({row['pp_vs_none'].get(s, 0):+.2f})"
                  if s in row["accuracy"] else "-" for s in seeds]
+        shared = [s for s in row["accuracy"] if s in base]
+        versus = (f"{100 * sum(row['accuracy'][s] - base[s] for s in shared) / len(shared):+.2f}"
+                  if shared else "-")
         ratio = row["dense_bytes_per_step"] / max(row["bytes_per_step"], 1)
         lines.append(f"| {row['compression']} | " + " | ".join(cells) +
-                     f" | {row['bytes_per_step']} | {ratio:.1f} | "
+                     f" | {100 * row['mean_accuracy']:.2f}% | {versus} | "
+                     f"{row['bytes_per_step']} | {ratio:.1f} | "
                      f"{row['samples_per_second']:.0f} |")
     return "\n".join(lines)
 
@@ -363,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     parser.add_argument("--out", default="docs", help="folder for the JSON and the PNG")
+    parser.add_argument("--name", default="compression_training",
+                        help="file name (without extension) of the JSON and the PNG")
+    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--replot", default=None, help="plot an earlier JSON instead")
     parser.add_argument("--step-times", type=int, default=0, metavar="ITERS",
                         help="time optimizer.step() per compressor instead (interleaved)")
@@ -395,10 +420,10 @@ def main(argv: list[str] | None = None) -> int:
                   "summary": summarize(records)}
         out = a.out
         os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "compression_training.json"), "w") as f:
+        with open(os.path.join(out, f"{a.name}.json"), "w") as f:
             json.dump(result, f, indent=1)
     print(table(result["summary"]))
-    path = plot(result["records"], os.path.join(out, "compression_training.png"))
+    path = None if a.no_plot else plot(result["records"], os.path.join(out, f"{a.name}.png"))
     if path:
         print(f"# wrote {path}")
     return 0 if result["records"] else 1

@@ -16,7 +16,11 @@ with status 1 if the final test accuracy is below ``--min-accuracy``.
 ``--compression`` picks the gradient compressor: Horovod's ``none`` (default) and ``fp16``,
 or mpicoll's codecs ``bf16``, ``int8``, ``onebit``, ``topk:RATIO``, ``randomk:RATIO`` (with
 error feedback unless ``--no-error-feedback``; onebit compresses each rank's local
-momentum instead of its gradient, ``--compress-momentum``). ``--json FILE`` makes rank 0
+momentum instead of its gradient, ``--compress-momentum``; ``--compress-warmup N`` (optimizer
+steps) or ``Nep`` (epochs) runs the first steps uncompressed, as 1-bit Adam's warm-up).
+With ``--checkpoint-dir`` every rank also saves its compression state (residuals, local
+momentum, step count) as ``compression.<rank>.pt``, which ``--resume`` restores at the same
+world size. ``--json FILE`` makes rank 0
 write the run's record: loss against training wall time per epoch, final accuracy, samples
 per second and the bytes rank 0 sent per step.
 
@@ -104,27 +108,50 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 CODEC_NAMES = ("bf16", "int8", "onebit")
 
 
-def compressor(spec: str, feedback: bool = True, momentum: float = 0.0) -> object:
+def compressor(spec: str, feedback: bool = True, momentum: float = 0.0,
+               warmup: int = 0) -> object:
     """The ``hvd.Compression`` object for ``--compression`` ``spec`` (codecs: compressing
-    the ranks' local momentum ``m = momentum m + g`` when ``momentum`` > 0).
+    the ranks' local momentum ``m = momentum m + g`` when ``momentum`` > 0, the first
+    ``warmup`` optimizer steps uncompressed).
 
     Raises:
-        argparse.ArgumentTypeError: an unknown name or a bad ratio.
+        argparse.ArgumentTypeError: an unknown name or a bad ratio; a warm-up with
+            ``none`` or ``fp16``.
     """
     name, _, ratio = spec.partition(":")
     try:
         if name in ("none", "fp16") and not ratio:
+            if warmup:
+                raise ValueError("a warm-up needs a codec compressor")
             return getattr(hvd.Compression, name)
         if name in CODEC_NAMES:          # with options: "int8:512:stochastic", "onebit:64"
-            return hvd.Compression.from_codec(spec, feedback, momentum)
+            return hvd.Compression.from_codec(spec, feedback, momentum, warmup)
         if name in ("topk", "randomk") and ratio:
             return getattr(hvd.Compression, name)(float(ratio), feedback=feedback,
-                                                  momentum=momentum)
+                                                  momentum=momentum, warmup=warmup)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"--compression {spec}: {exc}") from None
     raise argparse.ArgumentTypeError(
         f"--compression {spec!r}: choose none, fp16, {', '.join(CODEC_NAMES)}, topk:RATIO or "
         f"randomk:RATIO")
+
+
+def warmup_steps(value: str, steps_per_epoch: int) -> int:
+    """``--compress-warmup``: ``N`` optimizer steps, or ``Nep`` epochs of
+    ``steps_per_epoch`` steps.
+
+    Raises:
+        argparse.ArgumentTypeError: neither form, or negative.
+    """
+    epochs = value.endswith("ep")
+    try:
+        count = int(value[:-2] if epochs else value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"--compress-warmup {value!r}: give N (optimizer "
+                                         f"steps) or Nep (epochs), N >= 0")
+    return count * steps_per_epoch if epochs else count
 
 
 def bytes_per_step(optimizer: object, model: nn.Module, spec: str) -> tuple[int, int]:
@@ -139,6 +166,31 @@ def bytes_per_step(optimizer: object, model: nn.Module, spec: str) -> tuple[int,
     n = hvd.size()
     dense = 2 * (n - 1) * sum(p.numel() * p.element_size() for p in model.parameters()) // n
     return (dense // 2 if spec == "fp16" else dense), dense
+
+
+def save_compression(optimizer: object, folder: str) -> None:
+    """Every rank writes its compression state (codec compressors only) to
+    ``folder/compression.<rank>.pt``; it differs per rank, so it is not in rank 0's
+    checkpoint."""
+    state = optimizer.compression_state_dict()
+    if state:
+        os.makedirs(folder, exist_ok=True)
+        mine = os.path.join(folder, f"compression.{hvd.rank()}.pt")
+        torch.save(state, mine + ".tmp")
+        os.replace(mine + ".tmp", mine)
+
+
+def restore_compression(optimizer: object, folder: str, saved_ranks: int) -> None:
+    """Load this rank's :func:`save_compression` file when the checkpoint was written at
+    this world size (every rank decides alike); otherwise residuals, local momentum and the
+    warm-up's step count start again from zero."""
+    mine = os.path.join(folder, f"compression.{hvd.rank()}.pt")
+    if saved_ranks == hvd.size() and optimizer.compression_state_dict():
+        if os.path.exists(mine):
+            optimizer.load_compression_state_dict(torch.load(mine, weights_only=True))
+    elif hvd.rank() == 0 and saved_ranks != hvd.size():
+        print(f"checkpoint written by {saved_ranks} ranks: compression state not restored",
+              flush=True)
 
 
 def main() -> int:
@@ -165,6 +217,10 @@ def main() -> int:
                         help="codec compressors: compress each rank's local momentum "
                              "instead of its gradient (Compression...with_momentum); auto: "
                              "yes for onebit, no for the others")
+    parser.add_argument("--compress-warmup", default="0", metavar="N|Nep",
+                        help="codec compressors: run the first N optimizer steps (Nep: N "
+                             "epochs) uncompressed, then compress (Compression..."
+                             "with_warmup)")
     parser.add_argument("--json", default=None, help="rank 0 writes the run's record here")
     parser.add_argument("--device", default="cpu",
                         help="cpu (default), cuda (each rank on GPU local_rank %% count) or "
@@ -173,25 +229,27 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     hvd.init()
-    try:
-        compress_momentum = args.momentum > 0 and args.compression.split(":")[0] in \
-            CODEC_NAMES + ("topk", "randomk") and (
-                args.compress_momentum == "yes" or
-                (args.compress_momentum == "auto" and args.compression.startswith("onebit")))
-        compression = compressor(args.compression, not args.no_error_feedback,
-                                 args.momentum if compress_momentum else 0.0)
-    except argparse.ArgumentTypeError as exc:
-        parser.error(str(exc))
     per_rank = max(1, args.batch // hvd.size())
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
     xtr, ytr, xte, yte, desc = (v.to(device) if isinstance(v, torch.Tensor) else v
                                 for v in load_data(args.dataset))
+    steps_per_epoch = math.ceil(math.ceil(len(ytr) / hvd.size()) / per_rank)
+    try:
+        compress_momentum = args.momentum > 0 and args.compression.split(":")[0] in \
+            CODEC_NAMES + ("topk", "randomk") and (
+                args.compress_momentum == "yes" or
+                (args.compress_momentum == "auto" and args.compression.startswith("onebit")))
+        warmup = warmup_steps(args.compress_warmup, steps_per_epoch)
+        compression = compressor(args.compression, not args.no_error_feedback,
+                                 args.momentum if compress_momentum else 0.0, warmup)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
     torch.manual_seed(args.seed)
     model = DigitsCNN().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    start_epoch = 0
+    start_epoch, saved_ranks = 0, None
     path = os.path.join(args.checkpoint_dir, "checkpoint.pt") if args.checkpoint_dir else None
     if args.resume:
         if path is None:
@@ -201,19 +259,23 @@ def main() -> int:
             state = torch.load(path, weights_only=True)
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
-        start_epoch = hvd.broadcast_object(state["epoch"] if state else 0, root_rank=0)
+        start_epoch, saved_ranks = hvd.broadcast_object(
+            (state["epoch"], state.get("ranks")) if state else (0, None), root_rank=0)
     # Everyone starts from rank 0's parameters and optimizer state.
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compression)
+    if saved_ranks is not None:
+        restore_compression(optimizer, args.checkpoint_dir, saved_ranks)
 
     if hvd.rank() == 0:
         print(f"data: {desc}; model: {sum(p.numel() for p in model.parameters())} parameters; "
               f"{hvd.size()} ranks x batch {per_rank}; epochs {start_epoch}..{args.epochs}; "
               f"compression {args.compression}"
               f"{' without error feedback' if args.no_error_feedback else ''}"
-              f"{' (local momentum compressed)' if compress_momentum else ''}", flush=True)
+              f"{' (local momentum compressed)' if compress_momentum else ''}"
+              f"{f', the first {warmup} steps uncompressed' if warmup else ''}", flush=True)
     started = time.perf_counter()
     train_seconds, steps, mine, log = 0.0, 0, 0, []
     for epoch in range(start_epoch, args.epochs):
@@ -242,8 +304,10 @@ def main() -> int:
                 os.makedirs(args.checkpoint_dir, exist_ok=True)
                 tmp = path + ".tmp"
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                            "epoch": epoch + 1}, tmp)
+                            "epoch": epoch + 1, "ranks": hvd.size()}, tmp)
                 os.replace(tmp, path)
+        if path is not None:
+            save_compression(optimizer, args.checkpoint_dir)
     accuracy = evaluate(model, xte, yte)
     sent, dense = bytes_per_step(optimizer, model, args.compression)
     if hvd.rank() == 0:
@@ -258,6 +322,7 @@ def main() -> int:
                 json.dump({"compression": args.compression,
                            "error_feedback": not args.no_error_feedback,
                            "compress_momentum": compress_momentum,
+                           "compress_warmup": warmup,
                            "ranks": hvd.size(), "epochs": args.epochs, "seed": args.seed,
                            "batch": args.batch, "dataset": desc,
                            "final_accuracy": accuracy, "steps": steps, "samples": samples,
