@@ -26,6 +26,18 @@ rank takes the median block, the table shows the average over ranks. Variants:
   ``auto planned`` (the slow path itself, :func:`mpicoll.collectives.dispatch`: validation,
   algorithm choice, plan, cache store; what the first call of a shape costs).
 
+Two more tables, from the same interleaved blocks:
+
+- the *layers* of a call by shape (a new input array each call), each row adding one layer
+  on top of the row before: the prepared MPI call (``Shaped.run``: buffer specs, datatype
+  and op found at planning, only the arrays new), its record for the stall inspector,
+  the checks of the new arrays (:func:`mpicoll.fastpath.by_shape`), the lookup by shape
+  (:func:`mpicoll.fastpath.run_shaped`), and the public function (``auto new-in``); and
+  the same for a new output (``y = allreduce(x)``: allocation and the prepared call, its
+  record, the identity lookup, the public function);
+- the other collectives (reduce-scatter, all-gather, broadcast, reduce), cached and with
+  a new input array each call (by shape), each beside the MPI call doing the same work.
+
 Memory: one core's ``np.copyto`` of 64 MiB (others sleeping) and ``np.add(a, b, out=b)``,
 in GB/s, the physical limits for the bus bandwidth of the collectives here.
 """
@@ -38,6 +50,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any, Callable
 
 if not __package__:  # run as a script (python bench/overhead.py): find bench and mpicoll
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -113,6 +126,10 @@ def measure(args: argparse.Namespace) -> dict:
         # inspector or the timeline is on), around the direct MPI call
         "mpi recorded": recorded,
     })
+    layers = _layer_variants(comm, x, y)
+    others = _other_collectives(comm, MPI, x, n)
+    variants.update(layers)
+    variants.update(others)
     blocks: dict[str, list[float]] = {v: [] for v in variants}
     calls = args.calls
     for fn in variants.values():  # warm-up: plans, caches, topology
@@ -129,7 +146,8 @@ def measure(args: argparse.Namespace) -> dict:
             blocks[v].append((time.perf_counter() - t0) / calls)
     mine = {v: statistics.median(b) for v, b in blocks.items()}
     every = comm.allgather(mine)
-    per_call = {v: sum(m[v] for m in every) / n * 1e6 for v in variants}
+    averaged = {v: sum(m[v] for m in every) / n * 1e6 for v in variants}
+    per_call = {v: us for v, us in averaged.items() if v not in layers and v not in others}
     profile_text = None
     if args.profile:
         import cProfile  # noqa: PLC0415
@@ -165,11 +183,92 @@ def measure(args: argparse.Namespace) -> dict:
         "world_size": n, "size": args.size, "calls": calls, "repeats": args.repeats,
         "machine": meta["machine"], "date": meta["date"], "command": meta["command"],
         "per_call_us": per_call,
+        "layers_us": {v: averaged[v] for v in layers},
+        "collectives_us": {v: averaged[v] for v in others},
         "mpicoll_overhead_us": per_call["native"] - per_call["mpi"],
         "inspector_us": per_call["mpi recorded"] - per_call["mpi"],
         "inspector_on": watchdog.enabled(),
         "memcpy_GBps": memcpy, "add_GBps": add, "memcpy_bytes": args.memcpy_bytes,
         "profile": profile_text,
+    }
+
+
+def _layer_variants(comm: Any, x: Any, y: Any) -> dict[str, Callable[[], Any]]:
+    """A call by shape and a new-output call taken apart: each variant adds one layer.
+
+    Built from the pieces the slow path makes (private to :mod:`mpicoll.collectives`: a
+    profiling aid, not an API), for the same arrays and arguments as ``auto new-in``.
+    """
+    import numpy as np  # noqa: PLC0415
+
+    import mpicoll  # noqa: PLC0415
+    from mpicoll import collectives, fastpath, tracking  # noqa: PLC0415
+    from mpicoll.context import get_context  # noqa: PLC0415
+
+    op, alg = "sum", "auto"
+    ctx = get_context(comm)
+    plan = collectives._planned(ctx, "allreduce", (x, y, op, alg), False)
+    run = plan.shaped.run
+    info = tracking.CallInfo("allreduce", plan.count, plan.dtype, plan.op, None, alg,
+                             plan.algorithm, x.nbytes)
+    recorded = tracking.recorded(ctx.tracker, info, run)
+    checked = fastpath.by_shape(plan.shaped._replace(run=recorded))
+    new = collectives._planned(ctx, "allreduce", (x, None, op, alg), False)
+    remake = tracking.recorded(ctx.tracker, info, new.remake)
+    empty, shape, dtype, new_run = np.empty, x.shape, x.dtype, new.shaped.run
+    MISS = fastpath.MISS
+
+    def public(a: Any, b: Any) -> Any:
+        return mpicoll.allreduce(a, b, op, comm, alg)
+
+    public(x.copy(), y)   # plans the shape: run_shaped finds it
+    public(x, None)       # and x's new-output call
+    return {
+        "in: run": lambda: run(x.copy(), y),
+        "in: + record": lambda: recorded(x.copy(), y),
+        "in: + checks": lambda: checked(x.copy(), y),
+        # (a lookup that misses, once after "auto planned" evicted the entry, plans again)
+        "in: + lookup": lambda: fastpath.run_shaped("allreduce", x.copy(), y, op, alg,
+                                                    comm) is not MISS or public(x.copy(), y),
+        "in: + allreduce()": lambda: mpicoll.allreduce(x.copy(), y, op, comm, alg),
+        "out: empty + run": lambda: new_run(x, empty(shape, dtype)),
+        "out: + record": remake,
+        "out: + lookup": lambda: fastpath.run_cached(("allreduce", id(x), id(None), id(op),
+                                                      id(alg), id(comm))) is not MISS
+        or public(x, None),
+        "out: + allreduce()": lambda: mpicoll.allreduce(x, None, op, comm, alg),
+    }
+
+
+def _other_collectives(comm: Any, MPI: Any, x: Any, n: int) -> dict[str, Callable[[], Any]]:
+    """Reduce-scatter, all-gather, broadcast and reduce of ``x``'s size (per rank), cached
+    and with a new input each call, each beside the mpi4py call doing the same work."""
+    import numpy as np  # noqa: PLC0415
+
+    import mpicoll  # noqa: PLC0415
+
+    full = np.ones(x.size * n, x.dtype)   # reduce-scatter: one block of x's size per rank
+    block, gathered, out = np.empty_like(x), np.empty_like(full), np.empty_like(x)
+    buf = x.copy()
+    return {
+        "reduce_scatter mpi": lambda: comm.Reduce_scatter_block(full, block, MPI.SUM),
+        "reduce_scatter cached": lambda: mpicoll.reduce_scatter(full, block, "sum", comm),
+        "reduce_scatter mpi new-in": lambda: comm.Reduce_scatter_block(full.copy(), block,
+                                                                       MPI.SUM),
+        "reduce_scatter new-in": lambda: mpicoll.reduce_scatter(full.copy(), block, "sum",
+                                                                comm),
+        "allgather mpi": lambda: comm.Allgather(x, gathered),
+        "allgather cached": lambda: mpicoll.allgather(x, gathered, comm),
+        "allgather mpi new-in": lambda: comm.Allgather(x.copy(), gathered),
+        "allgather new-in": lambda: mpicoll.allgather(x.copy(), gathered, comm),
+        "broadcast mpi": lambda: comm.Bcast(buf, 0),
+        "broadcast cached": lambda: mpicoll.broadcast(buf, 0, comm),
+        "broadcast mpi new-in": lambda: comm.Bcast(x.copy(), 0),
+        "broadcast new-in": lambda: mpicoll.broadcast(x.copy(), 0, comm),
+        "reduce mpi": lambda: comm.Reduce(x, out, MPI.SUM, 0),
+        "reduce cached": lambda: mpicoll.reduce(x, out, "sum", 0, comm),
+        "reduce mpi new-in": lambda: comm.Reduce(x.copy(), out, MPI.SUM, 0),
+        "reduce new-in": lambda: mpicoll.reduce(x.copy(), out, "sum", 0, comm),
     }
 
 
@@ -192,6 +291,23 @@ def format_text(res: dict) -> str:
         lines.append(f"# stall inspector's record per call (mpi recorded - mpi): "
                      f"{res['inspector_us']:.2f} us; inspector "
                      f"{'on' if res['inspector_on'] else 'off'} in this run")
+    if res.get("layers_us"):
+        lines.append("# Layers: each row adds one to the row above (in: new input, given "
+                     "output; out: y = allreduce(x))")
+        lines.append(f"{'# Layer':<22s}{'us/call':>10s}{'added':>9s}")
+        prev = None
+        for v, us in res["layers_us"].items():
+            if v.endswith(": run") or v.endswith("empty + run"):
+                prev = res["per_call_us"]["mpi new-in" if v.startswith("in") else "mpi new-out"]
+            lines.append(f"{v:<22s}{us:10.2f}{us - prev:9.2f}")
+            prev = us
+    if res.get("collectives_us"):
+        lines.append("# Other collectives (ratio: to the mpi4py call doing the same work)")
+        for v, us in res["collectives_us"].items():
+            name, _, form = v.partition(" ")
+            base = res["collectives_us"][f"{name} mpi new-in" if "new-in" in form
+                                         else f"{name} mpi"]
+            lines.append(f"{v:<28s}{us:10.2f}{us / base:9.2f}")
     if res.get("memcpy_GBps"):
         lines.append(f"# Memory: np.copyto {res['memcpy_bytes'] // MiB} MiB: "
                      f"{res['memcpy_GBps']:.2f} GB/s; np.add(a, b, out=b): "

@@ -42,9 +42,10 @@ class Plan(NamedTuple):
             ``remake``, or (``remake`` is ``None``) runs ``run`` and is never cached.
         remake: for a fresh result, a callable that allocates a new result, performs the
             collective into it and returns it.
-        shaped: ``shaped(sendbuf, recvbuf)`` runs the same call on other arrays of the
-            same shape and dtype (returns the result, or :data:`~mpicoll.fastpath.MISS`
-            for a layout it does not take); kept by :func:`mpicoll.fastpath.store_shaped`.
+        shaped: the same call as a function of other arrays of the same shapes and dtype
+            (:class:`mpicoll.fastpath.Shaped`; ``None`` where none applies, e.g. in
+            place): the slow path keeps it behind :func:`mpicoll.fastpath.by_shape`'s
+            checks as the call by shape.
         count, dtype, op, root: what checked mode compares across ranks (``op``/``root``
             ``None`` where the collective has none).
         requested: the ``algorithm`` argument; ``algorithm``: the registered name it
@@ -62,7 +63,7 @@ class Plan(NamedTuple):
     op: str | None = None
     root: int | None = None
     remake: Callable[[], Any] | None = None
-    shaped: Callable[[Any, Any], Any] | None = None
+    shaped: fastpath.Shaped | None = None
 
 
 def _same_memory(a: Any, b: Any) -> bool:
@@ -205,8 +206,10 @@ def dispatch(collective: str, args: tuple, comm: Any = None, check: Any = None,
             fastpath.store(key, key_args, plan.remake, None)
         else:
             fastpath.store(key, key_args, plan.run, plan.result, plan.out)
-        if plan.shaped is not None:
-            fastpath.store_shaped(key, key_args[0], key_args[1], key_args[2:], plan.shaped)
+        if plan.shaped is not None:  # the buffers lead the arguments (one for broadcast)
+            nbuf = 1 if collective == "broadcast" else 2
+            fastpath.store_shaped(key, key_args[0], key_args[1] if nbuf == 2 else None,
+                                  key_args[nbuf:], fastpath.by_shape(plan.shaped))
     if plan.remake is not None:
         return plan.remake()
     plan.run()
@@ -216,7 +219,9 @@ def dispatch(collective: str, args: tuple, comm: Any = None, check: Any = None,
 def _tracked_plan(ctx: CommContext, collective: str, args: tuple, check: Any) -> Plan:
     """:func:`_planned`, counted as call ``#seq`` while it plans (checked mode's agreement
     step may wait for the other ranks), with its ``run``/``remake`` recorded
-    (:func:`mpicoll.tracking.recorded`), which numbers it ``#seq`` again when it runs."""
+    (:func:`mpicoll.tracking.recorded`), which numbers it ``#seq`` again when it runs.
+    The call by shape records its ``run`` only, after its checks: a call it refuses (and
+    sends to the slow path) is not counted twice."""
     tracker = ctx.tracker
     seq = tracker.begin(tracking.CallInfo(collective))
     try:
@@ -226,7 +231,8 @@ def _tracked_plan(ctx: CommContext, collective: str, args: tuple, check: Any) ->
     info = tracking.CallInfo(collective, plan.count, plan.dtype, plan.op, plan.root,
                              plan.requested, plan.algorithm,
                              plan.count * np.dtype(plan.dtype).itemsize)
-    shaped = plan.shaped and tracking.recorded(tracker, info, plan.shaped)
+    shaped = plan.shaped and plan.shaped._replace(
+        run=tracking.recorded(tracker, info, plan.shaped.run))
     if plan.remake is not None:
         return plan._replace(remake=tracking.recorded(tracker, info, plan.remake),
                              shaped=shaped)
@@ -259,72 +265,91 @@ def _allreduce_steps(ctx: CommContext, send: Any, recv: Any, result: Any, opo: A
         options["finalize"] = True   # the algorithm divides each shard once
         scale = False
     fields = (flat.size, flat.dtype.str, algorithm, name)
-    algorithm_fn = lookup("allreduce", name)
-
-    def reduce_into(source: Any, out: Any) -> None:  # flat views, chosen per call
-        if trivial:
-            buffers.copy(out, source)
-        else:
-            algorithm_fn(ctx, source, out, opo, **options)
-        if scale:
-            opo.finalize(out, ctx.size)
-
-    shaped = _allreduce_shaped(reduce_into, flat.dtype)
     if recv is not None:
         run = (_copy_step(recv, send) if trivial
                else bind("allreduce", name, ctx, send, recv, opo, **options))
-        return Plan(_chain(run, _finalize_step(opo, recv, ctx.size) if scale else None),
-                    result, result, False, *fields, op=opo.name,
-                    shaped=None if send is recv else shaped)
-    sendbuf = result
-    xp = buffers.array_module(sendbuf)
-
-    def remake() -> Any:  # y = allreduce(x), cached: a new y each time
-        new = xp.empty_like(sendbuf)
-        reduce_into(send, new.reshape(-1, order="A"))
-        return new
-
-    return Plan(None, None, None, True, *fields, op=opo.name, remake=remake, shaped=shaped)
-
-
-#: Arrays up to this size are remembered by a call by shape (to notice them coming back).
-_KEEP_LAST_BYTES = fastpath.MAX_BYTES // 4
+        plan = Plan(_chain(run, _finalize_step(opo, recv, ctx.size) if scale else None),
+                    result, result, False, *fields, op=opo.name)
+        if send is recv:  # in place: no call by shape
+            return plan
+    else:
+        plan = Plan(None, None, None, True, *fields, op=opo.name)
+    # (send.view(): a stand-in output of the right size and dtype, not send itself,
+    # which would mean in place)
+    run_on = _run_on(ctx, "allreduce", name, (send, send.view() if recv is None else recv, opo),
+                     options, trivial, opo if scale else None)
+    return _with_shape(plan, run_on, send, result, recv is None)
 
 
-def _allreduce_shaped(reduce_into: Callable[[Any, Any], None],
-                      dtype: np.dtype) -> Callable[[Any, Any], Any]:
-    """``reduce_into(send, out)`` (the all-reduce planned in :func:`_allreduce_steps`, on
-    flat views), as a function of new numpy arrays of the same shape
-    and dtype (:func:`mpicoll.fastpath.run_shaped`): C-contiguous ``sendbuf``; ``recvbuf``
-    ``None`` (a new result) or a writable C-contiguous array of ``dtype`` that does not
-    overlap ``sendbuf``. Anything else returns ``MISS`` (the slow path validates it), and
-    so do the arrays of the previous call coming back (the slow path then caches them by
-    identity: a loop over the same arrays ends up on the identity cache, even after its
-    entry was evicted)."""
-    empty = np.empty
-    overlap = np.may_share_memory
-    last: list = [None, None]  # the arrays of the last call, when small enough to keep
+def _run_on(ctx: CommContext, collective: str, name: str, args: tuple, options: dict,
+            trivial: bool, scale: Any = None) -> Callable[[Any, Any], None]:
+    """The planned call as ``run(a, out)`` of other buffers (the calls by shape and the new
+    outputs of ``remake``): C-contiguous arrays of any shape with the sizes and dtype of
+    the flat views leading ``args`` (``out`` is ``None`` where the plan has no output);
+    ``args`` and ``options`` are the algorithm's arguments as planned.
 
-    def shaped(sendbuf: Any, recvbuf: Any) -> Any:
-        if sendbuf is last[0] and recvbuf is last[1]:
-            # the same arrays twice in a row: the slow path caches them by identity
-            # (cheaper from then on), instead of this running for them forever
-            last[0] = None
-            return MISS
-        if not sendbuf.flags.c_contiguous:
-            return MISS
-        if recvbuf is not None:
-            flags = recvbuf.flags
-            if (not flags.c_contiguous or not flags.writeable or recvbuf.dtype != dtype
-                    or overlap(sendbuf, recvbuf)):
-                return MISS
-        if sendbuf.nbytes <= _KEEP_LAST_BYTES:
-            last[0], last[1] = sendbuf, recvbuf
-        result = empty(sendbuf.shape, dtype) if recvbuf is None else recvbuf
-        reduce_into(sendbuf.reshape(-1), result.reshape(-1))
-        return result
+    ``trivial``: one rank (a copy) or nothing to move; ``scale``: the op whose
+    ``finalize`` (the division of ``average``) follows the algorithm.
+    """
+    if trivial:
+        run = _copy_flat if ctx.size == 1 else _nothing
+    else:
+        fn = lookup(collective, name)
+        binder = getattr(fn, "bind_buffers", None)
+        if binder is not None:   # native MPI: its specs and datatype prepared once
+            run = binder(ctx, *args, **options)
+        elif collective == "broadcast":
+            fixed = args[1:]
+            run = lambda a, _out: fn(ctx, a.reshape(-1), *fixed, **options)  # noqa: E731
+        else:
+            fixed = args[2:]
+            run = lambda a, out: fn(ctx, a.reshape(-1),  # noqa: E731
+                                    None if out is None else out.reshape(-1), *fixed,
+                                    **options)
+    if scale is None:
+        return run
+    finalize, size = scale.finalize, ctx.size
 
-    return shaped
+    def run_and_scale(a: Any, out: Any) -> None:
+        run(a, out)
+        finalize(out, size)
+
+    return run_and_scale
+
+
+def _copy_flat(a: Any, out: Any) -> None:
+    if out is not None:
+        buffers.copy(out.reshape(-1), a.reshape(-1))
+
+
+def _nothing(a: Any, out: Any) -> None:
+    return None
+
+
+def _with_shape(plan: Plan, run_on: Callable[[Any, Any], None], send: Any, like: Any,
+                fresh: bool, shape: tuple | None = None) -> Plan:
+    """``plan`` with its call by shape (``run_on`` behind the checks of new arrays) and,
+    for a new output each call (``fresh``: the call passed none), ``remake``.
+
+    A new output is shaped ``shape`` (C order), or like ``like`` (the user's
+    ``sendbuf``, in its memory order: a Fortran-ordered input gets a Fortran-ordered
+    result, as ``numpy.empty_like`` would)."""
+    shape = like.shape if shape is None else shape
+    plan = plan._replace(shaped=fastpath.Shaped(run_on, send.dtype, shape))
+    if not fresh:
+        return plan
+    empty, dtype = buffers.array_module(send).empty, send.dtype
+    if like is None or like.flags.c_contiguous:
+        def remake() -> Any:  # y = allreduce(x), cached: a new y each time
+            out = empty(shape, dtype)
+            run_on(send, out)
+            return out
+    else:
+        def remake() -> Any:
+            out = empty(shape, dtype, order="F")
+            run_on(send, out.reshape(-1, order="A"))
+            return out
+    return plan._replace(remake=remake)
 
 
 def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
@@ -451,8 +476,14 @@ def _reduce_scatter_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
         run = _chain(refill, bind("reduce_scatter", name, ctx, send, recv, opo))
     else:
         run = None
-    return Plan(_chain(run, _finalize_step(opo, recv, ctx.size)), result, recvbuf,
+    plan = Plan(_chain(run, _finalize_step(opo, recv, ctx.size)), result, recvbuf,
                 recvbuf is None, send.size, send.dtype.str, algorithm, name, op=opo.name)
+    if refill is not None:
+        return plan
+    run_on = _run_on(ctx, "reduce_scatter", name, (send, recv, opo), {},
+                     ctx.size == 1 or not send.size,
+                     opo if opo.averages and ctx.size > 1 else None)
+    return _with_shape(plan, run_on, send, None, recvbuf is None, recv.shape)
 
 
 def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
@@ -477,6 +508,9 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
     if not check:  # the hot path: a cached call (mpicoll.fastpath)
         result = run_cached(("reduce_scatter", id(sendbuf), id(recvbuf), id(op),
                              id(algorithm), id(comm)))
+        if result is not MISS:
+            return result
+        result = run_shaped("reduce_scatter", sendbuf, recvbuf, op, algorithm, comm)
         if result is not MISS:
             return result
     return dispatch("reduce_scatter", (sendbuf, recvbuf, op, algorithm), comm, check)
@@ -510,8 +544,13 @@ def _allgather_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, algorithm: Any
         run = _copy_step(recv, send)
     else:
         run = bind("allgather", name, ctx, send, recv) if recv.size else None
-    return Plan(_chain(run), result, recvbuf, recvbuf is None, recv.size // ctx.size,
+    plan = Plan(_chain(run), result, recvbuf, recvbuf is None, recv.size // ctx.size,
                 recv.dtype.str, algorithm, name)
+    if send is None:
+        return plan
+    run_on = _run_on(ctx, "allgather", name, (send, recv), {},
+                     ctx.size == 1 or not recv.size)
+    return _with_shape(plan, run_on, send, None, recvbuf is None, result.shape)
 
 
 def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: str = "auto",
@@ -533,6 +572,9 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: st
         result = run_cached(("allgather", id(sendbuf), id(recvbuf), id(algorithm), id(comm)))
         if result is not MISS:
             return result
+        result = run_shaped("allgather", sendbuf, recvbuf, algorithm, comm)
+        if result is not MISS:
+            return result
     return dispatch("allgather", (sendbuf, recvbuf, algorithm), comm, check)
 
 
@@ -540,9 +582,13 @@ def _broadcast_plan(ctx: CommContext, buf: Any, root: Any, algorithm: Any) -> Pl
     r = _check_root(root, ctx.size)
     flat = flat_view(buf, "buf", writable=ctx.rank != r)
     name = _resolve(ctx, "broadcast", algorithm, flat.nbytes)
-    run = bind("broadcast", name, ctx, flat, r) if ctx.size > 1 and flat.size else None
+    trivial = ctx.size == 1 or not flat.size
+    run = None if trivial else bind("broadcast", name, ctx, flat, r)
+    run_on = _nothing if trivial else _run_on(ctx, "broadcast", name, (flat, r), {}, False)
     return Plan(_chain(run), buf, buf if ctx.rank != r else None, False, flat.size,
-                flat.dtype.str, algorithm, name, root=r)
+                flat.dtype.str, algorithm, name, root=r,
+                shaped=fastpath.Shaped(run_on, flat.dtype, mode=fastpath.INOUT,
+                                       writable=ctx.rank != r))
 
 
 def broadcast(buf: Any, root: int = 0, comm: Any = None, algorithm: str = "auto",
@@ -560,6 +606,9 @@ def broadcast(buf: Any, root: int = 0, comm: Any = None, algorithm: str = "auto"
     """
     if not check:  # the hot path: a cached call (mpicoll.fastpath)
         result = run_cached(("broadcast", id(buf), id(root), id(algorithm), id(comm)))
+        if result is not MISS:
+            return result
+        result = run_shaped("broadcast", buf, None, root, algorithm, comm)
         if result is not MISS:
             return result
     return dispatch("broadcast", (buf, root, algorithm), comm, check)
@@ -583,9 +632,18 @@ def _reduce_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any, root: An
         run = _copy_step(recv, send)
     else:
         run = bind("reduce", name, ctx, send, recv, opo, r) if send.size else None
-    return Plan(_chain(run, _finalize_step(opo, recv, ctx.size)), result,
+    plan = Plan(_chain(run, _finalize_step(opo, recv, ctx.size)), result,
                 recvbuf if at_root else None, at_root and recvbuf is None, send.size,
                 send.dtype.str, algorithm, name, op=opo.name, root=r)
+    if send is recv:  # in place
+        return plan
+    run_on = _run_on(ctx, "reduce", name, (send, recv, opo, r), {},
+                     ctx.size == 1 or not send.size,
+                     opo if at_root and opo.averages and ctx.size > 1 else None)
+    if not at_root:
+        return plan._replace(shaped=fastpath.Shaped(run_on, send.dtype,
+                                                    mode=fastpath.INPUT_ONLY))
+    return _with_shape(plan, run_on, send, sendbuf, recvbuf is None)
 
 
 def reduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", root: int = 0,
@@ -607,6 +665,9 @@ def reduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", root: int = 0,
     if not check:  # the hot path: a cached call (mpicoll.fastpath)
         result = run_cached(("reduce", id(sendbuf), id(recvbuf), id(op), id(root),
                              id(algorithm), id(comm)))
+        if result is not MISS:
+            return result
+        result = run_shaped("reduce", sendbuf, recvbuf, op, root, algorithm, comm)
         if result is not MISS:
             return result
     return dispatch("reduce", (sendbuf, recvbuf, op, root, algorithm), comm, check)

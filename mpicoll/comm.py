@@ -106,6 +106,9 @@ class Comm(MPI.Intracomm):
             if run_cached(("Comm.Reduce_scatter_block", id(sendbuf), id(recvbuf),
                            id(op), id(self))) is not MISS:
                 return None
+            if run_shaped("Comm.Reduce_scatter_block", sendbuf, recvbuf, op,
+                          self) is not MISS:
+                return None
         try:
             ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op)
         except (Unsupported, ValueError):
@@ -149,6 +152,8 @@ class Comm(MPI.Intracomm):
         if not self._mpicoll_check:  # the hot path: a cached call (mpicoll.fastpath)
             if run_cached(("Comm.Allgather", id(sendbuf), id(recvbuf), id(self))) is not MISS:
                 return None
+            if run_shaped("Comm.Allgather", sendbuf, recvbuf, self) is not MISS:
+                return None
         try:
             send = self._parse(sendbuf, "sendbuf")
             recv = _buffer(recvbuf, "recvbuf", writable=True)
@@ -162,6 +167,8 @@ class Comm(MPI.Intracomm):
         if not self._mpicoll_check:  # the hot path: a cached call (mpicoll.fastpath)
             if run_cached(("Comm.Bcast", id(buf), id(root), id(self))) is not MISS:
                 return None
+            if run_shaped("Comm.Bcast", buf, None, root, self) is not MISS:
+                return None
         try:
             flat = _buffer(buf, "buf", writable=self.Get_rank() != root)
         except (Unsupported, ValueError):
@@ -174,6 +181,8 @@ class Comm(MPI.Intracomm):
         if not self._mpicoll_check:  # the hot path: a cached call (mpicoll.fastpath)
             if run_cached(("Comm.Reduce", id(sendbuf), id(recvbuf), id(op),
                            id(root), id(self))) is not MISS:
+                return None
+            if run_shaped("Comm.Reduce", sendbuf, recvbuf, op, root, self) is not MISS:
                 return None
         at_root = self.Get_rank() == root
         try:

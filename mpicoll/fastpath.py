@@ -24,28 +24,33 @@ is referenced cannot be resized in place. Consequences and limits:
 Checked mode never uses the cache: its agreement step runs on every call.
 
 **Calls by shape** (:func:`run_shaped`): a loop that passes a *new* array each time (a
-fresh gradient, ``y = allreduce(x * 2)``) never hits the identity cache. For the
-all-reduce, the slow path also keeps a *shaped* call: the same validated choices
-(algorithm, options, op, scaling) as a function of the buffers, keyed by the shape and
-dtype of the arrays and the identity of the other arguments. A new array of a known shape
-and dtype then costs a dictionary lookup and a few flag checks (C-contiguous, writable
-output, no overlap) instead of the whole validation; anything else (another layout, an
-overlap, in place, a buffer specification) goes back to the slow path, which validates and
-raises as usual. No array is held: only the shapes and the argument objects, which the
-entry keeps alive as the identity cache does. :func:`invalidate` forgets these too.
+fresh gradient, ``y = allreduce(x * 2)``) never hits the identity cache. So the slow path
+of every collective and :class:`mpicoll.Comm` method also keeps a *call by shape*: the
+planned call as a function of new arrays (:class:`Shaped`: the algorithm bound to
+everything but the arrays, native MPI with its count, datatype and op found once; the
+final scaling; how a new output is allocated), keyed by the shapes and dtype of the
+arrays and the identity of the other arguments. A new array of a known shape then costs
+a dictionary lookup and the checks a new array can fail (:func:`by_shape`: C-contiguous,
+writable output of the planned dtype, no overlap) instead of the whole validation;
+anything else (another layout, an overlap, in place, a buffer specification) goes back to
+the slow path, which validates and raises as usual. No array is held, apart from the last
+call's (to notice the same arrays coming back: those go to the identity cache); only the
+shapes and the argument objects, which the entry keeps alive as the identity cache does.
+:func:`invalidate` forgets these too.
 """
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
 from .ops import Op
 
-__all__ = ["run_cached", "run_shaped", "store_shaped", "MISS", "key", "lookup", "store",
-           "invalidate", "MAX_ENTRIES", "MAX_BYTES"]
+__all__ = ["run_cached", "run_shaped", "store_shaped", "by_shape", "Shaped", "OUTPUT",
+           "INPUT_ONLY", "INOUT", "MISS", "key", "lookup", "store", "invalidate",
+           "MAX_ENTRIES", "MAX_BYTES", "KEEP_LAST_BYTES"]
 
 #: Cached calls kept at most (oldest dropped first).
 MAX_ENTRIES = 64
@@ -92,11 +97,13 @@ def run_cached(call_key: tuple) -> Any:
 
 
 def run_shaped(collective: str, sendbuf: Any, recvbuf: Any, *rest: Any) -> Any:
-    """Run the shaped call kept for arrays shaped like these (see the module docstring).
+    """Run the call by shape kept for arrays shaped like these (see the module docstring).
 
-    ``rest`` are the other arguments the call depends on (op, algorithm, communicator),
-    compared by identity. Returns the result, or :data:`MISS` when none applies (no entry;
-    not exact numpy arrays; the entry refused this layout): the caller takes the slow path.
+    ``sendbuf`` is the first buffer argument (``buf`` of a broadcast), ``recvbuf`` the
+    second (``None`` for a broadcast); ``rest`` are the other arguments the call depends
+    on (op, root, algorithm, communicator), compared by identity. Returns the result, or
+    :data:`MISS` when none applies (no entry; not exact numpy arrays; the entry refused
+    these arrays): the caller takes the slow path.
     """
     if type(sendbuf) is not np.ndarray:
         return MISS
@@ -112,12 +119,95 @@ def run_shaped(collective: str, sendbuf: Any, recvbuf: Any, *rest: Any) -> Any:
     return entry[0](sendbuf, recvbuf)
 
 
+#: What the second buffer of a call by shape is (:attr:`Shaped.mode`): an output
+#: (``None``: allocated per call), ignored (a reduce off its root: the result is ``None``),
+#: or absent, the first buffer being the result (a broadcast).
+OUTPUT, INPUT_ONLY, INOUT = 0, 1, 2
+
+
+class Shaped(NamedTuple):
+    """A planned call as a function of new arrays of the same shapes (:func:`by_shape`).
+
+    Attributes:
+        run: ``run(a, out)`` performs the planned collective (trivial cases and final
+            scaling included) on C-contiguous arrays of any shape with the planned sizes
+            and dtype; ``out`` is ``None`` unless ``mode`` is :data:`OUTPUT`.
+        dtype: the output's dtype (also the input's: the key holds it).
+        new_shape: the shape of the output allocated when the call passes none.
+        mode: :data:`OUTPUT`, :data:`INPUT_ONLY` or :data:`INOUT`.
+        writable: with :data:`INOUT`, whether the buffer is written (not a broadcast's
+            root).
+    """
+
+    run: Callable[[Any, Any], Any]
+    dtype: Any
+    new_shape: tuple | None = None
+    mode: int = OUTPUT
+    writable: bool = True
+
+
+#: Arrays up to this size are remembered by a call by shape (to notice them coming back).
+KEEP_LAST_BYTES = MAX_BYTES // 4
+
+
+def by_shape(spec: Shaped) -> Callable[[Any, Any], Any]:
+    """``spec.run`` behind the checks a new array can fail: what :func:`store_shaped` keeps.
+
+    The returned ``call(a, b)`` (numpy arrays whose shapes and first dtype match the
+    plan, :func:`run_shaped` saw to that) runs the call and returns its result when ``a``
+    is C-contiguous and, for an :data:`OUTPUT`, ``b`` is ``None`` (a new array of
+    ``new_shape`` is the result) or a writable C-contiguous array of ``dtype`` that does
+    not overlap ``a``; for an :data:`INOUT`, ``a`` is writable where written. Anything
+    else returns :data:`MISS` before anything runs (the slow path validates it and
+    raises). So do the arrays of the previous call coming back: the slow path then caches
+    them by identity (cheaper), so a loop over the same arrays ends up there even after
+    its entry was evicted.
+    """
+    run, dtype, new_shape, mode, writable = spec
+    empty = np.empty
+    overlap = np.may_share_memory
+    last: list = [None, None]  # the arrays of the last call, when small enough to keep
+
+    def call(a: Any, b: Any) -> Any:
+        if a is last[0] and b is last[1]:
+            last[0] = None
+            return MISS
+        flags = a.flags
+        if not flags.c_contiguous:
+            return MISS
+        if mode == OUTPUT:
+            if b is None:
+                out = empty(new_shape, dtype)
+            else:
+                out_flags = b.flags
+                if (not out_flags.c_contiguous or not out_flags.writeable
+                        or (b.dtype is not dtype and b.dtype != dtype)
+                        # two arrays that each own their memory are apart (cheaper to
+                        # see than numpy.may_share_memory's bounds)
+                        or b is a or not (flags.owndata and out_flags.owndata)
+                        and overlap(a, b)):
+                    return MISS
+                out = b
+        elif mode == INOUT and writable and not flags.writeable:
+            return MISS
+        else:
+            out = None
+        if a.nbytes <= KEEP_LAST_BYTES:
+            last[0], last[1] = a, b
+        run(a, out)
+        return a if mode == INOUT else out
+
+    return call
+
+
 def store_shaped(collective: str, sendbuf: Any, recvbuf: Any, rest: tuple,
                  fn: Callable[[Any, Any], Any]) -> None:
-    """Keep ``fn(sendbuf, recvbuf)`` for later arrays shaped like these (or no recvbuf).
+    """Keep ``fn(sendbuf, recvbuf)`` (:func:`by_shape`) for later arrays shaped like these.
 
     ``fn`` returns the result or :data:`MISS` when it refuses the arrays it is given.
-    Only exact numpy arrays key an entry; ``rest`` (compared by identity) is held alive.
+    Only exact numpy arrays (``recvbuf`` may be ``None``) key an entry; ``rest``
+    (compared by identity) is held alive, and must hold only values that may key a cached
+    call (a list of counts may not: it could change in place).
     """
     if type(sendbuf) is not np.ndarray or not (recvbuf is None or
                                                type(recvbuf) is np.ndarray):

@@ -274,3 +274,121 @@ def test_the_same_arrays_again_go_to_the_identity_cache():
     mpicoll.allreduce(x, y)  # the same arrays again: planned, cached by identity
     assert fastpath.lookup("allreduce", x, y, "sum", "auto", None) is not None
     assert mpicoll.allreduce(x, y).tolist() == [0, 1, 2, 3, 4]
+
+
+def _by_shape(mode=fastpath.OUTPUT, writable=True, dtype=np.dtype(np.float64)):
+    ran = []
+    call = fastpath.by_shape(fastpath.Shaped(lambda a, out: ran.append((a, out)), dtype,
+                                             (2, 3), mode, writable))
+    return call, ran
+
+
+def test_a_call_by_shape_refuses_what_validation_would_question():
+    """Everything a new array can get wrong leaves the call by shape before it runs."""
+    call, ran = _by_shape()
+    x = np.ones((2, 3))
+    ro = np.empty((2, 3))
+    ro.flags.writeable = False
+    wide = np.zeros(12)
+    refused = {
+        "not C-contiguous input": (np.asfortranarray(x), np.empty((2, 3))),
+        "not C-contiguous output": (x, np.empty((3, 2)).T),
+        "read-only output": (x, ro),
+        "other output dtype": (x, np.empty((2, 3), np.float32)),
+        "overlapping output": (wide[:6].reshape(2, 3), wide[3:9].reshape(2, 3)),
+        "output is the input": (x, x),
+    }
+    for what, (a, b) in refused.items():
+        assert call(a, b) is fastpath.MISS, what
+    assert not ran
+    y = np.empty((2, 3))
+    assert call(x, y) is y and ran[-1] == (x, y)
+    assert call(x, y) is fastpath.MISS   # the same arrays again: the identity cache's
+    made = call(x.copy(), None)          # no output given: a new one of the planned shape
+    assert made.shape == (2, 3) and made.dtype == np.float64 and made is not y
+
+
+def test_calls_by_shape_without_an_output_and_in_place():
+    call, ran = _by_shape(fastpath.INPUT_ONLY)   # a reduce off its root
+    x = np.ones(4)
+    assert call(x, None) is None and ran == [(x, None)]
+    call, ran = _by_shape(fastpath.INOUT, writable=True)  # a broadcast off its root
+    ro = np.ones(4)
+    ro.flags.writeable = False
+    assert call(ro, None) is fastpath.MISS and not ran
+    assert call(x, None) is x
+    call, ran = _by_shape(fastpath.INOUT, writable=False)  # the broadcast's root
+    assert call(ro, None) is ro and ran == [(ro, None)]
+
+
+def test_every_collective_runs_new_arrays_by_shape(monkeypatch):
+    """New arrays of a known shape on each call: planned once, for every collective and
+    Comm method, with or without an output; each call reads its own input."""
+    planned = _count_all_plans(monkeypatch)
+    comm = mpicoll.Comm(MPI.COMM_SELF)
+    forms = {
+        "allreduce": lambda x, y: mpicoll.allreduce(x, y, op="average"),
+        "reduce_scatter": lambda x, y: mpicoll.reduce_scatter(x, y),
+        "allgather": lambda x, y: mpicoll.allgather(x, y),
+        "reduce": lambda x, y: mpicoll.reduce(x, y, op="max"),
+        "Comm.Allreduce": lambda x, y: comm.Allreduce(x, y, MPI.SUM) or y,
+        "Comm.Reduce_scatter_block": lambda x, y: comm.Reduce_scatter_block(x, y) or y,
+        "Comm.Allgather": lambda x, y: comm.Allgather(x, y) or y,
+        "Comm.Reduce": lambda x, y: comm.Reduce(x, y, MPI.SUM, 0) or y,
+    }
+    for label, call in forms.items():
+        for new_output in (False, True):
+            if new_output and label.startswith("Comm."):
+                continue
+            planned.clear()
+            for k in range(3):
+                x = np.arange(10, dtype=np.int32).reshape(2, 5) * (k + 2)
+                y = None if new_output else np.full((2, 5), -1, dtype=np.int32)
+                got = call(x, y)
+                assert got is not x and (new_output or got is y), label
+                assert got.reshape(-1).tolist() == x.reshape(-1).tolist(), (label, k)
+            assert len(planned) == 1, f"{label} planned {len(planned)} times in 3 calls"
+    planned.clear()
+    for k in range(3):
+        buf = np.full((2, 5), k)
+        assert mpicoll.broadcast(buf) is buf and comm.Bcast(buf.copy()) is None
+    assert planned == ["broadcast"] * 2
+
+
+def _count_all_plans(monkeypatch) -> list:
+    from mpicoll import collectives  # noqa: PLC0415
+
+    planned: list = []
+    for name, plan in list(collectives._PLANS.items()):
+        monkeypatch.setitem(collectives._PLANS, name,
+                            lambda ctx, *a, _plan=plan, _name=name: (planned.append(_name),
+                                                                    _plan(ctx, *a))[1])
+    return planned
+
+
+def test_the_record_counts_each_call_once(monkeypatch):
+    """With the stall inspector's record on, every call (identity cache, by shape, new
+    output, planned, and a call by shape refused for the slow path) is numbered once."""
+    from mpicoll import tracking  # noqa: PLC0415
+    from mpicoll.context import get_context  # noqa: PLC0415
+
+    monkeypatch.setattr(tracking, "INSPECTED", True)
+    fastpath.invalidate()
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        tracker = get_context(comm).tracker
+        x, x2, y = np.ones(4), np.ones(4), np.empty(4)
+        calls = [lambda: mpicoll.allreduce(x, y, comm=comm),         # planned
+                 lambda: mpicoll.allreduce(x, y, comm=comm),         # identity
+                 lambda: mpicoll.allreduce(x2, y, comm=comm),        # by shape
+                 lambda: mpicoll.allreduce(x2, y, comm=comm),        # refused: planned
+                 lambda: mpicoll.allreduce(x2, y, comm=comm),        # identity
+                 lambda: mpicoll.allreduce(x, comm=comm),            # new output
+                 lambda: mpicoll.broadcast(y, comm=comm),
+                 lambda: mpicoll.broadcast(y.copy(), comm=comm)]
+        for k, call in enumerate(calls, 1):
+            call()
+            assert (tracker.entered, tracker.done) == (k, k), k
+            assert tracker.info(k).collective == ("allreduce" if k < 7 else "broadcast")
+    finally:
+        comm.Free()

@@ -4,6 +4,10 @@ Data moves with the predefined MPI datatype of the dtype where MPI has one that 
 applies to; otherwise (float16, bool, ...) with a contiguous byte datatype and an MPI op
 created from the mpicoll op, so native handles every dtype mpicoll does. Which path a call
 takes depends only on dtype and op, so it is the same on every rank.
+
+Each spec finds the datatype, count and op once and returns a ``build(*buffers)`` of the
+MPI method's arguments, so a planned call (``bind``) has them ready and a call by shape
+(``bind_buffers``, :mod:`mpicoll.fastpath`) only puts the new arrays in.
 """
 from __future__ import annotations
 
@@ -64,28 +68,36 @@ def _native_types(dtype: np.dtype, op: Any) -> tuple[MPI.Datatype, MPI.Op]:
     return _user_op(dtype, op)
 
 
-def _typed(buf: Any, datatype: MPI.Datatype) -> list:
-    return [buf, buf.size, datatype]
+def _native(collective: str, buffers: int = 2) -> Callable[[Callable], Callable]:
+    """Register ``spec`` as ``"native"``: ``spec(ctx, *args)`` returns the MPI method and
+    ``build(*buffers)``, which makes the method's arguments for those buffers (the
+    datatype, count and op found once, from the ``buffers`` arrays among ``args``).
 
-
-def _native(collective: str) -> Callable[[Callable], Callable]:
-    """Register ``spec`` (returning the MPI method and its arguments) as ``"native"``.
-
-    The registered run function calls the method; its ``bind`` returns the call with its
-    argument specs built once (for cached calls: :func:`mpicoll.algorithms.registry.bind`).
+    The registered run function calls the method on its own arguments; its ``bind``
+    returns the call with the arguments built once (the identity cache:
+    :func:`mpicoll.algorithms.registry.bind`); its ``bind_buffers`` returns
+    ``run(a, b)``, the same call on other arrays of the same size and dtype (C-contiguous,
+    any shape; ``b`` ignored where the collective has one buffer): the calls by shape.
     """
     def deco(spec: Callable) -> Callable:
         def run(ctx: CommContext, *args: Any) -> None:
-            method, margs = spec(ctx, *args)
-            method(*margs)
+            method, build = spec(ctx, *args)
+            method(*build(*args[:buffers]))
 
         def bind(ctx: CommContext, *args: Any) -> Callable[[], Any]:
-            method, margs = spec(ctx, *args)
-            return functools.partial(method, *margs)
+            method, build = spec(ctx, *args)
+            return functools.partial(method, *build(*args[:buffers]))
+
+        def bind_buffers(ctx: CommContext, *args: Any) -> Callable[[Any, Any], None]:
+            method, build = spec(ctx, *args)
+            if buffers == 1:
+                return lambda a, _b: method(*build(a))
+            return lambda a, b: method(*build(a, b))
 
         run.__name__ = run.__qualname__ = spec.__name__
         run.__doc__ = spec.__doc__
         run.bind = bind
+        run.bind_buffers = bind_buffers
         return register(collective, "native")(run)
 
     return deco
@@ -95,8 +107,11 @@ def _native(collective: str) -> Callable[[Callable], Callable]:
 def native_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any) -> tuple:
     """``MPI_Allreduce``."""
     datatype, mpi_op = native_types(recv.dtype, op)
-    sbuf = MPI.IN_PLACE if send is recv else _typed(send, datatype)
-    return ctx.comm.Allreduce, (sbuf, _typed(recv, datatype), mpi_op)
+    count = recv.size
+    if send is recv:
+        return ctx.comm.Allreduce, lambda s, r: (MPI.IN_PLACE, [r, count, datatype], mpi_op)
+    return ctx.comm.Allreduce, lambda s, r: ([s, count, datatype], [r, count, datatype],
+                                             mpi_op)
 
 
 @_native("reduce_scatter")
@@ -107,31 +122,40 @@ def native_reduce_scatter(ctx: CommContext, send: Any, recv: Any, op: Any) -> tu
     datatype, mpi_op = native_types(send.dtype, op)
     bounds = rank_blocks(ctx, send.size)
     counts = [bounds[i + 1] - bounds[i] for i in range(ctx.size)]
-    if recv.size == 0:  # an empty view into sendbuf's memory is "aliased" for MPICH
-        recv = np.empty(0, dtype=recv.dtype)
-    return ctx.comm.Reduce_scatter, (_typed(send, datatype), _typed(recv, datatype), counts,
-                                     mpi_op)
+    total, mine = send.size, recv.size
+    if mine == 0:  # an empty view into sendbuf's memory is "aliased" for MPICH
+        empty = [np.empty(0, dtype=recv.dtype), 0, datatype]
+        return ctx.comm.Reduce_scatter, lambda s, r: ([s, total, datatype], empty, counts,
+                                                      mpi_op)
+    return ctx.comm.Reduce_scatter, lambda s, r: ([s, total, datatype], [r, mine, datatype],
+                                                  counts, mpi_op)
 
 
 @_native("allgather")
 def native_allgather(ctx: CommContext, send: Any, recv: Any) -> tuple:
     """``MPI_Allgather`` (as bytes)."""
     nbytes = recv.nbytes // ctx.size
-    sbuf = MPI.IN_PLACE if send is None else [send, nbytes, MPI.BYTE]
-    return ctx.comm.Allgather, (sbuf, [recv, nbytes, MPI.BYTE])
+    if send is None:
+        return ctx.comm.Allgather, lambda s, r: (MPI.IN_PLACE, [r, nbytes, MPI.BYTE])
+    return ctx.comm.Allgather, lambda s, r: ([s, nbytes, MPI.BYTE], [r, nbytes, MPI.BYTE])
 
 
-@_native("broadcast")
+@_native("broadcast", buffers=1)
 def native_broadcast(ctx: CommContext, buf: Any, root: int) -> tuple:
     """``MPI_Bcast`` (as bytes)."""
-    return ctx.comm.Bcast, ([buf, buf.nbytes, MPI.BYTE], root)
+    nbytes = buf.nbytes
+    return ctx.comm.Bcast, lambda b: ([b, nbytes, MPI.BYTE], root)
 
 
 @_native("reduce")
 def native_reduce(ctx: CommContext, send: Any, recv: Any, op: Any, root: int) -> tuple:
     """``MPI_Reduce``."""
     datatype, mpi_op = native_types(send.dtype, op)
-    if ctx.rank == root:
-        sbuf = MPI.IN_PLACE if send is recv else _typed(send, datatype)
-        return ctx.comm.Reduce, (sbuf, _typed(recv, datatype), mpi_op, root)
-    return ctx.comm.Reduce, (_typed(send, datatype), None, mpi_op, root)
+    count = send.size
+    if ctx.rank != root:
+        return ctx.comm.Reduce, lambda s, r: ([s, count, datatype], None, mpi_op, root)
+    if send is recv:
+        return ctx.comm.Reduce, lambda s, r: (MPI.IN_PLACE, [r, count, datatype], mpi_op,
+                                              root)
+    return ctx.comm.Reduce, lambda s, r: ([s, count, datatype], [r, count, datatype], mpi_op,
+                                          root)
