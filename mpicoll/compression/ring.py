@@ -47,8 +47,6 @@ TAG_RS = 101      #: ring reduce-scatter of encoded segments
 TAG_AG = 102      #: ring all-gather of final encoded segments
 TAG_SPARSE = 103  #: all-gather of sparse (index, value) payloads
 
-_PIPELINED = False  # experiment (bench/compression_overlap.py): final payloads sent at once
-
 
 class Sent(NamedTuple):
     """What one schedule sent from this rank.
@@ -171,11 +169,6 @@ def dense_ring(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | None,
         _, b, j, _, _ = unit(u)
         return irecv([plan.recv[u % 2], plan.nbytes[b][j], MPI.BYTE], left, TAG_RS)
 
-    # all-gather receives first: a final payload from the left may come while this rank
-    # is still in its reduce-scatter; rank owns block (rank + 1) % n
-    order = [((rank - s) % n, j) for s in range(n - 1) for j in range(nseg)]
-    if _PIPELINED:
-        agreqs = [irecv(buffers.msg(plan.gather_region(b, j)), left, TAG_AG) for b, j in order]
     rreqs = [post(u) for u in range(min(2, units))]
     # step 0: this rank's own block, encoded from its (compensated) input
     for j in range(nseg):
@@ -204,19 +197,17 @@ def dense_ring(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | None,
             if res is not None:
                 rt = codec.decode(payload, cnt, dtype, out=plan.rt[:cnt])
                 np.subtract(acc, rt, out=res[lo:hi])
-        else:  # the final payload of segment j of block (rank + 1) % n: on its way at once
+        else:
             finish(acc, b, j, lo, hi)
-            if _PIPELINED:
-                region = plan.gather_region(b, j)
-                sreqs.append(isend(buffers.msg(region), right, TAG_AG))
-                sent_bytes += region.size
-    if not _PIPELINED:
-        agreqs = [irecv(buffers.msg(plan.gather_region(b, j)), left, TAG_AG) for b, j in order]
-        own = (rank + 1) % n
-        for j in range(nseg):
-            region = plan.gather_region(own, j)
-            sreqs.append(isend(buffers.msg(region), right, TAG_AG))
-            sent_bytes += region.size
+
+    # all-gather of the final payloads; rank owns block (rank + 1) % n
+    order = [((rank - s) % n, j) for s in range(n - 1) for j in range(nseg)]
+    agreqs = [irecv(buffers.msg(plan.gather_region(b, j)), left, TAG_AG) for b, j in order]
+    own = (rank + 1) % n
+    for j in range(nseg):
+        region = plan.gather_region(own, j)
+        sreqs.append(isend(buffers.msg(region), right, TAG_AG))
+        sent_bytes += region.size
 
     forward = (n - 2) * nseg
     for i, (b, j) in enumerate(order):
