@@ -49,8 +49,16 @@ tensors, a staging copy otherwise). Collective over ``comm`` like :class:`Parame
 
 Both take ``compression=``: a codec name (``"int8"``, ``"onebit"``, ``"topk:0.01"`` ...), a
 :class:`mpicoll.compression.Codec`, or a torch compressor (``hvd.Compression.int8``,
-``.topk(0.01)`` ...: its ``codec`` attribute is used; ``Compression.none`` means none,
-``Compression.fp16`` ``"fp16"``); see :func:`codec_option`.
+``.topk(0.01)`` ...: its ``codec`` attribute is used, and its ``feedback`` flag becomes the
+server's ``feedback=``; ``Compression.none`` means none, ``Compression.fp16`` ``"fp16"``);
+see :func:`codec_option` and :func:`feedback_option`. Compressors with a local momentum or
+a warm-up are refused (on every rank): those are ``DistributedOptimizer``'s all-reduce path.
+
+Checkpoints: :meth:`~_PSTraining.save` is :meth:`ParameterServer.save`, which writes each
+rank's compression state (push residuals, pull replicas, the servers' residuals);
+``restore=path`` among the options of a new optimizer of the same layout, codec and
+``feedback`` brings it back (with ``server_optimizer="sum"`` save the model and the torch
+optimizer's ``state_dict()`` as usual too), and training continues bit for bit.
 """
 from __future__ import annotations
 
@@ -64,7 +72,7 @@ from ..torch.optim_wrapping import check_named_parameters, wrap_optimizer
 from .core import ParameterServer
 from .errors import PSError
 
-__all__ = ["PSOptimizer", "distributed_optimizer", "codec_option"]
+__all__ = ["PSOptimizer", "distributed_optimizer", "codec_option", "feedback_option"]
 
 
 def codec_option(compression: Any) -> Any:
@@ -80,10 +88,14 @@ def codec_option(compression: Any) -> Any:
         return compression
     codec = getattr(compression, "codec", None)
     if codec is not None:
+        # refused on every rank by the server's check of the codec, not here alone
         if getattr(compression, "momentum", 0.0):
-            # refused on every rank by the server's check of the codec, not here alone
             return f"<{codec.name} with momentum: the parameter server compresses " \
                    f"gradients, not a local momentum>"
+        if getattr(compression, "warmup", 0):
+            return f"<{codec.name} with a warm-up of {compression.warmup} steps: the " \
+                   f"parameter server compresses from the first step (a warm-up is " \
+                   f"DistributedOptimizer's, backend='allreduce')>"
         return codec
     name = compression.__name__ if isinstance(compression, type) else \
         type(compression).__name__
@@ -92,6 +104,27 @@ def codec_option(compression: Any) -> Any:
     if name == "FP16Compressor":
         return "fp16"
     return f"<{name}: a compressor without a codec>"
+
+
+def feedback_option(compression: Any, feedback: Any = None) -> Any:
+    """The :class:`ParameterServer`'s ``feedback`` for a torch-side ``compression`` and the
+    ``feedback`` option given beside it (``None``: not given).
+
+    A lossy codec compressor's own flag (``Compression.from_codec("int8",
+    feedback=False)``) is used when no ``feedback`` is given; given both, they must agree.
+    Anything else returns ``feedback`` (``True`` when not given). A disagreement becomes a
+    value the parameter server refuses (``ValueError`` on every rank, at construction),
+    never an error on this rank alone.
+    """
+    lossy = getattr(getattr(compression, "codec", None), "lossy", False)
+    own = getattr(compression, "feedback", None) if lossy and \
+        hasattr(compression, "compress") else None
+    if not isinstance(own, bool):
+        return True if feedback is None else feedback
+    if feedback is None or feedback is own:
+        return own
+    return f"<{compression!r} beside feedback={feedback!r}: give the compressor's " \
+           f"feedback flag or an equal feedback= option, not both different>"
 
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
@@ -127,7 +160,10 @@ class _PSTraining:
         self._named = named
         self._local_update = local_update
         if "compression" in ps_options:
-            ps_options = dict(ps_options, compression=codec_option(ps_options["compression"]))
+            compression = ps_options["compression"]
+            ps_options = dict(ps_options, compression=codec_option(compression),
+                              feedback=feedback_option(compression,
+                                                       ps_options.get("feedback")))
         self.ps = ParameterServer(values, **ps_options)
         self._views = {n: p.data.numpy() if _direct(p) else None for n, p in named.items()}
         if not self.ps.is_worker:
@@ -203,8 +239,10 @@ class _PSTraining:
         self._copy_back(values, out)
 
     def save(self, path: str) -> None:
-        """Checkpoint the servers (every worker, same step); see :meth:`ParameterServer.save`.
-        With ``server_optimizer='sum'`` the weights and the torch optimizer's state live on the
+        """Checkpoint the servers (every worker, same step); see :meth:`ParameterServer.save`,
+        which writes every rank's compression state too (``restore=path`` on a new optimizer
+        of the same layout, codec and feedback continues bit for bit). With
+        ``server_optimizer='sum'`` the weights and the torch optimizer's state live on the
         workers: save those with ``torch.save`` as usual."""
         self.ps.save(path)
 
@@ -309,7 +347,9 @@ def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: An
         **ps_options: the other :class:`ParameterServer` arguments (``comm``,
             ``num_servers`` (1, k or ``"colocated"``), ``consistency``, hyperparameters,
             ``split_bytes``, ``compression`` (a codec name, a codec or a torch
-            compressor, see :func:`codec_option`) ...). With ``"sum"``, ``average``
+            compressor, see :func:`codec_option`; a codec compressor's ``feedback``
+            flag is the server's ``feedback``, see :func:`feedback_option`),
+            ``restore`` ...). With ``"sum"``, ``average``
             defaults to True (gradients averaged over the workers, as with
             ``op=Average``).
     Returns:
