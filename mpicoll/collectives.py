@@ -354,7 +354,7 @@ def _with_shape(plan: Plan, run_on: Callable[[Any, Any], None], send: Any, like:
 
 def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
               algorithm: str = "auto", *, check: bool | None = None,
-              compression: Any = None, feedback: Any = None) -> Any:
+              compression: Any = None, feedback: Any = None, layout: str = "auto") -> Any:
     """Reduce ``sendbuf`` elementwise over all ranks; every rank gets the result.
 
     Args:
@@ -374,6 +374,9 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
             ``"average"``, its own ring); ``None`` or ``"none"``: uncompressed.
         feedback: with ``compression``, the :class:`mpicoll.compression.ErrorFeedback`
             holding this tensor's residual (default: kept with ``sendbuf``).
+        layout: with ``compression``, ``"auto"``, ``"flat"`` or ``"node"`` (compress only
+            between nodes); see :func:`mpicoll.compression.allreduce`. Without
+            ``compression`` only ``"auto"`` is accepted.
     Returns:
         The result array (``recvbuf`` when given). Every rank's result is bit-identical.
     Raises:
@@ -383,7 +386,10 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
     """
     if compression is not None:
         return _compressed_allreduce(sendbuf, recvbuf, op, comm, algorithm, check,
-                                     compression, feedback)
+                                     compression, feedback, layout)
+    if layout != "auto":
+        raise ValueError(f"layout={layout!r} applies only with compression=; the "
+                         f"uncompressed all-reduce chooses its algorithm with algorithm=")
     if not check:  # the hot path: a cached call (mpicoll.fastpath)
         result = run_cached(("allreduce", id(sendbuf), id(recvbuf), id(op), id(algorithm),
                              id(comm)))
@@ -396,7 +402,7 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
 
 
 def _compressed_allreduce(sendbuf: Any, recvbuf: Any, op: Any, comm: Any, algorithm: Any,
-                          check: Any, compression: Any, feedback: Any) -> Any:
+                          check: Any, compression: Any, feedback: Any, layout: str) -> Any:
     if compression == "none":
         return allreduce(sendbuf, recvbuf, op, comm, algorithm, check=check)
     if algorithm != "auto":
@@ -405,7 +411,7 @@ def _compressed_allreduce(sendbuf: Any, recvbuf: Any, op: Any, comm: Any, algori
     from .compression import allreduce as compressed  # noqa: PLC0415  (loaded on first use)
 
     return compressed(sendbuf, recvbuf, op, comm, compression=compression, feedback=feedback,
-                      check=True if check is None else check)
+                      layout=layout, check=True if check is None else check)
 
 
 def allreduce_init(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,

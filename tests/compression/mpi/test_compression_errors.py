@@ -100,3 +100,17 @@ def test_stale_residual_on_one_rank_is_caught_before_sending():
         with pytest.raises(RemoteError, match="rank 0"):
             allreduce(X, compression="int8", feedback=fb, key="w")
     still_works()
+
+
+def test_layout_passes_through_mpicoll_allreduce():
+    import mpicoll  # noqa: PLC0415
+
+    x = np.arange(1, 41, dtype=np.float32) * (RANK + 1) / 7
+    for layout in ("flat", "node"):
+        got = mpicoll.allreduce(x, compression="int8", layout=layout,
+                                feedback=ErrorFeedback())
+        want = allreduce(x, compression="int8", layout=layout, feedback=ErrorFeedback())
+        assert np.array_equal(got, want), layout
+    with pytest.raises(ValueError, match="layout='node' applies only with compression="):
+        mpicoll.allreduce(x, layout="node")
+    still_works()
