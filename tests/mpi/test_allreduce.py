@@ -6,7 +6,7 @@ import pytest
 
 import mpicoll
 
-from cases import (ALL_DTYPES, COMM, COUNTS, RANK, SIZE, applicable, describe,
+from cases import (ALL_DTYPES, COMM, COUNTS, IN_PLACE_FORMS, RANK, SIZE, applicable, describe,
                    gather_inputs, make_data, reference_reduce, same_on_all_ranks)
 
 pytestmark = pytest.mark.mpi
@@ -50,7 +50,7 @@ def test_allreduce_matches_reference(algorithm, op, segment):
     dtypes = [d for d in ALL_DTYPES if applicable(op, d)]
     for dtype in dtypes:
         for count in COUNTS:
-            for in_place in (False, True):
+            for in_place in IN_PLACE_FORMS:
                 failures += check_allreduce(algorithm, op, dtype, count, in_place)
     assert not failures, "\n".join(failures[:10])
 

@@ -6,7 +6,7 @@ import pytest
 
 import mpicoll
 
-from cases import (ALL_DTYPES, COMM, COUNTS, MOVE_DTYPES, RANK, SIZE,
+from cases import (ALL_DTYPES, COMM, COUNTS, IN_PLACE_FORMS, MOVE_DTYPES, RANK, SIZE,
                    applicable, describe, gather_inputs, make_data, reference_reduce,
                    same_on_all_ranks)
 
@@ -26,7 +26,7 @@ def test_reduce_scatter(algorithm):
         for dtype in [d for d in ALL_DTYPES if applicable(op, d)]:
             for count in COUNTS:
                 mine = np.array_split(np.arange(count), SIZE)[RANK]
-                for in_place in (False, True):
+                for in_place in IN_PLACE_FORMS:
                     out = np.empty(mine.size, dtype=dtype)
                     full = np.empty(count, dtype=dtype)
                     for rep in range(2):
@@ -50,7 +50,7 @@ def test_allgather(algorithm):
     failures = []
     for dtype in MOVE_DTYPES:
         for count in COUNTS:
-            for in_place in (False, True):
+            for in_place in IN_PLACE_FORMS:
                 out = np.empty(count * SIZE, dtype=dtype)
                 for rep in range(2):
                     data = make_data(RANK, count, rep, dtype)
@@ -102,7 +102,7 @@ def test_reduce(algorithm):
         for dtype in [d for d in ALL_DTYPES if applicable(op, d)][::2]:
             for count in COUNTS:
                 for root in sorted({0, SIZE - 1}):
-                    for in_place in (False, True):
+                    for in_place in IN_PLACE_FORMS:
                         out = np.empty(count, dtype=dtype)
                         for rep in range(2):
                             data = make_data(RANK, count, rep, dtype, op)
