@@ -7,17 +7,18 @@ arrives. The parts of a payload are laid out back to back in one ``uint8`` buffe
 item size first (so every part is aligned without padding); :func:`new_payload` allocates
 it and the whole buffer is what travels (``Codec.wire_bytes(count)`` bytes).
 
-=============  =====================================================  ==========================
-codec          payload (in wire order)                                bytes for ``count`` floats
-=============  =====================================================  ==========================
-``none``       the values in the input dtype                          ``count * itemsize``
-``fp16``       ``float16[count]``                                     ``2 count``
-``bf16``       ``uint16[count]``: upper half of float32, RNE          ``2 count``
-``int8``       ``float32[nchunks]`` scales, ``int8[count]``           ``count + 4 ceil(count/C)``
-``onebit``     ``float32[nchunks]`` scales, ``uint8[ceil(count/8)]``  ``ceil(count/8) + 4 ceil(count/C)``
-``topk:r``     values ``dtype[k]``, indices ``int32[k]`` (sorted)     ``k (itemsize + 4)``
-``randomk:r``  values ``dtype[k]``, indices ``int32[k]`` (sorted)     ``k (itemsize + 4)``
-=============  =====================================================  ==========================
+==============  =====================================================  ==========================
+codec           payload (in wire order)                                bytes for ``count`` floats
+==============  =====================================================  ==========================
+``none``        the values in the input dtype                          ``count * itemsize``
+``fp16``        ``float16[count]``                                     ``2 count``
+``bf16``        ``uint16[count]``: upper half of float32, RNE          ``2 count``
+``int8``        ``float32[nchunks]`` scales, ``int8[count]``           ``count + 4 ceil(count/C)``
+``onebit``      ``float32[nchunks]`` scales, ``uint8[ceil(count/8)]``  ``ceil(count/8) + 4 ceil(count/C)``
+``onebit:two``  ``float32[2 nchunks]``, ``uint8[ceil(count/8)]``         ``ceil(count/8) + 8 ceil(count/C)``
+``topk:r``      values ``dtype[k]``, indices ``int32[k]`` (sorted)     ``k (itemsize + 4)``
+``randomk:r``   values ``dtype[k]``, indices ``int32[k]`` (sorted)     ``k (itemsize + 4)``
+==============  =====================================================  ==========================
 
 ``C`` is the chunk size (``chunk=``, default 256 elements); ``k = ceil(r * count)`` (at least
 1 when ``count > 0``); indices are ``int64`` past 2**31 - 1 elements.
@@ -30,7 +31,8 @@ values (every step is elementwise IEEE arithmetic, integer bit operations or an 
 reduction that both modules compute alike):
 
 - ``onebit``'s chunk means sum ``|x|`` by pairwise halving (:func:`pairwise_row_sums`),
-  not with ``sum()``, whose order differs between numpy and CuPy;
+  not with ``sum()``, whose order differs between numpy and CuPy (``onebit:two`` sums
+  each sign group so, and counts its elements in integers);
 - ``int8:stochastic`` draws its uniforms from a counter-based hash
   (:mod:`~mpicoll.compression.counter_rng`) keyed by ``(seed, encoding number)`` and the
   element index, not from a ``numpy.random.Generator``;
@@ -56,7 +58,7 @@ from . import namespace
 from .counter_rng import stream_key, uniform
 
 __all__ = ["Codec", "NoneCodec", "FP16Codec", "BF16Codec", "Int8Codec", "OneBitCodec",
-           "TopKCodec", "RandomKCodec", "CODECS", "get_codec", "new_payload",
+           "TwoScaleOneBitCodec", "TopKCodec", "RandomKCodec", "CODECS", "get_codec", "new_payload",
            "payload_views", "layout_nbytes", "check_float_dtype", "BLOCK_ELEMENTS",
            "pairwise_row_sums"]
 
@@ -491,9 +493,11 @@ def _check_step(step: Any) -> int:
     return int(step)
 
 
+#: Row ``b`` holds the 8 bits of packed byte ``b``, big-endian (True: a set bit).
+_BIT_TABLE = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(np.bool_)
+
 #: Row ``b`` holds the 8 signs (+1 for a clear bit, -1 for a set bit) of packed byte ``b``.
-_SIGN_TABLE = (1.0 - 2.0 * np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1)
-               ).astype(np.float32)
+_SIGN_TABLE = (1.0 - 2.0 * _BIT_TABLE).astype(np.float32)
 
 
 class OneBitCodec(_ChunkedCodec):
@@ -516,17 +520,25 @@ class OneBitCodec(_ChunkedCodec):
             raise ValueError(f"chunk must be a multiple of 8 for onebit, got {chunk}")
         self.name = "onebit" + (f":{self.chunk}" if self.chunk != 256 else "")
 
-    def layout(self, count: int, dtype: Any = np.float32) -> Layout:
-        return _ordered([(np.float32, self.nchunks(count)), (np.uint8, -(-int(count) // 8))])
+    #: float32 values per chunk on the wire (one scale here).
+    values_per_chunk = 1
 
-    def _encode(self, xp: Any, x: Any, out: tuple) -> None:
-        scales, bits = out
+    def layout(self, count: int, dtype: Any = np.float32) -> Layout:
+        return _ordered([(np.float32, self.values_per_chunk * self.nchunks(count)),
+                         (np.uint8, -(-int(count) // 8))])
+
+    def _encode_blocks(self, xp: Any, x: Any):
+        """``(lo, first chunk, block of x, float scratch, bool scratch)`` per inner block
+        (the scratch arrays as long as the block)."""
         block = min(self._block_size(xp, x.size), x.size)
         tmp = xp.empty(block, dtype=x.dtype)
         neg = xp.empty(block, dtype=np.bool_)
         for lo, hi, k0 in self._blocks(xp, x.size):
-            xb = x[lo:hi]
-            tb = tmp[:xb.size]
+            yield lo, k0, x[lo:hi], tmp[:hi - lo], neg[:hi - lo]
+
+    def _encode(self, xp: Any, x: Any, out: tuple) -> None:
+        scales, bits = out
+        for lo, k0, xb, tb, nb in self._encode_blocks(xp, x):
             xp.abs(xb, out=tb)
             full, tail = self._rows(tb)
             nfull = full.shape[0]
@@ -539,27 +551,112 @@ class OneBitCodec(_ChunkedCodec):
                 tsum = pairwise_row_sums(xp, tail.reshape(1, -1))
                 xp.copyto(sc[nfull:], xp.divide(tsum, x.dtype.type(tail.size)),
                           casting="unsafe")
-            nb = neg[:xb.size]
-            xp.signbit(xb, out=nb)
-            bits[lo // 8:(hi + 7) // 8] = xp.packbits(nb)
+            _pack_signs(xp, xb, nb, bits, lo)
 
-    def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
-        scales, bits = payload
-        table = namespace.constant(xp, "onebit.signs", _SIGN_TABLE)
+    def _unpacked(self, xp: Any, bits: Any, count: int, name: str, table: np.ndarray):
+        """``(lo, hi, first chunk, rows of the bits' table values)`` per inner block:
+        the table's row of each packed byte (signs or sign bits), one per element."""
+        table = namespace.constant(xp, name, table)
         block = min(self._block_size(xp, count), count)
-        tmp = xp.empty((block + 7) // 8 * 8, dtype=np.float32)
+        tmp = xp.empty((block + 7) // 8 * 8, dtype=table.dtype)
         for lo, hi, k0 in self._blocks(xp, count):
             nbytes = (hi - lo + 7) // 8
             t2 = tmp[:nbytes * 8].reshape(nbytes, 8)
             xp.take(table, bits[lo // 8:lo // 8 + nbytes], axis=0, out=t2)
-            signs = tmp[:hi - lo]
-            sf, st = self._rows(signs)
+            yield lo, hi, k0, self._rows(tmp[:hi - lo])
+
+    def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
+        scales, bits = payload
+        for lo, hi, k0, (sf, st) in self._unpacked(xp, bits, count, "onebit.signs",
+                                                   _SIGN_TABLE):
             of, ot = self._rows(out[lo:hi])
             nfull = sf.shape[0]
             if nfull:
                 _scaled(xp, sf, scales[k0:k0 + nfull, None], of)
             if st.size:
                 _scaled(xp, st, scales[k0 + nfull:k0 + nfull + 1], ot)
+
+
+def _pack_signs(xp: Any, xb: Any, neg: Any, bits: Any, lo: int) -> None:
+    """Set ``neg`` to the sign bits of block ``xb`` (which starts at element ``lo``, a
+    multiple of 8) and pack them into ``bits`` (big-endian; a set bit is negative)."""
+    xp.signbit(xb, out=neg)
+    bits[lo // 8:(lo + xb.size + 7) // 8] = xp.packbits(neg)
+
+
+class TwoScaleOneBitCodec(OneBitCodec):
+    """1-bit with two values per chunk (1-bit SGD, Seide et al. 2014): the sign bits as
+    :class:`OneBitCodec` sends them, and per chunk the mean of its non-negative elements
+    (sign bit clear) and the mean of its negative elements (sign bit set, ``-0``
+    included). Each element decodes to the mean of its own sign group: for a given sign
+    pattern the values that minimise the chunk's squared error, so the residual error
+    feedback keeps is smaller than with one mean of ``|x|`` (which is the same only when
+    both groups have the same mean magnitude). A group without elements has the value 0
+    (``-0`` for the negative group, so a chunk's ``-0`` elements decode to ``-0``).
+
+    Wire format: ``float32[2 nchunks]`` (chunk ``k``'s non-negative mean at ``2k``, its
+    negative mean, a value <= 0, at ``2k + 1``), then the packed signs
+    ``uint8[ceil(count/8)]``: ``ceil(count/8) + 8 ceil(count/C)`` bytes. Each group's
+    sum is taken in the pairwise order of :func:`pairwise_row_sums` (the other group's
+    elements as zeros) in the input dtype, divided by the group's element count, then
+    rounded to float32, so numpy and CuPy give the same bits. Name: ``onebit:two``
+    (``onebit:C:two`` for chunks of ``C``).
+    """
+
+    def __init__(self, chunk: int = 256) -> None:
+        super().__init__(chunk)
+        self.name += ":two"
+
+    values_per_chunk = 2
+
+    def _encode(self, xp: Any, x: Any, out: tuple) -> None:
+        scales, bits = out
+        for lo, k0, xb, tb, nb in self._encode_blocks(xp, x):
+            _pack_signs(xp, xb, nb, bits, lo)
+            nfull = xb.size // self.chunk
+            rows = nfull + (1 if xb.size % self.chunk else 0)
+            sc = scales[2 * k0:2 * (k0 + rows)].reshape(rows, 2)
+            for group in (0, 1):               # 0: non-negative, 1: negative elements
+                if group:
+                    xp.logical_not(nb, out=nb)
+                counts = self._unflagged(xp, nb, nfull)  # nb flags the other group
+                xp.copyto(tb, xb)              # the other group's elements as zeros of
+                xp.copyto(tb, x.dtype.type(-0.0 if group else 0.0), where=nb)  # this sign
+                full, tail = self._rows(tb)
+                sums = xp.empty(rows, dtype=x.dtype)
+                if nfull:
+                    xp.copyto(sums[:nfull], pairwise_row_sums(xp, full))
+                if tail.size:
+                    xp.copyto(sums[nfull:], pairwise_row_sums(xp, tail.reshape(1, -1)))
+                xp.divide(sums, xp.maximum(counts, 1).astype(x.dtype), out=sums)
+                xp.copyto(sc[:, group], sums, casting="unsafe")
+
+    def _unflagged(self, xp: Any, flags: Any, nfull: int) -> Any:
+        """Elements not flagged, per chunk of a block (``nfull`` full chunks, then maybe a
+        shorter one): integer counts, exact in any order."""
+        full, tail = self._rows(flags)
+        parts = [self.chunk - xp.count_nonzero(full, axis=1)] if nfull else []
+        if tail.size:
+            parts.append(tail.size - xp.count_nonzero(tail.reshape(1, -1), axis=1))
+        return xp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
+        scales, bits = payload
+        for lo, hi, k0, (nf, nt) in self._unpacked(xp, bits, count, "onebit.bits",
+                                                   _BIT_TABLE):
+            of, ot = self._rows(out[lo:hi])
+            nfull = nf.shape[0]
+            sc = scales[2 * k0:2 * (k0 + nfull + (1 if nt.size else 0))].reshape(-1, 2)
+            if nfull:
+                _two_valued(xp, nf, sc[:nfull], of)
+            if nt.size:
+                _two_valued(xp, nt.reshape(1, -1), sc[nfull:], ot.reshape(1, -1))
+
+
+def _two_valued(xp: Any, negative: Any, values: Any, out: Any) -> None:
+    """Row ``i`` of 2-D ``out`` = ``values[i, 1]`` where ``negative``, else ``values[i, 0]``."""
+    xp.copyto(out, values[:, 0:1], casting="same_kind")
+    xp.copyto(out, values[:, 1:2], casting="same_kind", where=negative)
 
 
 def _check_ratio(ratio: Any, what: str) -> float:
@@ -708,7 +805,9 @@ def get_codec(spec: Any, argname: str = "compression") -> Codec:
     Args:
         spec: a :class:`Codec` (returned as is), ``None`` (``"none"``), or a name:
             ``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"`` (``"int8:512"`` sets the chunk),
-            ``"onebit"`` (``"onebit:512"``), ``"topk:RATIO"``, ``"randomk:RATIO"`` (RATIO in
+            ``"onebit"`` (``"onebit:512"``; ``"onebit:two"``, ``"onebit:512:two"``: two
+            values per chunk, :class:`TwoScaleOneBitCodec`), ``"topk:RATIO"``,
+            ``"randomk:RATIO"`` (RATIO in
             (0, 1], e.g. ``"topk:0.01"``).
         argname: the argument's name, for error messages.
     Raises:
@@ -744,6 +843,8 @@ def get_codec(spec: Any, argname: str = "compression") -> Codec:
                 kwargs["chunk"] = int(opt)
             elif opt == "stochastic" and name == "int8":
                 kwargs["stochastic"] = True
+            elif opt == "two" and name == "onebit":
+                cls = TwoScaleOneBitCodec
             else:
                 raise ValueError(f"{argname}={spec!r}: unknown option {opt!r}")
         return cls(**kwargs)
