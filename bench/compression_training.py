@@ -6,9 +6,13 @@ compressors interleave and share the machine's load), one ``mpirun -n RANKS`` ru
 ``examples/train.py --compression C --seed S --json FILE`` with the same epochs and batch
 (an entry ``C-noef`` adds ``--no-error-feedback``, ``C-mom``/``C-nomom``
 ``--compress-momentum yes``/``no``, ``C-warmN``/``C-warmNep`` ``--compress-warmup N``/``Nep``:
-the first N steps or epochs uncompressed; onebit compresses the local momentum by default);
+the first N steps or epochs uncompressed; ``C-cosine``/``C-step`` ``--lr-schedule
+cosine``/``step``; ``C-flush`` ``--flush-residuals``; ``C-nofusion`` runs with ``MPICOLL_FUSION_THRESHOLD=0``, one reduction
+per parameter, so no codec chunk holds two parameters; suffixes combine, e.g.
+``onebit:two-cosine``; onebit compresses the local momentum by default);
 then a summary per compressor (final test accuracy per seed and its difference from
-``none``, bytes rank 0 sent per step, samples per second = total samples / total time of
+``none`` under the same learning-rate schedule (``none-cosine`` for ``-cosine`` entries),
+bytes rank 0 sent per step, samples per second = total samples / total time of
 the training steps over every seed), written to ``--out/compression_training.json``, and
 the mean training loss of each epoch against the training wall time and against epochs
 (first seed) plotted to ``--out/compression_training.png`` (``--name`` changes the file
@@ -18,6 +22,7 @@ names, ``--no-plot`` skips the plot). From the repository root::
     python -m bench.compression_training --ranks 2 --seeds 1,2,3,4,5,6 \
         --compressions none,onebit,onebit-warm1ep --out docs/results --name compression_warmup
     python -m bench.compression_training --replot docs/compression_training.json
+    python -m bench.compression_training --merge a.json,b.json --out docs/results --name c
     python -m bench.compression_training --step-times 200 --ranks 2
     python -m bench.compression_training --simulate ring --compressions onebit --seeds 1
 
@@ -31,6 +36,9 @@ epoch).
 ``examples/train.py``'s model, one model and ``DistributedOptimizer`` per compressor,
 the compressors taking turns step by step in one ``mpirun`` (so they share the machine's
 load): median and mean milliseconds per step (rank 0) and the ratio to ``none``.
+
+``--merge A.json,B.json`` writes the records of several earlier runs as one JSON (their
+``command`` lines kept in ``commands``) and prints the summary of them all.
 
 Paths written into the JSON are relative to the repository.
 """
@@ -61,29 +69,73 @@ MOMENTUM, NO_MOMENTUM = "-mom", "-nomom"
 WARMUP = re.compile(r"-warm(\d+(?:ep)?)$")
 
 
+#: Suffixes choosing ``examples/train.py --lr-schedule`` (default ``constant``).
+LR_SCHEDULES = {"-cosine": "cosine", "-step": "step"}
+
+
+#: Suffix of an entry that ends with the residuals applied (``--flush-residuals``).
+FLUSH = "-flush"
+
+
+#: Suffix running with one reduction per parameter (no fusion): its environment.
+NO_FUSION, NO_FUSION_ENV = "-nofusion", {"MPICOLL_FUSION_THRESHOLD": "0"}
+
+
 def label(rec: dict) -> str:
     """A run's compressor, with ``-noef`` when it ran without error feedback, ``-mom``
     when it compressed the ranks' local momentum instead of their gradients and ``-warmN``
     when its first N optimizer steps ran uncompressed."""
     return (rec["compression"] + ("" if rec.get("error_feedback", True) else NO_FEEDBACK)
             + (MOMENTUM if rec.get("compress_momentum") else "")
-            + (f"-warm{rec['compress_warmup']}" if rec.get("compress_warmup") else ""))
+            + (f"-warm{rec['compress_warmup']}" if rec.get("compress_warmup") else "")
+            + (FLUSH if rec.get("flush_residuals") else "") + protocol(rec))
 
 
-def parse_entry(comp: str) -> tuple[str, list[str]]:
-    """``(codec spec, extra examples/train.py arguments)`` of a ``--compressions`` entry."""
-    extra = []
-    warm = WARMUP.search(comp)
-    if warm:
-        comp = comp[:warm.start()]
-        extra += ["--compress-warmup", warm.group(1)]
-    for suffix, args in ((NO_MOMENTUM, ["--compress-momentum", "no"]),
-                         (MOMENTUM, ["--compress-momentum", "yes"]),
-                         (NO_FEEDBACK, ["--no-error-feedback"])):
-        if comp.endswith(suffix):
-            comp = comp[:-len(suffix)]
-            extra += args
-    return comp, extra
+def protocol(rec: dict) -> str:
+    """The suffix of a run's training protocol (``-cosine``...; empty for the default),
+    shared by the ``none`` run it is compared with; then ``-nofusion`` if it ran so."""
+    schedule = rec.get("lr_schedule", "constant")
+    suffix = next((k for k, v in LR_SCHEDULES.items() if v == schedule), "")
+    return suffix + (NO_FUSION if rec.get("env") == NO_FUSION_ENV else "")
+
+
+def baseline(rec: dict) -> str:
+    """The label of the ``none`` run a run is compared with: same learning-rate schedule."""
+    return "none" + protocol(dict(rec, env=None))
+
+
+def parse_entry(comp: str) -> tuple[str, list[str], dict[str, str]]:
+    """``(codec spec, extra examples/train.py arguments, extra environment)`` of a
+    ``--compressions`` entry (suffixes in any order).
+
+    Raises:
+        ValueError: a suffix given twice.
+    """
+    extra: list[str] = []
+    env: dict[str, str] = {}
+    suffixes = [(NO_MOMENTUM, ["--compress-momentum", "no"]),
+                (MOMENTUM, ["--compress-momentum", "yes"]),
+                (NO_FEEDBACK, ["--no-error-feedback"]),
+                (FLUSH, ["--flush-residuals"])] + \
+        [(k, ["--lr-schedule", v]) for k, v in LR_SCHEDULES.items()]
+    entry, found = comp, True
+    while found:
+        found = False
+        warm = WARMUP.search(comp)
+        if warm:
+            comp, found = comp[:warm.start()], True
+            extra += ["--compress-warmup", warm.group(1)]
+        if comp.endswith(NO_FUSION):
+            comp, found = comp[:-len(NO_FUSION)], True
+            env.update(NO_FUSION_ENV)
+        for suffix, args in suffixes:
+            if comp.endswith(suffix):
+                comp, found = comp[:-len(suffix)], True
+                extra += args
+    options = [a for a in extra if a.startswith("--")]
+    if len(options) != len(set(options)):
+        raise ValueError(f"--compressions entry {entry!r}: an option given twice")
+    return comp, extra, env
 
 
 def run(ranks: int, compressions: list[str], seeds: list[int], epochs: int,
@@ -92,11 +144,13 @@ def run(ranks: int, compressions: list[str], seeds: list[int], epochs: int,
     records = []
     for seed in seeds:
         for comp in compressions:
-            spec, extra = parse_entry(comp)
+            spec, extra, env = parse_entry(comp)
             args = ["examples/train.py", "--compression", spec, "--seed", str(seed),
                     "--epochs", str(epochs), "--min-accuracy", "0"] + extra
-            rec = launch_json(ranks, args, f"{comp} seed {seed}", timeout)
+            rec = launch_json(ranks, args, f"{comp} seed {seed}", timeout, env or None)
             if rec is not None:
+                if env:
+                    rec["env"] = env
                 records.append(rec)
                 print(f"# {label(rec)} seed {seed}: accuracy {rec['final_accuracy']:.4f}, "
                       f"{rec['samples_per_second']:.0f} samples/s, "
@@ -109,15 +163,15 @@ def summarize(records: list[dict]) -> list[dict]:
     rows: dict[str, dict] = {}
     for rec in records:
         row = rows.setdefault(label(rec), {"compression": label(rec),
-                                                   "accuracy": {}, "samples": 0,
-                                                   "seconds": 0.0})
+                                           "baseline": baseline(rec),
+                                           "accuracy": {}, "samples": 0, "seconds": 0.0})
         row["accuracy"][rec["seed"]] = rec["final_accuracy"]
         row["samples"] += rec["samples"]
         row["seconds"] += rec["train_seconds"]
         row["bytes_per_step"] = rec["bytes_per_step"]
         row["dense_bytes_per_step"] = rec["dense_bytes_per_step"]
-    base = rows.get("none", {}).get("accuracy", {})
     for row in rows.values():
+        base = rows.get(row["baseline"], {}).get("accuracy", {})
         accs = row["accuracy"]
         row["mean_accuracy"] = sum(accs.values()) / len(accs)
         row["pp_vs_none"] = {s: round(100 * (a - base[s]), 2) for s, a in accs.items()
@@ -127,14 +181,16 @@ def summarize(records: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    """A markdown table of the summary: accuracy per seed (points vs ``none``), the mean
-    over seeds and its difference from ``none``'s mean over the same seeds."""
+    """A markdown table of the summary: accuracy per seed (points vs its ``none``: the
+    same learning-rate schedule), the mean over seeds and its difference from that
+    ``none``'s mean over the same seeds."""
     seeds = sorted({s for row in rows for s in row["accuracy"]})
-    base = next((row["accuracy"] for row in rows if row["compression"] == "none"), {})
+    accuracy = {row["compression"]: row["accuracy"] for row in rows}
     head = ("| compression | " + " | ".join(f"accuracy seed {s} (pp vs none)" for s in seeds)
             + " | mean | mean vs none (pp) | bytes/step (rank 0) | x fewer | samples/s |")
     lines = [head, "|---|" + "---:|" * (len(seeds) + 5)]
     for row in rows:
+        base = accuracy.get(row.get("baseline", "none"), {})
         cells = [f"{100 * row['accuracy'][s]:.2f}% ({row['pp_vs_none'].get(s, 0):+.2f})"
                  if s in row["accuracy"] else "-" for s in seeds]
         shared = [s for s in row["accuracy"] if s in base]
@@ -146,6 +202,31 @@ def table(rows: list[dict]) -> str:
                      f"{row['bytes_per_step']} | {ratio:.1f} | "
                      f"{row['samples_per_second']:.0f} |")
     return "\n".join(lines)
+
+
+def merge(paths: list[str]) -> dict:
+    """The records of several earlier JSONs as one result: ``commands`` (every file's
+    command lines, in order), ``machine`` (the first's), ``records`` (a run repeated in
+    a later file, the same label and seed, is kept once: runs are deterministic) and
+    their ``summary``.
+
+    Raises:
+        SystemExit: the files mix world sizes or epoch counts.
+    """
+    commands, records, seen, machine = [], [], set(), None
+    for path in paths:
+        with open(path) as f:
+            result = json.load(f)
+        commands += result.get("commands") or [result["command"]]
+        machine = machine or result.get("machine")
+        for rec in result["records"]:
+            if (label(rec), rec["seed"]) not in seen:
+                seen.add((label(rec), rec["seed"]))
+                records.append(rec)
+    if len({(r["ranks"], r["epochs"]) for r in records}) > 1:
+        raise SystemExit("--merge: the files mix world sizes or epoch counts")
+    return {"commands": commands, "machine": machine, "records": records,
+            "summary": summarize(records)}
 
 
 def plot(records: list[dict], path: str) -> str | None:
@@ -264,7 +345,7 @@ class _TwoLevelSign:
 
 
 def simulate(mode: str, spec: str, ranks: int, seed: int, epochs: int, lr: float,
-             momentum: float, local_momentum: bool) -> list[tuple]:
+             momentum: float, local_momentum: bool, probes: list[str] = ()) -> list[tuple]:
     """``examples/train.py``'s training with ``ranks`` workers in one process, reducing the
     gradients (or, with ``local_momentum``, each worker's momentum ``m = momentum m + g``,
     the optimizer then getting ``M - momentum M_prev``) by ``mode``:
@@ -280,6 +361,11 @@ def simulate(mode: str, spec: str, ranks: int, seed: int, epochs: int, lr: float
 
     Returns one ``(epoch, mean loss, test accuracy, |reduced gradient|, [|residual| per
     worker])`` per epoch. ``spec``: a codec name, or ``seide[:C]`` (two values per chunk).
+
+    ``probes`` (codec names, ``NAME@param`` for chunks that restart at every parameter):
+    every vector the run encodes is also encoded with each probe, which changes nothing in
+    the run; each epoch prints the relative squared error ``sum |v - Q(v)|^2 / sum |v|^2``
+    over the epoch's encodings for the run's codec and each probe.
     """
     import math
 
@@ -302,7 +388,24 @@ def simulate(mode: str, spec: str, ranks: int, seed: int, epochs: int, lr: float
     count = sum(q.numel() for q in params)
     codec = _TwoLevelSign(int(spec.split(":")[1]) if ":" in spec else 256) \
         if spec.startswith("seide") else get_codec(spec)
-    rt = codec.roundtrip
+    sizes = np.cumsum([0] + [q.numel() for q in params])
+    errors = {name: [0.0, 0.0] for name in [spec, *probes]}
+
+    def pieces(lo, n, per_param):
+        """Bounds of the parts of ``v[lo:lo + n]`` encoded on their own."""
+        cuts = [c - lo for c in sizes if per_param and lo < c < lo + n]
+        return list(zip([0] + cuts, cuts + [n]))
+
+    def rt(v, lo=0):
+        dec = codec.roundtrip(v)
+        for name in errors:
+            base, _, where = name.partition("@")
+            out = dec if name == spec else np.concatenate(
+                [get_codec(base).roundtrip(v[a:b]) for a, b in pieces(lo, v.size, where)])
+            errors[name][0] += float(np.sum((v - out).astype(np.float64) ** 2))
+            errors[name][1] += float(np.sum(v.astype(np.float64) ** 2))
+        return dec
+
     res = [np.zeros(count, np.float32) for _ in range(ranks)]
     local = [np.zeros(count, np.float32) for _ in range(ranks)]
     prev = np.zeros(count, np.float32)
@@ -319,7 +422,7 @@ def simulate(mode: str, spec: str, ranks: int, seed: int, epochs: int, lr: float
             for step in range(ranks):
                 q = (b + step) % ranks
                 acc = y[q][lo:hi].copy() if dec is None else dec + y[q][lo:hi]
-                dec = rt(acc)
+                dec = rt(acc, lo)
                 new[q][lo:hi] = acc - dec
             out[lo:hi] = dec
         return out, new
@@ -374,6 +477,11 @@ def simulate(mode: str, spec: str, ranks: int, seed: int, epochs: int, lr: float
         print(f"# {mode} {spec}{' local momentum' if local_momentum else ''} seed {seed} "
               f"epoch {row[0]:2d}: loss {row[1]:.4f}, accuracy {row[2]:.4f}, |g| {row[3]:.3f}"
               f", |residual| " + " ".join(f"{v:.3f}" for v in row[4]), flush=True)
+        if probes:
+            print("#   relative squared error of the epoch's encodings: " + ", ".join(
+                f"{name} {num / max(den, 1e-30):.4f}" for name, (num, den) in errors.items()),
+                flush=True)
+            errors = {name: [0.0, 0.0] for name in errors}
     return log
 
 
@@ -389,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="file name (without extension) of the JSON and the PNG")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--replot", default=None, help="plot an earlier JSON instead")
+    parser.add_argument("--merge", default=None, metavar="A.json,B.json",
+                        help="write the records of earlier runs as one JSON (--out, --name)")
     parser.add_argument("--step-times", type=int, default=0, metavar="ITERS",
                         help="time optimizer.step() per compressor instead (interleaved)")
     parser.add_argument("--simulate", default=None, metavar="MODE",
@@ -397,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
                              "--compressions takes one codec (or seide[:C]), --seeds the seeds")
     parser.add_argument("--local-momentum", action="store_true",
                         help="--simulate: reduce each worker's momentum (momentum 0.9)")
+    parser.add_argument("--probes", default="",
+                        help="--simulate: codecs (NAME@param: chunks restart at each "
+                             "parameter) also applied to every encoded vector, errors printed")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rank-steps"]:
         return step_times_rank(argv[1:])
@@ -404,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.simulate:
         for seed in [int(x) for x in a.seeds.split(",")]:
             simulate(a.simulate, a.compressions, a.ranks, seed, a.epochs, 0.05, 0.9,
-                     a.local_momentum)
+                     a.local_momentum, [p for p in a.probes.split(",") if p])
         return 0
     if a.step_times:
         return 0 if step_times(a.ranks, a.step_times, a.compressions, a.timeout) else 1
@@ -412,6 +525,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.replot) as f:
             result = json.load(f)
         out = os.path.dirname(a.replot)
+    elif a.merge:
+        result, out = merge(a.merge.split(",")), a.out
+        with open(os.path.join(out, f"{a.name}.json"), "w") as f:
+            json.dump(result, f, indent=1)
     else:
         records = run(a.ranks, a.compressions.split(","), [int(s) for s in a.seeds.split(",")],
                       a.epochs, a.timeout)

@@ -20,7 +20,12 @@ momentum instead of its gradient, ``--compress-momentum``; ``--compress-warmup N
 steps) or ``Nep`` (epochs) runs the first steps uncompressed, as 1-bit Adam's warm-up).
 With ``--checkpoint-dir`` every rank also saves its compression state (residuals, local
 momentum, step count) as ``compression.<rank>.pt``, which ``--resume`` restores at the same
-world size. ``--json FILE`` makes rank 0
+world size. ``--lr-schedule`` sets the learning rate per optimizer step: ``constant``
+(default), ``cosine`` (from ``--lr`` down to 0 over the run, ``lr (1 + cos(pi t/T)) / 2``
+at step ``t`` of ``T``) or ``step`` (``--lr``, then a tenth from half of the epochs on and
+a hundredth from three quarters on). ``--flush-residuals`` (codec compressors with error
+feedback) ends training with one uncompressed all-reduce of the ranks' residuals, applied
+to the parameters (:func:`flush_residuals`). ``--json FILE`` makes rank 0
 write the run's record: loss against training wall time per epoch, final accuracy, samples
 per second and the bytes rank 0 sent per step.
 
@@ -154,6 +159,54 @@ def warmup_steps(value: str, steps_per_epoch: int) -> int:
     return count * steps_per_epoch if epochs else count
 
 
+LR_SCHEDULES = ("constant", "cosine", "step")
+
+
+def learning_rate(schedule: str, lr: float, step: int, total_steps: int) -> float:
+    """The learning rate of optimizer step ``step`` (from 0) of ``total_steps``.
+
+    Raises:
+        ValueError: an unknown schedule.
+    """
+    frac = step / max(total_steps, 1)
+    if schedule == "constant":
+        return lr
+    if schedule == "cosine":
+        return lr * 0.5 * (1.0 + math.cos(math.pi * frac))
+    if schedule == "step":
+        return lr * (1.0 if frac < 0.5 else 0.1 if frac < 0.75 else 0.01)
+    raise ValueError(f"unknown learning-rate schedule {schedule!r}; choose from "
+                     f"{', '.join(LR_SCHEDULES)}")
+
+
+def flush_residuals(optimizer: object, model: nn.Module, lr: float, factor: float) -> int:
+    """Apply what error feedback still holds back: the ranks' residuals ``e_r`` (one
+    all-reduce, uncompressed, averaged: ``e``), the parameters moved by ``-lr factor e``;
+    the residuals then start again from zero. Returns the bytes this rank sent (counted as
+    a ring would send them).
+
+    With the local momentum compressed (or no momentum) the parameters after the step
+    ``x - lr M`` are ``x~ - lr e`` where ``x~`` follows the uncompressed update (the sent
+    values add up to the inputs minus the residuals), so ``factor = 1`` moves them to
+    ``x~`` exactly; with the gradients compressed and the optimizer's momentum ``beta``
+    applied after, the offset approaches ``lr e / (1 - beta)`` (``factor = 1/(1 -
+    beta)``). This is error reset (CSER, Xie et al. 2020) done once, at the end.
+    """
+    feedback = optimizer.error_feedback
+    named = [(name, p) for name, p in model.named_parameters()]
+    flat = torch.cat([torch.from_numpy(feedback.residual(name).copy())
+                      if feedback.residual(name) is not None else torch.zeros(p.numel())
+                      for name, p in named])
+    mean = hvd.allreduce(flat, op=hvd.Average, name="flush.residuals")
+    offset = 0
+    with torch.no_grad():
+        for name, p in named:
+            p.sub_(mean[offset:offset + p.numel()].view_as(p).to(p.dtype), alpha=lr * factor)
+            offset += p.numel()
+    feedback.reset()
+    return 2 * (hvd.size() - 1) * flat.numel() * flat.element_size() // hvd.size()
+
+
 def bytes_per_step(optimizer: object, model: nn.Module, spec: str) -> tuple[int, int]:
     """(bytes this rank sent for the latest step's gradients, bytes uncompressed).
 
@@ -198,6 +251,9 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--batch", type=int, default=64, help="global batch (split over ranks)")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                        help="constant (default), cosine (down to 0 over the run) or step "
+                             "(x0.1 at half of the epochs, x0.01 at three quarters)")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--dataset", choices=("digits", "synthetic"), default="digits")
@@ -221,6 +277,10 @@ def main() -> int:
                         help="codec compressors: run the first N optimizer steps (Nep: N "
                              "epochs) uncompressed, then compress (Compression..."
                              "with_warmup)")
+    parser.add_argument("--flush-residuals", action="store_true",
+                        help="codec compressors with error feedback: after the last step, "
+                             "apply the ranks' averaged residuals to the parameters (one "
+                             "uncompressed all-reduce)")
     parser.add_argument("--json", default=None, help="rank 0 writes the run's record here")
     parser.add_argument("--device", default="cpu",
                         help="cpu (default), cuda (each rank on GPU local_rank %% count) or "
@@ -246,6 +306,9 @@ def main() -> int:
                                  args.momentum if compress_momentum else 0.0, warmup)
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
+    if args.flush_residuals and (args.compression.split(":")[0] in ("none", "fp16")
+                                 or args.no_error_feedback):
+        parser.error("--flush-residuals needs a codec compressor with error feedback")
     torch.manual_seed(args.seed)
     model = DigitsCNN().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
@@ -275,7 +338,9 @@ def main() -> int:
               f"compression {args.compression}"
               f"{' without error feedback' if args.no_error_feedback else ''}"
               f"{' (local momentum compressed)' if compress_momentum else ''}"
-              f"{f', the first {warmup} steps uncompressed' if warmup else ''}", flush=True)
+              f"{f', the first {warmup} steps uncompressed' if warmup else ''}"
+              f"{f'; {args.lr_schedule} learning rate' if args.lr_schedule != 'constant' else ''}",
+              flush=True)
     started = time.perf_counter()
     train_seconds, steps, mine, log = 0.0, 0, 0, []
     for epoch in range(start_epoch, args.epochs):
@@ -284,6 +349,11 @@ def main() -> int:
         epoch_start = time.perf_counter()
         for i in range(0, len(indices), per_rank):
             idx = indices[i:i + per_rank]
+            if args.lr_schedule != "constant":     # constant: the optimizer's own lr
+                for group in optimizer.param_groups:
+                    group["lr"] = learning_rate(args.lr_schedule, args.lr,
+                                                epoch * steps_per_epoch + i // per_rank,
+                                                args.epochs * steps_per_epoch)
             optimizer.zero_grad()
             loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
             loss.backward()
@@ -310,6 +380,15 @@ def main() -> int:
             save_compression(optimizer, args.checkpoint_dir)
     accuracy = evaluate(model, xte, yte)
     sent, dense = bytes_per_step(optimizer, model, args.compression)
+    before_flush, flush_bytes = None, 0
+    if args.flush_residuals:
+        last_lr = optimizer.param_groups[0]["lr"]
+        flush_bytes = flush_residuals(optimizer, model, last_lr,
+                                      1.0 if compress_momentum else 1.0 / (1.0 - args.momentum))
+        before_flush, accuracy = accuracy, evaluate(model, xte, yte)
+        if hvd.rank() == 0:
+            print(f"residuals flushed ({flush_bytes} bytes): test accuracy {before_flush:.4f}"
+                  f" -> {accuracy:.4f}", flush=True)
     if hvd.rank() == 0:
         print(f"final test accuracy: {accuracy:.4f} ({hvd.size()} ranks, "
               f"{time.perf_counter() - started:.1f} s training)", flush=True)
@@ -322,7 +401,9 @@ def main() -> int:
                 json.dump({"compression": args.compression,
                            "error_feedback": not args.no_error_feedback,
                            "compress_momentum": compress_momentum,
-                           "compress_warmup": warmup,
+                           "compress_warmup": warmup, "lr_schedule": args.lr_schedule,
+                           "flush_residuals": args.flush_residuals,
+                           "accuracy_before_flush": before_flush, "flush_bytes": flush_bytes,
                            "ranks": hvd.size(), "epochs": args.epochs, "seed": args.seed,
                            "batch": args.batch, "dataset": desc,
                            "final_accuracy": accuracy, "steps": steps, "samples": samples,
