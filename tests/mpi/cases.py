@@ -2,8 +2,11 @@
 
 Data depends on rank, element index and repetition, and is chosen so that every order of
 reduction gives the same exact result (small integers; powers of two for products), so
-results compare exactly with a reference computed independently: gather every rank's
-input with mpi4py's pickle-based allgather and reduce with numpy in rank order.
+results compare exactly with a reference computed independently: every rank's input
+(generated again here, :func:`all_inputs`, or for other data gathered with mpi4py's
+pickle-based allgather, :func:`gather_inputs`) reduced with numpy in rank order. Each
+rank compares its result's bits with the reference (:func:`bits_equal`), so the replicas
+are bit-identical without a message.
 """
 from __future__ import annotations
 
@@ -66,6 +69,12 @@ def gather_inputs(local: np.ndarray) -> list[np.ndarray]:
     return COMM.allgather(local)
 
 
+def all_inputs(count: int, rep: int, dtype: type, op: str = "sum") -> list[np.ndarray]:
+    """Every rank's :func:`make_data`, in rank order, computed here: the reference needs no
+    message (each one costs a synchronisation of oversubscribed ranks in CI)."""
+    return [make_data(r, count, rep, dtype, op) for r in range(SIZE)]
+
+
 def reference_reduce(inputs: list[np.ndarray], op: str) -> np.ndarray:
     """Reduce ``inputs`` with numpy, in rank order; average divides at the end."""
     o = mpicoll.OPS[op]
@@ -74,6 +83,17 @@ def reference_reduce(inputs: list[np.ndarray], op: str) -> np.ndarray:
         getattr(np, o.ufunc)(acc, x, out=acc)
     o.finalize(acc, len(inputs))
     return acc
+
+
+def bits_equal(got: np.ndarray, expected: np.ndarray) -> bool:
+    """Whether ``got`` holds exactly ``expected``'s bits (dtype, size and bytes).
+
+    With exact test data every correct algorithm gives the reference's bits, so when every
+    rank checks this against the same reference the replicas are bit-identical too, with
+    no message (:func:`same_on_all_ranks` costs an all-gather per check).
+    """
+    return (got.dtype == expected.dtype and got.size == expected.size
+            and np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(expected).tobytes())
 
 
 def same_on_all_ranks(result: np.ndarray) -> bool:
