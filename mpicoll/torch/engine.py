@@ -105,10 +105,10 @@ class Work(NamedTuple):
     ready: Any = None
 
 
-def _ready(tensor: Any, output: Any) -> Any:
-    """The submit-time event of a request's tensors (``None`` for host tensors)."""
-    dev = device_of(tensor if tensor is not None else output)
-    return None if dev is None else dev.record()
+def _stamped(meta: Meta, dev: TensorDevice | None) -> Meta:
+    """``meta`` with ``stages`` set when its tensors are on ``dev`` and the engine stages
+    them through host memory (every rank then learns it from the negotiated metadata)."""
+    return meta._replace(stages=True) if dev is not None and not dev.aware() else meta
 
 
 def _decide_overlap(setting: str, local_size: int) -> bool:
@@ -214,8 +214,9 @@ class Engine:
             ValueError: a request of the same name from this rank is still in flight.
             CollectiveError: the engine has stopped.
         """
-        work = Work(meta, tensor, output, Future(self), trace.submit_time(),
-                    _ready(tensor, output))
+        dev = device_of(tensor if tensor is not None else output)
+        work = Work(_stamped(meta, dev), tensor, output, Future(self), trace.submit_time(),
+                    None if dev is None else dev.record())
         self._enqueue(work, waiting)
         return work.future
 
@@ -238,9 +239,10 @@ class Engine:
         dev = same_device([t if t is not None else out for t, out in members],
                           f"the tensors of group {group.name!r}")
         ready = None if dev is None else dev.record()
+        stamped = tuple(_stamped(meta, dev) for meta in group.members)
         works = [Work(meta, tensor, output, Future(self), since, ready)
-                 for meta, (tensor, output) in zip(group.members, members)]
-        self._enqueue(Work(group, works, None, Future(self)), False)
+                 for meta, (tensor, output) in zip(stamped, members)]
+        self._enqueue(Work(group._replace(members=stamped), works, None, Future(self)), False)
         return [work.future for work in works]
 
     def _enqueue(self, work: Work, waiting: bool) -> None:

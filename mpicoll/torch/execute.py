@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from math import prod
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -276,7 +276,8 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
                                       comm=engine.comm, algorithm=engine.settings.algorithm)
 
         if not adasum and pipeline.chunked(engine, "allreduce", flat.numel(),
-                                           flat.element_size(), dev):
+                                           flat.element_size(),
+                                           pipeline.staged_anywhere(bucket)):
             pipeline.run(engine, dev, "allreduce", [], [flat], reduce)
         elif dev is None:
             reduce(engine.persistent_view(flat) if in_place and meta.layout
@@ -395,7 +396,7 @@ def _allgather(engine: EngineInterface, bucket: list[Response]) -> None:
                 _collect(engine, dev, [mine.view(-1)], [out.view(-1)],
                          lambda send, recv: collectives.allgather(send, recv,
                                                                   comm=engine.comm),
-                         "allgather")
+                         "allgather", bucket=bucket)
             else:
                 trace.step("MEMCPY_IN_FUSION_BUFFER")
                 block = max(dims) * row
@@ -405,7 +406,7 @@ def _allgather(engine: EngineInterface, bucket: list[Response]) -> None:
                 trace.step("MPI_ALLGATHER")
                 _collect(engine, dev, [send], [recv],
                          lambda a, b: collectives.allgather(a, b, comm=engine.comm),
-                         "allgather")
+                         "allgather", bucket=bucket)
                 trace.step("MEMCPY_OUT_FUSION_BUFFER")
                 flat = out.view(-1)
                 offset = 0
@@ -429,7 +430,7 @@ def _broadcast(engine: EngineInterface, bucket: list[Response]) -> None:
             _collect(engine, dev, [buf.view(-1)] if at_root else [],
                      [] if at_root else [buf.view(-1)],
                      lambda a: collectives.broadcast(a, root=meta.root, comm=engine.comm),
-                     "broadcast", meta.root)
+                     "broadcast", meta.root, bucket)
             trace.step(None)
         if buf is not target:
             target.copy_(buf)
@@ -491,14 +492,16 @@ def _empty(dev: Any, shape: tuple, dtype: torch.dtype, work: Any = None) -> torc
 
 
 def _collect(engine: EngineInterface, dev: Any, inputs: list, outputs: list,
-             fn: Any, chunkable: str | None = None, root: int = 0) -> None:
+             fn: Any, chunkable: str | None = None, root: int = 0,
+             bucket: Sequence[Response] = ()) -> None:
     """``fn(*inputs, *outputs)`` on numpy views of flat host tensors, or for device
     tensors through :func:`_staged` (pinned host memory, or CUDA-aware MPI); in chunks
-    (:mod:`.pipeline`) where the collective ``chunkable`` is staged somewhere and spans
-    several chunks."""
+    (:mod:`.pipeline`) where the collective ``chunkable`` is staged on some rank (the
+    negotiated metadata of ``bucket``, the responses it runs) and spans several chunks."""
     first = (inputs or outputs)[0]
     if chunkable is not None and pipeline.chunked(engine, chunkable, first.numel(),
-                                                  first.element_size(), dev):
+                                                  first.element_size(),
+                                                  pipeline.staged_anywhere(bucket)):
         pipeline.run(engine, dev, chunkable, inputs, outputs, fn, root)
     elif dev is None:
         fn(*(numpy_view(t) for t in (*inputs, *outputs)))
@@ -569,7 +572,7 @@ def _reducescatter_bucket(engine: EngineInterface, bucket: list[Response]) -> No
             _collect(engine, dev, [send], [recv],
                      lambda a, b: collectives.reduce_scatter(a, b, op=mpicoll_op(op),
                                                              comm=engine.comm),
-                     "reduce_scatter")
+                     "reduce_scatter", bucket=bucket)
         trace.step("MEMCPY_OUT_FUSION_BUFFER")
         _finalize(recv, op, meta.postscale, n)
         offset = 0

@@ -64,6 +64,10 @@ class Meta(NamedTuple):
     #: ``shutdown``: why this rank left (``"it called hvd.shutdown()"``, ``"its process is
     #: exiting ..."``).
     reason: str = ""
+    #: This rank's tensors are on a device that the engine stages through host memory (MPI
+    #: not CUDA-aware): then every rank runs the entry in chunks when it spans several
+    #: (:mod:`mpicoll.torch.pipeline`). Set by the engine at submission; not compared.
+    stages: bool = False
 
 
 class Response(NamedTuple):

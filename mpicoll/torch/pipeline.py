@@ -14,23 +14,19 @@ All-to-all (per-rank counts of bytes: the core's pipeline has no layout for it) 
 Adasum (dot products over whole tensors) stay one copy each way.
 
 Every rank must make the same host calls, but a rank knows only where its *own* tensors
-are (ranks may disagree: device here, host there; aware or staged), and the negotiated
-metadata does not say. So the first time a collective of a given size that would span
-several chunks runs on the engine's communicator, its ranks agree with one small
-all-reduce whether any of them stages it. The answer is kept per communicator, keyed by
-collective, element count and item size (the same on every rank, since every rank runs
-the same responses in the same order), next to the staging settings, read at the
-communicator's first request (:func:`forget` reads them again). If one rank stages,
-every rank runs the chunks: staging ranks (and CUDA-aware ones) with their device's
-copies, host ranks with plain numpy copies into host slots
+are (ranks may disagree: device here, host there; aware or staged). So each rank says
+in its negotiated metadata whether it stages a request
+(:attr:`Meta.stages <mpicoll.torch.negotiation.Meta>`, set at submission), and every
+rank reads the same answer from the response: if any rank stages a request that spans
+several chunks, every rank runs the chunks: staging ranks (and CUDA-aware ones) with
+their device's copies, host ranks with plain numpy copies into host slots
 (:class:`mpicoll.gpu.numpy_copies.NumpyCopies`). If none does, nothing changes: one host
-collective on the host buffers, or device pointers to a CUDA-aware MPI. A size first
-seen with no rank staging stays unchunked later (still correct, one copy each way), so
-host-only jobs pay the agreement once per size.
+collective on the host buffers, or device pointers to a CUDA-aware MPI. No message beyond
+the negotiation's. The staging settings are read at a communicator's first request
+(:func:`forget` reads them again).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -43,16 +39,12 @@ from ..gpu import staging
 from ..gpu.numpy_copies import NumpyCopies
 from .dtypes import move_dtype, numpy_view
 
-__all__ = ["CHUNKABLE", "chunked", "run", "forget"]
+__all__ = ["CHUNKABLE", "chunked", "staged_anywhere", "run", "forget"]
 
 #: The collectives (the core's names) whose staged requests run in chunks.
 CHUNKABLE = ("allreduce", "broadcast", "allgather", "reduce_scatter")
 
-#: Sizes whose decision a communicator keeps (the oldest forgotten first, on every rank
-#: alike).
-KEPT_DECISIONS = 256
-
-_KEY = "mpicoll.torch.pipeline.decisions"
+_KEY = "mpicoll.torch.pipeline.settings"
 
 
 class _HostStage:
@@ -65,60 +57,53 @@ class _HostStage:
         return np.empty(int(nbytes), np.uint8)
 
 
-class _Decisions:
-    """Per engine communicator (the same on every rank): the staging settings, read once,
-    and per size whether it is chunked."""
+class _Settings:
+    """Per engine communicator (the same on every rank): the staging settings, read once."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        """Read the settings again and forget every decision."""
+        """Read the settings again."""
         self.chunk_bytes = staging.chunk_bytes_setting()
         self.limit = staging.staging_bytes()
-        self.chunked: OrderedDict[tuple, bool] = OrderedDict()
 
 
-def _decisions(engine: Any) -> _Decisions:
-    return get_context(engine.comm).resource(_KEY, _Decisions)
+def _settings(engine: Any) -> _Settings:
+    return get_context(engine.comm).resource(_KEY, _Settings)
 
 
-def chunked(engine: Any, collective: str, count: int, itemsize: int, dev: Any) -> bool:
-    """Whether every rank runs this request in chunks (see the module doc).
+def staged_anywhere(responses: Sequence[Any]) -> bool:
+    """Whether any rank stages any of ``responses`` (their negotiated metadata; the same
+    answer on every rank)."""
+    return any(meta.stages for response in responses for meta in response.metas.values())
 
-    Collective over the engine's communicator (one small all-reduce) the first time a
-    multi-chunk size of ``collective`` is seen; called by every rank at the same response.
-    After that, one dictionary look-up.
+
+def chunked(engine: Any, collective: str, count: int, itemsize: int, staged: bool) -> bool:
+    """Whether every rank runs this request in chunks (see the module doc): some rank
+    stages it and it spans several chunks. No message; the same on every rank.
 
     Args:
         engine: the engine (its ``comm`` and ``size``).
         collective: one of :data:`CHUNKABLE`.
         count: elements (``reduce_scatter``: the whole send buffer; ``allgather``: one
             rank's block), equal on every rank. itemsize: bytes per element.
-        dev: this rank's device of the request (``None``: the host).
+        staged: whether any rank stages the request (:func:`staged_anywhere`).
     Raises:
         ValueError: a staging variable is not a valid number of bytes (on every rank).
     """
-    if engine.size < 2:
+    if engine.size < 2 or not staged:
         return False
-    state = _decisions(engine)
-    key = (collective, count, itemsize)
-    hit = state.chunked.get(key)
-    if hit is None:
-        _, n = staging.chunks(collective, count, itemsize, engine.size, state.chunk_bytes,
-                              state.limit)
-        stages = dev is not None and not dev.aware()
-        hit = state.chunked[key] = n > 1 and bool(engine.comm.allreduce(int(stages),
-                                                                        op=MPI.MAX))
-        if len(state.chunked) > KEPT_DECISIONS:
-            state.chunked.popitem(last=False)
-    return hit
+    settings = _settings(engine)
+    _, n = staging.chunks(collective, count, itemsize, engine.size, settings.chunk_bytes,
+                          settings.limit)
+    return n > 1
 
 
 def forget(engine: Any) -> None:
-    """Read the staging settings again and drop the decisions of ``engine``'s
-    communicator (tests; call on every rank at the same point)."""
-    _decisions(engine).reset()
+    """Read the staging settings of ``engine``'s communicator again (tests; call on every
+    rank at the same point)."""
+    _settings(engine).reset()
 
 
 def _args(collective: str, inputs: Sequence[Any], outputs: Sequence[Any], root: int,
@@ -161,6 +146,6 @@ def run(engine: Any, dev: Any, collective: str, inputs: Sequence[torch.Tensor],
             return t.view(move_dtype(t.dtype))
     args, host = _args(collective, [move(t) for t in inputs], [move(t) for t in outputs],
                        root)
-    state = _decisions(engine)
+    settings = _settings(engine)
     staging.staged(collective, args, host(fn), comm=engine.comm, copies=copies,
-                   chunk_bytes=state.chunk_bytes, staging_limit=state.limit)
+                   chunk_bytes=settings.chunk_bytes, staging_limit=settings.limit)

@@ -95,8 +95,8 @@ def test_distributed_optimizer_on_cuda(hvd) -> None:
 
 @pytest.fixture
 def small_chunks(hvd, monkeypatch):
-    """Staging chunks of 4 KiB (tensors of ``big=600`` span many); agreements forgotten
-    before and after (every rank alike)."""
+    """Staging chunks of 4 KiB (tensors of ``big=600`` span many); the engine's settings
+    read again before and after (every rank alike)."""
     from mpicoll.torch import pipeline
     from mpicoll.torch.state import engine
 

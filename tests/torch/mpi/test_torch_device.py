@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from mpi4py import MPI
 
 import mpicoll.torch as hvd
 from mpicoll import collectives
@@ -156,8 +157,8 @@ BIG = 7
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Staging chunks of :data:`CHUNK_BYTES`; the kept agreements (whether any rank stages
-    a size) forgotten before and after, so each test agrees afresh (every rank alike)."""
+    """Staging chunks of :data:`CHUNK_BYTES` (the engine's settings read again before and
+    after, every rank alike)."""
     from mpicoll.torch.state import engine
 
     monkeypatch.setenv("MPICOLL_STAGING_CHUNK_BYTES", CHUNK_BYTES)
@@ -208,6 +209,40 @@ def test_chunked_allreduce_overlaps_copies_with_host_calls(small_chunks, monkeyp
     assert torch.equal(y.as_subclass(torch.Tensor), want) and dev.claims(y)
     if size > 1:
         _GPU_HELPERS.assert_overlap(log, staging.NSLOTS)
+
+
+def test_chunking_follows_each_requests_metadata_not_the_first_of_its_size(
+        small_chunks, monkeypatch) -> None:
+    """A size first reduced on the host by every rank, then staged by the last rank only:
+    the staged request runs in chunks on every rank (each rank learns from the negotiated
+    ``Meta.stages``), with as many host calls everywhere; the same size on the host
+    again: one call."""
+    rank, size = hvd.rank(), hvd.size()
+    shape = (100,)                                   # 400 bytes: chunks of 64
+    want = sum(data(q, shape, torch.float32) for q in range(size))
+    calls = []
+    real = collectives.allreduce
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(collectives, "allreduce", counted)
+    dev = SimulatedDevice()
+    counts = []
+    for i, staged in enumerate((False, True, False)):
+        calls.clear()
+        with device.simulated(dev):
+            x = data(rank, shape, torch.float32)
+            if staged and rank == size - 1:
+                x = dev.tensor(x)
+            y = hvd.allreduce(x, op=hvd.Sum, name=f"dev.meta.{i}")
+        assert torch.equal(y.as_subclass(torch.Tensor), want)
+        counts.append(len(calls))
+    everyone = MPI.COMM_WORLD.allgather(counts)
+    if size > 1:
+        assert all(c == everyone[0] for c in everyone), everyone
+        assert counts[0] == counts[2] == 1 and counts[1] > 1, counts
 
 
 class _Net(torch.nn.Module):
