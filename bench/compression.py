@@ -1,9 +1,11 @@
 """Gradient compression benchmark: codec throughput and the compressed all-reduce.
 
-Two modes::
+Four modes::
 
     python -m bench.compression codecs [-s 16M] [-i 20]          # one process
     mpirun -n 2 python -m bench.compression allreduce [-m 1M:64M] [-i 10] [-x 2]
+    mpirun -n 2 python -m bench.compression reducescatter [-m 1M:64M] [-i 10] [-x 2]
+    mpirun -n 2 python -m bench.compression allgather [-m 1M:64M] [-i 10] [-x 2]
 
 ``codecs`` times ``encode`` and ``decode`` of every codec on a float32 vector of ``-s``
 bytes (standard normal data) and prints GB/s of input per second of encode+decode
@@ -19,6 +21,14 @@ average to native's and the payload bytes each rank sent
 those the bytes sent to other nodes (largest per rank, and summed over ranks).
 ``--layouts flat node`` runs each codec in each layout (methods ``int8@flat``,
 ``int8@node``; default: ``layout="auto"``, methods named by the codec alone).
+
+``reducescatter`` and ``allgather`` do the same for ``mpicoll.compression.reduce_scatter``
+(error feedback on; ``-m`` is the whole vector, rank ``i`` gets block ``i``; ``native`` is
+``MPI_Reduce_scatter``) and ``mpicoll.compression.allgather`` (error feedback off, its
+default; ``-m`` is each rank's block; ``native`` is ``MPI_Allgather``); ``ring`` is
+mpicoll's uncompressed ring of the same collective, and the bytes of ``native``/``ring``
+the uncompressed ring's ``(n-1)/n`` of the vector (reduce-scatter) or ``n - 1`` blocks
+(all-gather).
 
 ``--format csv|json --output PATH`` writes the rows as well. Options: ``--help``.
 """
@@ -79,35 +89,91 @@ def bench_codecs(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def bench_allreduce(args: argparse.Namespace) -> list[dict]:
-    """Compressed vs uncompressed all-reduce times and bytes per rank, under mpirun."""
+class _Collective:
+    """One collective's calls for the timing loop: MPI's, mpicoll's ring, the codec's."""
+
+    def __init__(self, mode: str, comm, n: int, rank: int) -> None:
+        import mpicoll  # noqa: PLC0415
+        from mpicoll import compression  # noqa: PLC0415
+        from mpicoll.partition import block_bounds  # noqa: PLC0415
+
+        self.mode, self.comm, self.n = mode, comm, n
+        self.compression, self.mpicoll = compression, mpicoll
+        self.block_bounds = block_bounds
+        self.rank = rank
+
+    def output(self, x: np.ndarray) -> np.ndarray:
+        if self.mode == "allreduce":
+            return np.empty_like(x)
+        if self.mode == "allgather":
+            return np.empty(x.size * self.n, x.dtype)
+        b = self.block_bounds(x.size, self.n)
+        return np.empty(b[self.rank + 1] - b[self.rank], x.dtype)
+
+    def native(self, x: np.ndarray, out: np.ndarray) -> None:
+        if self.mode == "allreduce":
+            self.comm.Allreduce(x, out)
+        elif self.mode == "allgather":
+            self.comm.Allgather(x, out)
+        else:
+            b = self.block_bounds(x.size, self.n)
+            self.comm.Reduce_scatter(x, out, [b[i + 1] - b[i] for i in range(self.n)])
+
+    def ring(self, x: np.ndarray, out: np.ndarray) -> None:
+        name = {"reducescatter": "reduce_scatter"}.get(self.mode, self.mode)
+        getattr(self.mpicoll, name)(x, out, algorithm="ring")
+
+    def coded(self, x: np.ndarray, out: np.ndarray, codec: str, layout: str, fb) -> None:
+        c = self.compression
+        if self.mode == "allreduce":
+            c.allreduce(x, out, compression=codec, feedback=fb, layout=layout)
+        elif self.mode == "allgather":
+            c.allgather(x, out, compression=codec)
+        else:
+            c.reduce_scatter(x, out, compression=codec, feedback=fb)
+
+    def ring_bytes(self, size: int) -> int:
+        """What the uncompressed ring sends per rank."""
+        if self.mode == "allreduce":
+            return 2 * (self.n - 1) * size // self.n
+        if self.mode == "allgather":
+            return (self.n - 1) * size
+        return (self.n - 1) * size // self.n
+
+
+def bench_collective(args: argparse.Namespace) -> list[dict]:
+    """Compressed vs uncompressed collective (``args.mode``) times and bytes per rank,
+    under mpirun."""
     from mpi4py import MPI  # noqa: PLC0415
 
-    import mpicoll  # noqa: PLC0415
     from mpicoll import compression  # noqa: PLC0415
 
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
+    coll = _Collective(args.mode, comm, n, rank)
     lo, hi = args.message_size
     codecs = args.codecs or ALLREDUCE_CODECS
-    if args.layouts:
+    if args.layouts and args.mode == "allreduce":
         coded = {f"{c}@{lay}": (c, lay) for c in codecs for lay in args.layouts}
     else:
         coded = {c: (c, "auto") for c in codecs}
     methods = ["native", "ring", *coded]
     rows = []
     if rank == 0:
-        print(f"# mpicoll.compression.allreduce vs uncompressed, n = {n}, op = sum, "
-              f"float32, error feedback on; {args.iterations} iterations after "
+        name = {"reducescatter": "reduce_scatter"}.get(args.mode, args.mode)
+        op = ", op = sum" if args.mode != "allgather" else ""
+        fb = "off" if args.mode == "allgather" else "on"
+        print(f"# mpicoll.compression.{name} vs uncompressed, n = {n}{op}, "
+              f"float32, error feedback {fb}; {args.iterations} iterations after "
               f"{args.warmup} warm-up; an iteration's time is the slowest rank's")
         print(f"# {'Size':>10} {'method':<16}{'avg ms':>10}{'median ms':>11}{'x native':>10}"
               f"{'MB sent/rank':>14}{'MB across':>11}{'rel err':>10}")
     for size in power_of_two_sizes(lo, hi):
         count = size // 4
         x = np.random.default_rng([rank, size]).standard_normal(count).astype(np.float32)
-        exact = np.empty_like(x)
-        comm.Allreduce(x, exact)
-        outs = {m: np.empty_like(x) for m in methods}
+        exact = coll.output(x)
+        coll.native(x, exact)
+        outs = {m: coll.output(x) for m in methods}
         fbs = {m: compression.ErrorFeedback() for m in methods}
         times = {m: np.zeros(args.iterations) for m in methods}
         sent = {m: (0, 0) for m in methods}
@@ -115,13 +181,12 @@ def bench_allreduce(args: argparse.Namespace) -> list[dict]:
         def run(m: str, x: np.ndarray = x, outs: dict = outs, fbs: dict = fbs,
                 sent: dict = sent) -> None:
             if m == "native":
-                comm.Allreduce(x, outs[m])
+                coll.native(x, outs[m])
             elif m == "ring":
-                mpicoll.allreduce(x, outs[m], algorithm="ring")
+                coll.ring(x, outs[m])
             else:
                 codec, layout = coded[m]
-                compression.allreduce(x, outs[m], compression=codec, feedback=fbs[m],
-                                      layout=layout)
+                coll.coded(x, outs[m], codec, layout, fbs[m])
                 stats = compression.last_stats()
                 sent[m] = (stats.bytes_sent, stats.inter_node_bytes)
 
@@ -133,7 +198,7 @@ def bench_allreduce(args: argparse.Namespace) -> list[dict]:
                 dt = time.perf_counter() - t0
                 if it >= args.warmup:
                     times[m][it - args.warmup] = dt
-        ring_bytes = 2 * (n - 1) * size // n
+        ring_bytes = coll.ring_bytes(size)
         slowest = {m: np.empty_like(times[m]) for m in methods}
         for m in methods:  # each iteration's time: the slowest rank's
             comm.Allreduce(times[m], slowest[m], op=MPI.MAX)
@@ -167,7 +232,7 @@ def _rank() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["codecs", "allreduce"])
+    parser.add_argument("mode", choices=["codecs", "allreduce", "reducescatter", "allgather"])
     parser.add_argument("-s", "--size", type=parse_size, default="16M",
                         help="codecs: vector size in bytes (default 16M)")
     parser.add_argument("-m", "--message-size", type=parse_size_range, default="1M:64M",
@@ -187,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "codecs" or _rank() == 0:
         print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
               f"{machine_description()}")
-    rows = bench_codecs(args) if args.mode == "codecs" else bench_allreduce(args)
+    rows = bench_codecs(args) if args.mode == "codecs" else bench_collective(args)
     if args.format and rows:
         if args.format == "json":
             text = json.dumps(rows, indent=1)

@@ -493,7 +493,8 @@ def _reduce_scatter_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
 
 
 def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
-                   algorithm: str = "auto", *, check: bool | None = None) -> Any:
+                   algorithm: str = "auto", *, check: bool | None = None,
+                   compression: Any = None, feedback: Any = None) -> Any:
     """Reduce ``sendbuf`` over all ranks; rank ``i`` gets block ``i`` of the result.
 
     Blocks follow ``numpy.array_split(range(count), size)``: ``count // size`` elements,
@@ -506,11 +507,20 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
         recvbuf: this rank's block (flat, or any shape with that many elements); ``None``
             allocates a flat array.
         op, comm, algorithm, check: as for :func:`allreduce`.
+        compression, feedback: as for :func:`allreduce`: run
+            :func:`mpicoll.compression.reduce_scatter` (float32/float64, op ``"sum"`` or
+            ``"average"``; error feedback on by default for lossy codecs).
     Returns:
         This rank's block of the result.
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
+    if compression is not None:
+        return _compressed("reduce_scatter", algorithm, compression,
+                           lambda: reduce_scatter(sendbuf, recvbuf, op, comm, algorithm,
+                                                  check=check),
+                           sendbuf, recvbuf, op=op, comm=comm, feedback=feedback,
+                           check=True if check is None else check)
     if not check:  # the hot path: a cached call (mpicoll.fastpath)
         result = run_cached(("reduce_scatter", id(sendbuf), id(recvbuf), id(op),
                              id(algorithm), id(comm)))
@@ -560,7 +570,8 @@ def _allgather_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, algorithm: Any
 
 
 def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: str = "auto",
-              *, check: bool | None = None) -> Any:
+              *, check: bool | None = None, compression: Any = None,
+              feedback: Any = None) -> Any:
     """Gather every rank's ``sendbuf`` (same size everywhere) to every rank, in rank order.
 
     Args:
@@ -569,11 +580,21 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: st
         recvbuf: ``size`` times as many elements, same dtype; ``None`` allocates one shaped
             ``(size * sendbuf.shape[0], *sendbuf.shape[1:])`` (``(size,)`` for 0-d input).
         comm, algorithm, check: as for :func:`allreduce`.
+        compression: as for :func:`allreduce`: run :func:`mpicoll.compression.allgather`
+            (float32/float64; every rank decodes every block from the same bytes).
+        feedback: with ``compression``, error feedback on this rank's block: off by
+            default (``None``/``False``), ``True`` or an
+            :class:`mpicoll.compression.ErrorFeedback` turn it on.
     Returns:
         The gathered array (``recvbuf`` when given).
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
+    if compression is not None:
+        return _compressed("allgather", algorithm, compression,
+                           lambda: allgather(sendbuf, recvbuf, comm, algorithm, check=check),
+                           sendbuf, recvbuf, comm=comm, feedback=feedback,
+                           check=True if check is None else check)
     if not check:  # the hot path: a cached call (mpicoll.fastpath)
         result = run_cached(("allgather", id(sendbuf), id(recvbuf), id(algorithm), id(comm)))
         if result is not MISS:
@@ -582,6 +603,20 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: st
         if result is not MISS:
             return result
     return dispatch("allgather", (sendbuf, recvbuf, algorithm), comm, check)
+
+
+def _compressed(name: str, algorithm: Any, compression: Any, uncompressed: Callable[[], Any],
+                *args: Any, **kwargs: Any) -> Any:
+    """The call of a collective given ``compression=``: ``"none"`` runs ``uncompressed()``,
+    anything else :mod:`mpicoll.compression`'s collective ``name`` on ``args``/``kwargs``."""
+    if compression == "none":
+        return uncompressed()
+    if algorithm != "auto":
+        raise ValueError(f"algorithm={algorithm!r} does not apply with compression=; the "
+                         f"compressed {name} runs its own schedule")
+    from . import compression as compressed  # noqa: PLC0415  (loaded on first use)
+
+    return getattr(compressed, name)(*args, compression=compression, **kwargs)
 
 
 def _broadcast_plan(ctx: CommContext, buf: Any, root: Any, algorithm: Any) -> Plan:

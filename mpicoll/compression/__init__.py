@@ -1,4 +1,5 @@
-"""Gradient compression: codecs, error feedback and a compressed all-reduce.
+"""Gradient compression: codecs, error feedback and compressed collectives (all-reduce,
+reduce-scatter, all-gather).
 
 >>> import numpy as np
 >>> from mpicoll import compression
@@ -8,15 +9,20 @@
 
 Codecs (:mod:`~mpicoll.compression.codecs`): ``none``, ``fp16``, ``bf16``, ``int8``,
 ``onebit``, ``topk:RATIO``, ``randomk:RATIO`` (:func:`get_codec`). Error feedback
-(:class:`ErrorFeedback`) is on by default for lossy codecs. See docs/compression.md.
+(:class:`ErrorFeedback`) is on by default for lossy codecs (off by default in the
+all-gather, whose typical data are parameters). See docs/compression.md.
 """
 from __future__ import annotations
 
-from .allreduce import AllreduceStats, allreduce, last_stats
+from .allgather import allgather
+from .allreduce import allreduce
 from .codecs import (CODECS, BF16Codec, Codec, FP16Codec, Int8Codec, NoneCodec, OneBitCodec,
                      RandomKCodec, TopKCodec, get_codec, new_payload)
 from .feedback import ErrorFeedback, tensor_feedback
+from .reduce_scatter import reduce_scatter
+from .stats import AllreduceStats, CollectiveStats, last_stats
 
-__all__ = ["allreduce", "last_stats", "AllreduceStats", "get_codec", "new_payload", "Codec",
+__all__ = ["allreduce", "reduce_scatter", "allgather", "last_stats", "AllreduceStats",
+           "CollectiveStats", "get_codec", "new_payload", "Codec",
            "NoneCodec", "FP16Codec", "BF16Codec", "Int8Codec", "OneBitCodec", "TopKCodec",
            "RandomKCodec", "CODECS", "ErrorFeedback", "tensor_feedback"]

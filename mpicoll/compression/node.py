@@ -48,7 +48,8 @@ from ..partition import tree_children
 from .codecs import Codec
 from .ring import Sent, dense_ring, sparse_allgather
 
-__all__ = ["LAYOUTS", "resolve_layout", "node_allreduce", "flat_crosses_nodes"]
+__all__ = ["LAYOUTS", "resolve_layout", "node_allreduce", "flat_crosses_nodes", "flat_split",
+           "node_peers"]
 
 #: Values of ``layout=``.
 LAYOUTS = ("auto", "flat", "node")
@@ -80,21 +81,32 @@ def resolve_layout(ctx: CommContext, layout: str) -> str:
     return "node" if topo.num_nodes > 1 and max(topo.node_sizes) > 1 else "flat"
 
 
+def node_peers(ctx: CommContext) -> frozenset[int]:
+    """The ranks of ``ctx`` on this rank's node (itself included); cached per context."""
+    if ctx.size == 1:
+        return frozenset([0])
+
+    def peers() -> frozenset[int]:
+        node = ctx.topology.node_comm
+        mine, every = node.Get_group(), ctx.comm.Get_group()
+        ranks = MPI.Group.Translate_ranks(mine, list(range(node.Get_size())), every)
+        mine.Free()
+        every.Free()
+        return frozenset(ranks)
+
+    return ctx.plan(("compression.node_peers",), peers)
+
+
 def flat_crosses_nodes(ctx: CommContext) -> bool:
     """Whether this rank's right neighbour in the flat ring, ``rank + 1``, is on another
     node (the flat schedules send only to it)."""
-    if ctx.size == 1:
-        return False
+    return (ctx.rank + 1) % ctx.size not in node_peers(ctx)
 
-    def crosses() -> bool:
-        node = ctx.topology.node_comm
-        mine, every = node.Get_group(), ctx.comm.Get_group()
-        peers = MPI.Group.Translate_ranks(mine, list(range(node.Get_size())), every)
-        mine.Free()
-        every.Free()
-        return (ctx.rank + 1) % ctx.size not in peers
 
-    return ctx.plan(("compression.flat_crosses_nodes",), crosses)
+def flat_split(ctx: CommContext, sent: Sent) -> tuple[Sent, Sent]:
+    """``(intra-node, inter-node)`` of what a flat ring schedule sent (all to the right
+    neighbour: on this node or not)."""
+    return (Sent(), sent) if flat_crosses_nodes(ctx) else (sent, Sent())
 
 
 def _flat(ctx: CommContext, codec: Codec, y: np.ndarray, res: np.ndarray | None,

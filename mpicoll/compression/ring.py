@@ -24,15 +24,23 @@ its final block), so its error feedback residual is one full vector: for each bl
 its one encoding dropped. Summed over ranks, the residuals plus the result equal the sum of
 the compensated inputs (up to float rounding of the additions).
 
+The compressed reduce-scatter (:func:`dense_reduce_scatter`) is phase 1 alone, started one
+block earlier (rank ``r`` encodes block ``r - 1`` first) so that rank ``r`` completes block
+``r``; that complete sum is its result as it is (never encoded), so its residual holds what
+its ``n - 1`` encodings of the other blocks dropped and is zero on its own block.
+
+The compressed all-gather (:func:`payload_allgather`, any codec) is phase 2 alone: each rank
+encodes its own block once, the payloads go around the ring, every rank decodes every block.
+
 Sparse codecs (``topk``, ``randomk``) send ``k = ceil(ratio * count)`` (index, value) pairs
 per rank (the same ``k`` on every rank, so no counts are exchanged): a ring all-gather of the
 payloads, then every rank adds them into zeros in rank order (identical on every rank).
 
-Messages use tags 101-103 on the context's private duplicate (``CommContext.p2p``).
+Messages use tags 101-104 on the context's private duplicate (``CommContext.p2p``).
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -41,11 +49,13 @@ from .. import buffers
 from ..partition import block_bounds, segment_bounds
 from .codecs import Codec, layout_nbytes, payload_views
 
-__all__ = ["Sent", "dense_ring", "sparse_allgather", "TAG_RS", "TAG_AG", "TAG_SPARSE"]
+__all__ = ["Sent", "dense_ring", "dense_reduce_scatter", "payload_allgather",
+           "sparse_allgather", "gather_phase", "TAG_RS", "TAG_AG", "TAG_SPARSE", "TAG_GATHER"]
 
 TAG_RS = 101      #: ring reduce-scatter of encoded segments
 TAG_AG = 102      #: ring all-gather of final encoded segments
 TAG_SPARSE = 103  #: all-gather of sparse (index, value) payloads
+TAG_GATHER = 104  #: the compressed all-gather's encoded blocks
 
 
 class Sent(NamedTuple):
@@ -70,11 +80,16 @@ class Sent(NamedTuple):
 # dense codecs: ring reduce-scatter with re-encoding + all-gather of encoded shards
 
 class _RingPlan:
-    """Bounds, payload layouts and buffers of one (codec, count, dtype, segment, n)."""
+    """Bounds, payload layouts and buffers of one (codec, count, dtype, segment, n, first).
+
+    ``first``: the block this rank encodes at step 0 of the reduce-scatter (its own in the
+    all-reduce, the one before its own in the reduce-scatter). ``gathers``: whether the
+    complete sums are encoded once more and all-gathered (the all-reduce).
+    """
 
     def __init__(self, codec: Codec, count: int, dtype: np.dtype, seg_bytes: int,
-                 n: int, rank: int) -> None:
-        self.n, self.rank = n, rank
+                 n: int, rank: int, first: int, gathers: bool) -> None:
+        self.n, self.rank, self.first = n, rank, first
         bb = block_bounds(count, n)
         largest = max(bb[i + 1] - bb[i] for i in range(n))
         per = max(1, seg_bytes // dtype.itemsize)
@@ -91,7 +106,7 @@ class _RingPlan:
             row = []
             for j in range(nseg):
                 row.append(off)
-                off += self.nbytes[b][j]
+                off += self.nbytes[b][j] if gathers else 0
             self.goff.append(row)
         self.gather = np.empty(off, dtype=np.uint8)
         maxseg = max(self.segb[b][j + 1] - self.segb[b][j] for b in range(n)
@@ -99,7 +114,7 @@ class _RingPlan:
         maxwire = max(max(row) for row in self.nbytes)
         self.recv = [np.empty(maxwire, dtype=np.uint8) for _ in range(2)]
         # send area: the blocks this rank sends in the reduce-scatter (steps 0..n-2)
-        sent = [rank] + [(rank - s - 1) % n for s in range(n - 2)] if n > 1 else []
+        sent = [first] + [(first - s - 1) % n for s in range(n - 2)] if n > 1 else []
         self.soff = {}
         off = 0
         for b in sent:
@@ -122,6 +137,130 @@ class _RingPlan:
         return self.gather[o:o + self.nbytes[b][j]]
 
 
+def _ring_plan(ctx: Any, codec: Codec, y: np.ndarray, seg_bytes: int, first: int,
+               gathers: bool) -> _RingPlan:
+    key = ("compression.ring", type(codec), codec.name, y.size, y.dtype.str, seg_bytes,
+           first, gathers)
+    return ctx.plan(key, lambda: _RingPlan(codec, y.size, y.dtype, seg_bytes, ctx.size,
+                                           ctx.rank, first, gathers))
+
+
+#: ``finish(acc, b, j, lo, hi)``: what a rank does with the complete sum ``acc`` of
+#: segment ``j`` of block ``b`` (elements ``lo:hi`` of the vector).
+Finish = Callable[[np.ndarray, int, int, int, int], None]
+
+
+def _encode_residual(codec: Codec, plan: _RingPlan, acc: np.ndarray, region: np.ndarray,
+                     b: int, j: int, res: np.ndarray | None, lo: int, hi: int) -> None:
+    """Encode ``acc`` into ``region``; the residual of that encoding into ``res[lo:hi]``."""
+    payload = codec.encode(acc, plan.views(region, b, j))
+    if res is not None:
+        rt = codec.decode(payload, hi - lo, acc.dtype, out=plan.rt[:hi - lo])
+        np.subtract(acc, rt, out=res[lo:hi])
+
+
+def _reduce_scatter_phase(ctx: Any, codec: Codec, plan: _RingPlan, y: np.ndarray,
+                          res: np.ndarray | None, finish: Finish) -> tuple[list, int]:
+    """The ring reduce-scatter with re-encoding (``n > 1``): this rank encodes block
+    ``plan.first`` and sends it right; at step ``s`` it receives block ``first - s - 1``,
+    decodes it, adds its own values and, while ``s < n - 2``, re-encodes and forwards the
+    partial sum; at ``s = n - 2`` block ``first + 1``'s sum is complete: ``finish``.
+
+    Returns:
+        ``(send requests still in flight, bytes sent)``.
+    """
+    n, rank, first = ctx.size, ctx.rank, plan.first
+    nseg, segb = plan.nseg, plan.segb
+    left, right = (rank - 1) % n, (rank + 1) % n
+    isend, irecv = ctx.p2p.Isend, ctx.p2p.Irecv
+    sreqs: list[MPI.Request] = []
+    sent_bytes = 0
+    units = (n - 1) * nseg
+
+    def unit(u: int) -> tuple[int, int, int, int, int]:
+        s, j = divmod(u, nseg)
+        b = (first - s - 1) % n
+        return s, b, j, segb[b][j], segb[b][j + 1]
+
+    def post(u: int) -> MPI.Request:
+        _, b, j, _, _ = unit(u)
+        return irecv([plan.recv[u % 2], plan.nbytes[b][j], MPI.BYTE], left, TAG_RS)
+
+    rreqs = [post(u) for u in range(min(2, units))]
+    # step 0: the first block, encoded from this rank's (compensated) input
+    for j in range(nseg):
+        lo, hi = segb[first][j], segb[first][j + 1]
+        region = plan.send_region(first, j)
+        payload = codec.encode(y[lo:hi], plan.views(region, first, j))
+        sreqs.append(isend(buffers.msg(region), right, TAG_RS))
+        sent_bytes += region.size
+        if res is not None:
+            rt = codec.decode(payload, hi - lo, y.dtype, out=plan.rt[:hi - lo])
+            np.subtract(y[lo:hi], rt, out=res[lo:hi])
+    for u in range(units):
+        slot = u % 2
+        rreqs[slot].Wait()
+        s, b, j, lo, hi = unit(u)
+        cnt = hi - lo
+        acc = codec.decode(plan.views(plan.recv[slot], b, j), cnt, y.dtype,
+                           out=plan.dec[:cnt])
+        if u + 2 < units:
+            rreqs[slot] = post(u + 2)
+        np.add(acc, y[lo:hi], out=acc)
+        if s < n - 2:
+            region = plan.send_region(b, j)
+            payload = codec.encode(acc, plan.views(region, b, j))
+            sreqs.append(isend(buffers.msg(region), right, TAG_RS))
+            sent_bytes += region.size
+            if res is not None:
+                rt = codec.decode(payload, cnt, y.dtype, out=plan.rt[:cnt])
+                np.subtract(acc, rt, out=res[lo:hi])
+        else:
+            finish(acc, b, j, lo, hi)
+    return sreqs, sent_bytes
+
+
+def gather_phase(ctx: Any, region: Callable[[int, int], np.ndarray], own: int, nseg: int,
+                 tag: int, mine: Callable[[], None] | None = None,
+                 arrived: Callable[[int, int], None] | None = None) -> tuple[list, int]:
+    """Ring all-gather of byte regions, forwarded as they are, never re-encoded.
+
+    Every rank's ``region(own, j)`` (``j < nseg``) goes around the ring; the others arrive
+    from the left in the order ``own - 1, own - 2, ...``. ``mine()`` runs after this rank's
+    own regions are sent, ``arrived(b, j)`` after each region is received and forwarded.
+
+    Returns:
+        ``(send requests still in flight, bytes sent)``.
+    """
+    n, rank = ctx.size, ctx.rank
+    sreqs: list[MPI.Request] = []
+    sent_bytes = 0
+    if n == 1:
+        if mine is not None:
+            mine()
+        return sreqs, sent_bytes
+    left, right = (rank - 1) % n, (rank + 1) % n
+    isend, irecv = ctx.p2p.Isend, ctx.p2p.Irecv
+    order = [((own - s - 1) % n, j) for s in range(n - 1) for j in range(nseg)]
+    rreqs = [irecv(buffers.msg(region(b, j)), left, tag) for b, j in order]
+    for j in range(nseg):
+        r = region(own, j)
+        sreqs.append(isend(buffers.msg(r), right, tag))
+        sent_bytes += r.size
+    if mine is not None:
+        mine()
+    forward = (n - 2) * nseg
+    for i, (b, j) in enumerate(order):
+        rreqs[i].Wait()
+        if i < forward:
+            r = region(b, j)
+            sreqs.append(isend(buffers.msg(r), right, tag))
+            sent_bytes += r.size
+        if arrived is not None:
+            arrived(b, j)
+    return sreqs, sent_bytes
+
+
 def dense_ring(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | None,
                out: np.ndarray, seg_bytes: int) -> Sent:
     """The compressed ring all-reduce of ``y`` over ``ctx``'s ranks into ``out``.
@@ -131,15 +270,8 @@ def dense_ring(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | None,
     """
     n, rank = ctx.size, ctx.rank
     dtype = y.dtype
-    key = ("compression.ring", type(codec), codec.name, y.size, dtype.str, seg_bytes)
-    plan = ctx.plan(key,
-                    lambda: _RingPlan(codec, y.size, dtype, seg_bytes, n, rank))
-    p2p = ctx.p2p
+    plan = _ring_plan(ctx, codec, y, seg_bytes, rank, True)
     nseg, segb = plan.nseg, plan.segb
-    left, right = (rank - 1) % n, (rank + 1) % n
-    isend, irecv = p2p.Isend, p2p.Irecv
-    sreqs: list[MPI.Request] = []
-    sent_bytes = 0
 
     def finish(acc: np.ndarray, b: int, j: int, lo: int, hi: int) -> None:
         """Encode the complete sum of (b, j) into the gather area; decode it as the result."""
@@ -154,72 +286,91 @@ def dense_ring(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | None,
             finish(y[lo:hi], 0, j, lo, hi)
         return Sent()
 
+    def decode(b: int, j: int) -> None:
+        lo, hi = segb[b][j], segb[b][j + 1]
+        codec.decode(plan.views(plan.gather_region(b, j), b, j), hi - lo, dtype,
+                     out=out[lo:hi])
+
     # uncompressed ring: every block but (rank+1) in the reduce-scatter, but (rank+2) in
     # the all-gather
     blk = [segb[b][-1] - segb[b][0] for b in range(n)]
     dense = (2 * y.size - blk[(rank + 1) % n] - blk[(rank + 2) % n]) * dtype.itemsize
-    units = (n - 1) * nseg
-
-    def unit(u: int) -> tuple[int, int, int, int, int]:
-        s, j = divmod(u, nseg)
-        b = (rank - s - 1) % n
-        return s, b, j, segb[b][j], segb[b][j + 1]
-
-    def post(u: int) -> MPI.Request:
-        _, b, j, _, _ = unit(u)
-        return irecv([plan.recv[u % 2], plan.nbytes[b][j], MPI.BYTE], left, TAG_RS)
-
-    rreqs = [post(u) for u in range(min(2, units))]
-    # step 0: this rank's own block, encoded from its (compensated) input
-    for j in range(nseg):
-        lo, hi = segb[rank][j], segb[rank][j + 1]
-        region = plan.send_region(rank, j)
-        payload = codec.encode(y[lo:hi], plan.views(region, rank, j))
-        sreqs.append(isend(buffers.msg(region), right, TAG_RS))
-        sent_bytes += region.size
-        if res is not None:
-            rt = codec.decode(payload, hi - lo, dtype, out=plan.rt[:hi - lo])
-            np.subtract(y[lo:hi], rt, out=res[lo:hi])
-    for u in range(units):
-        slot = u % 2
-        rreqs[slot].Wait()
-        s, b, j, lo, hi = unit(u)
-        cnt = hi - lo
-        acc = codec.decode(plan.views(plan.recv[slot], b, j), cnt, dtype, out=plan.dec[:cnt])
-        if u + 2 < units:
-            rreqs[slot] = post(u + 2)
-        np.add(acc, y[lo:hi], out=acc)
-        if s < n - 2:
-            region = plan.send_region(b, j)
-            payload = codec.encode(acc, plan.views(region, b, j))
-            sreqs.append(isend(buffers.msg(region), right, TAG_RS))
-            sent_bytes += region.size
-            if res is not None:
-                rt = codec.decode(payload, cnt, dtype, out=plan.rt[:cnt])
-                np.subtract(acc, rt, out=res[lo:hi])
-        else:
-            finish(acc, b, j, lo, hi)
-
+    sreqs, rs_bytes = _reduce_scatter_phase(ctx, codec, plan, y, res, finish)
     # all-gather of the final payloads; rank owns block (rank + 1) % n
-    order = [((rank - s) % n, j) for s in range(n - 1) for j in range(nseg)]
-    agreqs = [irecv(buffers.msg(plan.gather_region(b, j)), left, TAG_AG) for b, j in order]
-    own = (rank + 1) % n
-    for j in range(nseg):
-        region = plan.gather_region(own, j)
-        sreqs.append(isend(buffers.msg(region), right, TAG_AG))
-        sent_bytes += region.size
-
-    forward = (n - 2) * nseg
-    for i, (b, j) in enumerate(order):
-        agreqs[i].Wait()
-        region = plan.gather_region(b, j)
-        if i < forward:
-            sreqs.append(isend(buffers.msg(region), right, TAG_AG))
-            sent_bytes += region.size
-        lo, hi = segb[b][j], segb[b][j + 1]
-        codec.decode(plan.views(region, b, j), hi - lo, dtype, out=out[lo:hi])
+    agreqs, ag_bytes = gather_phase(ctx, plan.gather_region, (rank + 1) % n, nseg, TAG_AG,
+                                    arrived=decode)
+    sreqs += agreqs
     MPI.Request.Waitall(sreqs)
+    return Sent(rs_bytes + ag_bytes, len(sreqs), dense)
+
+
+def dense_reduce_scatter(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | None,
+                         out: np.ndarray, seg_bytes: int) -> Sent:
+    """The compressed ring reduce-scatter of ``y``: this rank's block (``rank``, of
+    ``block_bounds(y.size, n)``) of the sum into ``out``, kept exact (never encoded).
+
+    The ring of :func:`dense_ring`'s first phase, starting one block earlier (rank ``r``
+    encodes block ``r - 1`` first) so that rank ``r`` completes block ``r``. ``res``: what
+    this rank's encodings dropped (every block but its own; zero on its own block).
+    ``out`` may be the first elements of ``y`` (in place): block ``rank``'s sum is written
+    at the last step, after every other block of ``y`` was read.
+
+    Returns:
+        What this rank sent (``dense``: an uncompressed ring reduce-scatter).
+    """
+    n, rank = ctx.size, ctx.rank
+    plan = _ring_plan(ctx, codec, y, seg_bytes, (rank - 1) % n, False)
+    base = plan.segb[rank][0]
+
+    def finish(acc: np.ndarray, b: int, j: int, lo: int, hi: int) -> None:
+        np.copyto(out[lo - base:hi - base], acc)
+        if res is not None:
+            res[lo:hi] = 0
+
+    if n == 1:
+        finish(y, 0, 0, 0, y.size)
+        return Sent()
+    sreqs, sent_bytes = _reduce_scatter_phase(ctx, codec, plan, y, res, finish)
+    MPI.Request.Waitall(sreqs)
+    dense = (y.size - out.size) * y.dtype.itemsize
     return Sent(sent_bytes, len(sreqs), dense)
+
+
+# ---------------------------------------------------------------------------------------
+# every codec: all-gather of encoded blocks
+
+def payload_allgather(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | None,
+                      out: np.ndarray) -> Sent:
+    """The compressed all-gather: this rank encodes ``y`` (its block) once, the payloads
+    go around a ring, and every rank decodes every block (its own too) from the same bytes
+    into ``out`` (``n`` blocks of ``y.size``). ``res``: ``y`` minus its decoded payload.
+    ``y`` may be ``out``'s block ``rank`` (it is read whole before that block is written).
+
+    Returns:
+        What this rank sent (``dense``: an uncompressed ring all-gather).
+    """
+    n, rank = ctx.size, ctx.rank
+    m, dtype = y.size, y.dtype
+    layout = codec.layout(m, dtype)
+    nbytes = layout_nbytes(layout)
+    area = ctx.plan(("compression.allgather", type(codec), codec.name, m, dtype.str),
+                    lambda: np.empty(n * nbytes, dtype=np.uint8))
+
+    def region(b: int, j: int = 0) -> np.ndarray:
+        return area[b * nbytes:(b + 1) * nbytes]
+
+    def arrived(b: int, j: int = 0) -> None:
+        codec.decode(payload_views(layout, region(b)), m, dtype, out=out[b * m:(b + 1) * m])
+
+    def mine() -> None:
+        arrived(rank)
+        if res is not None:
+            np.subtract(y, out[rank * m:(rank + 1) * m], out=res)
+
+    codec.encode(y, payload_views(layout, region(rank)))
+    sreqs, sent_bytes = gather_phase(ctx, region, rank, 1, TAG_GATHER, mine, arrived)
+    MPI.Request.Waitall(sreqs)
+    return Sent(sent_bytes, len(sreqs), (n - 1) * m * dtype.itemsize)
 
 
 # ---------------------------------------------------------------------------------------
@@ -237,28 +388,21 @@ def sparse_allgather(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | No
     layout = codec.layout(y.size, dtype)
     nbytes = layout_nbytes(layout)
     area = np.empty(n * nbytes, dtype=np.uint8)
-    region = [area[q * nbytes:(q + 1) * nbytes] for q in range(n)]
-    payload = codec.encode(y, payload_views(layout, region[rank]))
-    sreqs: list[MPI.Request] = []
-    sent_bytes = 0
-    if n > 1:
-        left, right = (rank - 1) % n, (rank + 1) % n
-        order = [(rank - s - 1) % n for s in range(n - 1)]
-        rreqs = [ctx.p2p.Irecv(buffers.msg(region[q]), left, TAG_SPARSE) for q in order]
-        sreqs.append(ctx.p2p.Isend(buffers.msg(region[rank]), right, TAG_SPARSE))
-        sent_bytes += nbytes
-    if res is not None:
-        sent = codec.decode(payload, y.size, dtype, out=out)
-        np.subtract(y, sent, out=res)
-    if n > 1:
-        for i, q in enumerate(order):
-            rreqs[i].Wait()
-            if i < n - 2:
-                sreqs.append(ctx.p2p.Isend(buffers.msg(region[q]), right, TAG_SPARSE))
-                sent_bytes += nbytes
+
+    def region(q: int, j: int = 0) -> np.ndarray:
+        return area[q * nbytes:(q + 1) * nbytes]
+
+    payload = codec.encode(y, payload_views(layout, region(rank)))
+
+    def mine() -> None:
+        if res is not None:
+            sent = codec.decode(payload, y.size, dtype, out=out)
+            np.subtract(y, sent, out=res)
+
+    sreqs, sent_bytes = gather_phase(ctx, region, rank, 1, TAG_SPARSE, mine)
     out.fill(0)
     for q in range(n):
-        idx, vals = codec.indices_values(payload_views(layout, region[q]))
+        idx, vals = codec.indices_values(payload_views(layout, region(q)))
         out[idx] += vals  # indices of one payload are distinct
     MPI.Request.Waitall(sreqs)
     return Sent(sent_bytes, len(sreqs), 2 * (n - 1) * y.size * dtype.itemsize // n)

@@ -11,8 +11,9 @@ import pytest
 
 from mpicoll.compression import ErrorFeedback, RandomKCodec, allreduce, get_codec, last_stats
 
-from compression_cases import (COUNTS, RANK, SIZE, gather, make_input, node_sizes, reference,
-                               resolved_layout, shared_reference)
+from compression_cases import (COUNTS, RANK, SIZE, check_feedback_conserves_the_total, gather,
+                               make_input, node_sizes, reference, resolved_layout,
+                               shared_reference)
 
 pytestmark = pytest.mark.mpi
 
@@ -130,19 +131,8 @@ def test_other_layout_matches_reference(spec, dtype, segment):
 @pytest.mark.parametrize("spec", ["fp16", "int8", "onebit", "topk:0.2"])
 def test_feedback_conserves_the_total(spec):
     """Sum over ranks of the residuals plus the result = sum of compensated inputs."""
-    count = 1009
-    fb = ErrorFeedback()
-    old = np.zeros(count)
-    for rep in range(3):
-        x = make_input(RANK, count, rep, np.float32)
-        y = x.astype(np.float64) + old
-        out = allreduce(x, compression=spec, feedback=fb, segment_bytes=256)
-        res = fb.residual()
-        total_y = np.sum(gather(y), axis=0)
-        total_res = np.sum(gather(res.astype(np.float64)), axis=0)
-        scale = np.abs(total_y).max() + 1
-        np.testing.assert_allclose(out + total_res, total_y, rtol=0, atol=1e-5 * scale)
-        old = res.astype(np.float64)
+    check_feedback_conserves_the_total(
+        lambda x, fb: allreduce(x, compression=spec, feedback=fb, segment_bytes=256), 3)
 
 
 @pytest.mark.parametrize("spec", ["none", "int8", "topk:0.5"])

@@ -40,3 +40,20 @@ def test_allreduce_mode_runs():
             elif "@" in r["method"]:
                 assert 0 <= r["inter_node_bytes_per_rank"] <= r["bytes_sent_per_rank"]
                 assert r["inter_node_bytes_total"] >= r["inter_node_bytes_per_rank"]
+
+
+@pytest.mark.parametrize("mode", ["reducescatter", "allgather"])
+def test_reduce_scatter_and_allgather_modes_run(mode):
+    from bench import compression as bench_compression  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        rc = bench_compression.main([mode, "-m", "4K:4K", "-i", "1", "-x", "0", "--codecs",
+                                     "int8", "--format", "json", "--output", str(out)])
+        assert rc == 0
+        rows = json.loads(out.read_text()) if RANK == 0 else []
+    if RANK == 0:
+        assert [r["method"] for r in rows] == ["native", "ring", "int8"]
+        native, _, int8 = rows
+        assert 0 <= int8["bytes_sent_per_rank"] < native["bytes_sent_per_rank"] or SIZE == 1
+        assert native["rel_error_first_call"] == 0 and int8["rel_error_first_call"] < 0.05

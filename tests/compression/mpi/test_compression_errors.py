@@ -1,11 +1,13 @@
 """Bad input to the compressed all-reduce: clear errors on every rank, never a hang."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 from mpicoll import MismatchError, RemoteError
-from mpicoll.compression import ErrorFeedback, allreduce
+from mpicoll.compression import ErrorFeedback, allgather, allreduce, reduce_scatter
 
 from compression_cases import RANK, SIZE, gather
 
@@ -113,4 +115,62 @@ def test_layout_passes_through_mpicoll_allreduce():
         assert np.array_equal(got, want), layout
     with pytest.raises(ValueError, match="layout='node' applies only with compression="):
         mpicoll.allreduce(x, layout="node")
+    still_works()
+
+
+# the compressed reduce-scatter and all-gather: (bad call, error, words, a good call of the
+# same collective for the other ranks)
+def _rs(c, **kw):
+    return reduce_scatter(kw.pop("x", X), compression=kw.pop("compression", "int8"), check=c,
+                          **kw)
+
+
+def _ag(c, **kw):
+    return allgather(kw.pop("x", X), compression=kw.pop("compression", "fp16"), check=c, **kw)
+
+
+BAD_SCATTER_GATHER = [
+    (lambda c: _rs(c, compression="zstd"), ValueError, "unknown compression='zstd'", _rs),
+    (lambda c: _rs(c, x=np.arange(8)), TypeError,
+     "sendbuf has dtype int64; compression='int8' needs float32 or float64", _rs),
+    (lambda c: _rs(c, recvbuf=np.empty(9, np.float32)), ValueError, "recvbuf has 9 elements",
+     _rs),
+    (lambda c: _rs(c, op="max"), ValueError, "unknown op='max'", _rs),
+    (lambda c: _ag(c, compression="topk:0"), ValueError, "ratio must be in (0, 1]", _ag),
+    (lambda c: _ag(c, x=np.arange(8, dtype=np.int32)), TypeError,
+     "sendbuf has dtype int32; compression='fp16' needs float32 or float64", _ag),
+    (lambda c: _ag(c, recvbuf=np.empty(8 * SIZE + 1, np.float32)), ValueError,
+     f"recvbuf has {8 * SIZE + 1} elements", _ag),
+]
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("call,exc,words,good", BAD_SCATTER_GATHER)
+def test_scatter_gather_bad_argument_on_every_rank(call, exc, words, good, check):
+    with pytest.raises(exc) as info:
+        call(check)
+    assert words in str(info.value), str(info.value)
+    still_works()
+
+
+@pytest.mark.parametrize("call,exc,words,good", BAD_SCATTER_GATHER)
+def test_scatter_gather_bad_argument_on_one_rank_only(call, exc, words, good):
+    bad_rank = SIZE - 1
+    if RANK == bad_rank:
+        with pytest.raises(exc, match=re.escape(words)):
+            call(True)
+    else:
+        with pytest.raises(RemoteError) as info:
+            good(True)
+        assert f"rank {bad_rank}" in str(info.value) and words in str(info.value)
+    still_works()
+
+
+def test_scatter_gather_ranks_disagreeing_on_the_codec_all_raise():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    with pytest.raises(MismatchError, match="algorithm"):
+        reduce_scatter(X, compression="int8" if RANK == 0 else "bf16")
+    with pytest.raises(MismatchError, match="count"):
+        allgather(X[:7 + (RANK == 0)], compression="fp16")
     still_works()

@@ -1,0 +1,108 @@
+"""Compressed all-gather: every rank's block, encoded once by its owner, to every rank.
+
+Each rank encodes its own block once (with error feedback on that block when asked), the
+payloads go around a ring as bytes (:func:`.ring.payload_allgather`) and every rank decodes
+every block, its own included, from the same bytes: the result is bit-identical on every
+rank. Any codec (a sparse codec's block decodes to its ``k`` pairs, zeros elsewhere).
+
+Use: gathering parameters or activations in 16 or 8 bits (ZeRO-style parameter
+all-gather). **Error feedback is off by default** here (``feedback=None``): the residual of
+a parameter gather would be added to the next gather of the same parameters, which have
+changed in between (the optimizer updated them exactly); what was lost is not owed to a
+later call of the same meaning, as a gradient's is. ``feedback=True`` or an
+:class:`ErrorFeedback` turn it on (the residual: this rank's block minus its decoded
+payload).
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import numpy as np
+
+from .. import buffers
+from ..context import get_context, resolve_comm
+from .arguments import (agreed, check_feedback, check_output, compensated, feedback_store,
+                        named_codec, numpy_view)
+from .node import flat_split
+from .ring import payload_allgather
+from .stats import CollectiveStats, fill, record
+
+__all__ = ["allgather"]
+
+
+def _validate(sendbuf: Any, recvbuf: Any, compression: Any, feedback: Any, n: int,
+              rank: int) -> tuple:
+    codec = named_codec(compression)
+    if buffers.is_in_place(sendbuf):
+        if recvbuf is None:
+            raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
+        out = numpy_view(recvbuf, "recvbuf", writable=True)
+        codec.check_dtype(out.dtype, "recvbuf")
+        if out.size % n:
+            raise ValueError(f"recvbuf has {out.size} elements, not a multiple of the {n} "
+                             f"ranks")
+        m = out.size // n
+        x, result, owner = out[rank * m:(rank + 1) * m], recvbuf, recvbuf
+    else:
+        x = numpy_view(sendbuf, "sendbuf")
+        codec.check_dtype(x.dtype, "sendbuf")
+        owner = sendbuf
+        if recvbuf is None:
+            shape = np.shape(sendbuf)
+            shape = (n * shape[0],) + tuple(shape[1:]) if shape else (n,)
+            result = np.empty(shape, dtype=x.dtype)
+            out = result.reshape(-1)
+        else:
+            out = numpy_view(recvbuf, "recvbuf", writable=True)
+            result = recvbuf
+            check_output(out, x, n * x.size, f"{n * x.size}: {n} ranks x {x.size}")
+    check_feedback(feedback)
+    return codec, x, out, result, owner
+
+
+def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, compression: Any = "fp16",
+              feedback: Any = None, key: Hashable = None, check: bool = True) -> Any:
+    """All-gather float32/float64 blocks (the same size on every rank) with a codec on the
+    wire, in rank order.
+
+    Args:
+        sendbuf: this rank's block (numpy array, any shape), or ``IN_PLACE``/``None`` when
+            it is already at position ``rank`` of ``recvbuf``.
+        recvbuf: ``size`` times as many elements, same dtype; ``None`` allocates one shaped
+            ``(size * sendbuf.shape[0], *sendbuf.shape[1:])`` (``(size,)`` for 0-d input).
+        comm: mpi4py intracommunicator (``None``: ``COMM_WORLD``).
+        compression: a codec name (``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``,
+            ``"onebit"``, ``"topk:RATIO"``, ``"randomk:RATIO"``) or a
+            :class:`~mpicoll.compression.codecs.Codec`.
+        feedback: error feedback on this rank's block. ``None`` (default) and ``False``:
+            off (see the module docstring); ``True``: on, the residual kept with the input
+            array object; an :class:`ErrorFeedback`: on, kept there under ``key``.
+        key: the residual's key in an explicit ``feedback`` object.
+        check: the agreement step of :func:`~mpicoll.compression.allreduce`.
+    Returns:
+        The gathered array (``recvbuf`` when given), the same bits on every rank (a rank's
+        own block too is its decoded payload). :func:`~mpicoll.compression.last_stats`
+        then reports the bytes this rank sent.
+    Raises:
+        TypeError, ValueError: bad arguments, naming the argument.
+        mpicoll.RemoteError, mpicoll.MismatchError: with ``check``, another rank's bad
+            arguments or ranks that disagree (block size, dtype, codec).
+    """
+    ctx = get_context(resolve_comm(comm))
+
+    def validate() -> tuple[tuple, dict]:
+        codec, x, out, result, owner = _validate(sendbuf, recvbuf, compression, feedback,
+                                                 ctx.size, ctx.rank)
+        store, fb_key = feedback_store(codec, feedback, key, owner, x, default=False)
+        return ((codec, x, out, result, store, fb_key),
+                dict(count=x.size, dtype=str(x.dtype), algorithm=codec.name))
+
+    codec, x, out, result, store, fb_key = agreed(ctx, check, "compression.allgather",
+                                                  validate)
+    stats = record(CollectiveStats(codec.name, x.size, str(x.dtype), ctx.size,
+                                   collective="allgather"))
+    if x.size == 0:
+        return result
+    y, res = compensated(store, fb_key, x)
+    fill(stats, *flat_split(ctx, payload_allgather(ctx, codec, y, res, out)))
+    return result

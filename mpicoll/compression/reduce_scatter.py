@@ -1,0 +1,125 @@
+"""Compressed reduce-scatter: rank ``i`` gets block ``i`` of the sum, a codec on the wire.
+
+Blocks follow ``numpy.array_split`` (as :func:`mpicoll.reduce_scatter`). Dense codecs:
+the re-encoding ring reduce-scatter of the compressed all-reduce (:mod:`.ring`), arranged
+so that rank ``i`` completes block ``i``, which it keeps exact (no final encoding). Sparse
+codecs: each rank sends each other rank only the (index, value) pairs of that rank's
+block (:mod:`.sparse_scatter`).
+
+Error feedback (on by default for lossy codecs, as for the all-reduce): a rank's residual
+is one full vector, what its own encodings dropped: for every block but its own, the loss
+of the one encoding it made of that block (its input, or the partial sum it forwarded);
+zero on its own block. Summed over ranks, the residuals plus the gathered result equal the
+sum of the compensated inputs.
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import numpy as np
+
+from .. import buffers
+from ..context import get_context, resolve_comm
+from ..partition import block_bounds
+from .arguments import (agreed, check_feedback, check_output, compensated, feedback_store,
+                        named_codec, numpy_view, resolve_op, segment_size)
+from .node import flat_split, node_peers
+from .ring import dense_reduce_scatter
+from .sparse_scatter import sparse_reduce_scatter
+from .stats import CollectiveStats, fill, record
+
+__all__ = ["reduce_scatter"]
+
+
+def _validate(sendbuf: Any, recvbuf: Any, op: Any, compression: Any, feedback: Any,
+              segment_bytes: Any, n: int, rank: int) -> tuple:
+    codec = named_codec(compression)
+    opname = resolve_op(op, "reduce-scatter")
+    if buffers.is_in_place(sendbuf):
+        if recvbuf is None:
+            raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
+        x = numpy_view(recvbuf, "recvbuf", writable=True)
+        codec.check_dtype(x.dtype, "recvbuf")
+        bounds = block_bounds(x.size, n)
+        out = result = x[:bounds[rank + 1] - bounds[rank]]
+        owner = recvbuf
+    else:
+        x = numpy_view(sendbuf, "sendbuf")
+        codec.check_dtype(x.dtype, "sendbuf")
+        owner = sendbuf
+        bounds = block_bounds(x.size, n)
+        mine = bounds[rank + 1] - bounds[rank]
+        if recvbuf is None:
+            out = result = np.empty(mine, dtype=x.dtype)
+        else:
+            out = numpy_view(recvbuf, "recvbuf", writable=True)
+            result = recvbuf
+            check_output(out, x, mine, f"{mine}: block {rank} of {x.size} elements over "
+                                       f"{n} ranks")
+    check_feedback(feedback)
+    return codec, opname, x, out, result, owner, segment_size(segment_bytes)
+
+
+def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
+                   compression: Any = "int8", feedback: Any = None, key: Hashable = None,
+                   segment_bytes: int | None = None, check: bool = True) -> Any:
+    """Reduce-scatter float32/float64 data with a codec on the wire.
+
+    Args:
+        sendbuf: the full vector (numpy array, any shape), or ``IN_PLACE``/``None`` to take
+            it from ``recvbuf`` (the block is then left in its first elements, as MPI does).
+        recvbuf: this rank's block (any shape with that many elements, same dtype);
+            ``None`` allocates a flat array.
+        op: ``"sum"`` or ``"average"`` (sum, then one division by the world size).
+        comm: mpi4py intracommunicator (``None``: ``COMM_WORLD``).
+        compression: a codec name (``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``,
+            ``"onebit"``, ``"topk:RATIO"``, ``"randomk:RATIO"``) or a
+            :class:`~mpicoll.compression.codecs.Codec`.
+        feedback: error feedback, as for :func:`~mpicoll.compression.allreduce` (on by
+            default for lossy codecs); the residual has the size of ``sendbuf``.
+        key: the residual's key in an explicit ``feedback`` object.
+        segment_bytes: largest piece of the uncompressed input per message (default
+            4 MiB; dense codecs).
+        check: the agreement step of :func:`~mpicoll.compression.allreduce`.
+    Returns:
+        This rank's block of the result (``recvbuf`` when given; in place the first
+        elements of ``recvbuf``). :func:`~mpicoll.compression.last_stats` then reports the
+        bytes this rank sent.
+    Raises:
+        TypeError, ValueError: bad arguments, naming the argument (unknown codec, integer
+            data, a ``recvbuf`` that is not this rank's block...).
+        mpicoll.RemoteError, mpicoll.MismatchError: with ``check``, another rank's bad
+            arguments or ranks that disagree.
+    """
+    ctx = get_context(resolve_comm(comm))
+
+    def validate() -> tuple[tuple, dict]:
+        codec, opname, x, out, result, owner, seg = _validate(
+            sendbuf, recvbuf, op, compression, feedback, segment_bytes, ctx.size, ctx.rank)
+        store, fb_key = feedback_store(codec, feedback, key, owner, x)
+        return ((codec, opname, x, out, result, store, fb_key, seg),
+                dict(count=x.size, dtype=str(x.dtype), op=opname, algorithm=codec.name,
+                     segment_bytes=seg))
+
+    codec, opname, x, out, result, store, fb_key, seg = agreed(
+        ctx, check, "compression.reduce_scatter", validate)
+    stats = record(CollectiveStats(codec.name, x.size, str(x.dtype), ctx.size,
+                                   collective="reduce_scatter"))
+    if x.size == 0:
+        return result
+    y, res = compensated(store, fb_key, x)
+    # in place without feedback ``out`` is the start of ``y``: the dense ring reads every
+    # other block before it writes its own (safe); the sparse sum writes before it reads
+    target = out
+    if not codec.dense and np.may_share_memory(out, y):
+        target = np.empty_like(out)
+    if codec.dense:
+        intra, inter = flat_split(ctx, dense_reduce_scatter(ctx, codec, y, res, target, seg))
+    else:
+        intra, inter = sparse_reduce_scatter(ctx, codec, y, res, target, node_peers(ctx))
+    if target is not out:
+        np.copyto(out, target)
+    fill(stats, intra, inter)
+    if opname == "average":
+        np.divide(out, ctx.size, out=out)
+    return result
