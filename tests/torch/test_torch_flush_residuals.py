@@ -18,13 +18,15 @@ hvd = train.hvd
 
 
 def _run(compression, steps: int, lr: float):
-    """A linear loss ``sum(c_t * w)`` (gradient ``c_t``, rank- and step-dependent, not a
-    function of ``w``) under SGD(momentum 0.9) through DistributedOptimizer."""
+    """A linear loss ``sum(c_t * w)`` (gradient ``c_t``, step-dependent, not a function of
+    ``w``) under SGD(momentum 0.9), through DistributedOptimizer with ``compression``
+    (plain SGD, the uncompressed reference, for ``None``)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(300, 2)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
-                                   named_parameters=model.named_parameters(),
-                                   compression=compression)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if compression is not None:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=compression)
     g = torch.Generator().manual_seed(7)
     for step in range(steps):
         opt.zero_grad()
@@ -41,7 +43,7 @@ def test_flush_lands_on_the_uncompressed_trajectory():
         if hvd.size() != 1:
             pytest.skip("one process only")
         lr = 0.05
-        plain, _ = _run(hvd.Compression.none, 6, lr)
+        plain, _ = _run(None, 6, lr)
         model, opt = _run(hvd.Compression.onebit.with_momentum(0.9), 6, lr)
         far = max(float((p - q).detach().abs().max()) for p, q in
                   zip(model.parameters(), plain.parameters()))
