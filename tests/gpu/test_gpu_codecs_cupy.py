@@ -15,6 +15,7 @@ _REASON = gpu_skip_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"GPU tests: {_REASON}")
 
 SPECS = ["none", "fp16", "bf16", "int8", "int8:24", "int8:stochastic", "onebit", "onebit:24",
+         "onebit:two", "onebit:24:two",
          "topk:0.05", "topk:1", "randomk:0.1", "randomk:1"]
 COUNTS = [0, 1, 7, 8, 9, 255, 257, 1000, 4099, 2 * C.BLOCK_ELEMENTS + 77]
 

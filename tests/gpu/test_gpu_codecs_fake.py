@@ -20,6 +20,7 @@ from mpicoll.compression import codecs as C
 from mpicoll.compression import namespace
 
 SPECS = ["none", "fp16", "bf16", "int8", "int8:24", "int8:stochastic", "onebit", "onebit:24",
+         "onebit:two", "onebit:24:two",
          "topk:0.05", "topk:1", "randomk:0.1", "randomk:1"]
 COUNTS = [0, 1, 7, 8, 9, 255, 257, 1000, 4099]
 
