@@ -22,7 +22,8 @@ import numpy as np
 from .. import buffers
 from ..context import get_context, resolve_comm
 from .arguments import (agreed, check_feedback, check_output, compensated, feedback_store,
-                        named_codec, numpy_view)
+                        named_codec, array_view)
+from . import namespace
 from .node import flat_split
 from .ring import payload_allgather
 from .stats import CollectiveStats, fill, record
@@ -36,7 +37,7 @@ def _validate(sendbuf: Any, recvbuf: Any, compression: Any, feedback: Any, n: in
     if buffers.is_in_place(sendbuf):
         if recvbuf is None:
             raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
-        out = numpy_view(recvbuf, "recvbuf", writable=True)
+        out = array_view(recvbuf, "recvbuf", writable=True)
         codec.check_dtype(out.dtype, "recvbuf")
         if out.size % n:
             raise ValueError(f"recvbuf has {out.size} elements, not a multiple of the {n} "
@@ -44,16 +45,16 @@ def _validate(sendbuf: Any, recvbuf: Any, compression: Any, feedback: Any, n: in
         m = out.size // n
         x, result, owner = out[rank * m:(rank + 1) * m], recvbuf, recvbuf
     else:
-        x = numpy_view(sendbuf, "sendbuf")
+        x = array_view(sendbuf, "sendbuf")
         codec.check_dtype(x.dtype, "sendbuf")
         owner = sendbuf
         if recvbuf is None:
             shape = np.shape(sendbuf)
             shape = (n * shape[0],) + tuple(shape[1:]) if shape else (n,)
-            result = np.empty(shape, dtype=x.dtype)
+            result = namespace.array_module(x).empty(shape, dtype=x.dtype)
             out = result.reshape(-1)
         else:
-            out = numpy_view(recvbuf, "recvbuf", writable=True)
+            out = array_view(recvbuf, "recvbuf", writable=True)
             result = recvbuf
             check_output(out, x, n * x.size, f"{n * x.size}: {n} ranks x {x.size}")
     check_feedback(feedback)
@@ -66,8 +67,8 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, compression: 
     wire, in rank order.
 
     Args:
-        sendbuf: this rank's block (numpy array, any shape), or ``IN_PLACE``/``None`` when
-            it is already at position ``rank`` of ``recvbuf``.
+        sendbuf: this rank's block (numpy or device array, any shape), or
+            ``IN_PLACE``/``None`` when it is already at position ``rank`` of ``recvbuf``.
         recvbuf: ``size`` times as many elements, same dtype; ``None`` allocates one shaped
             ``(size * sendbuf.shape[0], *sendbuf.shape[1:])`` (``(size,)`` for 0-d input).
         comm: mpi4py intracommunicator (``None``: ``COMM_WORLD``).

@@ -12,8 +12,10 @@ Two layouts (``layout=``):
   holds more than one rank, else ``flat``.
 
 Every rank gets the same bits; each rank's error feedback residual holds what its own
-encodings dropped. :func:`last_stats` reports the bytes a rank sent, inside its node and
-to other nodes.
+encodings dropped. Device arrays (CuPy, ``__cuda_array_interface__``) run the flat layout
+on the device, only payload bytes crossing to the host buffers MPI sends (:mod:`.ring`);
+``auto`` is flat for them and ``node`` raises ``ValueError``. :func:`last_stats` reports
+the bytes a rank sent, inside its node and to other nodes.
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ import numpy as np
 from .. import buffers
 from ..context import get_context, resolve_comm
 from .arguments import (DEFAULT_SEGMENT_BYTES, agreed, check_feedback, check_output,
-                        compensated, feedback_store, named_codec, numpy_view, resolve_op,
+                        compensated, feedback_store, named_codec, array_view, resolve_op,
                         segment_size)
+from . import namespace
 from .node import check_layout, flat_split, node_allreduce, resolve_layout
 from .ring import TAG_AG, TAG_RS, TAG_SPARSE, dense_ring, sparse_allgather
 from .stats import AllreduceStats, CollectiveStats, fill, last_stats, record
@@ -47,19 +50,19 @@ def _validate(sendbuf: Any, recvbuf: Any, op: Any, compression: Any, feedback: A
     if buffers.is_in_place(sendbuf):
         if recvbuf is None:
             raise ValueError("recvbuf is required when sendbuf is IN_PLACE")
-        out = numpy_view(recvbuf, "recvbuf", writable=True)
+        out = array_view(recvbuf, "recvbuf", writable=True)
         codec.check_dtype(out.dtype, "recvbuf")
         x = out
         owner = recvbuf
     else:
-        x = numpy_view(sendbuf, "sendbuf")
+        x = array_view(sendbuf, "sendbuf")
         codec.check_dtype(x.dtype, "sendbuf")
         owner = sendbuf
         if recvbuf is None:
-            out = np.empty(x.size, dtype=x.dtype)
+            out = namespace.array_module(x).empty(x.size, dtype=x.dtype)
             recvbuf = out.reshape(np.shape(sendbuf))
         else:
-            out = numpy_view(recvbuf, "recvbuf", writable=True)
+            out = array_view(recvbuf, "recvbuf", writable=True)
             check_output(out, x, x.size, f"as many as sendbuf ({x.size})")
     check_feedback(feedback)
     seg = segment_size(segment_bytes)
@@ -76,8 +79,8 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
     """All-reduce float32/float64 data with a codec on the wire.
 
     Args:
-        sendbuf: this rank's contribution (numpy array, any shape), or ``IN_PLACE``/``None``
-            to reduce ``recvbuf`` in place.
+        sendbuf: this rank's contribution (numpy or device array, any shape), or
+            ``IN_PLACE``/``None`` to reduce ``recvbuf`` in place.
         recvbuf: the output (same size and dtype); allocated (shaped like ``sendbuf``)
             when ``None`` and ``sendbuf`` is an array.
         op: ``"sum"`` or ``"average"`` (sum, then one division by the world size).
@@ -119,7 +122,8 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
         codec, opname, x, out, result, owner, seg = _validate(
             sendbuf, recvbuf, op, compression, feedback, segment_bytes, layout)
         store, fb_key = feedback_store(codec, feedback, key, owner, x)
-        shape = resolve_layout(ctx, layout)
+        shape = resolve_layout(ctx, layout, device=not namespace.is_host_module(
+            namespace.array_module(x)))
         return ((codec, opname, x, out, result, store, fb_key, seg, shape),
                 dict(count=x.size, dtype=str(x.dtype), op=opname, algorithm=codec.name,
                      resolved=f"layout={shape}", segment_bytes=seg))
@@ -141,5 +145,5 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
         intra, inter = flat_split(ctx, sent)
     fill(stats, intra, inter)
     if opname == "average":
-        np.divide(out, n, out=out)
+        namespace.array_module(out).divide(out, n, out=out)
     return result

@@ -17,11 +17,13 @@ from mpi4py import MPI
 from .. import buffers
 from ..checked import agree
 from ..context import CommContext
+from ..gpu import arrays as device_arrays
+from . import namespace
 from .codecs import Codec, get_codec
 from .feedback import ErrorFeedback, tensor_feedback
 
 __all__ = ["OPS", "DEFAULT_SEGMENT_BYTES", "named_codec", "resolve_op", "segment_size",
-           "check_feedback", "numpy_view", "check_output", "feedback_store", "agreed",
+           "check_feedback", "array_view", "side", "check_output", "feedback_store", "agreed",
            "compensated"]
 
 #: Largest segment of the uncompressed input per message (bytes).
@@ -90,33 +92,46 @@ def check_feedback(feedback: Any) -> None:
                         f"not {type(feedback).__name__}")
 
 
-def numpy_view(a: Any, argname: str, writable: bool = False) -> np.ndarray:
-    """The flat numpy view of buffer ``a`` (``buffers.flat_view``).
+def array_view(a: Any, argname: str, writable: bool = False) -> Any:
+    """The flat view of buffer ``a`` in its array module (``buffers.flat_view``): numpy,
+    CuPy, or a registered module (:mod:`.namespace`); other device objects
+    (``__cuda_array_interface__``, CUDA DLPack) become zero-copy CuPy views (synchronised
+    with their producer stream).
 
     Raises:
-        TypeError: a device array (not supported yet), or not a buffer.
+        TypeError: not an array.
+        ValueError: not contiguous, or read-only when ``writable``.
     """
-    if buffers.is_array(a) and not isinstance(a, np.ndarray):
-        raise TypeError(f"{argname}: the compressed collectives take numpy arrays "
-                        f"(device arrays are not supported yet)")
+    if not isinstance(a, np.ndarray) and not buffers.is_array(a) and device_arrays.is_device(a):
+        a = namespace.as_module_array(a, namespace.array_module(a))
     return buffers.flat_view(a, argname, writable=writable)
 
 
-def check_output(out: np.ndarray, x: np.ndarray, count: int, what: str) -> None:
-    """Raise unless ``recvbuf`` view ``out`` has ``x``'s dtype, ``count`` elements and no
-    memory in common with ``x``.
+def side(a: Any) -> str:
+    """Where array ``a`` lives, in words (for errors)."""
+    xp = namespace.array_module(a)
+    return "in host memory" if namespace.is_host_module(xp) else f"a {xp.__name__} array"
+
+
+def check_output(out: Any, x: Any, count: int, what: str) -> None:
+    """Raise unless ``recvbuf`` view ``out`` is on ``x``'s side (host or device module),
+    has ``x``'s dtype, ``count`` elements and no memory in common with ``x``.
 
     Args:
         what: the required size in words (``"as many as sendbuf (12)"``).
     Raises:
-        TypeError: another dtype.
+        TypeError: another side or dtype.
         ValueError: another size, or overlap.
     """
+    xp = namespace.array_module(x)
+    if namespace.array_module(out) is not xp:
+        raise TypeError(f"recvbuf is {side(out)} but sendbuf is {side(x)}; pass both on "
+                        f"the same side")
     if out.dtype != x.dtype:
         raise TypeError(f"recvbuf has dtype {out.dtype}; it must match sendbuf ({x.dtype})")
     if out.size != count:
         raise ValueError(f"recvbuf has {out.size} elements; it must have {what}")
-    if out is not x and np.shares_memory(out, x):
+    if out is not x and xp.shares_memory(out, x):
         raise ValueError("recvbuf overlaps sendbuf; pass IN_PLACE as sendbuf to work "
                          "in place")
 
@@ -183,5 +198,5 @@ def compensated(store: ErrorFeedback | None, fb_key: Hashable, x: np.ndarray
     if store is None:
         return x, None
     res = store.buffer(fb_key, x)
-    np.add(res, x, out=res)
+    namespace.array_module(x).add(res, x, out=res)
     return res, res

@@ -69,12 +69,24 @@ def check_layout(layout: Any) -> str:
     return layout
 
 
-def resolve_layout(ctx: CommContext, layout: str) -> str:
+def resolve_layout(ctx: CommContext, layout: str, device: bool = False) -> str:
     """``"flat"`` or ``"node"``: ``auto`` is ``node`` when the communicator spans several
-    nodes and some node holds more than one rank. From the layout alone, the same on
-    every rank (no communication; the topology was computed when the context was)."""
+    nodes and some node holds more than one rank (for device arrays always ``flat``). From
+    the layout alone, the same on every rank (no communication; the topology was computed
+    when the context was).
+
+    Raises:
+        ValueError: ``layout="node"`` for device arrays (its intra-node phases run on the
+            host only).
+    """
+    if layout == "node" and device:
+        raise ValueError("layout='node' takes host arrays only (its uncompressed phases "
+                         "inside the node do not run on device arrays); use layout='flat' "
+                         "or 'auto' (flat for device arrays)")
     if layout != "auto":
         return layout
+    if device:
+        return "flat"
     if ctx.size == 1:
         return "flat"
     topo = ctx.topology

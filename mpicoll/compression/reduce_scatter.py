@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from typing import Any, Hashable
 
-import numpy as np
 
 from .. import buffers
 from ..context import get_context, resolve_comm
 from ..partition import block_bounds
 from .arguments import (agreed, check_feedback, check_output, compensated, feedback_store,
-                        named_codec, numpy_view, resolve_op, segment_size)
+                        named_codec, array_view, resolve_op, segment_size)
+from . import namespace
 from .node import flat_split, node_peers
 from .ring import dense_reduce_scatter
 from .sparse_scatter import sparse_reduce_scatter
@@ -38,21 +38,21 @@ def _validate(sendbuf: Any, recvbuf: Any, op: Any, compression: Any, feedback: A
     if buffers.is_in_place(sendbuf):
         if recvbuf is None:
             raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
-        x = numpy_view(recvbuf, "recvbuf", writable=True)
+        x = array_view(recvbuf, "recvbuf", writable=True)
         codec.check_dtype(x.dtype, "recvbuf")
         bounds = block_bounds(x.size, n)
         out = result = x[:bounds[rank + 1] - bounds[rank]]
         owner = recvbuf
     else:
-        x = numpy_view(sendbuf, "sendbuf")
+        x = array_view(sendbuf, "sendbuf")
         codec.check_dtype(x.dtype, "sendbuf")
         owner = sendbuf
         bounds = block_bounds(x.size, n)
         mine = bounds[rank + 1] - bounds[rank]
         if recvbuf is None:
-            out = result = np.empty(mine, dtype=x.dtype)
+            out = result = namespace.array_module(x).empty(mine, dtype=x.dtype)
         else:
-            out = numpy_view(recvbuf, "recvbuf", writable=True)
+            out = array_view(recvbuf, "recvbuf", writable=True)
             result = recvbuf
             check_output(out, x, mine, f"{mine}: block {rank} of {x.size} elements over "
                                        f"{n} ranks")
@@ -66,8 +66,9 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
     """Reduce-scatter float32/float64 data with a codec on the wire.
 
     Args:
-        sendbuf: the full vector (numpy array, any shape), or ``IN_PLACE``/``None`` to take
-            it from ``recvbuf`` (the block is then left in its first elements, as MPI does).
+        sendbuf: the full vector (numpy or device array, any shape), or ``IN_PLACE``/``None``
+            to take it from ``recvbuf`` (the block is then left in its first elements, as MPI
+            does).
         recvbuf: this rank's block (any shape with that many elements, same dtype);
             ``None`` allocates a flat array.
         op: ``"sum"`` or ``"average"`` (sum, then one division by the world size).
@@ -110,16 +111,17 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
     y, res = compensated(store, fb_key, x)
     # in place without feedback ``out`` is the start of ``y``: the dense ring reads every
     # other block before it writes its own (safe); the sparse sum writes before it reads
+    xp = namespace.array_module(out)
     target = out
-    if not codec.dense and np.may_share_memory(out, y):
-        target = np.empty_like(out)
+    if not codec.dense and xp.may_share_memory(out, y):
+        target = xp.empty_like(out)
     if codec.dense:
         intra, inter = flat_split(ctx, dense_reduce_scatter(ctx, codec, y, res, target, seg))
     else:
         intra, inter = sparse_reduce_scatter(ctx, codec, y, res, target, node_peers(ctx))
     if target is not out:
-        np.copyto(out, target)
+        xp.copyto(out, target)
     fill(stats, intra, inter)
     if opname == "average":
-        np.divide(out, ctx.size, out=out)
+        xp.divide(out, ctx.size, out=out)
     return result

@@ -37,6 +37,14 @@ per rank (the same ``k`` on every rank, so no counts are exchanged): a ring all-
 payloads, then every rank adds them into zeros in rank order (identical on every rank).
 
 Messages use tags 101-104 on the context's private duplicate (``CommContext.p2p``).
+
+Device arrays (CuPy, or what :mod:`.namespace` registers): ``y``, ``res`` and ``out`` stay
+on the device, and encoding, decoding and the additions run in their array module; the
+payloads are encoded into device scratch and only their bytes are copied into the host
+buffers that MPI sends (:func:`encode_to_host`: the copy is ordered after the encoding and
+complete before the send), and received payloads are copied to the device by
+``Codec.decode``. The dense vector never crosses. A CUDA-aware MPI could send the device
+payloads directly; that is not done (the host buffers are used whatever MPI is).
 """
 from __future__ import annotations
 
@@ -46,10 +54,12 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import buffers
+from . import namespace
 from ..partition import block_bounds, segment_bounds
 from .codecs import Codec, layout_nbytes, payload_views
 
-__all__ = ["Sent", "dense_ring", "dense_reduce_scatter", "payload_allgather",
+__all__ = ["Sent", "encode_to_host", "add_pairs", "side_key", "dense_ring",
+           "dense_reduce_scatter", "payload_allgather",
            "sparse_allgather", "gather_phase", "TAG_RS", "TAG_AG", "TAG_SPARSE", "TAG_GATHER"]
 
 TAG_RS = 101      #: ring reduce-scatter of encoded segments
@@ -88,8 +98,9 @@ class _RingPlan:
     """
 
     def __init__(self, codec: Codec, count: int, dtype: np.dtype, seg_bytes: int,
-                 n: int, rank: int, first: int, gathers: bool) -> None:
+                 n: int, rank: int, first: int, gathers: bool, like: Any) -> None:
         self.n, self.rank, self.first = n, rank, first
+        self.xp = xp = namespace.array_module(like)
         bb = block_bounds(count, n)
         largest = max(bb[i + 1] - bb[i] for i in range(n))
         per = max(1, seg_bytes // dtype.itemsize)
@@ -122,8 +133,14 @@ class _RingPlan:
                 self.soff[(b, j)] = off
                 off += self.nbytes[b][j]
         self.send = np.empty(off, dtype=np.uint8)
-        self.dec = np.empty(maxseg, dtype=dtype)
-        self.rt = np.empty(maxseg, dtype=dtype)
+        # on the vector's side: decoded sums, round trips, and (device) encoded payloads
+        self.dec = xp.empty(maxseg, dtype=dtype)
+        self.rt = xp.empty(maxseg, dtype=dtype)
+        self.scratch = None if namespace.is_host_module(xp) else xp.empty(maxwire, np.uint8)
+
+    def encode(self, codec: Codec, x: Any, region: np.ndarray, b: int, j: int) -> tuple:
+        """Encode segment (b, j) ``x`` into host ``region``; the payload on ``x``'s side."""
+        return encode_to_host(codec, x, self.layout[b][j], region, self.scratch)
 
     def views(self, raw: np.ndarray, b: int, j: int) -> tuple:
         return payload_views(self.layout[b][j], raw[:self.nbytes[b][j]])
@@ -137,12 +154,32 @@ class _RingPlan:
         return self.gather[o:o + self.nbytes[b][j]]
 
 
-def _ring_plan(ctx: Any, codec: Codec, y: np.ndarray, seg_bytes: int, first: int,
+def side_key(x: Any) -> tuple:
+    """What a plan's buffers depend on besides sizes: the array module and device of ``x``."""
+    return (namespace.array_module(x).__name__, getattr(getattr(x, "device", None), "id", None))
+
+
+def encode_to_host(codec: Codec, x: Any, layout: tuple, region: np.ndarray,
+                   scratch: Any = None) -> tuple:
+    """Encode ``x`` into the host byte buffer ``region`` (of ``layout``); return the payload
+    on ``x``'s side: ``region``'s views for host ``x``; for a device ``x`` the payload is
+    encoded into device ``scratch`` (allocated when ``None``) and only its bytes are copied
+    to ``region`` (complete when this returns, so ``region`` may be sent)."""
+    if namespace.is_host_module(namespace.array_module(x)):
+        return codec.encode(x, payload_views(layout, region))
+    raw = scratch[:region.size] if scratch is not None else \
+        namespace.array_module(x).empty(region.size, np.uint8)
+    payload = codec.encode(x, payload_views(layout, raw))
+    codec.to_host_payload(raw, out=region)
+    return payload
+
+
+def _ring_plan(ctx: Any, codec: Codec, y: Any, seg_bytes: int, first: int,
                gathers: bool) -> _RingPlan:
     key = ("compression.ring", type(codec), codec.name, y.size, y.dtype.str, seg_bytes,
-           first, gathers)
+           first, gathers, side_key(y))
     return ctx.plan(key, lambda: _RingPlan(codec, y.size, y.dtype, seg_bytes, ctx.size,
-                                           ctx.rank, first, gathers))
+                                           ctx.rank, first, gathers, y))
 
 
 #: ``finish(acc, b, j, lo, hi)``: what a rank does with the complete sum ``acc`` of
@@ -150,13 +187,12 @@ def _ring_plan(ctx: Any, codec: Codec, y: np.ndarray, seg_bytes: int, first: int
 Finish = Callable[[np.ndarray, int, int, int, int], None]
 
 
-def _encode_residual(codec: Codec, plan: _RingPlan, acc: np.ndarray, region: np.ndarray,
-                     b: int, j: int, res: np.ndarray | None, lo: int, hi: int) -> None:
-    """Encode ``acc`` into ``region``; the residual of that encoding into ``res[lo:hi]``."""
-    payload = codec.encode(acc, plan.views(region, b, j))
+def _keep_residual(codec: Codec, plan: _RingPlan, payload: tuple, acc: Any, res: Any,
+                   lo: int, hi: int) -> None:
+    """``res[lo:hi] = acc - decode(payload)``: what encoding ``acc`` dropped."""
     if res is not None:
         rt = codec.decode(payload, hi - lo, acc.dtype, out=plan.rt[:hi - lo])
-        np.subtract(acc, rt, out=res[lo:hi])
+        plan.xp.subtract(acc, rt, out=res[lo:hi])
 
 
 def _reduce_scatter_phase(ctx: Any, codec: Codec, plan: _RingPlan, y: np.ndarray,
@@ -191,12 +227,10 @@ def _reduce_scatter_phase(ctx: Any, codec: Codec, plan: _RingPlan, y: np.ndarray
     for j in range(nseg):
         lo, hi = segb[first][j], segb[first][j + 1]
         region = plan.send_region(first, j)
-        payload = codec.encode(y[lo:hi], plan.views(region, first, j))
+        payload = plan.encode(codec, y[lo:hi], region, first, j)
         sreqs.append(isend(buffers.msg(region), right, TAG_RS))
         sent_bytes += region.size
-        if res is not None:
-            rt = codec.decode(payload, hi - lo, y.dtype, out=plan.rt[:hi - lo])
-            np.subtract(y[lo:hi], rt, out=res[lo:hi])
+        _keep_residual(codec, plan, payload, y[lo:hi], res, lo, hi)
     for u in range(units):
         slot = u % 2
         rreqs[slot].Wait()
@@ -206,15 +240,13 @@ def _reduce_scatter_phase(ctx: Any, codec: Codec, plan: _RingPlan, y: np.ndarray
                            out=plan.dec[:cnt])
         if u + 2 < units:
             rreqs[slot] = post(u + 2)
-        np.add(acc, y[lo:hi], out=acc)
+        plan.xp.add(acc, y[lo:hi], out=acc)
         if s < n - 2:
             region = plan.send_region(b, j)
-            payload = codec.encode(acc, plan.views(region, b, j))
+            payload = plan.encode(codec, acc, region, b, j)
             sreqs.append(isend(buffers.msg(region), right, TAG_RS))
             sent_bytes += region.size
-            if res is not None:
-                rt = codec.decode(payload, cnt, y.dtype, out=plan.rt[:cnt])
-                np.subtract(acc, rt, out=res[lo:hi])
+            _keep_residual(codec, plan, payload, acc, res, lo, hi)
         else:
             finish(acc, b, j, lo, hi)
     return sreqs, sent_bytes
@@ -275,10 +307,10 @@ def dense_ring(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | None,
 
     def finish(acc: np.ndarray, b: int, j: int, lo: int, hi: int) -> None:
         """Encode the complete sum of (b, j) into the gather area; decode it as the result."""
-        payload = codec.encode(acc, plan.views(plan.gather_region(b, j), b, j))
+        payload = plan.encode(codec, acc, plan.gather_region(b, j), b, j)
         codec.decode(payload, hi - lo, dtype, out=out[lo:hi])
         if res is not None:
-            np.subtract(acc, out[lo:hi], out=res[lo:hi])
+            plan.xp.subtract(acc, out[lo:hi], out=res[lo:hi])
 
     if n == 1:
         for j in range(nseg):
@@ -323,7 +355,7 @@ def dense_reduce_scatter(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray 
     base = plan.segb[rank][0]
 
     def finish(acc: np.ndarray, b: int, j: int, lo: int, hi: int) -> None:
-        np.copyto(out[lo - base:hi - base], acc)
+        plan.xp.copyto(out[lo - base:hi - base], acc)
         if res is not None:
             res[lo:hi] = 0
 
@@ -355,6 +387,7 @@ def payload_allgather(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | N
     nbytes = layout_nbytes(layout)
     area = ctx.plan(("compression.allgather", type(codec), codec.name, m, dtype.str),
                     lambda: np.empty(n * nbytes, dtype=np.uint8))
+    xp = namespace.array_module(y)
 
     def region(b: int, j: int = 0) -> np.ndarray:
         return area[b * nbytes:(b + 1) * nbytes]
@@ -363,11 +396,12 @@ def payload_allgather(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | N
         codec.decode(payload_views(layout, region(b)), m, dtype, out=out[b * m:(b + 1) * m])
 
     def mine() -> None:
-        arrived(rank)
+        own = out[rank * m:(rank + 1) * m]
+        codec.decode(payload, m, dtype, out=own)
         if res is not None:
-            np.subtract(y, out[rank * m:(rank + 1) * m], out=res)
+            xp.subtract(y, own, out=res)
 
-    codec.encode(y, payload_views(layout, region(rank)))
+    payload = encode_to_host(codec, y, layout, region(rank))
     sreqs, sent_bytes = gather_phase(ctx, region, rank, 1, TAG_GATHER, mine, arrived)
     MPI.Request.Waitall(sreqs)
     return Sent(sent_bytes, len(sreqs), (n - 1) * m * dtype.itemsize)
@@ -375,6 +409,13 @@ def payload_allgather(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | N
 
 # ---------------------------------------------------------------------------------------
 # sparse codecs: all-gather of (index, value) payloads, summed in rank order
+
+def add_pairs(codec: Codec, payload: tuple, out: Any) -> None:
+    """``out[indices] += values`` of a sparse payload (host), on ``out``'s side (only the
+    pairs are copied to a device)."""
+    idx, vals = codec.indices_values(payload)
+    idx, vals = namespace.to_side(idx, out), namespace.to_side(vals, out)
+    out[idx] += vals  # indices of one payload are distinct
 
 def sparse_allgather(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | None,
                      out: np.ndarray) -> Sent:
@@ -392,17 +433,16 @@ def sparse_allgather(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | No
     def region(q: int, j: int = 0) -> np.ndarray:
         return area[q * nbytes:(q + 1) * nbytes]
 
-    payload = codec.encode(y, payload_views(layout, region(rank)))
+    payload = encode_to_host(codec, y, layout, region(rank))
 
     def mine() -> None:
         if res is not None:
             sent = codec.decode(payload, y.size, dtype, out=out)
-            np.subtract(y, sent, out=res)
+            namespace.array_module(y).subtract(y, sent, out=res)
 
     sreqs, sent_bytes = gather_phase(ctx, region, rank, 1, TAG_SPARSE, mine)
     out.fill(0)
     for q in range(n):
-        idx, vals = codec.indices_values(payload_views(layout, region(q)))
-        out[idx] += vals  # indices of one payload are distinct
+        add_pairs(codec, payload_views(layout, region(q)), out)
     MPI.Request.Waitall(sreqs)
     return Sent(sent_bytes, len(sreqs), 2 * (n - 1) * y.size * dtype.itemsize // n)

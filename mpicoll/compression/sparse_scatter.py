@@ -24,7 +24,8 @@ from mpi4py import MPI
 from .. import buffers
 from ..partition import block_bounds
 from .codecs import Codec, layout_nbytes, payload_views
-from .ring import Sent
+from . import namespace
+from .ring import Sent, add_pairs, encode_to_host
 
 __all__ = ["sparse_reduce_scatter", "TAG_SPARSE_RS"]
 
@@ -44,6 +45,7 @@ def sparse_reduce_scatter(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray
     """
     n, rank = ctx.size, ctx.rank
     dtype = y.dtype
+    xp = namespace.array_module(y)
     bb = block_bounds(y.size, n)
     layouts = [codec.layout(bb[b + 1] - bb[b], dtype) for b in range(n)]
     nbytes = [layout_nbytes(lay) for lay in layouts]
@@ -66,23 +68,22 @@ def sparse_reduce_scatter(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray
             codec.encode(y[:0])  # keep the codec's step in line with the other ranks
             continue
         region = area[offs[b]:offs[b + 1]]
-        payload = codec.encode(y[lo:hi], payload_views(layouts[b], region))
+        payload = encode_to_host(codec, y[lo:hi], layouts[b], region)
         sreqs.append(ctx.p2p.Isend(buffers.msg(region), b, TAG_SPARSE_RS))
         tally = sent[b in peers]
         tally[0] += region.size
         tally[1] += 1
         if res is not None:
             rt = codec.decode(payload, hi - lo, dtype)
-            np.subtract(y[lo:hi], rt, out=res[lo:hi])
+            xp.subtract(y[lo:hi], rt, out=res[lo:hi])
     lo, hi = bb[rank], bb[rank + 1]
     out.fill(0)
     for q in range(n):
         if q == rank:
-            np.add(out, y[lo:hi], out=out)
+            xp.add(out, y[lo:hi], out=out)
             continue
         rreqs[q].Wait()
-        idx, vals = codec.indices_values(payload_views(layouts[rank], inbox(q)))
-        out[idx] += vals  # indices of one payload are distinct
+        add_pairs(codec, payload_views(layouts[rank], inbox(q)), out)
     if res is not None:
         res[lo:hi] = 0
     MPI.Request.Waitall(sreqs)
