@@ -385,8 +385,11 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
             that disagree.
     """
     if compression is not None:
-        return _compressed_allreduce(sendbuf, recvbuf, op, comm, algorithm, check,
-                                     compression, feedback, layout)
+        return _compressed("allreduce", algorithm, compression,
+                           lambda: allreduce(sendbuf, recvbuf, op, comm, algorithm,
+                                             check=check),
+                           sendbuf, recvbuf, op=op, comm=comm, feedback=feedback,
+                           layout=layout, check=True if check is None else check)
     if layout != "auto":
         raise ValueError(f"layout={layout!r} applies only with compression=; the "
                          f"uncompressed all-reduce chooses its algorithm with algorithm=")
@@ -399,19 +402,6 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
         if result is not MISS:
             return result
     return dispatch("allreduce", (sendbuf, recvbuf, op, algorithm), comm, check)
-
-
-def _compressed_allreduce(sendbuf: Any, recvbuf: Any, op: Any, comm: Any, algorithm: Any,
-                          check: Any, compression: Any, feedback: Any, layout: str) -> Any:
-    if compression == "none":
-        return allreduce(sendbuf, recvbuf, op, comm, algorithm, check=check)
-    if algorithm != "auto":
-        raise ValueError(f"algorithm={algorithm!r} does not apply with compression=; the "
-                         f"compressed all-reduce runs its own ring")
-    from .compression import allreduce as compressed  # noqa: PLC0415  (loaded on first use)
-
-    return compressed(sendbuf, recvbuf, op, comm, compression=compression, feedback=feedback,
-                      layout=layout, check=True if check is None else check)
 
 
 def allreduce_init(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,

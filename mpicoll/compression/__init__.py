@@ -8,7 +8,7 @@ reduce-scatter, all-gather).
 >>> compression.last_stats().bytes_sent                               # doctest: +SKIP
 
 Codecs (:mod:`~mpicoll.compression.codecs`): ``none``, ``fp16``, ``bf16``, ``int8``,
-``onebit``, ``topk:RATIO``, ``randomk:RATIO`` (:func:`get_codec`). Error feedback
+``onebit``, ``onebit:two``, ``topk:RATIO``, ``randomk:RATIO`` (:func:`get_codec`). Error feedback
 (:class:`ErrorFeedback`) is on by default for lossy codecs (off by default in the
 all-gather, whose typical data are parameters). See docs/compression.md.
 """
@@ -17,12 +17,13 @@ from __future__ import annotations
 from .allgather import allgather
 from .allreduce import allreduce
 from .codecs import (CODECS, BF16Codec, Codec, FP16Codec, Int8Codec, NoneCodec, OneBitCodec,
-                     RandomKCodec, TopKCodec, get_codec, new_payload)
+                     RandomKCodec, TopKCodec, TwoScaleOneBitCodec, get_codec, new_payload)
 from .feedback import ErrorFeedback, tensor_feedback
 from .reduce_scatter import reduce_scatter
 from .stats import AllreduceStats, CollectiveStats, last_stats
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "last_stats", "AllreduceStats",
            "CollectiveStats", "get_codec", "new_payload", "Codec",
-           "NoneCodec", "FP16Codec", "BF16Codec", "Int8Codec", "OneBitCodec", "TopKCodec",
-           "RandomKCodec", "CODECS", "ErrorFeedback", "tensor_feedback"]
+           "NoneCodec", "FP16Codec", "BF16Codec", "Int8Codec", "OneBitCodec",
+           "TwoScaleOneBitCodec", "TopKCodec", "RandomKCodec", "CODECS", "ErrorFeedback",
+           "tensor_feedback"]
