@@ -14,6 +14,8 @@ Modules:
     cupy_copies: the CuPy implementation of the copy interface.
     device: :func:`~mpicoll.gpu.device.select_device` (``MPICOLL_DEVICE``).
     route: what :func:`mpicoll.collectives.dispatch` calls when a device array is passed.
+    array_modules: which array module (numpy, CuPy, a registered one) handles an array,
+        and copies between host and device in any of them (the codecs use them).
     array_transfer: whole-array copies between a device array and host memory (the
         parameter server's workers stage device gradients and pulls with them).
 

@@ -1,5 +1,8 @@
 """Whole-array copies between a device array and host memory, for code whose state stays
-on the host (the parameter server's workers stage device gradients and pulls here).
+on the host (the parameter server's workers stage device gradients and pulls here): the
+device object's view, synchronised with its producer stream, copied by
+:func:`mpicoll.gpu.array_modules.to_host` / :func:`~mpicoll.gpu.array_modules.to_device`
+(the copies the codecs use).
 
 Device objects are CuPy arrays or anything :func:`mpicoll.gpu.arrays.is_device` accepts;
 they are read and written through zero-copy CuPy views after their producer stream is
@@ -13,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, route
+from . import array_modules, arrays, route
 
 __all__ = ["device_view", "to_host", "from_host", "new_like"]
 
@@ -41,10 +44,7 @@ def to_host(obj: Any, out: np.ndarray | None = None) -> np.ndarray:
     if out is None:
         out = np.empty(view.shape, dtype=view.dtype)
     _count("d2h", out.nbytes)
-    if isinstance(view, np.ndarray):
-        np.copyto(out, view)
-    else:
-        view.get(out=out)
+    array_modules.to_host(view, out=out)
     return out
 
 
@@ -53,10 +53,7 @@ def from_host(obj: Any, host: np.ndarray) -> None:
     contiguous); complete when this returns."""
     view = device_view(obj)
     _count("h2d", host.nbytes)
-    if isinstance(view, np.ndarray):
-        np.copyto(view, host)
-    else:
-        view.set(np.ascontiguousarray(host).reshape(view.shape))
+    array_modules.to_device(np.ascontiguousarray(host).reshape(view.shape), view, out=view)
 
 
 def new_like(obj: Any, shape: tuple, dtype: Any) -> Any:
