@@ -116,11 +116,23 @@ def pairwise_row_sums(xp: Any, rows: Any) -> Any:
     last column onto the first) until one column is left; returned as a view of it.
 
     Every step is an elementwise addition, so numpy and CuPy give the same bits (their
-    ``sum()`` reductions add in different orders).
+    ``sum()`` reductions add in different orders). Rows of at most
+    :data:`NARROW_ROWS` columns are first copied column-major, so that every step adds
+    contiguous vectors instead of many short row pieces (the same additions, the same
+    bits).
     """
     width = rows.shape[1]
     if width == 0:
-        rows = xp.zeros((rows.shape[0], 1), dtype=rows.dtype)
+        return xp.zeros(rows.shape[0], dtype=rows.dtype)
+    if 1 < width <= NARROW_ROWS:
+        cols = xp.ascontiguousarray(rows.T)       # column j of rows is cols[j]
+        while width > 1:
+            half = width // 2
+            xp.add(cols[:half], cols[half:2 * half], out=cols[:half])
+            if width % 2:
+                xp.add(cols[:1], cols[width - 1:width], out=cols[:1])
+            width = half
+        return cols[0]
     while width > 1:
         half = width // 2
         xp.add(rows[:, :half], rows[:, half:2 * half], out=rows[:, :half])
@@ -128,6 +140,11 @@ def pairwise_row_sums(xp: Any, rows: Any) -> Any:
             xp.add(rows[:, :1], rows[:, width - 1:width], out=rows[:, :1])
         width = half
     return rows[:, 0]
+
+
+#: Widest rows :func:`pairwise_row_sums` sums column-major (numpy, 2^17 elements, one
+#: process: 8x faster at 8 columns, 2.8x at 32, 2x at 64, no faster at 128).
+NARROW_ROWS = 64
 
 
 def _ordered(parts: Sequence[tuple[Any, int]]) -> Layout:
