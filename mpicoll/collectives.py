@@ -389,7 +389,7 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
                            lambda: allreduce(sendbuf, recvbuf, op, comm, algorithm,
                                              check=check),
                            sendbuf, recvbuf, op=op, comm=comm, feedback=feedback,
-                           layout=layout, check=True if check is None else check)
+                           layout=layout, check=check)
     if layout != "auto":
         raise ValueError(f"layout={layout!r} applies only with compression=; the "
                          f"uncompressed all-reduce chooses its algorithm with algorithm=")
@@ -510,7 +510,7 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
                            lambda: reduce_scatter(sendbuf, recvbuf, op, comm, algorithm,
                                                   check=check),
                            sendbuf, recvbuf, op=op, comm=comm, feedback=feedback,
-                           check=True if check is None else check)
+                           check=check)
     if not check:  # the hot path: a cached call (mpicoll.fastpath)
         result = run_cached(("reduce_scatter", id(sendbuf), id(recvbuf), id(op),
                              id(algorithm), id(comm)))
@@ -584,7 +584,7 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: st
         return _compressed("allgather", algorithm, compression,
                            lambda: allgather(sendbuf, recvbuf, comm, algorithm, check=check),
                            sendbuf, recvbuf, comm=comm, feedback=feedback,
-                           check=True if check is None else check)
+                           check=check)
     if not check:  # the hot path: a cached call (mpicoll.fastpath)
         result = run_cached(("allgather", id(sendbuf), id(recvbuf), id(algorithm), id(comm)))
         if result is not MISS:
@@ -598,7 +598,8 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: st
 def _compressed(name: str, algorithm: Any, compression: Any, uncompressed: Callable[[], Any],
                 *args: Any, **kwargs: Any) -> Any:
     """The call of a collective given ``compression=``: ``"none"`` runs ``uncompressed()``,
-    anything else :mod:`mpicoll.compression`'s collective ``name`` on ``args``/``kwargs``."""
+    anything else :mod:`mpicoll.compression`'s collective ``name`` on ``args``/``kwargs``
+    (``check=None`` there means on: the compressed collectives agree by default)."""
     if compression == "none":
         return uncompressed()
     if algorithm != "auto":
@@ -606,6 +607,8 @@ def _compressed(name: str, algorithm: Any, compression: Any, uncompressed: Calla
                          f"compressed {name} runs its own schedule")
     from . import compression as compressed  # noqa: PLC0415  (loaded on first use)
 
+    if kwargs.get("check") is None:
+        kwargs["check"] = True
     return getattr(compressed, name)(*args, compression=compression, **kwargs)
 
 

@@ -276,8 +276,7 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
                                       comm=engine.comm, algorithm=engine.settings.algorithm)
 
         if not adasum and pipeline.chunked(engine, "allreduce", flat.numel(),
-                                           flat.element_size(),
-                                           pipeline.staged_anywhere(bucket)):
+                                           flat.element_size(), bucket):
             pipeline.run(engine, dev, "allreduce", [], [flat], reduce)
         elif dev is None:
             reduce(engine.persistent_view(flat) if in_place and meta.layout
@@ -500,8 +499,7 @@ def _collect(engine: EngineInterface, dev: Any, inputs: list, outputs: list,
     negotiated metadata of ``bucket``, the responses it runs) and spans several chunks."""
     first = (inputs or outputs)[0]
     if chunkable is not None and pipeline.chunked(engine, chunkable, first.numel(),
-                                                  first.element_size(),
-                                                  pipeline.staged_anywhere(bucket)):
+                                                  first.element_size(), bucket):
         pipeline.run(engine, dev, chunkable, inputs, outputs, fn, root)
     elif dev is None:
         fn(*(numpy_view(t) for t in (*inputs, *outputs)))

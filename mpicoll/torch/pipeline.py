@@ -39,7 +39,7 @@ from ..gpu import staging
 from ..gpu.numpy_copies import NumpyCopies
 from .dtypes import move_dtype, numpy_view
 
-__all__ = ["CHUNKABLE", "chunked", "staged_anywhere", "run", "forget"]
+__all__ = ["CHUNKABLE", "chunked", "run", "forget"]
 
 #: The collectives (the core's names) whose staged requests run in chunks.
 CHUNKABLE = ("allreduce", "broadcast", "allgather", "reduce_scatter")
@@ -73,26 +73,23 @@ def _settings(engine: Any) -> _Settings:
     return get_context(engine.comm).resource(_KEY, _Settings)
 
 
-def staged_anywhere(responses: Sequence[Any]) -> bool:
-    """Whether any rank stages any of ``responses`` (their negotiated metadata; the same
-    answer on every rank)."""
-    return any(meta.stages for response in responses for meta in response.metas.values())
-
-
-def chunked(engine: Any, collective: str, count: int, itemsize: int, staged: bool) -> bool:
+def chunked(engine: Any, collective: str, count: int, itemsize: int,
+            responses: Sequence[Any]) -> bool:
     """Whether every rank runs this request in chunks (see the module doc): some rank
-    stages it and it spans several chunks. No message; the same on every rank.
+    stages it (the negotiated metadata of ``responses``, the responses it runs) and it
+    spans several chunks. No message; the same on every rank.
 
     Args:
         engine: the engine (its ``comm`` and ``size``).
         collective: one of :data:`CHUNKABLE`.
         count: elements (``reduce_scatter``: the whole send buffer; ``allgather``: one
             rank's block), equal on every rank. itemsize: bytes per element.
-        staged: whether any rank stages the request (:func:`staged_anywhere`).
+        responses: the request's responses (a fused bucket, or one).
     Raises:
         ValueError: a staging variable is not a valid number of bytes (on every rank).
     """
-    if engine.size < 2 or not staged:
+    if engine.size < 2 or not any(meta.stages for response in responses
+                                  for meta in response.metas.values()):
         return False
     settings = _settings(engine)
     _, n = staging.chunks(collective, count, itemsize, engine.size, settings.chunk_bytes,
