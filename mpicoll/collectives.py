@@ -12,15 +12,14 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from . import buffers, config, fastpath, tracking
+from . import buffers, config, fastpath, tracking, validation
 from .algorithms.registry import bind, lookup, scales_shards
 from .buffers import flat_view, is_in_place
 from .checked import agree
 from .context import CommContext, get_context, resolve_comm
-from .fastpath import MISS, run_cached, run_shaped
+from .fastpath import MISS, run_fast
 from .gpu.arrays import any_device as _any_device
 from .ops import resolve_op
-from .partition import block_bounds
 from .selection import algorithm_options, resolve_algorithm
 
 __all__ = ["allreduce", "allreduce_init", "reduce_scatter", "allgather", "broadcast",
@@ -64,63 +63,6 @@ class Plan(NamedTuple):
     root: int | None = None
     remake: Callable[[], Any] | None = None
     shaped: fastpath.Shaped | None = None
-
-
-def _same_memory(a: Any, b: Any) -> bool:
-    """Whether flat views ``a`` and ``b`` are the same memory; ValueError if they overlap."""
-    if a is b:
-        return True
-    if isinstance(a, np.ndarray) and np.may_share_memory(a, b):
-        if (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-                and a.nbytes == b.nbytes):
-            return True
-        raise ValueError("sendbuf and recvbuf overlap without being the same buffer; "
-                         "pass mpicoll.IN_PLACE as sendbuf to work in place")
-    return False
-
-
-def _check_disjoint(send: Any, recv: Any) -> None:
-    if isinstance(send, np.ndarray) and recv.size and np.may_share_memory(send, recv):
-        raise ValueError("sendbuf and recvbuf overlap; use IN_PLACE instead")
-
-
-def _check_root(root: Any, size: int) -> int:
-    if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
-        raise TypeError(f"root must be an int, not {type(root).__name__}")
-    if not 0 <= root < size:
-        raise ValueError(f"root={root} is out of range for a communicator of {size} ranks")
-    return int(root)
-
-
-def _check_same_dtype(send: Any, recv: Any) -> None:
-    if send.dtype != recv.dtype:
-        raise TypeError(f"recvbuf has dtype {recv.dtype} but sendbuf has dtype {send.dtype}")
-
-
-def _check_count(name: str, arr: Any, expected: int, why: str) -> None:
-    if arr.size != expected:
-        raise ValueError(f"{name} has {arr.size} elements but {expected} are needed ({why})")
-
-
-def _elementwise_buffers(sendbuf: Any, recvbuf: Any) -> tuple[Any, Any, Any]:
-    """Flat (send, recv) views and the result object of an elementwise reduction.
-
-    In place (``sendbuf`` IN_PLACE/None, or the same memory as ``recvbuf``) ``send`` is
-    ``recv``; ``recvbuf=None`` allocates a result shaped like ``sendbuf``.
-    """
-    if is_in_place(sendbuf):
-        if recvbuf is None:
-            raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
-        recv = flat_view(recvbuf, "recvbuf", writable=True)
-        return recv, recv, recvbuf
-    send = flat_view(sendbuf, "sendbuf")
-    if recvbuf is None:
-        result = buffers.array_module(sendbuf).empty_like(sendbuf)
-        return send, flat_view(result, "recvbuf", writable=True), result
-    recv = flat_view(recvbuf, "recvbuf", writable=True)
-    _check_same_dtype(send, recv)
-    _check_count("recvbuf", recv, send.size, "as many as sendbuf")
-    return (recv if _same_memory(send, recv) else send), recv, recvbuf
 
 
 def _noop() -> None:
@@ -178,11 +120,12 @@ def dispatch(collective: str, args: tuple, comm: Any = None, check: Any = None,
     """Plan a call (validate; agree on it when checked), cache it, run it, return its result.
 
     The slow path of every public collective and :class:`mpicoll.Comm` method, taken when
-    :func:`mpicoll.fastpath.run_cached` misses. The collective's plan function
+    :func:`mpicoll.fastpath.run_fast` misses. The collective's plan function
     (``plan(ctx, *args)``, in :data:`_PLANS`) validates this rank's arguments and returns a
     :class:`Plan`. The cache key is ``cache_as`` (a name and the argument objects) or
-    ``(collective, args + (comm,))``: the same objects, in the same order, that the caller
-    passes to :func:`~mpicoll.fastpath.run_cached`.
+    ``(collective, args + (comm,))``, a ``None`` inserted after a broadcast's one buffer:
+    the same objects, in the same order, that the caller passes to
+    :func:`~mpicoll.fastpath.run_fast`.
     """
     if _any_device(args):  # device arrays (mpicoll.gpu): staged, or straight to MPI
         from .gpu import route  # noqa: PLC0415  (GPU modules only from here on)
@@ -202,14 +145,15 @@ def dispatch(collective: str, args: tuple, comm: Any = None, check: Any = None,
         # MPICOLL_CHECK=1 neither is an explicitly unchecked call, or a later call with
         # the default check=None would skip its agreement step through the cache)
         key, key_args = cache_as if cache_as is not None else (collective, args + (comm,))
+        if collective == "broadcast":  # one buffer; the second is None (fastpath.run_fast)
+            key_args = (key_args[0], None, *key_args[1:])
         if plan.fresh:
             fastpath.store(key, key_args, plan.remake, None)
         else:
             fastpath.store(key, key_args, plan.run, plan.result, plan.out)
-        if plan.shaped is not None:  # the buffers lead the arguments (one for broadcast)
-            nbuf = 1 if collective == "broadcast" else 2
-            fastpath.store_shaped(key, key_args[0], key_args[1] if nbuf == 2 else None,
-                                  key_args[nbuf:], fastpath.by_shape(plan.shaped))
+        if plan.shaped is not None:  # the two buffers lead the arguments
+            fastpath.store_shaped(key, key_args[0], key_args[1], key_args[2:],
+                                  fastpath.by_shape(plan.shaped))
     if plan.remake is not None:
         return plan.remake()
     plan.run()
@@ -243,13 +187,11 @@ def _tracked_plan(ctx: CommContext, collective: str, args: tuple, check: Any) ->
 def _allreduce_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
                     algorithm: Any) -> Plan:
     opo = resolve_op(op)
-    if recvbuf is None and not is_in_place(sendbuf):
-        send = flat_view(sendbuf, "sendbuf")  # the result is allocated by remake()
-        opo.check_dtype(send.dtype)
-        return _allreduce_steps(ctx, send, None, sendbuf, opo, algorithm)
-    send, recv, result = _elementwise_buffers(sendbuf, recvbuf)
-    opo.check_dtype(recv.dtype)
-    return _allreduce_steps(ctx, send, recv, result, opo, algorithm)
+    send, recv, _ = validation.elementwise(sendbuf, recvbuf, flat_view)
+    opo.check_dtype(send.dtype)
+    # (recv None: the result is allocated by remake(), shaped like sendbuf)
+    return _allreduce_steps(ctx, send, recv, sendbuf if recv is None else recvbuf, opo,
+                            algorithm)
 
 
 def _allreduce_steps(ctx: CommContext, send: Any, recv: Any, result: Any, opo: Any,
@@ -393,14 +335,9 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
     if layout != "auto":
         raise ValueError(f"layout={layout!r} applies only with compression=; the "
                          f"uncompressed all-reduce chooses its algorithm with algorithm=")
-    if not check:  # the hot path: a cached call (mpicoll.fastpath)
-        result = run_cached(("allreduce", id(sendbuf), id(recvbuf), id(op), id(algorithm),
-                             id(comm)))
-        if result is not MISS:
-            return result
-        result = run_shaped("allreduce", sendbuf, recvbuf, op, algorithm, comm)
-        if result is not MISS:
-            return result
+    result = run_fast(check, "allreduce", sendbuf, recvbuf, op, algorithm, comm)
+    if result is not MISS:
+        return result
     return dispatch("allreduce", (sendbuf, recvbuf, op, algorithm), comm, check)
 
 
@@ -439,30 +376,18 @@ def allreduce_init(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
 
 def _reduce_scatter_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
                          algorithm: Any) -> Plan:
-    refill = None
-    if is_in_place(sendbuf):
-        if recvbuf is None:
-            raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
-        full = flat_view(recvbuf, "recvbuf", writable=True)
-        bounds = block_bounds(full.size, ctx.size)
+    send, recv, in_place = validation.reduce_scatter(sendbuf, recvbuf, ctx.rank, ctx.size,
+                                                     flat_view)
+    refill, result = None, recvbuf
+    if in_place:
         # the algorithms need the input apart from the output: a scratch copy, refilled
         # at every call (allocated once per cached call)
-        send = buffers.empty(full.size, full.dtype, full)
+        full, send = send, buffers.empty(send.size, send.dtype, send)
         refill = _copy_step(send, full)
-        recv = result = full[:bounds[ctx.rank + 1] - bounds[ctx.rank]]
-    else:
-        send = flat_view(sendbuf, "sendbuf")
-        bounds = block_bounds(send.size, ctx.size)
-        mine = bounds[ctx.rank + 1] - bounds[ctx.rank]
-        if recvbuf is None:
-            result = recv = buffers.empty(mine, send.dtype, send)
-        else:
-            recv = flat_view(recvbuf, "recvbuf", writable=True)
-            result = recvbuf
-            _check_same_dtype(send, recv)
-            _check_count("recvbuf", recv, mine,
-                         f"block {ctx.rank} of {send.size} elements over {ctx.size} ranks")
-            _check_disjoint(send, recv)
+        result = recv
+    elif recv is None:
+        result = recv = buffers.empty(validation.own_block(send.size, ctx.rank, ctx.size),
+                                      send.dtype, send)
     opo = resolve_op(op)
     opo.check_dtype(send.dtype)
     name = _resolve(ctx, "reduce_scatter", algorithm, send.nbytes)
@@ -511,40 +436,22 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
                                                   check=check),
                            sendbuf, recvbuf, op=op, comm=comm, feedback=feedback,
                            check=check)
-    if not check:  # the hot path: a cached call (mpicoll.fastpath)
-        result = run_cached(("reduce_scatter", id(sendbuf), id(recvbuf), id(op),
-                             id(algorithm), id(comm)))
-        if result is not MISS:
-            return result
-        result = run_shaped("reduce_scatter", sendbuf, recvbuf, op, algorithm, comm)
-        if result is not MISS:
-            return result
+    result = run_fast(check, "reduce_scatter", sendbuf, recvbuf, op, algorithm, comm)
+    if result is not MISS:
+        return result
     return dispatch("reduce_scatter", (sendbuf, recvbuf, op, algorithm), comm, check)
 
 
 def _allgather_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, algorithm: Any) -> Plan:
-    if is_in_place(sendbuf):
-        if recvbuf is None:
-            raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
-        recv = flat_view(recvbuf, "recvbuf", writable=True)
-        if recv.size % ctx.size:
-            raise ValueError(f"recvbuf has {recv.size} elements, not a multiple of the "
-                             f"{ctx.size} ranks")
-        send, result = None, recvbuf
-    else:
-        send = flat_view(sendbuf, "sendbuf")
-        if recvbuf is None:
-            shape = ((ctx.size * sendbuf.shape[0],) + tuple(sendbuf.shape[1:])
-                     if sendbuf.ndim else (ctx.size,))
-            result = buffers.array_module(sendbuf).empty(shape, dtype=sendbuf.dtype)
-            recv = flat_view(result, "recvbuf", writable=True)
-        else:
-            recv = flat_view(recvbuf, "recvbuf", writable=True)
-            result = recvbuf
-            _check_same_dtype(send, recv)
-            _check_count("recvbuf", recv, send.size * ctx.size,
-                         f"{ctx.size} ranks x {send.size}")
-            _check_disjoint(send, recv)
+    send, recv, in_place = validation.allgather(sendbuf, recvbuf, ctx.rank, ctx.size,
+                                                flat_view)
+    result = recvbuf
+    if in_place:
+        send = None  # (the algorithms find this rank's block in place)
+    elif recv is None:
+        result = buffers.array_module(sendbuf).empty(
+            validation.gathered_shape(sendbuf.shape, ctx.size), dtype=sendbuf.dtype)
+        recv = flat_view(result, "recvbuf", writable=True)
     name = _resolve(ctx, "allgather", algorithm, recv.nbytes)
     if ctx.size == 1:
         run = _copy_step(recv, send)
@@ -585,13 +492,9 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: st
                            lambda: allgather(sendbuf, recvbuf, comm, algorithm, check=check),
                            sendbuf, recvbuf, comm=comm, feedback=feedback,
                            check=check)
-    if not check:  # the hot path: a cached call (mpicoll.fastpath)
-        result = run_cached(("allgather", id(sendbuf), id(recvbuf), id(algorithm), id(comm)))
-        if result is not MISS:
-            return result
-        result = run_shaped("allgather", sendbuf, recvbuf, algorithm, comm)
-        if result is not MISS:
-            return result
+    result = run_fast(check, "allgather", sendbuf, recvbuf, algorithm, comm)
+    if result is not MISS:
+        return result
     return dispatch("allgather", (sendbuf, recvbuf, algorithm), comm, check)
 
 
@@ -613,8 +516,7 @@ def _compressed(name: str, algorithm: Any, compression: Any, uncompressed: Calla
 
 
 def _broadcast_plan(ctx: CommContext, buf: Any, root: Any, algorithm: Any) -> Plan:
-    r = _check_root(root, ctx.size)
-    flat = flat_view(buf, "buf", writable=ctx.rank != r)
+    r, flat = validation.broadcast(buf, root, ctx.rank, ctx.size, flat_view)
     name = _resolve(ctx, "broadcast", algorithm, flat.nbytes)
     trivial = ctx.size == 1 or not flat.size
     run = None if trivial else bind("broadcast", name, ctx, flat, r)
@@ -638,27 +540,21 @@ def broadcast(buf: Any, root: int = 0, comm: Any = None, algorithm: str = "auto"
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
-    if not check:  # the hot path: a cached call (mpicoll.fastpath)
-        result = run_cached(("broadcast", id(buf), id(root), id(algorithm), id(comm)))
-        if result is not MISS:
-            return result
-        result = run_shaped("broadcast", buf, None, root, algorithm, comm)
-        if result is not MISS:
-            return result
+    result = run_fast(check, "broadcast", buf, None, root, algorithm, comm)
+    if result is not MISS:
+        return result
     return dispatch("broadcast", (buf, root, algorithm), comm, check)
 
 
 def _reduce_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any, root: Any,
                  algorithm: Any) -> Plan:
-    r = _check_root(root, ctx.size)
+    r, (send, recv, _) = validation.reduce(sendbuf, recvbuf, root, ctx.rank, ctx.size,
+                                           flat_view)
     at_root = ctx.rank == r
-    if at_root:
-        send, recv, result = _elementwise_buffers(sendbuf, recvbuf)
-    elif is_in_place(sendbuf):
-        raise ValueError(f"sendbuf is IN_PLACE/None on rank {ctx.rank}, which is not "
-                         f"the root ({r}); only the root may reduce in place")
-    else:
-        send, recv, result = flat_view(sendbuf, "sendbuf"), None, None
+    result = recvbuf if at_root else None
+    if at_root and recv is None:
+        result = buffers.array_module(sendbuf).empty_like(sendbuf)
+        recv = flat_view(result, "recvbuf", writable=True)
     opo = resolve_op(op)
     opo.check_dtype(send.dtype)
     name = _resolve(ctx, "reduce", algorithm, send.nbytes)
@@ -696,14 +592,9 @@ def reduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", root: int = 0,
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
-    if not check:  # the hot path: a cached call (mpicoll.fastpath)
-        result = run_cached(("reduce", id(sendbuf), id(recvbuf), id(op), id(root),
-                             id(algorithm), id(comm)))
-        if result is not MISS:
-            return result
-        result = run_shaped("reduce", sendbuf, recvbuf, op, root, algorithm, comm)
-        if result is not MISS:
-            return result
+    result = run_fast(check, "reduce", sendbuf, recvbuf, op, root, algorithm, comm)
+    if result is not MISS:
+        return result
     return dispatch("reduce", (sendbuf, recvbuf, op, root, algorithm), comm, check)
 
 

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from . import collectives
 from .algorithms.registry import names
 from .buffers import IN_PLACE, Unsupported, is_in_place, parse_mpi_buffer
-from .fastpath import MISS, run_cached, run_shaped
+from .fastpath import MISS, run_fast
 from .gpu.arrays import is_device
 from .ops import resolve_op
 from .partition import block_bounds
@@ -87,12 +87,8 @@ class Comm(MPI.Intracomm):
     # -- collectives ----------------------------------------------------------------------
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM) -> None:
         """As ``MPI.Comm.Allreduce``, with mpicoll's all-reduce."""
-        if not self._mpicoll_check:  # the hot path: a cached call (mpicoll.fastpath)
-            if run_cached(("Comm.Allreduce", id(sendbuf), id(recvbuf),
-                           id(op), id(self))) is not MISS:
-                return None
-            if run_shaped("Comm.Allreduce", sendbuf, recvbuf, op, self) is not MISS:
-                return None
+        if run_fast(self._mpicoll_check, "Comm.Allreduce", sendbuf, recvbuf, op, self) is not MISS:
+            return None
         try:
             ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op)
         except (Unsupported, ValueError):
@@ -102,13 +98,9 @@ class Comm(MPI.Intracomm):
 
     def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM) -> None:
         """As ``MPI.Comm.Reduce_scatter_block``, with mpicoll's reduce-scatter."""
-        if not self._mpicoll_check:  # the hot path: a cached call (mpicoll.fastpath)
-            if run_cached(("Comm.Reduce_scatter_block", id(sendbuf), id(recvbuf),
-                           id(op), id(self))) is not MISS:
-                return None
-            if run_shaped("Comm.Reduce_scatter_block", sendbuf, recvbuf, op,
-                          self) is not MISS:
-                return None
+        if run_fast(self._mpicoll_check, "Comm.Reduce_scatter_block", sendbuf, recvbuf, op,
+                    self) is not MISS:
+            return None
         try:
             ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op)
         except (Unsupported, ValueError):
@@ -149,11 +141,8 @@ class Comm(MPI.Intracomm):
 
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
         """As ``MPI.Comm.Allgather``, with mpicoll's all-gather."""
-        if not self._mpicoll_check:  # the hot path: a cached call (mpicoll.fastpath)
-            if run_cached(("Comm.Allgather", id(sendbuf), id(recvbuf), id(self))) is not MISS:
-                return None
-            if run_shaped("Comm.Allgather", sendbuf, recvbuf, self) is not MISS:
-                return None
+        if run_fast(self._mpicoll_check, "Comm.Allgather", sendbuf, recvbuf, self) is not MISS:
+            return None
         try:
             send = self._parse(sendbuf, "sendbuf")
             recv = _buffer(recvbuf, "recvbuf", writable=True)
@@ -164,11 +153,8 @@ class Comm(MPI.Intracomm):
 
     def Bcast(self, buf: Any, root: int = 0) -> None:
         """As ``MPI.Comm.Bcast``, with mpicoll's broadcast."""
-        if not self._mpicoll_check:  # the hot path: a cached call (mpicoll.fastpath)
-            if run_cached(("Comm.Bcast", id(buf), id(root), id(self))) is not MISS:
-                return None
-            if run_shaped("Comm.Bcast", buf, None, root, self) is not MISS:
-                return None
+        if run_fast(self._mpicoll_check, "Comm.Bcast", buf, None, root, self) is not MISS:
+            return None
         try:
             flat = _buffer(buf, "buf", writable=self.Get_rank() != root)
         except (Unsupported, ValueError):
@@ -178,12 +164,9 @@ class Comm(MPI.Intracomm):
 
     def Reduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM, root: int = 0) -> None:
         """As ``MPI.Comm.Reduce``, with mpicoll's reduce."""
-        if not self._mpicoll_check:  # the hot path: a cached call (mpicoll.fastpath)
-            if run_cached(("Comm.Reduce", id(sendbuf), id(recvbuf), id(op),
-                           id(root), id(self))) is not MISS:
-                return None
-            if run_shaped("Comm.Reduce", sendbuf, recvbuf, op, root, self) is not MISS:
-                return None
+        if run_fast(self._mpicoll_check, "Comm.Reduce", sendbuf, recvbuf, op, root,
+                    self) is not MISS:
+            return None
         at_root = self.Get_rank() == root
         try:
             ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op, with_recv=at_root)

@@ -23,10 +23,10 @@ is referenced cannot be resized in place. Consequences and limits:
 
 Checked mode never uses the cache: its agreement step runs on every call.
 
-**Calls by shape** (:func:`run_shaped`): a loop that passes a *new* array each time (a
-fresh gradient, ``y = allreduce(x * 2)``) never hits the identity cache. So the slow path
-of every collective and :class:`mpicoll.Comm` method also keeps a *call by shape*: the
-planned call as a function of new arrays (:class:`Shaped`: the algorithm bound to
+**Calls by shape** (:func:`run_fast`'s second lookup): a loop that passes a *new* array
+each time (a fresh gradient, ``y = allreduce(x * 2)``) never hits the identity cache. So
+the slow path of every collective and :class:`mpicoll.Comm` method also keeps a *call by
+shape*: the planned call as a function of new arrays (:class:`Shaped`: the algorithm bound to
 everything but the arrays, native MPI with its count, datatype and op found once; the
 final scaling; how a new output is allocated), keyed by the shapes and dtype of the
 arrays and the identity of the other arguments. A new array of a known shape then costs
@@ -48,9 +48,9 @@ from mpi4py import MPI
 
 from .ops import Op
 
-__all__ = ["run_cached", "run_shaped", "store_shaped", "by_shape", "Shaped", "OUTPUT",
-           "INPUT_ONLY", "INOUT", "MISS", "key", "lookup", "store", "invalidate",
-           "MAX_ENTRIES", "MAX_BYTES", "KEEP_LAST_BYTES"]
+__all__ = ["run_fast", "store_shaped", "by_shape", "Shaped", "OUTPUT", "INPUT_ONLY",
+           "INOUT", "MISS", "ARITY", "key", "lookup", "store", "invalidate", "MAX_ENTRIES",
+           "MAX_BYTES", "KEEP_LAST_BYTES"]
 
 #: Cached calls kept at most (oldest dropped first).
 MAX_ENTRIES = 64
@@ -66,57 +66,68 @@ _lock = threading.Lock()
 _VALUE_TYPES = (str, int, type(None), type(MPI.IN_PLACE))
 
 
-#: What :func:`run_cached` returns when there is no usable cached call.
+#: What :func:`run_fast` returns when there is no usable cached call.
 MISS = object()
 
 
+#: Argument objects a key holds: every call's are padded with ``None`` to this many (the
+#: hot path, :func:`run_fast`, then builds its keys without ``map`` or ``*``).
+ARITY = 6
+_NONE = id(None)
+
+
+def _padded(args: tuple) -> tuple:
+    if len(args) > ARITY:
+        raise ValueError(f"a cached call takes at most {ARITY} arguments, not {len(args)}")
+    return args + (None,) * (ARITY - len(args))
+
+
 def key(collective: str, *args: Any) -> tuple:
-    """The cache key of a call: ``(collective, id(arg0), id(arg1), ...)``.
-
-    Public functions build this tuple inline on their hot path (a call to this function
-    costs as much as the lookup itself); :func:`store` and :func:`lookup` use this one.
-    """
-    return (collective, *map(id, args))
+    """The cache key of a call: ``(collective, id(arg0), id(arg1), ...)``, the arguments
+    padded with ``None`` to :data:`ARITY`: the key :func:`run_fast` builds."""
+    return (collective, *map(id, _padded(args)))
 
 
-def run_cached(call_key: tuple) -> Any:
-    """Run the call cached under ``call_key`` (see :func:`key`); return its result.
+def run_fast(check: Any, collective: str, a: Any, b: Any, c: Any = None, d: Any = None,
+             e: Any = None, f: Any = None) -> Any:
+    """The hot path of every public collective and :class:`mpicoll.Comm` method: run the
+    call cached for exactly these argument objects (:func:`store`), else the call by shape
+    kept for arrays shaped like ``a`` and ``b`` (:func:`store_shaped`); return its result.
 
-    The hot path of every public collective and :class:`mpicoll.Comm` method.
-
+    Args:
+        check: the call's ``check``: when true, nothing runs (checked calls are never
+            cached: their agreement step runs on every call).
+        collective: the name the call is stored under.
+        a, b: the two buffers (``b`` is ``None`` for a broadcast's one).
+        c, d, e, f: the other arguments the call depends on (op, root, algorithm,
+            communicator), compared by identity; unused ones ``None``.
     Returns:
-        The call's result, or :data:`MISS` when nothing usable is cached (no entry, or its
-        output has been made read-only since): the caller then takes the slow path
-        (:func:`mpicoll.collectives.dispatch`), which validates, caches and runs the call.
+        The call's result, or :data:`MISS` when nothing applies (checked; no entry; its
+        output has been made read-only since; the call by shape refused the arrays): the
+        caller then takes the slow path (:func:`mpicoll.collectives.dispatch`), which
+        validates, caches and runs the call.
     """
-    entry = _calls.get(call_key)
-    if entry is None or (entry[2] is not None and not entry[2].flags.writeable):
+    if check:
         return MISS
-    made = entry[0]()
-    return entry[1] if made is None else made
-
-
-def run_shaped(collective: str, sendbuf: Any, recvbuf: Any, *rest: Any) -> Any:
-    """Run the call by shape kept for arrays shaped like these (see the module docstring).
-
-    ``sendbuf`` is the first buffer argument (``buf`` of a broadcast), ``recvbuf`` the
-    second (``None`` for a broadcast); ``rest`` are the other arguments the call depends
-    on (op, root, algorithm, communicator), compared by identity. Returns the result, or
-    :data:`MISS` when none applies (no entry; not exact numpy arrays; the entry refused
-    these arrays): the caller takes the slow path.
-    """
-    if type(sendbuf) is not np.ndarray:
+    # (the trailing arguments are often the None of a default: its id without a call)
+    d = _NONE if d is None else id(d)
+    e = _NONE if e is None else id(e)
+    f = _NONE if f is None else id(f)
+    entry = _calls.get((collective, id(a), id(b), id(c), d, e, f))
+    if entry is not None and (entry[2] is None or entry[2].flags.writeable):
+        made = entry[0]()
+        return entry[1] if made is None else made
+    if type(a) is not np.ndarray:
         return MISS
-    if recvbuf is None:
-        entry = _shaped.get((collective, sendbuf.shape, sendbuf.dtype, None, *map(id, rest)))
-    elif type(recvbuf) is np.ndarray:
-        entry = _shaped.get((collective, sendbuf.shape, sendbuf.dtype, recvbuf.shape,
-                             *map(id, rest)))
+    if b is None:
+        entry = _shaped.get((collective, a.shape, a.dtype, None, id(c), d, e, f))
+    elif type(b) is np.ndarray:
+        entry = _shaped.get((collective, a.shape, a.dtype, b.shape, id(c), d, e, f))
     else:
         return MISS
     if entry is None:
         return MISS
-    return entry[0](sendbuf, recvbuf)
+    return entry[0](a, b)
 
 
 #: What the second buffer of a call by shape is (:attr:`Shaped.mode`): an output
@@ -154,7 +165,7 @@ def by_shape(spec: Shaped) -> Callable[[Any, Any], Any]:
     """``spec.run`` behind the checks a new array can fail: what :func:`store_shaped` keeps.
 
     The returned ``call(a, b)`` (numpy arrays whose shapes and first dtype match the
-    plan, :func:`run_shaped` saw to that) runs the call and returns its result when ``a``
+    plan, :func:`run_fast` saw to that) runs the call and returns its result when ``a``
     is C-contiguous and, for an :data:`OUTPUT`, ``b`` is ``None`` (a new array of
     ``new_shape`` is the result) or a writable C-contiguous array of ``dtype`` that does
     not overlap ``a``; for an :data:`INOUT`, ``a`` is writable where written. Anything
@@ -215,7 +226,8 @@ def store_shaped(collective: str, sendbuf: Any, recvbuf: Any, rest: tuple,
     if any(_cacheable(arg) != 0 for arg in rest):
         return
     shape = None if recvbuf is None else recvbuf.shape
-    call_key = (collective, sendbuf.shape, sendbuf.dtype, shape, *map(id, rest))
+    padded = _padded((sendbuf, recvbuf, *rest))
+    call_key = (collective, sendbuf.shape, sendbuf.dtype, shape, *map(id, padded[2:]))
     with _lock:
         _shaped.pop(call_key, None)
         while len(_shaped) >= MAX_ENTRIES:
@@ -225,7 +237,8 @@ def store_shaped(collective: str, sendbuf: Any, recvbuf: Any, rest: tuple,
 
 def lookup(collective: str, *args: Any) -> tuple | None:
     """The cached entry (``(run, result, ...)``) for exactly these argument objects, or
-    ``None`` when :func:`run_cached` would miss. For tests and diagnostics."""
+    ``None`` when :func:`run_fast` would find no usable one by identity. For tests and
+    diagnostics."""
     entry = _calls.get(key(collective, *args))
     if entry is None or (entry[2] is not None and not entry[2].flags.writeable):
         return None

@@ -1,6 +1,8 @@
 """Serial tests of buffer parsing/validation, ops and algorithm selection."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -132,3 +134,122 @@ def test_algorithms_listing():
                                                    "tree", "hierarchical", "native"}
     with pytest.raises(ValueError):
         mpicoll.algorithms("alltoall")
+
+
+# -- mpicoll.validation: the one set of buffer checks of the host, device and compressed
+# paths; where the paths used to differ, each now behaves as the host collectives do
+
+
+def _ranks(rank: int, size: int) -> SimpleNamespace:
+    """``Get_rank``/``Get_size`` of one rank of a world that never runs a host call."""
+    return SimpleNamespace(Get_rank=lambda: rank, Get_size=lambda: size)
+
+
+def _staged_refuses(collective: str, args: tuple, exc: type, words: str) -> None:
+    """The staged device path (rank 0 of 2, simulated devices) raises ``exc`` matching
+    ``words``, reported to the other ranks (checked mode), before any copy."""
+    from mpicoll.gpu import staging
+    from mpicoll.gpu.simulated import SimulatedCopies
+
+    copies, reported = SimulatedCopies(), []
+    with pytest.raises(exc, match=words):
+        staging.staged(collective, args, lambda a: pytest.fail("host call made"),
+                       comm=_ranks(0, 2), copies=copies, report_error=reported.append)
+    assert [type(e) for e in reported] == [exc]
+    assert not any(e[0] in ("d2h", "h2d") for e in copies.log)
+
+
+@pytest.mark.parametrize("collective,make", [   # (w: 16 elements, n: ranks)
+    ("allreduce", lambda w, n: (w[:8], w[4:12], "sum")),
+    ("reduce", lambda w, n: (w[:8], w[4:12], "sum", 0)),
+    ("reduce_scatter", lambda w, n: (w[:8], w[2:2 + 8 // n], "sum")),
+    ("allgather", lambda w, n: (w[:4], w[2:2 + 4 * n])),
+])
+def test_staged_path_refuses_overlapping_buffers_as_the_host_does(collective, make):
+    # (the staged path used to copy overlapping buffers chunk by chunk: a corrupt result)
+    wide = np.arange(16, dtype=np.float32)
+    with pytest.raises(ValueError, match="sendbuf and recvbuf overlap"):
+        getattr(mpicoll, collective)(*make(wide.copy(), 1))
+    _staged_refuses(collective, make(wide.copy(), 2), ValueError,
+                    "sendbuf and recvbuf overlap")
+
+
+def test_staged_path_checks_the_op_against_the_dtype_before_any_copy():
+    # (the staged path used to find it in its first host call, after copying chunk 0)
+    x = np.arange(8, dtype=np.float32)
+    with pytest.raises(TypeError, match="op='band' does not apply to dtype float32"):
+        mpicoll.allreduce(x, op="band")
+    _staged_refuses("allreduce", (x, None, "band"), TypeError,
+                    "op='band' does not apply to dtype float32")
+
+
+def test_compressed_allreduce_on_the_same_memory_works_in_place_as_the_host_does():
+    # (the compressed all-reduce used to refuse a recvbuf that is sendbuf's memory under
+    # another array object: "recvbuf overlaps sendbuf")
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    same = x.reshape(8)
+    assert mpicoll.allreduce(x, same) is same
+    assert mpicoll.allreduce(x, same, compression="fp16") is same
+    assert same.tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "allgather"])
+def test_compressed_scatter_gather_refuse_recvbuf_is_sendbuf_as_the_host_does(collective):
+    # (one rank: the compressed ones used to run with recvbuf the very sendbuf array)
+    x = np.arange(8, dtype=np.float32)
+    fn = getattr(mpicoll, collective)
+    with pytest.raises(ValueError, match="sendbuf and recvbuf overlap"):
+        fn(x, x)
+    with pytest.raises(ValueError, match="sendbuf and recvbuf overlap"):
+        fn(x, x, compression="fp16")
+
+
+@pytest.mark.parametrize("compression", [None, "fp16"])
+@pytest.mark.parametrize("call,exc,words", [
+    (lambda c: mpicoll.allreduce(IN, None, compression=c), ValueError,
+     "recvbuf is required when sendbuf is IN_PLACE/None"),
+    (lambda c: mpicoll.allreduce(X, np.empty(9, np.float32), compression=c), ValueError,
+     "recvbuf has 9 elements but 8 are needed (as many as sendbuf)"),
+    (lambda c: mpicoll.allreduce(X, np.empty(8, np.float64), compression=c), TypeError,
+     "recvbuf has dtype float64 but sendbuf has dtype float32"),
+    (lambda c: mpicoll.allreduce(X, _read_only(), compression=c), ValueError,
+     "recvbuf is read-only"),
+    (lambda c: mpicoll.reduce_scatter(X, np.empty(3, np.float32), compression=c), ValueError,
+     "recvbuf has 3 elements but 8 are needed (block 0 of 8 elements over 1 ranks)"),
+    (lambda c: mpicoll.allgather(X, np.empty(3, np.float32), compression=c), ValueError,
+     "recvbuf has 3 elements but 8 are needed (1 ranks x 8)"),
+    (lambda c: mpicoll.allgather(IN, None, compression=c), ValueError,
+     "recvbuf is required when sendbuf is IN_PLACE/None"),
+])
+def test_host_and_compressed_paths_raise_the_same_errors(call, exc, words, compression):
+    with pytest.raises(exc) as info:
+        call(compression)
+    assert words in str(info.value)
+
+
+IN = mpicoll.IN_PLACE
+X = np.arange(8, dtype=np.float32)
+
+
+def _read_only() -> np.ndarray:
+    out = np.empty(8, np.float32)
+    out.flags.writeable = False
+    return out
+
+
+def test_validation_checks_root_and_in_place_rules():
+    from mpicoll import validation
+
+    with pytest.raises(TypeError, match="root must be an int, not bool"):
+        validation.check_root(True, 2)
+    with pytest.raises(ValueError, match="root=2 is out of range for a communicator of 2"):
+        validation.check_root(2, 2)
+    with pytest.raises(ValueError, match="only the root may reduce in place"):
+        validation.reduce(IN, X, 0, 1, 2, flat_view)
+    send, recv, in_place = validation.reduce_scatter(IN, np.zeros(9, np.float32), 2, 4,
+                                                     flat_view)
+    assert in_place and send.size == 9 and recv.size == 2 and np.shares_memory(send, recv)
+    send, recv, in_place = validation.allgather(IN, np.arange(9.0), 1, 3, flat_view)
+    assert in_place and send.tolist() == [3.0, 4.0, 5.0] and recv.size == 9
+    assert validation.gathered_shape((), 3) == (3,)
+    assert validation.gathered_shape((2, 5), 3) == (6, 5)

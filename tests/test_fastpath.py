@@ -97,7 +97,8 @@ def test_every_collective_is_cached_and_returns_its_result():
         (("allreduce", x, y, "sum", "auto", None), lambda: mpicoll.allreduce(x, y)),
         (("reduce_scatter", x, y, "sum", "auto", None), lambda: mpicoll.reduce_scatter(x, y)),
         (("allgather", x, y, "auto", None), lambda: mpicoll.allgather(x, y)),
-        (("broadcast", y, 0, "auto", None), lambda: mpicoll.broadcast(y, 0)),
+        # (a broadcast has one buffer: its key holds None in place of the second)
+        (("broadcast", y, None, 0, "auto", None), lambda: mpicoll.broadcast(y, 0)),
         (("reduce", x, y, "sum", 0, "auto", None), lambda: mpicoll.reduce(x, y)),
     ]
     for key, call in calls:

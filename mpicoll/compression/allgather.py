@@ -19,10 +19,10 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from .. import buffers
+from .. import validation
 from ..context import get_context, resolve_comm
-from .arguments import (agreed, check_feedback, check_output, compensated, feedback_store,
-                        named_codec, array_view)
+from .arguments import (agreed, array_view, check_feedback, check_side, compensated,
+                        feedback_store, named_codec)
 from . import namespace
 from .node import flat_split
 from .ring import payload_allgather
@@ -34,31 +34,16 @@ __all__ = ["allgather"]
 def _validate(sendbuf: Any, recvbuf: Any, compression: Any, feedback: Any, n: int,
               rank: int) -> tuple:
     codec = named_codec(compression)
-    if buffers.is_in_place(sendbuf):
-        if recvbuf is None:
-            raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
-        out = array_view(recvbuf, "recvbuf", writable=True)
-        codec.check_dtype(out.dtype, "recvbuf")
-        if out.size % n:
-            raise ValueError(f"recvbuf has {out.size} elements, not a multiple of the {n} "
-                             f"ranks")
-        m = out.size // n
-        x, result, owner = out[rank * m:(rank + 1) * m], recvbuf, recvbuf
-    else:
-        x = array_view(sendbuf, "sendbuf")
-        codec.check_dtype(x.dtype, "sendbuf")
-        owner = sendbuf
-        if recvbuf is None:
-            shape = np.shape(sendbuf)
-            shape = (n * shape[0],) + tuple(shape[1:]) if shape else (n,)
-            result = namespace.array_module(x).empty(shape, dtype=x.dtype)
-            out = result.reshape(-1)
-        else:
-            out = array_view(recvbuf, "recvbuf", writable=True)
-            result = recvbuf
-            check_output(out, x, n * x.size, f"{n * x.size}: {n} ranks x {x.size}")
+    x, out, in_place = validation.allgather(sendbuf, recvbuf, rank, n, array_view,
+                                            check_input=codec.check_dtype,
+                                            check_pair=check_side)
+    result = recvbuf
+    if out is None:
+        result = namespace.array_module(x).empty(
+            validation.gathered_shape(np.shape(sendbuf), n), dtype=x.dtype)
+        out = result.reshape(-1)
     check_feedback(feedback)
-    return codec, x, out, result, owner
+    return codec, x, out, result, recvbuf if in_place else sendbuf
 
 
 def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, compression: Any = "fp16",

@@ -23,10 +23,10 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from .. import buffers
+from .. import validation
 from ..context import get_context, resolve_comm
-from .arguments import (DEFAULT_SEGMENT_BYTES, agreed, check_feedback, check_output,
-                        compensated, feedback_store, named_codec, array_view, resolve_op,
+from .arguments import (DEFAULT_SEGMENT_BYTES, agreed, array_view, check_feedback,
+                        check_side, compensated, feedback_store, named_codec, resolve_op,
                         segment_size)
 from . import namespace
 from .node import check_layout, flat_split, node_allreduce, resolve_layout
@@ -45,28 +45,15 @@ def _validate(sendbuf: Any, recvbuf: Any, op: Any, compression: Any, feedback: A
     codec = named_codec(compression)
     opname = resolve_op(op, "all-reduce")
     check_layout(layout)
-    if recvbuf is not None and recvbuf is sendbuf:
-        sendbuf = None  # the same array: in place
-    if buffers.is_in_place(sendbuf):
-        if recvbuf is None:
-            raise ValueError("recvbuf is required when sendbuf is IN_PLACE")
-        out = array_view(recvbuf, "recvbuf", writable=True)
-        codec.check_dtype(out.dtype, "recvbuf")
-        x = out
-        owner = recvbuf
-    else:
-        x = array_view(sendbuf, "sendbuf")
-        codec.check_dtype(x.dtype, "sendbuf")
-        owner = sendbuf
-        if recvbuf is None:
-            out = namespace.array_module(x).empty(x.size, dtype=x.dtype)
-            recvbuf = out.reshape(np.shape(sendbuf))
-        else:
-            out = array_view(recvbuf, "recvbuf", writable=True)
-            check_output(out, x, x.size, f"as many as sendbuf ({x.size})")
+    x, out, in_place = validation.elementwise(sendbuf, recvbuf, array_view,
+                                              check_input=codec.check_dtype,
+                                              check_pair=check_side)
+    if out is None:
+        out = namespace.array_module(x).empty(x.size, dtype=x.dtype)
+        recvbuf = out.reshape(np.shape(sendbuf))
     check_feedback(feedback)
     seg = segment_size(segment_bytes)
-    return codec, opname, x, out, recvbuf, owner, seg
+    return codec, opname, x, out, recvbuf, recvbuf if in_place else sendbuf, seg
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Arguments of the compressed collectives: validation shared by all of them, and the
-agreement step that makes one rank's bad arguments an error on every rank.
+"""Arguments of the compressed collectives: validation shared by all of them (their
+buffers through :mod:`mpicoll.validation`, as every collective's), and the agreement step
+that makes one rank's bad arguments an error on every rank.
 
 Every check here runs before any message is sent, so bad arguments given to every rank
 never hang; with ``check=True`` (:func:`agreed`) a rank whose arguments were bad raises its
@@ -23,7 +24,7 @@ from .codecs import Codec, get_codec
 from .feedback import ErrorFeedback, tensor_feedback
 
 __all__ = ["OPS", "DEFAULT_SEGMENT_BYTES", "named_codec", "resolve_op", "segment_size",
-           "check_feedback", "array_view", "side", "check_output", "feedback_store", "agreed",
+           "check_feedback", "array_view", "side", "check_side", "feedback_store", "agreed",
            "compensated"]
 
 #: Largest segment of the uncompressed input per message (bytes).
@@ -113,27 +114,13 @@ def side(a: Any) -> str:
     return "in host memory" if namespace.is_host_module(xp) else f"a {xp.__name__} array"
 
 
-def check_output(out: Any, x: Any, count: int, what: str) -> None:
-    """Raise unless ``recvbuf`` view ``out`` is on ``x``'s side (host or device module),
-    has ``x``'s dtype, ``count`` elements and no memory in common with ``x``.
-
-    Args:
-        what: the required size in words (``"as many as sendbuf (12)"``).
-    Raises:
-        TypeError: another side or dtype.
-        ValueError: another size, or overlap.
-    """
-    xp = namespace.array_module(x)
-    if namespace.array_module(out) is not xp:
+def check_side(out: Any, x: Any) -> None:
+    """Raise ``TypeError`` unless ``recvbuf`` view ``out`` is on ``x``'s side (the host, or
+    the same device module): the compressed collectives' ``check_pair`` for
+    :mod:`mpicoll.validation`, which checks the rest (dtype, size, overlap)."""
+    if namespace.array_module(out) is not namespace.array_module(x):
         raise TypeError(f"recvbuf is {side(out)} but sendbuf is {side(x)}; pass both on "
                         f"the same side")
-    if out.dtype != x.dtype:
-        raise TypeError(f"recvbuf has dtype {out.dtype}; it must match sendbuf ({x.dtype})")
-    if out.size != count:
-        raise ValueError(f"recvbuf has {out.size} elements; it must have {what}")
-    if out is not x and xp.shares_memory(out, x):
-        raise ValueError("recvbuf overlaps sendbuf; pass IN_PLACE as sendbuf to work "
-                         "in place")
 
 
 def feedback_store(codec: Codec, feedback: Any, key: Hashable, owner: Any, x: np.ndarray,

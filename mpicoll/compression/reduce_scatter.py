@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from typing import Any, Hashable
 
-
-from .. import buffers
+from .. import validation
 from ..context import get_context, resolve_comm
-from ..partition import block_bounds
-from .arguments import (agreed, check_feedback, check_output, compensated, feedback_store,
-                        named_codec, array_view, resolve_op, segment_size)
+from .arguments import (agreed, array_view, check_feedback, check_side, compensated,
+                        feedback_store, named_codec, resolve_op, segment_size)
 from . import namespace
 from .node import flat_split, node_peers
 from .ring import dense_reduce_scatter
@@ -35,29 +33,16 @@ def _validate(sendbuf: Any, recvbuf: Any, op: Any, compression: Any, feedback: A
               segment_bytes: Any, n: int, rank: int) -> tuple:
     codec = named_codec(compression)
     opname = resolve_op(op, "reduce-scatter")
-    if buffers.is_in_place(sendbuf):
-        if recvbuf is None:
-            raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
-        x = array_view(recvbuf, "recvbuf", writable=True)
-        codec.check_dtype(x.dtype, "recvbuf")
-        bounds = block_bounds(x.size, n)
-        out = result = x[:bounds[rank + 1] - bounds[rank]]
-        owner = recvbuf
-    else:
-        x = array_view(sendbuf, "sendbuf")
-        codec.check_dtype(x.dtype, "sendbuf")
-        owner = sendbuf
-        bounds = block_bounds(x.size, n)
-        mine = bounds[rank + 1] - bounds[rank]
-        if recvbuf is None:
-            out = result = namespace.array_module(x).empty(mine, dtype=x.dtype)
-        else:
-            out = array_view(recvbuf, "recvbuf", writable=True)
-            result = recvbuf
-            check_output(out, x, mine, f"{mine}: block {rank} of {x.size} elements over "
-                                       f"{n} ranks")
+    x, out, in_place = validation.reduce_scatter(sendbuf, recvbuf, rank, n, array_view,
+                                                 check_input=codec.check_dtype,
+                                                 check_pair=check_side)
+    result = out if in_place else recvbuf
+    if out is None:
+        out = result = namespace.array_module(x).empty(validation.own_block(x.size, rank, n),
+                                                       dtype=x.dtype)
     check_feedback(feedback)
-    return codec, opname, x, out, result, owner, segment_size(segment_bytes)
+    return (codec, opname, x, out, result, recvbuf if in_place else sendbuf,
+            segment_size(segment_bytes))
 
 
 def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,

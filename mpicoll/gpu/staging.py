@@ -42,7 +42,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from .. import buffers
+from .. import buffers, validation
+from ..ops import resolve_op
 from ..partition import block_bounds
 from .slots import HostSlots
 
@@ -357,160 +358,88 @@ def _fail(exc: Exception, report_error: Callable[[Exception], Any] | None) -> No
     raise exc
 
 
-def _dtype_of(view: Any, argname: str) -> np.dtype:
-    dtype = np.dtype(view.dtype)
-    buffers.check_dtype(dtype, argname)
-    return dtype
+def _viewer(copies: Copies) -> validation.View:
+    """The staged path's view of a buffer (:data:`mpicoll.validation.View`): its device
+    array, flat in memory order, of a dtype mpicoll moves."""
+    def view(obj: Any, argname: str, writable: bool) -> Any:
+        flat = _memory_flat(copies.as_array(obj))
+        buffers.check_dtype(np.dtype(flat.dtype), argname)
+        return flat
 
-
-def _check_root(root: Any, size: int) -> int:
-    if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
-        raise TypeError(f"root must be an int, not {type(root).__name__}")
-    if not 0 <= root < size:
-        raise ValueError(f"root={root} is out of range for a communicator of {size} ranks")
-    return int(root)
+    return view
 
 
 def _plan(collective: str, args: tuple, copies: Copies, slots: HostSlots, rank: int,
           size: int, chunk_bytes: int | None, limit: int) -> _Layout:
-    """Validate this rank's device arguments; the layout of the staged call."""
-    in_place = buffers.is_in_place
-    if collective in ("allreduce", "reduce", "broadcast"):
-        if collective == "broadcast":
-            buf, root = args
-            r = _check_root(root, size)
-            view = _memory_flat(copies.as_array(buf))
-            dtype = _dtype_of(view, "buf")
-            src, dst = (view, None) if rank == r else (None, view)
-            e = chunks(collective, view.size, dtype.itemsize, size, chunk_bytes, limit)[0]
-            layout = _Elementwise(slots, src, dst, view.size, dtype, e, lambda h: (h, r))
-            layout.inputs, layout.result = [buf], buf
-            return layout
-        if collective == "allreduce":
-            sendbuf, recvbuf, op = args
-            r, at_root = None, True
-        else:
-            sendbuf, recvbuf, op, root = args
-            r = _check_root(root, size)
-            at_root = rank == r
-            if not at_root and in_place(sendbuf):
-                raise ValueError(f"sendbuf is IN_PLACE/None on rank {rank}, which is not "
-                                 f"the root ({r}); only the root may reduce in place")
-        if in_place(sendbuf):
-            if recvbuf is None:
-                raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
-            dst = _memory_flat(copies.as_array(recvbuf))
-            src, result, inputs = dst, recvbuf, [recvbuf]
-            dtype = _dtype_of(dst, "recvbuf")
-        else:
-            src = _memory_flat(copies.as_array(sendbuf))
-            dtype = _dtype_of(src, "sendbuf")
-            inputs = [sendbuf]
-            if not at_root:
-                dst, result = None, None
-            elif recvbuf is None:
-                result = copies.empty_like(sendbuf)
-                dst = _memory_flat(copies.as_array(result))
-            else:
-                dst = _memory_flat(copies.as_array(recvbuf))
-                if np.dtype(dst.dtype) != dtype:
-                    raise TypeError(f"recvbuf has dtype {dst.dtype} but sendbuf has dtype "
-                                    f"{dtype}")
-                if dst.size != src.size:
-                    raise ValueError(f"recvbuf has {dst.size} elements but {src.size} are "
-                                     f"needed (as many as sendbuf)")
-                result = recvbuf
-                inputs.append(recvbuf)
-        count = src.size
-        e = chunks(collective, count, dtype.itemsize, size, chunk_bytes, limit)[0]
-        if collective == "allreduce":
+    """Validate this rank's device arguments (:mod:`mpicoll.validation`, as the host
+    collectives do, and the op against the dtype); the layout of the staged call."""
+    view = _viewer(copies)
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; the staged path runs "
+                         f"{', '.join(COLLECTIVES)}")
+    if collective == "broadcast":
+        buf, root = args
+        r, flat = validation.broadcast(buf, root, rank, size, view)
+        src, dst = (flat, None) if rank == r else (None, flat)
+        dtype = np.dtype(flat.dtype)
+        e = chunks(collective, flat.size, dtype.itemsize, size, chunk_bytes, limit)[0]
+        layout: _Layout = _Elementwise(slots, src, dst, flat.size, dtype, e,
+                                       lambda h: (h, r))
+        layout.inputs, layout.result = [buf], buf
+        return layout
+    sendbuf, recvbuf, *rest = args
+    in_place = buffers.is_in_place(sendbuf)
+    inputs = [recvbuf] if in_place else [sendbuf]
+    if collective == "allreduce":
+        r = None
+        src, dst, _ = validation.elementwise(sendbuf, recvbuf, view)
+    elif collective == "reduce":
+        r, (src, dst, _) = validation.reduce(sendbuf, recvbuf, rest[1], rank, size, view)
+    elif collective == "reduce_scatter":
+        src, dst, _ = validation.reduce_scatter(sendbuf, recvbuf, rank, size, view)
+    else:
+        src, dst, _ = validation.allgather(sendbuf, recvbuf, rank, size, view)
+    dtype = np.dtype(src.dtype)
+    if rest:  # the op: one that applies to the dtype, as on the host
+        resolve_op(rest[0]).check_dtype(dtype)
+    result = recvbuf
+    if in_place:
+        if collective == "reduce_scatter":
+            result = _user_prefix(recvbuf, dst.size, dst)
+    elif recvbuf is not None and dst is not None:
+        inputs.append(recvbuf)
+    elif collective == "reduce_scatter":
+        result = copies.empty((validation.own_block(src.size, rank, size),), dtype, sendbuf)
+    elif collective == "allgather":
+        shape = validation.gathered_shape(copies.as_array(sendbuf).shape, size)
+        result = copies.empty(shape, dtype, sendbuf)
+    elif r is None or rank == r:
+        result = copies.empty_like(sendbuf)
+    else:  # a reduce off its root
+        result = None
+    if dst is None and result is not None:
+        dst = _memory_flat(copies.as_array(result))
+    if collective == "reduce_scatter":
+        e = chunks(collective, src.size, dtype.itemsize, size, chunk_bytes, limit)[0]
+        layout = _ReduceScatter(slots, src, dst, src.size, dtype, rank, size, e, rest[0])
+    elif collective == "allgather":
+        e = chunks(collective, src.size, dtype.itemsize, size, chunk_bytes, limit)[0]
+        layout = _Allgather(slots, src, dst, src.size, dtype, rank, size, e, in_place)
+    else:
+        op = rest[0]
+        e = chunks(collective, src.size, dtype.itemsize, size, chunk_bytes, limit)[0]
+        if r is None:
             def make_args(h: np.ndarray) -> tuple:
                 return (buffers.IN_PLACE, h, op)
-        elif at_root:
+        elif rank == r:
             def make_args(h: np.ndarray) -> tuple:
                 return (buffers.IN_PLACE, h, op, r)
         else:
             def make_args(h: np.ndarray) -> tuple:
                 return (h, None, op, r)
-        layout = _Elementwise(slots, src, dst, count, dtype, e, make_args)
-        layout.inputs, layout.result = inputs, result
-        return layout
-    if collective == "reduce_scatter":
-        sendbuf, recvbuf, op = args
-        if in_place(sendbuf):
-            if recvbuf is None:
-                raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
-            full = _memory_flat(copies.as_array(recvbuf))
-            dtype = _dtype_of(full, "recvbuf")
-            bounds = block_bounds(full.size, size)
-            mine = bounds[rank + 1] - bounds[rank]
-            src, dst, inputs = full, full[:mine], [recvbuf]
-            result = _user_prefix(recvbuf, mine, dst)
-        else:
-            src = _memory_flat(copies.as_array(sendbuf))
-            dtype = _dtype_of(src, "sendbuf")
-            bounds = block_bounds(src.size, size)
-            mine = bounds[rank + 1] - bounds[rank]
-            inputs = [sendbuf]
-            if recvbuf is None:
-                result = copies.empty((mine,), dtype, sendbuf)
-                dst = _memory_flat(copies.as_array(result))
-            else:
-                dst = _memory_flat(copies.as_array(recvbuf))
-                if np.dtype(dst.dtype) != dtype:
-                    raise TypeError(f"recvbuf has dtype {dst.dtype} but sendbuf has dtype "
-                                    f"{dtype}")
-                if dst.size != mine:
-                    raise ValueError(f"recvbuf has {dst.size} elements but {mine} are needed "
-                                     f"(block {rank} of {src.size} elements over {size} "
-                                     f"ranks)")
-                result = recvbuf
-                inputs.append(recvbuf)
-        e = chunks(collective, src.size, dtype.itemsize, size, chunk_bytes, limit)[0]
-        layout = _ReduceScatter(slots, src, dst, src.size, dtype, rank, size, e, op)
-        layout.inputs, layout.result = inputs, result
-        return layout
-    if collective == "allgather":
-        sendbuf, recvbuf = args
-        if in_place(sendbuf):
-            if recvbuf is None:
-                raise ValueError("recvbuf is required when sendbuf is IN_PLACE/None")
-            dst = _memory_flat(copies.as_array(recvbuf))
-            dtype = _dtype_of(dst, "recvbuf")
-            if dst.size % size:
-                raise ValueError(f"recvbuf has {dst.size} elements, not a multiple of the "
-                                 f"{size} ranks")
-            block = dst.size // size
-            src = dst[rank * block:(rank + 1) * block]
-            result, inputs = recvbuf, [recvbuf]
-        else:
-            view = copies.as_array(sendbuf)
-            src = _memory_flat(view)
-            dtype = _dtype_of(src, "sendbuf")
-            block = src.size
-            inputs = [sendbuf]
-            if recvbuf is None:
-                shape = ((size * view.shape[0],) + tuple(view.shape[1:]) if view.ndim
-                         else (size,))
-                result = copies.empty(shape, dtype, sendbuf)
-                dst = _memory_flat(copies.as_array(result))
-            else:
-                dst = _memory_flat(copies.as_array(recvbuf))
-                if np.dtype(dst.dtype) != dtype:
-                    raise TypeError(f"recvbuf has dtype {dst.dtype} but sendbuf has dtype "
-                                    f"{dtype}")
-                if dst.size != block * size:
-                    raise ValueError(f"recvbuf has {dst.size} elements but {block * size} "
-                                     f"are needed ({size} ranks x {block})")
-                result = recvbuf
-                inputs.append(recvbuf)
-        e = chunks(collective, block, dtype.itemsize, size, chunk_bytes, limit)[0]
-        layout = _Allgather(slots, src, dst, block, dtype, rank, size, e,
-                            in_place(sendbuf))
-        layout.inputs, layout.result = inputs, result
-        return layout
-    raise ValueError(f"unknown collective {collective!r}; the staged path runs "
-                     f"{', '.join(COLLECTIVES)}")
+        layout = _Elementwise(slots, src, dst, src.size, dtype, e, make_args)
+    layout.inputs, layout.result = inputs, result
+    return layout
 
 
 def _rank_size(comm: Any) -> tuple[int, int]:
