@@ -108,6 +108,38 @@ def test_no_import_cycles():
                                                                    for c in found)
 
 
+
+def subpackage_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph with every subpackage of ``mpicoll`` (``mpicoll.torch``,
+    ``mpicoll.ps``, ...) collapsed into one node; top-level modules stay themselves."""
+    packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+
+    def unit(mod: str) -> str:
+        parts = mod.split(".")
+        return ".".join(parts[:2]) if len(parts) > 1 and parts[1] in packages else mod
+
+    collapsed: dict[str, set[str]] = {}
+    for mod, targets in graph.items():
+        collapsed.setdefault(unit(mod), set()).update(unit(t) for t in targets)
+    for mod, targets in collapsed.items():
+        targets.discard(mod)
+    return collapsed
+
+
+def test_subpackage_graph_collapses():
+    collapsed = subpackage_graph({"mpicoll.torch.a": {"mpicoll.ps.b"},
+                                  "mpicoll.ps.b": {"mpicoll.torch.c", "mpicoll.buffers"},
+                                  "mpicoll.torch.c": set(), "mpicoll.buffers": set()})
+    assert cycles(collapsed) == [["mpicoll.ps", "mpicoll.torch"]]
+
+
+def test_no_cycles_between_subpackages():
+    """A dependency between two subpackages runs one way (mpicoll.torch uses mpicoll.ps,
+    never the reverse), even where no two modules form a cycle."""
+    found = cycles(subpackage_graph(import_graph()))
+    assert not found, "cycles between subpackages of mpicoll: " + "; ".join(
+        " <-> ".join(c) for c in found)
+
 #: What each layer may import (docs/design.md): lower layers never import upper ones.
 LOWER = {"mpicoll.buffers", "mpicoll.ops", "mpicoll.partition", "mpicoll.topology",
          "mpicoll.context", "mpicoll.config", "mpicoll.errors", "mpicoll.fastpath"}

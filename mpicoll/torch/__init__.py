@@ -8,19 +8,23 @@ A Horovod training script runs with only its import changed::
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-Modules: :mod:`.state` (init, layout), :mod:`.mpi_ops` (tensor collectives and their
-autograd functions), :mod:`.functions` (parameters, optimizer state, objects),
-:mod:`.grouped` (grouped collectives), :mod:`.optimizer`, :mod:`.sync_batch_norm`,
-:mod:`.adasum` (``op=Adasum``), :mod:`.optim_wrapping` (what it
-shares with the parameter-server optimizer), :mod:`.compression`; inside: :mod:`.engine`
-(the one thread that calls MPI), :mod:`.negotiation` (cross-rank agreement),
-:mod:`.fusion`, :mod:`.execute`,
-:mod:`.dtypes`, :mod:`.settings` (environment variables), :mod:`.notices` (shutdown
-wake-ups), :mod:`.trace` (the timeline's tensor tracks), :mod:`.process_sets`. See docs/torch.md.
+The package by role:
+
+- public API, under Horovod's module names: :mod:`.state` (init, layout), :mod:`.mpi_ops`
+  (tensor collectives and their autograd functions), :mod:`.grouped` (grouped collectives),
+  :mod:`.functions` (parameters, optimizer state, objects), :mod:`.ops` (reduction ops),
+  :mod:`.process_sets`, :mod:`.sparse`, :mod:`.optimizer` (``DistributedOptimizer``),
+  :mod:`.sync_batch_norm`, :mod:`.compression` (compressors, and the compressed reductions);
+- :mod:`.ps_optimizer`: training through the parameter server (``backend="ps"``,
+  ``PSOptimizer``); :mod:`.optim_wrapping`: what both optimizers share;
+- :mod:`.engine`: the one thread that calls MPI (negotiation, fusion, execution, handles);
+- :mod:`.device`: CUDA tensors (streams, staging copies).
+
+The Adasum kernel is :mod:`mpicoll.algorithms.adasum`. See docs/torch.md.
 """
 from __future__ import annotations
 
-from .compression import Compression, Compressor
+from .compression.compressors import Compression, Compressor
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
 from .grouped import (grouped_allgather, grouped_allgather_async, grouped_allreduce,

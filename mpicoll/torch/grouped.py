@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from . import handles
-from .codec_allreduce import codec_allreduce
-from .compression import CodecCompressor, Compression
-from .dtypes import dtype_name
-from .handles import GroupFuture
+from .engine import handles
+from .compression.allreduce import codec_allreduce
+from .compression.compressors import CodecCompressor, Compression
+from .engine.dtypes import dtype_name
+from .engine.handles import GroupFuture
 from .mpi_ops import (allreduce_meta, check_gather, reducescatter_meta,
                       request_name, resolve_scatter_op, synchronize)
-from .negotiation import Meta
+from .engine.negotiation import Meta
 from .ops import Average, ReduceOp, Sum, resolve_reduce_op
 from .process_sets import backward_in_scope, forward_in_scope, scoped
 from .state import engine

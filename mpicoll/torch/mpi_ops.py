@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from . import handles
-from .adasum import check_adasum_size
-from .codec_allreduce import codec_allreduce
-from .compression import CodecCompressor, Compression
-from .dtypes import check_supported, dtype_name
-from .negotiation import JOIN, Meta
+from .engine import handles
+from ..algorithms.adasum import check_adasum_size
+from .compression.allreduce import codec_allreduce
+from .compression.compressors import CodecCompressor, Compression
+from .engine.dtypes import check_supported, dtype_name
+from .engine.negotiation import JOIN, Meta
 from .ops import Adasum, Average, ReduceOp, Sum, check_op_dtype, resolve_reduce_op
 from .process_sets import (backward_in_scope, current_engine, forward_in_scope, global_rank,
                            scoped)
@@ -87,7 +87,7 @@ def allreduce_meta(tensor: torch.Tensor, name: str | None, op: ReduceOp,
     Args:
         tensor: what is reduced. name: ``None`` for the next unnamed all-reduce.
         op: a resolved op (:func:`~mpicoll.torch.ops.resolve_reduce_op`).
-        layout: what a fused request covers (see :class:`~mpicoll.torch.negotiation.Meta`).
+        layout: what a fused request covers (see :class:`~mpicoll.torch.engine.negotiation.Meta`).
     Returns:
         The request's metadata.
     Raises:
@@ -112,7 +112,7 @@ def submit_allreduce(tensor: torch.Tensor, output: torch.Tensor, name: str | Non
     Raises:
         TypeError, ValueError: as :func:`allreduce_meta`; for ``Adasum``, a number of ranks
             (in scope) that is not a power of two
-            (:class:`~mpicoll.torch.adasum.AdasumUnsupportedError`, also a
+            (:class:`~mpicoll.algorithms.adasum.AdasumUnsupportedError`, also a
             ``NotImplementedError`` as in Horovod).
     """
     meta = allreduce_meta(tensor, name, op, prescale_factor, postscale_factor, layout)
@@ -132,7 +132,7 @@ def allreduce_async(tensor: torch.Tensor, average: Any = None, name: str | None 
         name: matches this request across ranks (default: an ordered counter).
         op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``
             (floating tensors, a power-of-two number of ranks; see
-            :mod:`~mpicoll.torch.adasum`).
+            :mod:`~mpicoll.algorithms.adasum`).
         prescale_factor, postscale_factor: multiply the input before, the result after
             (as Horovod: integer tensors in float64, cast back toward zero; float16 in
             float32).
@@ -172,7 +172,7 @@ def allreduce(tensor: torch.Tensor, average: Any = None, name: str | None = None
             (``Compression.bf16``, ``.int8``, ``.onebit``, ``.topk(r)``, ``.randomk(r)``,
             ``.from_codec(spec)``): float32/float64 CPU tensors, op Average or Sum,
             reduced by :func:`mpicoll.compression.allreduce` (see
-            :mod:`~mpicoll.torch.codec_allreduce`; its gradient is compressed too).
+            :mod:`~mpicoll.torch.compression.allreduce`; its gradient is compressed too).
         feedback: codec compressors only: an :class:`mpicoll.compression.ErrorFeedback`
             that keeps this tensor's residual under the key ``name`` (the caller keeps it
             across calls). ``None`` (default): no error feedback.

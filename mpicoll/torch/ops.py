@@ -6,7 +6,7 @@ tensors in float64, cast back toward zero, so an integer average divides toward 
 does (-75 averaged over 2 ranks is -37; without a postscale factor the division is exact
 integer arithmetic, with the same result).
 
-``Adasum`` is not an element-wise op: :mod:`mpicoll.torch.adasum` runs it (floating tensors
+``Adasum`` is not an element-wise op: :mod:`mpicoll.algorithms.adasum` runs it (floating tensors
 only, a power-of-two number of ranks).
 """
 from __future__ import annotations
@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
-from .adasum import check_adasum_dtype
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "resolve_reduce_op",
-           "mpicoll_op", "check_op_dtype"]
+           "mpicoll_op", "check_op_dtype", "check_adasum_dtype", "ADASUM_DTYPES"]
 
 
 class ReduceOp(int):
@@ -81,3 +80,15 @@ def check_op_dtype(op: ReduceOp, dtype: torch.dtype, prescale: float, postscale:
         raise TypeError(f"op={op!r} does not apply to complex tensors")
     if (prescale != 1.0 or postscale != 1.0) and dtype is torch.bool:
         raise ValueError("prescale_factor/postscale_factor do not apply to torch.bool tensors")
+
+
+#: Tensor dtypes Adasum reduces (Horovod's: float16, float32, float64; bfloat16 reduces in
+#: the adapter's float32 buffer).
+ADASUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_adasum_dtype(dtype: torch.dtype) -> None:
+    """Raise ``TypeError`` unless Adasum reduces tensors of ``dtype``."""
+    if dtype not in ADASUM_DTYPES:
+        raise TypeError(f"op=Adasum reduces float16, bfloat16, float32 and float64 tensors, "
+                        f"not {dtype}")

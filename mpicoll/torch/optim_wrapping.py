@@ -7,7 +7,7 @@ optimizer class that shares the user's optimizer state (``param_groups``, ``stat
 hooks), so ``isinstance``, ``state_dict`` and learning-rate schedulers keep working.
 
 Used by :mod:`mpicoll.torch.optimizer` (all-reduce backend) and
-:mod:`mpicoll.ps.torch_optimizer` (parameter-server backend); imports neither.
+:mod:`mpicoll.torch.ps_optimizer` (parameter-server backend); imports neither.
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ flat buffers when a parameter's first gradient is sparse and go through
 A codec compressor (``Compression.int8``, ``.bf16``, ``.onebit``, ``.topk(r)``,
 ``.randomk(r)``) always works like bulk mode: hooks count, and ``step()`` reduces the flat
 buffers with :func:`mpicoll.compression.allreduce` and per-parameter error feedback
-(:mod:`mpicoll.torch.compressed`; ``optimizer.error_feedback``). That state is per rank, so
+(:mod:`mpicoll.torch.compression.gradients`; ``optimizer.error_feedback``). That state is per rank, so
 it lives outside ``state_dict()``: ``compression_state_dict()`` and
 ``load_compression_state_dict()`` carry it through checkpoints.
 """
@@ -40,11 +40,11 @@ from typing import Any, Iterator, NamedTuple
 import torch
 
 from . import mpi_ops
-from .compressed import CompressedGradients
-from .compression import CodecCompressor, Compression
-from .device import device_of
-from .dtypes import dtype_name
-from .negotiation import Meta
+from .compression.gradients import CompressedGradients
+from .compression.compressors import CodecCompressor, Compression
+from .device.tensors import device_of
+from .engine.dtypes import dtype_name
+from .engine.negotiation import Meta
 from .ops import Average, resolve_reduce_op
 from .optim_wrapping import check_named_parameters, wrap_optimizer
 from .process_sets import check_usable, scoped
@@ -294,7 +294,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._mode_engine = None
 
     def _synchronize_compressed(self) -> None:
-        """Reduce the flat buffers with the codec compressor (see :mod:`.compressed`)."""
+        """Reduce the flat buffers with the codec compressor (see :mod:`.compression.gradients`)."""
         try:
             for flat in self._flat:
                 self._fill_flat(flat)
@@ -463,7 +463,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
             may use the optimizer.
         backend: ``"allreduce"`` (default: gradients all-reduced over ranks) or ``"ps"``:
             gradients averaged through a :class:`mpicoll.ps.ParameterServer` built from
-            ``ps_options`` (see :func:`mpicoll.ps.torch_optimizer.distributed_optimizer`; e.g.
+            ``ps_options`` (see :func:`mpicoll.torch.ps_optimizer.distributed_optimizer`; e.g.
             ``num_servers="colocated"``, ``server_optimizer="adam"``, ``lr=...``).
         ps_options: the parameter server's options (only with ``backend="ps"``). With
             ``backend="ps"``, ``compression`` (``Compression.fp16`` or a codec compressor)
@@ -485,7 +485,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                              "backward_passes_per_step, op, "
                              "gradient_predivide_factor, num_groups, groups, "
                              "sparse_as_dense and process_set are for backend='allreduce'")
-        from ..ps.torch_optimizer import distributed_optimizer  # noqa: PLC0415  (optional layer)
+        from .ps_optimizer import distributed_optimizer  # noqa: PLC0415  (optional layer)
 
         if compression is not Compression.none:  # the server compresses pushes and pulls
             ps_options["compression"] = compression

@@ -2,7 +2,7 @@
 
 ``ps = hvd.add_process_set([0, 2])`` (on every rank) or ``hvd.init(process_sets=[...])``
 registers a set: every rank of the adapter's communicator takes part (same sets, same
-order), the ranks of the set get their own :class:`~mpicoll.torch.engine.Engine` on a
+order), the ranks of the set get their own :class:`~mpicoll.torch.engine.core.Engine` on a
 communicator split from it, and ``process_set=ps`` on a collective submits it to that
 engine. Ranks are always *global* ranks (``hvd.rank()``), as in Horovod: ``root_rank`` of a
 broadcast too; ``ps.rank()`` is the rank within the set (the order of an all-gather's
@@ -28,7 +28,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ..grid import agreed_shape, grid_coords, grid_groups
-from .engine import Engine
+from .engine.core import Engine
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
            "register_all", "check_usable", "scoped", "scoped_engine", "current_engine", "attach", "detach",

@@ -1,11 +1,11 @@
 """A host stand-in for a CUDA device in the adapter: CPU tensors that count as device
 tensors, a lazy caller stream, and a log of what the engine asked the device to do.
 
-:class:`SimulatedDevice` implements :class:`mpicoll.torch.device.TensorDevice`. Its device
+:class:`SimulatedDevice` implements :class:`mpicoll.torch.device.tensors.TensorDevice`. Its device
 tensors are CPU tensors of a subclass of :class:`SimulatedTensor` (one per simulated
 device), which torch propagates through views, ``detach()``, ``empty_like()`` and
 arithmetic, so outputs made like an input stay "on the device". Inside
-:func:`mpicoll.torch.device.simulated`, the engine treats them as device tensors.
+:func:`mpicoll.torch.device.tensors.simulated`, the engine treats them as device tensors.
 
 Work the test puts on the *caller's stream* (:meth:`SimulatedDevice.on_caller_stream`)
 runs only when the engine's stream waits for an event recorded after it: an engine that
@@ -51,7 +51,7 @@ def _kind(index: int) -> type:
 
 
 class SimulatedDevice:
-    """:class:`mpicoll.torch.device.TensorDevice` on the host (see the module doc).
+    """:class:`mpicoll.torch.device.tensors.TensorDevice` on the host (see the module doc).
 
     Args:
         index: shown as ``sim:<index>``; devices with different indices are different.

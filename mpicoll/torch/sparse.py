@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from . import handles, mpi_ops
+from . import mpi_ops
+from .engine import handles
 from ..errors import MismatchError
-from .dtypes import check_supported
+from .engine.dtypes import check_supported
 from .ops import Average, ReduceOp, Sum, check_op_dtype, resolve_reduce_op
 from .process_sets import scoped
 from .state import engine

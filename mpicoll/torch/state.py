@@ -1,7 +1,7 @@
 """Process-wide state: ``init``/``shutdown`` and the layout queries.
 
 ``init()`` checks that MPI runs at ``THREAD_MULTIPLE`` (the engine thread calls MPI while
-user threads may too), starts the :class:`~mpicoll.torch.engine.Engine` on a private
+user threads may too), starts the :class:`~mpicoll.torch.engine.core.Engine` on a private
 duplicate of ``comm`` and registers ``shutdown`` to run at exit. Calling it again while
 initialized does nothing; after ``shutdown`` (this rank's or another's) it starts afresh.
 
@@ -23,8 +23,8 @@ from mpi4py import MPI
 from .. import timeline
 from ..context import resolve_comm
 from . import process_sets as process_set_registry
-from .engine import Engine
-from .settings import from_environment
+from .engine.core import Engine
+from .engine.settings import from_environment
 
 __all__ = ["init", "shutdown", "is_initialized", "engine", "start_timeline", "stop_timeline",
            "size", "rank", "local_rank",
@@ -147,7 +147,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     merges them into ``file_path`` at :func:`stop_timeline`). Besides the core's events
     (every collective, on its communicator's track), each tensor gets a track with
     Horovod's activities: ``NEGOTIATE_<OP>``, ``<OP>``, ``MEMCPY_IN_FUSION_BUFFER``,
-    ``MPI_<OP>``, ``MEMCPY_OUT_FUSION_BUFFER`` (see :mod:`mpicoll.torch.trace`).
+    ``MPI_<OP>``, ``MEMCPY_OUT_FUSION_BUFFER`` (see :mod:`mpicoll.torch.engine.trace`).
 
     Args:
         file_path: the merged Chrome-trace JSON file to write.

@@ -180,7 +180,7 @@ def test_error_feedback_and_one_rank_allreduce():
 
 
 def test_torch_compressor_by_name():
-    torch_compression = pytest.importorskip("mpicoll.torch.compression")
+    torch_compression = pytest.importorskip("mpicoll.torch.compression.compressors")
     comp = torch_compression.Compression.from_codec("onebit:32:two").with_momentum(0.9)
     assert isinstance(comp.codec, C.TwoScaleOneBitCodec) and comp.codec.chunk == 32
     assert comp.name == "onebit:32:two" and comp.feedback and comp.momentum == 0.9

@@ -1,5 +1,5 @@
 """GPU, one process: the core's staged pipeline on torch CUDA tensors through
-:class:`mpicoll.torch.cuda_copies.CudaCopies` (torch's streams and events, no CuPy).
+:class:`mpicoll.torch.device.cuda_copies.CudaCopies` (torch's streams and events, no CuPy).
 Skipped, with the reason, without torch CUDA."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ N = 1 << 20
 def _device():
     import torch
 
-    from mpicoll.torch.device import CudaDevice
+    from mpicoll.torch.device.tensors import CudaDevice
 
     dev = CudaDevice(torch.cuda.current_device())
     return dev, dev.copies(HostSlots(dev.pinned))

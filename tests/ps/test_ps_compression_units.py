@@ -167,8 +167,8 @@ def test_one_rank_colocated_run():
 
 def test_torch_codec_option():
     pytest.importorskip("torch")
-    from mpicoll.ps.torch_optimizer import codec_option
-    from mpicoll.torch.compression import Compression, Compressor
+    from mpicoll.torch.ps_optimizer import codec_option
+    from mpicoll.torch.compression.compressors import Compression, Compressor
 
     class Mine(Compressor):
         pass

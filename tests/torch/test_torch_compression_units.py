@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 
 from mpicoll import compression  # noqa: E402
 from mpicoll.torch import Compression, Compressor  # noqa: E402
-from mpicoll.torch.compression import CodecCompressor, codec_of  # noqa: E402
-from mpicoll.torch.fusion import plan_runs  # noqa: E402
+from mpicoll.torch.compression.compressors import CodecCompressor, codec_of  # noqa: E402
+from mpicoll.torch.engine.fusion import plan_runs  # noqa: E402
 
 
 def test_compressors_and_their_codecs():

@@ -7,11 +7,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mpicoll.torch import Compression, ops  # noqa: E402
-from mpicoll.torch.dtypes import check_supported, numpy_view, reduce_dtype  # noqa: E402
-from mpicoll.torch.fusion import plan_buckets  # noqa: E402
-from mpicoll.torch.negotiation import (JOIN, SHUTDOWN, Meta, Negotiator,  # noqa: E402
+from mpicoll.torch.engine.dtypes import check_supported, numpy_view, reduce_dtype  # noqa: E402
+from mpicoll.torch.engine.fusion import plan_buckets  # noqa: E402
+from mpicoll.torch.engine.negotiation import (JOIN, SHUTDOWN, Meta, Negotiator,  # noqa: E402
                                        shutdown_message)
-from mpicoll.torch.settings import from_environment  # noqa: E402
+from mpicoll.torch.engine.settings import from_environment  # noqa: E402
 
 
 def ar(name, shape=(4,), dtype="float32", op=0, pre=1.0, post=1.0):
@@ -89,7 +89,7 @@ def test_stall_inspector_names_missing_ranks():
 
 def test_fusion_buckets_respect_threshold_and_key():
     def resp(meta):
-        from mpicoll.torch.negotiation import Response
+        from mpicoll.torch.engine.negotiation import Response
         return Response("allreduce", meta.name, {0: meta})
     rs = [resp(ar("a", (10,))), resp(ar("b", (10,))), resp(ar("c", (10,), dtype="float64")),
           resp(ar("d", (30,))), resp(ar("e", (10,), dtype="bfloat16"))]
@@ -144,7 +144,7 @@ def test_settings_from_environment(monkeypatch):
 
 
 def test_response_cache_learns_repeated_rounds_identically():
-    from mpicoll.torch.negotiation import ResponseCache
+    from mpicoll.torch.engine.negotiation import ResponseCache
 
     neg, cache = Negotiator(2), ResponseCache(capacity=2)
     step = [ar("g.a"), ar("g.b", shape=(2,))]
@@ -191,7 +191,7 @@ def test_distributed_optimizer_backend_argument_errors():
 
 def test_argument_errors_travel_and_fail_every_rank_naming_the_rank():
     from mpicoll.errors import RemoteError
-    from mpicoll.torch.execute import response_error
+    from mpicoll.torch.engine.execute import response_error
 
     neg = Negotiator(3)
     good = Meta("x", "alltoall", "float32", (4, 2), splits=(2, 1, 1))
@@ -221,7 +221,7 @@ def test_collectives_but_allreduce_refuse_joined_ranks_and_check_fields():
 
 
 def test_reducescatter_rows_follow_horovods_rule():
-    from mpicoll.torch.execute import reducescatter_rows
+    from mpicoll.torch.engine.execute import reducescatter_rows
 
     assert reducescatter_rows(7, 3) == [3, 2, 2]
     assert reducescatter_rows(2, 4) == [1, 1, 0, 0]
@@ -244,7 +244,7 @@ def test_a_group_is_one_entry_that_completes_or_fails_whole():
 
 
 def test_group_future_is_done_when_every_member_is():
-    from mpicoll.torch.handles import Future, GroupFuture
+    from mpicoll.torch.engine.handles import Future, GroupFuture
 
     a, b = Future(), Future()
     group = GroupFuture([a, b])
@@ -255,7 +255,7 @@ def test_group_future_is_done_when_every_member_is():
 
 
 def test_a_group_and_a_plain_request_of_one_name_fail_every_member():
-    from mpicoll.torch.execute import run_responses
+    from mpicoll.torch.engine.execute import run_responses
 
     class FakeEngine:
         rank, size, comm, local = 1, 2, None, {}

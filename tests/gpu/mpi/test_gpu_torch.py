@@ -97,7 +97,7 @@ def test_distributed_optimizer_on_cuda(hvd) -> None:
 def small_chunks(hvd, monkeypatch):
     """Staging chunks of 4 KiB (tensors of ``big=600`` span many); the engine's settings
     read again before and after (every rank alike)."""
-    from mpicoll.torch import pipeline
+    from mpicoll.torch.engine import pipeline
     from mpicoll.torch.state import engine
 
     monkeypatch.setenv("MPICOLL_STAGING_CHUNK_BYTES", "4096")
@@ -114,7 +114,7 @@ def test_chunked_cuda_tensors_equal_the_cpu_reference(hvd, ops, placement: str,
     (d2h copies counted) equals the CPU reference bit for bit."""
     import torch
 
-    from mpicoll.torch.cuda_copies import CudaCopies
+    from mpicoll.torch.device.cuda_copies import CudaCopies
 
     copied = []
     real = CudaCopies.d2h

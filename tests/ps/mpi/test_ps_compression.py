@@ -299,8 +299,8 @@ def test_torch_front_ends_take_compression():
     if SIZE != 3:
         pytest.skip("torch runs at n=3 only (slow import)")
     torch = pytest.importorskip("torch")
-    from mpicoll.ps.torch_optimizer import codec_option, distributed_optimizer
-    from mpicoll.torch.compression import Compression
+    from mpicoll.torch.ps_optimizer import codec_option, distributed_optimizer
+    from mpicoll.torch.compression.compressors import Compression
 
     assert codec_option(None) is None and codec_option("int8") == "int8"
     assert codec_option(Compression.none) is None and codec_option(Compression.fp16) in (

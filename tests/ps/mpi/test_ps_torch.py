@@ -1,4 +1,4 @@
-"""mpicoll.ps.torch_optimizer (PSOptimizer, and distributed_optimizer: the entry point of
+"""mpicoll.torch.ps_optimizer (PSOptimizer, and distributed_optimizer: the entry point of
 mpicoll.torch.DistributedOptimizer(..., backend="ps")): models trained through the PS equal
 references.
 
@@ -17,7 +17,7 @@ if MPI.COMM_WORLD.Get_size() != 3:
     pytest.skip("torch test runs at n=3 only", allow_module_level=True)
 torch = pytest.importorskip("torch")
 
-from mpicoll.ps.torch_optimizer import PSOptimizer  # noqa: E402
+from mpicoll.torch.ps_optimizer import PSOptimizer  # noqa: E402
 
 
 def test_torch_model_bsp_sgd_matches_reference():
@@ -125,7 +125,7 @@ def test_distributed_optimizer_backend_ps_runs_the_wrapped_optimizer(num_servers
 
 
 def test_distributed_optimizer_server_side_adam_and_bad_names():
-    from mpicoll.ps.torch_optimizer import distributed_optimizer
+    from mpicoll.torch.ps_optimizer import distributed_optimizer
 
     comm = MPI.COMM_WORLD
     model = _model()

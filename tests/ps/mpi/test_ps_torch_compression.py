@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 import mpicoll.torch as hvd
 from mpicoll.ps import COLOCATED
 from mpicoll.ps import checkpoint as ckpt
-from mpicoll.ps.torch_optimizer import distributed_optimizer, feedback_option
+from mpicoll.torch.ps_optimizer import distributed_optimizer, feedback_option
 
 Compression = hvd.Compression
 

@@ -20,7 +20,8 @@ from mpi4py import MPI
 import mpicoll.torch as hvd
 from mpicoll import collectives
 from mpicoll.gpu import staging
-from mpicoll.torch import device, pipeline
+from mpicoll.torch.device import tensors as device
+from mpicoll.torch.engine import pipeline
 from mpicoll.torch.simulated_device import SimulatedDevice
 
 pytestmark = pytest.mark.mpi

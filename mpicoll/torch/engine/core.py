@@ -11,14 +11,14 @@ rank runs, in the same order everywhere:
 2. all-gather (non-blocking, polled with yields then sleeps so a rank that waits for slower
    ranks leaves the CPU to them) one fixed-size record per rank: payload length, whether the
    rank's user threads are blocked waiting for a result, and the payload itself (the pickled
-   :class:`~mpicoll.torch.negotiation.Meta` of each new request, small control data) when it
+   :class:`~mpicoll.torch.engine.negotiation.Meta` of each new request, small control data) when it
    fits in :data:`SLOT_BYTES`; only a longer payload costs a second all-gather (``v``). A
    list of requests that repeats a learned round goes as its
-   :class:`~mpicoll.torch.negotiation.ResponseCache` id instead (``-id`` in the length
+   :class:`~mpicoll.torch.engine.negotiation.ResponseCache` id instead (``-id`` in the length
    field); when every rank sends the same id, the learned responses run without unpickling
    or negotiating;
-3. feed them to the :class:`~mpicoll.torch.negotiation.Negotiator` (same input, same
-   responses on every rank) and run the responses (:mod:`mpicoll.torch.execute`) with
+3. feed them to the :class:`~mpicoll.torch.engine.negotiation.Negotiator` (same input, same
+   responses on every rank) and run the responses (:mod:`mpicoll.torch.engine.execute`) with
    mpicoll's collectives on the tensors themselves (zero-copy numpy views).
 
 Who runs the rounds: with overlap (a spare core per rank), the engine thread, as soon as
@@ -31,7 +31,7 @@ With one rank, requests run at once on the submitting thread (nothing to negotia
 
 Shutdown, as in Horovod, is not collective: :meth:`Engine.shutdown` (``hvd.shutdown()``,
 and at interpreter exit) puts a ``shutdown`` request in the next round and wakes the other
-ranks for it (:mod:`mpicoll.torch.notices`); after that round every rank's engine stops and
+ranks for it (:mod:`mpicoll.torch.engine.notices`); after that round every rank's engine stops and
 what is still pending, or submitted later, fails with an error naming the rank that left.
 
 The stall inspector (rank 0) logs requests that some ranks submitted and others did not.
@@ -51,12 +51,12 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import timeline
-from ..context import get_context
-from ..errors import CollectiveError
+from ... import timeline
+from ...context import get_context
+from ...errors import CollectiveError
 from . import trace
-from ..gpu.slots import HostSlots
-from .device import TensorDevice, device_of, same_device
+from ...gpu.slots import HostSlots
+from ..device.tensors import TensorDevice, device_of, same_device
 from .dtypes import numpy_view
 from .execute import run_responses
 from .handles import Future
@@ -66,7 +66,7 @@ from .settings import Settings
 
 __all__ = ["Engine", "Work"]
 
-log = logging.getLogger("mpicoll.torch.engine")
+log = logging.getLogger("mpicoll.torch.engine.core")
 stall_log = logging.getLogger("mpicoll.torch.stall")
 
 #: Payload bytes carried inside the fixed negotiation record (about 40 requests).
@@ -101,7 +101,7 @@ class Work(NamedTuple):
     #: When it was submitted, while a timeline records (else 0): see :mod:`.trace`.
     since: float = 0.0
     #: Device tensors: the event recorded on the caller's stream at submission, which the
-    #: engine's stream waits for before touching them (:mod:`.device`); ``None`` on the host.
+    #: engine's stream waits for before touching them (:mod:`..device.tensors`); ``None`` on the host.
     ready: Any = None
 
 
@@ -179,7 +179,7 @@ class Engine:
         self.comm: Any = None
         self.rank = self.size = self.local_rank = self.local_size = 0
         self.cross_rank = self.cross_size = 0
-        self._thread = threading.Thread(target=self._main, name="mpicoll.torch.engine",
+        self._thread = threading.Thread(target=self._main, name="mpicoll.torch.engine.core",
                                         daemon=True)
 
     # ----------------------------------------------------------------- user side
@@ -567,7 +567,7 @@ class Engine:
 
     def stop(self, leaving: dict[int, Meta]) -> None:
         """Run for the ``shutdown`` response (``leaving``: rank -> its request): fail every
-        request of this rank with :func:`~mpicoll.torch.negotiation.shutdown_message` and
+        request of this rank with :func:`~mpicoll.torch.engine.negotiation.shutdown_message` and
         make the engine thread leave its loop."""
         self.leaving = leaving
         self.stopping = True

@@ -6,7 +6,7 @@ round until it submits something; the rank that shuts down would wait for it in 
 So, right before posting the round that carries its ``shutdown``, a rank sends a one-integer
 notice to every other rank on a private communicator; each engine thread, when idle, looks
 for a notice every few hundredths of a second and then makes a round at once. Every rank
-stops after that round (see :mod:`mpicoll.torch.negotiation`), and each one then receives
+stops after that round (see :mod:`mpicoll.torch.engine.negotiation`), and each one then receives
 exactly the notices that the round's leaving ranks sent it (so no message outlives the
 communicator, whose context id a later ``init`` may reuse).
 """
@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 __all__ = ["Notices"]
 
-log = logging.getLogger("mpicoll.torch.notices")
+log = logging.getLogger("mpicoll.torch.engine.notices")
 
 _TAG = 7
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import config
-from ..algorithms.registry import names
+from ... import config
+from ...algorithms.registry import names
 
 __all__ = ["Settings", "from_environment"]
 

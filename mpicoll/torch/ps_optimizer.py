@@ -35,7 +35,7 @@ opt.serve()`` instead of the loop.
 :class:`PSOptimizer` — a torch-optimizer-shaped front end with the server-side optimizer
 only (no wrapped torch optimizer)::
 
-    from mpicoll.ps.torch_optimizer import PSOptimizer
+    from .ps_optimizer import PSOptimizer
     opt = PSOptimizer(model.named_parameters(), num_servers=1, optimizer="adam", lr=1e-3)
     if opt.is_server:
         opt.serve()
@@ -68,9 +68,9 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from ..torch.optim_wrapping import check_named_parameters, wrap_optimizer
-from .core import ParameterServer
-from .errors import PSError
+from .optim_wrapping import check_named_parameters, wrap_optimizer
+from ..ps.core import ParameterServer
+from ..ps.errors import PSError
 
 __all__ = ["PSOptimizer", "distributed_optimizer", "codec_option", "feedback_option"]
 

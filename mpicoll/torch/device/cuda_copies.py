@@ -4,7 +4,7 @@
 CuPy), so :func:`mpicoll.gpu.staging.staged` runs a ``mpicoll.torch`` request in chunks:
 the device-to-host copy of chunk k+1 (on the *d2h* stream), the host collective on chunk
 k and the host-to-device copy of chunk k-1 (on the *h2d* stream) overlap. Both copy streams
-belong to the device's :class:`mpicoll.torch.device.CudaDevice` (created once, next to the
+belong to the device's :class:`mpicoll.torch.device.tensors.CudaDevice` (created once, next to the
 engine's stream) and first wait for the engine's stream, which produced the buffers (it
 waited for the callers' submit-time events and packed the fusion buffer).
 
@@ -18,8 +18,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..gpu.slots import HostSlots
-from .dtypes import numpy_dtype
+from ...gpu.slots import HostSlots
+from ..engine.dtypes import numpy_dtype
 
 __all__ = ["Span", "CudaCopies"]
 

@@ -11,8 +11,8 @@ payloads (scales and int8 values, packed sign bits, index/value pairs) cannot be
 they are, so ``DistributedOptimizer`` reduces them with
 :func:`mpicoll.compression.allreduce` (dense codecs: a ring that decodes, adds and
 re-encodes; sparse codecs: an all-gather of the pairs), with error feedback per parameter
-kept by the optimizer (:mod:`mpicoll.torch.compressed`), and so do ``hvd.allreduce`` and
-``hvd.grouped_allreduce`` (:mod:`mpicoll.torch.codec_allreduce`; error feedback only with
+kept by the optimizer (:mod:`mpicoll.torch.compression.gradients`), and so do ``hvd.allreduce`` and
+``hvd.grouped_allreduce`` (:mod:`mpicoll.torch.compression.allreduce`; error feedback only with
 a caller-held ``feedback=``). Their ``compress``/``decompress`` raise ``TypeError``: the
 other collectives (``hvd.reducescatter`` ...) do not take them.
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..compression import Codec, RandomKCodec, TopKCodec, get_codec
+from ...compression import Codec, RandomKCodec, TopKCodec, get_codec
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "CodecCompressor",
            "Compression", "codec_of"]

@@ -4,10 +4,10 @@
 Their payloads cannot be summed as tensors, so these calls do not go through the engine's
 fused all-reduce: each tensor is reduced by one :func:`mpicoll.compression.allreduce` on
 the calling thread, over the communicator of the engine's ranks
-(:func:`~mpicoll.torch.compressed.codec_comm`), after two agreement steps that make every
+(:func:`~mpicoll.torch.compression.agreement.codec_comm`), after two agreement steps that make every
 failure an error on every rank:
 
-1. :func:`~mpicoll.torch.compressed.check_presence`: one tiny engine all-reduce named like
+1. :func:`~mpicoll.torch.compression.agreement.check_presence`: one tiny engine all-reduce named like
    the call (``name``, or the next ``allreduce.noname.<n>``), whose layout names the codec,
    the scaling factors and the shapes. Ranks whose calls differ raise ``MismatchError``;
    a rank that called ``hvd.join()`` makes the others raise ``CollectiveError``.
@@ -41,14 +41,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import compression as codecs
-from ..checked import agree
-from ..context import get_context
-from .compressed import check_presence, codec_comm
-from .compression import CodecCompressor
-from .dtypes import numpy_view
-from .ops import Average, ReduceOp, Sum, resolve_reduce_op
-from .process_sets import backward_in_scope, forward_in_scope
+from ... import compression as codecs
+from ...checked import agree
+from ...context import get_context
+from .agreement import check_presence, codec_comm
+from .compressors import CodecCompressor
+from ..engine.dtypes import numpy_view
+from ..ops import Average, ReduceOp, Sum, resolve_reduce_op
+from ..process_sets import backward_in_scope, forward_in_scope
 
 __all__ = ["codec_allreduce", "CodecAllreduceFn"]
 

@@ -6,7 +6,7 @@ CUDA-aware) and whose buffer spans more than one chunk (``MPICOLL_STAGING_CHUNK_
 ``MPICOLL_STAGING_BYTES``: :func:`mpicoll.gpu.staging.chunks`) runs as a series of host
 collectives on chunks: the device-to-host copy of chunk k+1, the host collective on
 chunk k and the host-to-device copy of chunk k-1 overlap on the device's two copy
-streams (:meth:`TensorDevice.copies <mpicoll.torch.device.TensorDevice.copies>`). The
+streams (:meth:`TensorDevice.copies <mpicoll.torch.device.tensors.TensorDevice.copies>`). The
 collectives whose layout allows it: all-reduce (fused buckets, DistributedOptimizer's
 flat buffers, Average, pre- and postscale: elementwise), broadcast (elementwise),
 all-gather and reduce-scatter (the core's packed chunks of every rank's block).
@@ -16,7 +16,7 @@ Adasum (dot products over whole tensors) stay one copy each way.
 Every rank must make the same host calls, but a rank knows only where its *own* tensors
 are (ranks may disagree: device here, host there; aware or staged). So each rank says
 in its negotiated metadata whether it stages a request
-(:attr:`Meta.stages <mpicoll.torch.negotiation.Meta>`, set at submission), and every
+(:attr:`Meta.stages <mpicoll.torch.engine.negotiation.Meta>`, set at submission), and every
 rank reads the same answer from the response: if any rank stages a request that spans
 several chunks, every rank runs the chunks: staging ranks (and CUDA-aware ones) with
 their device's copies, host ranks with plain numpy copies into host slots
@@ -33,10 +33,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..buffers import IN_PLACE
-from ..context import get_context
-from ..gpu import staging
-from ..gpu.numpy_copies import NumpyCopies
+from ...buffers import IN_PLACE
+from ...context import get_context
+from ...gpu import staging
+from ...gpu.numpy_copies import NumpyCopies
 from .dtypes import move_dtype, numpy_view
 
 __all__ = ["CHUNKABLE", "chunked", "run", "forget"]
@@ -44,7 +44,7 @@ __all__ = ["CHUNKABLE", "chunked", "run", "forget"]
 #: The collectives (the core's names) whose staged requests run in chunks.
 CHUNKABLE = ("allreduce", "broadcast", "allgather", "reduce_scatter")
 
-_KEY = "mpicoll.torch.pipeline.settings"
+_KEY = "mpicoll.torch.engine.pipeline.settings"
 
 
 class _HostStage:
@@ -119,7 +119,7 @@ def _args(collective: str, inputs: Sequence[Any], outputs: Sequence[Any], root: 
 
 def run(engine: Any, dev: Any, collective: str, inputs: Sequence[torch.Tensor],
         outputs: Sequence[torch.Tensor], fn: Callable[..., Any], root: int = 0) -> None:
-    """Run ``fn`` (the host collective, as :func:`mpicoll.torch.device.host_run` calls it)
+    """Run ``fn`` (the host collective, as :func:`mpicoll.torch.device.tensors.host_run` calls it)
     in chunks through :func:`mpicoll.gpu.staging.staged`.
 
     Args:

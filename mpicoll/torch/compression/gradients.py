@@ -5,7 +5,7 @@ Those payloads cannot be summed as tensors, so they do not go through the engine
 all-reduce. At ``step()`` (or ``synchronize()``) the optimizer's flat gradient buffers
 (one per dtype, gradients as views; see :mod:`mpicoll.torch.optimizer`) are cut into
 *runs* of consecutive parameters of at most ``MPICOLL_FUSION_THRESHOLD`` bytes
-(:func:`~mpicoll.torch.fusion.plan_runs`; ``0``: one run per parameter), and each run is
+(:func:`~mpicoll.torch.engine.fusion.plan_runs`; ``0``: one run per parameter), and each run is
 reduced in place by one :func:`mpicoll.compression.allreduce`.
 
 Error feedback belongs to the optimizer: :attr:`CompressedGradients.feedback` is an
@@ -50,91 +50,30 @@ made for them on first use (never the engine's own, which the engine thread uses
 from __future__ import annotations
 
 import logging
-import weakref
 import zlib
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
-from .. import compression as codecs
-from ..buffers import IN_PLACE
-from ..checked import agree
-from ..context import get_context
-from ..errors import CollectiveError
-from .compression import CodecCompressor
-from .dtypes import dtype_name, numpy_view
-from .fusion import plan_runs
-from .negotiation import Meta
-from .ops import Average, ReduceOp, Sum
-from .process_sets import scoped
-from .state import engine
+from ... import compression as codecs
+from ...buffers import IN_PLACE
+from ...checked import agree
+from ...context import get_context
+from .agreement import check_presence, codec_comm
+from .compressors import CodecCompressor
+from ..engine.dtypes import dtype_name, numpy_view
+from ..engine.fusion import plan_runs
+from ..engine.negotiation import Meta
+from ..ops import Average, ReduceOp, Sum
+from ..process_sets import scoped
 
-__all__ = ["CompressedGradients", "PRESENCE_NAME", "codec_comm", "check_presence"]
+__all__ = ["CompressedGradients", "PRESENCE_NAME"]
 
-log = logging.getLogger("mpicoll.torch.compressed")
+log = logging.getLogger("mpicoll.torch.compression.gradients")
 
 #: Name of the engine all-reduce that starts every compressed reduction.
 PRESENCE_NAME = "allreduce.__compressed__"
-
-#: ``Create_group`` tag of the communicators made for compressed all-reduces.
-_GROUP_TAG = 1414
-
-#: Engine -> the communicator of its ranks used for compressed all-reduces.
-_comms: "weakref.WeakKeyDictionary[Any, MPI.Intracomm]" = weakref.WeakKeyDictionary()
-
-
-def codec_comm(eng: Any) -> MPI.Intracomm:
-    """The communicator of ``eng``'s ranks for compressed all-reduces (made on first use,
-    collectively over those ranks only: ``MPI_Comm_create_group`` from ``COMM_WORLD``)."""
-    comm = _comms.get(eng)
-    if comm is None:
-        group = eng.comm.Get_group()         # local: does not use the engine's communicator
-        try:
-            comm = MPI.COMM_WORLD.Create_group(group, _GROUP_TAG)
-        finally:
-            group.Free()
-        _comms[eng] = comm
-    return comm
-
-
-def check_presence(name: str, layout: str, what: str) -> Any:
-    """Start a reduction that runs outside the engine: one all-reduce named ``name`` of a
-    1 per rank through the engine in scope; return that engine.
-
-    It orders the reduction with the engine's other requests of the same name, and the
-    engine checks that every rank's ``layout`` (what the reduction covers) is the same.
-    A rank that called ``hvd.join()`` adds 0: the others then raise here instead of
-    waiting for it in a reduction it will never join.
-
-    Args:
-        name: the request's name (matched across ranks). layout: what ranks must agree
-            on. what: the caller, for the message (``"DistributedOptimizer(...)"``).
-    Raises:
-        mpicoll.MismatchError: ranks disagree on the layout (or some ranks submitted an
-            uncompressed request of this name).
-        CollectiveError: a rank has joined, or the engine stopped.
-    """
-    eng = engine()
-    present = torch.zeros(1, dtype=torch.int32)
-    meta = Meta(name, "allreduce", dtype_name(torch.int32), (1,), int(Sum), layout=layout)
-    future = eng.submit(meta, _ONE, present, waiting=True)
-    eng.wait(future)
-    if future.error is not None:
-        raise future.error
-    joined = eng.size - int(present[0])
-    if joined:
-        raise CollectiveError(
-            f"{what}: {joined} rank(s) called hvd.join(); a compressed all-reduce runs "
-            f"outside the engine and cannot stand in zeros for joined ranks (use "
-            f"Compression.none or Compression.fp16 with join())")
-    return eng
-
-
-#: Every rank's contribution to :func:`check_presence` (never written).
-_ONE = torch.ones(1, dtype=torch.int32)
-
 
 class _Slot(NamedTuple):
     """One parameter in a run: its name and its element range within the run."""

@@ -16,7 +16,7 @@ all going through a :class:`TensorDevice` (the CUDA one here, or
   pinned host memory, the host collective runs on numpy views of it, and each result is
   copied back once. All-reduce, broadcast, all-gather and reduce-scatter buffers that
   span several staging chunks go through the core's chunked pipeline instead
-  (:mod:`mpicoll.torch.pipeline`, with the device's :meth:`TensorDevice.copies`);
+  (:mod:`mpicoll.torch.engine.pipeline`, with the device's :meth:`TensorDevice.copies`);
 - before the request's future completes, the engine's stream is synchronised
   (:meth:`TensorDevice.synchronize`): results are ready for any stream when
   ``synchronize()`` returns, as on the host.
@@ -33,12 +33,12 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import numpy as np
 import torch
 
-from .dtypes import numpy_dtype, move_dtype
+from ..engine.dtypes import numpy_dtype, move_dtype
 
 __all__ = ["TensorDevice", "CudaDevice", "device_of", "request_device", "same_device",
            "simulated", "host_run", "ALIGN"]
 
-log = logging.getLogger("mpicoll.torch.device")
+log = logging.getLogger("mpicoll.torch.device.tensors")
 
 #: Byte alignment of each buffer inside a pinned host slot (a multiple of every itemsize).
 ALIGN = 64
@@ -156,7 +156,7 @@ class CudaDevice:
 
     def aware(self) -> bool:
         if self._aware is None:
-            from ..gpu import detect  # noqa: PLC0415
+            from ...gpu import detect  # noqa: PLC0415
 
             aware, why = detect.cuda_aware()
             if aware:
@@ -170,7 +170,7 @@ class CudaDevice:
         return self._aware
 
     def copies(self, slots: Any) -> Any:
-        """:class:`mpicoll.torch.cuda_copies.CudaCopies` on this device's two copy
+        """:class:`mpicoll.torch.device.cuda_copies.CudaCopies` on this device's two copy
         streams (created at the first chunked request)."""
         from .cuda_copies import CudaCopies  # noqa: PLC0415
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import timeline
+from ... import timeline
 
 __all__ = ["BucketTrace", "begin_bucket", "end_bucket", "step", "negotiated", "cycle",
            "submit_time", "current"]

@@ -1,4 +1,8 @@
-"""Horovod's Adasum reduction (``op=hvd.Adasum``): pairwise adaptive summation.
+"""Adasum (Horovod's ``op=hvd.Adasum``): pairwise adaptive summation of float vectors.
+
+Not a registered all-reduce (its reduction is not element-wise, and a fused buffer holds
+several tensors, each with its own dot products): :mod:`mpicoll.torch` runs it on its
+fused buffers.
 
 Two gradients ``a`` and ``b`` combine as::
 
@@ -32,20 +36,14 @@ import sys
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 from mpi4py import MPI
 
-__all__ = ["AdasumUnsupportedError", "ADASUM_DTYPES", "check_adasum_dtype",
-           "check_adasum_size", "adasum_allreduce", "adasum_pair"]
+__all__ = ["AdasumUnsupportedError", "check_adasum_size", "adasum_allreduce", "adasum_pair"]
 
-log = logging.getLogger("mpicoll.torch.adasum")
+log = logging.getLogger("mpicoll.algorithms.adasum")
 
 #: Squared norms below this leave their vector's coefficient at 1 (Horovod 0.28's guard).
 NORM_GUARD = float(np.sqrt(sys.float_info.min))
-
-#: Tensor dtypes Adasum reduces (Horovod's: float16, float32, float64; bfloat16 reduces in
-#: the adapter's float32 buffer).
-ADASUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _TAG_HALVES = 0x4144          # vector halves, both directions
 _TAG_SUMS = 0x4145            # per-tensor dot products and norms
@@ -56,13 +54,6 @@ class AdasumUnsupportedError(NotImplementedError, ValueError):
 
     A ``NotImplementedError``, as Horovod raises, and a ``ValueError`` (a bad argument for
     this world size), so either ``except`` catches it."""
-
-
-def check_adasum_dtype(dtype: torch.dtype) -> None:
-    """Raise ``TypeError`` unless Adasum reduces tensors of ``dtype``."""
-    if dtype not in ADASUM_DTYPES:
-        raise TypeError(f"op=Adasum reduces float16, bfloat16, float32 and float64 tensors, "
-                        f"not {dtype}")
 
 
 def check_adasum_size(size: int) -> None:

@@ -66,7 +66,7 @@ class Meta(NamedTuple):
     reason: str = ""
     #: This rank's tensors are on a device that the engine stages through host memory (MPI
     #: not CUDA-aware): then every rank runs the entry in chunks when it spans several
-    #: (:mod:`mpicoll.torch.pipeline`). Set by the engine at submission; not compared.
+    #: (:mod:`mpicoll.torch.engine.pipeline`). Set by the engine at submission; not compared.
     stages: bool = False
 
 

@@ -8,7 +8,7 @@ called ``join()``) takes part with zeros; the other collectives fail in negotiat
 a rank has joined.
 
 The engine passes itself; :class:`EngineInterface` names what is used of it, so this module
-does not import :mod:`mpicoll.torch.engine` (which imports this one).
+does not import :mod:`mpicoll.torch.engine.core` (which imports this one).
 """
 from __future__ import annotations
 
@@ -21,28 +21,28 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import collectives, timeline
-from ..buffers import IN_PLACE
-from ..errors import CollectiveError, MismatchError, RemoteError
-from ..ops import scaled_sum
+from ... import collectives, timeline
+from ...buffers import IN_PLACE
+from ...errors import CollectiveError, MismatchError, RemoteError
+from ...ops import scaled_sum
 from . import trace
-from .adasum import adasum_allreduce
-from ..gpu.staging import staging_bytes
+from ...algorithms.adasum import adasum_allreduce
+from ...gpu.staging import staging_bytes
 from . import pipeline
-from .device import host_run, request_device
+from ..device.tensors import host_run, request_device
 from .dtypes import from_name, numpy_view, reduce_dtype
 from .fusion import numel, plan_buckets
 from .negotiation import JOIN, Response
-from .ops import Adasum, Average, ReduceOp, Sum, mpicoll_op
+from ..ops import Adasum, Average, ReduceOp, Sum, mpicoll_op
 from .settings import Settings
 
 __all__ = ["run_responses", "EngineInterface"]
 
-log = logging.getLogger("mpicoll.torch.execute")
+log = logging.getLogger("mpicoll.torch.engine.execute")
 
 
 class EngineInterface(Protocol):
-    """What running responses uses of :class:`mpicoll.torch.engine.Engine`."""
+    """What running responses uses of :class:`mpicoll.torch.engine.core.Engine`."""
 
     settings: Settings
     comm: Any
@@ -349,7 +349,7 @@ def _await(dev: Any, works: list) -> None:
 
 def _staged(engine: EngineInterface, dev: Any, inputs: list, outputs: list, fn: Any,
             aware: bool = True) -> None:
-    """:func:`mpicoll.torch.device.host_run` with the engine's pinned memory for ``dev``."""
+    """:func:`mpicoll.torch.device.tensors.host_run` with the engine's pinned memory for ``dev``."""
     host_run(dev, engine.host_slots(dev), staging_bytes(), inputs, outputs, fn, aware)
 
 

@@ -1,0 +1,77 @@
+"""What both compressed reductions of the adapter (the optimizer's,
+:mod:`.gradients`, and the per-tensor calls', :mod:`.allreduce`) share: the engine request
+that orders a reduction running outside the engine (:func:`check_presence`) and the
+communicator it runs on (:func:`codec_comm`).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+from ...errors import CollectiveError
+from ..engine.dtypes import dtype_name
+from ..engine.negotiation import Meta
+from ..ops import Sum
+from ..state import engine
+
+__all__ = ["codec_comm", "check_presence"]
+
+#: ``Create_group`` tag of the communicators made for compressed all-reduces.
+_GROUP_TAG = 1414
+
+#: Engine -> the communicator of its ranks used for compressed all-reduces.
+_comms: "weakref.WeakKeyDictionary[Any, MPI.Intracomm]" = weakref.WeakKeyDictionary()
+
+
+def codec_comm(eng: Any) -> MPI.Intracomm:
+    """The communicator of ``eng``'s ranks for compressed all-reduces (made on first use,
+    collectively over those ranks only: ``MPI_Comm_create_group`` from ``COMM_WORLD``)."""
+    comm = _comms.get(eng)
+    if comm is None:
+        group = eng.comm.Get_group()         # local: does not use the engine's communicator
+        try:
+            comm = MPI.COMM_WORLD.Create_group(group, _GROUP_TAG)
+        finally:
+            group.Free()
+        _comms[eng] = comm
+    return comm
+
+
+def check_presence(name: str, layout: str, what: str) -> Any:
+    """Start a reduction that runs outside the engine: one all-reduce named ``name`` of a
+    1 per rank through the engine in scope; return that engine.
+
+    It orders the reduction with the engine's other requests of the same name, and the
+    engine checks that every rank's ``layout`` (what the reduction covers) is the same.
+    A rank that called ``hvd.join()`` adds 0: the others then raise here instead of
+    waiting for it in a reduction it will never join.
+
+    Args:
+        name: the request's name (matched across ranks). layout: what ranks must agree
+            on. what: the caller, for the message (``"DistributedOptimizer(...)"``).
+    Raises:
+        mpicoll.MismatchError: ranks disagree on the layout (or some ranks submitted an
+            uncompressed request of this name).
+        CollectiveError: a rank has joined, or the engine stopped.
+    """
+    eng = engine()
+    present = torch.zeros(1, dtype=torch.int32)
+    meta = Meta(name, "allreduce", dtype_name(torch.int32), (1,), int(Sum), layout=layout)
+    future = eng.submit(meta, _ONE, present, waiting=True)
+    eng.wait(future)
+    if future.error is not None:
+        raise future.error
+    joined = eng.size - int(present[0])
+    if joined:
+        raise CollectiveError(
+            f"{what}: {joined} rank(s) called hvd.join(); a compressed all-reduce runs "
+            f"outside the engine and cannot stand in zeros for joined ranks (use "
+            f"Compression.none or Compression.fp16 with join())")
+    return eng
+
+
+#: Every rank's contribution to :func:`check_presence` (never written).
+_ONE = torch.ones(1, dtype=torch.int32)
