@@ -10,14 +10,14 @@
 # MPICH wheel speaks PMI-2), %n in the slurmd spool/pid/log paths so several slurmd share one
 # host.  Each daemon runs in its node's namespaces (entered with nsenter, not `ip netns
 # exec`, which remounts /sys and hides the cgroup mounts), so every node has its own
-# hostname, address and /etc/hosts (head and n1..nN).  The ports are in the namespaces'
-# own network stacks: no clash with another Slurm on the host.
+# hostname, address, /etc/hosts, /dev/shm, IPC and (slurmd, and so the job's tasks) PID
+# namespace.  The ports are in the namespaces' own network stacks: no clash with another
+# Slurm on the host.  A slurmd's pid file holds its PID inside its node (host_pid maps it).
 
 SLURM_DIR="$STATE/slurm"
 
 slurm_client() {  # slurm_client CMD...: run a client on head with this cluster's config
-  local pid; pid=$(node_pid head)
-  SLURM_CONF="$SLURM_DIR/slurm.conf" nsenter -t "$pid" --net --uts --mount --wd="$PWD" -- "$@"
+  SLURM_CONF="$SLURM_DIR/slurm.conf" enter_node head "$@"
 }
 
 slurm_up() {
@@ -46,9 +46,8 @@ slurm_up() {
     done
     echo "PartitionName=main Nodes=$names Default=YES MaxTime=INFINITE State=UP"
   } > "$SLURM_DIR/slurm.conf"
-  local head; head=$(node_pid head)
   # -c: start clean (no jobs or node state from an earlier run)
-  nsenter -t "$head" --net --uts --mount -- slurmctld -c -f "$SLURM_DIR/slurm.conf" \
+  enter_node head slurmctld -c -f "$SLURM_DIR/slurm.conf" \
     </dev/null >>"$SLURM_DIR/log/slurmctld.stdout" 2>&1 || die "slurmctld failed to start"
   local end=$((SECONDS + 30))
   until slurm_client timeout 5 scontrol ping 2>/dev/null | grep -q UP; do
@@ -56,7 +55,7 @@ slurm_up() {
     sleep 0.3
   done
   for i in $(seq 1 "$nodes"); do
-    nsenter -t "$(node_pid "n$i")" --net --uts --mount -- slurmd -f "$SLURM_DIR/slurm.conf" -N "n$i" \
+    enter_node "n$i" slurmd -f "$SLURM_DIR/slurm.conf" -N "n$i" \
       </dev/null >>"$SLURM_DIR/log/slurmd-n$i.stdout" 2>&1 || die "slurmd on n$i failed to start"
   done
   end=$((SECONDS + 60))
@@ -86,13 +85,17 @@ slurm_down() {
       while [ $SECONDS -lt $end ] && [ -n "$(slurm_client timeout 10 squeue -h -o %i 2>/dev/null)" ]; do sleep 0.5; done
     fi
   fi
-  # node daemons first, then the controller; by their pid files, checked by name
+  # node daemons first, then the controller; by their pid files (a slurmd's holds its PID
+  # inside its node), checked by name; a node whose holder is gone has lost them already
+  local node
   for pf in "$SLURM_DIR"/slurmd-*.pid "$SLURM_DIR/slurmctld.pid"; do
     [ -s "$pf" ] || continue
-    p=$(cat "$pf")
-    case $(cat "/proc/$p/comm" 2>/dev/null) in
-      slurmd|slurmctld) kill_pids "$p" ;;
-    esac
+    node=$(basename "$pf" .pid); node=${node#slurmd-}; [ "$node" != slurmctld ] || node=head
+    if p=$(host_pid "$node" "$(cat "$pf")"); then
+      case $(cat "/proc/$p/comm" 2>/dev/null) in
+        slurmd|slurmctld) kill_pids "$p" ;;
+      esac
+    fi
     rm -f "$pf"
   done
   log "slurm down"

@@ -18,7 +18,9 @@ to its peers on a private duplicate of each communicator (so it needs
   uncaught exception without ``-m mpi4py``, pytest returning after a failed test) tells
   every peer at exit how many collectives it completed on each communicator. A peer that
   is, or later gets, stuck in a call the leaver never completed aborts the job within
-  about :data:`LEFT_GRACE_SECONDS`, with a message naming the rank that left.
+  about :data:`LEFT_GRACE_SECONDS`, with a message naming the rank that left. Ranks that
+  end together receive each other's notices before they finalize MPI (a notice left
+  unreceived at ``MPI_Finalize`` is an error; UCX warns about each one).
 
 ``MPICOLL_STALL_WARN_SECONDS=0`` turns all of it off. The calling thread only pays for the
 counting in :mod:`mpicoll.tracking`; everything else happens on the watchdog thread.
@@ -39,7 +41,7 @@ from . import config, tracking
 from .tracking import CallInfo, Tracker
 
 __all__ = ["enabled", "watch", "unwatch", "announce_exit", "Watched", "POLL_SECONDS",
-           "LEFT_GRACE_SECONDS", "ANSWER_SECONDS"]
+           "LEFT_GRACE_SECONDS", "ANSWER_SECONDS", "EXIT_WAIT_SECONDS", "EXIT_REPLY_SECONDS"]
 
 log = logging.getLogger("mpicoll.stall")
 
@@ -49,6 +51,10 @@ POLL_SECONDS = 0.1
 LEFT_GRACE_SECONDS = 1.0
 #: How long a stalled rank waits for its peers' answers before it logs the report.
 ANSWER_SECONDS = 2.0
+#: At exit, how long a rank waits for the exit notices of peers that have not left yet.
+EXIT_WAIT_SECONDS = 2.0
+#: A peer whose exit notice came in less than this long ago still waits for this rank's.
+EXIT_REPLY_SECONDS = 1.0
 
 _QUERY, _REPLY, _LEFT = 31001, 31002, 31003
 _lock = threading.Lock()
@@ -92,6 +98,7 @@ class Watched:
         self.tracker = tracker
         self.world = _world_ranks(comm)
         self.left: dict[int, int] = {}          # rank -> collectives it completed
+        self.left_at: dict[int, float] = {}     # rank -> when its exit notice came in
         self.sends: list[MPI.Request] = []
         self.seq = 0                             # the call in progress being timed
         self.since = 0.0
@@ -153,7 +160,15 @@ def unwatch(watched: Watched | None) -> None:
 
 
 def announce_exit() -> None:
-    """At interpreter exit: stop the thread; tell every peer how far this rank got."""
+    """At interpreter exit: stop the thread; tell every peer how far this rank got.
+
+    The notice goes to every peer not known to have left, and to those whose own notice
+    came in less than :data:`EXIT_REPLY_SECONDS` ago (they are still waiting here, below).
+    Then this rank receives notices until every peer's has come in, or for at most
+    :data:`EXIT_WAIT_SECONDS`: ranks that end together (the usual case) thus receive every
+    notice sent to them before they finalize MPI, and one that ends much later gets the
+    early ranks' notices (and sends them none) when it ends.
+    """
     global _thread
     _stop.set()
     if _thread is not None:
@@ -164,14 +179,21 @@ def announce_exit() -> None:
     with _lock:
         for w in _watched:
             _collect_left(w)
+            now = time.monotonic()
             for peer in range(w.size):
-                if peer != w.rank and peer not in w.left:
+                if peer != w.rank and (peer not in w.left
+                                       or now - w.left_at[peer] < EXIT_REPLY_SECONDS):
                     w.send((w.tracker.done,), peer, _LEFT)
-        deadline = time.monotonic() + 1.0
-        for w in _watched:
-            while w.sends and time.monotonic() < deadline:
+        deadline = time.monotonic() + EXIT_WAIT_SECONDS
+        while True:
+            waiting = False
+            for w in _watched:
                 _reap(w)
-                time.sleep(0.001)
+                _collect_left(w)
+                waiting = waiting or bool(w.sends) or len(w.left) < w.size - 1
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(0.001)
 
 
 def _collect_left(w: Watched) -> None:
@@ -180,15 +202,21 @@ def _collect_left(w: Watched) -> None:
     A peer that has left may have finalized MPI: a message sent to it can wait forever
     (over MPICH's ofi/tcp an ``isend`` to a finalized process spins in the progress
     engine), and this rank would then never reach ``MPI_Finalize`` or free a shared
-    window its node peers wait on. So the exit notice goes only to peers not known gone.
+    window its node peers wait on. So the exit notice goes only to peers not known gone,
+    or known to have left so lately that they still wait for it (:func:`announce_exit`).
     """
     status = MPI.Status()
     try:
         while w.comm.iprobe(MPI.ANY_SOURCE, _LEFT, status):
             source = status.Get_source()
-            w.left[source] = w.comm.recv(source=source, tag=_LEFT)[0]
+            _note_left(w, source, w.comm.recv(source=source, tag=_LEFT)[0])
     except MPI.Exception as exc:  # never fail an exit over a notice
         log.debug("watchdog: %s", exc)
+
+
+def _note_left(w: Watched, source: int, done: int) -> None:
+    w.left[source] = done
+    w.left_at[source] = time.monotonic()
 
 
 def _loop() -> None:
@@ -216,7 +244,7 @@ def _poll(w: Watched, now: float) -> None:
         elif tag == _REPLY and w.query is not None and message[0] == w.query["seq"]:
             w.query["replies"][source] = message
         elif tag == _LEFT:
-            w.left[source] = message[0]
+            _note_left(w, source, message[0])
     _check(w, now)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,6 +29,9 @@ class Cluster:
             self.env["MPICOLL_MPIRUN"] = str(mpirun)
         for var in ("MPICOLL_RANKS_PER_NODE", "MPICOLL_ALGORITHM", "MPICOLL_TUNING_FILE"):
             self.env.pop(var, None)  # the real layout, the shipped table
+        for var in ("MPIR_CVAR_CH4_NETMOD", "FI_PROVIDER", "FI_TCP_IFACE", "UCX_TLS",
+                    "UCX_NET_DEVICES"):
+            self.env.pop(var, None)  # the netmod and transports are the tests' to choose
 
     def run(self, *args: str, timeout: float = 60, env: dict[str, str] | None = None
             ) -> subprocess.CompletedProcess:
@@ -43,11 +47,26 @@ class Cluster:
             raise AssertionError(f"cluster {' '.join(args)} timed out after {timeout} s:\n{out}")
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
+    def link(self) -> tuple[float, int]:
+        """(rate in bytes/s, tbf bucket in bytes) of the nodes' links, from the config."""
+        config = dict(line.split("=", 1) for line in
+                      (self.state / "config").read_text().split())
+        return rate_bytes(config["bandwidth"]), int(config["burst"])
+
     def namespaces(self) -> list[str]:
         """Network namespaces that carry this cluster's prefix."""
         out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False,
                              timeout=10).stdout
         return [w.split()[0] for w in out.splitlines() if w.startswith(self.prefix + "-")]
+
+
+def rate_bytes(rate: str) -> float:
+    """A tc rate (``1gbit``, ``100mbit``, ``125mbps``) in bytes per second."""
+    m = re.fullmatch(r"([0-9.]+)([kmgt]?)(bit|bps)?", rate.lower())
+    if not m:
+        raise ValueError(f"bad rate {rate!r}")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+    return float(m.group(1)) * scale / (1 if m.group(3) == "bps" else 8)
 
 
 def unavailable() -> str | None:

@@ -1,20 +1,33 @@
-"""Slurm across the namespace cluster: `sbatch -N 2 --ntasks-per-node 2 jobs/hierarchical.sbatch`.
+"""Slurm and MPI across the namespace cluster: isolation of the nodes, and a multi-node job.
 
-Brings up a private 2-node cluster (cluster/cluster up --slurm: slurmctld on head, one
-slurmd per node), submits the multi-node job as a user would, once with srun (PMI-2) and
-once with mpirun inside the allocation, and checks that it ran on two real nodes (layout
-from shared memory, not emulated) with exact results. Always tears the cluster down.
+Brings up one private 2-node cluster (cluster/cluster up --slurm: slurmctld on head, one
+slurmd per node, 1 Gb/s links) for the whole module and always tears it down. Then:
+
+- Nodes talk only through their shaped links: under each launcher (``cluster/cluster
+  mpirun``; ``srun`` of the bed's Slurm) and each netmod (ofi; ucx, MPICH's default), a
+  16 MiB point-to-point transfer between two nodes must take at least the link's time
+  (the tbf bucket and 10% allowed for), and MPICH's shared-memory segments must be
+  shared by the ranks of a node and invisible to the other node (``cluster_p2p_bw.py``).
+  When the nodes shared /dev/shm and the PID space, UCX carried the transfer through
+  shared memory at 2-4 GB/s, 15-30 times the link.
+- ``sbatch -N 2 --ntasks-per-node 2 jobs/hierarchical.sbatch`` as a user would submit it
+  (no netmod chosen: UCX), once with srun (PMI-2) and once with mpirun inside the
+  allocation: it runs on two real nodes (layout from shared memory, not emulated) with
+  exact results and prints no UCX warning (mpicoll's exit notices once ended unreceived:
+  "unexpected tag-receive descriptor ... was not matched").
+
 Where Slurm is not installed yet, installs it first through the CI recipe
 (``.ci/slurm/start.sh``: apt, about 90 s, then ``.ci/slurm/stop.sh`` stops the one-node
 cluster it started). Skips, saying why, where the cluster cannot be made or Slurm cannot be
 installed, or with ``MPICOLL_CLUSTER_TESTS=0``.
-About 40-60 s on two busy cores.
+About 50-80 s on two busy cores.
 """
 from __future__ import annotations
 
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +37,10 @@ from cluster_harness import Cluster, new_cluster, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 CI_SLURM = ROOT / ".ci" / "slurm"
+PROBE = Path(__file__).resolve().parent / "cluster_p2p_bw.py"
+#: A transfer may beat the link's time by this fraction (timer and rate granularity).
+LINK_MARGIN = 0.10
+UCX_COMPLAINTS = re.compile(r"UCX +(WARN|ERROR)")
 
 
 def _ensure_slurm_installed() -> None:
@@ -83,11 +100,56 @@ def _wait(c: Cluster, job: str, timeout: float) -> int:
     return int(m.group(1)) or int(m.group(2))
 
 
+@pytest.mark.parametrize("launcher,netmod", [("mpirun", "ofi"), ("mpirun", "ucx"),
+                                             ("srun", "ofi"), ("srun", "ucx")])
+def test_nodes_talk_only_through_their_shaped_links(slurm_cluster: Cluster, launcher: str,
+                                                    netmod: str) -> None:
+    """16 MiB from a rank on n1 to one on n2 takes at least the link's time, whichever the
+    launcher and netmod; the ranks of a node share MPICH's segments, other nodes see none.
+
+    ``cluster/cluster mpirun`` uses ofi with libfabric's tcp provider unless told otherwise;
+    under srun nothing is chosen for ucx (MPICH's default, as a user's job gets it) and
+    libfabric picks the provider for ofi."""
+    env = {"MPIR_CVAR_DEBUG_SUMMARY": "1", "UCX_PROTO_INFO": "y"}
+    if launcher == "mpirun" or netmod == "ofi":
+        env["MPIR_CVAR_CH4_NETMOD"] = netmod
+    if launcher == "mpirun":
+        cmd = ["mpirun", "-n", "4", "-ppn", "2"]
+    else:
+        cmd = ["slurm", "srun", "-N", "2", "--ntasks-per-node", "2", "--mpi=pmi2", "-t", "2"]
+    r = slurm_cluster.run(*cmd, sys.executable, str(PROBE), "--bytes", str(16 << 20),
+                          env=env, timeout=90)
+    out = r.stdout
+    assert r.returncode == 0, f"rc {r.returncode}:\n{out}"
+    assert not UCX_COMPLAINTS.search(out), out
+    m = re.search(r"^p2p inter (\S+)->(\S+): (\d+) B, best ([0-9.]+) s, ([0-9.]+) MB/s", out,
+                  re.MULTILINE)
+    assert m and m.group(1) != m.group(2), out
+    size, best = int(m.group(3)), float(m.group(4))
+    rate, burst = slurm_cluster.link()
+    floor = (size - burst) / rate  # the bucket passes at once, the rest at the link's rate
+    assert best >= (1 - LINK_MARGIN) * floor, (
+        f"{launcher}/{netmod}: {size} B from {m.group(1)} to {m.group(2)} in {best:.4f} s "
+        f"({size / best / 1e6:.0f} MB/s), faster than the link allows ({floor:.4f} s at "
+        f"{rate / 1e6:.0f} MB/s): a transport bypasses the shaped link\n{out}")
+    if netmod == "ucx":  # UCX ran, and took the peer on the other node for a remote one
+        assert "ucp_context" in out and "inter-node cfg" in out, out
+    else:
+        assert "libfabric provider:" in out and "ucp_context" not in out, out
+    seen: dict[str, set[frozenset[str]]] = {}
+    for host, names in re.findall(r"^shm rank \d+ on (\S+): ?(.*)$", out, re.MULTILINE):
+        seen.setdefault(host, set()).add(frozenset(names.split()))
+    assert sorted(seen) == ["n1", "n2"], out
+    assert all(len(views) == 1 and next(iter(views)) for views in seen.values()), (
+        f"the ranks of a node do not see the same MPICH shared-memory segments:\n{out}")
+    assert not set.intersection(*(set(next(iter(v))) for v in seen.values())), (
+        f"a node sees another node's /dev/shm:\n{out}")
+
+
 @pytest.mark.parametrize("launcher", ["srun", "mpirun"])
 def test_hierarchical_job_on_two_nodes(slurm_cluster: Cluster, tmp_path: Path,
                                        launcher: str) -> None:
-    env = {"FI_PROVIDER": "tcp", "MPIR_CVAR_CH4_NETMOD": "ofi",
-           "MPICOLL_LAUNCHER": launcher, "HIER_COUNTS": "0,1,7,1000,65537",
+    env = {"MPICOLL_LAUNCHER": launcher, "HIER_COUNTS": "0,1,7,1000,65537",
            "HIER_BENCH_ARGS": "-m 8:64K --step 8 -i 3 -x 1 -c --algo hierarchical,ring "
                               "--memcpy-bytes 0"}
     r = slurm_cluster.run("slurm", "sbatch", "--parsable", "-N", "2", "--ntasks-per-node", "2",
@@ -109,3 +171,4 @@ def test_hierarchical_job_on_two_nodes(slurm_cluster: Cluster, tmp_path: Path,
     assert "hierarchical allreduce: all results correct" in text, text
     assert "Ranks per node: 2" in text, text
     assert "# validation: all results correct" in text, text
+    assert not UCX_COMPLAINTS.search(text), f"UCX complained in job {job}:\n{text}"
