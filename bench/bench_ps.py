@@ -36,7 +36,7 @@ straight into ``out`` and is not kept). From the repository root::
 
     python -m bench.bench_ps throughput --configs 1x2,2x2,cx2,1x3,3x3,cx3 -m 16M -i 10
     python -m bench.bench_ps training --workers 3 --straggler-delay 0.01
-    python -m bench.bench_ps all --out docs        # both, JSON + PNG into docs/
+    python -m bench.bench_ps all --out docs/results   # both, JSON + PNG into docs/results/
     python -m bench.bench_ps stragglers --out-json docs/results/ps_stragglers.json \
         --plot docs/results/ps_stragglers.png
     python -m bench.bench_ps compression --configs 1x2 -m 4M -i 10 --workers 2 --steps 300
@@ -440,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--straggler-delay", type=float, default=0.01)
     ap.add_argument("--timeout", type=float, default=240)
-    ap.add_argument("--out", help="directory for ps_bench.json and plots")
+    ap.add_argument("--out", help="directory for ps_bench.json and plots "
+                    "(the documented ones: docs/results)")
     ap.add_argument("--slow-rank", type=int, default=-1, help="stragglers: default the last")
     ap.add_argument("--slow-factor", type=float, default=3.0)
     ap.add_argument("--hidden", type=int, default=256)

@@ -18,10 +18,10 @@ the mean training loss of each epoch against the training wall time and against 
 (first seed) plotted to ``--out/compression_training.png`` (``--name`` changes the file
 names, ``--no-plot`` skips the plot). From the repository root::
 
-    python -m bench.compression_training --ranks 2 --seeds 1,2,3 --out docs
+    python -m bench.compression_training --ranks 2 --seeds 1,2,3 --out docs/results
     python -m bench.compression_training --ranks 2 --seeds 1,2,3,4,5,6 \
         --compressions none,onebit,onebit-warm1ep --out docs/results --name compression_warmup
-    python -m bench.compression_training --replot docs/compression_training.json
+    python -m bench.compression_training --replot docs/results/compression_training.json
     python -m bench.compression_training --merge a.json,b.json --out docs/results --name c
     python -m bench.compression_training --step-times 200 --ranks 2
     python -m bench.compression_training --simulate ring --compressions onebit --seeds 1
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="1")
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
-    parser.add_argument("--out", default="docs", help="folder for the JSON and the PNG")
+    parser.add_argument("--out", default="docs/results", help="folder for the JSON and the PNG")
     parser.add_argument("--name", default="compression_training",
                         help="file name (without extension) of the JSON and the PNG")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")

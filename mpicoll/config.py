@@ -4,7 +4,7 @@ Keyword arguments always win; these variables only supply defaults where a launc
 arguments awkward. Each is read on first use and cached; :func:`refresh` re-reads them.
 
 :data:`VARIABLES` is the single source of the variables table in the docs
-(``docs/variables.md`` holds :func:`markdown_table`; ``tests/test_docs.py`` checks that
+(``docs/variables.md`` holds :func:`markdown_table`; ``tests/test_repository.py`` checks that
 it matches and prints the command that rewrites it). It lists the library's variables, those the PyTorch adapter reads
 in ``mpicoll.torch.init()``, and those of the Slurm job scripts (``jobs/common.sh``) and the
 CI's Slurm recipe (``.ci/slurm/``).

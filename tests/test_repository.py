@@ -76,3 +76,38 @@ def test_every_variable_the_code_reads_is_listed():
                 used |= set(re.findall(r"MPICOLL_[A-Z][A-Z_]*[A-Z]",
                                        path.read_text(errors="replace")))
     assert used <= listed, f"missing from mpicoll.config.VARIABLES: {sorted(used - listed)}"
+
+
+#: A markdown link or image: ``[text](target)``, ``![alt](target "title")``.
+MARKDOWN_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def relative_links(text: str) -> list[str]:
+    """The relative link targets of a markdown text (anchors dropped), outside code."""
+    text = re.sub(r"^ {0,3}(`{3,}|~{3,}).*?^ {0,3}\1", "", text, flags=re.M | re.S)  # fences
+    text = re.sub(r"`[^`\n]*`", "", text)                                            # spans
+    targets = []
+    for target in MARKDOWN_LINK.findall(text):
+        path = target.split("#", 1)[0]
+        if path and not re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:", target):  # http:, mailto:
+            targets.append(path)
+    return targets
+
+
+def test_the_link_finder():
+    text = ("[a](docs/x.md#s) ![p](results/p.png) [w](https://x.org/y) [s](#top)\n"
+            "`[c](code.md)`\n```\n[f](fenced.md)\n```\n[t](t.md \"title\")")
+    assert relative_links(text) == ["docs/x.md", "results/p.png", "t.md"]
+
+
+def test_docs_links_resolve():
+    """Every relative link of README.md and docs/**/*.md names a file or folder that exists
+    (catches links left behind when pages or their data move)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    broken = {}
+    for page in pages:
+        for target in relative_links(page.read_text(encoding="utf-8")):
+            path = (page.parent / target).resolve()
+            if not path.exists() or ROOT.resolve() not in (path, *path.parents):
+                broken.setdefault(str(page.relative_to(ROOT)), []).append(target)
+    assert not broken, f"relative links to missing files: {broken}"

@@ -40,7 +40,7 @@ def test_command_line_is_relative_to_the_repository():
 
 
 def test_results_page_has_dates_commands_and_no_machine_paths(tmp_path, monkeypatch):
-    """docs/benchmarks.md rebuilt from docs/bench/: no absolute paths; every results
+    """docs/benchmarks.md rebuilt from docs/results/bench/: no absolute paths; every results
     section says when and how it was measured; reference text comes before the results."""
     if not (make_docs.DATA / "allreduce_n2.json").exists():
         pytest.skip("no stored results in this checkout")

@@ -29,13 +29,13 @@ def test_training_record_drops_the_temporary_file_and_machine_paths():
 
 
 def test_command_is_relative_to_the_repository():
-    argv = ["all", "--configs", "cx2", "--out", str(ROOT / "docs")]
+    argv = ["all", "--configs", "cx2", "--out", str(ROOT / "docs" / "results")]
     assert bench_ps.command_line(None, "bench_ps", argv) == (
-        "python -m bench.bench_ps all --configs cx2 --out docs")
+        "python -m bench.bench_ps all --configs cx2 --out docs/results")
 
 
 def test_stored_results_have_date_command_and_no_machine_paths():
-    text = (ROOT / "docs" / "ps_bench.json").read_text()
+    text = (ROOT / "docs" / "results" / "ps_bench.json").read_text()
     assert not MACHINE_PATH.search(text), MACHINE_PATH.search(text)
     data = json.loads(text)
     assert re.fullmatch(r"20\d\d-\d\d-\d\d \d\d:\d\d UTC", data["date"])
