@@ -22,7 +22,7 @@ rank takes the median block, the table shows the average over ranks. Variants:
   ``auto persistent`` (``call = mpicoll.allreduce_init(x, y)``, then ``call()``),
   ``auto new-out`` (``y = mpicoll.allreduce(x)``) beside ``mpi new-out`` (a new output
   each call), ``auto new-in`` (a new input array each call: never in the identity cache,
-  run as a call by shape, :func:`mpicoll.fastpath.run_shaped`) beside ``mpi new-in``, and
+  run as a call by shape, :func:`mpicoll.fastpath.run_fast`) beside ``mpi new-in``, and
   ``auto planned`` (the slow path itself, :func:`mpicoll.collectives.dispatch`: validation,
   algorithm choice, plan, cache store; what the first call of a shape costs).
 
@@ -32,7 +32,7 @@ Two more tables, from the same interleaved blocks:
   on top of the row before: the prepared MPI call (``Shaped.run``: buffer specs, datatype
   and op found at planning, only the arrays new), its record for the stall inspector,
   the checks of the new arrays (:func:`mpicoll.fastpath.by_shape`), the lookup by shape
-  (:func:`mpicoll.fastpath.run_shaped`), and the public function (``auto new-in``); and
+  (:func:`mpicoll.fastpath.run_fast`), and the public function (``auto new-in``); and
   the same for a new output (``y = allreduce(x)``: allocation and the prepared call, its
   record, the identity lookup, the public function);
 - the other collectives (reduce-scatter, all-gather, broadcast, reduce), cached and with
@@ -221,21 +221,20 @@ def _layer_variants(comm: Any, x: Any, y: Any) -> dict[str, Callable[[], Any]]:
     def public(a: Any, b: Any) -> Any:
         return mpicoll.allreduce(a, b, op, comm, alg)
 
-    public(x.copy(), y)   # plans the shape: run_shaped finds it
+    public(x.copy(), y)   # plans the shape: run_fast finds it by shape
     public(x, None)       # and x's new-output call
     return {
         "in: run": lambda: run(x.copy(), y),
         "in: + record": lambda: recorded(x.copy(), y),
         "in: + checks": lambda: checked(x.copy(), y),
         # (a lookup that misses, once after "auto planned" evicted the entry, plans again)
-        "in: + lookup": lambda: fastpath.run_shaped("allreduce", x.copy(), y, op, alg,
-                                                    comm) is not MISS or public(x.copy(), y),
+        "in: + lookup": lambda: fastpath.run_fast(False, "allreduce", x.copy(), y, op, alg,
+                                                  comm) is not MISS or public(x.copy(), y),
         "in: + allreduce()": lambda: mpicoll.allreduce(x.copy(), y, op, comm, alg),
         "out: empty + run": lambda: new_run(x, empty(shape, dtype)),
         "out: + record": remake,
-        "out: + lookup": lambda: fastpath.run_cached(("allreduce", id(x), id(None), id(op),
-                                                      id(alg), id(comm))) is not MISS
-        or public(x, None),
+        "out: + lookup": lambda: fastpath.run_fast(False, "allreduce", x, None, op, alg,
+                                                   comm) is not MISS or public(x, None),
         "out: + allreduce()": lambda: mpicoll.allreduce(x, None, op, comm, alg),
     }
 
