@@ -15,8 +15,9 @@ runs them in a rotating order, every rank starting together after a barrier):
 
 The issue's targets are checked and recorded: at >= 16 MiB pipelined <= 0.8x unpipelined;
 at 256 MiB pipelined <= 1.25x host. ``--device sim`` runs the same code on the CPU with
-:class:`mpicoll.gpu.simulated.SimulatedCopies` (numpy arrays stand in for device arrays;
-its timings mean nothing: it is the smoke test of this script).
+:class:`mpicoll.gpu.numpy_copies.NumpyCopies` (numpy arrays stand in for device arrays,
+every copy a synchronous ``numpy.copyto``; its timings mean nothing: it is the smoke test
+of this script).
 """
 from __future__ import annotations
 
@@ -62,11 +63,12 @@ class Device:
             props = cupy.cuda.runtime.getDeviceProperties(self.ordinal)
             self.name = props["name"].decode()
         else:
-            from mpicoll.gpu.simulated import SimulatedCopies  # noqa: PLC0415
+            from mpicoll.gpu.numpy_copies import NumpyCopies  # noqa: PLC0415
+            from mpicoll.gpu.slots import HostSlots  # noqa: PLC0415
 
             self.xp = np
             self.ordinal = None
-            self.copies = SimulatedCopies("eager")
+            self.copies = NumpyCopies(HostSlots(lambda n: np.empty(n, np.uint8)))
             self.name = "simulated (numpy)"
 
     def synchronize(self) -> None:

@@ -1,13 +1,14 @@
-"""Every ``MPICOLL_*`` environment variable, in one place: :data:`VARIABLES`.
+"""Every ``MPICOLL_*`` environment variable of the library, in one place: :data:`VARIABLES`.
 
 Keyword arguments always win; these variables only supply defaults where a launcher makes
 arguments awkward. Each is read on first use and cached; :func:`refresh` re-reads them.
 
-:data:`VARIABLES` is the single source of the variables table in the docs
-(``docs/variables.md`` holds :func:`markdown_table`; ``tests/test_repository.py`` checks that
-it matches and prints the command that rewrites it). It lists the library's variables, those the PyTorch adapter reads
-in ``mpicoll.torch.init()``, and those of the Slurm job scripts (``jobs/common.sh``) and the
-CI's Slurm recipe (``.ci/slurm/``).
+:data:`VARIABLES` lists the variables the installed library reads: the core's, those of
+``mpicoll.gpu`` and those the PyTorch adapter reads in ``mpicoll.torch.init()``. It is the
+source of the library's table in ``docs/variables.md`` (:func:`markdown_table`); the
+checkout's job scripts, CI recipe, test bed, benchmark drivers and tests declare their own
+variables in ``tools/variables.py``, which writes the whole page
+(``tests/test_repository.py`` checks it).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class Variable(NamedTuple):
     meaning: str
 
 
-#: Every ``MPICOLL_*`` variable, grouped by who reads it.
+#: Every ``MPICOLL_*`` variable the library reads, grouped by the package reading it.
 VARIABLES: tuple[Variable, ...] = (
     Variable("MPICOLL_CHECK", "mpicoll", "`0`",
              "`1` runs the cross-rank agreement step before every collective "
@@ -94,49 +95,13 @@ VARIABLES: tuple[Variable, ...] = (
              "backward); `0`: start a round only once the user thread waits for a result "
              "(or 50 ms after the latest request); `auto`: `1` when the node has a spare "
              "core per rank"),
-    Variable("MPICOLL_ROOT", "jobs/", "`$SLURM_SUBMIT_DIR`",
-             "the mpicoll checkout the job scripts run from"),
-    Variable("MPICOLL_VENV", "jobs/", "`$MPICOLL_ROOT/.venv`",
-             "virtualenv the job scripts activate (`none`: the Python on PATH)"),
-    Variable("MPICOLL_LAUNCHER", "jobs/", "`srun`",
-             "`srun` or `mpirun` (inside the allocation)"),
-    Variable("MPICOLL_SRUN_MPI", "jobs/", "`pmi2`",
-             "srun's `--mpi` plugin (`pmi2` is what the MPICH wheel speaks)"),
-    Variable("MPICOLL_MPIRUN", "jobs/, cluster/", "`mpirun` on PATH",
-             "the mpirun executable when `MPICOLL_LAUNCHER=mpirun`, and of "
-             "`cluster/cluster mpirun` (default there: the checkout's `.venv/bin/mpirun`)"),
-    Variable("MPICOLL_PYTHON", "jobs/", "`python3` on PATH", "the Python the job runs"),
-    Variable("MPICOLL_STEP_NTASKS", "jobs/", "`$SLURM_NTASKS`", "tasks of one job step"),
-    Variable("MPICOLL_SLURM_TESTS", "tests", "on",
-             "`0` skips the tests that submit the jobs to a local Slurm"),
-    Variable("MPICOLL_SLURM_DIR", ".ci/slurm/", "`/tmp/mpicoll-slurm`",
-             "config, state, log and pid directory of the local Slurm"),
-    Variable("MPICOLL_SLURM_CPUS", ".ci/slurm/", "max(8, nproc)",
-             "CPUs declared for the local Slurm node (8-task jobs run on 2 cores)"),
-    Variable("MPICOLL_SLURM_PORT", ".ci/slurm/", "6837",
-             "slurmctld port; slurmd uses the next one"),
-    Variable("MPICOLL_SLURM_TIMEOUT", ".ci/slurm/", "120",
-             "seconds to wait for the local Slurm node to become idle"),
-    Variable("MPICOLL_CLUSTER_TESTS", "tests", "on",
-             "`0` skips the tests that bring up the namespace cluster (tests/cluster/)"),
-    Variable("MPICOLL_CLUSTER_DIR", "cluster/", "`/tmp/mpicoll-cluster`",
-             "state directory of the namespace cluster (docs/cluster.md)"),
-    Variable("MPICOLL_CLUSTER_PREFIX", "cluster/", "`mpicoll`",
-             "name prefix of the namespace cluster's network namespaces"),
-    Variable("MPICOLL_CLUSTER_SUBNET", "cluster/", "`10.78.0`",
-             "first three octets of the namespace cluster's /24 network"),
-    Variable("MPICOLL_CLUSTER_HOSTFILE", "cluster/", "the cluster's own",
-             "host file that `cluster/cluster mpirun` gives hydra"),
-    Variable("MPICOLL_BENCH_MPIRUN", "bench/ drivers", "the `mpirun` beside Python",
-             "launcher prefix of the drivers' own launches (e.g. `cluster/cluster mpirun "
-             "-ppn 1`: across the test bed)"),
 )
 
 
-def markdown_table() -> str:
-    """The docs' table of :data:`VARIABLES` (Markdown)."""
+def markdown_table(variables: tuple[Variable, ...] = VARIABLES) -> str:
+    """The docs' table of ``variables`` (Markdown; default :data:`VARIABLES`)."""
     rows = ["| variable | read by | default | meaning |", "|---|---|---|---|"]
-    rows += [f"| `{v.name}` | {v.read_by} | {v.default} | {v.meaning} |" for v in VARIABLES]
+    rows += [f"| `{v.name}` | {v.read_by} | {v.default} | {v.meaning} |" for v in variables]
     return "\n".join(rows) + "\n"
 
 

@@ -149,7 +149,7 @@ def _staged_refuses(collective: str, args: tuple, exc: type, words: str) -> None
     """The staged device path (rank 0 of 2, simulated devices) raises ``exc`` matching
     ``words``, reported to the other ranks (checked mode), before any copy."""
     from mpicoll.gpu import staging
-    from mpicoll.gpu.simulated import SimulatedCopies
+    from doubles.device_copies import SimulatedCopies
 
     copies, reported = SimulatedCopies(), []
     with pytest.raises(exc, match=words):

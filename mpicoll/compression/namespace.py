@@ -1,9 +1,9 @@
-"""The array module a codec's kernels run in: numpy for host arrays, CuPy on the device
-(:mod:`mpicoll.gpu.array_modules`, re-exported here for the codecs), and how the chunked
-codecs block their work in each.
+"""The array module a codec's kernels run in: numpy for host arrays, the device backend's
+module on the device (CuPy for CUDA; :mod:`mpicoll.gpu.array_modules`, re-exported here
+for the codecs), and how the chunked codecs block their work in each.
 
-The CPU tests register a fake device module over numpy (:func:`register`) that refuses
-host arrays in its kernels and counts the bytes copied between the sides.
+Other device array families bring their module through a device backend
+(:func:`mpicoll.gpu.backends.register`).
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 
 from ..gpu.array_modules import (array_module, as_module_array, constant, is_host_module,
-                                 register, to_device, to_host, to_side, unregister)
+                                 to_device, to_host, to_side)
 
 __all__ = ["array_module", "is_host_module", "as_module_array", "to_host", "to_device", "to_side",
-           "register", "unregister", "constant", "block_elements"]
+           "constant", "block_elements"]
 
 
 def block_elements(xp: Any, default: int) -> int | None:

@@ -9,9 +9,11 @@ Modules:
         their producer streams, and the checks on one call's buffers.
     staging: :func:`~mpicoll.gpu.staging.staged`, the chunked, pipelined path through
         pinned host buffers for MPI libraries that are not CUDA-aware.
-    simulated: :class:`~mpicoll.gpu.simulated.SimulatedCopies`, a host stand-in for the
-        device with deferred streams (the CPU tests of the pipeline use it).
+    backends: the registry of device backends (:class:`~mpicoll.gpu.backends.CudaBackend`,
+        the library's, and any registered with :func:`~mpicoll.gpu.backends.register`):
+        which one handles a device array, its array module, copies and views.
     cupy_copies: the CuPy implementation of the copy interface.
+    numpy_copies: the copy interface on host arrays (ranks whose buffers are on the host).
     device: :func:`~mpicoll.gpu.device.select_device` (``MPICOLL_DEVICE``).
     route: what :func:`mpicoll.collectives.dispatch` calls when a device array is passed.
     array_modules: which array module (numpy, CuPy, a registered one) handles an array,

@@ -1,16 +1,17 @@
-"""Array modules: which module's kernels handle an array (numpy for host arrays, CuPy on
-the device, or a registered one), and copies between host and device in any of them.
+"""Array modules: which module's kernels handle an array (numpy for host arrays, the
+device backend's module on the device), and copies between host and device in any of them.
 
 :func:`array_module` picks the module from an array, like ``cupy.get_array_module``, but
 without importing CuPy for numpy input: a numpy array (or anything that is not a device
-array) is numpy; a CuPy array is ``cupy`` (imported then: a CuPy array exists, so CuPy is
-importable). Other device objects (``__cuda_array_interface__``, CUDA DLPack: torch CUDA
-tensors, Numba arrays) are read through zero-copy CuPy views (:func:`as_module_array`).
+array) is numpy; a device array is its device backend's module
+(:meth:`mpicoll.gpu.backends.DeviceBackend.array_module`): ``cupy`` for CUDA arrays
+(imported then: a device array exists, so CuPy is importable). Other CUDA objects
+(``__cuda_array_interface__``, CUDA DLPack: torch CUDA tensors, Numba arrays) are read
+through zero-copy CuPy views (:func:`as_module_array`).
 
-Other array modules can be registered for their array type (:func:`register`): the CPU
-tests register a fake device module over numpy that refuses host arrays in its kernels
-and counts the bytes copied between the sides. A registered module provides what the
-codecs call (numpy's names for them) plus ``asnumpy(a, out=None)`` and ``asarray(host)``.
+Another family of device arrays gets its module through a registered backend
+(:func:`mpicoll.gpu.backends.register`). A backend's module provides what the codecs call
+(numpy's names for them) plus ``asnumpy(a, out=None)`` and ``asarray(host)``.
 
 Copies between the sides go through :func:`to_host` and :func:`to_device` (the codecs
 call them only for payloads and for randomk's indices, never for the dense vector;
@@ -23,60 +24,26 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays as device_arrays
+from . import backends
 
 __all__ = ["array_module", "is_host_module", "as_module_array", "to_host", "to_device", "to_side",
-           "register", "unregister", "constant"]
+           "constant"]
 
-_registered: dict[type, Any] = {}
-_constants: dict[tuple, Any] = {}
+#: (id of the module, name, device) -> (the module, the table in it); the module is held
+#: so that its id is never reused for another one while the entry lives.
+_constants: dict[tuple, tuple[Any, Any]] = {}
 _lock = threading.Lock()
 
 
-def register(array_type: type, module: Any) -> None:
-    """Run codecs on arrays of ``array_type`` with ``module`` (tests, other libraries)."""
-    _registered[array_type] = module
-
-
-def unregister(array_type: type) -> None:
-    """Undo :func:`register` (nothing if ``array_type`` was not registered)."""
-    module = _registered.pop(array_type, None)
-    with _lock:
-        for key in [k for k in _constants if k[0] == id(module)]:
-            del _constants[key]
-
-
-def _registered_module(a: Any) -> Any:
-    if not _registered:
-        return None
-    for cls in type(a).__mro__:
-        module = _registered.get(cls)
-        if module is not None:
-            return module
-    return None
-
-
-def _is_cupy(a: Any) -> bool:
-    return type(a).__module__.split(".")[0] == "cupy"
-
-
 def array_module(a: Any) -> Any:
-    """The module whose kernels handle ``a``: numpy, ``cupy``, or a registered one.
+    """The module whose kernels handle ``a``: numpy, or its device backend's (``cupy``).
 
     Never imports CuPy for numpy arrays, scalars or ``None``.
     """
-    if a is None or type(a) is np.ndarray:
+    if a is None or type(a) is np.ndarray or isinstance(a, (np.generic, int, float)):
         return np
-    module = _registered_module(a)
-    if module is not None:
-        return module
-    if isinstance(a, (np.ndarray, np.generic, int, float)):
-        return np
-    if _is_cupy(a) or device_arrays.is_device(a):
-        import cupy  # noqa: PLC0415  (a device array exists: CuPy must handle it)
-
-        return cupy
-    return np
+    backend = backends.backend_for(a)
+    return np if backend is None else backend.array_module(a)
 
 
 def is_host_module(xp: Any) -> bool:
@@ -85,14 +52,13 @@ def is_host_module(xp: Any) -> bool:
 
 
 def as_module_array(a: Any, xp: Any) -> Any:
-    """``a`` as an array of module ``xp``, without a copy: device objects that are not
-    CuPy arrays become CuPy views (``cupy.asarray`` synchronises the stream of
-    ``__cuda_array_interface__`` v3; DLPack objects go through ``cupy.from_dlpack``)."""
-    if xp is np or _registered_module(a) is xp or _is_cupy(a):
+    """``a`` as an array of module ``xp`` (numpy, or ``a``'s backend's module), without a
+    copy: its backend's view (CUDA objects that are not CuPy arrays become CuPy views:
+    ``cupy.asarray`` synchronises the stream of ``__cuda_array_interface__`` v3; DLPack
+    objects go through ``cupy.from_dlpack``)."""
+    if xp is np:
         return a
-    if device_arrays.cuda_interface(a) is not None:
-        return xp.asarray(a)
-    return xp.from_dlpack(a)
+    return backends.require(a).view(a)[0]
 
 
 def to_host(a: Any, out: np.ndarray | None = None) -> np.ndarray:
@@ -159,5 +125,5 @@ def constant(xp: Any, name: str, host: np.ndarray) -> Any:
     with _lock:
         hit = _constants.get(key)
         if hit is None:
-            hit = _constants[key] = xp.asarray(host)
-        return hit
+            hit = _constants[key] = (xp, xp.asarray(host))
+        return hit[1]

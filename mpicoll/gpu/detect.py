@@ -16,6 +16,7 @@ Order of the decision (the first step that answers wins):
    works with any MPI library).
 
 Every source is injectable (:func:`decide`), so the logic is tested without MPI or a GPU.
+The variable is read through :mod:`mpicoll.config`.
 This module imports nothing GPU-related and initialises MPI only when
 :func:`cuda_aware` is first called.
 """
@@ -26,6 +27,8 @@ import os
 import re
 import threading
 from typing import Any, Callable
+
+from .. import config
 
 __all__ = ["VARIABLE", "cuda_aware", "decide", "parse_override", "parse_alloc_kinds",
            "info_alloc_kinds", "mpi_library_paths", "library_lookup", "query_library",
@@ -233,13 +236,15 @@ def cuda_aware() -> tuple[bool, str]:
         return _decided
     with _lock:
         if _decided is None:
-            _decided = decide(os.environ.get(VARIABLE), info_alloc_kinds,
+            _decided = decide(config.env_str(VARIABLE), info_alloc_kinds,
                               library_lookup())
     return _decided
 
 
 def reset() -> None:
-    """Forget the decision: the next :func:`cuda_aware` decides again (tests)."""
+    """Forget the decision: the next :func:`cuda_aware` decides again, reading the
+    variables afresh (:func:`mpicoll.config.refresh`)."""
     global _decided
     with _lock:
         _decided = None
+    config.refresh()

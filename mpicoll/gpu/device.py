@@ -10,12 +10,13 @@
 - ``none``: mpicoll leaves the current device alone.
 
 The local rank comes from splitting the communicator by ``MPI.COMM_TYPE_SHARED``
-(:func:`local_rank`, collective), so it is right whatever the launcher.
+(:func:`local_rank`, collective), so it is right whatever the launcher. The variable is read through :mod:`mpicoll.config`.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from .. import config
 
 __all__ = ["VARIABLE", "parse_device_setting", "choose_device", "local_rank",
            "visible_device_count", "select_device"]
@@ -115,7 +116,7 @@ def select_device(local: int | None = None, *, comm: Any = None,
     if local is None:
         local = local_rank(comm)
     count = visible_device_count() if device_count is None else device_count
-    ordinal = choose_device(local, count, os.environ.get(VARIABLE))
+    ordinal = choose_device(local, count, config.env_str(VARIABLE))
     if ordinal is not None and activate:
         try:
             import cupy  # noqa: PLC0415

@@ -14,38 +14,19 @@
   objects that name none), objects other than CuPy arrays are replaced by zero-copy CuPy
   views, and ``(False, args)`` tells the core to continue down its normal path with them:
   the algorithms hand device pointers to MPI, with no copy to the host.
+
+The device work (awareness, copies, views, synchronisation) is the call's
+:class:`mpicoll.gpu.backends.DeviceBackend`: the library's CUDA backend, or one registered
+with :func:`mpicoll.gpu.backends.register` (the CPU tests' host stand-ins).
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from .. import config
-from . import arrays, detect
+from . import arrays, backends
 
-__all__ = ["device_call", "prepare_aware", "reporter", "simulated", "simulation",
-           "as_device_array", "synchronise"]
-
-#: CPU tests (:func:`simulated`): the copies object (it also makes device views) and the
-#: CUDA-awareness decision every device call uses instead of CuPy's and detection's.
-_simulation: tuple[Any, tuple[bool, str]] | None = None
-
-
-@contextlib.contextmanager
-def simulated(copies: Any, aware: tuple[bool, str] = (False, "simulated")) -> Iterator[None]:
-    """Within: every device call (``mpicoll.<collective>``, :class:`mpicoll.Comm`) runs with
-    ``copies`` (e.g. :class:`mpicoll.gpu.simulated.SimulatedCopies`) and ``aware``."""
-    global _simulation
-    saved, _simulation = _simulation, (copies, aware)
-    try:
-        yield
-    finally:
-        _simulation = saved
-
-
-def simulation() -> tuple[Any, tuple[bool, str]] | None:
-    """The ``(copies, aware)`` of :func:`simulated` in force, or ``None``."""
-    return _simulation
+__all__ = ["device_call", "prepare_aware", "reporter", "as_device_array", "synchronise"]
 
 
 def reporter(collective: str, comm: Any, check: Any) -> Callable[[Exception], Any] | None:
@@ -70,42 +51,17 @@ def reporter(collective: str, comm: Any, check: Any) -> Callable[[Exception], An
 
 
 def synchronise(obj: Any) -> None:
-    """Wait until the stream producing device object ``obj`` has finished (CuPy's current
+    """Wait until the work producing device object ``obj`` has finished (its backend's
+    :meth:`~mpicoll.gpu.backends.DeviceBackend.synchronise`; for CUDA: CuPy's current
     stream, the ``stream`` of ``__cuda_array_interface__`` v3, torch's current stream; the
     whole device for objects that name none)."""
-    _synchronise(obj)
-
-
-def _synchronise(obj: Any) -> None:
-    import cupy  # noqa: PLC0415
-
-    stream = arrays.producer_stream(obj)
-    if stream is not None:
-        cupy.cuda.runtime.streamSynchronize(stream)
-        return
-    cai = arrays.cuda_interface(arrays.unwrap_spec(obj))
-    if cai is not None and cai.get("version", 0) >= 3:
-        return  # version 3 with stream None: the producer says the data is ready
-    cupy.cuda.runtime.deviceSynchronize()  # nothing says which stream: be safe
+    backends.require(obj).synchronise(obj)
 
 
 def as_device_array(obj: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """An array view of device object ``obj`` (CuPy; the simulation's arrays in tests)
-    and the function that turns a view of it back into a device argument."""
-    if _simulation is not None:
-        copies = _simulation[0]
-        return copies.as_array(obj), copies.wrap
-    return _as_cupy(obj), lambda a: a
-
-
-def _as_cupy(obj: Any) -> Any:
-    import cupy  # noqa: PLC0415
-
-    if isinstance(obj, cupy.ndarray) or not arrays.is_device(obj):
-        return obj
-    if arrays.cuda_interface(obj) is not None:
-        return cupy.asarray(obj)
-    return cupy.from_dlpack(obj)
+    """An array view of device object ``obj`` (CuPy for CUDA) and the function that turns
+    a view of it back into a device argument (its backend's ``view``)."""
+    return backends.require(obj).view(obj)
 
 
 def prepare_aware(collective: str, args: tuple) -> tuple:
@@ -120,8 +76,9 @@ def prepare_aware(collective: str, args: tuple) -> tuple:
     out = list(args)
     for i, (name, value) in enumerate(zip(names, args)):
         if name in ("sendbuf", "recvbuf", "buf") and arrays.is_device(value):
-            _synchronise(value)
-            out[i] = _as_cupy(value)
+            backend = backends.require(value)
+            backend.synchronise(value)
+            out[i] = backend.view(value)[0]
     return tuple(out)
 
 
@@ -136,8 +93,10 @@ def device_call(collective: str, args: tuple, comm: Any, check: Any,
             arguments without ``comm``/``check``, ``algorithm`` last).
         comm, check: the call's.
         public: the public function (``mpicoll.<collective>``), called on host chunks.
-        aware: the CUDA-awareness decision (default :func:`detect.cuda_aware`).
-        staged_options: passed to :func:`mpicoll.gpu.staging.staged` (tests: ``copies``).
+        aware: the CUDA-awareness decision (default: the backend's, for CUDA
+            :func:`mpicoll.gpu.detect.cuda_aware`).
+        staged_options: passed to :func:`mpicoll.gpu.staging.staged` (``copies``: default
+            the backend's).
     Returns:
         ``(True, result)`` when the call ran (staged); ``(False, args)`` when the core
         must run it with these arguments (CUDA-aware MPI).
@@ -145,9 +104,6 @@ def device_call(collective: str, args: tuple, comm: Any, check: Any,
         TypeError, ValueError: bad buffers on this rank (in checked mode after telling the
             other ranks).
     """
-    if _simulation is not None:
-        aware = _simulation[1] if aware is None else aware
-        staged_options.setdefault("copies", _simulation[0])
     report = reporter(collective, comm, check)
     try:
         arrays.call_kind(collective, args)
@@ -155,12 +111,15 @@ def device_call(collective: str, args: tuple, comm: Any, check: Any,
         if report is not None:
             report(exc)
         raise
-    is_aware, _ = detect.cuda_aware() if aware is None else aware
+    backend = backends.backend_of([v for _, v in arrays.buffer_arguments(collective, args)])
+    is_aware, _ = backend.aware() if aware is None else aware
     if is_aware:
         return False, prepare_aware(collective, args)
     from . import staging  # noqa: PLC0415
 
     *data, algorithm = args
+    if staged_options.get("copies") is None:
+        staged_options["copies"] = backend.copies(data)
 
     def host_call(host_args: tuple) -> Any:
         return public(*host_args, comm=comm, algorithm=algorithm, check=check)

@@ -6,7 +6,7 @@ object with ``__cuda_array_interface__`` or CUDA ``__dlpack__``) or a spec aroun
 ``[buf, count, displ, datatype]``. :func:`device_buffer` turns such a spec into one device
 argument for the collectives (and so :func:`mpicoll.gpu.route.device_call`): the array
 itself when the spec covers it whole with its own dtype, else a zero-copy view of the
-described bytes (CuPy; the simulation's arrays in CPU tests).
+described bytes (its device backend's view: CuPy for CUDA).
 """
 from __future__ import annotations
 

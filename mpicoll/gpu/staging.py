@@ -30,19 +30,19 @@ counts:
   the host all-gather (in place) fills the other ranks' chunk k, which are unpacked to
   their blocks of the result.
 
-The device work goes through a *copies* object (:class:`Copies`): the CuPy one
-(:mod:`mpicoll.gpu.cupy_copies`), or :class:`mpicoll.gpu.simulated.SimulatedCopies`, which
-runs the whole pipeline on the host with deferred streams (the CPU tests).
+The device work goes through a *copies* object (:class:`Copies`): the one of the arrays'
+device backend (:mod:`mpicoll.gpu.backends`; for CUDA the CuPy one,
+:mod:`mpicoll.gpu.cupy_copies`), or one passed in (the CPU tests pass a host stand-in with
+deferred streams).
 """
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from .. import buffers, validation
+from .. import buffers, config, validation
 from ..ops import resolve_op
 from ..partition import block_bounds
 from .slots import HostSlots
@@ -72,16 +72,12 @@ _CHUNK_VAR = "MPICOLL_STAGING_CHUNK_BYTES"
 
 
 def _env_bytes(name: str, default: int | None, minimum: int) -> int | None:
-    raw = os.environ.get(name, "").strip()
-    if not raw or raw.lower() == "auto":
+    """``name`` through :mod:`mpicoll.config` (cached: :func:`mpicoll.config.refresh`
+    re-reads it); ``auto`` is ``default``."""
+    raw = config.env_str(name)
+    if raw is None or raw.strip().lower() == "auto":
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer number of bytes") from None
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return value
+    return config.env_int(name, default, minimum)
 
 
 def staging_bytes() -> int:
@@ -103,14 +99,14 @@ def chunk_bytes_setting() -> int | None:
 
 
 class Copies(Protocol):
-    """What the pipeline needs from a device (CuPy, or a simulation on the host).
+    """What the pipeline needs from a device (CuPy, or a host stand-in).
 
     Device arrays below are the implementation's own arrays (``as_array``), flat slices
     of them are passed to ``d2h``/``h2d``; host arrays are numpy views of pinned slots.
     """
 
     def as_array(self, obj: Any) -> Any:
-        """A zero-copy array view (CuPy, or numpy in a simulation) of a user's object."""
+        """A zero-copy array view (CuPy, or numpy for a host stand-in) of a user's object."""
 
     def empty_like(self, obj: Any) -> Any:
         """A new user-facing object like ``obj`` (same family, device, shape, layout)."""
@@ -400,8 +396,8 @@ def _plan(collective: str, args: tuple, copies: Copies, slots: HostSlots, rank: 
     else:
         src, dst, _ = validation.allgather(sendbuf, recvbuf, rank, size, view)
     dtype = np.dtype(src.dtype)
-    if rest:  # the op: one that applies to the dtype, as on the host
-        resolve_op(rest[0]).check_dtype(dtype)
+    if rest and rest[0] is not None:  # the op: one that applies to the dtype, as on the
+        resolve_op(rest[0]).check_dtype(dtype)  # host (None: host_call brings its own)
     result = recvbuf
     if in_place:
         if collective == "reduce_scatter":
@@ -507,7 +503,8 @@ def staged(collective: str, args: tuple, host_call: Callable[[tuple], Any], *,
             the same counts, on every rank.
         comm: the communicator (its rank and size decide the blocks; ``None``:
             ``MPI.COMM_WORLD``). Any object with ``Get_rank``/``Get_size``.
-        copies: the device interface (default: CuPy's, on the arrays' device).
+        copies: the device interface (default: that of the arrays' device backend,
+            :mod:`mpicoll.gpu.backends`; for CUDA CuPy's, on the arrays' device).
         chunk_bytes: bytes of one pinned slot per chunk (default
             ``MPICOLL_STAGING_CHUNK_BYTES``, else automatic). Must be equal on every rank.
         staging_limit: bound of pinned host memory (default ``MPICOLL_STAGING_BYTES``,
@@ -526,9 +523,9 @@ def staged(collective: str, args: tuple, host_call: Callable[[tuple], Any], *,
     """
     rank, size = _rank_size(comm)
     if copies is None:
-        from .cupy_copies import copies_for  # noqa: PLC0415  (imports CuPy)
+        from .backends import backend_of  # noqa: PLC0415
 
-        copies = copies_for(args)
+        copies = backend_of(args).copies(args)
     limit = staging_bytes() if staging_limit is None else int(staging_limit)
     if chunk_bytes is None:
         chunk_bytes = chunk_bytes_setting()

@@ -3,9 +3,7 @@ of its non-negative and of its negative elements, the wire format and its bytes,
 bits through the fake device module, blocks, the one-rank all-reduce and the torch name."""
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 
 import numpy as np
 import pytest
@@ -13,7 +11,8 @@ from mpi4py import MPI
 
 from mpicoll.compression import ErrorFeedback, allreduce, get_codec, new_payload
 from mpicoll.compression import codecs as C
-from mpicoll.compression import namespace
+
+from doubles.array_module import DevArray, FakeDeviceModule, dev, fake_device_module, host_bytes
 
 COUNTS = [0, 1, 7, 8, 9, 255, 256, 257, 1000, 4099]
 
@@ -130,39 +129,24 @@ def test_blocked_kernels_match_one_big_block(dtype, monkeypatch):
     assert np.array_equal(y, whole.decode(payload1, count, dtype))
 
 
-def _fake_device_module():
-    """tests/gpu/test_gpu_codecs_fake.py, loaded by path (its DevArray and module)."""
-    path = os.path.join(os.path.dirname(__file__), "..", "gpu", "test_gpu_codecs_fake.py")
-    spec = importlib.util.spec_from_file_location("_onebit_two_fake_device", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_fake_device_module_gives_the_same_bits(dtype):
-    fake = _fake_device_module()
-    namespace.register(fake.DevArray, fake.FakeDeviceModule())
-    fake.FakeDeviceModule.d2h = fake.FakeDeviceModule.h2d = 0
-    fake.FakeDeviceModule.calls = []
-    try:
+    with fake_device_module():
         for spec in ("onebit:two", "onebit:24:two"):
             for count in COUNTS + [2 * 4099]:
                 x = data(count, dtype, seed=2)
                 want = get_codec(spec).encode(x)
-                got = get_codec(spec).encode(fake.dev(x))
-                assert all(isinstance(p, fake.DevArray) for p in got)
-                assert fake.host_bytes(got) == fake.host_bytes(want), (spec, count)
+                got = get_codec(spec).encode(dev(x))
+                assert all(isinstance(p, DevArray) for p in got)
+                assert host_bytes(got) == host_bytes(want), (spec, count)
                 y = get_codec(spec).decode(got, count, dtype)
-                assert isinstance(y, fake.DevArray)
+                assert isinstance(y, DevArray)
                 assert y.view(np.ndarray).tobytes() == \
                     get_codec(spec).decode(want, count, dtype).tobytes()
         # nothing but the bit table (once) crossed; the kernels ran in the device module
-        assert fake.FakeDeviceModule.d2h == 0
-        assert fake.FakeDeviceModule.h2d <= C._BIT_TABLE.nbytes
-        assert "count_nonzero" in fake.FakeDeviceModule.calls
-    finally:
-        namespace.unregister(fake.DevArray)
+        assert FakeDeviceModule.d2h == 0
+        assert FakeDeviceModule.h2d <= C._BIT_TABLE.nbytes
+        assert "count_nonzero" in FakeDeviceModule.calls
 
 
 def test_error_feedback_and_one_rank_allreduce():

@@ -1,5 +1,7 @@
-"""Shared pieces of the GPU tests: fake device arrays, rank data, references, a world of
-simulated ranks (threads) for the staged pipeline, and the skip reasons of GPU tests."""
+"""Shared pieces of the GPU tests: fake device arrays (:class:`FakeDevice` and
+:func:`fake_copies` come from tests/doubles/device_backend.py), rank data, references, a
+world of simulated ranks (threads) for the staged pipeline, and the skip reasons of GPU
+tests."""
 from __future__ import annotations
 
 import threading
@@ -7,31 +9,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mpicoll.gpu.simulated import SimulatedCopies
 from mpicoll.partition import block_bounds
 
-
-class FakeDevice:
-    """Stands in for a device array: ``__cuda_array_interface__`` v3 over a numpy array.
-
-    The pointer is the host address (nothing dereferences it here).
-    """
-
-    def __init__(self, array: np.ndarray, stream: int | None = None,
-                 strides: tuple | None = None, device: int = 0) -> None:
-        self.array = array
-        self._stream = stream
-        self._strides = strides
-        self.device_ordinal = device
-
-    @property
-    def __cuda_array_interface__(self) -> dict:
-        return {"shape": self.array.shape, "typestr": self.array.dtype.str,
-                "data": (self.array.__array_interface__["data"][0], False),
-                "version": 3, "strides": self._strides, "stream": self._stream}
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return (2, self.device_ordinal)
+from doubles.device_backend import FakeDevice, SimulatedBackend, fake_copies  # noqa: F401
 
 
 class FakeDLPack:
@@ -45,12 +25,6 @@ class FakeDLPack:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (self.kind, self.ordinal)
-
-
-def fake_copies(mode: str = "lazy") -> SimulatedCopies:
-    """Simulated copies that take :class:`FakeDevice` objects as device arrays."""
-    return SimulatedCopies(mode, unwrap=lambda o: o.array if isinstance(o, FakeDevice) else o,
-                           wrap=FakeDevice)
 
 
 def unwrap(obj: Any) -> Any:

@@ -1,8 +1,10 @@
 """Codecs on "device" arrays, on the CPU: the array-module dispatch with a fake device module.
 
-:class:`DevArray` (a numpy subclass standing for device memory) is registered with
-:class:`FakeDeviceModule`, which runs numpy's kernels but refuses host arrays as their
-operands (as CuPy refuses numpy arrays) and counts every byte copied between the sides.
+:class:`doubles.array_module.DevArray` (a numpy subclass standing for device memory) is
+handled by :class:`doubles.array_module.FakeDeviceModule` (its device backend registered
+through :func:`mpicoll.gpu.backends.registered`), which runs numpy's kernels but refuses
+host arrays as their operands (as CuPy refuses numpy arrays) and counts every byte copied
+between the sides.
 Every codec must give the payload and decoded values of the numpy path bit for bit, keep
 the dense vector on the "device", and move only the payload when the payload is on the
 other side. The real CuPy comparison is tests/gpu/test_gpu_codecs_cupy.py.
@@ -19,93 +21,18 @@ from mpicoll.compression import ErrorFeedback, get_codec, new_payload
 from mpicoll.compression import codecs as C
 from mpicoll.compression import namespace
 
+from doubles.array_module import DevArray, FakeDeviceModule, dev, fake_device_module, host_bytes
+
 SPECS = ["none", "fp16", "bf16", "int8", "int8:24", "int8:stochastic", "onebit", "onebit:24",
          "onebit:two", "onebit:24:two",
          "topk:0.05", "topk:1", "randomk:0.1", "randomk:1"]
 COUNTS = [0, 1, 7, 8, 9, 255, 257, 1000, 4099]
 
 
-class DevArray(np.ndarray):
-    """Stands for an array in device memory: numpy ufuncs on it refuse host operands."""
-
-    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        out = kwargs.pop("out", None)
-        args = [_unwrap(a, f"{ufunc.__name__}") for a in inputs]
-        if out is not None:
-            kwargs["out"] = tuple(_unwrap(o, f"{ufunc.__name__} out") for o in out)
-        return _wrap(getattr(ufunc, method)(*args, **kwargs))
-
-    def set(self, host: np.ndarray) -> None:
-        """Copy host memory in (CuPy's ``ndarray.set``)."""
-        FakeDeviceModule.h2d += host.nbytes
-        np.copyto(self.view(np.ndarray), host)
-
-
-def _unwrap(a: Any, what: str) -> Any:
-    if isinstance(a, DevArray):
-        return a.view(np.ndarray)
-    if isinstance(a, np.ndarray) and a.ndim > 0:
-        raise TypeError(f"{what}: a host array in a device kernel")
-    if isinstance(a, (list, tuple)):
-        return type(a)(_unwrap(v, what) for v in a)
-    return a
-
-
-def _wrap(r: Any) -> Any:
-    if isinstance(r, tuple):
-        return tuple(_wrap(v) for v in r)
-    if isinstance(r, np.ndarray) and not isinstance(r, DevArray):
-        return r.view(DevArray)
-    return r
-
-
-class FakeDeviceModule:
-    """numpy's functions on :class:`DevArray` only; transfers counted (class-wide)."""
-
-    __name__ = "fakedevice"
-    d2h = 0
-    h2d = 0
-    calls: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        fn = getattr(np, name)
-        if not callable(fn) or isinstance(fn, type):
-            return fn               # dtypes and constants (uint64, inf...)
-
-        def kernel(*args: Any, **kwargs: Any) -> Any:
-            FakeDeviceModule.calls.append(name)
-            args = [_unwrap(a, name) for a in args]
-            kwargs = {k: _unwrap(v, name) for k, v in kwargs.items()}
-            return _wrap(fn(*args, **kwargs))
-        return kernel
-
-    @staticmethod
-    def asnumpy(a: DevArray, out: np.ndarray | None = None) -> np.ndarray:
-        FakeDeviceModule.d2h += a.nbytes
-        host = a.view(np.ndarray)
-        if out is None:
-            return host.copy()
-        np.copyto(out, host)
-        return out
-
-    @staticmethod
-    def asarray(host: Any) -> DevArray:
-        host = np.asarray(host)
-        FakeDeviceModule.h2d += host.nbytes
-        return host.copy().view(DevArray)
-
-
 @pytest.fixture(autouse=True)
 def fake_device():
-    namespace.register(DevArray, FakeDeviceModule())
-    FakeDeviceModule.d2h = FakeDeviceModule.h2d = 0
-    FakeDeviceModule.calls = []
-    yield
-    namespace.unregister(DevArray)
-
-
-def dev(a: np.ndarray) -> DevArray:
-    return a.copy().view(DevArray)
+    with fake_device_module() as module:
+        yield module
 
 
 def data(count: int, dtype: Any, seed: int = 0) -> np.ndarray:
@@ -116,11 +43,6 @@ def data(count: int, dtype: Any, seed: int = 0) -> np.ndarray:
         x[3:13] = (1 + 2.0 ** -11 + 2.0 ** -40 * np.arange(10)) * 2.0 ** np.arange(10)
                                                 # through float32 rounds them twice
     return x
-
-
-def host_bytes(payload: tuple) -> list[bytes]:
-    return [np.asarray(p.view(np.ndarray) if isinstance(p, DevArray) else p).tobytes()
-            for p in payload]
 
 
 def test_dispatch_numpy_without_importing_cupy(monkeypatch):

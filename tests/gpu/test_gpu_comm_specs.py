@@ -9,15 +9,14 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from gpu_helpers import FakeDevice, fake_copies
-from mpicoll.gpu import route
+from gpu_helpers import FakeDevice, SimulatedBackend
+from mpicoll.gpu import backends
 
 
 @pytest.fixture
 def comm():
-    copies = fake_copies()
-    with route.simulated(copies):
-        yield mpicoll.Comm(MPI.COMM_WORLD), copies
+    with backends.registered(SimulatedBackend()) as backend:
+        yield mpicoll.Comm(MPI.COMM_WORLD), backend.simulated_copies
 
 
 def test_collectives_take_device_specs(comm) -> None:

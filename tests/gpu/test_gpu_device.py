@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from mpicoll import config
 from mpicoll.gpu import device
 
 
@@ -34,10 +35,17 @@ def test_ordinal_not_visible_and_no_gpu() -> None:
 
 
 def test_select_device_without_activation(monkeypatch) -> None:
-    monkeypatch.setenv("MPICOLL_DEVICE", "1")
-    assert device.select_device(0, device_count=2, activate=False) == 1
-    monkeypatch.delenv("MPICOLL_DEVICE")
-    assert device.select_device(3, device_count=2, activate=False) == 1
+    """MPICOLL_DEVICE is read through mpicoll.config (re-read after refresh())."""
+    try:
+        monkeypatch.setenv("MPICOLL_DEVICE", "1")
+        config.refresh()
+        assert device.select_device(0, device_count=2, activate=False) == 1
+        monkeypatch.delenv("MPICOLL_DEVICE")
+        config.refresh()
+        assert device.select_device(3, device_count=2, activate=False) == 1
+    finally:
+        monkeypatch.undo()
+        config.refresh()
 
 
 def test_local_rank_alone_is_zero() -> None:

@@ -11,7 +11,7 @@ CODE = """
 import sys, time
 t = time.perf_counter()
 import mpicoll, mpicoll.gpu, mpicoll.gpu.detect, mpicoll.gpu.arrays, mpicoll.gpu.staging
-import mpicoll.gpu.route, mpicoll.gpu.device, mpicoll.gpu.simulated
+import mpicoll.gpu.route, mpicoll.gpu.device, mpicoll.gpu.backends, mpicoll.gpu.array_modules
 heavy = sorted(m for m in ("cupy", "torch", "numba", "cupy_backends") if m in sys.modules)
 print(heavy)
 """

@@ -1,6 +1,6 @@
 """The staged pipeline on the host: chunks, packing, overlap order, slot reuse, errors.
 
-Numpy arrays stand in for device arrays (:class:`mpicoll.gpu.simulated.SimulatedCopies`,
+Numpy arrays stand in for device arrays (:class:`doubles.device_copies.SimulatedCopies`,
 whose streams run queued copies only when forced, so a missing wait gives a wrong
 result), and threads stand in for ranks (``gpu_helpers.SimulatedWorld``: the host
 collectives meet at a barrier and check that every rank made the same calls).
@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from doubles.device_copies import SimulatedCopies
 from gpu_helpers import SimulatedWorld, assert_overlap, log_index, rank_data, reference
-from mpicoll import IN_PLACE
+from mpicoll import IN_PLACE, config
 from mpicoll.gpu import staging
 from mpicoll.gpu.numpy_copies import NumpyCopies
-from mpicoll.gpu.simulated import SimulatedCopies
 from mpicoll.gpu.slots import HostSlots
 from mpicoll.partition import block_bounds
 
@@ -263,18 +263,29 @@ def test_host_views_are_reused_across_calls() -> None:
 
 
 def test_environment_settings(monkeypatch) -> None:
-    monkeypatch.setenv("MPICOLL_STAGING_BYTES", "3000")
-    monkeypatch.setenv("MPICOLL_STAGING_CHUNK_BYTES", "400")
-    assert staging.staging_bytes() == 3000
-    assert staging.chunk_bytes_setting() == 400
-    monkeypatch.setenv("MPICOLL_STAGING_CHUNK_BYTES", "auto")
-    assert staging.chunk_bytes_setting() is None
-    monkeypatch.setenv("MPICOLL_STAGING_BYTES", "lots")
-    with pytest.raises(ValueError, match="MPICOLL_STAGING_BYTES='lots'"):
-        staging.staging_bytes()
-    monkeypatch.setenv("MPICOLL_STAGING_BYTES", "2")
-    with pytest.raises(ValueError, match="MPICOLL_STAGING_BYTES=2 must be >= 3"):
-        staging.staging_bytes()
+    """Read through mpicoll.config: cached until :func:`mpicoll.config.refresh`."""
+    def setenv(name: str, value: str) -> None:
+        monkeypatch.setenv(name, value)
+        config.refresh()
+
+    try:
+        setenv("MPICOLL_STAGING_BYTES", "3000")
+        setenv("MPICOLL_STAGING_CHUNK_BYTES", "400")
+        assert staging.staging_bytes() == 3000
+        assert staging.chunk_bytes_setting() == 400
+        monkeypatch.setenv("MPICOLL_STAGING_CHUNK_BYTES", "auto")
+        assert staging.chunk_bytes_setting() == 400          # cached ...
+        config.refresh()
+        assert staging.chunk_bytes_setting() is None         # ... until refreshed
+        setenv("MPICOLL_STAGING_BYTES", "lots")
+        with pytest.raises(ValueError, match="MPICOLL_STAGING_BYTES='lots'"):
+            staging.staging_bytes()
+        setenv("MPICOLL_STAGING_BYTES", "2")
+        with pytest.raises(ValueError, match="MPICOLL_STAGING_BYTES=2 must be >= 3"):
+            staging.staging_bytes()
+    finally:
+        monkeypatch.undo()
+        config.refresh()
 
 
 BAD = [

@@ -2,8 +2,8 @@
 the staged (pinned host) path.
 
 A request whose tensors are on a CUDA device runs as on the host, with four differences,
-all going through a :class:`TensorDevice` (the CUDA one here, or
-:class:`mpicoll.torch.simulated_device.SimulatedDevice` in CPU tests):
+all going through a :class:`TensorDevice` (:class:`CudaDevice` here, or another
+implementation registered with :func:`register`):
 
 - at submission, an event is recorded on the caller's current stream
   (:meth:`TensorDevice.record`); the engine's own stream waits for it
@@ -21,7 +21,13 @@ all going through a :class:`TensorDevice` (the CUDA one here, or
   (:meth:`TensorDevice.synchronize`): results are ready for any stream when
   ``synchronize()`` returns, as on the host.
 
-:func:`device_of` is the host path's only cost: one attribute test per tensor.
+:func:`device_of` is the host path's only cost: one attribute test per tensor (and one
+test of an empty list).
+
+Devices: CUDA tensors (``tensor.is_cuda``) belong to the library's :class:`CudaDevice` of
+their index. Other tensors belong to the first device registered with :func:`register`
+(or :func:`registered`, a context manager) whose :meth:`TensorDevice.claims` accepts them
+(the CPU tests register a host stand-in this way); the rest are host tensors.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ import torch
 from ..engine.dtypes import numpy_dtype, move_dtype
 
 __all__ = ["TensorDevice", "CudaDevice", "device_of", "request_device", "same_device",
-           "simulated", "host_run", "ALIGN"]
+           "register", "unregister", "registered", "host_run", "ALIGN"]
 
 log = logging.getLogger("mpicoll.torch.device.tensors")
 
@@ -49,6 +55,9 @@ class TensorDevice(Protocol):
 
     #: Shown in errors (``"cuda:0"``).
     name: str
+
+    def claims(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is in this device's memory."""
 
     def record(self) -> Any:
         """An event on the calling thread's current stream of this device (at submit)."""
@@ -104,6 +113,9 @@ class CudaDevice:
         self._stream: Any = None
         self._copy_streams: dict[str, Any] = {}
         self._aware: bool | None = None
+
+    def claims(self, tensor: torch.Tensor) -> bool:
+        return bool(tensor.is_cuda) and tensor.get_device() == self.index
 
     def _engine_stream(self) -> Any:
         if self._stream is None:
@@ -195,8 +207,8 @@ class CudaDevice:
 
 _cuda: dict[int, CudaDevice] = {}
 _cuda_lock = threading.Lock()
-#: Devices of :func:`simulated` (CPU tests); empty otherwise.
-_simulated: list[Any] = []
+#: Devices of :func:`register`, in registration order (empty: only CUDA and host).
+_registered: list[TensorDevice] = []
 
 
 def _cuda_device(index: int) -> CudaDevice:
@@ -213,8 +225,8 @@ def device_of(tensor: Any) -> TensorDevice | None:
         return None
     if tensor.is_cuda:
         return _cuda_device(tensor.get_device())
-    if _simulated:
-        for dev in _simulated:
+    if _registered:
+        for dev in _registered:
             if dev.claims(tensor):
                 return dev
     return None
@@ -244,22 +256,35 @@ def request_device(works: Sequence[Any]) -> TensorDevice | None:
         if work is None:
             continue
         for t in (work.tensor, work.output):
-            if t is not None and (t.is_cuda or _simulated):
+            if t is not None and (t.is_cuda or _registered):
                 dev = device_of(t)
                 if dev is not None:
                     return dev
     return None
 
 
+def register(device: TensorDevice) -> None:
+    """Tensors that ``device`` claims (:meth:`TensorDevice.claims`) are its device tensors
+    from now on (CUDA tensors stay :class:`CudaDevice`'s)."""
+    _registered.append(device)
+
+
+def unregister(device: TensorDevice) -> None:
+    """Undo :func:`register` (nothing if ``device`` is not registered)."""
+    if device in _registered:
+        _registered.remove(device)
+
+
 @contextlib.contextmanager
-def simulated(*devices: Any) -> Iterator[None]:
-    """Within: tensors that ``devices`` claim count as device tensors (CPU tests)."""
-    _simulated.extend(devices)
+def registered(*devices: TensorDevice) -> Iterator[None]:
+    """Within: ``devices`` are registered (:func:`register`)."""
+    for dev in devices:
+        register(dev)
     try:
         yield
     finally:
         for dev in devices:
-            _simulated.remove(dev)
+            unregister(dev)
 
 
 def host_run(dev: TensorDevice, slots: Any, limit: int, inputs: Sequence[torch.Tensor],

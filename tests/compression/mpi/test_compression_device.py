@@ -1,6 +1,6 @@
 """The compressed collectives on "device" arrays, on the CPU.
 
-tests/gpu/test_gpu_codecs_fake.py's fake device module (``DevArray``: a numpy subclass
+tests/doubles/array_module.py's fake device module (``DevArray``: a numpy subclass
 whose kernels refuse host operands, every copy between the sides counted) stands for CuPy:
 the result and the residual must equal the host run's bit for bit, stay on the "device",
 and the bytes copied device -> host must be exactly the payloads this rank encoded (never
@@ -8,33 +8,23 @@ the dense vector). The CuPy version is tests/gpu/mpi/test_gpu_compression_cupy.p
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from mpicoll.compression import (ErrorFeedback, allgather, allreduce, get_codec, last_stats,
-                                 namespace, reduce_scatter)
+                                 reduce_scatter)
 
 from compression_cases import (RANK, SIZE, block_segments, gather, make_input,
                                split_bounds)
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gpu"))
-from test_gpu_codecs_fake import DevArray, FakeDeviceModule  # noqa: E402
+from doubles.array_module import DevArray, FakeDeviceModule, dev, fake_device_module
 
 pytestmark = pytest.mark.mpi
 
 
 @pytest.fixture(autouse=True)
 def fake_device():
-    namespace.register(DevArray, FakeDeviceModule())
-    yield
-    namespace.unregister(DevArray)
-
-
-def dev(a: np.ndarray) -> DevArray:
-    return a.copy().view(DevArray)
+    with fake_device_module() as module:
+        yield module
 
 
 def host(a) -> bytes:

@@ -1,7 +1,7 @@
 """The staged path under mpirun, on the CPU: fake device arrays through the real
 collectives (every collective and algorithm), and the errors across ranks.
 
-The device side is :class:`mpicoll.gpu.simulated.SimulatedCopies` (numpy arrays behind
+The device side is :class:`doubles.device_copies.SimulatedCopies` (numpy arrays behind
 objects exposing ``__cuda_array_interface__``), the host collectives are mpicoll's own,
 so what runs here is the whole staged path except CuPy's copies.
 """

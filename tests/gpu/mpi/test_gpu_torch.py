@@ -97,13 +97,16 @@ def test_distributed_optimizer_on_cuda(hvd) -> None:
 def small_chunks(hvd, monkeypatch):
     """Staging chunks of 4 KiB (tensors of ``big=600`` span many); the engine's settings
     read again before and after (every rank alike)."""
+    from mpicoll import config
     from mpicoll.torch.engine import pipeline
     from mpicoll.torch.state import engine
 
     monkeypatch.setenv("MPICOLL_STAGING_CHUNK_BYTES", "4096")
+    config.refresh()                   # mpicoll.gpu reads it through mpicoll.config
     pipeline.forget(engine())
     yield
     monkeypatch.undo()                 # the settings read again are the suite's own
+    config.refresh()
     pipeline.forget(engine())
 
 

@@ -1,6 +1,7 @@
 """The parameter server with device arrays, on the CPU: fake device arrays
-(``__cuda_array_interface__`` over numpy, :class:`gpu_helpers.FakeDevice`) through
-:func:`mpicoll.gpu.route.simulated`, every layout this world size allows, uncompressed and
+(``__cuda_array_interface__`` over numpy, :class:`doubles.device_backend.FakeDevice`)
+handled by their registered device backend (:class:`doubles.device_backend.SimulatedBackend`
+through :func:`mpicoll.gpu.backends.registered`), every layout this world size allows, uncompressed and
 compressed. Each case runs twice, with host and with device arrays, and the values every
 worker pulls must be the same bits; results land in device arrays; mixed device and host
 arrays in one call fail on every rank taking part.
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from gpu_helpers import FakeDevice, fake_copies
-from mpicoll.gpu import route
+from gpu_helpers import FakeDevice, SimulatedBackend
+from mpicoll.gpu import backends
 from mpicoll.ps import COLOCATED, ParameterServer, PSError
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -100,9 +101,9 @@ def train(layout, compression, side=None) -> list[dict[str, bytes]]:
 @pytest.mark.parametrize("layout,compression", CASES)
 def test_device_arrays_give_the_host_results(layout, compression):
     want = train(layout, compression)
-    copies = fake_copies()
-    with route.simulated(copies):
+    with backends.registered(SimulatedBackend()) as backend:
         got = train(layout, compression, FakeSide)
+    copies = backend.simulated_copies
     assert got == want
     assert len(got) == (0 if layout != COLOCATED and RANK < layout else STEPS + 1)
     if got:                          # gradients went to the host, pulls came back
@@ -117,7 +118,7 @@ def _mixed(arrays: dict) -> dict:
 
 @pytest.mark.parametrize("layout", [COLOCATED] + ([1] if SIZE > 1 else []))
 def test_mixed_device_and_host_arrays_fail_on_every_rank(layout):
-    with route.simulated(fake_copies()):
+    with backends.registered(SimulatedBackend()):
         with pytest.raises(ValueError, match="same side"):     # constructor: every rank
             ParameterServer(_mixed(_params()) if RANK == SIZE - 1 else _params(),
                             comm=COMM, num_servers=layout)

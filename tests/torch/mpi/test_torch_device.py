@@ -1,5 +1,6 @@
 """Device tensors through mpicoll.torch, on the CPU: a simulated device
-(:class:`mpicoll.torch.simulated_device.SimulatedDevice`) whose tensors the engine stages
+(:class:`doubles.torch_device.SimulatedDevice`, registered through
+:func:`mpicoll.torch.device.tensors.registered`) whose tensors the engine stages
 through (simulated) pinned host memory, or hands to the collective directly as CUDA-aware
 MPI would. Every op equals the same op on host tensors bit for bit, results stay on the
 device, and ranks that disagree (device here, host there) still agree on the data.
@@ -18,11 +19,12 @@ import torch
 from mpi4py import MPI
 
 import mpicoll.torch as hvd
-from mpicoll import collectives
+from mpicoll import collectives, config
 from mpicoll.gpu import staging
 from mpicoll.torch.device import tensors as device
 from mpicoll.torch.engine import pipeline
-from mpicoll.torch.simulated_device import SimulatedDevice
+
+from doubles.torch_device import SimulatedDevice
 
 pytestmark = pytest.mark.mpi
 
@@ -97,7 +99,7 @@ def _device_vs_host(placement: str, aware: bool, big: int = 1) -> tuple:
     rank, size = hvd.rank(), hvd.size()
     dev = SimulatedDevice(aware=aware)
     on_device = placement == "all" or rank % 2 == 0
-    with device.simulated(dev):
+    with device.registered(dev):
         got = [_ops(dev.tensor if on_device else (lambda t: t), rank, size, rep, big)
                for rep in range(2)]                  # twice: reused buffers and views
     want = [_ops(lambda t: t, rank, size, rep, big) for rep in range(2)]
@@ -130,7 +132,7 @@ def test_fused_allreduce_stages_once_and_waits_for_the_caller_stream() -> None:
     stream writes late is what gets reduced."""
     rank, size = hvd.rank(), hvd.size()
     dev = SimulatedDevice()
-    with device.simulated(dev):
+    with device.registered(dev):
         tensors = [dev.tensor(torch.zeros(n)) for n in (4, 5, 6)]
         for i, t in enumerate(tensors):
             dev.on_caller_stream(lambda t=t, i=i: t.copy_(data(rank, t.shape, t.dtype, i)))
@@ -163,9 +165,11 @@ def small_chunks(monkeypatch):
     from mpicoll.torch.state import engine
 
     monkeypatch.setenv("MPICOLL_STAGING_CHUNK_BYTES", CHUNK_BYTES)
+    config.refresh()                   # mpicoll.gpu reads it through mpicoll.config
     pipeline.forget(engine())
     yield
     monkeypatch.undo()                 # the settings read again are the suite's own
+    config.refresh()
     pipeline.forget(engine())
 
 
@@ -203,7 +207,7 @@ def test_chunked_allreduce_overlaps_copies_with_host_calls(small_chunks, monkeyp
         return real(*args, **kwargs)
 
     monkeypatch.setattr(collectives, "allreduce", logged)
-    with device.simulated(dev):
+    with device.registered(dev):
         x = dev.tensor(data(rank, (100,), torch.float32))
         y = hvd.allreduce(x, op=hvd.Sum, name="dev.overlap")
     want = sum(data(q, (100,), torch.float32) for q in range(size))
@@ -233,7 +237,7 @@ def test_chunking_follows_each_requests_metadata_not_the_first_of_its_size(
     counts = []
     for i, staged in enumerate((False, True, False)):
         calls.clear()
-        with device.simulated(dev):
+        with device.registered(dev):
             x = data(rank, shape, torch.float32)
             if staged and rank == size - 1:
                 x = dev.tensor(x)
@@ -292,7 +296,7 @@ def test_distributed_optimizer_on_the_device_keeps_flat_device_buffers(mode: str
     drops the tensor subclass on ``detach()``, so they run as host requests.)"""
     size, steps = hvd.size(), 3
     dev = SimulatedDevice()
-    with device.simulated(dev):
+    with device.registered(dev):
         got, opt = _train(dev, steps)
         assert [dev.claims(f.buffer) for f in opt._flat] == [True, True]
         assert all(dev.claims(p.grad) for p in opt._params)

@@ -1,4 +1,5 @@
-"""A host stand-in for the device: the staged pipeline's copies with deferred streams.
+"""Test double: a host stand-in for the device, the staged pipeline's copies with
+deferred streams.
 
 :class:`SimulatedCopies` implements :class:`mpicoll.gpu.staging.Copies` with numpy arrays
 standing in for device arrays. Copies are *queued* on their stream, as on a GPU, and run
@@ -16,7 +17,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from .slots import HostSlots
+from mpicoll.gpu.slots import HostSlots
 
 __all__ = ["Event", "SimulatedCopies"]
 

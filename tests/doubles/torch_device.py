@@ -1,11 +1,12 @@
-"""A host stand-in for a CUDA device in the adapter: CPU tensors that count as device
+"""Test double: a host stand-in for a CUDA device in the adapter: CPU tensors that count as device
 tensors, a lazy caller stream, and a log of what the engine asked the device to do.
 
 :class:`SimulatedDevice` implements :class:`mpicoll.torch.device.tensors.TensorDevice`. Its device
 tensors are CPU tensors of a subclass of :class:`SimulatedTensor` (one per simulated
 device), which torch propagates through views, ``detach()``, ``empty_like()`` and
-arithmetic, so outputs made like an input stay "on the device". Inside
-:func:`mpicoll.torch.device.tensors.simulated`, the engine treats them as device tensors.
+arithmetic, so outputs made like an input stay "on the device". While the device is
+registered (:func:`mpicoll.torch.device.tensors.registered`, the extension point the
+library's CUDA devices implement too), the engine treats them as device tensors.
 
 Work the test puts on the *caller's stream* (:meth:`SimulatedDevice.on_caller_stream`)
 runs only when the engine's stream waits for an event recorded after it: an engine that
@@ -25,7 +26,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ..gpu.simulated import SimulatedCopies
+from .device_copies import SimulatedCopies
 
 __all__ = ["SimulatedTensor", "SimulatedDevice"]
 
