@@ -7,7 +7,7 @@ arguments awkward. Each is read on first use and cached; :func:`refresh` re-read
 ``mpicoll.gpu`` and those the PyTorch adapter reads in ``mpicoll.torch.init()``. It is the
 source of the library's table in ``docs/variables.md`` (:func:`markdown_table`); the
 checkout's job scripts, CI recipe, test bed, benchmark drivers and tests declare their own
-variables in ``tools/variables.py``, which writes the whole page
+variables in ``.ci/variables.py``, which writes the whole page
 (``tests/test_repository.py`` checks it).
 """
 from __future__ import annotations

@@ -62,9 +62,9 @@ def test_tracked_files_carry_no_machine_paths():
 
 
 def _tool_variables():
-    """tools/variables.py (the tools' variables and the page generator), loaded by path."""
+    """.ci/variables.py (the tools' variables and the page generator), loaded by path."""
     spec = importlib.util.spec_from_file_location("_tool_variables",
-                                                  ROOT / "tools" / "variables.py")
+                                                  ROOT / ".ci" / "variables.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -74,7 +74,7 @@ def test_variables_page_is_made_from_config():
     page = (ROOT / "docs" / "variables.md").read_text()
     assert page == _tool_variables().page(), (
         "docs/variables.md is out of date with mpicoll.config.VARIABLES and "
-        "tools/variables.py; rewrite it with: python tools/variables.py > docs/variables.md")
+        ".ci/variables.py; rewrite it with: python .ci/variables.py > docs/variables.md")
 
 
 def _variables_read(*patterns: str) -> set[str]:
@@ -89,14 +89,48 @@ def _variables_read(*patterns: str) -> set[str]:
 
 def test_every_variable_the_code_reads_is_listed():
     """The library declares what it reads (mpicoll.config.VARIABLES) and nothing else;
-    the checkout's tools and tests declare theirs in tools/variables.py."""
+    the checkout's tools and tests declare theirs in .ci/variables.py."""
     library = {v.name for v in config.VARIABLES}
     tools = {v.name for v in _tool_variables().TOOL_VARIABLES}
     assert not library & tools, f"declared twice: {sorted(library & tools)}"
     in_package = _variables_read("mpicoll/**/*.py")
     assert in_package <= library, ("read by mpicoll/ but missing from "
                                    f"mpicoll.config.VARIABLES: {sorted(in_package - library)}")
-    used = _variables_read("jobs/*", ".ci/**/*", "cluster/*", "tests/**/*.py", "bench/*.py",
-                           "tools/*.py")
+    used = _variables_read("jobs/*", ".ci/**/*", "cluster/*", "tests/**/*.py", "bench/*.py")
     listed = library | tools
-    assert used <= listed, f"missing from tools/variables.py: {sorted(used - listed)}"
+    assert used <= listed, f"missing from .ci/variables.py: {sorted(used - listed)}"
+
+
+#: A markdown link or image: ``[text](target)``, ``![alt](target "title")``.
+MARKDOWN_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def relative_links(text: str) -> list[str]:
+    """The relative link targets of a markdown text (anchors dropped), outside code."""
+    text = re.sub(r"^ {0,3}(`{3,}|~{3,}).*?^ {0,3}\1", "", text, flags=re.M | re.S)  # fences
+    text = re.sub(r"`[^`\n]*`", "", text)                                            # spans
+    targets = []
+    for target in MARKDOWN_LINK.findall(text):
+        path = target.split("#", 1)[0]
+        if path and not re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:", target):  # http:, mailto:
+            targets.append(path)
+    return targets
+
+
+def test_the_link_finder():
+    text = ("[a](docs/x.md#s) ![p](results/p.png) [w](https://x.org/y) [s](#top)\n"
+            "`[c](code.md)`\n```\n[f](fenced.md)\n```\n[t](t.md \"title\")")
+    assert relative_links(text) == ["docs/x.md", "results/p.png", "t.md"]
+
+
+def test_docs_links_resolve():
+    """Every relative link of README.md and docs/**/*.md names a file or folder that exists
+    (catches links left behind when pages or their data move)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    broken = {}
+    for page in pages:
+        for target in relative_links(page.read_text(encoding="utf-8")):
+            path = (page.parent / target).resolve()
+            if not path.exists() or ROOT.resolve() not in (path, *path.parents):
+                broken.setdefault(str(page.relative_to(ROOT)), []).append(target)
+    assert not broken, f"relative links to missing files: {broken}"
