@@ -21,7 +21,10 @@ Two ways to reduce, chosen by the engine (the same on every rank):
 
 Sparse gradients (``nn.Embedding(sparse=True)``), unless ``sparse_as_dense=True``, leave the
 flat buffers when a parameter's first gradient is sparse and go through
-:func:`~mpicoll.torch.sparse_allreduce_async` (:mod:`mpicoll.torch.sparse`).
+:func:`~mpicoll.torch.sparse_allreduce_async` (:mod:`mpicoll.torch.sparse`). With
+``sparse_as_dense=True`` they accumulate into their dense views and are reduced with the
+other gradients; after the reduction such a parameter's ``.grad`` is the sparse form of the
+reduced gradient (as Horovod hands it back), until ``zero_grad()`` restores the view.
 
 A codec compressor (``Compression.int8``, ``.bf16``, ``.onebit``, ``.topk(r)``,
 ``.randomk(r)``) always works like bulk mode: hooks count, and ``step()`` reduces the flat
@@ -47,7 +50,7 @@ from .engine.dtypes import dtype_name
 from .engine.negotiation import Meta
 from .ops import Average, resolve_reduce_op
 from .optim_wrapping import check_named_parameters, wrap_optimizer
-from .process_sets import check_usable, scoped
+from .process_sets import check_usable, outside, scoped
 from .sparse import SparseGradients
 from .state import engine
 
@@ -65,7 +68,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be an int >= 1, not "
                              f"{backward_passes_per_step!r}")
-        check_usable(process_set)
+        #: A rank outside ``process_set`` trains locally, as in Horovod: no hooks, no
+        #: communication, ``step()`` uses this rank's own gradients.
+        self._local_only = outside(process_set)
+        if not self._local_only:
+            check_usable(process_set)
         self._process_set = process_set
         self.op = resolve_reduce_op(None, op)
         if gradient_predivide_factor != 1.0 and int(self.op) != int(Average):
@@ -77,9 +84,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         named = check_named_parameters(named_parameters, self.param_groups, "noname")
         by_id = {id(p): name for name, p in named}
         _check_groups(groups, all_params)
+        #: Horovod's attribute: parameter -> its name (``allreduce.noname.<group>.<index>``
+        #: without ``named_parameters``); scripts read it to see the generated names.
+        self._parameter_names = {p: (name if named_parameters is not None
+                                     else f"allreduce.{name}") for name, p in named}
         self._params = [p for p in all_params if p.requires_grad]
         self._names = {p: f"allreduce.{by_id[id(p)]}" for p in self._params}
-        self._flat = _flat_gradients(self._params, self._names)
+        self._flat = [] if self._local_only else _flat_gradients(self._params, self._names)
         self._views = {p: view for flat in self._flat for p, view in zip(flat.params,
                                                                           flat.views)}
         self._handles: dict[torch.Tensor, tuple[int, Any]] = {}
@@ -91,11 +102,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._codec_grads = None
-        self._sparse = None             # sparse gradients (sparse_as_dense=False): .sparse
-        if not self._sparse_as_dense and not isinstance(compression, CodecCompressor):
+        #: Parameters whose gradients arrive sparse (.sparse): reduced as sparse tensors,
+        #: or with sparse_as_dense=True as dense ones and handed back sparse (Horovod's).
+        self._sparse = None
+        if self._local_only:
+            self._hook_handles = []
+            return
+        if self._sparse_as_dense or not isinstance(compression, CodecCompressor):
             self._sparse = SparseGradients(self._params, self._views,
                                            {p: by_id[id(p)] for p in self._params},
-                                           process_set)
+                                           process_set, densify=self._sparse_as_dense)
         if isinstance(compression, CodecCompressor):
             self._codec_grads = CompressedGradients(      # codecs encode host buffers
                 compression, [f for f in self._flat if device_of(f.buffer) is None],
@@ -244,9 +260,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return future, (ctx, compressed)
 
     def synchronize(self) -> None:
-        """Wait for every gradient's all-reduce (submitting zeros for missing ones)."""
+        """Wait for every gradient's all-reduce (submitting zeros for missing ones).
+
+        On a rank outside the optimizer's process set there is nothing to reduce: the
+        gradients stay this rank's own (Horovod's behaviour)."""
+        if self._local_only:
+            self._synchronized = True
+            return
         if self._codec_grads is not None:
             self._synchronize_compressed()
+            self._sparse_again()
             return
         bulk = self._bulk_mode()
         pending: list[tuple[Any, tuple[int, Any]]] = []
@@ -280,7 +303,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise errors[0]
         if self._sparse is not None and self._sparse.step_done():
             self._rebuild_flat()
+        self._sparse_again()
         self._synchronized = True
+
+    def _sparse_again(self) -> None:
+        """With ``sparse_as_dense=True``: give the parameters whose gradients arrived sparse
+        their reduced gradient as a sparse tensor again (as Horovod does, so that
+        optimizers that take only sparse gradients, ``SparseAdam``, work); ``zero_grad()``
+        makes the dense view their gradient again."""
+        if self._sparse is None or not self._sparse.densify:
+            return
+        for p, sparse_dim in self._sparse.sparse.items():
+            if p.grad is not None and not p.grad.is_sparse:
+                p.grad = p.grad.to_sparse(sparse_dim)
 
     def _rebuild_flat(self) -> None:
         """Lay the flat buffers out again without the parameters found sparse (their
@@ -395,7 +430,7 @@ def _flat_gradients(params: list, names: dict) -> list[_FlatGradients]:
         for p in group:
             view = buf[offset:offset + p.numel()].view(p.shape)
             if p.grad is not None:
-                view.copy_(p.grad)
+                view.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
             p.grad = view
             views.append(view)
             offset += p.numel()
@@ -455,12 +490,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
             ``size()/factor`` after.
         num_groups, groups: accepted for compatibility (validated); fusion is automatic.
         sparse_as_dense: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense
-            tensors; without it (the default) each is reduced by
+            tensors, then hand them to the optimizer as sparse tensors again (Horovod's
+            behaviour: ``SparseAdam`` works); without it (the default) each is reduced by
             :func:`~mpicoll.torch.sparse_allreduce_async` and ``.grad`` stays sparse
             (:class:`~mpicoll.torch.sparse.SparseGradients`; not with a codec compressor).
         process_set: reduce gradients over this registered
-            :class:`~mpicoll.torch.ProcessSet` only (default: every rank); only its ranks
-            may use the optimizer.
+            :class:`~mpicoll.torch.ProcessSet` only (default: every rank). On a rank
+            outside the set the optimizer trains locally, as Horovod's: no hooks, nothing
+            sent, ``step()`` uses this rank's own gradients.
         backend: ``"allreduce"`` (default: gradients all-reduced over ranks) or ``"ps"``:
             gradients averaged through a :class:`mpicoll.ps.ParameterServer` built from
             ``ps_options`` (see :func:`mpicoll.torch.ps_optimizer.distributed_optimizer`; e.g.

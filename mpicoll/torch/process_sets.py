@@ -31,9 +31,9 @@ from ..grid import agreed_shape, grid_coords, grid_groups
 from .engine.core import Engine
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-           "register_all", "check_usable", "scoped", "scoped_engine", "current_engine", "attach", "detach",
-           "forward_in_scope", "backward_in_scope", "ProcessSetGrid", "process_grid",
-           "global_rank"]
+           "register_all", "check_usable", "outside", "scoped", "scoped_engine",
+           "current_engine", "attach", "detach", "forward_in_scope", "backward_in_scope",
+           "ProcessSetGrid", "process_grid", "global_rank"]
 
 #: The engine of the process set an operation is running in (``None``: the global one).
 _current: contextvars.ContextVar[Engine | None] = contextvars.ContextVar(
@@ -254,6 +254,12 @@ def _engine_of(process_set: ProcessSet | None) -> Engine | None:
         raise ValueError(f"this rank is not in {process_set!r}: only its ranks may run "
                          f"operations on it")
     return engine
+
+
+def outside(process_set: ProcessSet | None) -> bool:
+    """Whether ``process_set`` is a registered set that this rank is not in."""
+    return (isinstance(process_set, ProcessSet) and process_set.process_set_id is not None
+            and process_set.process_set_id != 0 and not process_set.included())
 
 
 def check_usable(process_set: ProcessSet | None) -> None:

@@ -184,13 +184,21 @@ class SparseGradients:
     :meth:`step_done` tells the optimizer to rebuild its flat buffers without it. Every
     rank must see the same parameters' first gradients (the same model).
 
+    With ``densify=True`` (``sparse_as_dense=True``) a parameter found sparse keeps its
+    view: its gradients accumulate into it and are reduced as dense tensors, and the
+    optimizer hands the reduced gradient back as a sparse tensor (:attr:`sparse` says
+    which parameters and their numbers of sparse dimensions).
+
     Args:
         params: the optimizer's parameters. views: parameter -> its view of a flat buffer.
         names: parameter -> its name (requests are named ``sparse_allreduce.<name>``).
         process_set: the optimizer's process set.
+        densify: only record which parameters are sparse (``sparse_as_dense=True``).
     """
 
-    def __init__(self, params: list, views: dict, names: dict, process_set: Any) -> None:
+    def __init__(self, params: list, views: dict, names: dict, process_set: Any,
+                 densify: bool = False) -> None:
+        self.densify = densify
         self._views = views
         self._names = names
         self._process_set = process_set
@@ -212,6 +220,8 @@ class SparseGradients:
     def _mark(self, p: torch.Tensor, sparse_dim: int) -> None:
         """Make ``p`` a sparse parameter (during backward, before its first accumulation)."""
         self.sparse[p] = sparse_dim
+        if self.densify:
+            return
         view = self._views.pop(p, None)
         if view is not None and p.grad is view:
             p.grad = view.to_sparse(sparse_dim) if bool(view.any()) else None
@@ -220,6 +230,8 @@ class SparseGradients:
 
     def routes(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s gradient goes through :meth:`submit`."""
+        if self.densify:
+            return False
         return p in self.sparse or (p.grad is not None and p.grad.is_sparse)
 
     def submit(self, p: torch.Tensor, op: ReduceOp) -> SparseHandle:
