@@ -39,7 +39,8 @@ from .compression.allreduce import codec_allreduce
 from .compression.compressors import CodecCompressor, Compression
 from .engine.dtypes import check_supported, dtype_name
 from .engine.negotiation import JOIN, Meta
-from .ops import Adasum, Average, ReduceOp, Sum, check_op_dtype, resolve_reduce_op
+from .ops import (Adasum, Average, ReduceOp, Sum, UnsupportedOpError, check_op_dtype,
+                  resolve_reduce_op)
 from .process_sets import (backward_in_scope, current_engine, forward_in_scope, global_rank,
                            scoped)
 from .state import engine
@@ -49,7 +50,7 @@ __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "al
            "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
            "poll", "synchronize", "barrier", "join", "allreduce_meta", "submit_allreduce",
            "alltoall_meta", "reducescatter_meta", "request_name",
-           "check_gather", "resolve_scatter_op",
+           "check_gather", "resolve_scatter_op", "SplitsTypeError",
            "AllreduceFn", "AllgatherFn", "BroadcastFn", "AlltoallFn", "ReducescatterFn"]
 
 # unnamed requests: one counter per kind for the global engine, and one per kind for each
@@ -300,6 +301,12 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
+class SplitsTypeError(TypeError, ValueError):
+    """All-to-all ``splits`` of the wrong type (floating-point or boolean values, more than
+    one dimension, not a list, tuple or tensor): a ``TypeError`` and a ``ValueError``
+    (Horovod's class for it), so either ``except`` catches it."""
+
+
 def _alltoall_splits(splits: Any, first_dim: int, size: int) -> tuple[tuple, str]:
     """Check ``splits`` on this rank: (the splits as ints, an error message or "").
 
@@ -315,17 +322,17 @@ def _alltoall_splits(splits: Any, first_dim: int, size: int) -> tuple[tuple, str
     if isinstance(splits, torch.Tensor):
         if splits.dtype.is_floating_point or splits.dtype.is_complex or \
                 splits.dtype is torch.bool:
-            raise TypeError(f"splits must hold integers, not {splits.dtype}")
+            raise SplitsTypeError(f"splits must hold integers, not {splits.dtype}")
         if splits.dim() > 1:
-            raise TypeError(f"splits must be one-dimensional, not of shape "
+            raise SplitsTypeError(f"splits must be one-dimensional, not of shape "
                             f"{tuple(splits.shape)}")
         values = [int(v) for v in splits.reshape(-1).tolist()]
     elif isinstance(splits, (list, tuple)):
         if any(isinstance(v, bool) or not isinstance(v, int) for v in splits):
-            raise TypeError(f"splits must be integers, not {list(splits)!r}")
+            raise SplitsTypeError(f"splits must be integers, not {list(splits)!r}")
         values = [int(v) for v in splits]
     else:
-        raise TypeError(f"splits must be a list, tuple or integer tensor, not "
+        raise SplitsTypeError(f"splits must be a list, tuple or integer tensor, not "
                         f"{type(splits).__name__}")
     if len(values) != size:
         return tuple(values), (f"splits has {len(values)} entries; it needs one per rank "
@@ -409,7 +416,7 @@ def reducescatter_meta(tensor: Any, name: str | None, op: ReduceOp,
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     if int(op) not in (int(Average), int(Sum)):
-        raise ValueError(f"reducescatter supports op=Average or op=Sum, not {op!r}")
+        raise UnsupportedOpError(f"reducescatter supports op=Average or op=Sum, not {op!r}")
     check_op_dtype(op, tensor.dtype, prescale_factor, postscale_factor)
     return Meta(request_name("reducescatter", name), "reducescatter", dtype_name(tensor.dtype),
                 tuple(tensor.shape), int(op), -1, float(prescale_factor),
@@ -417,8 +424,15 @@ def reducescatter_meta(tensor: Any, name: str | None, op: ReduceOp,
 
 
 def resolve_scatter_op(op: Any) -> ReduceOp:
-    if isinstance(op, bool) or not isinstance(op, int):
-        raise ValueError(f"reducescatter supports op=Average or op=Sum, not {op!r}")
+    """``op`` of a reduce-scatter, checked on the calling rank.
+
+    Raises:
+        UnsupportedOpError: not ``Average`` or ``Sum`` (a ``ValueError`` and, as Horovod's
+            error, a ``RuntimeError``).
+    """
+    if isinstance(op, bool) or not isinstance(op, int) or int(op) not in (int(Average),
+                                                                           int(Sum)):
+        raise UnsupportedOpError(f"reducescatter supports op=Average or op=Sum, not {op!r}")
     return ReduceOp(int(op))
 
 

@@ -17,7 +17,15 @@ import torch
 
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "resolve_reduce_op",
-           "mpicoll_op", "check_op_dtype", "check_adasum_dtype", "ADASUM_DTYPES"]
+           "mpicoll_op", "check_op_dtype", "check_adasum_dtype", "ADASUM_DTYPES",
+           "UnsupportedOpError"]
+
+
+class UnsupportedOpError(ValueError, RuntimeError):
+    """A reduction op that the collective does not take (a reduce-scatter with ``Adasum``,
+    ``Min``, ``Max`` or ``Product``): a ``ValueError`` (a bad argument, raised on the
+    calling rank before anything is sent) and a ``RuntimeError`` (the class Horovod's
+    error has), so either ``except`` catches it."""
 
 
 class ReduceOp(int):
