@@ -137,6 +137,15 @@ class Negotiator:
         active = [r for r in range(self.size) if r not in joined]
         for name in list(self.table):
             entry = self.table[name]
+            refusal = _join_refusal(entry, name, joined)
+            if refusal:
+                # It would fail once complete anyway (no rank leaves join() before every
+                # rank has joined): fail it now, on the ranks that submitted it, without
+                # waiting for the others' matching names (ranks whose paths differ while
+                # one has joined need not have numbered their unnamed requests alike).
+                del self.table[name]
+                responses.append(Response(entry.kind, name, entry.metas, refusal))
+                continue
             if entry.metas and all(r in entry.metas for r in active):
                 del self.table[name]
                 bad = tuple(sorted(r for r, m in entry.metas.items() if m.error))
@@ -298,6 +307,23 @@ def _group_mismatch(name: str, metas: dict, joined: frozenset) -> str | None:
         if error:
             return f"group {name!r}: member {index}: {error}"
     return None
+
+
+def _join_refusal(entry: _Entry, name: str, joined: frozenset) -> str | None:
+    """The error of an entry that cannot run while ranks have joined (an all-gather,
+    broadcast, all-to-all or reduce-scatter, or a group with one), else ``None``."""
+    if not joined:
+        return None
+    kinds = [entry.kind]
+    for meta in entry.metas.values():
+        kinds.extend(m.kind for m in meta.members)
+    kind = next((k for k in kinds if k in _NO_JOIN), None)
+    if kind is None:
+        return None
+    return (f"{entry.kind} {name!r}: {_NO_JOIN[kind]} is not supported with join() "
+            f"(ranks {_ranks(sorted(joined))} joined), as in Horovod"
+            + (" (DistributedOptimizer(sparse_as_dense=True) reduces sparse gradients "
+               "by all-reduce)" if kind == "allgather" else ""))
 
 
 def _mismatch(kind: str, name: str, metas: dict, joined: frozenset) -> str | None:
