@@ -26,9 +26,6 @@ The non-underscore functions support autograd, with Horovod's gradients (the
 """
 from __future__ import annotations
 
-import itertools
-import threading
-import weakref
 from typing import Any
 
 import torch
@@ -41,8 +38,7 @@ from .engine.dtypes import check_supported, dtype_name
 from .engine.negotiation import JOIN, Meta
 from .ops import (Adasum, Average, ReduceOp, Sum, UnsupportedOpError, check_op_dtype,
                   resolve_reduce_op)
-from .process_sets import (backward_in_scope, current_engine, forward_in_scope, global_rank,
-                           scoped)
+from .process_sets import backward_in_scope, forward_in_scope, global_rank, scoped
 from .state import engine
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather",
@@ -53,27 +49,17 @@ __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "al
            "check_gather", "resolve_scatter_op", "SplitsTypeError",
            "AllreduceFn", "AllgatherFn", "BroadcastFn", "AlltoallFn", "ReducescatterFn"]
 
-# unnamed requests: one counter per kind for the global engine, and one per kind for each
-# process set's engine (dropped with the engine)
-_counters: dict[str, Any] = {}
-_set_counters: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
-_counter_lock = threading.Lock()
-
-
 def request_name(kind: str, name: str | None) -> str:
     """``name`` (checked to be a string), or the next ``<kind>.noname.<n>`` of the engine in
-    scope: operations in a process set are numbered apart from the global ones, so unnamed
-    operations that only a set's ranks issue do not shift the numbering of later unnamed
-    global operations (which would then never match across ranks)."""
+    scope (:meth:`~mpicoll.torch.engine.core.Engine.unnamed_name`): operations in a process
+    set are numbered apart from the global ones, so unnamed operations that only a set's
+    ranks issue do not shift the numbering of later unnamed global operations (which
+    would then never match across ranks)."""
     if name is not None:
         if not isinstance(name, str):
             raise TypeError(f"name must be a string, not {type(name).__name__}")
         return name
-    in_set = current_engine()
-    with _counter_lock:
-        counters = _counters if in_set is None else _set_counters.setdefault(in_set, {})
-        counter = counters.setdefault(kind, itertools.count())
-        return f"{kind}.noname.{next(counter)}"
+    return engine().unnamed_name(kind)
 
 
 def _submit(meta: Meta, tensor: Any = None, output: Any = None, waiting: bool = False) -> int:

@@ -25,10 +25,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from mpi4py import MPI
 
 from ..grid import agreed_shape, grid_coords, grid_groups
 from .engine.core import Engine
+from .engine.dtypes import dtype_name
+from .engine.negotiation import Meta
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
            "register_all", "check_usable", "outside", "scoped", "scoped_engine",
@@ -152,7 +155,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         process_set = ProcessSet(process_set)
     world, comm = _world_or_raise()
     ranks = tuple(process_set.ranks or ())
-    every = comm.allgather(ranks)
+    every = _gather_through_engine("add_process_set", ranks)
     error = _registration_error(every, world.size)
     if error:
         raise ValueError(error)
@@ -172,6 +175,30 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         _registry[_next_id] = (process_set, engine)
         _next_id += 1
     return process_set
+
+
+def _gather_through_engine(tag: str, values: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every rank's ``values``, all-gathered by the global engine (negotiated like any
+    request, named ``__<tag>__``): a rank waiting here counts as blocked, so when another
+    rank is blocked in some other operation (ranks that took different paths) both fail
+    at once with the negotiation's deadlock error instead of hanging in a bare MPI call.
+
+    Raises:
+        mpicoll.CollectiveError: the gather can never complete (or the engine stopped).
+    """
+    world = _world_or_raise()[0]
+    mine = torch.tensor(values, dtype=torch.int64)
+    future = world.submit(Meta(f"__{tag}__", "allgather", dtype_name(mine.dtype),
+                               tuple(mine.shape)), mine, None, waiting=True)
+    world.wait(future)
+    if future.error is not None:
+        raise future.error
+    flat = future.result.tolist()
+    out, offset = [], 0
+    for count in future.extra:
+        out.append(tuple(flat[offset:offset + int(count)]))
+        offset += int(count)
+    return out
 
 
 def _registration_error(every: list[tuple[int, ...]], size: int) -> str:
@@ -195,8 +222,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     engine. Returns whether it was removed (never the global set)."""
     if process_set.process_set_id in (None, 0):
         return False
-    comm = _world_or_raise()[1]
-    comm.Barrier()                       # every rank removes it, after its last operation
+    _world_or_raise()
+    # every rank removes it, after its last operation
+    _gather_through_engine("remove_process_set", (process_set.process_set_id,))
     with _lock:
         entry = _registry.pop(process_set.process_set_id, None)  # type: ignore[arg-type]
     process_set.process_set_id = None

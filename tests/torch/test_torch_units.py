@@ -74,9 +74,43 @@ def test_deadlock_fails_every_incomplete_entry():
     # nobody blocked yet: no verdict
     assert neg.process([[], []], [True, False]) == []
     out = neg.process([[], []], [True, True])
+    assert out[0].kind == "realign" and out[0].error is None   # first: see test below
+    out = out[1:]
     assert sorted(r.name for r in out) == ["a", "b"]
     assert all("can never complete" in r.error for r in out)
     assert "not by ranks 1" in out[0].error and not neg.busy()
+
+
+def test_deadlock_of_diverged_unnamed_numbering_says_so_and_realigns_first():
+    # rank 0 skipped allreduce.noname.4: ranks 0 and 1 wait on different numbers
+    neg = Negotiator(3)
+    out = neg.process([[ar("allreduce.noname.5")], [ar("allreduce.noname.4")],
+                       [ar("allreduce.noname.4"), ar("named")]], [True, True, True])
+    assert [r.kind for r in out][0] == "realign"
+    errors = {r.name: r.error for r in out[1:]}
+    assert "numbering of unnamed allreduce operations diverged" in \
+        errors["allreduce.noname.5"]
+    assert "allreduce.noname.4 by ranks 1,2; allreduce.noname.5 by ranks 0" in \
+        errors["allreduce.noname.4"]
+    assert "numbering" not in errors["named"]              # a named request: no verdict
+    # one unnamed number only (one rank did one more operation): no divergence message
+    neg = Negotiator(2)
+    out = neg.process([[ar("allgather.noname.2")], [ar("other")]], [True, True])
+    assert all("numbering" not in r.error for r in out[1:])
+
+
+def test_joined_ranks_refuse_gathers_at_once_whatever_their_names():
+    neg = Negotiator(3)
+    gather = Meta("allgather.noname.3", "allgather", "float32", (2, 1))
+    assert neg.process([[Meta(JOIN, "join")], [gather], []], [True, True, False]) != []
+    out = neg.process([[], [], [gather._replace(name="allgather.noname.2")]],
+                      [True, True, True])
+    assert [(r.name, list(r.metas)) for r in out] == [("allgather.noname.2", [2])]
+    assert "not supported with join" in out[0].error
+    # a group with an all-gather member too; all-reduces still wait for their names
+    group = Meta("g", "group", members=(gather._replace(name="g.0"),))
+    out = neg.process([[], [group, ar("r")], [ar("r")]], [True, True, True])
+    assert [(r.name, r.error is None) for r in out] == [("g", False), ("r", True)]
 
 
 def test_stall_inspector_names_missing_ranks():

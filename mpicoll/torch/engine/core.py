@@ -173,6 +173,9 @@ class Engine:
         #: Whether DistributedOptimizer reduces each flat gradient buffer as one request at
         #: ``step()`` (the same on every rank: one rank alone, or no rank overlaps).
         self.bulk_gradients = False
+        #: The next number of each kind's unnamed requests (``<kind>.noname.<n>``): see
+        #: :meth:`unnamed_name` and :meth:`realign_unnamed`.
+        self._unnamed: dict[str, int] = {}
         self._poked = False
         self._inline: Negotiator | None = None
         self._inline_lock = threading.Lock()
@@ -360,6 +363,34 @@ class Engine:
             work.future.set_error(error)
         else:
             work.future.set_result(result, extra)
+
+    def unnamed_name(self, kind: str) -> str:
+        """The name of this engine's next unnamed ``kind`` request: ``<kind>.noname.<n>``,
+        ``n`` counting from 0 per kind. Ranks that issue the same unnamed operations in
+        the same order give them the same names."""
+        with self._lock:
+            n = self._unnamed.get(kind, 0)
+            self._unnamed[kind] = n + 1
+        return f"{kind}.noname.{n}"
+
+    def realign_unnamed(self) -> dict[str, list[int]]:
+        """Give every rank the same next number for each kind of unnamed request: the
+        largest any rank has reached (collective on :attr:`comm`: run as a response of a
+        round, which every rank runs at the same point). Called after a deadlock, so that
+        ranks whose numbering diverged (one skipped an operation) match again.
+
+        Returns:
+            kind -> each rank's next number before realigning (the ones that differ).
+        """
+        with self._lock:
+            mine = dict(self._unnamed)
+        every = self.comm.allgather(mine)
+        kinds = sorted({kind for counters in every for kind in counters})
+        before = {kind: [c.get(kind, 0) for c in every] for kind in kinds}
+        with self._lock:
+            for kind, values in before.items():
+                self._unnamed[kind] = max(values)
+        return {kind: values for kind, values in before.items() if len(set(values)) > 1}
 
     def fusion_buffer(self, dtype: torch.dtype, count: int,
                       device: TensorDevice | None = None) -> torch.Tensor:

@@ -63,6 +63,9 @@ class EngineInterface(Protocol):
     def persistent_view(self, flat: torch.Tensor) -> np.ndarray:
         """The same numpy view of ``flat`` every time."""
 
+    def realign_unnamed(self) -> dict[str, list[int]]:
+        """Give every rank the same numbering of unnamed requests (collective)."""
+
     def stop(self, leaving: dict[int, Any]) -> None:
         """Fail what is pending (``leaving``: the ranks that shut down) and make the engine
         thread leave its loop."""
@@ -73,6 +76,10 @@ def run_responses(engine: EngineInterface, responses: list[Response]) -> None:
     reduce-scatters, then the rest)."""
     fused: dict[str, list[Response]] = {"allreduce": [], "reducescatter": []}
     others = []
+    if responses and responses[0].kind == "realign":
+        # before the deadlock's errors wake up threads that would number new requests
+        engine.realign_unnamed()
+        responses = responses[1:]
     responses = _expand_groups(engine, responses)
     if timeline.enabled():
         _trace_negotiations(engine, responses)

@@ -27,14 +27,22 @@ Rules:
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import NamedTuple
 
-__all__ = ["Meta", "Response", "Negotiator", "ResponseCache", "JOIN", "SHUTDOWN",
+__all__ = ["Meta", "Response", "Negotiator", "ResponseCache", "JOIN", "SHUTDOWN", "REALIGN",
            "shutdown_message"]
 
 JOIN = "__join__"
 SHUTDOWN = "__shutdown__"
+#: The response that realigns every rank's numbering of unnamed requests after a deadlock
+#: (:meth:`mpicoll.torch.engine.core.Engine.realign_unnamed`); it runs before the round's
+#: error responses wake anyone up.
+REALIGN = "__realign__"
+
+#: An unnamed request's name (``mpicoll.torch.mpi_ops.request_name``).
+_UNNAMED = re.compile(r"^(?P<kind>[A-Za-z_]+)\.noname\.(?P<n>[0-9]+)$")
 
 
 class Meta(NamedTuple):
@@ -170,8 +178,10 @@ class Negotiator:
         return responses
 
     def _fail_all(self, joined: frozenset) -> list[Response]:
-        """Fail every incomplete entry (and a pending ``join``) on every rank."""
-        out = []
+        """Fail every incomplete entry (and a pending ``join``) on every rank; the first
+        response realigns the numbering of unnamed requests (:data:`REALIGN`)."""
+        out = [Response("realign", REALIGN, {})]
+        diverged = _diverged_numbering(self.table)
         for name, entry in self.table.items():
             have = sorted(entry.metas)
             missing = [r for r in range(self.size) if r not in entry.metas and r not in joined]
@@ -179,7 +189,8 @@ class Negotiator:
                                 f"{entry.kind} {name!r} can never complete: submitted by "
                                 f"ranks {_ranks(have)} but not by ranks {_ranks(missing)}, and "
                                 f"every rank is blocked waiting (ranks submitted different "
-                                f"names, or a different number of operations)"))
+                                f"names, or a different number of operations)"
+                                + diverged.get(_unnamed_kind(name) or "", "")))
         if self.joined:
             out.append(Response("join", JOIN, {}, "join() can never complete: ranks "
                                 f"{_ranks(sorted(self.joined))} joined, the others are blocked "
@@ -307,6 +318,33 @@ def _group_mismatch(name: str, metas: dict, joined: frozenset) -> str | None:
         if error:
             return f"group {name!r}: member {index}: {error}"
     return None
+
+
+def _unnamed_kind(name: str) -> str | None:
+    """The kind of an unnamed request's name (``allreduce.noname.7``: ``allreduce``)."""
+    match = _UNNAMED.match(name)
+    return match.group("kind") if match else None
+
+
+def _diverged_numbering(table: dict) -> dict[str, str]:
+    """kind -> an explanation, for each kind whose incomplete unnamed requests show ranks
+    numbering them differently (two or more numbers, each submitted by other ranks)."""
+    numbers: dict[str, dict[int, list[int]]] = {}
+    for name, entry in table.items():
+        match = _UNNAMED.match(name)
+        if match:
+            numbers.setdefault(match.group("kind"), {})[int(match.group("n"))] = \
+                sorted(entry.metas)
+    out = {}
+    for kind, by_number in numbers.items():
+        if len(by_number) > 1:
+            seen = "; ".join(f"{kind}.noname.{n} by ranks {_ranks(ranks)}"
+                             for n, ranks in sorted(by_number.items()))
+            out[kind] = (f". The ranks' numbering of unnamed {kind} operations diverged "
+                         f"({seen}): a rank skipped one (it raised before submitting it, or "
+                         f"took another path); the numbering is realigned on every rank, so "
+                         f"the next unnamed operations match again")
+    return out
 
 
 def _join_refusal(entry: _Entry, name: str, joined: frozenset) -> str | None:
