@@ -423,7 +423,7 @@ def _flat_gradients(params: list, names: dict) -> list[_FlatGradients]:
     out = []
     seen: dict[torch.dtype, int] = {}
     for (_, dtype), group in by_place.items():
-        # new_zeros: on the parameters' device (a simulated device's tensor kind too)
+        # new_zeros: on the parameters' device (and of their tensor kind)
         buf = group[0].detach().new_zeros(sum(p.numel() for p in group))
         views = []
         offset = 0
