@@ -33,6 +33,9 @@ SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
         (3, {"MPICOLL_RANKS_PER_NODE": "2"}),                         # deferred path, uneven nodes
         (4, {"MPICOLL_RANKS_PER_NODE": "2", "MPICOLL_OVERLAP": "1"}),
     ],
+    # the "mpicoll" torch.distributed backend: collectives, subgroups, DDP (issue 25)
+    "tests/torch/mpi_dist": [(1, {}), (2, {}), (3, {"MPICOLL_RANKS_PER_NODE": "2"}),
+                             (4, {"MPICOLL_RANKS_PER_NODE": "2"})],
     # gradient compression (codecs, error feedback, compressed all-reduce): emulated nodes
     # make layout="auto" the node layout at 4 (2 + 2), 5 (2 + 2 + 1: uneven) and 8 (4 + 4);
     # it is the flat ring at 1-3 (each layout also runs explicitly at every size)

@@ -45,6 +45,7 @@ from .state import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gl
 from .sparse import sparse_allreduce_async
 from .sync_batch_norm import SyncBatchNorm
 from ..errors import CollectiveError, MismatchError, RemoteError
+from . import distributed as _distributed  # noqa: F401  registers the "mpicoll" torch.distributed backend
 
 #: Horovod's name for a failed collective (``except hvd.HorovodInternalError`` keeps working).
 HorovodInternalError = CollectiveError
