@@ -22,7 +22,7 @@ from .buffers import IN_PLACE
 from .collectives import (allgather, allreduce, allreduce_init, broadcast, reduce,
                           reduce_scatter)
 from .comm import Comm
-from .errors import CollectiveError, MismatchError, RemoteError
+from .errors import CollectiveError, MismatchError, ProcessFailedError, RemoteError
 from .grid import ProcessGrid, process_grid
 from .ops import OPS, Op
 
@@ -30,7 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = ["allreduce", "allreduce_init", "reduce_scatter", "allgather", "broadcast", "reduce", "algorithms",
            "Comm", "IN_PLACE", "Op", "OPS", "COLLECTIVES", "CollectiveError", "MismatchError",
-           "RemoteError", "__version__", "ProcessGrid", "process_grid"]
+           "RemoteError", "ProcessFailedError", "__version__", "ProcessGrid", "process_grid"]
 
 
 def algorithms(collective: str) -> list[str]:

@@ -12,7 +12,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from . import buffers, config, fastpath, tracking, validation
+from . import buffers, config, fastpath, faults, tracking, validation
 from .algorithms.registry import bind, lookup, scales_shards
 from .buffers import flat_view, is_in_place
 from .checked import agree
@@ -371,7 +371,7 @@ def allreduce_init(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
         run()
         return result
 
-    return call
+    return faults.guard_call(call, comm) if faults.ENABLED else call
 
 
 def _reduce_scatter_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
@@ -606,3 +606,11 @@ _PLANS: dict[str, Callable[..., Plan]] = {
 _PUBLIC: dict[str, Callable[..., Any]] = {
     "allreduce": allreduce, "reduce_scatter": reduce_scatter, "allgather": allgather,
     "broadcast": broadcast, "reduce": reduce}
+
+if faults.ENABLED:  # ULFM on: a process failure raises ProcessFailedError (mpicoll.faults)
+    allreduce = faults.guard(allreduce)
+    allreduce_init = faults.guard(allreduce_init)
+    reduce_scatter = faults.guard(reduce_scatter)
+    allgather = faults.guard(allgather)
+    broadcast = faults.guard(broadcast)
+    reduce = faults.guard(reduce)

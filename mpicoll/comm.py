@@ -14,7 +14,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import collectives
+from . import collectives, faults
 from .algorithms.registry import names
 from .buffers import IN_PLACE, Unsupported, is_in_place, parse_mpi_buffer
 from .fastpath import MISS, run_fast
@@ -180,3 +180,10 @@ class Comm(MPI.Intracomm):
         """Duplicate the communicator; the duplicate is an ``mpicoll.Comm`` too."""
         dup = super().Dup() if info is None else super().Dup(info)
         return Comm(dup, self._mpicoll_algorithm, self._mpicoll_check)
+
+
+if faults.ENABLED:  # ULFM on: a process failure raises ProcessFailedError (mpicoll.faults)
+    for _method in ("Allreduce", "Reduce_scatter_block", "Reduce_scatter", "Allgather",
+                    "Bcast", "Reduce"):
+        setattr(Comm, _method, faults.guard(getattr(Comm, _method), "self"))
+    del _method

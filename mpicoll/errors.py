@@ -7,7 +7,7 @@ raises the same error.
 """
 from __future__ import annotations
 
-__all__ = ["CollectiveError", "MismatchError", "RemoteError"]
+__all__ = ["CollectiveError", "MismatchError", "RemoteError", "ProcessFailedError"]
 
 
 class CollectiveError(RuntimeError):
@@ -36,3 +36,19 @@ class RemoteError(CollectiveError):
     def __init__(self, message: str, errors: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.errors = dict(errors or {})
+
+
+class ProcessFailedError(CollectiveError):
+    """A peer process died during a collective (detected by ULFM; see :mod:`mpicoll.faults`).
+
+    Raised on every surviving rank of the communicator the collective ran on; mpicoll has
+    revoked its communicators for that communicator, so nothing more runs on it.
+
+    Attributes:
+        failed_ranks: the ranks (of the communicator passed to the collective) known to
+            have failed, sorted.
+    """
+
+    def __init__(self, message: str, failed_ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.failed_ranks = sorted(failed_ranks or [])

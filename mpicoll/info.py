@@ -46,6 +46,7 @@ def _mpi() -> dict:
                                  ".".join(map(str, MPI.get_vendor()[1]))),
         "mpi4py": mpi4py.__version__,
         "initialized": bool(MPI.Is_initialized()),
+        "ulfm": _ulfm(),
     }
     if MPI.Is_initialized() and not MPI.Is_finalized():
         level = MPI.Query_thread()
@@ -59,6 +60,17 @@ def _mpi() -> dict:
         except Exception:  # noqa: BLE001
             out["mpi_memory_alloc_kinds"] = None
     return out
+
+
+def _ulfm() -> str:
+    """ULFM (process failures as errors, :mod:`mpicoll.faults`): available, and on?"""
+    from . import faults  # noqa: PLC0415
+
+    if not faults.available():
+        return "not available (needs Open MPI; the MPICH wheel ends the job on a failure)"
+    if not faults.turned_on():
+        return "available, off (mpirun --with-ft ulfm turns it on)"
+    return "available, on (a failed rank raises mpicoll.ProcessFailedError)"
 
 
 def _cuda_aware() -> dict:
@@ -196,7 +208,7 @@ def report(data: dict | None = None) -> str:
         lines.append(_line("error", mpi["error"]))
     else:
         for key in ("library", "standard", "vendor", "mpi4py", "thread_level", "world_size",
-                    "mpi_memory_alloc_kinds"):
+                    "mpi_memory_alloc_kinds", "ulfm"):
             if key in mpi:
                 lines.append(_line(key.replace("_", " "), mpi[key]))
     lines.append("CUDA")

