@@ -44,17 +44,31 @@ def run_suite(n: int, suite: str, extra: list[str], timeout: float,
     full_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     full_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     full_env.update(env or {})
+    rc, out, secs = run_command(cmd, full_env, timeout)
+    if rc is None:
+        out += f"\n*** TIMEOUT: {suite} at n={n} killed after {timeout:.0f} s ***\n"
+        rc = 124
+    return rc, out, secs
+
+
+def run_command(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, str, float]:
+    """Run ``cmd`` from the repository root in a session of its own, its output (stdout and
+    stderr together) captured; past ``timeout`` seconds kill its whole process group.
+
+    Returns:
+        (exit status, or ``None`` when it was killed after the timeout; output; seconds).
+    """
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace",
+                            start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
-        rc = proc.returncode
+        rc: int | None = proc.returncode
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        out += f"\n*** TIMEOUT: {suite} at n={n} killed after {timeout:.0f} s ***\n"
-        rc = 124
+        rc = None
     return rc, out, time.monotonic() - start
 
 

@@ -107,21 +107,20 @@ class SimulatedCopies:
 
     def d2h(self, dst: np.ndarray, src: np.ndarray, chunk: int) -> None:
         """Queue ``dst[...] = src`` on the d2h stream (reads ``src`` when it runs)."""
-        if dst.shape != src.shape or dst.dtype != src.dtype:
-            raise AssertionError(f"d2h of chunk {chunk}: {src.shape} {src.dtype} into "
-                                 f"{dst.shape} {dst.dtype}")
-        self.log.append(("d2h", "d2h", chunk))
-        self.copied_bytes["d2h"] += dst.nbytes
-        self._enqueue("d2h", lambda: np.copyto(dst, src))
+        self._copy("d2h", dst, src, chunk)
 
     def h2d(self, dst: np.ndarray, src: np.ndarray, chunk: int) -> None:
         """Queue ``dst[...] = src`` on the h2d stream."""
+        self._copy("h2d", dst, src, chunk)
+
+    def _copy(self, stream: str, dst: np.ndarray, src: np.ndarray, chunk: int) -> None:
+        """Check, log and queue one chunk's copy on ``stream`` (``"d2h"`` or ``"h2d"``)."""
         if dst.shape != src.shape or dst.dtype != src.dtype:
-            raise AssertionError(f"h2d of chunk {chunk}: {src.shape} {src.dtype} into "
+            raise AssertionError(f"{stream} of chunk {chunk}: {src.shape} {src.dtype} into "
                                  f"{dst.shape} {dst.dtype}")
-        self.log.append(("h2d", "h2d", chunk))
-        self.copied_bytes["h2d"] += dst.nbytes
-        self._enqueue("h2d", lambda: np.copyto(dst, src))
+        self.log.append((stream, stream, chunk))
+        self.copied_bytes[stream] += dst.nbytes
+        self._enqueue(stream, lambda: np.copyto(dst, src))
 
     def record(self, stream: str, chunk: int) -> Event:
         """An event at the current end of ``stream``'s queue."""

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from mpi_launcher import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("ulfm_worker.py")
@@ -127,20 +128,11 @@ def ompi_python() -> Path:
 
 def _run_job(python: Path, case: tuple[str, str, int, int]) -> tuple[int, str, float]:
     call, algorithm, n, victim = case
-    start = time.monotonic()
     mpirun = python.parent / "mpirun"
     cmd = [str(mpirun), "--with-ft", "ulfm", "--oversubscribe", "-n", str(n),
            str(python), "-u", str(WORKER), call, algorithm, str(victim)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        rc = 124
-    return rc, out.decode(errors="replace"), time.monotonic() - start
+    rc, out, secs = run_command(cmd, _env(), JOB_TIMEOUT_S)
+    return 124 if rc is None else rc, out, secs
 
 
 @pytest.fixture(scope="module")
