@@ -38,6 +38,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
+from .engine.dtypes import numpy_view, reduce_dtype
+from .engine.settings import allreduce_algorithm
+
 __all__ = ["BACKEND", "MPIProcessGroup", "register", "mpi_rendezvous"]
 
 #: The backend name for ``dist.init_process_group``.
@@ -74,30 +77,14 @@ def _check_tensor(tensor: Any, argname: str) -> torch.Tensor:
     return tensor
 
 
-def _allreduce_algorithm() -> str:
-    """``MPICOLL_ALLREDUCE_ALGORITHM`` (mpicoll.torch's variable), else ``"auto"``."""
-    import mpicoll
-    from .. import config
-
-    algorithm = config.env_str("MPICOLL_ALLREDUCE_ALGORITHM") or "auto"
-    if algorithm != "auto" and algorithm not in mpicoll.algorithms("allreduce"):
-        raise ValueError(f"MPICOLL_ALLREDUCE_ALGORITHM={algorithm!r}; choose one of "
-                         f"{['auto', *mpicoll.algorithms('allreduce')]}")
-    return algorithm
-
-
 class _Host:
     """A flat numpy array for ``tensor``: a zero-copy view where it is contiguous (and not
     bfloat16 for a reduction), else a copy written back by :meth:`finish`."""
 
     def __init__(self, tensor: torch.Tensor, reduce: bool, argname: str) -> None:
-        from .engine.dtypes import numpy_view
-
         self.tensor = _check_tensor(tensor, argname)
-        if reduce and tensor.dtype == torch.bfloat16:
-            self.work = tensor.detach().to(torch.float32).contiguous()
-        elif reduce and tensor.dtype == torch.bool:
-            self.work = tensor.detach().to(torch.uint8).contiguous()
+        if reduce and reduce_dtype(tensor.dtype) is not tensor.dtype:
+            self.work = tensor.detach().to(reduce_dtype(tensor.dtype)).contiguous()
         elif tensor.is_contiguous():
             self.work = tensor
         else:
@@ -123,7 +110,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self.comm = comm
         self._checked: set[str] = set()
-        self._algorithm = _allreduce_algorithm()
+        self._algorithm = allreduce_algorithm()
 
     # --- helpers -----------------------------------------------------------------------
     def _check(self, kind: str) -> bool | None:

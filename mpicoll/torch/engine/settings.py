@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from ... import config
 from ...algorithms.registry import names
 
-__all__ = ["Settings", "from_environment"]
+__all__ = ["Settings", "from_environment", "allreduce_algorithm"]
 
 DEFAULT_FUSION_THRESHOLD = 64 << 20
 
@@ -57,6 +57,19 @@ def _env_float(name: str, default: float) -> float:
     return config.env_float(name, default, minimum=0)
 
 
+def allreduce_algorithm() -> str:
+    """``MPICOLL_ALLREDUCE_ALGORITHM`` (as last read by :mod:`mpicoll.config`), else ``"auto"``.
+
+    Raises:
+        ValueError: not ``auto`` nor a name of ``mpicoll.algorithms("allreduce")``.
+    """
+    algorithm = _env("MPICOLL_ALLREDUCE_ALGORITHM") or "auto"
+    if algorithm != "auto" and algorithm not in names("allreduce"):
+        raise ValueError(f"MPICOLL_ALLREDUCE_ALGORITHM={algorithm!r}; choose one of "
+                         f"{['auto', *names('allreduce')]}")
+    return algorithm
+
+
 def from_environment() -> Settings:
     """Read the variables above, afresh (:func:`mpicoll.config.refresh`).
 
@@ -64,10 +77,7 @@ def from_environment() -> Settings:
         ValueError: a malformed value, or an unknown algorithm name.
     """
     config.refresh()
-    algorithm = _env("MPICOLL_ALLREDUCE_ALGORITHM") or "auto"
-    if algorithm != "auto" and algorithm not in names("allreduce"):
-        raise ValueError(f"MPICOLL_ALLREDUCE_ALGORITHM={algorithm!r}; choose one of "
-                         f"{['auto', *names('allreduce')]}")
+    algorithm = allreduce_algorithm()
     overlap = (_env("MPICOLL_OVERLAP") or "auto").lower()
     if overlap not in ("auto", "0", "1"):
         raise ValueError(f"MPICOLL_OVERLAP={overlap!r}; use auto, 1 or 0")
