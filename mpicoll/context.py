@@ -108,6 +108,19 @@ class CommContext:
             self._topology = Topology(self.comm)
         return self._topology
 
+    def communicators(self) -> list[Any]:
+        """Every communicator this context holds or uses: the user's, the private
+        duplicate, the node layout's node and leader communicators (once built), the
+        resources' (shared-memory windows' ``comm``) and the stall inspector's duplicate.
+        Some may be ``None`` or ``MPI.COMM_NULL``."""
+        held = [self.comm, self.p2p]
+        if self._topology is not None:
+            held += [self._topology.node_comm, self._topology.cross_comm]
+        held += [getattr(obj, "comm", None) for obj in list(self._resources.values())]
+        if self.watched is not None:
+            held.append(getattr(self.watched, "comm", None))
+        return held
+
     def free(self) -> None:
         """Release the private communicators (called when the user's comm is freed)."""
         self._plans.clear()

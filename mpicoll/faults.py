@@ -98,16 +98,8 @@ def _held_comms(comm: MPI.Comm) -> list[MPI.Comm]:
         seen.add(c.handle)
         comms.append(c)
         ctx = _by_handle.get(c.handle)
-        if ctx is None:
-            continue
-        todo += [ctx.comm, ctx.p2p]
-        topo = ctx._topology
-        if topo is not None:
-            todo += [topo.node_comm, topo.cross_comm]
-        for obj in list(ctx._resources.values()):  # shm windows' comms (node_comm today)
-            todo.append(getattr(obj, "comm", None))
-        if ctx.watched is not None:  # the stall inspector's duplicate
-            todo.append(getattr(ctx.watched, "comm", None))
+        if ctx is not None:
+            todo += ctx.communicators()
     return comms
 
 
