@@ -23,12 +23,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def mpirun_command(n: int) -> list[str]:
-    """The launcher prefix for ``n`` ranks: the venv's mpirun, oversubscribing if Open MPI."""
-    exe = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+def mpirun_command(n: int, python: str = sys.executable,
+                   mpirun_args: tuple[str, ...] = ()) -> list[str]:
+    """The launcher prefix for ``n`` ranks: ``python``'s venv's mpirun (then ``mpirun_args``),
+    oversubscribing if Open MPI."""
+    exe = shutil.which("mpirun", path=str(Path(python).parent)) or shutil.which("mpirun")
     if exe is None:
         raise SystemExit("mpirun not found: install the 'mpich' extra (pip install .[mpich])")
-    cmd = [exe, "-n", str(n)]
+    cmd = [exe, *mpirun_args, "-n", str(n)]
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
     if "Open MPI" in version or "OpenRTE" in version:
         cmd.insert(1, "--oversubscribe")
@@ -36,11 +38,16 @@ def mpirun_command(n: int) -> list[str]:
 
 
 def run_suite(n: int, suite: str, extra: list[str], timeout: float,
-              env: dict[str, str] | None = None) -> tuple[int, str, float]:
-    """Run ``suite`` at ``n`` ranks; return (exit status, output, seconds)."""
-    cmd = mpirun_command(n) + [sys.executable, str(ROOT / "tests" / "mpi_rank_entry.py"),
-                               suite, "--with-mpi", "-q", "-p", "no:cacheprovider", *extra]
-    full_env = dict(os.environ)
+              env: dict[str, str] | None = None, python: str = sys.executable,
+              mpirun_args: tuple[str, ...] = (),
+              base_env: dict[str, str] | None = None) -> tuple[int, str, float]:
+    """Run ``suite`` at ``n`` ranks with ``python`` (its venv's mpirun); return (exit
+    status, output, seconds). The environment is ``base_env`` (default: this process's)
+    updated with ``env``."""
+    cmd = mpirun_command(n, python, mpirun_args) + [
+        python, str(ROOT / "tests" / "mpi_rank_entry.py"), suite, "--with-mpi", "-q",
+        "-p", "no:cacheprovider", *extra]
+    full_env = dict(os.environ if base_env is None else base_env)
     full_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     full_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     full_env.update(env or {})

