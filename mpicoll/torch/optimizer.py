@@ -48,6 +48,8 @@ from .compression.compressors import CodecCompressor, Compression
 from .device.tensors import device_of
 from .engine.dtypes import dtype_name
 from .engine.negotiation import Meta
+from .local_sgd import NODE, WORLD, Averager, LocalSGD, agree_settings, check_settings, \
+    layout_of
 from .ops import Average, resolve_reduce_op
 from .optim_wrapping import check_named_parameters, wrap_optimizer
 from .process_sets import check_usable, outside, scoped
@@ -188,6 +190,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "accumulate gradients locally")
             self._delay[p] -= 1
             if self._delay[p] == 0:
+                if not self._reduces_world():
+                    return                     # a local step: this rank's own gradient
                 if self._bulk_mode() and p in self._views:
                     self._accumulated += 1
                 else:
@@ -266,6 +270,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         gradients stay this rank's own (Horovod's behaviour)."""
         if self._local_only:
             self._synchronized = True
+            return
+        if not self._reduces_world():
+            self._synchronize_locally()
             return
         if self._codec_grads is not None:
             self._synchronize_compressed()
@@ -358,7 +365,55 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               stacklevel=2)
             self.synchronize()
         self._synchronized = False
-        return super(self.__class__, self).step(closure)
+        result = super(self.__class__, self).step(closure)
+        if self._local_sgd is not None:
+            self._local_sgd.after_step()
+        return result
+
+    # ------------------------------------------------------------------ local SGD
+    def _setup_local_sgd(self, sync_every: Any, node_sync_every: Any, warmup_steps: Any,
+                         average_state: Any) -> None:
+        """Validate the local SGD settings; when they differ from ordinary training (on
+        this rank), agree on them with every rank (collective) and build the averager."""
+        self._local_sgd = None
+        error = None
+        settings = None
+        try:
+            settings = check_settings(sync_every, node_sync_every, warmup_steps,
+                                      average_state)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        if error is None and not settings.enabled:
+            return
+        if error is None and (self._local_only or self._process_set is not None):
+            error = ValueError("sync_every/node_sync_every average over every rank; they "
+                               "are not supported with process_set")
+        comm = engine()._user_comm   # the communicator init() was given (every rank)
+        agree_settings(comm, error, settings, layout_of(self._params))
+        self._local_sgd = LocalSGD(self, self._params, settings, Averager(comm))
+
+    def _reduces_world(self) -> bool:
+        """Whether the coming step all-reduces the gradients over every rank (always,
+        unless local SGD makes it a local or node-level step)."""
+        return self._local_sgd is None or self._local_sgd.peek().grads == WORLD
+
+    def _synchronize_locally(self) -> None:
+        """A local SGD step's ``synchronize()``: gradients stay this rank's own, or are
+        averaged within the node."""
+        for p in self._params:
+            self._delay[p] = self.backward_passes_per_step
+        self._accumulated = 0
+        plan = self._local_sgd.peek()
+        if plan.grads == NODE:
+            self._local_sgd.local_gradients(NODE)
+        self._synchronized = True
+
+    @property
+    def local_sgd(self) -> Any:
+        """The :class:`~mpicoll.torch.local_sgd.LocalSGD` driver (``None`` without
+        ``sync_every``/``node_sync_every``): ``local_sgd.stats()``,
+        ``local_sgd.schedule.steps``."""
+        return self._local_sgd
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients; refused while gradient all-reduces are in flight.
@@ -471,6 +526,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Any = None, sparse_as_dense: bool = False,
                          process_set: Any = None, backend: str = "allreduce",
+                         sync_every: int = 1, node_sync_every: int | None = None,
+                         warmup_steps: int = 0, average_state: bool = True,
                          **ps_options: Any) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
 
@@ -506,6 +563,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
             ``backend="ps"``, ``compression`` (``Compression.fp16`` or a codec compressor)
             compresses the server's pushes and pulls, with error feedback on both sides
             (docs/ps.md, *Compression*); a compressor without a codec is refused.
+        sync_every: local SGD: ``H >= 1``; each rank steps on its own gradients and the
+            parameters (with ``average_state`` the optimizer state too) are averaged over
+            every rank after every ``H``-th step (1, the default: ordinary synchronous
+            training). See :mod:`mpicoll.torch.local_sgd` and docs/torch.md, *Local SGD*.
+        node_sync_every: hierarchical SGD: ``M < H``; the ranks of one node average every
+            ``M`` steps (``None``: never apart from the ``H``-th steps).
+        warmup_steps: ``K`` fully synchronous steps before local SGD starts (post-local
+            SGD; torch's ``start_localSGD_iter``).
+        average_state: average floating-point optimizer state (momentum buffers, Adam's
+            moments) with the parameters (default) or keep it per rank.
     Returns:
         An instance of a subclass of ``type(optimizer)``.
     Raises:
@@ -513,6 +580,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
             than Average or Sum with a codec compressor).
         TypeError: parameter-server options without ``backend="ps"``; a codec
             compressor with parameters that are not float32/float64 CPU tensors.
+
+    With ``sync_every != 1`` or ``node_sync_every`` the constructor is collective: every
+    rank must pass the same settings and parameter shapes (``ValueError`` on every rank
+    otherwise; a rank's bad setting raises there and ``RemoteError`` elsewhere).
     """
     if backend == "ps":
         if (backward_passes_per_step != 1
@@ -526,7 +597,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
 
         if compression is not Compression.none:  # the server compresses pushes and pulls
             ps_options["compression"] = compression
-        return distributed_optimizer(optimizer, named_parameters, **ps_options)
+        return distributed_optimizer(optimizer, named_parameters, sync_every=sync_every,
+                                     node_sync_every=node_sync_every,
+                                     warmup_steps=warmup_steps, average_state=average_state,
+                                     **ps_options)
     if backend != "allreduce":
         raise ValueError(f"backend must be 'allreduce' or 'ps', not {backend!r}")
     if ps_options:
@@ -538,4 +612,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     dist._sparse_as_dense = bool(sparse_as_dense)
     dist._dist_setup(named_parameters, compression, backward_passes_per_step, op,
                      gradient_predivide_factor, groups, process_set)
+    dist._setup_local_sgd(sync_every, node_sync_every, warmup_steps, average_state)
     return dist

@@ -68,6 +68,8 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
+from .local_sgd import NODE, WORLD, Averager, LocalSGD, agree_settings, \
+    check_settings, layout_of
 from .optim_wrapping import check_named_parameters, wrap_optimizer
 from ..ps.core import ParameterServer
 from ..ps.errors import PSError
@@ -296,6 +298,7 @@ class _PSDistributedOptimizer(_PSTraining):
 
     _ps_base: type
     _ps_skip: bool
+    _local_sgd: LocalSGD | None
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Re-evaluate ``closure`` (if given), push the gradients and pull (unless inside
@@ -310,15 +313,85 @@ class _PSDistributedOptimizer(_PSTraining):
             with torch.enable_grad():
                 loss = closure()
         if not self._ps_skip:
-            self.ps_step()
+            self.synchronize()
         if self._local_update:
             self._ps_base.step(self)
+        if self._local_sgd is not None:
+            self._local_sgd.after_step()
         return loss
 
     def synchronize(self) -> None:
-        """Horovod's name for the communication part of ``step()``: push and pull now.
+        """Horovod's name for the communication part of ``step()``: push and pull now
+        (with local SGD: only on the steps that average gradients over every worker;
+        node-level steps average them within the node, local steps keep them).
         Follow it with ``with opt.skip_synchronize(): opt.step()``."""
-        self.ps_step()
+        if self._local_sgd is None:
+            self.ps_step()
+            return
+        grads = self._local_sgd.peek().grads
+        if grads == WORLD:
+            self.ps_step()
+        elif grads == NODE:
+            self._local_sgd.local_gradients(NODE)
+
+    def _push_parameters(self) -> None:
+        """Local SGD's average over every worker: push the parameters through the servers
+        (``server_optimizer='sum'`` averages what the workers push) and pull the average
+        into them; every worker pulls the same bits."""
+        values, out = {}, {}
+        for name, p in self._named.items():
+            view = self._views[name]
+            values[name] = view if view is not None else _as_numpy(p)
+            if view is not None:
+                out[name] = view
+        with torch.no_grad():
+            result = self.ps.push_pull(values, out=out)
+            for name, p in self._named.items():
+                if name not in out:
+                    p.copy_(torch.from_numpy(result[name]).to(p.device))
+
+    @property
+    def local_sgd(self) -> LocalSGD | None:
+        """The local SGD driver (``None`` without ``sync_every``/``node_sync_every``, and
+        on separate server ranks)."""
+        return self._local_sgd
+
+    def _setup_local_sgd(self, settings: dict, server_optimizer: str,
+                         ps_options: dict) -> None:
+        """Validate the local SGD settings; when enabled, agree on them over the workers
+        and build the driver (workers only; separate servers just serve)."""
+        self._local_sgd = None
+        error = None
+        checked = None
+        try:
+            checked = check_settings(**settings)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        if error is None and not checked.enabled:
+            return
+        if error is None and server_optimizer != "sum":
+            error = ValueError(
+                f"sync_every/node_sync_every need server_optimizer='sum': with "
+                f"server_optimizer={server_optimizer!r} the servers own the weights and "
+                f"workers hold no model of their own to step locally")
+        if error is None and ps_options.get("compression") not in (None, "none"):
+            error = ValueError(
+                "sync_every/node_sync_every with backend='ps' push parameters as well as "
+                "gradients; a codec's error feedback would mix the two: use no compression")
+        if not self.ps.is_worker:
+            if error is not None:
+                raise error
+            return
+        params = list(self._named.values())
+        agree_settings(self.ps.worker_comm, error, checked, layout_of(params))
+        self._local_sgd = LocalSGD(self, params, checked, Averager(self.ps.worker_comm),
+                                   average_world_params=self._push_parameters)
+
+    def free(self) -> None:
+        """Release the communicators (after serve/close)."""
+        if self._local_sgd is not None:
+            self._local_sgd.free()
+        self.ps.free()
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -332,7 +405,9 @@ class _PSDistributedOptimizer(_PSTraining):
 
 
 def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,
-                          server_optimizer: str = "sum",
+                          server_optimizer: str = "sum", sync_every: int = 1,
+                          node_sync_every: int | None = None, warmup_steps: int = 0,
+                          average_state: bool = True,
                           **ps_options: Any) -> torch.optim.Optimizer:
     """``DistributedOptimizer(optimizer, named_parameters, backend="ps", **ps_options)``.
 
@@ -352,6 +427,12 @@ def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: An
             ``restore`` ...). With ``"sum"``, ``average``
             defaults to True (gradients averaged over the workers, as with
             ``op=Average``).
+        sync_every, node_sync_every, warmup_steps, average_state: local / hierarchical
+            SGD as in :func:`mpicoll.torch.DistributedOptimizer` (server_optimizer
+            ``"sum"`` only, uncompressed): steps that average the gradients over every
+            worker push and pull them through the servers, world averages of the
+            parameters push the parameters and pull their average, node-level averages
+            and the optimizer state's averages use an all-reduce among the workers.
     Returns:
         An instance of a subclass of ``type(optimizer)`` with ``step()``, ``synchronize()``,
         ``skip_synchronize()``, ``is_server``/``serve()``, ``close()``, ``save()``,
@@ -374,4 +455,7 @@ def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: An
                           _ps_base=optimizer.__class__)
     dist._ps_skip = False
     dist._ps_setup(named, local_update=local, ps_options=options)
+    dist._setup_local_sgd(dict(sync_every=sync_every, node_sync_every=node_sync_every,
+                               warmup_steps=warmup_steps, average_state=average_state),
+                          server_optimizer, ps_options)
     return dist
