@@ -8,7 +8,8 @@ reduce-scatter, all-gather).
 >>> compression.last_stats().bytes_sent                               # doctest: +SKIP
 
 Codecs (:mod:`~mpicoll.compression.codecs`): ``none``, ``fp16``, ``bf16``, ``int8``,
-``onebit``, ``onebit:two``, ``topk:RATIO``, ``randomk:RATIO`` (:func:`get_codec`). Error feedback
+``onebit``, ``onebit:two``, ``topk:RATIO``, ``randomk:RATIO`` (:func:`get_codec`), and ``"auto"`` (:class:`Auto`: the codec a time model predicts
+fastest, chosen alike on every rank). Error feedback
 (:class:`ErrorFeedback`) is on by default for lossy codecs (off by default in the
 all-gather, whose typical data are parameters). See docs/compression.md.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 from .. import faults
 from .allgather import allgather
 from .allreduce import allreduce
+from .auto import Auto
 from .codecs import (CODECS, BF16Codec, Codec, FP16Codec, Int8Codec, NoneCodec, OneBitCodec,
                      RandomKCodec, TopKCodec, TwoScaleOneBitCodec, get_codec, new_payload)
 from .feedback import ErrorFeedback, tensor_feedback
@@ -27,7 +29,7 @@ __all__ = ["allreduce", "reduce_scatter", "allgather", "last_stats", "AllreduceS
            "CollectiveStats", "get_codec", "new_payload", "Codec",
            "NoneCodec", "FP16Codec", "BF16Codec", "Int8Codec", "OneBitCodec",
            "TwoScaleOneBitCodec", "TopKCodec", "RandomKCodec", "CODECS", "ErrorFeedback",
-           "tensor_feedback"]
+           "tensor_feedback", "Auto"]
 
 if faults.ENABLED:  # ULFM on: a process failure raises ProcessFailedError (mpicoll.faults)
     allreduce = faults.guard(allreduce)

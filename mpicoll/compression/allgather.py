@@ -24,6 +24,7 @@ from ..context import get_context, resolve_comm
 from .arguments import (agreed, array_view, check_feedback, check_side, compensated,
                         feedback_store, named_codec)
 from . import namespace
+from .auto import Auto, resolve
 from .node import flat_split
 from .ring import payload_allgather
 from .stats import CollectiveStats, fill, record
@@ -58,8 +59,9 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, compression: 
             ``(size * sendbuf.shape[0], *sendbuf.shape[1:])`` (``(size,)`` for 0-d input).
         comm: mpi4py intracommunicator (``None``: ``COMM_WORLD``).
         compression: a codec name (``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``,
-            ``"onebit"``, ``"topk:RATIO"``, ``"randomk:RATIO"``) or a
-            :class:`~mpicoll.compression.codecs.Codec`.
+            ``"onebit"``, ``"topk:RATIO"``, ``"randomk:RATIO"``), a
+            :class:`~mpicoll.compression.codecs.Codec`, or ``"auto"`` (the candidate the
+            time model predicts fastest, as for :func:`~mpicoll.compression.allreduce`).
         feedback: error feedback on this rank's block. ``None`` (default) and ``False``:
             off (see the module docstring); ``True``: on, the residual kept with the input
             array object; an :class:`ErrorFeedback`: on, kept there under ``key``.
@@ -80,13 +82,16 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, compression: 
         codec, x, out, result, owner = _validate(sendbuf, recvbuf, compression, feedback,
                                                  ctx.size, ctx.rank)
         store, fb_key = feedback_store(codec, feedback, key, owner, x, default=False)
-        return ((codec, x, out, result, store, fb_key),
+        return ((codec, x, out, result, store, fb_key, owner),
                 dict(count=x.size, dtype=str(x.dtype), algorithm=codec.name))
 
-    codec, x, out, result, store, fb_key = agreed(ctx, check, "compression.allgather",
-                                                  validate)
+    codec, x, out, result, store, fb_key, owner = agreed(ctx, check, "compression.allgather",
+                                                         validate)
+    choice = None
+    if isinstance(codec, Auto):     # every rank is here: the agreement passed
+        codec, choice = resolve(ctx, codec, x, "flat", 0, store is not None, "allgather")
     stats = record(CollectiveStats(codec.name, x.size, str(x.dtype), ctx.size,
-                                   collective="allgather"))
+                                   collective="allgather", choice=choice))
     if x.size == 0:
         return result
     y, res = compensated(store, fb_key, x)

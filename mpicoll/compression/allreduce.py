@@ -29,6 +29,7 @@ from .arguments import (DEFAULT_SEGMENT_BYTES, agreed, array_view, check_feedbac
                         check_side, compensated, feedback_store, named_codec, resolve_op,
                         segment_size)
 from . import namespace
+from .auto import Auto, resolve
 from .node import check_layout, flat_split, node_allreduce, resolve_layout
 from .ring import TAG_AG, TAG_RS, TAG_SPARSE, dense_ring, sparse_allgather
 from .stats import AllreduceStats, CollectiveStats, fill, last_stats, record
@@ -73,8 +74,12 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
         op: ``"sum"`` or ``"average"`` (sum, then one division by the world size).
         comm: mpi4py intracommunicator (``None``: ``COMM_WORLD``).
         compression: a codec name (``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``,
-            ``"onebit"``, ``"topk:RATIO"``, ``"randomk:RATIO"``) or a
-            :class:`~mpicoll.compression.codecs.Codec`.
+            ``"onebit"``, ``"topk:RATIO"``, ``"randomk:RATIO"``), a
+            :class:`~mpicoll.compression.codecs.Codec`, or ``"auto"``
+            (:class:`~mpicoll.compression.auto.Auto`): the candidate codec the time model
+            predicts fastest for this size and layout, the same on every rank
+            (:func:`last_stats` says which and why; docs/compression.md, *Automatic
+            choice*).
         feedback: error feedback. ``None`` (default): on for lossy codecs, with the
             residual kept with the input array object (freed with it; see
             :func:`~mpicoll.compression.feedback.tensor_feedback`); ``True`` the same for
@@ -111,14 +116,19 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
         store, fb_key = feedback_store(codec, feedback, key, owner, x)
         shape = resolve_layout(ctx, layout, device=not namespace.is_host_module(
             namespace.array_module(x)))
-        return ((codec, opname, x, out, result, store, fb_key, seg, shape),
+        return ((codec, opname, x, out, result, store, fb_key, seg, shape, owner),
                 dict(count=x.size, dtype=str(x.dtype), op=opname, algorithm=codec.name,
                      resolved=f"layout={shape}", segment_bytes=seg))
 
-    codec, opname, x, out, result, store, fb_key, seg, shape = agreed(
+    codec, opname, x, out, result, store, fb_key, seg, shape, owner = agreed(
         ctx, check, "compression.allreduce", validate)
     n = ctx.size
-    stats = record(CollectiveStats(codec.name, x.size, str(x.dtype), n, shape))
+    choice = None
+    if isinstance(codec, Auto):     # every rank is here: the agreement passed
+        codec, choice = resolve(ctx, codec, x, shape, seg, feedback)
+        store, fb_key = feedback_store(codec, feedback, key, owner, x)
+    stats = record(CollectiveStats(codec.name, x.size, str(x.dtype), n, shape,
+                                   choice=choice))
     if x.size == 0:
         return result
     y, res = compensated(store, fb_key, x)

@@ -20,7 +20,8 @@ from ..checked import agree
 from ..context import CommContext
 from ..gpu import arrays as device_arrays
 from . import namespace
-from .codecs import Codec, get_codec
+from .auto import codec_from_spec
+from .codecs import Codec
 from .feedback import ErrorFeedback, tensor_feedback
 
 __all__ = ["OPS", "DEFAULT_SEGMENT_BYTES", "named_codec", "resolve_op", "segment_size",
@@ -40,7 +41,8 @@ _named_codecs: dict[str, Codec] = {}
 
 
 def named_codec(spec: Any) -> Codec:
-    """The codec of ``compression=``: one object per name and process, or the codec given.
+    """The codec of ``compression=``: one object per name and process, or the codec given
+    (``"auto"`` and ``"auto:..."``: an :class:`~.auto.Auto`, resolved per call).
 
     Raises:
         ValueError, TypeError: an unknown name or a bad ratio (:func:`get_codec`).
@@ -48,9 +50,9 @@ def named_codec(spec: Any) -> Codec:
     if isinstance(spec, str):
         codec = _named_codecs.get(spec)
         if codec is None:
-            codec = _named_codecs[spec] = get_codec(spec)
+            codec = _named_codecs[spec] = codec_from_spec(spec)
         return codec
-    return get_codec(spec)
+    return codec_from_spec(spec)
 
 
 def resolve_op(op: Any, collective: str) -> str:

@@ -21,6 +21,7 @@ from ..context import get_context, resolve_comm
 from .arguments import (agreed, array_view, check_feedback, check_side, compensated,
                         feedback_store, named_codec, resolve_op, segment_size)
 from . import namespace
+from .auto import Auto, resolve
 from .node import flat_split, node_peers
 from .ring import dense_reduce_scatter
 from .sparse_scatter import sparse_reduce_scatter
@@ -59,8 +60,9 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
         op: ``"sum"`` or ``"average"`` (sum, then one division by the world size).
         comm: mpi4py intracommunicator (``None``: ``COMM_WORLD``).
         compression: a codec name (``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``,
-            ``"onebit"``, ``"topk:RATIO"``, ``"randomk:RATIO"``) or a
-            :class:`~mpicoll.compression.codecs.Codec`.
+            ``"onebit"``, ``"topk:RATIO"``, ``"randomk:RATIO"``), a
+            :class:`~mpicoll.compression.codecs.Codec`, or ``"auto"`` (the candidate the
+            time model predicts fastest, as for :func:`~mpicoll.compression.allreduce`).
         feedback: error feedback, as for :func:`~mpicoll.compression.allreduce` (on by
             default for lossy codecs); the residual has the size of ``sendbuf``.
         key: the residual's key in an explicit ``feedback`` object.
@@ -83,14 +85,18 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
         codec, opname, x, out, result, owner, seg = _validate(
             sendbuf, recvbuf, op, compression, feedback, segment_bytes, ctx.size, ctx.rank)
         store, fb_key = feedback_store(codec, feedback, key, owner, x)
-        return ((codec, opname, x, out, result, store, fb_key, seg),
+        return ((codec, opname, x, out, result, store, fb_key, seg, owner),
                 dict(count=x.size, dtype=str(x.dtype), op=opname, algorithm=codec.name,
                      segment_bytes=seg))
 
-    codec, opname, x, out, result, store, fb_key, seg = agreed(
+    codec, opname, x, out, result, store, fb_key, seg, owner = agreed(
         ctx, check, "compression.reduce_scatter", validate)
+    choice = None
+    if isinstance(codec, Auto):     # every rank is here: the agreement passed
+        codec, choice = resolve(ctx, codec, x, "flat", seg, feedback, "reduce_scatter")
+        store, fb_key = feedback_store(codec, feedback, key, owner, x)
     stats = record(CollectiveStats(codec.name, x.size, str(x.dtype), ctx.size,
-                                   collective="reduce_scatter"))
+                                   collective="reduce_scatter", choice=choice))
     if x.size == 0:
         return result
     y, res = compensated(store, fb_key, x)

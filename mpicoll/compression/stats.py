@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["CollectiveStats", "AllreduceStats", "last_stats", "record", "fill"]
 
@@ -35,6 +36,10 @@ class CollectiveStats:
             reduce-scatter: the uncompressed ring reduce-scatter, every block but this
             rank's; all-gather: the uncompressed ring all-gather, ``n - 1`` blocks).
         collective: ``"allreduce"``, ``"reduce_scatter"`` or ``"allgather"``.
+        choice: with ``compression="auto"``, the
+            :class:`~mpicoll.compression.cost_model.Choice`: the chosen codec (also in
+            ``codec``), the predicted seconds of every candidate, the model's inputs
+            (latency, bandwidth, codec speeds) and the reason; ``None`` otherwise.
     """
 
     codec: str
@@ -49,6 +54,7 @@ class CollectiveStats:
     dense_bytes: int = 0
     extra: dict = field(default_factory=dict)
     collective: str = "allreduce"
+    choice: Any = None
 
     @property
     def ratio(self) -> float:

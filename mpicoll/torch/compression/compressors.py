@@ -5,7 +5,8 @@ Horovod's interface: ``compress(tensor) -> (tensor, ctx)`` runs before the all-r
 are. ``Compression.none`` and ``Compression.fp16`` (float16 on the wire, cast back after)
 work that way, and so does any user-defined :class:`Compressor`.
 
-``Compression.bf16``, ``.int8``, ``.onebit``, ``.topk(ratio)`` and ``.randomk(ratio)`` are
+``Compression.bf16``, ``.int8``, ``.onebit``, ``.topk(ratio)``, ``.randomk(ratio)`` and
+``.auto`` (a codec chosen per reduction: :mod:`mpicoll.compression.auto`) are
 :class:`CodecCompressor` objects wrapping an :mod:`mpicoll.compression` codec: their
 payloads (scales and int8 values, packed sign bits, index/value pairs) cannot be summed as
 they are, so ``DistributedOptimizer`` reduces them with
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from ...compression import Codec, RandomKCodec, TopKCodec, get_codec
+from ...compression.auto import codec_from_spec
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "CodecCompressor",
            "Compression", "codec_of"]
@@ -98,7 +100,10 @@ class CodecCompressor(Compressor):
 
     Args:
         codec: a codec or a codec name (``"int8"``, ``"int8:512:stochastic"``,
-            ``"onebit"``, ``"topk:0.01"``...; see :func:`mpicoll.compression.get_codec`).
+            ``"onebit"``, ``"topk:0.01"``...; see :func:`mpicoll.compression.get_codec`),
+            or ``"auto"`` / :class:`mpicoll.compression.Auto`: each reduction uses the
+            candidate codec a time model predicts fastest for its size, the same on every
+            rank (docs/compression.md, *Automatic choice*).
         feedback: keep what compression dropped and add it to the next step's gradient
             (default: on for lossy codecs, which is every codec but ``none``).
         momentum: (``DistributedOptimizer`` only) ``0.0`` (default): each rank compresses
@@ -129,7 +134,7 @@ class CodecCompressor(Compressor):
 
     def __init__(self, codec: Codec | str, feedback: bool | None = None,
                  momentum: float = 0.0, warmup: int = 0) -> None:
-        self.codec = get_codec(codec, "compression")
+        self.codec = codec_from_spec(codec, "compression")
         if feedback is not None and not isinstance(feedback, bool):
             raise TypeError(f"feedback must be True, False or None, not "
                             f"{type(feedback).__name__}")
@@ -222,7 +227,9 @@ class Compression:
     ``Compression.onebit.with_momentum(0.9)`` (and ``momentum=`` on the constructors)
     compresses the ranks' local momentum instead of their gradients;
     ``.with_warmup(steps)`` (and ``warmup=`` on the constructors) runs the first ``steps``
-    optimizer steps uncompressed.
+    optimizer steps uncompressed. ``auto`` (and ``from_codec("auto:none,int8")``,
+    ``from_codec(mpicoll.compression.Auto(...))``) picks a codec per reduction where a time
+    model predicts it pays.
     """
 
     none = NoneCompressor
@@ -230,6 +237,9 @@ class Compression:
     bf16 = CodecCompressor("bf16")
     int8 = CodecCompressor("int8")
     onebit = CodecCompressor("onebit")
+    #: ``compression="auto"``: per fused run, the codec among ``none``, ``bf16``,
+    #: ``int8`` and ``topk:0.01`` the time model predicts fastest (error feedback on).
+    auto = CodecCompressor("auto")
 
     @staticmethod
     def topk(ratio: float, feedback: bool = True, momentum: float = 0.0,

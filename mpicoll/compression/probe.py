@@ -1,0 +1,193 @@
+"""Measurements behind ``compression="auto"``: the codecs' speed on this machine (local,
+once per process and array module) and the link's latency and bandwidth (collective, once
+per communicator), agreed across ranks so that every rank holds the same numbers.
+
+- :func:`codec_speeds`: each codec's ``encode`` and ``decode`` timed on float32 vectors
+  of :data:`SMALL_BYTES` and :data:`LARGE_BYTES` (medians of a few runs, interleaved
+  across codecs): rate = the large size over the time difference, overhead = what is
+  left of the small time. The same for one ``add`` (the reductions every codec pays).
+  Cached per process (another process, or another array module, measures again).
+- :func:`measure_link`: every rank sends :data:`PROBE_SMALL` and then
+  :data:`PROBE_LARGE` bytes to its right neighbour in a ring while receiving from its
+  left one (what one step of the ring schedules does), a few times each; the medians.
+- :func:`agree_inputs`: one ``Allreduce(MAX)`` of every rank's figures: the slowest
+  rank's codec and the slowest link set the ring's pace, and the result is the same bits
+  on every rank (so the choice is too).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from . import namespace
+from .codecs import get_codec, new_payload
+from .cost_model import ModelInputs, Speed
+
+__all__ = ["codec_speeds", "measure_link", "agree_inputs", "SMALL_BYTES", "LARGE_BYTES",
+           "PROBE_SMALL", "PROBE_LARGE", "TAG_PROBE", "clear"]
+
+#: Sizes of the codec timings (bytes of float32 input).
+SMALL_BYTES = 16 << 10
+LARGE_BYTES = 2 << 20
+
+#: Sizes of the link probe's messages (bytes).
+PROBE_SMALL = 8
+PROBE_LARGE = 1 << 20
+
+#: Tag of the link probe's messages on the context's private communicator.
+TAG_PROBE = 105
+
+_REPEATS = 5
+
+_lock = threading.Lock()
+#: (array module name, codec name) -> (encode Speed, decode Speed); "add" for the adds.
+_speeds: dict[tuple[str, str], tuple[Speed, Speed]] = {}
+
+
+def clear() -> None:
+    """Forget the measured codec speeds (the next use measures again)."""
+    with _lock:
+        _speeds.clear()
+
+
+def _waiter(like: Any) -> Callable[[], None]:
+    """A function that waits for the work queued on ``like``'s side (nothing on the host)."""
+    if namespace.is_host_module(namespace.array_module(like)):
+        return lambda: None
+    from ..gpu.route import synchronise  # noqa: PLC0415  (device arrays only)
+    return lambda: synchronise(like)
+
+
+def _timed(fn: Callable[[], Any], wait: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    wait()
+    return time.perf_counter() - start
+
+
+def _speed(small: float, large: float) -> Speed:
+    """``Speed`` from the median times at :data:`SMALL_BYTES` and :data:`LARGE_BYTES`."""
+    span = max(large - small, 1e-9)
+    rate = (LARGE_BYTES - SMALL_BYTES) / span
+    return Speed(max(0.0, small - SMALL_BYTES / rate), rate)
+
+
+def _measure(names: Sequence[str], like: Any) -> None:
+    """Time encode and decode of every codec in ``names`` (and ``add``) into the cache."""
+    wait = _waiter(like)
+    rng = np.random.default_rng(12345)
+    data = {}
+    for size in (SMALL_BYTES, LARGE_BYTES):
+        x = rng.standard_normal(size // 4).astype(np.float32)
+        data[size] = namespace.to_side(x, like)
+    xp = namespace.array_module(like)
+    jobs: dict[tuple[str, str, int], Callable[[], Any]] = {}
+    for name in names:
+        codec = get_codec(name)
+        for size, x in data.items():
+            payload = new_payload(codec, x.size, x.dtype, like=x)[1]
+            out = xp.empty_like(x)
+            jobs[(name, "encode", size)] = (lambda c=codec, x=x, p=payload: c.encode(x, p))
+            codec.encode(x, payload)
+            jobs[(name, "decode", size)] = (lambda c=codec, p=payload, x=x, o=out:
+                                            c.decode(p, x.size, x.dtype, out=o))
+    for size, x in data.items():
+        out = xp.empty_like(x)
+        jobs[("add", "add", size)] = (lambda x=x, o=out: xp.add(x, x, out=o))
+    for job in jobs.values():                     # warm up (allocations, caches)
+        job()
+    times: dict[tuple[str, str, int], list[float]] = {k: [] for k in jobs}
+    for _ in range(_REPEATS):                     # interleaved: load hits every codec alike
+        for key, job in jobs.items():
+            times[key].append(_timed(job, wait))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    module = xp.__name__
+    for name in list(names) + ["add"]:
+        ops = ("add", "add") if name == "add" else ("encode", "decode")
+        _speeds[(module, name)] = tuple(
+            _speed(med[(name, op, SMALL_BYTES)], med[(name, op, LARGE_BYTES)])
+            for op in ops)
+
+
+def codec_speeds(names: Sequence[str], like: Any = None
+                 ) -> tuple[dict[str, Speed], dict[str, Speed], Speed]:
+    """This process's encode and decode :class:`Speed` per codec name, and the add's
+    (measured on first use in ``like``'s array module, numpy when ``None``; cached).
+
+    ``none`` is always measured too (the model uses its encode, a copy, for zero fills
+    and intra-node copies).
+    """
+    like = np.empty(0, np.float32) if like is None else like
+    module = namespace.array_module(like).__name__
+    wanted = list(dict.fromkeys(["none", *names]))
+    with _lock:
+        missing = [n for n in wanted if (module, n) not in _speeds]
+        if missing or (module, "add") not in _speeds:
+            _measure(missing or ["none"], like)
+        enc = {n: _speeds[(module, n)][0] for n in wanted}
+        dec = {n: _speeds[(module, n)][1] for n in wanted}
+        return enc, dec, _speeds[(module, "add")][0]
+
+
+def measure_link(comm: MPI.Intracomm, repeats: int = _REPEATS) -> tuple[float, float]:
+    """``(latency, seconds per byte)`` of one ring step as this rank saw it: the median
+    time of a :data:`PROBE_SMALL`-byte step, and the median time of a
+    :data:`PROBE_LARGE`-byte step less that, per byte (collective over ``comm``;
+    ``(0, 0)`` for one rank)."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    if n == 1:
+        return 0.0, 0.0
+    left, right = (rank - 1) % n, (rank + 1) % n
+    out = []
+    for size in (PROBE_SMALL, PROBE_LARGE):
+        send = np.zeros(size, np.uint8)
+        recv = np.empty(size, np.uint8)
+        times = []
+        for i in range(repeats + 1):
+            comm.Barrier()
+            start = time.perf_counter()
+            comm.Sendrecv([send, MPI.BYTE], right, TAG_PROBE, [recv, MPI.BYTE], left,
+                          TAG_PROBE)
+            if i:                                  # the first one warms the connection
+                times.append(time.perf_counter() - start)
+        out.append(statistics.median(times))
+    return out[0], max(out[1] - out[0], 1e-12) / (PROBE_LARGE - PROBE_SMALL)
+
+
+def agree_inputs(comm: MPI.Intracomm, enc: dict[str, Speed], dec: dict[str, Speed],
+                 add: Speed, link: tuple[float, float], source: str) -> ModelInputs:
+    """The model's inputs, identical on every rank: ``Allreduce(MAX)`` of every rank's
+    codec overheads and seconds per byte, and of its link figures.
+
+    Args:
+        enc, dec, add: this rank's speeds (the same codec names, in the same order, on
+            every rank).
+        link: ``(latency, seconds per byte)`` as this rank has them (measured with
+            :func:`measure_link`, or given); ``(0, 0)``: no link (one rank).
+        source: where the link figures come from (``"measured"`` or a description).
+    """
+    names = list(enc)
+    row = []
+    for n in names:
+        row += [enc[n].overhead, 1.0 / enc[n].rate, dec[n].overhead, 1.0 / dec[n].rate]
+    row += [add.overhead, 1.0 / add.rate, float(link[0]), float(link[1])]
+    mine = np.array(row, dtype=np.float64)
+    agreed = np.empty_like(mine)
+    comm.Allreduce(mine, agreed, op=MPI.MAX)
+    a = agreed.tolist()
+    enc_a, dec_a = {}, {}
+    for i, n in enumerate(names):
+        o = 4 * i
+        enc_a[n] = Speed(a[o], 1.0 / a[o + 1])
+        dec_a[n] = Speed(a[o + 2], 1.0 / a[o + 3])
+    o = 4 * len(names)
+    add_a = Speed(a[o], 1.0 / a[o + 1])
+    latency, per_byte = a[o + 2], a[o + 3]
+    bandwidth = 1.0 / per_byte if per_byte > 0 else math.inf
+    return ModelInputs(latency, bandwidth, enc_a, dec_a, add_a, source)
