@@ -1,0 +1,66 @@
+"""mpicoll as a ``torch.distributed`` backend: ``dist.init_process_group("mpicoll")``.
+
+Importing this package (``import mpicoll.torch`` does it) registers the backend name
+``"mpicoll"`` with :meth:`torch.distributed.Backend.register_backend` and lets
+``init_process_group`` start under ``mpirun`` with no rendezvous argument::
+
+    import torch.distributed as dist
+    import mpicoll.torch  # registers "mpicoll"
+    dist.init_process_group("mpicoll")        # mpirun -n N python train.py
+
+Modules: :mod:`.startup` (the ``env://`` rendezvous from MPI), :mod:`.process_group`
+(:class:`MPIProcessGroup`, :class:`Options`), :mod:`.work` (``Work`` objects, the
+communication thread of each group), :mod:`.p2p` (send/recv), :mod:`.staging` (device
+tensors through host memory), :mod:`.tensors` (reduce ops, host views), :mod:`.groups`
+(:func:`monitored_barrier`, :func:`split_group`). Reference: docs/torch_distributed.md.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from .groups import monitored_barrier, split_group
+from .process_group import BACKEND, MPIProcessGroup, Options
+from .startup import install_env_handler, mpi_rendezvous, world
+from .tensors import op_name as _op_name  # noqa: F401  (kept for callers of the old module)
+
+__all__ = ["BACKEND", "MPIProcessGroup", "Options", "register", "mpi_rendezvous",
+           "monitored_barrier", "split_group"]
+
+
+def _create(opts: Any, backend_options: Any = None) -> MPIProcessGroup:
+    """torch's backend constructor (extended API): the group's communicator from MPI."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    comm_world = world()
+    ranks = list(opts.global_ranks_in_group)
+    if not ranks:  # the default group: every MPI process, ranks as MPI's
+        if (opts.group_rank != comm_world.Get_rank()
+                or opts.group_size != comm_world.Get_size()):
+            raise RuntimeError(
+                f"the mpicoll backend got rank {opts.group_rank} of {opts.group_size} from "
+                f"torch's rendezvous, but MPI says rank {comm_world.Get_rank()} of "
+                f"{comm_world.Get_size()}: start every process with mpirun, and where RANK "
+                f"and WORLD_SIZE are set they must equal MPI's")
+        comm = comm_world.Dup()
+    else:
+        group = comm_world.Get_group().Incl(ranks)
+        comm = comm_world.Create_group(group)
+        group.Free()
+        if comm == MPI.COMM_NULL or comm.Get_rank() != opts.group_rank:
+            raise RuntimeError(f"the mpicoll backend could not build group {ranks}: "
+                               f"default group and MPI.COMM_WORLD differ")
+    return MPIProcessGroup(comm, comm.Get_rank(), comm.Get_size(), opts.timeout,
+                           backend_options)
+
+
+def register() -> None:
+    """Register ``"mpicoll"`` with torch and the MPI fallback of ``env://`` (idempotent)."""
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True,
+                                      devices=["cpu", "cuda"])
+    install_env_handler()
+
+
+register()

@@ -1,0 +1,76 @@
+"""Group helpers torch reserves for other backends, for "mpicoll" groups.
+
+- :func:`monitored_barrier`: torch's ``dist.monitored_barrier`` refuses every backend
+  but gloo; this one runs gloo's protocol on an mpicoll group.
+- :func:`split_group`: torch's ``dist.split_group`` needs an accelerator and a C++
+  backend that splits communicators; this one gives the same result (this rank's
+  subgroup, or ``None``) through ``dist.new_group(..., use_local_synchronization=True)``,
+  whose communicator only the subgroup's members create.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["monitored_barrier", "split_group"]
+
+
+def _mpicoll_group(group: Any, what: str) -> Any:
+    from .process_group import MPIProcessGroup  # noqa: PLC0415
+
+    pg = dist.group.WORLD if group is None else group
+    if not isinstance(pg, MPIProcessGroup):
+        raise ValueError(f"{what} takes an mpicoll process group, not {type(pg).__name__}")
+    return pg
+
+
+def monitored_barrier(group: Any = None, timeout: timedelta | None = None,
+                      wait_all_ranks: bool = False) -> None:
+    """A barrier that names the ranks that do not arrive (gloo's semantics).
+
+    Args:
+        group: an mpicoll process group (``None``: the default group).
+        timeout: how long rank 0 waits for the others (``None``: the group's timeout).
+        wait_all_ranks: name every missing rank, not only the first.
+    Raises:
+        RuntimeError: on rank 0, ``"Rank 2 failed to pass monitoredBarrier in 1000 ms"``;
+            on the others, that rank 0 did not release them in time.
+    """
+    pg = _mpicoll_group(group, "monitored_barrier")
+    if dist.get_rank(pg) < 0:
+        return
+    pg.monitored_barrier(timeout, wait_all_ranks)
+
+
+def split_group(parent_pg: Any = None, split_ranks: list[list[int]] | None = None,
+                timeout: timedelta | None = None, pg_options: Any = None,
+                group_desc: str | None = None) -> Any:
+    """``dist.split_group`` for mpicoll groups: every rank of ``parent_pg`` calls it with
+    the same disjoint ``split_ranks`` (ranks of the parent group).
+
+    Returns:
+        The subgroup holding this rank, or ``None`` if no list names it.
+    """
+    if not split_ranks:
+        raise ValueError("split_ranks cannot be None or empty")
+    parent = _mpicoll_group(parent_pg, "split_group")
+    me = dist.get_rank(parent)
+    seen: set[int] = set()
+    mine = None
+    for ranks in split_ranks:
+        if not ranks or len(ranks) != len(set(ranks)):
+            raise ValueError(f"split group {ranks} is empty or repeats a rank")
+        if seen & set(ranks):
+            raise ValueError(f"split groups overlap: {sorted(seen & set(ranks))}")
+        if not all(0 <= r < parent.size() for r in ranks):
+            raise ValueError(f"split group {ranks} names ranks outside the parent group")
+        seen |= set(ranks)
+        if me in ranks:
+            mine = sorted(ranks)
+    if mine is None:
+        return None
+    global_ranks = [dist.get_global_rank(parent, r) for r in mine]
+    return dist.new_group(global_ranks, timeout=timeout, pg_options=pg_options,
+                          use_local_synchronization=True, group_desc=group_desc)

@@ -1,0 +1,636 @@
+""":class:`MPIProcessGroup`: a torch process group whose operations are mpicoll's.
+
+Each group owns an MPI communicator (ranks in group order), a duplicate of it for
+point-to-point messages, and a communication thread (:class:`~.work.GroupWorker`) on
+which its collectives run in call order; every call returns a :class:`~.work.MPIWork` at
+once (``async_op=False`` is torch waiting on it).
+
+Reductions, broadcast, all-gather and reduce-scatter run mpicoll's collectives
+(``algorithm="auto"``; :class:`Options` or ``MPICOLL_ALLREDUCE_ALGORITHM`` force the
+all-reduce's, ``MPICOLL_ALGORITHM`` every collective's); gather, scatter, the all-to-alls
+and barriers run MPI's own (``MPI_Gather``, ``MPI_Scatter``, ``MPI_Alltoallv``,
+``MPI_Barrier``), recorded for the stall inspector and timeline like mpicoll's.
+
+Checking (:class:`Options` ``check``): before a checked call runs, the group's ranks
+agree on it (:func:`mpicoll.checked.agree`: one small ``MPI_Allgather``): a rank whose own
+arguments were bad raises its ``ValueError``/``TypeError`` and the others
+:class:`mpicoll.RemoteError`; ranks that disagree on the operation, count, dtype, op or
+root all raise :class:`mpicoll.MismatchError`. The all-to-alls also check that each
+rank's send splits equal its peers' receive splits.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from ... import collectives, config, tracking
+from ...buffers import IN_PLACE
+from ...checked import agree
+from ...context import get_context
+from ..engine.settings import allreduce_algorithm
+from . import p2p
+from .staging import Staging
+from .tensors import (Host, byte_view, check_reduce_dtype, check_tensor, op_label, op_name,
+                      premul_factor)
+from .work import MPIWork, GroupWorker, seconds
+
+__all__ = ["MPIProcessGroup", "Options", "BACKEND"]
+
+#: The backend name for ``dist.init_process_group``.
+BACKEND = "mpicoll"
+
+_CHECKS = ("every", "first")
+#: What monitored_barrier's messages carry (kept alive while sends are pending).
+_TOKEN = np.zeros(1, dtype=np.uint8)
+_SINK = np.zeros(1, dtype=np.uint8)
+_serial = itertools.count()
+
+
+class Options:
+    """Options of an mpicoll process group: ``init_process_group("mpicoll",
+    pg_options=Options(...))`` or ``new_group(..., pg_options=Options(...))``.
+
+    Args:
+        algorithm: the all-reduce algorithm (a name registered for ``allreduce``, or
+            ``"auto"``); ``None``: ``MPICOLL_ALLREDUCE_ALGORITHM``, else ``"auto"``.
+        check: ``"every"`` (default): every collective call is agreed on first, so bad or
+            mismatched arguments raise on every rank instead of hanging; ``"first"``: only
+            the first call of each kind (unless ``MPICOLL_CHECK=1``).
+    """
+
+    def __init__(self, algorithm: str | None = None, check: str = "every") -> None:
+        if check not in _CHECKS:
+            raise ValueError(f"check={check!r}; choose one of {', '.join(_CHECKS)}")
+        self.algorithm = algorithm
+        self.check = check
+        self._timeout = timedelta(minutes=30)
+
+
+def _dtype_field(tensors: list[torch.Tensor]) -> str:
+    return ",".join(sorted({str(t.dtype) for t in tensors}))
+
+
+def _count(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() for t in tensors)
+
+
+def _numbers(values: Any) -> list[int]:
+    return [int(v) for v in values]
+
+
+class MPIProcessGroup(dist.ProcessGroup):
+    """A torch process group whose collectives are mpicoll's, on its own MPI communicator.
+
+    Args:
+        comm: the communicator (private to this group; ranks in group order).
+        rank: this process's rank in the group (equals ``comm``'s).
+        size: the group's size (equals ``comm``'s).
+        timeout: the group's timeout: ``Work.wait()``'s default limit.
+        options: :class:`Options` (``None``: the defaults).
+    """
+
+    def __init__(self, comm: Any, rank: int, size: int, timeout: Any = None,
+                 options: Options | None = None) -> None:
+        super().__init__(rank, size)
+        self.comm = comm
+        self.options = options if isinstance(options, Options) else Options()
+        self._p2p = comm.Dup()
+        self._ctx = get_context(comm)
+        self._checked: set[str] = set()
+        self._algorithm = self.options.algorithm or allreduce_algorithm()
+        self._timeout = seconds(timeout)
+        self._worker = GroupWorker(f"mpicoll-pg{next(_serial)}", self._timeout)
+        self._monitored = 0
+
+    # --- the call path ----------------------------------------------------------------
+    def _check(self, kind: str) -> bool:
+        """Whether this call is agreed on first (decided alike on every rank)."""
+        if self.options.check == "every" or config.check_enabled():
+            return True
+        if kind in self._checked:
+            return False
+        self._checked.add(kind)
+        return True
+
+    def _call(self, kind: str, stage: Staging, run: Callable[[], Any] | None,
+              error: BaseException | None = None,
+              splits: Callable[[], BaseException | None] | None = None,
+              **fields: Any) -> MPIWork:
+        """Queue ``run`` on the group's thread, after the agreement step where this call
+        is checked; a local ``error`` raises at once where it is not."""
+        check = self._check(kind)
+        if error is not None and not check:
+            raise error
+
+        def task() -> Any:
+            if check:
+                agree(self._ctx, error, collective=kind, **fields)
+                if splits is not None:
+                    agree(self._ctx, splits(), collective=f"{kind} (splits)")
+            stage.before()
+            result = run()
+            stage.after()
+            return result
+
+        return self._worker.submit(kind, task)
+
+    def _native(self, name: str, fn: Callable[[], Any], **info: Any) -> Any:
+        """Run MPI's own collective ``fn``, recorded for the stall inspector/timeline."""
+        if tracking.wanted():
+            return tracking.recorded(self._ctx.tracker,
+                                     tracking.CallInfo(name, algorithm="native", **info), fn)()
+        return fn()
+
+    def _allreduce_host(self, tensor: torch.Tensor, op: str, factor: Any) -> None:
+        host = Host(tensor, True, factor)
+        collectives.allreduce(IN_PLACE, host.array, op=op, comm=self.comm,
+                              algorithm=self._algorithm, check=False)
+        host.finish()
+
+    # --- torch's ProcessGroup interface -------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return BACKEND
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts or dist.AllreduceOptions()
+        stage = Staging()
+        try:
+            op, factor = op_name(opts.reduceOp), premul_factor(opts.reduceOp)
+            for t in tensors:
+                check_reduce_dtype(check_tensor(t, "tensor"), op)
+            hosts = [stage.host(t, load=True, store=True) for t in tensors]
+        except (TypeError, ValueError) as exc:
+            return self._call("allreduce", stage, None, exc)
+
+        def run() -> list[torch.Tensor]:
+            for host in hosts:
+                self._allreduce_host(host, op, factor)
+            return tensors
+
+        return self._call("allreduce", stage, run, count=_count(tensors),
+                          dtype=_dtype_field(tensors), op=op_label(opts.reduceOp))
+
+    allreduce_coalesced = allreduce   # one all-reduce per tensor, same options
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts or dist.BroadcastOptions()
+        stage = Staging()
+        try:
+            root = opts.rootRank
+            if not 0 <= root < self.size():
+                raise ValueError(f"broadcast root {root} is not a rank of the group")
+            hosts = [stage.host(check_tensor(t, "tensor"), load=True, store=True)
+                     for t in tensors]
+        except (TypeError, ValueError) as exc:
+            return self._call("broadcast", stage, None, exc)
+
+        def run() -> list[torch.Tensor]:
+            for tensor in hosts:
+                host = Host(tensor)
+                collectives.broadcast(host.array, root=root, comm=self.comm, check=False)
+                host.finish()
+            return tensors
+
+        return self._call("broadcast", stage, run, count=_count(tensors),
+                          dtype=_dtype_field(tensors), root=root)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts or dist.ReduceOptions()
+        stage = Staging()
+        try:
+            op, factor = op_name(opts.reduceOp), premul_factor(opts.reduceOp)
+            root = opts.rootRank
+            if not 0 <= root < self.size():
+                raise ValueError(f"reduce root {root} is not a rank of the group")
+            for t in tensors:
+                check_reduce_dtype(check_tensor(t, "tensor"), op)
+            hosts = [stage.host(t, load=True, store=self.rank() == root) for t in tensors]
+        except (TypeError, ValueError) as exc:
+            return self._call("reduce", stage, None, exc)
+
+        def run() -> list[torch.Tensor]:
+            for tensor in hosts:
+                host = Host(tensor, True, factor)
+                if self.rank() == root:
+                    collectives.reduce(IN_PLACE, host.array, op=op, root=root,
+                                       comm=self.comm, check=False)
+                    host.finish()
+                else:
+                    collectives.reduce(host.array, None, op=op, root=root, comm=self.comm,
+                                       check=False)
+            return tensors
+
+        return self._call("reduce", stage, run, count=_count(tensors),
+                          dtype=_dtype_field(tensors), op=op_label(opts.reduceOp), root=root)
+
+    # all-gather ---------------------------------------------------------------------------
+    def _gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        src, dst = Host(input), Host(output)
+        collectives.allgather(src.array, dst.array, comm=self.comm, check=False)
+        dst.finish()
+
+    def _check_gather_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        check_tensor(output, "output_tensor")
+        check_tensor(input, "input_tensor")
+        if output.dtype != input.dtype or output.numel() != input.numel() * self.size():
+            raise ValueError(f"output tensor must hold {self.size()} x {input.numel()} "
+                             f"elements of {input.dtype}, not {output.numel()} of "
+                             f"{output.dtype}")
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        stage = Staging()
+        try:
+            if len(outputs) != len(inputs):
+                raise ValueError(f"{len(outputs)} output tensors for {len(inputs)} inputs")
+            for output, input in zip(outputs, inputs):
+                self._check_gather_sizes(output, input)
+            pairs = [(stage.host(o, load=False, store=True), stage.host(i))
+                     for o, i in zip(outputs, inputs)]
+        except (TypeError, ValueError) as exc:
+            return self._call("allgather", stage, None, exc)
+
+        def run() -> list[torch.Tensor]:
+            for output, input in pairs:
+                self._gather_into(output, input)
+            return outputs
+
+        return self._call("allgather", stage, run, count=_count(inputs),
+                          dtype=_dtype_field(inputs))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
+                        opts: Any = None) -> Any:
+        return self.allgather_into_tensor_coalesced([output], [input], opts)
+
+    all_gather_single = _allgather_base   # all_gather_into_tensor
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]],
+                  input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        stage = Staging()
+        try:
+            gathered = []
+            for outputs, input in zip(output_tensors, input_tensors):
+                check_tensor(input, "input_tensor")
+                if len(outputs) != self.size():
+                    raise ValueError(f"all_gather needs {self.size()} output tensors, "
+                                     f"not {len(outputs)}")
+                for out in outputs:
+                    check_tensor(out, "output_tensor")
+                    if out.numel() != input.numel() or out.dtype != input.dtype:
+                        raise ValueError(f"all_gather's output tensors must match the input "
+                                         f"({input.numel()} x {input.dtype}), not "
+                                         f"{out.numel()} x {out.dtype}")
+                gathered.append(([stage.host(o, load=False, store=True) for o in outputs],
+                                 stage.host(input)))
+        except (TypeError, ValueError) as exc:
+            return self._call("allgather", stage, None, exc)
+
+        def run() -> list[list[torch.Tensor]]:
+            for outputs, input in gathered:
+                whole = torch.empty((self.size(), input.numel()), dtype=input.dtype)
+                self._gather_into(whole, input)
+                with torch.no_grad():
+                    for out, part in zip(outputs, whole):
+                        out.copy_(part.view(out.shape))
+            return output_tensors
+
+        return self._call("allgather", stage, run, count=_count(input_tensors),
+                          dtype=_dtype_field(input_tensors))
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
+                            input_list: list[torch.Tensor], opts: Any = None) -> Any:
+        """``all_gather_coalesced``: ``output_lists[r][i]`` gets rank ``r``'s ``input_list[i]``."""
+        per_input = [[outputs[i] for outputs in output_lists] for i in range(len(input_list))]
+        if len(output_lists) != self.size():
+            raise ValueError(f"all_gather_coalesced needs {self.size()} output lists, "
+                             f"not {len(output_lists)}")
+        return self.allgather(per_input, input_list, opts)
+
+    # reduce-scatter -------------------------------------------------------------------------
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts or dist.ReduceScatterOptions()
+        stage = Staging()
+        try:
+            op, factor = op_name(opts.reduceOp), premul_factor(opts.reduceOp)
+            if len(outputs) != len(inputs):
+                raise ValueError(f"{len(outputs)} output tensors for {len(inputs)} inputs")
+            for output, input in zip(outputs, inputs):
+                check_reduce_dtype(check_tensor(input, "input"), op)
+                check_tensor(output, "output")
+                if output.dtype != input.dtype or input.numel() != output.numel() * self.size():
+                    raise ValueError(f"input tensor must hold {self.size()} x {output.numel()} "
+                                     f"elements of {output.dtype}, not {input.numel()} of "
+                                     f"{input.dtype}")
+            pairs = [(stage.host(o, load=False, store=True), stage.host(i))
+                     for o, i in zip(outputs, inputs)]
+        except (TypeError, ValueError) as exc:
+            return self._call("reduce_scatter", stage, None, exc)
+
+        def run() -> list[torch.Tensor]:
+            for output, input in pairs:
+                src, dst = Host(input, True, factor), Host(output, True)
+                collectives.reduce_scatter(src.array, dst.array, op=op, comm=self.comm,
+                                           check=False)
+                dst.finish()
+            return outputs
+
+        return self._call("reduce_scatter", stage, run, count=_count(outputs),
+                          dtype=_dtype_field(outputs), op=op_label(opts.reduceOp))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any = None) -> Any:
+        return self.reduce_scatter_single_coalesced([output], [input], opts)
+
+    _reduce_scatter_base = reduce_scatter_single   # reduce_scatter_tensor
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],
+                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        flat = []
+        for output, inputs in zip(output_tensors, input_tensors):
+            if len(inputs) != self.size():
+                raise ValueError(f"reduce_scatter needs {self.size()} input tensors, "
+                                 f"not {len(inputs)}")
+            for t in inputs:
+                check_tensor(t, "input_tensor")
+            flat.append(torch.cat([t.reshape(-1) for t in inputs]))
+        return self.reduce_scatter_single_coalesced(output_tensors, flat, opts)
+
+    # gather, scatter ----------------------------------------------------------------------
+    def _rooted_lists(self, kind: str, lists: list[list[torch.Tensor]], one: torch.Tensor,
+                      root: int) -> list[torch.Tensor]:
+        if not 0 <= root < self.size():
+            raise ValueError(f"{kind} root {root} is not a rank of the group")
+        if self.rank() != root:
+            if lists and any(len(x) for x in lists):
+                raise ValueError(f"{kind}: only the root (rank {root}) passes a tensor list")
+            return []
+        if len(lists) != 1 or len(lists[0]) != self.size():
+            got = len(lists[0]) if len(lists) == 1 else f"{len(lists)} lists"
+            raise ValueError(f"{kind} needs a list of {self.size()} tensors on the root, "
+                             f"not {got}")
+        for t in lists[0]:
+            check_tensor(t, "tensor")
+            if t.numel() != one.numel() or t.dtype != one.dtype:
+                raise ValueError(f"{kind}: every tensor of the root's list must hold "
+                                 f"{one.numel()} x {one.dtype}, not {t.numel()} x {t.dtype}")
+        return list(lists[0])
+
+    def gather(self, output_tensors: list[list[torch.Tensor]],
+               input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts or dist.GatherOptions()
+        stage = Staging()
+        root = opts.rootRank
+        try:
+            if len(input_tensors) != 1:
+                raise ValueError(f"gather takes one input tensor, not {len(input_tensors)}")
+            input = check_tensor(input_tensors[0], "input_tensor")
+            outputs = self._rooted_lists("gather", output_tensors, input, root)
+            outs = [stage.host(o, load=False, store=True) for o in outputs]
+            src = stage.host(input)
+        except (TypeError, ValueError) as exc:
+            return self._call("gather", stage, None, exc)
+
+        def run() -> Any:
+            send = Host(src)
+            whole = (torch.empty((self.size(), src.numel()), dtype=src.dtype)
+                     if self.rank() == root else None)
+            recv = byte_view(whole) if whole is not None else None
+            self._native("gather", lambda: self.comm.Gather(send.array.view(np.uint8),
+                                                            recv, root=root),
+                         count=src.numel(), dtype=str(src.dtype), root=root)
+            if whole is not None:
+                with torch.no_grad():
+                    for out, part in zip(outs, whole):
+                        out.copy_(part.view(out.shape))
+            return output_tensors
+
+        return self._call("gather", stage, run, count=input.numel(), dtype=str(input.dtype),
+                          root=root)
+
+    def scatter(self, output_tensors: list[torch.Tensor],
+                input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        opts = opts or dist.ScatterOptions()
+        stage = Staging()
+        root = opts.rootRank
+        try:
+            if len(output_tensors) != 1:
+                raise ValueError(f"scatter takes one output tensor, not {len(output_tensors)}")
+            output = check_tensor(output_tensors[0], "output_tensor")
+            inputs = [stage.host(t) for t in
+                      self._rooted_lists("scatter", input_tensors, output, root)]
+            dst = stage.host(output, load=False, store=True)
+        except (TypeError, ValueError) as exc:
+            return self._call("scatter", stage, None, exc)
+
+        def run() -> Any:
+            whole = (torch.stack([t.reshape(-1) for t in inputs])
+                     if self.rank() == root else None)
+            send = byte_view(whole) if whole is not None else None
+            recv = Host(dst)
+            self._native("scatter", lambda: self.comm.Scatter(send, recv.array.view(np.uint8),
+                                                              root=root),
+                         count=dst.numel(), dtype=str(dst.dtype), root=root)
+            recv.finish()
+            return output_tensors
+
+        return self._call("scatter", stage, run, count=output.numel(), dtype=str(output.dtype),
+                          root=root)
+
+    # all-to-all -----------------------------------------------------------------------------
+    def _alltoallv(self, kind: str, stage: Staging, send: Callable[[], torch.Tensor],
+                   recv: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                   itemsize: int, finish: Callable[[], Any], dtype: str) -> MPIWork:
+        """``MPI_Alltoallv`` of flat contiguous host buffers (counts in elements)."""
+        sc = np.array(send_counts, dtype=np.int64) * itemsize
+        rc = np.array(recv_counts, dtype=np.int64) * itemsize
+        sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
+        rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
+
+        def splits() -> BaseException | None:
+            theirs = np.empty(self.size(), dtype=np.int64)
+            self._ctx.p2p.Alltoall(sc, theirs)
+            if (theirs != rc).any():
+                return ValueError(f"{kind}: rank {self.rank()} expects "
+                                  f"{_numbers(rc // itemsize)} elements from ranks 0..; they "
+                                  f"send it {_numbers(theirs // itemsize)}")
+            return None
+
+        def run() -> Any:
+            buf = send()
+            self._native(kind, lambda: self.comm.Alltoallv(
+                [byte_view(buf), (sc, sd)], [byte_view(recv), (rc, rd)]),
+                count=None, dtype=dtype)
+            return finish()
+
+        return self._call(kind, stage, run, splits=splits, dtype=dtype, count=itemsize)
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> Any:
+        stage = Staging()
+        try:
+            for name, lst in (("output", output_tensors), ("input", input_tensors)):
+                if len(lst) != self.size():
+                    raise ValueError(f"all_to_all needs {self.size()} {name} tensors, "
+                                     f"not {len(lst)}")
+                for t in lst:
+                    check_tensor(t, f"{name}_tensor")
+            dtypes = {t.dtype for t in (*output_tensors, *input_tensors)}
+            if len(dtypes) != 1:
+                raise ValueError(f"all_to_all's tensors must have one dtype, not {dtypes}")
+            ins = [stage.host(t) for t in input_tensors]
+            outs = [stage.host(t, load=False, store=True) for t in output_tensors]
+        except (TypeError, ValueError) as exc:
+            return self._call("alltoall", stage, None, exc)
+        dtype = input_tensors[0].dtype
+        recv = torch.empty(_count(outs), dtype=dtype)
+
+        def finish() -> list[torch.Tensor]:
+            with torch.no_grad():
+                for out, part in zip(outs, recv.split([o.numel() for o in outs])):
+                    out.copy_(part.view(out.shape))
+            return output_tensors
+
+        return self._alltoallv(
+            "alltoall", stage, lambda: torch.cat([t.reshape(-1) for t in ins]),
+            recv, [t.numel() for t in ins], [t.numel() for t in outs], recv.element_size(),
+            finish, str(dtype))
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: list[int], input_split_sizes: list[int],
+                          opts: Any = None) -> Any:
+        stage = Staging()
+        try:
+            check_tensor(output, "output")
+            check_tensor(input, "input")
+            if output.dtype != input.dtype:
+                raise ValueError(f"all_to_all_single: output is {output.dtype}, input "
+                                 f"{input.dtype}")
+            out_rows = self._splits("output", output, output_split_sizes)
+            in_rows = self._splits("input", input, input_split_sizes)
+            out_row = output.numel() // max(output.shape[0], 1) if output.dim() else 1
+            in_row = input.numel() // max(input.shape[0], 1) if input.dim() else 1
+            if output.numel() and input.numel() and out_row != in_row:
+                raise ValueError(f"all_to_all_single: rows of output ({out_row} elements) and "
+                                 f"input ({in_row}) differ")
+            src = stage.host(input)
+            dst = stage.host(output, load=False, store=True)
+        except (TypeError, ValueError) as exc:
+            return self._call("alltoall_single", stage, None, exc)
+        recv = Host(dst)
+
+        def finish() -> list[torch.Tensor]:
+            recv.finish()
+            return [output]
+
+        return self._alltoallv(
+            "alltoall_single", stage, lambda: Host(src).work.reshape(-1), recv.work.reshape(-1),
+            [r * in_row for r in in_rows], [r * out_row for r in out_rows],
+            output.element_size(), finish, str(output.dtype))
+
+    alltoall_base = all_to_all_single
+
+    def _splits(self, name: str, tensor: torch.Tensor, sizes: list[int]) -> list[int]:
+        rows = tensor.shape[0] if tensor.dim() else tensor.numel()
+        if not sizes:
+            if rows % self.size():
+                raise ValueError(f"all_to_all_single: {name}'s {rows} rows do not split "
+                                 f"evenly over {self.size()} ranks; pass split sizes")
+            return [rows // self.size()] * self.size()
+        sizes = _numbers(sizes)
+        if len(sizes) != self.size() or min(sizes) < 0 or sum(sizes) != rows:
+            raise ValueError(f"all_to_all_single: {name} split sizes {sizes} must be "
+                             f"{self.size()} counts summing to its {rows} rows")
+        return sizes
+
+    # barriers ---------------------------------------------------------------------------------
+    def barrier(self, opts: Any = None) -> Any:
+        def run() -> None:
+            self._native("barrier", self.comm.Barrier)
+
+        return self._call("barrier", Staging(), run)
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """gloo's ``monitored_barrier``: rank 0 waits ``timeout`` for every other rank and
+        raises ``RuntimeError`` naming the first (``wait_all_ranks``: every) rank that did
+        not arrive; the others wait as long for rank 0's release and raise if it does not
+        come. Runs after the group's queued operations."""
+        limit = seconds(timeout) or self._timeout or 1800.0
+        self._monitored += 1
+        tag = self._monitored % p2p.check_tag(0x7FFF)
+        comm = self._p2p
+
+        def run() -> None:
+            token = _TOKEN
+            if self.rank() != 0:
+                comm.Isend(token, dest=0, tag=tag).Free()
+                release = comm.Irecv(_SINK, source=0, tag=tag)
+                if not _wait_all([release], limit):
+                    release.Cancel()
+                    raise RuntimeError(f"Rank {self.rank()}: monitored_barrier was not "
+                                       f"released by rank 0 within {limit * 1e3:.0f} ms")
+                return
+            others = list(range(1, self.size()))
+            requests = [comm.Irecv(_SINK, source=r, tag=tag)
+                        for r in others]
+            missing = _wait_all(requests, limit, missing=True)
+            if missing:
+                for r in missing:
+                    requests[r - 1].Cancel()
+                shown = missing if wait_all_ranks else missing[:1]
+                names = ", ".join(str(r) for r in shown)
+                raise RuntimeError(f"Rank{'s' if len(shown) > 1 else ''} {names} failed to "
+                                   f"pass monitoredBarrier in {limit * 1e3:.0f} ms")
+            for r in others:
+                comm.Isend(token, dest=r, tag=tag).Free()
+
+        work = self._worker.submit("monitored_barrier", run)
+        work.wait(timedelta(seconds=2 * limit + 5))
+
+    # point-to-point ---------------------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> Any:  # noqa: N803
+        return p2p.isend(self._p2p, tensors, dstRank, tag, self._timeout)
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> Any:  # noqa: N803
+        return p2p.irecv(self._p2p, tensors, srcRank, tag, self._timeout)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
+        return p2p.irecv(self._p2p, tensors, MPI.ANY_SOURCE, tag, self._timeout)
+
+    # life cycle -------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Finish the queued operations and stop the group's thread (``destroy_process_group``)."""
+        self._worker.close(self._timeout)
+
+    def abort(self) -> None:  # noqa: D102 (torch's)
+        self._worker.close(0.0)
+
+
+def _wait_all(requests: list[Any], limit: float, missing: bool = False) -> Any:
+    """Test ``requests`` until all complete or ``limit`` seconds pass; returns whether all
+    completed, or (``missing``) the 1-based indices of those that did not."""
+    deadline = time.monotonic() + limit
+    done = [False] * len(requests)
+    pause = 1e-5
+    while True:
+        for i, req in enumerate(requests):
+            if not done[i]:
+                done[i] = req.Test()
+        if all(done) or time.monotonic() >= deadline:
+            break
+        time.sleep(pause)
+        pause = min(pause * 2, 5e-3)
+    if missing:
+        return [i + 1 for i, d in enumerate(done) if not d]
+    return all(done)
