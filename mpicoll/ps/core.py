@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .. import faults
 from . import checkpoint as ckpt
 from . import protocol as P
 from .colocated import CollOp, ColocatedEngine
@@ -33,6 +34,9 @@ from .compressed import check_compressible
 from .device import call_side, device_views, host_arrays
 from .errors import PSError
 from .placement import DEFAULT_SPLIT_BYTES, ParamSpec, Placement, specs_from_params
+from .failures import FailureWatch
+from .replicas import Routing
+from .replicated import ReplicatedServer
 from .server import Server, stats_from_vector
 from .settings import COLOCATED, CONSISTENCY, Settings, check_settings
 from .worker import Handle, WorkerClient
@@ -186,7 +190,7 @@ class ParameterServer:
                  chunk_bytes: int = P.DEFAULT_CHUNK_BYTES, init: bool = True,
                  restore: str | None = None, reshard: bool = False, max_sleep: float = 1e-3,
                  keep_aggregate: bool = True, backup_workers: int = 0,
-                 compression: Any = None, feedback: bool = True,
+                 compression: Any = None, feedback: bool = True, replicas: int = 0,
                  **hyperparameters: Any) -> None:
         self.comm = (MPI.COMM_WORLD if comm is None else comm).Dup()
         self.rank = self.comm.Get_rank()
@@ -199,7 +203,8 @@ class ParameterServer:
                              split_bytes=split_bytes, chunk_bytes=chunk_bytes, init=init,
                              restore=restore, reshard=reshard,
                              keep_aggregate=keep_aggregate, backup_workers=backup_workers,
-                             compression=compression, feedback=feedback))
+                             compression=compression, feedback=feedback,
+                             replicas=replicas))
             specs = self._agree(settings, specs)
             self._take_roles(settings, specs, max_sleep)
             self._init_or_restore(settings, values)
@@ -276,6 +281,7 @@ class ParameterServer:
         self.chunk_bytes = settings.chunk_bytes
         self.compression = settings.compression
         self.feedback = settings.feedback
+        self.replicas = settings.replicas
         self.placement = Placement(specs, self.num_servers, settings.split_bytes)
         self.server_ranks = list(range(self.num_servers))
         self.worker_ranks = list(range(first_worker, size))
@@ -294,17 +300,30 @@ class ParameterServer:
                                            self.chunk_bytes, max_sleep, checker.check_arrays,
                                            settings.keep_aggregate, self.compression,
                                            self.feedback)
-        elif self.is_server:
-            self._server = Server(self.comm, self.placement, rank, self.worker_ranks,
-                                  self.consistency, self.staleness, self.optimizer,
-                                  self.hyperparameters, self.average, self.chunk_bytes,
-                                  max_sleep, self.backup_workers, self.compression,
-                                  self.feedback)
+            return
+        watch = FailureWatch(self.comm, lambda: [self.comm, self.worker_comm]) \
+            if faults.ENABLED else None
+        if self.is_server:
+            def make(slot: int) -> Server:
+                return Server(self.comm, self.placement, slot, self.worker_ranks,
+                              self.consistency, self.staleness, self.optimizer,
+                              self.hyperparameters, self.average, self.chunk_bytes,
+                              max_sleep, self.backup_workers, self.compression, self.feedback)
+            if self.replicas:
+                self._server = ReplicatedServer(
+                    self.comm, self.placement, Routing(self.num_servers, self.replicas),
+                    self.worker_ranks, make, max_sleep, watch)
+            else:
+                self._server = make(rank)
+                self._server.watch = watch
         else:
             self._client = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep,
                                         adopt_version=self.backup_workers > 0,
                                         codec=self.compression, feedback=self.feedback,
                                         pull_deltas=self.optimizer != "sum")
+            self._client.watch = watch
+            if self.replicas:
+                self._client.routing = Routing(self.num_servers, self.replicas)
 
     def _init_or_restore(self, settings: Settings, values: dict[str, np.ndarray] | None
                          ) -> None:
@@ -503,7 +522,7 @@ class ParameterServer:
                                   for s in range(self.num_servers)],
             "consistency": self.consistency, "staleness_bound": self.staleness,
             "backup_workers": self.backup_workers,
-            "compression": settings_name(self.compression)}
+            "compression": settings_name(self.compression), "replicas": self.replicas}
         if self._server is not None:
             out["server"] = self._server.stats()
             return out

@@ -61,7 +61,7 @@ from mpi4py import MPI
 __all__ = ["Op", "Status", "HEADER_LEN", "OP", "KEY", "SHARD", "CLOCK", "COUNT", "TOTAL",
            "DTYPE", "SEQ", "OFFSET", "SHAPE", "STATUS", "NBYTES", "AUX", "CODED",
            "TAG_REQUEST", "TAG_REQUEST_DATA", "TAG_REPLY", "TAG_REPLY_DATA", "TAG_SCATTER",
-           "TAG_GATHER", "DTYPES",
+           "TAG_GATHER", "TAG_FORWARD", "TAG_FORWARD_DATA", "TAG_FORWARD_ACK", "DTYPES",
            "dtype_code", "dtype_of", "key_of", "shape_code", "new_header", "chunk_count",
            "send_payload", "recv_payload", "drain_payload", "Backoff", "wait_all",
            "STATS_FIELDS", "STALENESS_BINS", "DEFAULT_CHUNK_BYTES"]
@@ -76,6 +76,9 @@ TAG_REPLY = 7103
 TAG_REPLY_DATA = 7104
 TAG_SCATTER = 7105      #: co-located: a gradient segment to its owner
 TAG_GATHER = 7106       #: co-located: an updated value segment from its owner
+TAG_FORWARD = 7107      #: replicas: a request (or a state copy) from a primary to its backup
+TAG_FORWARD_DATA = 7108 #: replicas: the forwarded request's payload
+TAG_FORWARD_ACK = 7109  #: replicas: the backup holds a forwarded request
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 
@@ -102,6 +105,7 @@ class Op(enum.IntEnum):
     CLOSE = 4      #: this worker is done; the server answers once and forgets it
     STATS = 5      #: ask for the server's counters (reply payload: float64 vector)
     SAVE = 6       #: checkpoint (payload: UTF-8 "directory\\nid"); answered when all saved
+    REPLICATE = 7  #: replicas: a slot's whole state, primary -> new backup (TAG_FORWARD)
 
 
 class Status(enum.IntEnum):

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .. import faults
 from ..compression import Codec
 from . import protocol as P
 from .checkpoint import write_codec_file, write_server_file
@@ -125,11 +126,21 @@ class Server:
         self.staleness_max = 0
         self.staleness_sum = 0
         self.staleness_count = 0
-        self._sending: list[tuple[list[MPI.Request], Any]] = []
+        self._sending: list[tuple[int, list[MPI.Request], Any]] = []   # (dest, sends, keep)
         self._pool: dict[tuple[int, int], list[np.ndarray]] = {}
         self._scratch: dict[tuple[int, int, int], np.ndarray] = {}
         self._saves: dict[int, tuple[np.ndarray, str]] = {}
         self._status = MPI.Status()
+        #: replicas (mpicoll.ps.replicated): forwards state changes to the backup and
+        #: holds the acknowledgements until it has them (None: unreplicated)
+        self.replicator: Any = None
+        #: a backup replays forwarded requests and answers nobody
+        self.silent = False
+        self.closed: set[int] = set()
+        #: where the current request's payload comes from: (rank, tag); None: its sender
+        self.payload_from: tuple[int, int] | None = None
+        #: failures under ULFM (a FailureWatch; None: not watched)
+        self.watch: Any = None
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
@@ -137,7 +148,7 @@ class Server:
         backoff = P.Backoff(max_sleep=self.max_sleep)
         comm, status = self.comm, self._status
         header = np.empty(P.HEADER_LEN, dtype=np.int64)
-        while self.active:
+        def step() -> None:
             if comm.Iprobe(MPI.ANY_SOURCE, P.TAG_REQUEST, status):
                 src = status.Get_source()
                 comm.Recv([header, MPI.INT64_T], src, P.TAG_REQUEST)
@@ -147,8 +158,13 @@ class Server:
                 if self._reap(force=True):
                     backoff.reset()
                 backoff.pause(busy=bool(self._sending))
-        P.wait_all([r for reqs, _ in self._sending for r in reqs])
-        self._sending.clear()
+
+        while self.active:
+            if self.watch is None:
+                step()
+            else:   # replicas=0 under ULFM: any failure is fatal
+                self.watch.guard(step, lambda ranks: self.watch.fatal(ranks=ranks))
+        self.finish_sends()
         log.debug("server %d done: %s", self.index, self.counters)
 
     def receive_initial_values(self, source: int) -> None:
@@ -170,21 +186,56 @@ class Server:
             self._dispatch(source, header.copy())
             backoff.reset()
 
+    def finish_sends(self) -> None:
+        """Complete every reply still being sent."""
+        P.wait_all([r for _, reqs, _ in self._sending for r in reqs])
+        self._sending.clear()
+
     def _reap(self, force: bool = False) -> bool:
         """Forget completed reply sends; return whether any completed."""
         if not self._sending or (not force and len(self._sending) < 64):
             return False
         before = len(self._sending)
-        self._sending = [(reqs, keep) for reqs, keep in self._sending
-                         if not MPI.Request.Testall(reqs)]
+        self._sending = [entry for entry in self._sending
+                         if not MPI.Request.Testall(entry[1])]
         return len(self._sending) < before
+
+    def track_send(self, dest: int, reqs: list[MPI.Request], keep: Any) -> None:
+        """Complete ``reqs`` (sends to ``dest``) in the loop, keeping ``keep`` alive."""
+        self._sending.append((dest, reqs, keep))
+
+    def forget_dead(self, dead: set[int]) -> None:
+        """Failed ranks: never wait for sends to them (their requests are kept, not
+        freed: see :func:`mpicoll.faults.keep_requests`) nor answer their pulls."""
+        keep = []
+        for dest, reqs, obj in self._sending:
+            if dest in dead:
+                faults.keep_requests(reqs)
+            else:
+                keep.append((dest, reqs, obj))
+        self._sending = keep
+        for state in self.states.values():
+            state.deferred = [(w, h) for w, h in state.deferred if w not in dead]
+
+    def _recv_data(self, src: int, buf: np.ndarray) -> None:
+        """Receive the current request's payload into ``buf``."""
+        source, tag = self.payload_from or (src, P.TAG_REQUEST_DATA)
+        P.recv_payload(self.comm, buf, source, tag, self.chunk_bytes)
+
+    def _drain_data(self, src: int, nbytes: int) -> bytes:
+        """Receive and return the current request's payload of ``nbytes`` bytes."""
+        source, tag = self.payload_from or (src, P.TAG_REQUEST_DATA)
+        return P.drain_payload(self.comm, nbytes, source, tag, self.chunk_bytes)
 
     # ------------------------------------------------------------------ replies
     def _reply(self, dest: int, request: np.ndarray, status: int = 0, payload: Any = None,
                clock: int = 0, aux: int = 0, state: ShardState | None = None,
                coded: bool = False) -> None:
         """Answer ``request``; a ``coded`` payload is the codec's encoding of ``state``'s
-        shard; ``state`` (uncompressed) marks a payload that reads the shard's value."""
+        shard; ``state`` (uncompressed) marks a payload that reads the shard's value.
+        A backup (:attr:`silent`) answers nobody."""
+        if self.silent:
+            return
         h = P.new_header(int(request[P.OP]), key=int(request[P.KEY]),
                          shard=int(request[P.SHARD]), seq=int(request[P.SEQ]), status=status,
                          clock=clock, aux=aux, coded=int(coded))
@@ -195,22 +246,40 @@ class Server:
             h[P.NBYTES] = payload.nbytes
             self.counters["bytes_out_uncompressed"] += \
                 state.shard.nbytes if coded else payload.nbytes
-        reqs = [self.comm.Isend([h, MPI.INT64_T], dest, P.TAG_REPLY)]
-        if payload is not None and payload.size:
+        try:
+            reqs = [self.comm.Isend([h, MPI.INT64_T], dest, P.TAG_REPLY)]
             data_reqs = P.send_payload(self.comm, payload, dest, P.TAG_REPLY_DATA,
-                                       self.chunk_bytes)
+                                       self.chunk_bytes) \
+                if payload is not None and payload.size else []
+        except MPI.Exception as exc:
+            if self.watch is None or not faults.is_process_failure(exc):
+                raise
+            return      # the worker died: the failure watch reports it
+        if data_reqs:
             reqs += data_reqs
             self.counters["bytes_out"] += payload.nbytes
             if state is not None and not coded:
                 state.inflight += data_reqs
-        self._sending.append((reqs, (h, payload)))
+        self._sending.append((dest, reqs, (h, payload)))
         self._reap()
+
+    def _ack(self, src: int, h: np.ndarray, **kwargs: Any) -> None:
+        """Answer a state-changing request (push, init, close): with a backup, only once
+        the backup holds the change too."""
+        if self.replicator is None:
+            self._reply(src, h, **kwargs)
+        else:
+            self.replicator.defer(self.index, lambda: self._reply(src, h, **kwargs))
+
+    def _forward(self, src: int, h: np.ndarray, payload: np.ndarray | None = None) -> None:
+        """With a backup: send it the request ``src`` made (and its payload, copied)."""
+        if self.replicator is not None:
+            self.replicator.forward(self.index, src, h, payload)
 
     def _error(self, src: int, h: np.ndarray, code: int, reason: str) -> None:
         """Drain the request's payload and answer with an error."""
         if h[P.NBYTES] > 0:
-            P.drain_payload(self.comm, int(h[P.NBYTES]), src, P.TAG_REQUEST_DATA,
-                            self.chunk_bytes)
+            self._drain_data(src, int(h[P.NBYTES]))
         self.counters["errors"] += 1
         log.info("server %d rejects a request from rank %d: %s", self.index, src, reason)
         self._reply(src, h, status=code, payload=f"server rank {self.comm.Get_rank()}: {reason}")
@@ -218,6 +287,8 @@ class Server:
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self, src: int, h: np.ndarray) -> None:
         op = int(h[P.OP])
+        if self.replicator is not None and self._duplicate(src, h):
+            return
         if src not in self.active:
             self._error(src, h, P.Status.BAD_REQUEST,
                         f"rank {src} is not an active worker (closed, or a server)")
@@ -240,6 +311,30 @@ class Server:
                 self._pull(src, h, state)
         else:
             self._error(src, h, P.Status.BAD_REQUEST, f"unknown operation {op}")
+
+    def _duplicate(self, src: int, h: np.ndarray) -> bool:
+        """With replicas: whether ``h`` repeats a request this slot already holds (a
+        worker re-sends its unacknowledged requests to the new primary after a failover,
+        and the old primary may have forwarded them before it died); if so it is
+        acknowledged without being applied again."""
+        op = int(h[P.OP])
+        clock = 0
+        if op == P.Op.CLOSE:
+            dup = src in self.closed
+        elif op in (P.Op.PUSH, P.Op.INIT):
+            state = self.states.get((int(h[P.KEY]), int(h[P.SHARD])))
+            if state is None or src not in state.clocks:
+                return False
+            dup = (int(h[P.CLOCK]) < state.clocks[src] if op == P.Op.PUSH
+                   else state.param is not None)
+            clock = state.version if op == P.Op.PUSH else 0
+        else:
+            return False
+        if dup:
+            if h[P.NBYTES] > 0:
+                self._drain_data(src, int(h[P.NBYTES]))
+            self._ack(src, h, clock=clock)
+        return dup
 
     def _validate(self, src: int, h: np.ndarray) -> ShardState | None:
         """The shard request ``h`` names, or ``None`` after answering it with the reason
@@ -305,10 +400,15 @@ class Server:
     # ------------------------------------------------------------------ operations
     def _init(self, src: int, h: np.ndarray, state: ShardState) -> None:
         state.initialize()
-        P.recv_payload(self.comm, state.param, src, P.TAG_REQUEST_DATA, self.chunk_bytes)
+        try:
+            self._recv_data(src, state.param)
+        except BaseException:
+            state.param = None    # the sender died mid-way: not initialized
+            raise
         self.counters["bytes_in"] += state.shard.nbytes
         self.counters["bytes_in_uncompressed"] += state.shard.nbytes
-        self._reply(src, h)
+        self._forward(src, h, state.param)
+        self._ack(src, h)
 
     def _buffer(self, state: ShardState) -> np.ndarray:
         pool = self._pool.setdefault(state.shard.ident, [])
@@ -329,12 +429,12 @@ class Server:
         self.counters["bytes_in"] += nbytes
         self.counters["bytes_in_uncompressed"] += sh.nbytes
         if self.codec is None:
-            P.recv_payload(self.comm, buf, src, P.TAG_REQUEST_DATA, self.chunk_bytes)
+            self._recv_data(src, buf)
             return
         raw = self._coded_in.get(sh.ident)
         if raw is None:
             raw = self._coded_in[sh.ident] = np.empty(nbytes, dtype=np.uint8)
-        P.recv_payload(self.comm, raw, src, P.TAG_REQUEST_DATA, self.chunk_bytes)
+        self._recv_data(src, raw)
         decode_into(self.codec, raw, sh.count, buf)
 
     def _push(self, src: int, h: np.ndarray, state: ShardState) -> None:
@@ -344,6 +444,7 @@ class Server:
         if self.consistency == "bsp":
             buf = self._buffer(state)
             self._receive_gradient(src, h, state, buf)
+            self._forward(src, h, buf)
             state.clocks[src] = clock + 1
             late = clock < state.version       # only with backup workers: the round closed
             if late:
@@ -351,7 +452,7 @@ class Server:
                 self.counters["late_pushes_dropped"] += 1
             else:
                 state.rounds.setdefault(clock, {})[src] = buf
-            self._reply(src, h, clock=state.version, aux=int(late))
+            self._ack(src, h, clock=state.version, aux=int(late))
             self._complete_rounds(state)
         else:
             key = (sh.ident[0], sh.ident[1], src)
@@ -359,13 +460,14 @@ class Server:
             if buf is None:
                 buf = self._scratch[key] = np.empty(sh.count, dtype=sh.spec.dtype)
             self._receive_gradient(src, h, state, buf)
+            self._forward(src, h, buf)
             state.clocks[src] += 1
             if self.average and len(self.workers) > 1:
                 np.divide(buf, len(self.workers), out=buf)
             state.opt.apply(self._writable_param(state), buf)
             state.version += 1
             self.counters["updates"] += 1
-            self._reply(src, h, clock=state.version)
+            self._ack(src, h, clock=state.version)
             self._answer_deferred(state)
 
     def _round_complete(self, grads: dict[int, np.ndarray] | None) -> bool:
@@ -466,12 +568,19 @@ class Server:
         for src, h in waiting:
             self._answer_or_defer(src, h, state)
 
-    def _close(self, src: int, h: np.ndarray) -> None:
+    def _close(self, src: int, h: np.ndarray, reply: bool = True) -> None:
+        """Worker ``src`` is done (``reply=False``: it died; rounds go on without it)."""
+        self._forward(src, h)
         self.active.discard(src)
+        self.closed.add(src)
         self._saves.pop(src, None)
         for enc in self._encoders.values():
             enc.forget(src)
-        self._reply(src, h)
+        if reply:
+            self._ack(src, h)
+        else:
+            for state in self.states.values():
+                state.deferred = [(w, d) for w, d in state.deferred if w != src]
         for state in self.states.values():
             if self.consistency == "bsp":
                 self._complete_rounds(state)
@@ -480,8 +589,7 @@ class Server:
 
     # ------------------------------------------------------------------ checkpoint
     def _save_request(self, src: int, h: np.ndarray) -> None:
-        text = P.drain_payload(self.comm, int(h[P.NBYTES]), src, P.TAG_REQUEST_DATA,
-                               self.chunk_bytes).decode("utf-8")
+        text = self._drain_data(src, int(h[P.NBYTES])).decode("utf-8")
         self._saves[src] = (h, text)
         self._maybe_save()
 

@@ -43,6 +43,8 @@ class Settings:
     compression: Codec | None = None
     #: error feedback of compressed pushes (and ``optimizer="sum"`` pulls)
     feedback: bool = True
+    #: backup server ranks per shard (0: none; 1: primary + backup, see mpicoll.ps.replicas)
+    replicas: int = 0
 
     @property
     def compression_name(self) -> str | None:
@@ -68,7 +70,7 @@ class Settings:
         return [self.num_servers, self.consistency, self.staleness, self.optimizer,
                 sorted(self.hyperparameters.items()), self.average, self.split_bytes,
                 self.chunk_bytes, self.init, self.restore, self.reshard, self.keep_aggregate,
-                self.backup_workers, self.compression_name, self.feedback]
+                self.backup_workers, self.compression_name, self.feedback, self.replicas]
 
 
 def _check_layout(size: int, num_servers: Any, consistency: Any, init: bool) -> None:
@@ -118,11 +120,37 @@ def _check_backup_workers(size: int, num_servers: Any, consistency: str, optimiz
                          f"would diverge from the others")
 
 
+def _check_replicas(num_servers: Any, backup_workers: int, compression: Any,
+                    replicas: Any) -> None:
+    """``replicas``: 0, or 1 with at least two separate servers, no backup workers and
+    no compression (what a backup cannot replay bit for bit is refused)."""
+    r = replicas
+    if isinstance(r, bool) or not isinstance(r, int) or r not in (0, 1):
+        raise ValueError(f"replicas={r!r} must be 0 or 1 (a primary and one backup server "
+                         f"rank per shard)")
+    if r == 0:
+        return
+    if num_servers == COLOCATED:
+        raise ValueError(f"replicas={r} needs separate servers, not num_servers={COLOCATED!r} "
+                         f"(a co-located rank's shards die with its worker)")
+    if int(num_servers) < 2:
+        raise ValueError(f"replicas={r} needs num_servers >= 2 (the backup of a shard is "
+                         f"another server rank), got {num_servers}")
+    if backup_workers:
+        raise ValueError(f"replicas={r} does not support backup_workers={backup_workers} "
+                         f"(which pushes a round holds depends on timing, so a backup "
+                         f"could not replay it)")
+    if compression not in (None, "none"):
+        raise ValueError(f"replicas={r} does not support compression= (the pull encoders' "
+                         f"per-worker state is not replicated)")
+
+
 def check_settings(size: int, num_servers: Any, consistency: Any, staleness: Any,
                    optimizer: Any, hyperparameters: dict[str, Any], average: bool | None,
                    split_bytes: Any, chunk_bytes: Any, init: bool, restore: str | None,
                    reshard: bool, keep_aggregate: bool, backup_workers: Any = 0,
-                   compression: Any = None, feedback: Any = True) -> Settings:
+                   compression: Any = None, feedback: Any = True,
+                   replicas: Any = 0) -> Settings:
     """Check one rank's constructor arguments for a communicator of ``size`` ranks.
 
     Returns:
@@ -149,6 +177,8 @@ def check_settings(size: int, num_servers: Any, consistency: Any, staleness: Any
         raise ValueError("split_bytes and chunk_bytes must be positive")
     _check_backup_workers(size, num_servers, consistency, optimizer, backup_workers)
     codec = resolve_codec(compression)
+    _check_replicas(num_servers, backup_workers, None if codec is None else codec.name,
+                    replicas)
     if not isinstance(feedback, bool):
         raise TypeError(f"feedback={feedback!r} must be True or False")
     return Settings(num_servers=num_servers, consistency=consistency, staleness=staleness,
@@ -157,4 +187,4 @@ def check_settings(size: int, num_servers: Any, consistency: Any, staleness: Any
                     split_bytes=int(split_bytes), chunk_bytes=int(chunk_bytes),
                     init=bool(init), restore=restore, reshard=bool(reshard),
                     keep_aggregate=bool(keep_aggregate), backup_workers=backup_workers,
-                    compression=codec, feedback=feedback)
+                    compression=codec, feedback=feedback, replicas=replicas)

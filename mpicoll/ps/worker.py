@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .. import faults
 from ..compression import Codec
 from . import protocol as P
 from .compressed import PullDecoder, PushEncoder, coder_parts, load_coder_parts
@@ -69,15 +70,26 @@ class Handle:
         self.errors: list[str] = []
         self.push_clock: int | None = None
         self._sends: list[MPI.Request] = []
+        self._send_ranks: list[int] = []
         self._keep: list[Any] = []
         self._device_pulls: list[DevicePull] = []
         self._done = False
 
-    def track(self, sends: list[MPI.Request], keep: Any) -> None:
-        """Complete ``sends`` before this handle completes, keeping ``keep`` (the buffer
-        they read) alive until then."""
+    def track(self, sends: list[MPI.Request], keep: Any, rank: int = -1) -> None:
+        """Complete ``sends`` (to ``rank``) before this handle completes, keeping ``keep``
+        (the buffer they read) alive until then."""
         self._sends += sends
+        self._send_ranks += [rank] * len(sends)
         self._keep.append(keep)
+
+    def forget_sends_to(self, dead: set[int]) -> None:
+        """Never wait for sends to failed ranks (their requests are kept, not freed)."""
+        lost = [r for r, d in zip(self._sends, self._send_ranks) if d in dead]
+        if lost:
+            faults.keep_requests(lost)
+            kept = [(r, d) for r, d in zip(self._sends, self._send_ranks) if d not in dead]
+            self._sends = [r for r, _ in kept]
+            self._send_ranks = [d for _, d in kept]
 
     def add_device_pull(self, pull: DevicePull) -> None:
         """Copy ``pull``'s staging arrays to the device when this handle completes."""
@@ -105,15 +117,17 @@ class Handle:
         if not self._done:
             backoff = P.Backoff(max_sleep=self._client.max_sleep)
             sending = bool(self._sends)
+            client = self._client
             while self.remaining:
-                if self._client.progress():
+                if client.progress():
                     backoff.reset()
                 else:
                     if sending:
-                        sending = not MPI.Request.Testall(self._sends)
+                        sending = not client.sends_done(self)
                     backoff.pause(busy=sending)
-            P.wait_all(self._sends)
-            self._sends, self._keep = [], []
+            while not client.sends_done(self):
+                backoff.pause()
+            self._sends, self._send_ranks, self._keep = [], [], []
             self._finish_device()
             self._done = True
             self._client.finished(self)
@@ -156,8 +170,11 @@ class WorkerClient:
         self.push_encoder = None if codec is None else PushEncoder(codec, feedback)
         self._decoders: dict[tuple[int, int], PullDecoder] = {}
         self._raw: dict[tuple[int, int], np.ndarray] = {}     # compressed replies land here
-        self._pending: dict[int, tuple[Handle, np.ndarray | None, str,
-                                       PullDecoder | None]] = {}
+        self._pending: dict[int, list] = {}   # seq -> [handle, dest, what, decoder, request]
+        #: replicas: who serves each slot (None: slot s is rank s)
+        self.routing: Any = None
+        #: failures under ULFM (a FailureWatch; None: not watched)
+        self.watch: Any = None
         self._open: list[Handle] = []
         self._status = MPI.Status()
         self._hdr = np.empty(P.HEADER_LEN, dtype=np.int64)
@@ -181,15 +198,30 @@ class WorkerClient:
             header[P.COUNT] = payload.size if dense is None else dense.size
             header[P.NBYTES] = payload.nbytes
             header[P.CODED] = int(dense is not None)
-        handle.track([self.comm.Isend([header, MPI.INT64_T], server, P.TAG_REQUEST)], header)
         if payload is not None and payload.size:
-            handle.track(P.send_payload(self.comm, payload, server, P.TAG_REQUEST_DATA,
-                                        self.chunk_bytes), payload)
             self.counters["bytes_sent"] += payload.nbytes
             self.counters["bytes_sent_uncompressed"] += \
                 payload.nbytes if dense is None else dense.nbytes
-        self._pending[seq] = (handle, dest, what, decoder)
+        request = [server, -1, header, payload]      # slot, rank sent to, header, payload
+        self._pending[seq] = [handle, dest, what, decoder, request]
         handle.remaining += 1
+        self._transmit(handle, request)
+
+    def _transmit(self, handle: Handle, request: list) -> None:
+        """(Re)send a request to the rank now serving its slot."""
+        slot, _, header, payload = request
+        rank = slot if self.routing is None else self.routing.primary(slot)
+        request[1] = rank
+        try:
+            handle.track([self.comm.Isend([header, MPI.INT64_T], rank, P.TAG_REQUEST)],
+                         header, rank)
+            if payload is not None and payload.size:
+                handle.track(P.send_payload(self.comm, payload, rank, P.TAG_REQUEST_DATA,
+                                            self.chunk_bytes), payload, rank)
+        except MPI.Exception as exc:
+            if self.watch is None:
+                raise
+            self.on_failure(self.watch.from_exception(exc))
 
     def _tensor_requests(self, handle: Handle, op: int, arrays: dict[str, Any],
                          check: bool, clock: int) -> None:
@@ -329,7 +361,8 @@ class WorkerClient:
             dest = np.empty(dest_size, dtype=np.float64) if dest_size else None
             if dest is not None:
                 h.result[server] = dest
-            self._send(h, server, P.new_header(op), data, dest=dest, what=f"server {server}")
+            self._send(h, server, P.new_header(op, shard=server), data, dest=dest,
+                       what=f"server {server}")
         return self._opened(h)
 
     def _decoder(self, sh: Shard) -> PullDecoder | None:
@@ -372,8 +405,39 @@ class WorkerClient:
                 pass
 
     # ------------------------------------------------------------------ receiving
+    def sends_done(self, handle: Handle) -> bool:
+        """Whether every send of ``handle`` completed (a failure counts as not yet)."""
+        if self.watch is None:
+            return MPI.Request.Testall(handle._sends)
+        return bool(self.watch.guard(lambda: MPI.Request.Testall(handle._sends),
+                                     self.on_failure))
+
     def progress(self) -> bool:
         """Receive every reply that has arrived; return whether any did."""
+        if self.watch is None:
+            return self._progress()
+        return bool(self.watch.guard(self._progress, self.on_failure))
+
+    def on_failure(self, failed: list[int]) -> None:
+        """Ranks failed (ULFM): fatal without replicas (every survivor raises
+        :class:`~mpicoll.ProcessFailedError`); with replicas re-send every unanswered
+        request of a failed server to the slot's new primary (dead workers change
+        nothing here)."""
+        if not failed:
+            return
+        if self.routing is None:
+            self.watch.fatal(ranks=failed)
+        dead = set(failed)
+        self.routing.fail(dead)
+        if self.routing.lost():
+            self.watch.fatal(ranks=sorted(self.watch.known))
+        for h in self._open:
+            h.forget_sends_to(dead)
+        for handle, _, _, _, request in list(self._pending.values()):
+            if request[1] in dead:
+                self._transmit(handle, request)
+
+    def _progress(self) -> bool:
         comm, status, hdr = self.comm, self._status, self._hdr
         got = False
         while comm.Iprobe(MPI.ANY_SOURCE, P.TAG_REPLY, status):
@@ -381,7 +445,11 @@ class WorkerClient:
             comm.Recv([hdr, MPI.INT64_T], src, P.TAG_REPLY)
             got = True
             seq, nbytes = int(hdr[P.SEQ]), int(hdr[P.NBYTES])
-            handle, dest, what, decoder = self._pending.pop(seq)
+            entry = self._pending.get(seq)
+            if entry is None or entry[4][1] != src:   # a dead primary's late reply
+                P.drain_payload(comm, nbytes, src, P.TAG_REPLY_DATA, self.chunk_bytes)
+                continue
+            handle, dest, what, decoder, _ = entry
             coded = bool(hdr[P.CODED])
             if hdr[P.STATUS] != 0:
                 text = P.drain_payload(comm, nbytes, src, P.TAG_REPLY_DATA, self.chunk_bytes)
@@ -400,6 +468,7 @@ class WorkerClient:
                 handle.ok += 1
             if hdr[P.STATUS] == 0:
                 self._note_reply(hdr)
+            del self._pending[seq]
             handle.remaining -= 1
         return got
 
