@@ -11,9 +11,9 @@ of its candidates (default :data:`~.cost_model.DEFAULT_CANDIDATES`: ``none``, ``
 - the link's latency and bandwidth: given to :class:`Auto`, else the active tuning
   table's ``meta.link`` (``{"latency_s": ..., "bandwidth_bytes_per_s": ...}``), else
   measured once per communicator at its first ``auto`` call (:func:`.probe.measure_link`,
-  a few ring steps of 8 B and 1 MiB: milliseconds on a fast link, ~0.1 s at 1 Gb/s);
+  a few ring steps of 8 B and 4 MiB: milliseconds on a fast link, ~0.2 s at 1 Gb/s);
 - each candidate's encode and decode speed on this machine (:func:`.probe.codec_speeds`,
-  measured once per process, about 0.1-0.3 s).
+  measured once per process, on every rank at once, about 0.2-0.5 s).
 
 The figures are agreed across the ranks (one ``Allreduce(MAX)``, once per communicator:
 the slowest rank and link set a ring's pace) before anything is chosen, so every rank
@@ -228,6 +228,7 @@ def _state(ctx: CommContext, auto: Auto, like: Any) -> _State:
 
     def build() -> _State:
         link = given or _table_link()
+        ctx.p2p.Barrier()              # every rank measures at once (shared cores)
         enc, dec, add = probe.codec_speeds(auto.candidates, like)
         if link is None:
             figures, source = probe.measure_link(ctx.p2p), "measured"

@@ -6,7 +6,9 @@ per communicator), agreed across ranks so that every rank holds the same numbers
   of :data:`SMALL_BYTES` and :data:`LARGE_BYTES` (medians of a few runs, interleaved
   across codecs): rate = the large size over the time difference, overhead = what is
   left of the small time. The same for one ``add`` (the reductions every codec pays).
-  Cached per process (another process, or another array module, measures again).
+  Cached per process (another array module measures again). :mod:`.auto` runs it on
+  every rank at once (after a barrier), so ranks that share cores measure the speed
+  they get while all of them compute, as they do in the ring.
 - :func:`measure_link`: every rank sends :data:`PROBE_SMALL` and then
   :data:`PROBE_LARGE` bytes to its right neighbour in a ring while receiving from its
   left one (what one step of the ring schedules does), a few times each; the medians.
@@ -34,16 +36,17 @@ __all__ = ["codec_speeds", "measure_link", "agree_inputs", "SMALL_BYTES", "LARGE
 
 #: Sizes of the codec timings (bytes of float32 input).
 SMALL_BYTES = 16 << 10
-LARGE_BYTES = 2 << 20
+LARGE_BYTES = 4 << 20
 
 #: Sizes of the link probe's messages (bytes).
 PROBE_SMALL = 8
-PROBE_LARGE = 1 << 20
+PROBE_LARGE = 4 << 20
 
 #: Tag of the link probe's messages on the context's private communicator.
 TAG_PROBE = 105
 
 _REPEATS = 5
+_REPEATS_LARGE = 3
 
 _lock = threading.Lock()
 #: (array module name, codec name) -> (encode Speed, decode Speed); "add" for the adds.
@@ -103,9 +106,10 @@ def _measure(names: Sequence[str], like: Any) -> None:
     for job in jobs.values():                     # warm up (allocations, caches)
         job()
     times: dict[tuple[str, str, int], list[float]] = {k: [] for k in jobs}
-    for _ in range(_REPEATS):                     # interleaved: load hits every codec alike
+    for r in range(_REPEATS):                     # interleaved: load hits every codec alike
         for key, job in jobs.items():
-            times[key].append(_timed(job, wait))
+            if r < _REPEATS_LARGE or key[2] == SMALL_BYTES:
+                times[key].append(_timed(job, wait))
     med = {k: statistics.median(v) for k, v in times.items()}
     module = xp.__name__
     for name in list(names) + ["add"]:
@@ -138,8 +142,9 @@ def codec_speeds(names: Sequence[str], like: Any = None
 def measure_link(comm: MPI.Intracomm, repeats: int = _REPEATS) -> tuple[float, float]:
     """``(latency, seconds per byte)`` of one ring step as this rank saw it: the median
     time of a :data:`PROBE_SMALL`-byte step, and the median time of a
-    :data:`PROBE_LARGE`-byte step less that, per byte (collective over ``comm``;
-    ``(0, 0)`` for one rank)."""
+    :data:`PROBE_LARGE`-byte step less that, per byte (medians: what a message typically
+    sees on a shared machine, not the best case). Collective over ``comm``; ``(0, 0)``
+    for one rank."""
     n, rank = comm.Get_size(), comm.Get_rank()
     if n == 1:
         return 0.0, 0.0

@@ -1,0 +1,189 @@
+"""compression="auto" in one process: the time model's choice from synthetic inputs, the
+spec and its errors, the one-rank all-reduce, the torch compressor (the MPI suite,
+tests/compression/mpi/test_compression_auto.py, checks agreement across ranks)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpicoll import compression
+from mpicoll.compression import Auto, auto, cost_model, probe
+from mpicoll.compression.cost_model import Layout, ModelInputs, Speed, choose, predict
+
+GB = 1e9
+MB = 1e6
+
+
+def inputs(latency=5e-6, bandwidth=10 * GB, enc=None, dec=None, add=Speed(1e-6, 10 * GB)):
+    """Synthetic model inputs: dense codecs 5 GB/s both ways, top-k 0.1 GB/s to encode
+    (a partition), unless given."""
+    speeds = {"none": Speed(1e-6, 20 * GB), "bf16": Speed(2e-6, 5 * GB),
+              "int8": Speed(3e-6, 5 * GB), "topk:0.01": Speed(5e-6, 5 * GB)}
+    return ModelInputs(latency, bandwidth,
+                       {**speeds, "topk:0.01": Speed(5e-6, 0.1 * GB), **(enc or {})},
+                       {**speeds, **(dec or {})}, add, "given")
+
+
+CANDS = cost_model.DEFAULT_CANDIDATES
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("case,count,n,expected", [
+    # a fast link: nothing pays
+    (inputs(bandwidth=50 * GB), 4 * MiB, 4, "none"),
+    # a slow link and fast codecs: int8's 3.9x fewer bytes win at 16 MiB
+    (inputs(bandwidth=100 * MB), 4 * MiB, 4, "int8"),
+    # ... but not for a tiny vector, where the per-call overheads dominate (among the
+    # dense codecs; top-k's all-gather sends fewer messages than a ring: see below)
+    (inputs(bandwidth=100 * MB), 64, 4, "none"),
+    # int8 slow to encode, bf16 fast: bf16
+    (inputs(bandwidth=300 * MB, enc={"int8": Speed(3e-6, 0.3 * GB)}), 4 * MiB, 4, "bf16"),
+    # a very slow link: top-k 1% (50x fewer bytes) beats int8
+    (inputs(bandwidth=5 * MB), 4 * MiB, 2, "topk:0.01"),
+    # high latency, few messages: the sparse all-gather sends n-1 messages, the ring 2(n-1)m
+    (inputs(latency=0.05, bandwidth=50 * GB), 1 << 16, 8, "topk:0.01"),
+])
+def test_choice_from_synthetic_inputs(case, count, n, expected):
+    cands = CANDS if count > 64 else CANDS[:3]
+    choice = choose(case, cands, count, np.float32, Layout(n))
+    assert choice.codec == expected, choice.predicted
+    assert set(choice.predicted) == set(cands)
+    assert min(choice.predicted, key=choice.predicted.get) == expected
+    assert expected in choice.reason
+
+
+def test_prediction_follows_the_formula():
+    """The dense ring's prediction, written out: 2(n-1) messages per segment, n encodes,
+    ((n-1)(1+f) + n) decodes and (n-1) + f n additions per segment."""
+    inp = inputs(latency=1e-5, bandwidth=1 * GB)
+    n, count, seg = 3, 3 * 1000, 1 << 30
+    q = count * 4 / n
+    wire = compression.get_codec("int8").wire_bytes(count // n, np.float32)
+    e, d, a = inp.encode["int8"].seconds(q), inp.decode["int8"].seconds(q), inp.add.seconds(q)
+    expected = 4 * (1e-5 + wire / GB) + 3 * e + (2 * 2 + 3) * d + (2 + 3) * a
+    assert predict(inp, "int8", count, np.float32, Layout(n), seg) == pytest.approx(expected)
+    # without feedback: fewer decodes and additions; none never has feedback
+    expected_nofb = 4 * (1e-5 + wire / GB) + 3 * e + (2 + 3) * d + 2 * a
+    assert predict(inp, "int8", count, np.float32, Layout(n), seg, feedback=False) == \
+        pytest.approx(expected_nofb)
+    assert predict(inp, "int8", 0, np.float32, Layout(n)) == 0.0
+
+
+def test_node_layout_and_other_collectives_predict():
+    inp = inputs(bandwidth=100 * MB)
+    flat = predict(inp, "int8", 1 << 22, np.float32, Layout(8))
+    node = predict(inp, "int8", 1 << 22, np.float32, Layout(8, 2, 4))
+    assert node > 0 and flat > 0
+    for coll in ("reduce_scatter", "allgather"):
+        for c in CANDS:
+            assert predict(inp, c, 1 << 20, np.float32, Layout(4), collective=coll) > 0
+
+
+def test_margin_keeps_none_unless_clearly_faster():
+    case = inputs(bandwidth=100 * MB)
+    plain = choose(case, CANDS, 4 * MiB, np.float32, Layout(4))
+    gain = 1 - plain.predicted[plain.codec] / plain.predicted["none"]
+    assert plain.codec != "none" and 0 < gain < 0.99
+    assert choose(case, CANDS, 4 * MiB, np.float32, Layout(4), margin=min(0.99, gain + 0.005)
+                  ).codec == "none"
+    assert choose(case, CANDS, 4 * MiB, np.float32, Layout(4), margin=gain / 2).codec != "none"
+
+
+def test_ties_go_to_the_first_candidate():
+    same = Speed(1e-6, 5 * GB)
+    case = ModelInputs(0.0, float("inf"), {"none": same, "fp16": same},
+                       {"none": same, "fp16": same}, same)
+    assert choose(case, ("none", "fp16"), 1000, np.float32, Layout(1)).codec == "none"
+
+
+def test_spec_and_options():
+    a = auto.codec_from_spec("auto")
+    assert isinstance(a, Auto) and a.candidates == CANDS and a.name == "auto"
+    b = auto.codec_from_spec("auto:none,int8,topk:0.05")
+    assert b.candidates == ("none", "int8", "topk:0.05") and b.name == "auto:none,int8,topk:0.05"
+    c = Auto(("none", "int8"), latency=1e-4, bandwidth=1.25e8, margin=0.1)
+    assert c.name == "auto:none,int8[latency=0.0001,bandwidth=1.25e+08][margin=0.1]"
+    assert auto.is_auto("auto:none,int8") and auto.is_auto(c) and not auto.is_auto("int8")
+
+
+@pytest.mark.parametrize("make,exc,words", [
+    (lambda: Auto(()), ValueError, "at least one candidate"),
+    (lambda: Auto(("none", "auto")), ValueError, "cannot be its own candidate"),
+    (lambda: Auto(("none", "lz4")), ValueError, "unknown compression='lz4'"),
+    (lambda: Auto(("int8", "int8")), ValueError, "repeated candidates"),
+    (lambda: Auto("int8"), TypeError, "sequence of codec names"),
+    (lambda: Auto((8,)), TypeError, "codec names, not int"),
+    (lambda: Auto(latency=1e-5), ValueError, "both latency and bandwidth"),
+    (lambda: Auto(latency=-1.0, bandwidth=1e9), ValueError, "latency must be >= 0"),
+    (lambda: Auto(latency=1e-5, bandwidth=0), ValueError, "bandwidth > 0"),
+    (lambda: Auto(latency="1", bandwidth=1e9), TypeError, "latency must be a number"),
+    (lambda: Auto(margin=1.5), ValueError, "margin must be in [0, 1)"),
+    (lambda: auto.codec_from_spec("auto:none,topk:2"), ValueError, "ratio must be in (0, 1]"),
+    (lambda: compression.allreduce(np.ones(4, np.float32), compression="auto:zstd"),
+     ValueError, "unknown compression='zstd'"),
+    (lambda: compression.allreduce(np.arange(4), compression="auto"), TypeError,
+     "compression='auto' needs float32 or float64"),
+    (lambda: Auto().encode(np.ones(3, np.float32)), TypeError, "is resolved to a codec"),
+    (lambda: choose(inputs(), (), 10, np.float32, Layout(2)), ValueError, "at least one"),
+])
+def test_bad_inputs(make, exc, words):
+    with pytest.raises(exc) as info:
+        make()
+    assert words in str(info.value)
+
+
+@pytest.fixture
+def synthetic(monkeypatch):
+    """Codec speeds that make int8 the choice (no timing): a given slow link."""
+    fast = Speed(1e-7, 50 * GB)
+
+    def speeds(names, like=None):
+        table = {n: fast for n in ["none", *names]}
+        return table, dict(table), fast
+    monkeypatch.setattr(probe, "codec_speeds", speeds)
+    return Auto(latency=1e-5, bandwidth=1e8)
+
+
+def test_one_rank_auto_equals_the_chosen_codec(synthetic):
+    """At n = 1 the link does not matter; with synthetic speeds the choice is fixed by
+    compute alone (none: the fewest operations); results and residuals equal the codec's."""
+    x = np.random.default_rng(1).standard_normal(1001).astype(np.float32)
+    fb1, fb2 = compression.ErrorFeedback(), compression.ErrorFeedback()
+    for spec in (synthetic, Auto(("int8",)), Auto(("topk:0.1", "bf16"))):
+        out = compression.allreduce(x, compression=spec, feedback=fb1, key=spec.name)
+        stats = compression.last_stats()
+        assert stats.choice is not None and stats.codec == stats.choice.codec
+        assert stats.codec in spec.candidates
+        ref = compression.allreduce(x, compression=stats.codec, feedback=fb2, key=spec.name)
+        assert np.array_equal(out, ref)
+        assert np.array_equal(fb1.residual(spec.name), fb2.residual(spec.name))
+    assert compression.allreduce(x, compression="int8") is not None
+    assert compression.last_stats().choice is None
+
+
+def test_stats_carry_the_inputs(synthetic):
+    compression.allreduce(np.ones(64, np.float32), compression=synthetic)
+    choice = compression.last_stats().choice
+    assert choice.inputs["link_source"] == "given"
+    assert set(choice.inputs["encode"]) >= set(synthetic.candidates)
+    assert set(choice.predicted) == set(synthetic.candidates)
+
+
+def test_measured_speeds_are_positive_and_cached():
+    """The real measurement (no timing asserted): positive rates, cached per process."""
+    enc, dec, add = probe.codec_speeds(["int8"])
+    assert enc["int8"].rate > 0 and dec["int8"].rate > 0 and add.rate > 0
+    assert enc["none"].overhead >= 0
+    assert probe.codec_speeds(["int8"])[0]["int8"] is enc["int8"]
+
+
+def test_torch_compressor():
+    torch = pytest.importorskip("torch")  # noqa: F841
+    from mpicoll.torch.compression import Compression
+
+    assert isinstance(Compression.auto.codec, Auto) and Compression.auto.name == "auto"
+    assert Compression.auto.feedback
+    comp = Compression.from_codec("auto:none,int8")
+    assert comp.codec.candidates == ("none", "int8")
+    state = Compression.from_codec(Auto(("none", "randomk:0.1"))).codec.state_dict()
+    assert state == {"randomk:0.1": {"step": 0}}
