@@ -379,11 +379,14 @@ class _PSDistributedOptimizer(_PSTraining):
                 "sync_every/node_sync_every with backend='ps' push parameters as well as "
                 "gradients; a codec's error feedback would mix the two: use no compression")
         if not self.ps.is_worker:
-            if error is not None:
-                raise error
-            return
+            return    # a separate server serves; the workers raise and close it
         params = list(self._named.values())
-        agree_settings(self.ps.worker_comm, error, checked, layout_of(params))
+        try:
+            agree_settings(self.ps.worker_comm, error, checked, layout_of(params))
+        except Exception:
+            self.ps.close()    # every worker gets here: release the servers
+            self.ps.free()
+            raise
         self._local_sgd = LocalSGD(self, params, checked, Averager(self.ps.worker_comm),
                                    average_world_params=self._push_parameters)
 
