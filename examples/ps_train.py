@@ -3,6 +3,8 @@
     mpirun -n 4 python examples/ps_train.py --servers 1
     mpirun -n 5 python -m mpi4py examples/ps_train.py --servers 2 --consistency ssp --staleness 2
     mpirun -n 2 python -m mpi4py examples/ps_train.py --servers colocated
+    mpirun --with-ft ulfm -n 5 python examples/ps_train.py --servers 3 --replicas 1 \
+        --crash-rank 0 --crash-mode kill --crash-step 10      # Open MPI: failover
     mpirun -n 4 python -m mpi4py examples/ps_train.py --backup-workers 1 --slow-rank 3 --slow-factor 3
 
 Ranks ``0 .. servers-1`` serve; the others are workers (with ``--servers colocated`` every
@@ -99,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--staleness", type=int, default=0)
     ap.add_argument("--backup-workers", type=int, default=0,
                     help="bsp: a round closes once all but this many workers have pushed")
+    ap.add_argument("--replicas", type=int, default=0,
+                    help="1: every shard on a primary and a backup server rank (needs "
+                         "--servers >= 2); under ULFM a dead server fails over to its backup")
     ap.add_argument("--optimizer", default="adam", choices=["sgd", "momentum", "adam"])
     ap.add_argument("--lr", type=float, default=0.02)
     ap.add_argument("--compression", default=None,
@@ -130,8 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--crash-rank", type=int, default=-1, help="inject a failure on this rank")
     ap.add_argument("--crash-step", type=int, default=5,
                     help="worker: the step that fails; server: fails after this many x 0.1 s")
-    ap.add_argument("--crash-mode", default="raise", choices=["raise", "exit"],
-                    help="raise an exception, or exit the process without MPI_Finalize")
+    ap.add_argument("--crash-mode", default="raise", choices=["raise", "exit", "kill"],
+                    help="raise an exception, exit the process without MPI_Finalize, or "
+                         "SIGKILL it (with --replicas 1 under ULFM the others go on)")
     return ap.parse_args(argv)
 
 
@@ -139,6 +145,10 @@ def crash(mode: str, where: str) -> None:
     if mode == "exit":
         print(f"injected crash: {where} exits", file=sys.stderr, flush=True)
         os._exit(3)
+    if mode == "kill":
+        print(f"injected crash: {where} is killed at {time.time():.6f}", file=sys.stderr,
+              flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError(f"injected crash: {where}")
 
 
@@ -151,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                          consistency=args.consistency, staleness=args.staleness,
                          optimizer=args.optimizer, lr=args.lr, restore=args.restore,
                          reshard=args.reshard, split_bytes=args.split_bytes,
-                         backup_workers=args.backup_workers, compression=args.compression)
+                         backup_workers=args.backup_workers, compression=args.compression,
+                         replicas=args.replicas)
     # the constructor has returned on every rank: collective calls before serve() are fine
     roles = comm.allgather("server" if ps.is_server else "worker")
     if rank == 0:
@@ -249,7 +260,8 @@ def report(ps: ParameterServer, args: argparse.Namespace, rec: dict, stats: dict
           f"({args.consistency}, {ps.num_servers} server(s), {ps.num_workers} workers, "
           f"{rec['seconds']:.2f} s, {rec['steps']} steps to clock {ps.clock}, "
           f"staleness max {s['staleness_max']} mean {s['staleness_mean']:.2f}, "
-          f"late pushes dropped {dropped}, bytes per server {stats['bytes_per_server']})",
+          f"late pushes dropped {dropped}, bytes per server {stats['bytes_per_server']}, "
+          f"replicas {stats['replicas']})",
           flush=True)
     if args.json:
         with open(args.json, "w") as f:
