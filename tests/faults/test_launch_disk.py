@@ -1,0 +1,92 @@
+"""mpicoll.elastic.disk: the relaunching supervisor's commit on disk (serial)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpicoll.elastic import disk
+
+
+@pytest.fixture()
+def commit_env(tmp_path, monkeypatch):
+    directory = tmp_path / "commits"
+    monkeypatch.setenv(disk.ENV_DIR, str(directory))
+    monkeypatch.delenv(disk.ENV_RESTART, raising=False)
+    return directory
+
+
+def test_inactive_without_directory(monkeypatch):
+    monkeypatch.delenv(disk.ENV_DIR, raising=False)
+    assert not disk.active()
+    assert disk.load() is None
+    with pytest.raises(disk.CommitError, match=disk.ENV_DIR):
+        disk.save(b"x")
+    monkeypatch.setenv(disk.ENV_DIR, "")
+    assert not disk.active()
+
+
+def test_save_load_keeps_previous(commit_env):
+    assert disk.active()
+    assert disk.load() is None                  # no commit yet (directory absent)
+    disk.save(b"first")
+    assert disk.load() == b"first"
+    assert not (commit_env / disk.PREVIOUS_NAME).exists()
+    disk.save(bytearray(b"second"))
+    assert disk.load() == b"second"
+    disk.save(memoryview(b"\x00" * 3 + b"third"))
+    assert disk.load() == b"\x00\x00\x00third"
+    assert disk._read(commit_env / disk.PREVIOUS_NAME) == b"second"
+    assert sorted(p.name for p in commit_env.iterdir()) == [disk.COMMIT_NAME,
+                                                            disk.PREVIOUS_NAME]
+    disk.save(b"")                              # an empty payload is a commit too
+    assert disk.load() == b""
+
+
+def test_damaged_last_commit_falls_back(commit_env):
+    disk.save(b"older commit")
+    disk.save(b"newer commit")
+    last = commit_env / disk.COMMIT_NAME
+    blob = bytearray(last.read_bytes())
+    blob[-1] ^= 0xFF                            # corrupt one payload byte
+    last.write_bytes(bytes(blob))
+    assert disk.load() == b"older commit"
+    last.write_bytes(bytes(blob[:5]))           # truncated inside the header
+    assert disk.load() == b"older commit"
+    last.write_bytes(b"not a commit at all, long enough for a header")
+    assert disk.load() == b"older commit"
+    (commit_env / disk.PREVIOUS_NAME).unlink()
+    assert disk.load() is None
+
+
+def test_bad_payload_and_directory(commit_env, tmp_path, monkeypatch):
+    with pytest.raises(TypeError, match="bytes-like"):
+        disk.save("text")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv(disk.ENV_DIR, str(blocker / "sub"))
+    with pytest.raises(disk.CommitError, match="cannot create"):
+        disk.save(b"x")
+
+
+def test_restart_count(monkeypatch):
+    monkeypatch.delenv(disk.ENV_RESTART, raising=False)
+    assert disk.restart_count() == 0
+    monkeypatch.setenv(disk.ENV_RESTART, "3")
+    assert disk.restart_count() == 3
+    for bad in ("-1", "two"):
+        monkeypatch.setenv(disk.ENV_RESTART, bad)
+        with pytest.raises(ValueError, match=disk.ENV_RESTART):
+            disk.restart_count()
+
+
+def test_light_import():
+    """The supervisor and every rank import it without MPI, numpy or torch."""
+    code = ("import sys, mpicoll.elastic.disk; "
+            "print(sorted(m for m in ('mpi4py', 'numpy', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True, env={**os.environ, "PYTHONPATH": "."})
+    # mpicoll/__init__ may pull numpy/mpi4py in; the module itself must not add torch
+    assert "torch" not in out.stdout
