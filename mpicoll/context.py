@@ -15,17 +15,19 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
-from . import config, fastpath, timeline, watchdog
+from . import config, fastpath, faults, timeline, watchdog
 from .topology import Topology
 from .tracking import Tracker
 
-__all__ = ["CommContext", "get_context", "resolve_comm"]
+__all__ = ["CommContext", "get_context", "resolve_comm", "world", "set_world", "abandon"]
 
 _keyval: int | None = None
 _lock = threading.Lock()
 # Fast lookup by handle (Get_attr costs ~0.5 us a call); entries leave when MPI deletes the
 # attribute (the communicator is freed), so a later communicator reusing the handle misses.
 _by_handle: dict[int, "CommContext"] = {}
+#: The communicator ``comm=None`` means (``None``: ``MPI.COMM_WORLD``); see :func:`set_world`.
+_world: MPI.Intracomm | None = None
 
 
 def _delete_context(comm: MPI.Comm, keyval: int, ctx: "CommContext") -> None:
@@ -72,6 +74,9 @@ class CommContext:
         self._plans: dict[Any, Any] = {}
         self._resources: dict[Any, Any] = {}
         self._topology: Any = None
+        #: Set by :func:`abandon`: the communicators may have dead peers, so nothing is
+        #: freed (a collective free would wait for them); the MPI objects are leaked.
+        self.abandoned = False
         #: Ranks on each node when every node has as many, else 0 (unknown): what
         #: ``algorithm="auto"`` looks up. The layout is computed here, where every rank is
         #: (creating a context is collective), never later inside one rank's call.
@@ -122,8 +127,15 @@ class CommContext:
         return held
 
     def free(self) -> None:
-        """Release the private communicators (called when the user's comm is freed)."""
+        """Release the private communicators (called when the user's comm is freed);
+        an abandoned context only drops its references."""
         self._plans.clear()
+        if self.abandoned:
+            self._resources.clear()
+            self._topology = None
+            watchdog.unwatch(self.watched, free=False)
+            self.watched = None
+            return
         for obj in self._resources.values():
             if hasattr(obj, "free"):
                 obj.free()
@@ -170,6 +182,8 @@ def _free_all_at_exit() -> None:
     shared-memory window (``shm`` all-reduce) left open makes ``MPI_Finalize`` fail over
     MPICH's ofi netmod ("OFI call fabricclose failed ... Device or resource busy").
     Registered after ``mpi4py.MPI`` is imported, so it runs before mpi4py's own handler.
+    After a process failure (ULFM) it ends the process without ``MPI_Finalize``
+    (:func:`mpicoll.faults.exit_without_finalize`).
     """
     if MPI.Is_finalized():
         return
@@ -178,18 +192,72 @@ def _free_all_at_exit() -> None:
     _by_handle.clear()
     fastpath.invalidate()
     for ctx in contexts:
+        if _has_failed_peers(ctx.comm):
+            ctx.abandoned = True              # freeing would wait for the dead peers
         ctx.free()
+    if faults.failure_seen:
+        faults.exit_without_finalize()        # MPI_Finalize may wait for the dead
+
+
+def _has_failed_peers(comm: MPI.Comm) -> bool:
+    """Whether ULFM reports a failed process in ``comm`` (never, without ULFM on)."""
+    return faults.ENABLED and bool(faults.failed_ranks(comm, 0.0))
+
+
+def world() -> MPI.Intracomm:
+    """The communicator that ``comm=None`` means everywhere in mpicoll: ``MPI.COMM_WORLD``
+    unless :func:`set_world` replaced it (:mod:`mpicoll.elastic` does, with the
+    survivors' communicator after a failure)."""
+    return MPI.COMM_WORLD if _world is None else _world
+
+
+def set_world(comm: MPI.Intracomm | None) -> None:
+    """Make ``comm`` what ``comm=None`` means (``None``: ``MPI.COMM_WORLD`` again).
+
+    Local: every rank of ``comm`` should call it at the same point. Cached calls made with
+    ``comm=None`` are dropped (they are bound to the previous world's context).
+
+    Raises:
+        TypeError: not an mpi4py intracommunicator.
+    """
+    global _world
+    if comm is not None:
+        comm = resolve_comm(comm)
+    _world = None if comm is None or comm == MPI.COMM_WORLD else comm
+    fastpath.invalidate()
+
+
+def abandon(comm: MPI.Comm) -> None:
+    """Forget the contexts of ``comm`` and of every communicator they hold, without
+    freeing any MPI object (a communicator with a dead peer cannot be freed collectively;
+    the survivors go on with a new one). A later :func:`get_context` of the same
+    communicator builds a fresh context. Revoke first (:func:`mpicoll.faults.revoke_all`)
+    so that no survivor still waits on them."""
+    todo, seen = [comm], set()
+    while todo:
+        c = todo.pop()
+        if not isinstance(c, MPI.Comm) or c == MPI.COMM_NULL or c.handle in seen:
+            continue
+        seen.add(c.handle)
+        ctx = _by_handle.pop(c.handle, None)
+        if ctx is None:
+            continue
+        todo += ctx.communicators()
+        ctx.abandoned = True
+        ctx.free()
+    fastpath.invalidate()
 
 
 def resolve_comm(comm: Any, argname: str = "comm") -> MPI.Comm:
-    """Return the mpi4py intracommunicator for ``comm`` (``None`` means ``COMM_WORLD``).
+    """Return the mpi4py intracommunicator for ``comm`` (``None`` means :func:`world`:
+    ``COMM_WORLD`` unless :mod:`mpicoll.elastic` shrank it).
 
     Raises:
         TypeError: not an mpi4py intracommunicator.
         ValueError: ``MPI.COMM_NULL``.
     """
     if comm is None:
-        return MPI.COMM_WORLD
+        return MPI.COMM_WORLD if _world is None else _world
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"{argname} must be an mpi4py intracommunicator (or None for "
                         f"COMM_WORLD), not {type(comm).__name__}")
@@ -219,8 +287,11 @@ def get_context(comm: MPI.Comm) -> CommContext:
     keyval = _get_keyval()
     _start_timeline_once()
     ctx = comm.Get_attr(keyval)
-    if ctx is None:
+    if ctx is None or ctx.abandoned:
         ctx = CommContext(comm)
         comm.Set_attr(keyval, ctx)
     _by_handle[ctx.handle] = ctx
     return ctx
+
+
+faults.bind_contexts(_by_handle.get, resolve_comm)

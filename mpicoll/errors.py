@@ -7,7 +7,8 @@ raises the same error.
 """
 from __future__ import annotations
 
-__all__ = ["CollectiveError", "MismatchError", "RemoteError", "ProcessFailedError"]
+__all__ = ["CollectiveError", "MismatchError", "RemoteError", "ProcessFailedError",
+           "TooFewRanksError", "HostsUpdatedInterrupt"]
 
 
 class CollectiveError(RuntimeError):
@@ -52,3 +53,33 @@ class ProcessFailedError(CollectiveError):
     def __init__(self, message: str, failed_ranks: list[int] | None = None) -> None:
         super().__init__(message)
         self.failed_ranks = sorted(failed_ranks or [])
+
+
+class TooFewRanksError(CollectiveError):
+    """After a failure, fewer ranks survive than the job's ``min_np``
+    (:mod:`mpicoll.elastic`): raised on every survivor, which then ends.
+
+    Attributes:
+        size: how many ranks survived. min_np: the least the job accepts.
+        failed_ranks: the ranks (of the communicator before the failure) that failed.
+    """
+
+    def __init__(self, message: str, size: int, min_np: int,
+                 failed_ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.size, self.min_np = size, min_np
+        self.failed_ranks = sorted(failed_ranks or [])
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Horovod's interruption of an elastic function when hosts were added or removed
+    (:mod:`mpicoll.elastic`); the function is reset and run again.
+
+    Attributes:
+        skip_sync: whether the state need not be synchronised before running again
+            (hosts were only added: every old rank's state is already the same).
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts updated")
+        self.skip_sync = skip_sync

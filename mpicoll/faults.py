@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -28,7 +30,9 @@ from mpi4py import MPI
 from .errors import ProcessFailedError
 
 __all__ = ["available", "turned_on", "ENABLED", "is_process_failure", "failed_ranks",
-           "revoke_all", "translate", "guard", "guard_call", "FAILED_WAIT_S"]
+           "revoke_all", "bind_contexts", "translate", "note_failure", "failure_seen",
+           "exit_without_finalize", "as_process_failure", "keep_requests", "guard", "guard_call",
+           "FAILED_WAIT_S"]
 
 #: Longest wait, in seconds, for the failure detector to name a failed rank after a
 #: revocation (a rank woken by the revocation may not have noticed the death yet).
@@ -82,12 +86,32 @@ def _error_class(exc: BaseException) -> int | None:
         return None
 
 
+def _no_context(handle: int) -> Any:
+    return None
+
+
+def _plain_resolve(comm: Any) -> MPI.Comm:
+    return MPI.COMM_WORLD if comm is None else comm
+
+
+#: handle -> the mpicoll context of that communicator, or None; and ``comm=None`` -> the
+#: current world. :mod:`mpicoll.context` installs both (:func:`bind_contexts`), so that
+#: this module, which context and the stall inspector use, imports neither.
+_context_of: Callable[[int], Any] = _no_context
+_resolve: Callable[[Any], MPI.Comm] = _plain_resolve
+
+
+def bind_contexts(context_of: Callable[[int], Any], resolve: Callable[[Any], MPI.Comm]) -> None:
+    """Called by :mod:`mpicoll.context` at import: how to find a communicator's context
+    (for :func:`revoke_all`) and what ``comm=None`` means (for :func:`translate`)."""
+    global _context_of, _resolve
+    _context_of, _resolve = context_of, resolve
+
+
 def _held_comms(comm: MPI.Comm) -> list[MPI.Comm]:
     """Every communicator mpicoll holds for ``comm`` (``comm`` first), following the
     contexts of the communicators it holds (an inner algorithm on a leader communicator
     has a context, and a private duplicate, of its own)."""
-    from .context import _by_handle  # noqa: PLC0415  (no cycle at import)
-
     comms: list[MPI.Comm] = []
     seen: set[int] = set()
     todo = [comm]
@@ -97,7 +121,7 @@ def _held_comms(comm: MPI.Comm) -> list[MPI.Comm]:
             continue
         seen.add(c.handle)
         comms.append(c)
-        ctx = _by_handle.get(c.handle)
+        ctx = _context_of(c.handle)
         if ctx is not None:
             todo += ctx.communicators()
     return comms
@@ -154,6 +178,71 @@ def _keep_requests(exc: BaseException) -> None:
         tb = tb.tb_next
 
 
+def keep_requests(requests: list[Any]) -> None:
+    """Never free ``requests`` (pending operations on a communicator with a dead peer):
+    see :data:`_orphans`."""
+    _orphans.extend(r for r in requests if isinstance(r, MPI.Request))
+
+
+def as_process_failure(exc: BaseException, comm: Any) -> ProcessFailedError | None:
+    """:func:`translate` as a value: the :class:`ProcessFailedError` that ``exc`` (raised
+    by an MPI call on ``comm``) stands for, after revoking ``comm``'s communicators, or
+    ``None`` when it is no process failure. For threads that report errors through
+    futures (the torch engine) rather than raise them."""
+    if not isinstance(exc, MPI.Exception):
+        return exc if isinstance(exc, ProcessFailedError) else None
+    try:
+        translate(exc, comm)
+    except ProcessFailedError as failure:
+        return failure
+    return None
+
+
+#: Whether this process has seen a process failure (:func:`note_failure`).
+failure_seen = False
+_exit_code: list[Any] = []
+
+
+def note_failure() -> None:
+    """Record that this process has seen a process failure: at exit it will end without
+    ``MPI_Finalize`` (:func:`exit_without_finalize`), and ``sys.exit``'s status is kept
+    for that."""
+    global failure_seen
+    if failure_seen:
+        return
+    failure_seen = True
+    plain_exit = sys.exit
+
+    def recording_exit(status: Any = None) -> None:
+        _exit_code[:] = [status]
+        plain_exit(status)
+
+    sys.exit = recording_exit
+
+
+def exit_without_finalize() -> None:
+    """End the process now, skipping ``MPI_Finalize`` (called by mpicoll's exit handler
+    once a process failure was seen: Open MPI 5.0.11's ``MPI_Finalize`` can wait forever
+    for a dead rank, seen once in about six jobs whose rank 0 died). The status is the
+    one ``sys.exit`` was given, 1 after an uncaught exception, else 0. Python exit
+    handlers registered before mpicoll was imported do not run (logging is flushed)."""
+    status: Any = _exit_code[0] if _exit_code else 0
+    if getattr(sys, "last_value", None) is not None and not _exit_code:
+        status = 1
+    if status is None:
+        status = 0
+    elif not isinstance(status, int):
+        print(status, file=sys.stderr)
+        status = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001  (closed: nothing to flush)
+            pass
+    os._exit(status)
+
+
 def translate(exc: BaseException, comm: Any) -> None:
     """Raise :class:`ProcessFailedError` from ``exc`` when it reports a process failure
     (after revoking every communicator of ``comm``); return otherwise (the caller
@@ -161,10 +250,8 @@ def translate(exc: BaseException, comm: Any) -> None:
     error_class = _error_class(exc)
     if error_class is None:
         return
-    from .context import resolve_comm  # noqa: PLC0415
-
     try:
-        user = resolve_comm(comm)
+        user = _resolve(comm)
     except Exception:  # noqa: BLE001
         user = MPI.COMM_WORLD
     plain = user if type(user) is MPI.Intracomm else MPI.Intracomm(user)
@@ -172,6 +259,7 @@ def translate(exc: BaseException, comm: Any) -> None:
     # broadcast may say MPI_ERR_OTHER) is a failure only when a peer is known to have failed
     if error_class not in _FAILURE_CLASSES and not failed_ranks(plain, OTHER_WAIT_S):
         return
+    note_failure()
     revoke_all(plain)
     _keep_requests(exc)
     ranks = failed_ranks(plain)

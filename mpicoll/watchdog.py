@@ -37,7 +37,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import config, tracking
+from . import config, faults, tracking
 from .tracking import CallInfo, Tracker
 
 __all__ = ["enabled", "watch", "unwatch", "announce_exit", "Watched", "POLL_SECONDS",
@@ -149,14 +149,31 @@ def watch(comm: MPI.Intracomm, tracker: Tracker) -> Watched | None:
     return watched
 
 
-def unwatch(watched: Watched | None) -> None:
-    """Stop watching (the communicator is being freed) and free the duplicate."""
+def unwatch(watched: Watched | None, free: bool = True) -> None:
+    """Stop watching (the communicator is being freed) and free the duplicate
+    (``free=False``: leave it, as for a communicator with a dead peer)."""
     if watched is None:
         return
     with _lock:
         if watched in _watched:
             _watched.remove(watched)
-    watched.free()
+    if free:
+        watched.free()
+
+
+def _drop_failed(w: Watched, exc: MPI.Exception) -> bool:
+    """After an MPI error on ``w``'s communicator: stop watching it, without freeing it,
+    if the error reports a process failure or a revocation (ULFM); nothing more can be
+    said or asked there, and its pending sends must never be freed (Open MPI ends the job
+    when a freed send to a dead process fails). Returns whether it was dropped."""
+    if not faults.is_process_failure(exc):
+        return False
+    faults.keep_requests(w.sends)
+    w.sends = []
+    if w in _watched:
+        _watched.remove(w)
+    log.debug("watchdog: %s; no longer watched", exc)
+    return True
 
 
 def announce_exit() -> None:
@@ -177,7 +194,10 @@ def announce_exit() -> None:
     if MPI.Is_finalized():
         return
     with _lock:
-        for w in _watched:
+        for w in list(_watched):
+            if _peer_failed(w):
+                _drop_failed(w, MPI.Exception(MPI.ERR_PROC_FAILED))
+                continue
             _collect_left(w)
             now = time.monotonic()
             for peer in range(w.size):
@@ -187,13 +207,23 @@ def announce_exit() -> None:
         deadline = time.monotonic() + EXIT_WAIT_SECONDS
         while True:
             waiting = False
-            for w in _watched:
-                _reap(w)
+            for w in list(_watched):
+                try:
+                    _reap(w)
+                except MPI.Exception as exc:  # a dead peer (ULFM): stop waiting for it
+                    if _drop_failed(w, exc):
+                        continue
+                    log.debug("watchdog: %s", exc)
                 _collect_left(w)
                 waiting = waiting or bool(w.sends) or len(w.left) < w.size - 1
             if not waiting or time.monotonic() >= deadline:
                 break
             time.sleep(0.001)
+
+
+def _peer_failed(w: Watched) -> bool:
+    """Whether ULFM knows a peer of ``w`` to have failed (never without ULFM on)."""
+    return faults.ENABLED and bool(faults.failed_ranks(w.comm, 0.0))
 
 
 def _collect_left(w: Watched) -> None:
@@ -226,7 +256,8 @@ def _loop() -> None:
                 try:
                     _poll(w, time.monotonic())
                 except MPI.Exception as exc:  # never let the watchdog kill the process
-                    log.debug("watchdog: %s", exc)
+                    if not _drop_failed(w, exc):
+                        log.debug("watchdog: %s", exc)
 
 
 def _reap(w: Watched) -> None:

@@ -2,5 +2,40 @@
 
 Under Open MPI with ULFM (``mpirun --with-ft ulfm``) the survivors shrink and continue in
 memory; under MPI libraries without ULFM, ``python -m mpicoll.elastic.launch`` relaunches
-the job from the last commit written to disk.
+the job from the last commit written to disk. For numpy programs::
+
+    import mpicoll, mpicoll.elastic as elastic
+
+    state = elastic.ObjectState(step=0, weights=np.zeros(10))
+
+    @elastic.run(min_np=2)
+    def train(state):
+        while state.step < 100:
+            grad = ...                                   # this rank's gradient
+            state.weights -= 0.1 * mpicoll.allreduce(grad, op="average")   # comm=None
+            state.step += 1
+            state.commit()
+
+    train(state)
+
+``comm=None`` (every mpicoll collective's default) means :func:`world`, which is
+``MPI.COMM_WORLD`` until a failure and the survivors' communicator after it. See
+docs/elastic.md. :mod:`mpicoll.torch.elastic` is Horovod's ``hvd.elastic``.
 """
+from __future__ import annotations
+
+from ..errors import HostsUpdatedInterrupt, ProcessFailedError, TooFewRanksError
+from .runner import run, run_fn
+from .state import ObjectState, State, broadcast_object
+from .shrink import Recovery, shrink_world, world
+
+__all__ = ["run", "run_fn", "State", "ObjectState", "broadcast_object", "world",
+           "shrink_world", "Recovery", "last_recovery", "ProcessFailedError",
+           "TooFewRanksError", "HostsUpdatedInterrupt"]
+
+
+def last_recovery() -> Recovery | None:
+    """The latest recovery of this process, with its phases' durations (``None``: none)."""
+    from . import shrink as world_module  # noqa: PLC0415
+
+    return world_module.last_recovery

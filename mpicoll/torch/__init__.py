@@ -15,6 +15,7 @@ The package by role:
   :mod:`.functions` (parameters, optimizer state, objects), :mod:`.ops` (reduction ops),
   :mod:`.process_sets`, :mod:`.sparse`, :mod:`.optimizer` (``DistributedOptimizer``),
   :mod:`.sync_batch_norm`, :mod:`.compression` (compressors, and the compressed reductions);
+- :mod:`.elastic`: Horovod's ``hvd.elastic`` (training that goes on after a rank dies);
 - :mod:`.ps_optimizer`: training through the parameter server (``backend="ps"``,
   ``PSOptimizer``); :mod:`.optim_wrapping`: what both optimizers share;
 - :mod:`.engine`: the one thread that calls MPI (negotiation, fusion, execution, handles);
@@ -44,11 +45,14 @@ from .state import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gl
                     size, start_timeline, stop_timeline)
 from .sparse import sparse_allreduce_async
 from .sync_batch_norm import SyncBatchNorm
-from ..errors import CollectiveError, MismatchError, RemoteError
+from ..errors import (CollectiveError, HostsUpdatedInterrupt, MismatchError,
+                      ProcessFailedError, RemoteError)
+from . import elastic
 from . import distributed as _distributed  # noqa: F401  registers the "mpicoll" torch.distributed backend
 
-#: Horovod's name for a failed collective (``except hvd.HorovodInternalError`` keeps working).
-HorovodInternalError = CollectiveError
+#: Horovod's name for a failed collective (``except hvd.HorovodInternalError`` keeps working);
+#: a dead peer under ULFM raises :class:`~mpicoll.ProcessFailedError`, one of these.
+HorovodInternalError = elastic.HorovodInternalError
 
 __all__ = ["init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "rank", "local_rank", "local_size",
            "cross_rank", "cross_size", "mpi_threads_supported", "mpi_enabled", "mpi_built",
@@ -66,4 +70,4 @@ __all__ = ["init", "shutdown", "is_initialized", "start_timeline", "stop_timelin
            "Compression", "Compressor", "Average", "Sum", "Adasum", "Min", "Max", "Product",
            "ReduceOp", "ProcessSet", "global_process_set", "add_process_set",
            "remove_process_set", "process_grid", "ProcessSetGrid", "CollectiveError", "MismatchError", "RemoteError",
-           "HorovodInternalError"]
+           "HorovodInternalError", "ProcessFailedError", "HostsUpdatedInterrupt", "elastic"]

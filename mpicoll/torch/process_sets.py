@@ -35,7 +35,7 @@ from .engine.negotiation import Meta
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
            "register_all", "check_usable", "outside", "scoped", "scoped_engine",
-           "current_engine", "attach", "detach", "forward_in_scope", "backward_in_scope",
+           "current_engine", "attach", "detach", "abandon", "forward_in_scope", "backward_in_scope",
            "ProcessSetGrid", "process_grid", "global_rank"]
 
 #: The engine of the process set an operation is running in (``None``: the global one).
@@ -250,18 +250,33 @@ def register_all(process_sets: Sequence[ProcessSet] | None) -> None:
             process_set.process_set_id = None
 
 
-def detach(reason: str) -> None:
-    """At ``shutdown`` (this rank's or another's): stop every process-set engine of this
-    rank (``reason`` says why, for the other ranks' errors) and forget the sets."""
+def _forget_all() -> list[tuple[ProcessSet, Engine | None]]:
+    """Unregister every set (and the global engine); return what was registered."""
     global _world
     with _lock:
         entries = list(_registry.values())
         _registry.clear()
         _world = None
-    for process_set, engine in entries:
+    for process_set, _ in entries:
         process_set.process_set_id = None
+    return entries
+
+
+def detach(reason: str) -> None:
+    """At ``shutdown`` (this rank's or another's): stop every process-set engine of this
+    rank (``reason`` says why, for the other ranks' errors) and forget the sets."""
+    for _, engine in _forget_all():
         if engine is not None:
             engine.shutdown(reason)
+
+
+def abandon(reason: str) -> None:
+    """After a process failure (:mod:`mpicoll.torch.elastic`): stop every process-set
+    engine of this rank without a shutdown round (:meth:`Engine.abandon`: some members
+    may be dead) and forget the sets; the global set follows the next ``init``."""
+    for _, engine in _forget_all():
+        if engine is not None:
+            engine.abandon(reason)
 
 
 def _engine_of(process_set: ProcessSet | None) -> Engine | None:

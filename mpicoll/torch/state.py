@@ -26,7 +26,7 @@ from . import process_sets as process_set_registry
 from .engine.core import Engine
 from .engine.settings import from_environment
 
-__all__ = ["init", "shutdown", "is_initialized", "engine", "start_timeline", "stop_timeline",
+__all__ = ["init", "shutdown", "abandon", "is_initialized", "engine", "start_timeline", "stop_timeline",
            "size", "rank", "local_rank",
            "local_size", "cross_rank", "cross_size", "mpi_threads_supported", "mpi_enabled",
            "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
@@ -38,7 +38,8 @@ _atexit_registered = False
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Start mpicoll.torch on ``comm`` (default ``MPI.COMM_WORLD``); collective.
+    """Start mpicoll.torch on ``comm`` (default: :func:`mpicoll.context.world`, which is
+    ``MPI.COMM_WORLD`` unless an elastic reset shrank it); collective.
 
     Args:
         comm: an mpi4py communicator.
@@ -116,6 +117,19 @@ def _stop(reason: str) -> None:
         return
     process_set_registry.detach(reason)
     engine.shutdown(reason)
+
+
+def abandon(reason: str) -> None:
+    """After a process failure: stop mpicoll.torch on this rank without a shutdown round
+    and without freeing its communicators (their dead ranks would never answer); pending
+    and later operations fail with ``reason`` until :func:`init` runs again (on the
+    survivors' world: :mod:`mpicoll.torch.elastic`)."""
+    global _engine
+    with _lock:
+        engine, _engine = _engine, None
+    process_set_registry.abandon(reason)
+    if engine is not None:
+        engine.abandon(reason)
 
 
 def is_initialized() -> bool:

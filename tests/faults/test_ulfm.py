@@ -11,13 +11,12 @@ cases skip, with the reason, when it cannot be built).
 """
 from __future__ import annotations
 
-import concurrent.futures
 from pathlib import Path
 
 import pytest
 
 import ompi_env
-from mpi_launcher import run_command
+import ulfm_jobs
 
 WORKER = Path(__file__).with_name("ulfm_worker.py")
 
@@ -25,14 +24,7 @@ WORKER = Path(__file__).with_name("ulfm_worker.py")
 BOUND_S = 2.0
 #: Seconds one job may take (a hang means a survivor never raised).
 JOB_TIMEOUT_S = 30
-#: Jobs run at once (2 cores here; more oversubscribes further and slows detection).
-PARALLEL = 2
-
-#: Open MPI 5.0.11 (ob1) sometimes aborts the whole job when a send that MPI had already
-#: completed, and freed, fails after the peer died (seen with the root of a binomial
-#: broadcast running ahead): the job ends, as without ULFM, rather than raising. A job
-#: that ends so is run once more; two in a row make the case an expected failure.
-OPEN_MPI_ABORT = "Send error after request freed"
+OPEN_MPI_ABORT = ulfm_jobs.OPEN_MPI_ABORT
 
 _ALGORITHMS = {
     "allreduce": ["hierarchical", "native", "rabenseifner", "recursive_doubling", "ring",
@@ -67,25 +59,13 @@ def ompi_python() -> Path:
     return ompi_env.ompi_python()
 
 
-def _run_job(python: Path, case: tuple[str, str, int, int]) -> tuple[int, str, float]:
-    call, algorithm, n, victim = case
-    cmd = ompi_env.mpirun_command(python, n, [str(WORKER), call, algorithm, str(victim)])
-    # emulated nodes: hierarchical and shm cross them
-    rc, out, secs = run_command(cmd, ompi_env.ompi_env(MPICOLL_RANKS_PER_NODE="2"),
-                                JOB_TIMEOUT_S)
-    return 124 if rc is None else rc, out, secs
-
-
 @pytest.fixture(scope="module")
 def job_outputs(ompi_python: Path) -> dict[tuple, tuple[int, str, float]]:
-    """Every case's (exit status, output, seconds), the jobs run :data:`PARALLEL` at a time."""
-    with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:
-        futures = {case: pool.submit(_run_job, ompi_python, case) for case in CASES}
-        outputs = {case: future.result() for case, future in futures.items()}
-    for case, (rc, out, secs) in outputs.items():
-        if OPEN_MPI_ABORT in out:  # Open MPI's own abort (not a hang): rerun once
-            outputs[case] = _run_job(ompi_python, case)
-    return outputs
+    """Every case's (exit status, output, seconds), the jobs run a few at a time."""
+    # emulated nodes: hierarchical and shm cross them
+    return ulfm_jobs.run_jobs(ompi_python, {
+        case: (WORKER, case[2], [case[0], case[1], str(case[3])],
+               {"MPICOLL_RANKS_PER_NODE": "2"}, JOB_TIMEOUT_S) for case in CASES})
 
 
 def survivors_report(case: tuple[str, str, int, int], out: str) -> list[str]:

@@ -51,9 +51,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ... import timeline
+from ... import faults, timeline
 from ...context import get_context
-from ...errors import CollectiveError
+from ...errors import CollectiveError, ProcessFailedError
 from . import trace
 from ...gpu.slots import HostSlots
 from ..device.tensors import TensorDevice, device_of, same_device
@@ -111,6 +111,18 @@ def _stamped(meta: Meta, dev: TensorDevice | None) -> Meta:
     return meta._replace(stages=True) if dev is not None and not dev.aware() else meta
 
 
+def _request_error(meta: Meta, exc: BaseException) -> CollectiveError:
+    """The error of one request that failed because the engine did (``exc``): a
+    :class:`~mpicoll.ProcessFailedError` (naming the failed ranks) for a process failure,
+    else a :class:`~mpicoll.CollectiveError`."""
+    message = f"{meta.kind} {meta.name!r} failed: {exc}"
+    if isinstance(exc, ProcessFailedError):
+        error = ProcessFailedError(message, exc.failed_ranks)
+        error.__cause__ = exc
+        return error
+    return CollectiveError(message)
+
+
 def _decide_overlap(setting: str, local_size: int) -> bool:
     """Overlap when asked to, or (``auto``) when every rank on the node has a spare core."""
     if setting in ("0", "1"):
@@ -120,6 +132,16 @@ def _decide_overlap(setting: str, local_size: int) -> bool:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     return cores >= local_size * (torch.get_num_threads() + 1)
+
+
+def _log_failure(what: str, exc: BaseException) -> None:
+    """Log a failed round: one line for a process failure (an expected event under
+    ULFM), the traceback otherwise."""
+    if faults.ENABLED and (faults.is_process_failure(exc)
+                           or isinstance(exc, ProcessFailedError)):
+        log.warning("%s: %s", what, exc)
+    else:
+        log.exception(what)
 
 
 class Engine:
@@ -254,8 +276,8 @@ class Engine:
         inline = self._inline is not None and meta.kind != "shutdown"
         with self._lock:
             if self._fatal is not None or self.stopping or not self._thread.is_alive():
-                raise CollectiveError(f"{meta.kind} {meta.name!r} failed: "
-                                      f"{self._fatal or 'mpicoll.torch has been shut down'}")
+                raise _request_error(meta, self._fatal or CollectiveError(
+                    "mpicoll.torch has been shut down"))
             if key in self._inflight:
                 raise ValueError(f"a {meta.kind} named {meta.name!r} is already in flight on "
                                  f"this rank; names must be unique until synchronized")
@@ -332,7 +354,7 @@ class Engine:
                         and self._pending():
                     self._round()
             except BaseException as exc:  # noqa: BLE001  (reported through every future)
-                log.exception("mpicoll.torch negotiation round failed")
+                _log_failure("mpicoll.torch negotiation round failed", exc)
                 self._fail_all(exc)
                 self._queue.put(None)
             finally:
@@ -343,8 +365,10 @@ class Engine:
 
     def _check_running(self) -> None:
         if self._fatal is not None or not self._thread.is_alive():
-            raise CollectiveError(f"mpicoll.torch engine stopped "
-                                  f"({self._fatal or 'shut down'})")
+            message = f"mpicoll.torch engine stopped ({self._fatal or 'shut down'})"
+            if isinstance(self._fatal, ProcessFailedError):
+                raise ProcessFailedError(message, self._fatal.failed_ranks)
+            raise CollectiveError(message)
 
     def _forget(self, future: Future) -> None:
         with self._lock:
@@ -457,7 +481,7 @@ class Engine:
         try:
             self._loop()
         except BaseException as exc:  # noqa: BLE001  (reported through every future)
-            log.exception("mpicoll.torch engine failed")
+            _log_failure("mpicoll.torch engine failed", exc)
             self._fail_all(exc)
             return
         self._fail_all(CollectiveError("mpicoll.torch has been shut down"))
@@ -476,7 +500,12 @@ class Engine:
 
     def _fail_all(self, exc: BaseException) -> None:
         """Fail every request of this rank (pending, or submitted later) with ``exc``'s
-        message (the first failure is kept for later submissions)."""
+        message (the first failure is kept for later submissions). A process failure
+        (ULFM) revokes the engine's communicators, so that every survivor's engine fails
+        too, and fails the requests with :class:`~mpicoll.ProcessFailedError`."""
+        failure = self._as_failure(exc)
+        if failure is not None:
+            exc = failure
         with self._lock:
             self._fatal = self._fatal or exc
             submitted, self._submitted = self._submitted, []
@@ -484,7 +513,32 @@ class Engine:
             self._register(work)
         for key in list(self.local):
             meta = self.local[key].meta
-            self.finish(key, error=CollectiveError(f"{meta.kind} {meta.name!r} failed: {exc}"))
+            self.finish(key, error=_request_error(meta, exc))
+
+    def _as_failure(self, exc: BaseException) -> ProcessFailedError | None:
+        """The :class:`~mpicoll.ProcessFailedError` that ``exc`` stands for (``None``: not
+        a process failure, or ULFM is off)."""
+        if not faults.ENABLED or self.comm is None:
+            return exc if isinstance(exc, ProcessFailedError) else None
+        failure = faults.as_process_failure(exc, self.comm)
+        if failure is not None and self._notices is not None:
+            faults.revoke_all(self._notices.comm)
+        return failure
+
+    def abandon(self, reason: str) -> None:
+        """Stop this engine without a shutdown round and without freeing its
+        communicators (some of their ranks are dead, or revoked them): revoke them, so
+        that the thread and any peer still waiting there wake with an error, and wait
+        (briefly) for the thread. Pending and later requests fail with ``reason``."""
+        if self.comm is not None and faults.ENABLED:
+            faults.revoke_all(self.comm)
+            if self._notices is not None:
+                faults.revoke_all(self._notices.comm)
+        self.stopping = True
+        self._fail_all(CollectiveError(reason))
+        self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(2.0)
 
     def _pending(self) -> bool:
         """Whether a round is due: this rank has new requests, or some request is

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ... import collectives, timeline
+from ... import collectives, faults, timeline
 from ...buffers import IN_PLACE
-from ...errors import CollectiveError, MismatchError, RemoteError
+from ...errors import CollectiveError, MismatchError, ProcessFailedError, RemoteError
 from ...ops import scaled_sum
 from . import trace
 from ...algorithms.adasum import adasum_allreduce
@@ -168,6 +168,12 @@ def _guarded(engine: EngineInterface, bucket: list[Response], run: Any) -> None:
 
 
 def _failed(engine: EngineInterface, bucket: list[Response], exc: Exception) -> None:
+    if faults.ENABLED and (faults.is_process_failure(exc)
+                           or isinstance(exc, ProcessFailedError)):
+        # a dead peer (ULFM): the whole engine fails (its communicators are revoked then),
+        # not just this bucket; the round's caller fails every request
+        log.warning("mpicoll.torch: %s failed: %s", [r.name for r in bucket], exc)
+        raise exc
     log.exception("mpicoll.torch: %s failed", [r.name for r in bucket])
     for response in bucket:
         engine.finish(_local_key(response), error=exc)

@@ -1,0 +1,117 @@
+"""Shrinking the world after a process failure (ULFM): revoke, agree, shrink, switch.
+
+:func:`shrink_world` is what every survivor runs once a collective has raised
+:class:`~mpicoll.ProcessFailedError`:
+
+1. *revoke* the current world and every communicator mpicoll holds for it
+   (:func:`mpicoll.faults.revoke_all`), so that a survivor still blocked in a call on them
+   (waiting on another survivor) wakes with an error and comes here too;
+2. *agree and shrink*: ``MPI_Comm_shrink`` (ULFM) is a fault-tolerant agreement on the set
+   of failed processes and returns the communicator of the survivors, the same on every
+   one of them; the failed ranks are those of the old world missing from it;
+3. *switch*: forget (never free: a collective free would wait for the dead) the old
+   world's contexts (:func:`mpicoll.context.abandon`) and make the survivors' communicator
+   the world that ``comm=None`` means (:func:`mpicoll.context.set_world`). Per-communicator
+   state (private duplicate, node layout, shared-memory windows, tuning layout, stall
+   inspector) is built again on the new world's first collective, as for any new
+   communicator.
+
+Below ``min_np`` survivors every survivor raises :class:`~mpicoll.TooFewRanksError`
+(they all see the same shrunken size, so none waits for another).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from mpi4py import MPI
+
+from .. import context, faults
+from ..errors import TooFewRanksError
+
+__all__ = ["Recovery", "shrink_world", "last_recovery", "world"]
+
+log = logging.getLogger("mpicoll.elastic")
+
+world = context.world
+
+
+@dataclass
+class Recovery:
+    """What one :func:`shrink_world` did, with its phases' durations in seconds.
+
+    Attributes:
+        failed: the ranks of the old world that failed (agreed by every survivor).
+        old_size, new_size: the world's size before and after. rank: this rank after.
+        revoke_s: revoking the old world's communicators. shrink_s: ``MPI_Comm_shrink``
+            (the agreement included). switch_s: abandoning the old contexts and switching.
+        phases: further phases recorded by the caller (``rebuild``, ``restore``, ...).
+    """
+
+    failed: list[int]
+    old_size: int
+    new_size: int
+    rank: int
+    revoke_s: float
+    shrink_s: float
+    switch_s: float
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+#: The latest recovery of this process (``None``: none yet).
+last_recovery: Recovery | None = None
+
+
+def _failed_ranks(old: MPI.Intracomm, new: MPI.Intracomm) -> list[int]:
+    """The ranks of ``old`` missing from ``new``."""
+    old_group, new_group = old.Get_group(), new.Get_group()
+    try:
+        kept = MPI.Group.Translate_ranks(new_group, list(range(new.Get_size())), old_group)
+    finally:
+        old_group.Free()
+        new_group.Free()
+    return sorted(set(range(old.Get_size())) - set(kept))
+
+
+def shrink_world(min_np: int = 1) -> Recovery:
+    """Replace the world by its survivors (collective over the survivors of the current
+    world; see the module's docstring).
+
+    Args:
+        min_np: the least number of ranks the job goes on with.
+    Returns:
+        The :class:`Recovery` (also kept as :data:`last_recovery`).
+    Raises:
+        RuntimeError: ULFM is not available and on (the job cannot shrink).
+        TooFewRanksError: fewer than ``min_np`` ranks survived (on every survivor; the
+            survivors' communicator is the world by then, so the ranks can still end
+            together).
+    """
+    global last_recovery
+    if not faults.ENABLED:
+        raise RuntimeError("shrinking after a failure needs ULFM: Open MPI launched with "
+                           "'mpirun --with-ft ulfm' (see docs/elastic.md)")
+    old = context.world()
+    faults.note_failure()
+    start = time.perf_counter()
+    faults.revoke_all(old)
+    revoked = time.perf_counter()
+    plain = old if type(old) is MPI.Intracomm else MPI.Intracomm(old)
+    new = plain.Shrink()
+    shrunk = time.perf_counter()
+    failed = _failed_ranks(plain, new)
+    context.abandon(old)
+    context.set_world(new)
+    done = time.perf_counter()
+    last_recovery = Recovery(failed, plain.Get_size(), new.Get_size(), new.Get_rank(),
+                             revoked - start, shrunk - revoked, done - shrunk)
+    log.warning("rank %d: world shrank from %d to %d ranks (failed: %s; revoke %.3f s, "
+                "shrink %.3f s)", new.Get_rank(), plain.Get_size(), new.Get_size(), failed,
+                revoked - start, shrunk - revoked)
+    if new.Get_size() < min_np:
+        raise TooFewRanksError(
+            f"only {new.Get_size()} rank(s) survived the failure of rank(s) {failed} (of "
+            f"{plain.Get_size()}), fewer than min_np={min_np}: the job stops",
+            new.Get_size(), min_np, failed)
+    return last_recovery

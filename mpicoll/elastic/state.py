@@ -1,0 +1,165 @@
+"""Elastic state: what a training function commits, restores and synchronises (Horovod's
+``horovod.common.elastic.State`` and ``ObjectState``, over mpicoll).
+
+- :meth:`State.commit` saves a copy of the state in memory (and, under the relaunching
+  supervisor, rank 0 writes it to disk: :mod:`mpicoll.elastic.disk`);
+- :meth:`State.restore` goes back to the last commit (after a failure);
+- :meth:`State.sync` makes every rank's state rank 0's (at the start, and after a reset);
+- :meth:`State.register_reset_callbacks`: functions called after each reset (the world
+  has changed size: rebuild what depends on it, rescale the learning rate, ...).
+"""
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any, Callable
+
+from .. import context
+
+__all__ = ["State", "ObjectState", "broadcast_object"]
+
+
+def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
+    """``obj`` of rank ``root_rank`` of the current world (:func:`mpicoll.context.world`),
+    on every rank (pickled: for small state; arrays go through the collectives)."""
+    return context.world().bcast(obj, root=root_rank)
+
+
+def _world_rank() -> int:
+    return context.world().Get_rank()
+
+
+class State:
+    """The base of elastic states: commit / restore / sync and reset callbacks.
+
+    Subclasses implement :meth:`save`, :meth:`restore`, :meth:`sync` and, to be written
+    to disk by the relaunching supervisor, :meth:`serialize` / :meth:`deserialize`.
+
+    Args:
+        bcast_object: ``f(obj) -> obj`` broadcasting from rank 0 of the current world.
+        get_rank: ``f() -> int``, this rank in the current world.
+    """
+
+    def __init__(self, bcast_object: Callable[[Any], Any] | None = None,
+                 get_rank: Callable[[], int] | None = None) -> None:
+        self._bcast_object = bcast_object or broadcast_object
+        self._rank = get_rank or _world_rank
+        self._reset_callbacks: list[Callable[[], None]] = []
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        """Call each of ``callbacks`` (no arguments), in order, after every reset."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Run by :func:`mpicoll.elastic.run` after a reset: :meth:`reset`, then the
+        callbacks."""
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Save the state in memory (a copy: a failure later goes back to it); under the
+        relaunching supervisor rank 0 also writes it to disk. Then
+        :meth:`check_host_updates`. Local (no communication) unless on disk."""
+        self.save()
+        _save_to_disk(self)
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Horovod raises :class:`~mpicoll.HostsUpdatedInterrupt` here when its driver
+        reported new hosts; under ULFM no host is ever added (growing back is not
+        supported), so nothing happens."""
+
+    def save(self) -> None:
+        """Keep a copy of the state (the commit)."""
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        """Go back to the last :meth:`save`."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Make every rank's state rank 0's (collective over the current world)."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Called after a reset, before the callbacks (nothing by default)."""
+
+    def serialize(self) -> bytes:
+        """The last commit as bytes (for the supervisor's disk copy)."""
+        raise NotImplementedError
+
+    def deserialize(self, payload: bytes) -> None:
+        """Make ``payload`` (from :meth:`serialize`) the last commit; :meth:`restore`
+        then goes back to it."""
+        raise NotImplementedError
+
+
+class ObjectState(State):
+    """State made of plain Python objects, given as keyword arguments and read and
+    written as attributes (``state.epoch += 1``).
+
+    A commit deep-copies every attribute (so arrays changed in place after a commit are
+    restored too: a commit costs a memory copy of the state).
+
+    Args:
+        bcast_object, get_rank: see :class:`State` (default: the current world's).
+        **kwargs: the attributes and their initial values.
+    """
+
+    def __init__(self, bcast_object: Callable[[Any], Any] | None = None,
+                 get_rank: Callable[[], int] | None = None, **kwargs: Any) -> None:
+        self._saved_state = copy.deepcopy(kwargs)
+        self._set_attrs()
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    def save(self) -> None:
+        self._saved_state = {name: copy.deepcopy(getattr(self, name))
+                             for name in self._saved_state}
+
+    def restore(self) -> None:
+        self._set_attrs()
+
+    def sync(self) -> None:
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+    def _set_attrs(self) -> None:
+        for name, value in self._saved_state.items():
+            setattr(self, name, copy.deepcopy(value))
+
+    def serialize(self) -> bytes:
+        return pickle.dumps(self._saved_state, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def deserialize(self, payload: bytes) -> None:
+        self._saved_state = pickle.loads(payload)  # noqa: S301  (our own commit)
+
+
+def _disk() -> Any:
+    """:mod:`mpicoll.elastic.disk` when the relaunching supervisor runs this job, else
+    ``None`` (imported lazily: only the supervisor's jobs use it)."""
+    from . import disk  # noqa: PLC0415  (only the supervisor's jobs need it)
+
+    return disk if disk.active() else None
+
+
+def _save_to_disk(state: State) -> None:
+    disk = _disk()
+    if disk is not None and state._rank() == 0:
+        disk.save(state.serialize())
+
+
+def load_from_disk(state: State) -> bool:
+    """Under the relaunching supervisor: rank 0 makes the commit on disk (if any) its
+    state (the :meth:`State.sync` that follows gives it to every rank). Returns whether
+    this rank loaded one."""
+    disk = _disk()
+    if disk is None or state._rank() != 0:
+        return False
+    payload = disk.load()
+    if payload is None:
+        return False
+    state.deserialize(payload)
+    state.restore()
+    return True

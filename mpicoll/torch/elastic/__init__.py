@@ -1,0 +1,78 @@
+"""Horovod's elastic API for ``mpicoll.torch`` (``hvd.elastic``), over Open MPI's ULFM.
+
+::
+
+    import mpicoll.torch as hvd
+
+    hvd.init()
+    sampler = hvd.elastic.ElasticSampler(dataset)
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            for state.batch, (x, y) in enumerate(loader, start=state.batch):
+                ...                                    # forward, backward, step
+                state.sampler.record_batch(state.batch, batch_size)
+                state.commit()
+            state.batch = 0
+            state.sampler.set_epoch(state.epoch + 1)
+
+    train(state)
+
+When a rank dies (``mpirun --with-ft ulfm``), every survivor's pending operation raises
+``hvd.HorovodInternalError`` (a :class:`mpicoll.ProcessFailedError`); :func:`run` then
+restores the last commit, abandons the engine, shrinks the world to the survivors
+(:func:`mpicoll.elastic.shrink_world`), starts the engine again on it (``hvd.size()`` and
+``hvd.rank()`` change; the global process set follows; other process sets are dropped
+and must be added again in a reset callback), calls the reset callbacks, synchronises
+the state from rank 0 and runs the function again. See docs/elastic.md.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from ...elastic import last_recovery
+from ...elastic import shrink as _shrink
+from ...elastic.runner import run_fn
+from ...elastic.state import ObjectState, State
+from ...errors import CollectiveError, HostsUpdatedInterrupt, TooFewRanksError
+from .. import state as _torch_state
+from .sampler import ElasticSampler
+from .state import TorchState
+
+__all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler",
+           "HorovodInternalError", "HostsUpdatedInterrupt", "TooFewRanksError", "last_recovery"]
+
+#: Horovod's name for a failed collective (a process failure is one).
+HorovodInternalError = CollectiveError
+
+
+def _reset(min_np: int) -> None:
+    """Abandon the engine, shrink the world to the survivors, start the engine on it."""
+    _torch_state.abandon("a process failed; mpicoll.torch is resetting on the survivors")
+    _shrink.shrink_world(min_np)
+    _torch_state.init()
+
+
+def run(func: Callable[..., Any] | None = None, *, min_np: int = 1) -> Callable[..., Any]:
+    """Decorator (Horovod's ``hvd.elastic.run``): ``func(state, ...)`` goes on after a
+    process failure on the survivors (see the module's docstring).
+
+    ``@hvd.elastic.run`` or ``@hvd.elastic.run(min_np=2)``.
+
+    Args:
+        func: the training function; its first argument is a :class:`State`.
+        min_np: the least number of ranks to go on with (horovodrun's ``--min-np``;
+            default 1); below it every survivor raises :class:`TooFewRanksError`.
+    Raises:
+        ValueError: ``min_np`` below 1.
+    """
+    if not isinstance(min_np, int) or min_np < 1:
+        raise ValueError(f"min_np must be an int of at least 1, not {min_np!r}")
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return run_fn(fn, functools.partial(_reset, min_np))
+
+    return decorate if func is None else decorate(func)

@@ -1,0 +1,148 @@
+"""Horovod's ``TorchState``: a model, an optimizer, samplers, LR schedulers and plain
+objects, committed, restored and synchronised together.
+
+Each model, optimizer, LR scheduler and :class:`ElasticSampler` given as a keyword
+argument gets a handler that keeps a deep copy of its ``state_dict()`` at each commit
+(a memory copy), loads it back on restore, and broadcasts rank 0's on sync; every other
+keyword argument is a plain object (:class:`mpicoll.elastic.ObjectState`).
+"""
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import torch
+
+from ...elastic.state import ObjectState
+from ..functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from ..state import rank
+from .sampler import ElasticSampler
+
+__all__ = ["TorchState", "StateHandler", "ModelStateHandler", "OptimizerStateHandler",
+           "SchedulerStateHandler", "SamplerStateHandler"]
+
+
+class StateHandler:
+    """Commit / restore / sync for one object with ``state_dict`` / ``load_state_dict``.
+
+    Attributes:
+        value: the object. saved: its ``state_dict()`` at the last commit (a deep copy).
+    """
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.saved = copy.deepcopy(value.state_dict())
+
+    def save(self) -> None:
+        self.saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(copy.deepcopy(self.saved))
+
+    def sync(self) -> None:
+        self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0))
+
+    def set_value(self, value: Any) -> None:
+        """A new object under the same name (``state.model = other``): commit it."""
+        self.value = value
+        self.save()
+
+
+class ModelStateHandler(StateHandler):
+    """A ``torch.nn.Module``: sync broadcasts rank 0's parameters and buffers."""
+
+    def sync(self) -> None:
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+class OptimizerStateHandler(StateHandler):
+    """A ``torch.optim.Optimizer`` (or ``DistributedOptimizer``)."""
+
+    def sync(self) -> None:
+        broadcast_optimizer_state(self.value, root_rank=0)
+
+
+class SchedulerStateHandler(StateHandler):
+    """An LR scheduler."""
+
+
+class SamplerStateHandler(StateHandler):
+    """An :class:`ElasticSampler`: restore and sync also split the rest of the epoch
+    among the current ranks (its ``load_state_dict`` does)."""
+
+
+def _scheduler_types() -> tuple[type, ...]:
+    scheduler = torch.optim.lr_scheduler
+    return tuple(t for t in (getattr(scheduler, "LRScheduler", None),
+                             getattr(scheduler, "_LRScheduler", None)) if t is not None)
+
+
+def _handler_for(value: Any) -> StateHandler | None:
+    for kind, handler in ((torch.nn.Module, ModelStateHandler),
+                          (torch.optim.Optimizer, OptimizerStateHandler),
+                          (_scheduler_types(), SchedulerStateHandler),
+                          (ElasticSampler, SamplerStateHandler)):
+        if kind and isinstance(value, kind):
+            return handler(value)
+    return None
+
+
+class TorchState(ObjectState):
+    """The state of a PyTorch training process (Horovod's ``hvd.elastic.TorchState``).
+
+    Args:
+        model: a ``torch.nn.Module`` (optional).
+        optimizer: a ``torch.optim.Optimizer`` (optional).
+        **kwargs: more models, optimizers, LR schedulers, :class:`ElasticSampler`
+            objects, and plain objects (``epoch=0``, ``batch=0``): each is an attribute.
+    """
+
+    def __init__(self, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
+        kwargs.update(model=model, optimizer=optimizer)
+        handlers: dict[str, StateHandler] = {}
+        plain: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            handler = _handler_for(value) if value is not None else None
+            if handler is None:
+                plain[name] = value
+            else:
+                handlers[name] = handler
+        object.__setattr__(self, "_handlers", handlers)
+        for name, handler in handlers.items():
+            object.__setattr__(self, name, handler.value)
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **plain)
+
+    def save(self) -> None:
+        for handler in self._handlers.values():
+            handler.save()
+        super().save()
+
+    def restore(self) -> None:
+        for handler in self._handlers.values():
+            handler.restore()
+        super().restore()
+
+    def sync(self) -> None:
+        for handler in self._handlers.values():
+            handler.sync()
+        super().sync()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        handlers = self.__dict__.get("_handlers", {})
+        if name in handlers:
+            handlers[name].set_value(value)
+        super().__setattr__(name, value)
+
+    def serialize(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save({"handlers": {name: h.saved for name, h in self._handlers.items()},
+                    "objects": self._saved_state}, buffer)
+        return buffer.getvalue()
+
+    def deserialize(self, payload: bytes) -> None:
+        loaded = torch.load(io.BytesIO(payload), weights_only=False)
+        for name, saved in loaded["handlers"].items():
+            if name in self._handlers:
+                self._handlers[name].saved = saved
+        self._saved_state = loaded["objects"]

@@ -1,0 +1,65 @@
+"""A numpy training loop under ``mpicoll.elastic`` (run by test_elastic_numpy.py under
+``mpirun --with-ft ulfm``, not by pytest).
+
+Usage: ``python elastic_numpy_worker.py STEPS KILL_STEP VICTIM MIN_NP``. Every step
+all-reduces (``comm=None``: the current world) a rank- and step-dependent vector and adds
+it to the state, then commits; rank ``VICTIM`` of the original world SIGKILLs itself at
+step ``KILL_STEP`` (just before that step's collective). Output lines: ``KILL <time>``;
+on every survivor at the end ``DONE <world rank> <size> <step> <total> <checksum>
+<recoveries>``, where ``total`` sums each step's world size (an all-reduce of ones): with
+a correct restore it is exactly ``KILL_STEP * n + (STEPS - KILL_STEP) * (n - 1)``;
+``TOOFEW <world rank> <size> <min_np> <time>`` when fewer than ``MIN_NP`` survive.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import mpicoll
+import mpicoll.elastic as elastic
+
+
+def main() -> None:
+    steps, kill_step, victim, min_np = map(int, sys.argv[1:5])
+    me = MPI.COMM_WORLD.Get_rank()
+    state = elastic.ObjectState(step=0, total=0, weights=np.zeros(1001, np.float64))
+    resets: list[int] = []
+    state.register_reset_callbacks([lambda: resets.append(elastic.world().Get_size())])
+
+    @elastic.run(min_np=min_np)
+    def train(state: elastic.ObjectState) -> None:
+        while state.step < steps:
+            if me == victim and state.step == kill_step:
+                print(f"KILL {time.time():.6f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            # this rank's contribution: depends on its original rank and the step
+            grad = np.arange(1001, dtype=np.float64) * (me + 1) + state.step
+            total = mpicoll.allreduce(grad, op="sum", algorithm="ring")
+            size = int(mpicoll.allreduce(np.ones(1, np.int64), op="sum")[0])
+            assert size == elastic.world().Get_size(), (size, elastic.world().Get_size())
+            state.weights += total * 1e-3
+            state.total += size
+            state.step += 1
+            state.commit()
+
+    try:
+        train(state)
+    except elastic.TooFewRanksError as exc:
+        print(f"TOOFEW {me} {exc.size} {exc.min_np} {time.time():.6f}", flush=True)
+        sys.exit(3)
+    checksum = float(np.sum(state.weights * np.arange(1, 1002)))
+    rec = elastic.last_recovery()
+    phases = "-" if rec is None else ",".join(
+        f"{k}={v:.4f}" for k, v in [("revoke", rec.revoke_s), ("shrink", rec.shrink_s),
+                                    *rec.phases.items()])
+    print(f"DONE {me} {elastic.world().Get_size()} {state.step} {state.total} "
+          f"{checksum!r} {resets} {phases}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

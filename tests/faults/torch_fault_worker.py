@@ -1,0 +1,96 @@
+"""One torch-engine fault case under ``mpirun --with-ft ulfm`` (run by
+test_torch_faults.py, not by pytest).
+
+Usage: ``python torch_fault_worker.py OP VICTIM``: every rank runs ``mpicoll.torch``'s
+``OP`` in a loop; rank ``VICTIM`` SIGKILLs itself after a few (``*-midway`` ops: from a
+timer thread, while large tensors are in flight, so the death lands inside the data
+path rather than in a negotiation round). Output lines as ulfm_worker.py's: ``KILL
+<time>``; ``RESULT <rank> pfe <failed ranks> <time>`` from a survivor whose error is both
+a :class:`mpicoll.ProcessFailedError` and ``hvd.HorovodInternalError``; ``RESULT <rank>
+other ...`` otherwise. Survivors then keep the process alive a little (the stall
+inspector's thread polls the revoked communicators), shrink and meet, and exit normally
+(the exit handlers must not hang on the dead rank): ``EXITING <rank>``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+from mpi4py import MPI
+
+import mpicoll
+import mpicoll.torch as hvd
+
+CALLS_BEFORE_KILL = 5
+LOOP_S = 10.0
+
+
+def make_call(op: str, rank: int):
+    big = op.endswith("-midway")
+    n = 1 << 21 if big else 1000
+    t = torch.arange(n, dtype=torch.float32) + rank
+    if op.startswith("allreduce"):
+        return lambda: hvd.allreduce(t, name="ar")
+    if op == "allgather":
+        return lambda: hvd.allgather(t.reshape(-1, 10), name="ag")
+    if op == "broadcast":
+        return lambda: hvd.broadcast(t, root_rank=0, name="bc")
+    if op == "alltoall":
+        return lambda: hvd.alltoall(t, name="a2a")
+    if op == "grouped_allreduce":
+        return lambda: hvd.grouped_allreduce([t, t * 2, t[:7]], name="gar")
+    if op == "optimizer":
+        model = torch.nn.Linear(100, 10)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters())
+        x = torch.randn(8, 100)
+
+        def step() -> None:
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        return step
+    raise SystemExit(f"unknown op {op!r}")
+
+
+def main() -> None:
+    op, victim = sys.argv[1], int(sys.argv[2])
+    hvd.init()
+    rank = hvd.rank()
+    call = make_call(op, rank)
+    start = time.time()
+    try:
+        for i in range(1 << 30):
+            if rank == victim and i == CALLS_BEFORE_KILL:
+                if op.endswith("-midway"):
+                    def die() -> None:
+                        print(f"KILL {time.time():.6f}", flush=True)
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    threading.Timer(0.05, die).start()
+                else:
+                    print(f"KILL {time.time():.6f}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+            call()
+            if i > CALLS_BEFORE_KILL and time.time() > start + LOOP_S:
+                break
+        print(f"RESULT {rank} none", flush=True)
+    except Exception as exc:  # noqa: BLE001
+        now = time.time()
+        if isinstance(exc, mpicoll.ProcessFailedError) and \
+                isinstance(exc, hvd.HorovodInternalError):
+            ranks = ",".join(map(str, exc.failed_ranks)) or "-"
+            print(f"RESULT {rank} pfe {ranks} {now:.6f}", flush=True)
+        else:
+            msg = str(exc).replace("\n", " ")[:160]
+            print(f"RESULT {rank} other {type(exc).__name__} {now:.6f} {msg}", flush=True)
+    time.sleep(0.5)   # the stall inspector polls the revoked communicators meanwhile
+    MPI.COMM_WORLD.Shrink().Barrier()
+    print(f"EXITING {rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
