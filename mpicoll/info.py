@@ -4,7 +4,9 @@
 as a dict (this module is callable). It lists the MPI library and version, mpi4py, the
 thread level and world size, whether MPI is CUDA-aware and how that was decided, CuPy and
 torch with their visible devices (only when importable; nothing here fails because they
-are missing or broken), the tuning table in use, and every ``MPICOLL_*`` variable set in
+are missing or broken), the tuning table in use, the inputs of ``compression="auto"`` (this process's codec
+speeds, measured here; the link from the tuning table, else example links) with what it
+would choose for a few sizes, and every ``MPICOLL_*`` variable set in
 the environment, flagging names mpicoll does not know as probable typos.
 
 Every section is gathered on its own: an error in one becomes an ``"error"`` entry of
@@ -146,6 +148,49 @@ def _tuning() -> dict:
             "meta": _summarise_meta(table.meta)}
 
 
+#: Sizes (bytes of float32) and example links of the ``compression_auto`` section.
+AUTO_SIZES = (64 << 10, 1 << 20, 16 << 20, 64 << 20)
+AUTO_EXAMPLE_LINKS = (("1 Gb/s, 50 us (example)", 50e-6, 1.25e8),
+                      ("10 Gb/s, 20 us (example)", 20e-6, 1.25e9),
+                      ("100 Gb/s, 5 us (example)", 5e-6, 1.25e10))
+
+
+def _compression_auto() -> dict:
+    """``compression="auto"``'s model inputs here and its choices (no communication:
+    the link is the tuning table's, else example links; collectives measure their own)."""
+    import numpy as np  # noqa: PLC0415
+
+    from .compression import auto, cost_model, probe  # noqa: PLC0415
+
+    cands = cost_model.DEFAULT_CANDIDATES
+    enc, dec, add = probe.codec_speeds(cands)
+    try:
+        from mpi4py import MPI  # noqa: PLC0415
+        n = MPI.COMM_WORLD.Get_size() if MPI.Is_initialized() else 1
+    except Exception:  # noqa: BLE001
+        n = 1
+    n = max(n, 2)
+    table = auto._table_link()  # noqa: SLF001  (the same lookup the collectives make)
+    links = [(table[2], table[0], table[1])] if table else list(AUTO_EXAMPLE_LINKS)
+    out: dict[str, Any] = {
+        "candidates": list(cands), "world_size": n,
+        "codec_speeds": {c: {"encode_bytes_per_s": enc[c].rate, "encode_overhead_s":
+                             enc[c].overhead, "decode_bytes_per_s": dec[c].rate,
+                             "decode_overhead_s": dec[c].overhead} for c in enc},
+        "add_bytes_per_s": add.rate, "links": []}
+    for label, latency, bandwidth in links:
+        inputs = cost_model.ModelInputs(latency, bandwidth, enc, dec, add, label)
+        rows = []
+        for size in AUTO_SIZES:
+            choice = cost_model.choose(inputs, cands, size // 4, np.float32,
+                                       cost_model.Layout(n))
+            rows.append({"bytes": size, "choice": choice.codec,
+                         "predicted_s": choice.predicted})
+        out["links"].append({"link": label, "latency_s": latency,
+                             "bandwidth_bytes_per_s": bandwidth, "choices": rows})
+    return out
+
+
 def known_variables() -> set[str]:
     """Every ``MPICOLL_*`` name mpicoll knows (``config.VARIABLES``)."""
     from . import config  # noqa: PLC0415
@@ -168,7 +213,8 @@ def _variables(environ: dict[str, str] | None = None) -> dict:
 
 def info(environ: dict[str, str] | None = None) -> dict:
     """The report as a dict (sections ``mpicoll``, ``mpi``, ``cuda_aware``, ``cupy``,
-    ``torch``, ``cuda_visible_devices``, ``tuning``, ``variables``).
+    ``torch``, ``cuda_visible_devices``, ``tuning`` (with ``compression_auto``: the
+    inputs and choices of ``compression="auto"``), ``variables``).
 
     Args:
         environ: the environment to list ``MPICOLL_*`` variables from (default
@@ -188,7 +234,7 @@ def info(environ: dict[str, str] | None = None) -> dict:
         "cupy": _guard(_cupy),
         "torch": _guard(_torch),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "tuning": _guard(_tuning),
+        "tuning": {**_guard(_tuning), "compression_auto": _guard(_compression_auto)},
         "variables": _guard(lambda: _variables(environ)),
     }
 
@@ -251,6 +297,7 @@ def report(data: dict | None = None) -> str:
             lines.append(_line("measured", ", ".join(f"{k}={v}" for k, v in run.items())))
         if "derivation" in tun["meta"]:
             lines.append(_line("derived", tun["meta"]["derivation"].get("date")))
+    lines.extend(_auto_lines(tun.get("compression_auto", {"error": "not gathered"})))
     lines.append("Variables (MPICOLL_*)")
     var = d["variables"]
     if "error" in var:
@@ -262,6 +309,25 @@ def report(data: dict | None = None) -> str:
             note = var["unknown"].get(name)
             lines.append(f"  {name}={value}" + (f"    <-- unknown: {note}" if note else ""))
     return "\n".join(lines) + "\n"
+
+
+def _auto_lines(sec: dict) -> list[str]:
+    """The ``compression_auto`` section as text."""
+    lines = ['Compression "auto" (model inputs; predicted ms per candidate)']
+    if "error" in sec:
+        return lines + [_line("error", sec["error"])]
+    for c, sp in sec["codec_speeds"].items():
+        lines.append(_line(f"{c} GB/s", f"encode {sp['encode_bytes_per_s'] / 1e9:.2f} "
+                                        f"(+{sp['encode_overhead_s'] * 1e6:.0f} us/call), "
+                                        f"decode {sp['decode_bytes_per_s'] / 1e9:.2f} "
+                                        f"(+{sp['decode_overhead_s'] * 1e6:.0f} us/call)"))
+    lines.append(_line("add GB/s", f"{sec['add_bytes_per_s'] / 1e9:.2f}"))
+    for link in sec["links"]:
+        lines.append(_line(f"n={sec['world_size']}, link", link["link"]))
+        for row in link["choices"]:
+            times = ", ".join(f"{c} {t * 1e3:.3g}" for c, t in row["predicted_s"].items())
+            lines.append(_line(f"  {row['bytes'] >> 10} KiB", f"{row['choice']:<10} ({times})"))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

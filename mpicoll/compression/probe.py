@@ -3,9 +3,10 @@ once per process and array module) and the link's latency and bandwidth (collect
 per communicator), agreed across ranks so that every rank holds the same numbers.
 
 - :func:`codec_speeds`: each codec's ``encode`` and ``decode`` timed on float32 vectors
-  of :data:`SMALL_BYTES` and :data:`LARGE_BYTES` (medians of a few runs, interleaved
-  across codecs): rate = the large size over the time difference, overhead = what is
-  left of the small time. The same for one ``add`` (the reductions every codec pays).
+  of :data:`SMALL_BYTES` and :data:`LARGE_BYTES` (the least of a few runs, interleaved
+  across codecs: the codec's own speed, not that of a run another process preempted):
+  rate = the large size over the time difference, overhead = what is left of the small
+  time. The same for one ``add`` (the reductions every codec pays).
   Cached per process (another array module measures again). :mod:`.auto` runs it on
   every rank at once (after a barrier), so ranks that share cores measure the speed
   they get while all of them compute, as they do in the ring.
@@ -46,7 +47,6 @@ PROBE_LARGE = 4 << 20
 TAG_PROBE = 105
 
 _REPEATS = 5
-_REPEATS_LARGE = 3
 
 _lock = threading.Lock()
 #: (array module name, codec name) -> (encode Speed, decode Speed); "add" for the adds.
@@ -108,14 +108,13 @@ def _measure(names: Sequence[str], like: Any) -> None:
     times: dict[tuple[str, str, int], list[float]] = {k: [] for k in jobs}
     for r in range(_REPEATS):                     # interleaved: load hits every codec alike
         for key, job in jobs.items():
-            if r < _REPEATS_LARGE or key[2] == SMALL_BYTES:
-                times[key].append(_timed(job, wait))
-    med = {k: statistics.median(v) for k, v in times.items()}
+            times[key].append(_timed(job, wait))
+    least = {k: min(v) for k, v in times.items()}
     module = xp.__name__
     for name in list(names) + ["add"]:
         ops = ("add", "add") if name == "add" else ("encode", "decode")
         _speeds[(module, name)] = tuple(
-            _speed(med[(name, op, SMALL_BYTES)], med[(name, op, LARGE_BYTES)])
+            _speed(least[(name, op, SMALL_BYTES)], least[(name, op, LARGE_BYTES)])
             for op in ops)
 
 
