@@ -169,6 +169,17 @@ class ParameterServer:
             error feedback; with ``optimizer="sum"`` the round's aggregate plus the
             server's residual), see :mod:`mpicoll.ps.compressed`. Every parameter must
             be float32 or float64.
+        replicas: ``1``: every slot (the shards the placement puts on one server) lives
+            on a primary server rank and a backup server rank (the next one, in a ring);
+            the primary forwards every push, init and close to the backup and
+            acknowledges it to the worker only once the backup holds it. Under ULFM
+            (Open MPI, ``mpirun --with-ft ulfm``) a dead server's slots fail over to their
+            backups with no acknowledged update lost, a spare server becomes the new
+            backup, and a dead worker is closed (rounds go on without it); see
+            :mod:`mpicoll.ps.replicated`. Needs ``num_servers >= 2``; not with
+            ``"colocated"``, ``compression`` or ``backup_workers``. ``0`` (default): no
+            copies, and under ULFM any failure raises
+            :class:`~mpicoll.ProcessFailedError` on every survivor.
         feedback: error feedback of compressed pushes (each worker's residual per shard)
             and of ``optimizer="sum"`` pulls (the server's residual per shard); ``False``
             keeps no residuals (the spelling of :func:`mpicoll.compression.allreduce` and
@@ -569,6 +580,14 @@ class ParameterServer:
             return
         client = self._need_worker("save()")
         client.wait_all()
+        try:
+            self._save(client, path)
+        except MPI.Exception as exc:   # a worker died (ULFM): the workers' collectives fail
+            if faults.ENABLED:
+                faults.translate(exc, self.worker_comm)
+            raise
+
+    def _save(self, client: WorkerClient, path: str) -> None:
         ckpt_id = self.worker_comm.bcast(
             "ckpt-" + uuid.uuid4().hex[:12] if self.worker_index == 0 else None, root=0)
         error = None
