@@ -228,12 +228,14 @@ class Averager:
         """The communicator of ``level`` (``None`` for :data:`NONE`)."""
         return {NONE: None, NODE: self.node_comm, WORLD: self.comm}[level]
 
-    def average(self, tensors: list[torch.Tensor], level: int) -> None:
+    def average(self, tensors: list[torch.Tensor], level: int, check: bool = True) -> None:
         """Replace each tensor by its average over ``level``'s group, in place.
 
         Tensors are packed per dtype into one host buffer (CUDA tensors are staged), which
-        one ring all-reduce averages (checked: ranks with other counts or dtypes raise
-        :class:`mpicoll.MismatchError` on every rank instead of hanging).
+        one ring all-reduce averages. ``check``: run mpicoll's agreement step first (ranks
+        with other counts or dtypes raise :class:`mpicoll.MismatchError` on every rank
+        instead of hanging); ``False`` only for tensors whose layout the ranks already
+        agreed on (the parameters and their gradients, checked at construction).
         """
         comm = self.group(level)
         if comm is None or comm.Get_size() == 1 or not tensors:
@@ -247,7 +249,7 @@ class Averager:
             with torch.no_grad():
                 flat = torch.cat([t.detach().reshape(-1).cpu() for t in group])
                 buf = flat.numpy()
-                allreduce(buf, buf, op="average", comm=comm, algorithm=ALGORITHM, check=True)
+                allreduce(buf, buf, op="average", comm=comm, algorithm=ALGORITHM, check=check)
                 offset = 0
                 for t in group:
                     part = flat[offset:offset + t.numel()].view(t.shape)
@@ -302,7 +304,7 @@ class LocalSGD:
             elif p.grad.is_sparse:
                 p.grad = p.grad.to_dense()
             grads.append(p.grad)
-        self.averager.average(grads, NODE)
+        self.averager.average(grads, NODE, check=False)   # the parameters' layout
 
     def after_step(self) -> StepPlan:
         """Average what the finished step's plan says (parameters, then state); advance."""
@@ -313,11 +315,14 @@ class LocalSGD:
             return plan
         state = state_tensors(self.optimizer, self.params) if self.settings.average_state \
             else []
+        # the optimizer state appears lazily (and only where a parameter had a gradient):
+        # its layout is checked on every average that includes it
         if plan.params == WORLD and self._world_params is not None:
             self._world_params()
             self.averager.average(state, WORLD)
         else:
-            self.averager.average(list(self.params) + state, plan.params)
+            self.averager.average(list(self.params) + state, plan.params,
+                                  check=self.settings.average_state)
         self.counts[f"params.{LEVEL_NAMES[plan.params]}"] += 1
         return plan
 
