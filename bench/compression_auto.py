@@ -143,7 +143,8 @@ def report(res: dict) -> str:
              f"# {res['meta']['mpi_library']}; {res['meta']['thread_level']}; "
              f"{res['meta']['machine']}; {res['meta']['date']}",
              f"# link ({inp['link_source']}): latency {inp['latency_s'] * 1e6:.1f} us, "
-             f"bandwidth {inp['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s",
+             f"bandwidth {inp['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s; CPU share while "
+             f"measuring the codecs {inp['cpu_share']:.2f} (applied to their speeds)",
              "# codec GB/s (encode/decode): " + ", ".join(
                  f"{c} {inp['encode'][c]['bytes_per_s'] / 1e9:.2f}/"
                  f"{inp['decode'][c]['bytes_per_s'] / 1e9:.2f}" for c in cands),

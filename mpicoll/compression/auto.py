@@ -234,7 +234,8 @@ def _state(ctx: CommContext, auto: Auto, like: Any) -> _State:
             figures, source = probe.measure_link(ctx.p2p), "measured"
         else:
             figures, source = (link[0], 1.0 / link[1]), link[2]
-        return _State(probe.agree_inputs(ctx.p2p, enc, dec, add, figures, source))
+        share = probe.cpu_share(namespace.array_module(like).__name__)
+        return _State(probe.agree_inputs(ctx.p2p, enc, dec, add, figures, source, share))
 
     return ctx.resource(key, build)
 

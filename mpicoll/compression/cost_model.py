@@ -80,6 +80,8 @@ class ModelInputs:
         add: :class:`Speed` of one ``numpy.add`` (reductions, residuals).
         source: where the link figures came from (``"measured"``, ``"tuning table
             <path>"``, ``"given"``).
+        cpu_share: the least CPU share a rank got while measuring the codecs (already
+            applied to their speeds; reported only).
     """
 
     latency: float
@@ -88,6 +90,7 @@ class ModelInputs:
     decode: Mapping[str, Speed]
     add: Speed
     source: str = "measured"
+    cpu_share: float = 1.0
 
     def as_dict(self) -> dict:
         """Plain numbers, for :func:`~mpicoll.compression.last_stats` and reports."""
@@ -95,7 +98,8 @@ class ModelInputs:
             return {k: {"overhead_s": v.overhead, "bytes_per_s": v.rate}
                     for k, v in table.items()}
         return {"latency_s": self.latency, "bandwidth_bytes_per_s": self.bandwidth,
-                "link_source": self.source, "encode": speeds(self.encode),
+                "link_source": self.source, "cpu_share": self.cpu_share,
+                "encode": speeds(self.encode),
                 "decode": speeds(self.decode),
                 "add": {"overhead_s": self.add.overhead, "bytes_per_s": self.add.rate}}
 

@@ -3,13 +3,17 @@ once per process and array module) and the link's latency and bandwidth (collect
 per communicator), agreed across ranks so that every rank holds the same numbers.
 
 - :func:`codec_speeds`: each codec's ``encode`` and ``decode`` timed on float32 vectors
-  of :data:`SMALL_BYTES` and :data:`LARGE_BYTES` (the least of a few runs, interleaved
-  across codecs: the codec's own speed, not that of a run another process preempted):
-  rate = the large size over the time difference, overhead = what is left of the small
-  time. The same for one ``add`` (the reductions every codec pays).
-  Cached per process (another array module measures again). :mod:`.auto` runs it on
-  every rank at once (after a barrier), so ranks that share cores measure the speed
-  they get while all of them compute, as they do in the ring.
+  of :data:`SMALL_BYTES` and :data:`LARGE_BYTES`, interleaved across codecs, a few runs
+  each, in the **CPU time** of the calling thread (what the codec costs, whatever other
+  processes preempt it for): the medians give the rate (the large size over the time
+  difference) and the overhead (what is left of the small time). Then the **CPU share**
+  this process got over the whole measurement (CPU time over wall-clock time, at most 1)
+  scales both: on cores shared with other processes (ranks of the same node, other jobs)
+  a codec runs that much slower, as it does inside a collective. The same for one
+  ``add`` (the reductions every codec pays). Cached per process (another array module
+  measures again; device codecs are timed by the wall clock, after synchronising).
+  :mod:`.auto` runs it on every rank at once (after a barrier), so ranks that share
+  cores measure the share they get while all of them compute, as in the ring.
 - :func:`measure_link`: every rank sends :data:`PROBE_SMALL` and then
   :data:`PROBE_LARGE` bytes to its right neighbour in a ring while receiving from its
   left one (what one step of the ring schedules does), a few times each; the medians.
@@ -32,8 +36,8 @@ from . import namespace
 from .codecs import get_codec, new_payload
 from .cost_model import ModelInputs, Speed
 
-__all__ = ["codec_speeds", "measure_link", "agree_inputs", "SMALL_BYTES", "LARGE_BYTES",
-           "PROBE_SMALL", "PROBE_LARGE", "TAG_PROBE", "clear"]
+__all__ = ["codec_speeds", "cpu_share", "measure_link", "agree_inputs", "SMALL_BYTES",
+           "LARGE_BYTES", "PROBE_SMALL", "PROBE_LARGE", "TAG_PROBE", "clear"]
 
 #: Sizes of the codec timings (bytes of float32 input).
 SMALL_BYTES = 16 << 10
@@ -51,12 +55,21 @@ _REPEATS = 5
 _lock = threading.Lock()
 #: (array module name, codec name) -> (encode Speed, decode Speed); "add" for the adds.
 _speeds: dict[tuple[str, str], tuple[Speed, Speed]] = {}
+#: array module name -> the CPU share of the latest measurement.
+_shares: dict[str, float] = {}
 
 
 def clear() -> None:
     """Forget the measured codec speeds (the next use measures again)."""
     with _lock:
         _speeds.clear()
+        _shares.clear()
+
+
+def cpu_share(module: str = "numpy") -> float | None:
+    """The CPU share (CPU time over wall-clock time) of this process's latest codec
+    measurement in array module ``module`` (``None`` before any)."""
+    return _shares.get(module)
 
 
 def _waiter(like: Any) -> Callable[[], None]:
@@ -67,23 +80,29 @@ def _waiter(like: Any) -> Callable[[], None]:
     return lambda: synchronise(like)
 
 
-def _timed(fn: Callable[[], Any], wait: Callable[[], None]) -> float:
-    start = time.perf_counter()
+def _timed(fn: Callable[[], Any], wait: Callable[[], None], cpu: bool
+           ) -> tuple[float, float]:
+    """``(wall-clock seconds, seconds to count)`` of one call: the thread's CPU time when
+    ``cpu``, else the wall clock (device work runs off the CPU)."""
+    start, start_cpu = time.perf_counter(), time.thread_time()
     fn()
     wait()
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    return wall, (time.thread_time() - start_cpu) if cpu else wall
 
 
-def _speed(small: float, large: float) -> Speed:
-    """``Speed`` from the median times at :data:`SMALL_BYTES` and :data:`LARGE_BYTES`."""
+def _speed(small: float, large: float, share: float) -> Speed:
+    """``Speed`` from the median times at :data:`SMALL_BYTES` and :data:`LARGE_BYTES`,
+    slowed by the CPU ``share`` (in (0, 1])."""
     span = max(large - small, 1e-9)
     rate = (LARGE_BYTES - SMALL_BYTES) / span
-    return Speed(max(0.0, small - SMALL_BYTES / rate), rate)
+    return Speed(max(0.0, small - SMALL_BYTES / rate) / share, rate * share)
 
 
 def _measure(names: Sequence[str], like: Any) -> None:
     """Time encode and decode of every codec in ``names`` (and ``add``) into the cache."""
     wait = _waiter(like)
+    host = namespace.is_host_module(namespace.array_module(like))
     rng = np.random.default_rng(12345)
     data = {}
     for size in (SMALL_BYTES, LARGE_BYTES):
@@ -106,16 +125,23 @@ def _measure(names: Sequence[str], like: Any) -> None:
     for job in jobs.values():                     # warm up (allocations, caches)
         job()
     times: dict[tuple[str, str, int], list[float]] = {k: [] for k in jobs}
-    for r in range(_REPEATS):                     # interleaved: load hits every codec alike
+    wall_total = counted_total = 0.0
+    for _ in range(_REPEATS):                     # interleaved: load hits every codec alike
         for key, job in jobs.items():
-            times[key].append(_timed(job, wait))
-    least = {k: min(v) for k, v in times.items()}
+            wall, counted = _timed(job, wait, host)
+            times[key].append(counted)
+            wall_total += wall
+            counted_total += counted
+    share = min(1.0, max(0.02, counted_total / wall_total)) if host and wall_total > 0 \
+        else 1.0
+    typical = {k: statistics.median(v) for k, v in times.items()}
     module = xp.__name__
     for name in list(names) + ["add"]:
         ops = ("add", "add") if name == "add" else ("encode", "decode")
         _speeds[(module, name)] = tuple(
-            _speed(least[(name, op, SMALL_BYTES)], least[(name, op, LARGE_BYTES)])
+            _speed(typical[(name, op, SMALL_BYTES)], typical[(name, op, LARGE_BYTES)], share)
             for op in ops)
+    _shares[module] = share
 
 
 def codec_speeds(names: Sequence[str], like: Any = None
@@ -165,7 +191,8 @@ def measure_link(comm: MPI.Intracomm, repeats: int = _REPEATS) -> tuple[float, f
 
 
 def agree_inputs(comm: MPI.Intracomm, enc: dict[str, Speed], dec: dict[str, Speed],
-                 add: Speed, link: tuple[float, float], source: str) -> ModelInputs:
+                 add: Speed, link: tuple[float, float], source: str,
+                 share: float | None = None) -> ModelInputs:
     """The model's inputs, identical on every rank: ``Allreduce(MAX)`` of every rank's
     codec overheads and seconds per byte, and of its link figures.
 
@@ -175,12 +202,15 @@ def agree_inputs(comm: MPI.Intracomm, enc: dict[str, Speed], dec: dict[str, Spee
         link: ``(latency, seconds per byte)`` as this rank has them (measured with
             :func:`measure_link`, or given); ``(0, 0)``: no link (one rank).
         source: where the link figures come from (``"measured"`` or a description).
+        share: this rank's CPU share (:func:`cpu_share`; reported, the least over ranks;
+            ``None``: 1).
     """
     names = list(enc)
     row = []
     for n in names:
         row += [enc[n].overhead, 1.0 / enc[n].rate, dec[n].overhead, 1.0 / dec[n].rate]
-    row += [add.overhead, 1.0 / add.rate, float(link[0]), float(link[1])]
+    row += [add.overhead, 1.0 / add.rate, float(link[0]), float(link[1]),
+            -(1.0 if share is None else float(share))]
     mine = np.array(row, dtype=np.float64)
     agreed = np.empty_like(mine)
     comm.Allreduce(mine, agreed, op=MPI.MAX)
@@ -194,4 +224,4 @@ def agree_inputs(comm: MPI.Intracomm, enc: dict[str, Speed], dec: dict[str, Spee
     add_a = Speed(a[o], 1.0 / a[o + 1])
     latency, per_byte = a[o + 2], a[o + 3]
     bandwidth = 1.0 / per_byte if per_byte > 0 else math.inf
-    return ModelInputs(latency, bandwidth, enc_a, dec_a, add_a, source)
+    return ModelInputs(latency, bandwidth, enc_a, dec_a, add_a, source, -a[o + 4])
