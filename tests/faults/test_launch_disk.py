@@ -1,9 +1,8 @@
 """mpicoll.elastic.disk: the relaunching supervisor's commit on disk (serial)."""
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -83,10 +82,12 @@ def test_restart_count(monkeypatch):
 
 
 def test_light_import():
-    """The supervisor and every rank import it without MPI, numpy or torch."""
-    code = ("import sys, mpicoll.elastic.disk; "
-            "print(sorted(m for m in ('mpi4py', 'numpy', 'torch') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True, env={**os.environ, "PYTHONPATH": "."})
-    # mpicoll/__init__ may pull numpy/mpi4py in; the module itself must not add torch
-    assert "torch" not in out.stdout
+    """The supervisor and every rank import it cheaply: the standard library only."""
+    import ast  # noqa: PLC0415
+
+    tree = ast.parse(Path(disk.__file__).read_text())
+    modules = {alias.name.split(".")[0] for node in ast.walk(tree)
+               if isinstance(node, ast.Import) for alias in node.names}
+    modules |= {node.module.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+    assert modules <= set(sys.stdlib_module_names), modules

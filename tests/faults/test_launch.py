@@ -1,0 +1,203 @@
+"""The relaunching supervisor ``python -m mpicoll.elastic.launch`` under MPICH (no ULFM:
+a dead rank ends the whole job, the supervisor relaunches it from the commit on disk).
+
+- resume: launch_train.py at 4 ranks, rank 2 SIGKILLs itself at step 3 (after the commit
+  of step 2 is on disk); the discovery script then answers 3 slots; the supervisor
+  relaunches at 3 ranks with ``MPICOLL_ELASTIC_RESTART=1``, the job resumes at step 3 (not
+  0) and ends with exactly the weights of 3 steps at 4 ranks and 5 at 3 (a reference
+  computed here), through ``mpicoll.elastic.disk`` directly and through
+  ``mpicoll.elastic.run`` + ``ObjectState`` (3 -> 2 ranks);
+- restarts bounded, fewer than ``--min-np`` slots (at the start and after a failure),
+  bad commands, options and discovery output: a clear message, the documented status;
+- SIGTERM to the supervisor: status 143, and no process of the job is left.
+
+The cheap cases run the supervisor in this process (``launch.main``); the resume and
+SIGTERM cases run ``python -m mpicoll.elastic.launch`` as a user would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpicoll.elastic import disk, launch
+
+HERE = Path(__file__).parent
+ROOT = HERE.parents[1]
+TRAIN = HERE / "launch_train.py"
+WIDTH = 7
+#: Seconds one supervisor run may take (a hang is a failure).
+RUN_TIMEOUT_S = 180
+
+
+def _discovery_script(tmp_path: Path, before: str, after: str) -> Path:
+    """A horovodrun-style discovery script: ``before`` until ``tmp_path/failed`` exists,
+    then ``after``."""
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\nif [ -e '{tmp_path}/failed' ]; then printf '{after}\\n';"
+                      f" else printf '{before}\\n'; fi\n")
+    script.chmod(0o755)
+    return script
+
+
+def _events(commit_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in
+            (commit_dir / launch.EVENTS_NAME).read_text().splitlines()]
+
+
+def _reference(history: list[int]) -> np.ndarray:
+    """The weights after steps at the world sizes ``history``: step s at n ranks adds
+    sum_r (r + 1) * (arange + s) = n (n + 1) / 2 * (arange + s)."""
+    weights = np.zeros(WIDTH)
+    for step, n in enumerate(history):
+        weights += n * (n + 1) // 2 * (np.arange(WIDTH) + step)
+    return weights
+
+
+def _supervise(args: list[str], timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "mpicoll.elastic.launch", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
+                          check=False)
+
+
+@pytest.mark.parametrize("mode, sizes", [("disk", (4, 3)), ("elastic", (3, 2))])
+def test_resumes_from_last_commit_at_smaller_size(tmp_path, mode, sizes):
+    before, after = sizes
+    steps, kill_step, victim = 8, 3, before - 2
+    discover = _discovery_script(tmp_path, f"localhost:{before}", f"localhost:{after}")
+    commits = tmp_path / "commits"
+    proc = _supervise(["--min-np", "2", "--max-np", "4", "--max-restarts", "2",
+                       "--host-discovery-script", str(discover), "--commit-dir", str(commits),
+                       "--", sys.executable, str(TRAIN), str(tmp_path), str(steps),
+                       str(kill_step), str(victim), mode])
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "relaunching from the last commit" in proc.stderr
+    launches = [e for e in _events(commits) if e["event"] == "launch"]
+    assert [(e["restart"], e["np"]) for e in launches] == [(0, before), (1, after)]
+    # the relaunch resumed at the step of the failure, not from zero
+    second = json.loads((tmp_path / "launch-1.json").read_text())
+    assert (second["restart"], second["size"], second["first_step"]) == (1, after, kill_step)
+    result = json.loads((tmp_path / "result.json").read_text())
+    expected_history = [before] * kill_step + [after] * (steps - kill_step)
+    assert result["history"] == expected_history
+    assert result["step"] == steps and result["restart"] == 1
+    np.testing.assert_array_equal(result["weights"], _reference(expected_history))
+    # and differs from a run that restarted from zero or never failed
+    assert not np.array_equal(_reference([after] * steps), _reference(expected_history))
+    assert pickle_step(commits) == steps
+
+
+def pickle_step(commits: Path) -> int:
+    """The step of the last commit on disk (both modes pickle a dict with ``step``)."""
+    import pickle  # noqa: PLC0415
+
+    os.environ[disk.ENV_DIR] = str(commits)
+    try:
+        return pickle.loads(disk.load())["step"]
+    finally:
+        del os.environ[disk.ENV_DIR]
+
+
+def test_restarts_are_bounded(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    job = f'echo "$MPICOLL_ELASTIC_RESTART $PMI_RANK $MPICOLL_ELASTIC_DIR" >> {runs}; exit 3'
+    rc = launch.main(["--min-np", "2", "--max-np", "2", "--max-restarts", "2",
+                      "--commit-dir", str(tmp_path / "c"), "--", "sh", "-c", job])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert "2 restart(s) allowed (--max-restarts), giving up" in err
+    seen = sorted(tuple(line.split()) for line in runs.read_text().splitlines())
+    commit_dir = str((tmp_path / "c").resolve())
+    assert seen == [(str(r), str(p), commit_dir) for r in range(3) for p in range(2)]
+
+
+def test_fewer_slots_than_min_np(tmp_path, capsys):
+    discover = _discovery_script(tmp_path, "localhost:3", "localhost:1\\nlocalhost")
+    # at the start
+    rc = launch.main(["--min-np", "4", "--max-np", "4", "--host-discovery-script",
+                      str(discover), "--", "true"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "only 3 slot(s) on 1 host(s) alive (localhost:3), fewer than " \
+        "--min-np 4" in err, err
+    # after a failure: 'localhost' printed twice keeps its first entry (1 slot)
+    rc = launch.main(["--min-np", "2", "--max-np", "3", "--host-discovery-script",
+                      str(discover), "--elastic-timeout", "0.5", "--",
+                      "sh", "-c", f"touch {tmp_path}/failed; exit 1"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "relaunching" in err and "fewer than --min-np 2 after waiting 0.5 s" \
+        in err, err
+
+
+def test_bad_command_options_and_discovery(tmp_path, capsys):
+    assert launch.main(["--min-np", "1", "--max-np", "2", "--",
+                        str(tmp_path / "no-such-program")]) == 2
+    assert "not found or not executable" in capsys.readouterr().err
+    for bad in (["--min-np", "3", "--max-np", "2", "--", "true"],
+                ["--min-np", "1", "--max-np", "2"],
+                ["--min-np", "1", "--max-np", "2", "-np", "3", "--", "true"]):
+        with pytest.raises(SystemExit) as exc:
+            launch.main(bad)
+        assert exc.value.code == 2
+        assert "error:" in capsys.readouterr().err
+    nonsense = tmp_path / "nonsense.sh"
+    nonsense.write_text("#!/bin/sh\necho 'host one:2'\n")
+    nonsense.chmod(0o755)
+    failing = tmp_path / "failing.sh"
+    failing.write_text("#!/bin/sh\necho broken >&2\nexit 4\n")
+    failing.chmod(0o755)
+    for script, message in ((nonsense, "is not 'hostname' or 'hostname:slots'"),
+                            (failing, "exited with 4: broken"),
+                            (tmp_path / "absent.sh", "cannot run")):
+        rc = launch.main(["--min-np", "1", "--max-np", "2", "--host-discovery-script",
+                          str(script), "--", "true"])
+        err = capsys.readouterr().err
+        assert rc == 1 and message in err, err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2] != "Z"
+
+
+def test_sigterm_leaves_no_process(tmp_path):
+    commits = tmp_path / "commits"
+    job = f'echo $$ $PPID > {tmp_path}/pid.$PMI_RANK; exec sleep 120'
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    sup = subprocess.Popen([sys.executable, "-m", "mpicoll.elastic.launch", "--min-np", "2",
+                            "--max-np", "2", "--commit-dir", str(commits), "--",
+                            "sh", "-c", job], cwd=ROOT, env=env, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("pid.*"))) < 2 or any(
+                not p.read_text().strip() for p in tmp_path.glob("pid.*")):
+            assert time.monotonic() < deadline, "the job did not start"
+            assert sup.poll() is None, sup.stderr.read()
+            time.sleep(0.1)
+        pids = {int(x) for p in tmp_path.glob("pid.*") for x in p.read_text().split()}
+        session = next(e["pid"] for e in _events(commits) if e["event"] == "started")
+        sup.send_signal(signal.SIGTERM)
+        err = sup.communicate(timeout=60)[1]
+    finally:
+        if sup.poll() is None:
+            os.killpg(sup.pid, signal.SIGKILL)
+            sup.wait(timeout=10)
+    assert sup.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by signal" in err
+    deadline = time.monotonic() + 5     # reparented zombies are reaped by init
+    while any(_alive(p) for p in pids | {session}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids | {session} if _alive(p)]
+    from mpicoll.elastic.launch_process import job_processes  # noqa: PLC0415
+    assert not [p for p in job_processes(session) if _alive(p)]
