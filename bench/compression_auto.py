@@ -8,7 +8,7 @@
 For each size (powers of four from ``-m``), ``mpicoll.compression.allreduce`` with each
 fixed candidate codec and with ``compression="auto"`` (error feedback on, an
 ``ErrorFeedback`` per option, as in training), interleaved: each of the ``-i`` rounds runs
-every option once, in an order rotated from round to round; each call's time is the
+every option once, in a random order (the same on every rank); each call's time is the
 slowest rank's (a barrier before, ``Allreduce(MAX)`` of the times after). It prints, per
 size, the model's predicted time and the measured median of each option, what ``auto``
 chose, the fastest fixed option, and
@@ -16,7 +16,9 @@ chose, the fastest fixed option, and
 - ``picked fastest``: whether the chosen codec is the fastest fixed option by the medians
   (or within the noise: ``--tolerance``, default 3%, of it);
 - ``auto/best``: ``auto``'s own median time over the best fixed option's median;
-- ``chosen/best``: the chosen codec's median (run as a fixed option) over the best one's.
+- ``chosen/best``: the chosen codec's median (run as a fixed option) over the best one's;
+- ``auto/chosen``: the median over rounds of ``auto``'s time over the chosen codec's in
+  the same round (``auto``'s own cost, and the noise that ``auto/best`` also carries).
 
 then the summary: how often ``auto`` picked the fastest option, the worst ``auto/best``,
 and the same against the best single fixed codec over the whole sweep (the sum of its
@@ -44,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--message-size", default="64K:64M",
                    help="MIN:MAX bytes of float32 (powers of four between)")
-    p.add_argument("-i", "--iterations", type=int, default=7, help="timed rounds")
+    p.add_argument("-i", "--iterations", type=int, default=9, help="timed rounds")
     p.add_argument("-x", "--warmup", type=int, default=1, help="untimed rounds")
     p.add_argument("--candidates", default="none,bf16,int8,topk:0.01",
                    help="comma-separated codecs auto chooses among (and that are timed)")
@@ -96,15 +98,16 @@ def run(args: argparse.Namespace) -> dict:
         feedbacks = {name: compression.ErrorFeedback() for name, _ in options}
         samples: dict[str, list[float]] = {name: [] for name, _ in options}
         stats = None
+        order_rng = np.random.default_rng(size)          # the same orders on every rank
         for r in range(args.warmup + args.iterations):
-            k = r % len(options)
-            order = options[k:] + options[:k]
+            order = [options[i] for i in order_rng.permutation(len(options))]
             times, chosen = _round(comm, order, x, feedbacks, out)
             stats = chosen
             if r >= args.warmup:
                 for name, t in times.items():
                     samples[name].append(t)
         med = {name: median(v) for name, v in samples.items()}
+        paired = median([a / c for a, c in zip(samples["auto"], samples[stats.codec])])
         fixed = {c: med[c] for c in candidates}
         best = min(fixed, key=fixed.get)
         choice = stats.choice
@@ -115,6 +118,7 @@ def run(args: argparse.Namespace) -> dict:
             "picked_fastest": fixed[stats.codec] <= fixed[best] * (1 + args.tolerance),
             "auto_over_best": med["auto"] / fixed[best],
             "chosen_over_best": fixed[stats.codec] / fixed[best],
+            "auto_over_chosen_paired": paired,
         })
         inputs = choice.inputs
     totals = {c: sum(r["measured_s"][c] for r in rows) for c in candidates}
@@ -124,6 +128,7 @@ def run(args: argparse.Namespace) -> dict:
         "picked_fastest": sum(r["picked_fastest"] for r in rows),
         "worst_auto_over_best": max(r["auto_over_best"] for r in rows),
         "worst_chosen_over_best": max(r["chosen_over_best"] for r in rows),
+        "auto_over_chosen_paired": [round(r["auto_over_chosen_paired"], 3) for r in rows],
         "best_single_fixed": best_fixed,
         "worst_auto_over_best_single_fixed": max(
             r["measured_s"]["auto"] / r["measured_s"][best_fixed] for r in rows),
@@ -165,6 +170,8 @@ def report(res: dict) -> str:
                  f", worst chosen/best {s['worst_chosen_over_best']:.3f}; best single fixed "
                  f"codec {s['best_single_fixed']}, worst auto/it "
                  f"{s['worst_auto_over_best_single_fixed']:.3f}")
+    lines.append(f"# auto / its chosen codec, median of the rounds' ratios (auto's own cost "
+                 f"and noise): {s['auto_over_chosen_paired']}")
     return "\n".join(lines) + "\n"
 
 
