@@ -48,6 +48,9 @@ __all__ = ["ReplicatedServer"]
 
 log = logging.getLogger("mpicoll.ps.replicated")
 
+#: Longest wait, in seconds, for this rank to learn of a failure a worker already knows.
+AWAIT_FAILURE_S = 10.0
+
 
 def _is_failure(exc: BaseException, watched: bool) -> bool:
     return watched and faults.is_process_failure(exc)
@@ -211,11 +214,14 @@ class ReplicatedServer:
         group._dispatch(src, h)
 
     def _await_primary_failure(self, slot: int) -> None:
-        """Wait (within the failure detector's bound) to learn that ``slot``'s primary
-        died, and fail over."""
+        """A worker sent a request of ``slot`` here, so it knows the slot's primary died:
+        wait (at most :data:`AWAIT_FAILURE_S`) until this rank's failure detector says so
+        too, and fail over (the detectors of two ranks can be seconds apart on a loaded
+        machine)."""
         primary = self.routing.primary(slot)
-        deadline = time.monotonic() + faults.FAILED_WAIT_S
-        while primary is not None and time.monotonic() < deadline:
+        deadline = time.monotonic() + AWAIT_FAILURE_S
+        while primary is not None and primary != self.rank and \
+                time.monotonic() < deadline:
             if primary in faults.failed_ranks(self.comm, 0.0):
                 self.on_failure(self.watch.refresh() or [primary])
                 return
