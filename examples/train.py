@@ -29,6 +29,20 @@ to the parameters (:func:`flush_residuals`). ``--json FILE`` makes rank 0
 write the run's record: loss against training wall time per epoch, final accuracy, samples
 per second and the bytes rank 0 sent per step.
 
+``--elastic`` trains with Horovod's elastic API (``hvd.elastic.run``, ``TorchState``,
+``ElasticSampler``; docs/elastic.md): under Open MPI with ULFM a rank that dies is dropped
+and the survivors go on from the last commit (``--commit-every`` steps; ``--min-np`` the
+fewest ranks to go on with), and ``--kill-rank R --kill-step S`` makes rank R SIGKILL
+itself before step S, to try it::
+
+    mpirun --with-ft ulfm --oversubscribe -n 4 python examples/train.py --elastic \
+        --kill-rank 2 --kill-step 30
+
+Rank 0 then prints when the first step after the failure completed, the recovery's
+phases, and the mean cost of a commit. The per-rank batch stays fixed (the global batch
+shrinks with the world); compression, checkpoints and learning-rate schedules are not
+combined with ``--elastic``.
+
 Without scikit-learn (``pip install scikit-learn``) it falls back to a synthetic 10-class
 task of the same shape (``--dataset synthetic``).
 """
@@ -246,6 +260,69 @@ def restore_compression(optimizer: object, folder: str, saved_ranks: int) -> Non
               flush=True)
 
 
+def train_elastic(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  xtr: torch.Tensor, ytr: torch.Tensor, xte: torch.Tensor,
+                  yte: torch.Tensor) -> tuple[float, dict]:
+    """``--elastic``: train with ``hvd.elastic``; return (final accuracy, a record of the
+    commits and resets)."""
+    per_rank = max(1, args.batch // hvd.size())
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    sampler = hvd.elastic.ElasticSampler(range(len(ytr)), shuffle=True, seed=args.seed)
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0)
+    me = hvd.rank()                              # the launch rank (for --kill-rank)
+    record: dict = {"commit_seconds": [], "resets": []}
+    pending = {"reset": False}
+
+    def on_reset() -> None:
+        pending["reset"] = True
+        record["resets"].append({"size": hvd.size(), "time": time.time()})
+
+    state.register_reset_callbacks([on_reset])
+
+    @hvd.elastic.run(min_np=args.min_np)
+    def train(state: hvd.elastic.TorchState) -> None:
+        for state.epoch in range(state.epoch, args.epochs):
+            indices = list(state.sampler)
+            for i in range(0, len(indices), per_rank):
+                if me == args.kill_rank and state.step == args.kill_step:
+                    print(f"rank {me}: SIGKILL at {time.time():.6f}", flush=True)
+                    os.kill(os.getpid(), 9)
+                idx = torch.tensor(indices[i:i + per_rank], device=xtr.device)
+                state.optimizer.zero_grad()
+                F.cross_entropy(state.model(xtr[idx]), ytr[idx]).backward()
+                state.optimizer.step()
+                state.step += 1
+                state.sampler.record_batch(i // per_rank, per_rank)
+                if state.step % args.commit_every == 0:
+                    began = time.perf_counter()
+                    state.commit()
+                    record["commit_seconds"].append(time.perf_counter() - began)
+                if pending["reset"]:
+                    pending["reset"] = False
+                    record["resets"][-1]["first_step"] = time.time()
+                    if hvd.rank() == 0:
+                        rec = hvd.elastic.last_recovery()
+                        print(f"{hvd.size()} ranks go on: first step after the reset done "
+                              f"at {time.time():.6f}; failed {rec.failed}; revoke "
+                              f"{rec.revoke_s:.4f} s, shrink {rec.shrink_s:.4f} s, "
+                              + ", ".join(f"{k} {v:.4f} s" for k, v in rec.phases.items()),
+                              flush=True)
+            state.sampler.set_epoch(state.epoch + 1)
+            state.commit()
+            accuracy = evaluate(state.model, xte, yte)
+            if hvd.rank() == 0:
+                print(f"epoch {state.epoch + 1:3d}/{args.epochs}  test accuracy "
+                      f"{accuracy:.4f}  ({hvd.size()} ranks)", flush=True)
+
+    train(state)
+    commits = record["commit_seconds"]
+    if hvd.rank() == 0 and commits:
+        print(f"commit: {len(commits)} x, mean {1e3 * sum(commits) / len(commits):.3f} ms "
+              f"(deep copies of {sum(p.numel() for p in model.parameters())} parameters "
+              f"and the optimizer state)", flush=True)
+    return evaluate(model, xte, yte), record
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=15)
@@ -282,6 +359,16 @@ def main() -> int:
                              "apply the ranks' averaged residuals to the parameters (one "
                              "uncompressed all-reduce)")
     parser.add_argument("--json", default=None, help="rank 0 writes the run's record here")
+    parser.add_argument("--elastic", action="store_true",
+                        help="train with hvd.elastic (go on after a rank dies; ULFM)")
+    parser.add_argument("--min-np", type=int, default=1,
+                        help="--elastic: the fewest ranks to go on with")
+    parser.add_argument("--commit-every", type=int, default=1,
+                        help="--elastic: commit the state every N steps")
+    parser.add_argument("--kill-rank", type=int, default=-1,
+                        help="--elastic: this rank SIGKILLs itself (fault injection)")
+    parser.add_argument("--kill-step", type=int, default=-1,
+                        help="--elastic: ... before this step")
     parser.add_argument("--device", default="cpu",
                         help="cpu (default), cuda (each rank on GPU local_rank %% count) or "
                              "cuda:N: where the model, data and gradients live")
@@ -312,6 +399,19 @@ def main() -> int:
     torch.manual_seed(args.seed)
     model = DigitsCNN().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    if args.elastic:
+        if args.compression != "none" or args.checkpoint_dir or args.lr_schedule != "constant":
+            parser.error("--elastic is not combined with --compression, --checkpoint-dir "
+                         "or --lr-schedule")
+        accuracy, record = train_elastic(args, model, optimizer, xtr, ytr, xte, yte)
+        if hvd.rank() == 0:
+            print(f"final test accuracy: {accuracy:.4f} ({hvd.size()} ranks)", flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"elastic": True, "ranks": hvd.size(), "epochs": args.epochs,
+                               "final_accuracy": accuracy, **record}, f, indent=1)
+        hvd.shutdown()
+        return 0 if accuracy >= args.min_accuracy else 1
     start_epoch, saved_ranks = 0, None
     path = os.path.join(args.checkpoint_dir, "checkpoint.pt") if args.checkpoint_dir else None
     if args.resume:

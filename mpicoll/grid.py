@@ -21,6 +21,8 @@ from typing import Any
 
 from mpi4py import MPI
 
+from .context import resolve_comm
+
 __all__ = ["ProcessGrid", "process_grid", "agreed_shape", "grid_groups", "grid_coords"]
 
 log = logging.getLogger("mpicoll.grid")
@@ -106,11 +108,16 @@ class ProcessGrid:
                 comm.Free()
 
 
-def process_grid(comm: MPI.Intracomm, dp: int, tp: int) -> ProcessGrid:
+def process_grid(comm: MPI.Intracomm | None, dp: int, tp: int) -> ProcessGrid:
     """Split ``comm`` into a ``dp x tp`` grid (collective over ``comm``).
 
+    Under :mod:`mpicoll.elastic`, build the grid from ``comm=None`` inside the elastic
+    function (or a reset callback): after a failure the world is the survivors', and the
+    old grid's communicators, which hold a dead rank, are dropped without :meth:`free`.
+
     Args:
-        comm: an mpi4py intracommunicator (or :class:`mpicoll.Comm`) of ``dp * tp`` ranks.
+        comm: an mpi4py intracommunicator (or :class:`mpicoll.Comm`) of ``dp * tp`` ranks;
+            ``None``: the current world (:func:`mpicoll.context.world`).
         dp, tp: the data-parallel and tensor-parallel degrees, the same on every rank.
     Returns:
         This rank's :class:`ProcessGrid`; its communicators work with every
@@ -118,6 +125,7 @@ def process_grid(comm: MPI.Intracomm, dp: int, tp: int) -> ProcessGrid:
     Raises:
         ValueError: on every rank, as :func:`agreed_shape`.
     """
+    comm = resolve_comm(comm)
     agreed_shape(comm, dp, tp)
     rank = comm.Get_rank()
     dp_rank, tp_rank = grid_coords(rank, tp)

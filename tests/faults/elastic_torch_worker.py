@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -56,6 +57,15 @@ def train_serially(n: int, epochs: int) -> float:
     no MPI). Returns the final accuracy."""
     import random  # noqa: PLC0415
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                 # as the ranks (and fast on a loaded machine)
+    try:
+        return _train_serially(n, epochs, random)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_serially(n: int, epochs: int, random: Any) -> float:
     x_train, y_train = make_data(1536, 1)
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
