@@ -22,8 +22,9 @@ chose, the fastest fixed option, and
 
 then the summary: how often ``auto`` picked the fastest option, the worst ``auto/best``,
 and the same against the best single fixed codec over the whole sweep (the sum of its
-medians). ``--output`` writes everything as JSON (inputs, predictions, every round's time).
-Options: ``--help``.
+medians). ``--output`` writes everything as JSON (inputs, predictions, every round's time);
+``python -m bench.compression_auto --render FILE.json ...`` prints saved results as
+Markdown tables. Options: ``--help``.
 """
 from __future__ import annotations
 
@@ -175,8 +176,44 @@ def report(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def markdown(res: dict) -> str:
+    """The results as a Markdown table (for docs/results/compression_auto.md)."""
+    cands = res["candidates"]
+    inp = res["inputs"]
+    s = res["summary"]
+    out = [f"`{res['meta']['command']}` ({res['meta']['date']}; {res['meta']['mpi_library']}, "
+           f"{res['meta']['thread_level']}). Link ({inp['link_source']}): latency "
+           f"{inp['latency_s'] * 1e6:.0f} us, bandwidth {inp['bandwidth_bytes_per_s'] / 1e9:.3f}"
+           f" GB/s; CPU share {inp['cpu_share']:.2f}; codec GB/s encode/decode: " + ", ".join(
+               f"{c} {inp['encode'][c]['bytes_per_s'] / 1e9:.2f}/"
+               f"{inp['decode'][c]['bytes_per_s'] / 1e9:.2f}" for c in cands) + ".", "",
+           "| size | " + " | ".join(f"{c} pred / meas (ms)" for c in cands)
+           + " | auto (ms) | chosen | fastest | chosen/best | auto/best | auto/chosen |",
+           "|---|" + "---|" * (len(cands) + 6)]
+    for r in res["rows"]:
+        cells = " | ".join(f"{r['predicted_s'][c] * 1e3:.1f} / {r['measured_s'][c] * 1e3:.1f}"
+                           for c in cands)
+        out.append(f"| {human_bytes(r['bytes'])} | {cells} | {r['measured_s']['auto'] * 1e3:.1f}"
+                   f" | {r['chosen']} | {r['fastest']} | {r['chosen_over_best']:.3f} | "
+                   f"{r['auto_over_best']:.3f} | {r['auto_over_chosen_paired']:.3f} |")
+    out += ["", f"Picked the fastest (within {s['tolerance']:.0%}): {s['picked_fastest']} of "
+            f"{s['sizes']} sizes; worst chosen/best {s['worst_chosen_over_best']:.3f}, worst "
+            f"auto/best {s['worst_auto_over_best']:.3f}; best single fixed codec "
+            f"{s['best_single_fixed']} (auto / it at worst "
+            f"{s['worst_auto_over_best_single_fixed']:.3f})."]
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point (every rank)."""
+    """Entry point (every rank); ``--render FILE.json`` prints a saved result as Markdown
+    (no MPI run)."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--render"]:
+        for path in argv[1:]:
+            with open(path, encoding="utf-8") as fh:
+                sys.stdout.write(markdown(json.load(fh)) + "\n")
+        return 0
     args = parse_args(_parser(), argv)
     res = run(args)
     from mpi4py import MPI  # noqa: PLC0415

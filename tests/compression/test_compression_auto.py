@@ -187,3 +187,46 @@ def test_torch_compressor():
     assert comp.codec.candidates == ("none", "int8")
     state = Compression.from_codec(Auto(("none", "randomk:0.1"))).codec.state_dict()
     assert state == {"randomk:0.1": {"step": 0}}
+
+
+def test_distributed_optimizer_with_auto_equals_the_chosen_codec(monkeypatch):
+    """DistributedOptimizer(compression=Compression.auto), one process: synthetic speeds
+    make int8 the cheapest computation; three steps give the same gradients and residuals
+    as Compression.int8, and the stats name int8 with the choice."""
+    torch = pytest.importorskip("torch")
+    import mpicoll.torch as hvd
+    from mpicoll.torch.compression import Compression
+
+    slow, fast = Speed(1e-3, 0.1 * GB), Speed(1e-7, 50 * GB)
+
+    def speeds(names, like=None):
+        table = {n: (fast if n == "int8" else slow) for n in ["none", *names]}
+        return table, dict(table), fast
+    monkeypatch.setattr(probe, "codec_speeds", speeds)
+    hvd.init()
+    try:
+        if hvd.size() != 1:
+            pytest.skip("one process only")
+        results = {}
+        for name, comp in (("auto", Compression.auto), ("int8", Compression.int8)):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(7, 3)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(),
+                                           compression=comp)
+            grads = []
+            for step in range(3):
+                opt.zero_grad()
+                model(torch.arange(14.0).reshape(2, 7) / (step + 1)).pow(2).sum().backward()
+                opt.step()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            stats = opt.compression_stats
+            results[name] = (grads, [opt.error_feedback.residual(k).copy()
+                                     for k in sorted(opt.error_feedback.keys())], stats)
+        (ga, ra, sa), (gi, ri, si) = results["auto"], results["int8"]
+        assert all(torch.equal(a, b) for sa_, sb_ in zip(ga, gi) for a, b in zip(sa_, sb_))
+        assert all(np.array_equal(a, b) for a, b in zip(ra, ri))
+        assert [s.codec for s in sa] == ["int8"] and sa[0].choice.codec == "int8"
+        assert si[0].choice is None
+    finally:
+        hvd.shutdown()
