@@ -59,7 +59,9 @@ log = logging.getLogger("mpicoll.elastic.launch")
 EVENTS_NAME = "launch-events.jsonl"
 #: Seconds between two discoveries while waiting for enough slots.
 DISCOVERY_INTERVAL_S = 1.0
-_REEXEC_MARK = "MPICOLL_ELASTIC_LAUNCH_REEXEC"
+#: Set by the re-exec (see :func:`_reexec_without_mpi`) to the user's MPI4PY_RC_INITIALIZE.
+_REEXEC_MARK = "ELASTIC_LAUNCH_USER_MPI4PY_RC_INITIALIZE"
+_UNSET = "<unset>"
 
 
 class GaveUp(RuntimeError):
@@ -98,6 +100,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "at the end)")
     parser.add_argument("--launcher", choices=("auto", "mpiexec", "srun"), default="auto",
                         help="auto: srun inside a Slurm allocation, else mpiexec")
+    parser.add_argument("--srun-mpi", default="pmi2",
+                        help="srun's --mpi plugin (pmi2: what the MPICH wheel speaks)")
     parser.add_argument("--mpiexec", default=None,
                         help="mpiexec to use (default: the one beside this Python, else "
                              "PATH's)")
@@ -148,14 +152,15 @@ class Supervisor:
         a = self.args
         if a.host_discovery_script:
             return run_discovery_script(a.host_discovery_script, a.slots)
-        if self.use_slurm():
+        if _in_slurm_allocation():
             return slurm_hosts()
         return local_hosts(a.max_np)
 
     def use_slurm(self) -> bool:
+        """Whether launches are srun job steps (else mpiexec)."""
         if self.args.launcher == "srun":
             return True
-        return self.args.launcher == "auto" and bool(os.environ.get("SLURM_JOB_NODELIST")) \
+        return self.args.launcher == "auto" and _in_slurm_allocation() \
             and shutil.which("srun") is not None
 
     def hosts_for_launch(self) -> tuple[list[Host], int]:
@@ -196,16 +201,19 @@ class Supervisor:
         a = self.args
         extra = shlex.split(a.launcher_args)
         if self.use_slurm():
-            return srun_argv(hosts, np, extra, a.command)
+            return srun_argv(hosts, np, extra, a.command, mpi=a.srun_mpi)
         mpiexec = find_mpiexec(a.mpiexec)
         return mpiexec_argv(mpiexec, mpiexec_flavour(mpiexec), hosts, np, extra,
                             a.command, exported=[disk.ENV_DIR, disk.ENV_RESTART])
 
     def job_env(self, restart: int) -> dict[str, str]:
         env = dict(os.environ)
-        env.pop(_REEXEC_MARK, None)
-        if env.pop("MPICOLL_ELASTIC_LAUNCH_RC_INIT", None) is None:
-            env.pop("MPI4PY_RC_INITIALIZE", None)
+        if _REEXEC_MARK in env:  # give the jobs the user's own setting back
+            users = env.pop(_REEXEC_MARK)
+            if users == _UNSET:
+                env.pop("MPI4PY_RC_INITIALIZE", None)
+            else:
+                env["MPI4PY_RC_INITIALIZE"] = users
         env[disk.ENV_DIR] = str(self.commit_dir)
         env[disk.ENV_RESTART] = str(restart)
         return env
@@ -251,6 +259,10 @@ class Supervisor:
                   file=sys.stderr, flush=True)
 
 
+def _in_slurm_allocation() -> bool:
+    return bool(os.environ.get("SLURM_JOB_NODELIST"))
+
+
 def _check_command(command: list[str]) -> None:
     """A clear error now for a job command that cannot be found on this host."""
     program = command[0]
@@ -266,9 +278,7 @@ def _reexec_without_mpi() -> None:
     if mpi is None or os.environ.get(_REEXEC_MARK) or not mpi.Is_initialized():
         return
     env = dict(os.environ)
-    env[_REEXEC_MARK] = "1"
-    if "MPI4PY_RC_INITIALIZE" in env:  # the user's own setting goes on to the jobs
-        env["MPICOLL_ELASTIC_LAUNCH_RC_INIT"] = env["MPI4PY_RC_INITIALIZE"]
+    env[_REEXEC_MARK] = env.get("MPI4PY_RC_INITIALIZE", _UNSET)  # for the jobs
     env["MPI4PY_RC_INITIALIZE"] = "0"
     sys.stdout.flush()
     sys.stderr.flush()
@@ -284,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_command(args.command)
         if args.launcher != "srun" and not (args.launcher == "auto"
-                                            and os.environ.get("SLURM_JOB_NODELIST")):
+                                            and _in_slurm_allocation()):
             find_mpiexec(args.mpiexec)
     except LaunchError as exc:
         print(f"mpicoll.elastic.launch: error: {exc}", file=sys.stderr)

@@ -10,7 +10,7 @@ Launchers:
   remote hosts by itself).
 - ``srun`` (the default inside a Slurm allocation): ``srun --nodelist=<alive nodes>
   --nodes=K --ntasks=NP --kill-on-bad-exit=1 --mpi=pmi2`` (PMI-2 is what the MPICH wheel
-  speaks under Slurm); ``--kill-on-bad-exit`` ends the step when one task dies, as hydra
+  speaks under Slurm; ``--srun-mpi`` changes it); ``--kill-on-bad-exit`` ends the step when one task dies, as hydra
   does, instead of leaving the others blocked in a collective.
 """
 from __future__ import annotations
@@ -96,10 +96,10 @@ def mpiexec_argv(mpiexec: str, flavour: str, hosts: list[Host], np: int,
     return argv + list(extra) + list(command)
 
 
-def srun_argv(hosts: list[Host], np: int, extra: list[str],
-              command: list[str]) -> list[str]:
+def srun_argv(hosts: list[Host], np: int, extra: list[str], command: list[str],
+              mpi: str = "pmi2") -> list[str]:
     """``srun`` command line (a job step of the allocation) for ``np`` ranks on ``hosts``."""
     used = place(hosts, np)
     return (["srun", f"--nodelist={','.join(host.name for host in used)}",
              f"--nodes={len(used)}", f"--ntasks={np}", "--kill-on-bad-exit=1",
-             "--mpi=pmi2"] + list(extra) + list(command))
+             f"--mpi={mpi}"] + list(extra) + list(command))

@@ -1,7 +1,9 @@
 """A numpy training job for the relaunching supervisor's tests (run by
 tests/faults/test_launch.py under ``python -m mpicoll.elastic.launch``, not by pytest).
 
-Usage: ``python launch_train.py OUT STEPS KILL_STEP VICTIM [disk|elastic]``.
+Usage: ``python launch_train.py OUT STEPS KILL_STEP VICTIM [disk|elastic [SLEEP]]``
+(``VICTIM`` -1: no rank kills itself; ``SLEEP``: seconds each step waits, for tests that
+kill a node from outside).
 
 Every step all-reduces this rank's vector ``(rank + 1) * (arange(7) + step)`` (integers,
 exact in float64 in any order) into ``weights``, appends the world size to ``history`` and
@@ -11,7 +13,8 @@ launch loads and broadcasts) or through ``mpicoll.elastic.run`` and ``ObjectStat
 until the commit of step ``KILL_STEP - 1`` is on disk, writes ``OUT/failed`` (the test's
 discovery script then answers one slot fewer) and ``OUT/failure.json`` (its time), and
 SIGKILLs itself. Rank 0 writes ``OUT/launch-<restart>.json`` after the first completed step
-of each launch (times: process start, imports done, state loaded, step done) and
+of each launch (times: process start, numpy imported, MPI initialised, imports
+done, state loaded, step done) and
 ``OUT/result.json`` at the end.
 """
 from __future__ import annotations
@@ -28,8 +31,11 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
 
+T_NUMPY = time.time()
+from mpi4py import MPI  # noqa: E402  (MPI_Init)
+
+T_MPI = time.time()
 import mpicoll  # noqa: E402
 from mpicoll.elastic import disk  # noqa: E402
 
@@ -59,8 +65,10 @@ def _die_after_commit(out: Path, step: int) -> None:
 class Job:
     """The training loop shared by both commit paths."""
 
-    def __init__(self, out: Path, steps: int, kill_step: int, victim: int) -> None:
+    def __init__(self, out: Path, steps: int, kill_step: int, victim: int,
+                 sleep: float = 0.0) -> None:
         self.out, self.steps, self.kill_step, self.victim = out, steps, kill_step, victim
+        self.sleep = sleep
         self.comm = MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.restart = disk.restart_count()
@@ -72,6 +80,8 @@ class Job:
         s = state["step"]
         if self.restart == 0 and self.rank == self.victim and s == self.kill_step:
             _die_after_commit(self.out, s)
+        if self.sleep:
+            time.sleep(self.sleep)
         grad = (self.rank + 1) * (np.arange(WIDTH, dtype=np.float64) + s)
         state["weights"] = state["weights"] + mpicoll.allreduce(grad, op="sum")
         state["history"] = state["history"] + [self.size]
@@ -82,7 +92,8 @@ class Job:
             self.first_step = started_at
             _write_json(self.out / f"launch-{self.restart}.json", {
                 "restart": self.restart, "size": self.size, "first_step": started_at,
-                "t_start": T_START, "t_imported": T_IMPORTED, "t_loaded": self.loaded_at,
+                "t_start": T_START, "t_numpy": T_NUMPY, "t_mpi": T_MPI,
+                "t_imported": T_IMPORTED, "t_loaded": self.loaded_at,
                 "t_step_done": time.time()})
 
     def finish(self, state: dict) -> None:
@@ -137,7 +148,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     steps, kill_step, victim = map(int, sys.argv[2:5])
     mode = sys.argv[5] if len(sys.argv) > 5 else "disk"
-    job = Job(out, steps, kill_step, victim)
+    job = Job(out, steps, kill_step, victim, float(sys.argv[6]) if len(sys.argv) > 6 else 0.0)
     {"disk": run_disk, "elastic": run_elastic}[mode](job)
 
 
