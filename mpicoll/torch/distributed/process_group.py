@@ -108,6 +108,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         self._timeout = seconds(timeout)
         self._worker = GroupWorker(f"mpicoll-pg{next(_serial)}", self._timeout)
         self._monitored = 0
+        self._names: dict[str, str] = {}
 
     # --- the call path ----------------------------------------------------------------
     def _check(self, kind: str) -> bool:
@@ -157,6 +158,30 @@ class MPIProcessGroup(dist.ProcessGroup):
     # --- torch's ProcessGroup interface -------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return BACKEND
+
+    # (torch keeps a group's name and description in its C++ backends, which a Python
+    # group has none of: they are kept here)
+    def _set_group_name(self, name: str) -> None:
+        self._names["name"] = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._names["desc"] = desc
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._names.get("name", "")
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._names.get("desc", "")
+
+    setGroupName, setGroupDesc = _set_group_name, _set_group_desc
+
+    @property
+    def group_name(self) -> str:  # noqa: D102
+        return self.getGroupName()
+
+    @property
+    def group_desc(self) -> str:  # noqa: D102
+        return self.getGroupDesc()
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or dist.AllreduceOptions()
