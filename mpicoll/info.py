@@ -177,7 +177,7 @@ def _compression_auto() -> dict:
         "codec_speeds": {c: {"encode_bytes_per_s": enc[c].rate, "encode_overhead_s":
                              enc[c].overhead, "decode_bytes_per_s": dec[c].rate,
                              "decode_overhead_s": dec[c].overhead} for c in enc},
-        "add_bytes_per_s": add.rate, "links": []}
+        "add_bytes_per_s": add.rate, "cpu_share": probe.cpu_share(), "links": []}
     for label, latency, bandwidth in links:
         inputs = cost_model.ModelInputs(latency, bandwidth, enc, dec, add, label)
         rows = []
@@ -322,6 +322,9 @@ def _auto_lines(sec: dict) -> list[str]:
                                         f"decode {sp['decode_bytes_per_s'] / 1e9:.2f} "
                                         f"(+{sp['decode_overhead_s'] * 1e6:.0f} us/call)"))
     lines.append(_line("add GB/s", f"{sec['add_bytes_per_s'] / 1e9:.2f}"))
+    if sec.get("cpu_share") is not None:
+        lines.append(_line("CPU share", f"{sec['cpu_share']:.2f} (CPU over wall time while "
+                                        f"measuring; applied to the speeds above)"))
     for link in sec["links"]:
         lines.append(_line(f"n={sec['world_size']}, link", link["link"]))
         for row in link["choices"]:
