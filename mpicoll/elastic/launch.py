@@ -313,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return supervisor.run()
     except (GaveUp, LaunchError) as exc:
+        if supervisor.stop_signal is not None:  # stopped while discovering
+            print(f"mpicoll.elastic.launch: stopped by signal {supervisor.stop_signal}",
+                  file=sys.stderr, flush=True)
+            return 128 + supervisor.stop_signal
         print(f"mpicoll.elastic.launch: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:

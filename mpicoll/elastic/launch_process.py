@@ -22,14 +22,26 @@ TERM_GRACE_S = 5.0
 _POLL_S = 0.05
 
 
+def _die_with_parent() -> None:
+    """In the launcher's child before exec: SIGTERM it when the supervisor dies, even by
+    SIGKILL (Linux ``PR_SET_PDEATHSIG``; hydra and srun end their ranks on SIGTERM)."""
+    try:
+        import ctypes  # noqa: PLC0415
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the signal handlers still end the job
+        pass
+
+
 def start_job(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-    """Start ``argv`` in a new session (stdin closed, output inherited).
+    """Start ``argv`` in a new session (stdin closed, output inherited), to be sent
+    SIGTERM if the supervisor dies.
 
     Raises:
         OSError: the launcher cannot be executed.
     """
     return subprocess.Popen(argv, env=env, start_new_session=True,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
