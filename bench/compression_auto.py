@@ -7,7 +7,8 @@
 
 For each size (powers of four from ``-m``), ``mpicoll.compression.allreduce`` with each
 fixed candidate codec and with ``compression="auto"`` (error feedback on, an
-``ErrorFeedback`` per option, as in training), interleaved: each of the ``-i`` rounds runs
+``ErrorFeedback`` per option, as in training), interleaved: each of the ``-i`` rounds
+(``--iterations-small``, default three times as many, up to 1 MiB) runs
 every option once, in a random order (the same on every rank); each call's time is the
 slowest rank's (a barrier before, ``Allreduce(MAX)`` of the times after). It prints, per
 size, the model's predicted time and the measured median of each option, what ``auto``
@@ -48,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--message-size", default="64K:64M",
                    help="MIN:MAX bytes of float32 (powers of four between)")
     p.add_argument("-i", "--iterations", type=int, default=9, help="timed rounds")
+    p.add_argument("--iterations-small", type=int, default=None,
+                   help="timed rounds for sizes up to 1 MiB (default: 3x --iterations; "
+                        "they are cheap and noisier)")
     p.add_argument("-x", "--warmup", type=int, default=1, help="untimed rounds")
     p.add_argument("--candidates", default="none,bf16,int8,topk:0.01",
                    help="comma-separated codecs auto chooses among (and that are timed)")
@@ -100,7 +104,9 @@ def run(args: argparse.Namespace) -> dict:
         samples: dict[str, list[float]] = {name: [] for name, _ in options}
         stats = None
         order_rng = np.random.default_rng(size)          # the same orders on every rank
-        for r in range(args.warmup + args.iterations):
+        rounds = args.iterations if size > (1 << 20) else (
+            args.iterations_small if args.iterations_small is not None else 3 * args.iterations)
+        for r in range(args.warmup + rounds):
             order = [options[i] for i in order_rng.permutation(len(options))]
             times, chosen = _round(comm, order, x, feedbacks, out)
             stats = chosen
