@@ -48,19 +48,23 @@ class FailureWatch:
         self.comm = comm
         self.comms = comms
         self.enabled = faults.ENABLED
+        #: failed ranks this rank knows of (from MPI, or from a peer's word)
         self.known: set[int] = set()
+        #: failed ranks acknowledged to MPI (so MPI_ANY_SOURCE probes work again)
+        self.acked: set[int] = set()
         self._next_poll = 0.0
 
     def refresh(self) -> list[int]:
         """Look now: acknowledge and return the failed ranks not known before."""
         ranks = set(faults.failed_ranks(self.comm, 0.0))
-        new = sorted(ranks - self.known)
-        if new:
-            self.known |= set(new)
+        if ranks - self.acked:
+            self.acked |= ranks
             try:
                 self.comm.Ack_failed()
             except MPI.Exception:  # revoked: the next call raises ERR_REVOKED anyway
                 pass
+        new = sorted(ranks - self.known)
+        self.known |= set(new)
         return new
 
     def poll(self) -> list[int]:

@@ -76,8 +76,9 @@ TAG_REPLY = 7103
 TAG_REPLY_DATA = 7104
 TAG_SCATTER = 7105      #: co-located: a gradient segment to its owner
 TAG_GATHER = 7106       #: co-located: an updated value segment from its owner
-TAG_FORWARD = 7107      #: replicas: a request (or a state copy) from a primary to its backup
-TAG_FORWARD_DATA = 7108 #: replicas: the forwarded request's payload
+TAG_FORWARD = 7107      #: replicas: a request (or a state copy) from a primary to its backup,
+                        #: header and payload in one message
+TAG_FORWARD_DATA = 7108 #: (reserved)
 TAG_FORWARD_ACK = 7109  #: replicas: the backup holds a forwarded request
 
 DEFAULT_CHUNK_BYTES = 4 << 20

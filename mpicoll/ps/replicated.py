@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import logging
 import pickle
-import time
 from typing import Any, Callable
 
 import numpy as np
@@ -48,8 +47,6 @@ __all__ = ["ReplicatedServer"]
 
 log = logging.getLogger("mpicoll.ps.replicated")
 
-#: Longest wait, in seconds, for this rank to learn of a failure a worker already knows.
-AWAIT_FAILURE_S = 10.0
 
 
 def _is_failure(exc: BaseException, watched: bool) -> bool:
@@ -90,6 +87,7 @@ class ReplicatedServer:
         self._status = MPI.Status()
         self._hdr = np.empty(P.HEADER_LEN, dtype=np.int64)
         self._backoff = P.Backoff(max_sleep=max_sleep)
+        self._forward_msg = np.empty(0, np.uint8)
         self.failovers: list[dict] = []
 
     # ------------------------------------------------------------------ roles
@@ -126,23 +124,25 @@ class ReplicatedServer:
         fh[P.AUX] = origin
         if int(fh[P.OP]) not in (P.Op.PUSH, P.Op.INIT):
             fh[P.SHARD] = slot
-        data = None if payload is None or not payload.size else payload.copy()
-        fh[P.NBYTES] = 0 if data is None else data.nbytes
-        self._send_to(slot, backup, fh, data)
+        raw = None if payload is None or not payload.size else payload.view(np.uint8)
+        self._send_to(slot, backup, fh, raw)
         self.queues[slot].append([])
 
-    def _send_to(self, slot: int, dest: int, h: np.ndarray, data: np.ndarray | None) -> None:
-        group = self.groups[slot]
+    def _send_to(self, slot: int, dest: int, h: np.ndarray, raw: np.ndarray | None) -> None:
+        """Send header ``h`` and payload bytes ``raw`` (copied) as one message: the
+        receiver gets both or, if this rank dies, neither (it never waits for half)."""
+        h[P.NBYTES] = 0 if raw is None else raw.nbytes
+        msg = np.empty(P.HEADER_LEN * 8 + int(h[P.NBYTES]), dtype=np.uint8)
+        msg[:P.HEADER_LEN * 8] = h.view(np.uint8)
+        if raw is not None:
+            msg[P.HEADER_LEN * 8:] = raw
         try:
-            reqs = [self.comm.Isend([h, MPI.INT64_T], dest, P.TAG_FORWARD)]
-            if data is not None:
-                reqs += P.send_payload(self.comm, data, dest, P.TAG_FORWARD_DATA,
-                                       self.chunk_bytes)
+            req = self.comm.Isend([msg, MPI.BYTE], dest, P.TAG_FORWARD)
         except MPI.Exception as exc:
             if not _is_failure(exc, self.watch is not None):
                 raise
             return   # the backup died: the watch reports it, the state copy replaces this
-        group.track_send(dest, reqs, (h, data))
+        self.groups[slot].track_send(dest, [req], msg)
 
     def defer(self, slot: int, reply: Callable[[], None]) -> None:
         """Send ``reply`` once the backup holds everything forwarded so far for ``slot``."""
@@ -184,8 +184,7 @@ class ReplicatedServer:
     def _copy_to_backup(self, slot: int) -> None:
         backup = self.routing.backup(slot)
         blob = np.frombuffer(self._snapshot(slot), dtype=np.uint8)
-        h = P.new_header(P.Op.REPLICATE, shard=slot, nbytes=blob.nbytes)
-        self._send_to(slot, backup, h, blob)
+        self._send_to(slot, backup, P.new_header(P.Op.REPLICATE, shard=slot), blob)
 
     # ------------------------------------------------------------------ loop
     def _group_for(self, h: np.ndarray, control: bool) -> tuple[int, Server | None]:
@@ -197,47 +196,39 @@ class ReplicatedServer:
         return slot, self.groups.get(slot)
 
     def _request(self, src: int, h: np.ndarray) -> None:
+        heard = [r for r in range(self.routing.num_servers)
+                 if int(h[P.AUX]) >> r & 1 and r not in self.routing.dead]
+        if heard and self.watch is not None:
+            # the worker knows of dead servers this rank's MPI has not reported yet (Open
+            # MPI tells a rank that never talks to the dead one late, or only when it
+            # next talks to it): ULFM reports only real failures, so take its word
+            self.watch.known |= set(heard)
+            self.on_failure(heard)
         control = int(h[P.OP]) in (P.Op.CLOSE, P.Op.STATS, P.Op.SAVE)
         slot, group = self._group_for(h, control)
-        if (group is None or group.silent) and self.watch is not None:
-            self._await_primary_failure(slot)      # the worker may have learned it first
-            slot, group = self._group_for(h, control)
         if group is None or group.silent:
             anyone = next(iter(self.groups.values()))
             anyone.silent, was = False, anyone.silent
             try:
                 anyone._error(src, h, P.Status.BAD_REQUEST,
-                              f"slot {slot} is served by rank {self.routing.primary(slot)}")
+                              f"slot {slot} is served by rank {self.routing.primary(slot)} "
+                              f"(holders {self.routing.holders}, failed server ranks known "
+                              f"here {sorted(self.routing.dead)})")
             finally:
                 anyone.silent = was
             return
         group._dispatch(src, h)
 
-    def _await_primary_failure(self, slot: int) -> None:
-        """A worker sent a request of ``slot`` here, so it knows the slot's primary died:
-        wait (at most :data:`AWAIT_FAILURE_S`) until this rank's failure detector says so
-        too, and fail over (the detectors of two ranks can be seconds apart on a loaded
-        machine)."""
-        primary = self.routing.primary(slot)
-        deadline = time.monotonic() + AWAIT_FAILURE_S
-        while primary is not None and primary != self.rank and \
-                time.monotonic() < deadline:
-            if primary in faults.failed_ranks(self.comm, 0.0):
-                self.on_failure(self.watch.refresh() or [primary])
-                return
-            time.sleep(0.001)
-
     def _forwarded(self, src: int, h: np.ndarray) -> None:
         op = int(h[P.OP])
+        data = self._forward_msg[P.HEADER_LEN * 8:]
         if op == P.Op.REPLICATE:
             slot = int(h[P.SHARD])
-            blob = P.drain_payload(self.comm, int(h[P.NBYTES]), src, P.TAG_FORWARD_DATA,
-                                   self.chunk_bytes)
-            self._install(slot, blob)
+            self._install(slot, data.tobytes())
         else:
             slot, group = self._group_for(h, op == P.Op.CLOSE)
             origin = int(h[P.AUX])
-            group.payload_from = (src, P.TAG_FORWARD_DATA)
+            group.payload_from = data
             try:
                 group._dispatch(origin, h)
             finally:
@@ -258,8 +249,13 @@ class ReplicatedServer:
                              (P.TAG_REQUEST, self._request)):
             if comm.Iprobe(MPI.ANY_SOURCE, tag, status):
                 src = status.Get_source()
-                comm.Recv([hdr, MPI.INT64_T], src, tag)
-                handler(src, hdr.copy())
+                if tag == P.TAG_FORWARD:     # header and payload in one message
+                    msg = self._forward_msg = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+                    comm.Recv([msg, MPI.BYTE], src, tag)
+                    handler(src, msg[:P.HEADER_LEN * 8].view(np.int64).copy())
+                else:
+                    comm.Recv([hdr, MPI.INT64_T], src, tag)
+                    handler(src, hdr.copy())
                 got = True
         for g in self.groups.values():
             got = g._reap(force=True) or got

@@ -137,8 +137,9 @@ class Server:
         #: a backup replays forwarded requests and answers nobody
         self.silent = False
         self.closed: set[int] = set()
-        #: where the current request's payload comes from: (rank, tag); None: its sender
-        self.payload_from: tuple[int, int] | None = None
+        #: the current request's payload when it came with the request (a forwarded
+        #: request is one message: header and payload); None: it follows from the sender
+        self.payload_from: np.ndarray | None = None
         #: failures under ULFM (a FailureWatch; None: not watched)
         self.watch: Any = None
 
@@ -219,13 +220,17 @@ class Server:
 
     def _recv_data(self, src: int, buf: np.ndarray) -> None:
         """Receive the current request's payload into ``buf``."""
-        source, tag = self.payload_from or (src, P.TAG_REQUEST_DATA)
-        P.recv_payload(self.comm, buf, source, tag, self.chunk_bytes)
+        if self.payload_from is None:
+            P.recv_payload(self.comm, buf, src, P.TAG_REQUEST_DATA, self.chunk_bytes)
+        elif buf.size:
+            buf.view(np.uint8)[...] = self.payload_from[:buf.nbytes]
 
     def _drain_data(self, src: int, nbytes: int) -> bytes:
         """Receive and return the current request's payload of ``nbytes`` bytes."""
-        source, tag = self.payload_from or (src, P.TAG_REQUEST_DATA)
-        return P.drain_payload(self.comm, nbytes, source, tag, self.chunk_bytes)
+        if self.payload_from is None:
+            return P.drain_payload(self.comm, nbytes, src, P.TAG_REQUEST_DATA,
+                                   self.chunk_bytes)
+        return self.payload_from[:nbytes].tobytes()
 
     # ------------------------------------------------------------------ replies
     def _reply(self, dest: int, request: np.ndarray, status: int = 0, payload: Any = None,

@@ -210,7 +210,11 @@ class WorkerClient:
     def _transmit(self, handle: Handle, request: list) -> None:
         """(Re)send a request to the rank now serving its slot."""
         slot, _, header, payload = request
-        rank = slot if self.routing is None else self.routing.primary(slot)
+        if self.routing is None:
+            rank = slot
+        else:   # and tell the server which servers this worker knows to be dead
+            rank = self.routing.primary(slot)
+            header[P.AUX] = sum(1 << r for r in self.routing.dead)
         request[1] = rank
         try:
             handle.track([self.comm.Isend([header, MPI.INT64_T], rank, P.TAG_REQUEST)],
