@@ -1,0 +1,45 @@
+"""Smoke test of bench/ddp.py (DDP on "mpicoll" vs gloo vs DistributedOptimizer), at n=2
+only: every mode runs a few steps, and the JSON holds one positive rate per mode and
+repeat, and DDP's timers with ``--profile``. Never how fast anything is.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from mpi4py import MPI
+
+pytest.importorskip("torch")
+
+from bench import ddp  # noqa: E402
+
+comm = MPI.COMM_WORLD
+
+# one world size is enough for a smoke test (the suite runs at 1, 2, 3; CI time)
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120),
+              pytest.mark.skipif(comm.Get_size() != 2, reason="bench.ddp smoke test at n=2")]
+
+
+def test_ddp_benchmark_runs_every_mode(tmp_path):
+    out = comm.bcast(str(tmp_path / "ddp.json") if comm.rank == 0 else None, root=0)
+    modes = "ddp-mpicoll,ddp-gloo,hvd,ddp-mpicoll-first,ddp-mpicoll-int8"
+    rc = ddp.main(["--modes", modes, "--steps", "2", "--warmup", "1", "--repeats", "2",
+                   "--batch", "4", "--profile", "--format", "json", "--output", out])
+    assert rc == 0
+    if comm.rank == 0:
+        with open(out, encoding="utf-8") as fh:
+            result = json.load(fh)
+        assert [r["mode"] for r in result["rows"]] == modes.split(",")
+        for row in result["rows"]:
+            assert row["wall"] > 0 and len(row["runs"]) == 2
+            if row["mode"].startswith("ddp-"):
+                assert set(row["profile_ms"]) >= {"backward_comm", "backward_compute"}
+        assert result["meta"]["ranks"] == comm.size
+        assert result["meta"]["command"].startswith(f"mpirun -n {comm.size} python -m bench.ddp")
+
+
+def test_ddp_benchmark_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="unknown mode"):
+        ddp.runner("ddp-nccl")
+    with pytest.raises(ValueError):
+        ddp.runner("ddp-mpicoll-lz4")
