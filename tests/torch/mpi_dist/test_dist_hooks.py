@@ -11,6 +11,8 @@ SGD with periodic model averaging).
   trained without communication); PowerSGD at full rank equals plain all-reduce to 1e-9;
   post-local SGD (subgroups of two ranks, model averaging every two steps) equals a
   one-process simulation of every rank to 1e-10.
+
+The training tests run at n = 2 and 3 only (CI time); the state's unit tests everywhere.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from mpi4py import MPI
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
@@ -28,6 +31,10 @@ from test_dist_ddp import (STEPS, assert_same_model, batch, ddp_of, loss_of, mod
                            shard, train)
 
 pytestmark = pytest.mark.mpi
+
+#: The hooks' training tests run at 2 and 3 ranks (CI time); the unit tests everywhere.
+at_2_and_3 = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() not in (2, 3),
+                                reason="hook training tests run at n = 2, 3")
 
 
 def wide_model() -> torch.nn.Module:
@@ -60,6 +67,7 @@ def recorder(hook, calls: list):
     return recording
 
 
+@at_2_and_3
 @pytest.mark.parametrize("hook,codec", [(hooks.int8_hook, "int8"), (hooks.onebit_hook, "onebit"),
                                         (hooks.codec_hook("topk:0.1"), "topk:0.1")],
                          ids=["int8", "onebit", "topk"])
@@ -93,6 +101,7 @@ def test_codec_hook_equals_codec_reference(hook, codec):
             assert not torch.allclose(call["y"], call["x"])
 
 
+@at_2_and_3
 def test_codec_hook_same_model_on_every_rank_and_close_to_exact():
     rank, n = dist.get_rank(), dist.get_world_size()
     reference = model()
@@ -108,6 +117,7 @@ def test_codec_hook_same_model_on_every_rank_and_close_to_exact():
     assert_same_model(ddp.module, reference, atol=2e-2)
 
 
+@at_2_and_3
 def test_codec_hook_start_iter_runs_uncompressed_first():
     rank, n = dist.get_rank(), dist.get_world_size()
     reference = model()
@@ -184,6 +194,7 @@ def renamed(hook):
     return hook_on_cpu
 
 
+@at_2_and_3
 @pytest.mark.parametrize("name", ["fp16_compress_hook", "bf16_compress_hook",
                                   "fp16_wrapper", "bf16_wrapper"])
 def test_torch_compress_hooks(name):
@@ -203,6 +214,7 @@ def test_torch_compress_hooks(name):
         assert _max_diff(_local_only(n), reference) > 0.05
 
 
+@at_2_and_3
 @pytest.mark.parametrize("batch_same_shape", [False, True])
 def test_powersgd_full_rank_equals_allreduce(batch_same_shape):
     """Rank 6 >= every weight's smaller dimension, compression forced on every matrix
@@ -221,6 +233,7 @@ def test_powersgd_full_rank_equals_allreduce(batch_same_shape):
     assert_same_model(ddp.module, reference, atol=1e-9)
 
 
+@at_2_and_3
 def test_powersgd_low_rank_trains_alike_on_every_rank():
     rank, n = dist.get_rank(), dist.get_world_size()
     ddp = ddp_of(model())
@@ -241,6 +254,7 @@ def pairs(n: int) -> list[list[int]]:
     return [list(range(i, min(i + 2, n))) for i in range(0, n, 2)]
 
 
+@at_2_and_3
 def test_post_local_sgd_with_periodic_model_averaging():
     """Steps < START: global all-reduce; then gradients averaged within pairs of ranks
     ({0,1}, {2,3}, {2} alone at n=3), each rank with its own momentum, and every PERIOD
