@@ -299,11 +299,14 @@ def train_elastic(args: argparse.Namespace, model: nn.Module, optimizer: torch.o
                     record["commit_seconds"].append(time.perf_counter() - began)
                 if pending["reset"]:
                     pending["reset"] = False
-                    record["resets"][-1]["first_step"] = time.time()
+                    rec = hvd.elastic.last_recovery()
+                    record["resets"][-1].update(
+                        first_step=time.time(), detected=rec.detected_at, failed=rec.failed,
+                        revoke=rec.revoke_s, shrink=rec.shrink_s, **rec.phases)
                     if hvd.rank() == 0:
-                        rec = hvd.elastic.last_recovery()
-                        print(f"{hvd.size()} ranks go on: first step after the reset done "
-                              f"at {time.time():.6f}; failed {rec.failed}; revoke "
+                        print(f"{hvd.size()} ranks go on: failure caught at "
+                              f"{rec.detected_at:.6f}, first step after it done at "
+                              f"{time.time():.6f}; failed {rec.failed}; revoke "
                               f"{rec.revoke_s:.4f} s, shrink {rec.shrink_s:.4f} s, "
                               + ", ".join(f"{k} {v:.4f} s" for k, v in rec.phases.items()),
                               flush=True)

@@ -65,14 +65,19 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any]) -> Callable[..., 
                             f"mpicoll.elastic.State, not {type(state).__name__}")
         load_from_disk(state)
         skip_sync = False
+        recovery = None
         while True:
             try:
                 if not skip_sync:
+                    began = time.perf_counter()
                     state.sync()
+                    if recovery is not None:
+                        recovery.phases["sync"] = time.perf_counter() - began
                 return func(state, *args, **kwargs)
             except ProcessFailedError as exc:
                 if not faults.ENABLED:
                     raise
+                detected_at = time.time()
                 failed_at = time.perf_counter()
                 log.warning("process failure (%s): restoring the last commit and "
                             "shrinking", exc)
@@ -81,12 +86,14 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any]) -> Callable[..., 
                 skip_sync = False
             except HostsUpdatedInterrupt as exc:
                 skip_sync = exc.skip_sync
+                detected_at = time.time()
                 failed_at = restored = time.perf_counter()
             _reset_until_stable(reset)
             reset_done = time.perf_counter()
             state.on_reset()
             recovery = world_module.last_recovery
             if recovery is not None:
+                recovery.detected_at = detected_at
                 recovery.phases.update(restore=restored - failed_at,
                                        reset=reset_done - restored,
                                        callbacks=time.perf_counter() - reset_done)

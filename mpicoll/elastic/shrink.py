@@ -46,7 +46,11 @@ class Recovery:
         old_size, new_size: the world's size before and after. rank: this rank after.
         revoke_s: revoking the old world's communicators. shrink_s: ``MPI_Comm_shrink``
             (the agreement included). switch_s: abandoning the old contexts and switching.
-        phases: further phases recorded by the caller (``rebuild``, ``restore``, ...).
+        phases: further phases recorded by the callers, in seconds: ``restore`` (the
+            last commit), ``reset`` (all of the reset: for ``hvd.elastic`` also
+            ``abandon``, the old engine, and ``init``, the new one), ``callbacks``,
+            ``sync`` (the state from the new rank 0).
+        detected_at: when (``time.time()``) this rank caught the failure's error.
     """
 
     failed: list[int]
@@ -57,6 +61,7 @@ class Recovery:
     shrink_s: float
     switch_s: float
     phases: dict[str, float] = field(default_factory=dict)
+    detected_at: float = 0.0
 
 
 #: The latest recovery of this process (``None``: none yet).

@@ -31,6 +31,7 @@ the state from rank 0 and runs the function again. See docs/elastic.md.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, Callable
 
 from ...elastic import last_recovery
@@ -51,9 +52,13 @@ HorovodInternalError = CollectiveError
 
 def _reset(min_np: int) -> None:
     """Abandon the engine, shrink the world to the survivors, start the engine on it."""
+    began = time.perf_counter()
     _torch_state.abandon("a process failed; mpicoll.torch is resetting on the survivors")
-    _shrink.shrink_world(min_np)
+    abandoned = time.perf_counter()
+    recovery = _shrink.shrink_world(min_np)
+    shrunk = time.perf_counter()
     _torch_state.init()
+    recovery.phases.update(abandon=abandoned - began, init=time.perf_counter() - shrunk)
 
 
 def run(func: Callable[..., Any] | None = None, *, min_np: int = 1) -> Callable[..., Any]:
