@@ -4,8 +4,9 @@
 batch 64 split over the ranks, SGD lr 0.05 momentum 0.9) trained with
 ``DistributedOptimizer(..., sync_every=H, node_sync_every=M, warmup_steps=K)`` for each
 ``--variants`` entry: ``sync`` (every step, the baseline), ``H2``, ``H4``, ``H8``,
-``H8M1`` (hierarchical: the node every step, every rank every 8th), ``H8M2``, and ``...K23``
-for a warm-up of 23 steps (one epoch at 4 ranks). Seeds are the outer loop and variants
+``H8M1`` (hierarchical: the node every step, every rank every 8th), ``H8M2``, ``...K23``
+for a warm-up of 23 steps (one epoch at 4 ranks), and a final ``P`` to average the
+parameters only (``average_state=False``: the momentum buffers stay per rank). Seeds are the outer loop and variants
 the inner one, all variants of a seed in one launch (in an order rotated per seed), so
 the variants interleave and share the machine's load. ``--step-times BLOCKS`` instead
 times steps of every variant taking turns block by block in one launch.
@@ -41,24 +42,27 @@ from bench.common import command_line, machine_description
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VARIANTS = "sync,H2,H4,H8,H8M1"
-VARIANT = re.compile(r"^(?:sync|H(\d+))(?:M(\d+))?(?:K(\d+))?$")
+VARIANT = re.compile(r"^(?:sync|H(\d+))(?:M(\d+))?(?:K(\d+))?(P?)$")
 
 
 def parse_variant(name: str) -> dict:
-    """``"H8M1K23"`` -> ``{"sync_every": 8, "node_sync_every": 1, "warmup_steps": 23}``."""
+    """``"H8M1K23"`` -> ``{"sync_every": 8, "node_sync_every": 1, "warmup_steps": 23,
+    "average_state": True}``; a final ``P`` averages the parameters only
+    (``average_state=False``)."""
     m = VARIANT.match(name)
     if m is None:
-        raise argparse.ArgumentTypeError(f"variant {name!r}: sync, H<n>, H<n>M<m>, ...K<k>")
-    h, node, k = m.groups()
+        raise argparse.ArgumentTypeError(f"variant {name!r}: sync, H<n>, H<n>M<m>, ...K<k>, "
+                                         f"...P")
+    h, node, k, params_only = m.groups()
     return {"sync_every": int(h or 1), "node_sync_every": int(node) if node else None,
-            "warmup_steps": int(k or 0)}
+            "warmup_steps": int(k or 0), "average_state": not params_only}
 
 
-def cross_node_ring_senders(ranks: int, per_node: int) -> int:
-    """How many ranks' ring successors (``r + 1 mod n``) are on another node."""
-    if per_node <= 0:
-        per_node = 1
-    return sum(1 for r in range(ranks) if r // per_node != ((r + 1) % ranks) // per_node)
+def cross_node_ring_senders(node_sizes: list[int]) -> int:
+    """How many ranks' ring successors (``r + 1 mod n``) are on another node (nodes hold
+    consecutive ranks, ``node_sizes`` of them in order)."""
+    node = [i for i, k in enumerate(node_sizes) for _ in range(k)]
+    return sum(1 for r in range(len(node)) if node[r] != node[(r + 1) % len(node)])
 
 
 def _train_module():
@@ -101,14 +105,18 @@ def _train_run(train, hvd, a: argparse.Namespace, variant: str, seed: int, data)
                     reached = [step, round(train_seconds, 4)]
     accuracy = train.evaluate(model, xte, yte)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    state = params if (settings["sync_every"] > 1 and a.momentum) else 0   # momentum buffers
+    state = params if (settings["sync_every"] > 1 and a.momentum
+                       and settings["average_state"]) else 0   # momentum buffers
     stats = opt.local_sgd.stats() if opt.local_sgd is not None else None
+    from mpi4py import MPI
+    from mpicoll.context import get_context
+    node_sizes = get_context(MPI.COMM_WORLD).topology.node_sizes
     if opt.local_sgd is not None:
         opt.local_sgd.free()
     return {"variant": variant, "seed": seed, "settings": settings, "ranks": hvd.size(),
             "steps": step, "train_seconds": train_seconds, "final_accuracy": accuracy,
             "reached": reached, "log": log, "param_bytes": params, "state_bytes": state,
-            "data": desc, "local_sgd": stats}
+            "data": desc, "local_sgd": stats, "node_sizes": node_sizes}
 
 
 def _step_times(train, hvd, a: argparse.Namespace, variants: list[str], data) -> dict:
@@ -163,9 +171,10 @@ def worker(a: argparse.Namespace) -> int:
     return 0
 
 
-def cross_bytes_per_step(record: dict, ranks: int, per_node: int) -> float:
+def cross_bytes_per_step(record: dict) -> float:
     """Bytes crossing nodes per step (all ranks together), from the averages done."""
-    senders = cross_node_ring_senders(ranks, per_node)
+    ranks = record["ranks"]
+    senders = cross_node_ring_senders(record["node_sizes"])
     ring = senders * 2 * (ranks - 1) / ranks     # vectors crossing per world all-reduce
     stats = record["local_sgd"]
     if stats is None:                                 # every step: gradients, world
@@ -175,7 +184,7 @@ def cross_bytes_per_step(record: dict, ranks: int, per_node: int) -> float:
     return ring * (world_grads + world_params) / record["steps"]
 
 
-def summarize(records: list[dict], ranks: int, per_node: int) -> dict:
+def summarize(records: list[dict]) -> dict:
     """Per variant: medians over seeds, and ratios to ``sync``."""
     out = {}
     for variant in dict.fromkeys(r["variant"] for r in records):
@@ -189,7 +198,8 @@ def summarize(records: list[dict], ranks: int, per_node: int) -> dict:
             else None,
             "steps_to_target": [r["reached"][0] if r["reached"] else None for r in mine],
             "reached": f"{len(reached)}/{len(mine)}",
-            "cross_node_bytes_per_step": cross_bytes_per_step(mine[0], ranks, per_node),
+            "cross_node_bytes_per_step": cross_bytes_per_step(mine[0]),
+            "node_sizes": mine[0]["node_sizes"],
         }
     base = out.get("sync")
     for row in out.values():
@@ -278,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         records += recs
     if not a.step_times:
         records.sort(key=lambda r: (variants.index(r["variant"]), r["seed"]))
-        summary = summarize(records, a.ranks, a.ranks_per_node or a.ranks)
+        summary = summarize(records)
         print_summary(summary, a.target)
     if a.out:
         os.makedirs(a.out, exist_ok=True)

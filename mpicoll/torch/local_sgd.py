@@ -23,8 +23,8 @@ training, which assumes broadcast initial parameters). Then a step
 Either way the replicas of ``G`` hold identical parameters after the step (``I := G``).
 
 :class:`Averager` averages lists of tensors over the node or over every rank with
-mpicoll's ring all-reduce on a private duplicate of the communicator: each final value is
-computed on one rank and copied to the others, so every rank gets the same bits.
+mpicoll's all-reduce (:data:`ALGORITHMS`: ring over every rank, recursive doubling within
+a node) on a private duplicate of the communicator: every rank gets the same bits.
 """
 from __future__ import annotations
 
@@ -46,8 +46,11 @@ __all__ = ["NONE", "NODE", "WORLD", "LocalSGDSettings", "StepPlan", "LocalSGDSch
 NONE, NODE, WORLD = 0, 1, 2
 LEVEL_NAMES = {NONE: "none", NODE: "node", WORLD: "world"}
 
-#: The all-reduce used for every average (bit-identical results on every rank).
-ALGORITHM = "ring"
+#: The all-reduce of each level's averages; both give bit-identical results on every rank
+#: (ring: each value reduced on one rank and copied; recursive doubling: both partners of an
+#: exchange add the lower rank's operand first). Within a node bandwidth is cheap and each
+#: message step costs latency, so the node level takes the fewest steps.
+ALGORITHMS = {NODE: "recursive_doubling", WORLD: "ring"}
 
 
 class LocalSGDSettings(NamedTuple):
@@ -213,8 +216,8 @@ class Averager:
     Attributes:
         comm: the private duplicate (every rank).
         node_comm: this rank's node.
-        bytes_sent: bytes this rank's averages sent, by level name (ring all-reduce:
-            ``2 (n - 1) / n`` of the vector).
+        bytes_sent: bytes this rank's averages sent, by level name (counted as a ring
+            all-reduce's ``2 (n - 1) / n`` of the vector).
     """
 
     def __init__(self, comm: MPI.Intracomm) -> None:
@@ -249,7 +252,8 @@ class Averager:
             with torch.no_grad():
                 flat = torch.cat([t.detach().reshape(-1).cpu() for t in group])
                 buf = flat.numpy()
-                allreduce(buf, buf, op="average", comm=comm, algorithm=ALGORITHM, check=check)
+                allreduce(buf, buf, op="average", comm=comm, algorithm=ALGORITHMS[level],
+                          check=check)
                 offset = 0
                 for t in group:
                     part = flat[offset:offset + t.numel()].view(t.shape)
