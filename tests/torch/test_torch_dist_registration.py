@@ -28,3 +28,34 @@ def test_reduce_op_names():
     assert _op_name(dist.ReduceOp.BXOR) == "bxor"
     with pytest.raises(ValueError, match="does not support"):
         _op_name(dist.ReduceOp.PREMUL_SUM)
+
+
+def test_premul_sum_and_options():
+    import torch.distributed as dist
+
+    from mpicoll.torch.distributed import Options
+    from mpicoll.torch.distributed.tensors import op_label, op_name, premul_factor
+
+    op = dist._make_nccl_premul_sum(2.5)
+    assert op_name(op) == "sum" and op_label(op) == "premul_sum"
+    assert premul_factor(op) == 2.5 and premul_factor(dist.ReduceOp.SUM) is None
+    assert Options().check == "every"
+    with pytest.raises(ValueError, match="check="):
+        Options(check="sometimes")
+
+
+def test_work_completes_with_result_or_error():
+    from mpicoll.torch.distributed.work import GroupWorker
+
+    worker = GroupWorker("test-worker", None)
+    ok = worker.submit("ok", lambda: [1])
+    bad = worker.submit("bad", lambda: 1 / 0)
+    assert ok.wait() and ok.result() == [1] and ok.get_future().wait() == [1]
+    with pytest.raises(ZeroDivisionError):
+        bad.wait()
+    with pytest.raises(ZeroDivisionError):
+        bad.get_future().wait()
+    assert bad.is_completed() and not bad.is_success()
+    assert worker.close(5.0)
+    with pytest.raises(RuntimeError, match="shut down"):
+        worker.submit("late", lambda: None)
