@@ -11,7 +11,9 @@ of its candidates (default :data:`~.cost_model.DEFAULT_CANDIDATES`: ``none``, ``
 - the link's latency and bandwidth: given to :class:`Auto`, else the active tuning
   table's ``meta.link`` (``{"latency_s": ..., "bandwidth_bytes_per_s": ...}``), else
   measured once per communicator at its first ``auto`` call (:func:`.probe.measure_link`,
-  a few ring steps of 8 B and 4 MiB: milliseconds on a fast link, ~0.2 s at 1 Gb/s);
+  a few ring steps of 8 B and 4 MiB: milliseconds on a fast link, ~0.2 s at 1 Gb/s), and
+  for the node layout once more on the rings between nodes, all of them at once (as its
+  second phase runs them);
 - each candidate's encode and decode speed on this machine (:func:`.probe.codec_speeds`,
   measured once per process, on every rank at once, about 0.2-0.5 s).
 
@@ -31,12 +33,12 @@ only when predicted at least 10% faster.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
 
-from ..context import CommContext
+from ..context import CommContext, get_context
 from .codecs import Codec, get_codec
 from .cost_model import DEFAULT_CANDIDATES, Choice, Layout, ModelInputs, choose
 from . import namespace, probe
@@ -190,6 +192,9 @@ class _State:
 
     inputs: ModelInputs
     choices: dict = field(default_factory=dict)
+    #: The inputs of the node layout when the link is measured: the rings between nodes
+    #: probed all at once (made on the first node-layout call).
+    node: ModelInputs | None = None
 
 
 def _table_link() -> tuple[float, float, str] | None:
@@ -265,13 +270,22 @@ def resolve(ctx: CommContext, auto: Auto, x: Any, shape: str, seg_bytes: int,
     like = x[:0]
     state = _state(ctx, auto, like)
     layout = model_layout(ctx, shape)
+    inputs = state.inputs
+    if shape == "node" and inputs.source == "measured":
+        if state.node is None:      # collective: every rank resolved layout="node" alike
+            cross = get_context(ctx.topology.cross_comm)
+            state.node = replace(probe.agree_inputs(
+                ctx.p2p, inputs.encode, inputs.decode, inputs.add,
+                probe.measure_link(cross.p2p), "measured (node layout: every ring between "
+                "nodes at once)", inputs.cpu_share), per_ring=True)
+        inputs = state.node
     fb = feedback is not False
     key = (x.size, str(x.dtype), layout, seg_bytes, fb, collective, auto.margin)
     choice = state.choices.get(key)
     if choice is None:
         if len(state.choices) > 1024:
             state.choices.clear()
-        choice = state.choices[key] = choose(state.inputs, auto.candidates, x.size, x.dtype,
+        choice = state.choices[key] = choose(inputs, auto.candidates, x.size, x.dtype,
                                              layout, seg_bytes, fb, collective,
                                              auto.margin)
     return auto.codec(choice.codec), choice

@@ -19,7 +19,8 @@ The compressed all-reduce's schedules (docs/compression.md, *The compressed all-
   ``none`` codec's encode, a copy) and ``n`` scatter-adds of ``k`` pairs (costed as
   ``n k / count`` of a decode);
 - the node layout (``L`` ranks per node, ``N`` nodes): the flat model on a shard ``S/L``
-  among ``N`` nodes with the bandwidth shared by the ``L`` rings that cross at once, plus
+  among ``N`` nodes with the bandwidth of one of the ``L`` rings that cross at once
+  (measured so, or a link's divided by ``L``: :attr:`ModelInputs.per_ring`), plus
   the uncompressed intra-node reduce-scatter and all-gather (the same for every codec):
   ``2 (L-1)`` copies and ``L-1`` additions of ``S/L``;
 - reduce-scatter: the dense ring's first phase (``n-1`` steps; no final encode), for
@@ -82,6 +83,9 @@ class ModelInputs:
             <path>"``, ``"given"``).
         cpu_share: the least CPU share a rank got while measuring the codecs (already
             applied to their speeds; reported only).
+        per_ring: the bandwidth was measured with every ring of the node layout running
+            at once (then it is each ring's; otherwise a link's, shared by the ``L`` rings
+            that cross it in the node layout).
     """
 
     latency: float
@@ -91,6 +95,7 @@ class ModelInputs:
     add: Speed
     source: str = "measured"
     cpu_share: float = 1.0
+    per_ring: bool = False
 
     def as_dict(self) -> dict:
         """Plain numbers, for :func:`~mpicoll.compression.last_stats` and reports."""
@@ -99,6 +104,7 @@ class ModelInputs:
                     for k, v in table.items()}
         return {"latency_s": self.latency, "bandwidth_bytes_per_s": self.bandwidth,
                 "link_source": self.source, "cpu_share": self.cpu_share,
+                "per_ring": self.per_ring,
                 "encode": speeds(self.encode),
                 "decode": speeds(self.decode),
                 "add": {"overhead_s": self.add.overhead, "bytes_per_s": self.add.rate}}
@@ -213,8 +219,9 @@ def predict(inputs: ModelInputs, codec: Codec | str, count: int, dtype: Any,
         shard = nbytes / L
         copy = _speed(inputs.encode, get_codec("none"), "encode")
         intra = 2 * (L - 1) * copy.seconds(shard) + (L - 1) * inputs.add.seconds(shard)
-        return intra + _flat(inputs, codec, shard, dtype, N, seg_bytes, fb,
-                             inputs.bandwidth / L, collective)
+        bandwidth = inputs.bandwidth if inputs.per_ring else inputs.bandwidth / L
+        return intra + _flat(inputs, codec, shard, dtype, N, seg_bytes, fb, bandwidth,
+                             collective)
     if layout.size == 1 and collective == "allreduce":
         enc, dec = _speed(inputs.encode, codec, "encode"), _speed(inputs.decode, codec,
                                                                   "decode")
