@@ -33,6 +33,8 @@ __all__ = ["FailureWatch", "POLL_S"]
 
 #: Seconds between two looks at the communicator's failed ranks while waiting.
 POLL_S = 0.02
+#: Longest wait for a failed rank to be named after an MPI error of another class.
+OTHER_WAIT_S = 0.2
 
 
 class FailureWatch:
@@ -86,8 +88,12 @@ class FailureWatch:
             ProcessFailedError: the communicator was revoked (another rank found the
                 failure fatal): raised here too.
         """
-        if not self.enabled or not faults.is_process_failure(exc):
+        if not self.enabled or not isinstance(exc, MPI.Exception):
             raise exc
+        if not faults.is_process_failure(exc) and not (
+                self.known or faults.failed_ranks(self.comm, OTHER_WAIT_S)):
+            raise exc   # another class (MPI_ERR_IN_STATUS from a wait on several
+            # requests) stands for a failure only when a peer is known to have failed
         if exc.Get_error_class() == getattr(MPI, "ERR_REVOKED", -1):
             self.fatal(exc)
         deadline = time.monotonic() + faults.FAILED_WAIT_S

@@ -107,6 +107,7 @@ class Op(enum.IntEnum):
     STATS = 5      #: ask for the server's counters (reply payload: float64 vector)
     SAVE = 6       #: checkpoint (payload: UTF-8 "directory\\nid"); answered when all saved
     REPLICATE = 7  #: replicas: a slot's whole state, primary -> new backup (TAG_FORWARD)
+    NOTICE = 8     #: replicas: a worker tells a server which servers died (AUX); no reply
 
 
 class Status(enum.IntEnum):

@@ -204,6 +204,8 @@ class ReplicatedServer:
             # next talks to it): ULFM reports only real failures, so take its word
             self.watch.known |= set(heard)
             self.on_failure(heard)
+        if int(h[P.OP]) == P.Op.NOTICE:
+            return
         control = int(h[P.OP]) in (P.Op.CLOSE, P.Op.STATS, P.Op.SAVE)
         slot, group = self._group_for(h, control)
         if group is None or group.silent:

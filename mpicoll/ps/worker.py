@@ -175,6 +175,7 @@ class WorkerClient:
         self.routing: Any = None
         #: failures under ULFM (a FailureWatch; None: not watched)
         self.watch: Any = None
+        self._notices: list[tuple[MPI.Request, np.ndarray]] = []
         self._open: list[Handle] = []
         self._status = MPI.Status()
         self._hdr = np.empty(P.HEADER_LEN, dtype=np.int64)
@@ -435,11 +436,34 @@ class WorkerClient:
         self.routing.fail(dead)
         if self.routing.lost():
             self.watch.fatal(ranks=sorted(self.watch.known))
+        self._notify_servers()
         for h in self._open:
             h.forget_sends_to(dead)
         for handle, _, _, _, request in list(self._pending.values()):
             if request[1] in dead:
                 self._transmit(handle, request)
+
+    @staticmethod
+    def _sent(req: MPI.Request) -> bool:
+        """Whether a fire-and-forget send is done (failed counts as done; kept, not freed)."""
+        try:
+            return req.Test()
+        except MPI.Exception:
+            faults.keep_requests([req])
+            return True
+
+    def _notify_servers(self) -> None:
+        """Tell every live server which servers died: Open MPI may tell a server late
+        (or only when it next talks to the dead rank), and a primary waiting for its
+        dead backup's acknowledgement would wait for good while this worker waits for
+        the primary (a NOTICE request; no reply)."""
+        mask = sum(1 << r for r in self.routing.dead)
+        self._notices = [(r, h) for r, h in self._notices if not self._sent(r)]
+        for rank in range(self.routing.num_servers):
+            if rank in self.routing.dead:
+                continue
+            h = P.new_header(P.Op.NOTICE, aux=mask)
+            self._notices.append((self.comm.Isend([h, MPI.INT64_T], rank, P.TAG_REQUEST), h))
 
     def _progress(self) -> bool:
         comm, status, hdr = self.comm, self._status, self._hdr

@@ -3,21 +3,19 @@ test_ps_replicas.py, not by pytest).
 
 Usage: ``python ps_replica_worker.py CASE``:
 
-- ``failover``: 5 ranks, 3 servers with ``replicas=1`` (so a spare is left), 2 workers,
+- ``replicas``: 6 ranks, 3 servers with ``replicas=1`` (so a spare is left), 3 workers,
   ``bsp`` with Adam. Server rank 0 (primary of slot 0, backup of slot 2) SIGKILLs itself
-  once its slot has applied :data:`KILL_AT` rounds; the workers go on. Each worker checks
-  every value it pulled against the single-process reference of the same update sequence,
-  bit for bit (``RESULT <rank> equal <steps> <failover s>``, the failover time being the
-  first completed step after the kill minus the kill time).
-- ``dead-worker``: 5 ranks, 2 servers with ``replicas=1``, 3 workers, ``bsp`` with SGD;
-  worker rank 4 SIGKILLs itself after :data:`KILL_AT` steps. The two others go on: their
-  rounds from then on average their two gradients, checked bit for bit against that
-  reference.
-- ``pfe-server`` / ``pfe-worker``: 4 ranks, 1 server, ``replicas=0``, ``bsp``: the server
-  (rank 0) or a worker (rank 3) dies; every survivor must raise
+  once its slot has applied :data:`KILL_AT` rounds; the workers go on (failover). Later
+  the last worker (rank 5) SIGKILLs itself before pushing step :data:`WORKER_KILL_AT`;
+  the two others go on, their rounds from then on averaging their two gradients. Each
+  surviving worker checks every value it pulled against the single-process reference of
+  that update sequence, bit for bit (``RESULT <rank> equal <steps>``; ``DONE <rank>
+  <times>``: when each of its steps completed).
+- ``pfe-server`` / ``pfe-worker``: 3 ranks, 1 server, ``replicas=0``, ``bsp``: the server
+  (rank 0) or a worker (rank 2) dies; every survivor must raise
   :class:`mpicoll.ProcessFailedError` naming it (``RESULT <rank> pfe <ranks> <time>``).
 
-The victim prints ``KILL <time>`` just before it dies. Survivors shrink the world and
+Each victim prints ``KILL <time>`` just before it dies. Survivors shrink the world and
 meet before exiting, so none looks failed to another still collecting failed ranks.
 """
 from __future__ import annotations
@@ -36,10 +34,11 @@ import mpicoll
 from mpicoll.ps import ParameterServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ps" / "mpi"))
-from ps_cases import adam_update, make_grads, make_params, reference_bsp, sgd_update  # noqa: E402
+from ps_cases import adam_update, make_grads, make_params, reference_bsp  # noqa: E402
 
 STEPS = 14
-KILL_AT = 5
+KILL_AT = 4
+WORKER_KILL_AT = 9
 SMALL = dict(chunk_bytes=96, split_bytes=64)
 
 
@@ -85,30 +84,23 @@ def case_replicas(name: str) -> None:
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     params = make_params()
-    if name == "failover":
-        servers, opt, update = 3, dict(optimizer="adam", lr=0.01, beta1=0.9, beta2=0.99,
-                                       eps=1e-6), adam_update(0.01, 0.9, 0.99, 1e-6)
-        nworkers = world.Get_size() - servers
-        grads = [[make_grads(params, w, t) for w in range(nworkers)] for t in range(STEPS)]
-        history = reference_bsp(params, grads, update)
-        victim_worker = None
-    else:
-        servers, opt, update = 2, dict(optimizer="sgd", lr=0.125), sgd_update(0.125)
-        nworkers = world.Get_size() - servers
-        grads = [[make_grads(params, w, t) for w in range(nworkers)] for t in range(STEPS)]
-        alive = [[g for w, g in enumerate(step) if t < KILL_AT or w != nworkers - 1]
-                 for t, step in enumerate(grads)]
-        history = reference_bsp(params, alive, update)
-        victim_worker = nworkers - 1
+    servers = 3
+    nworkers = world.Get_size() - servers
+    grads = [[make_grads(params, w, t) for w in range(nworkers)] for t in range(STEPS)]
+    victim_worker = nworkers - 1
+    alive = [[g for w, g in enumerate(step) if t < WORKER_KILL_AT or w != victim_worker]
+             for t, step in enumerate(grads)]
+    history = reference_bsp(params, alive, adam_update(0.01, 0.9, 0.99, 1e-6))
     ps = ParameterServer(params, comm=world, num_servers=servers, consistency="bsp",
-                         replicas=1, **opt, **SMALL)
+                         replicas=1, optimizer="adam", lr=0.01, beta1=0.9, beta2=0.99,
+                         eps=1e-6, **SMALL)
     if ps.is_server:
-        if name == "failover" and rank == 0:
+        if rank == 0:
             kill_server_at(ps, KILL_AT)
         ps.serve()
         print(f"RESULT {rank} served {len(ps._server.failovers)}", flush=True)
         return
-    die = KILL_AT if ps.worker_index == victim_worker else None
+    die = WORKER_KILL_AT if ps.worker_index == victim_worker else None
     seen, done = train(ps, grads, die)
     problem = check(seen, history, params)
     print(f"DONE {rank} " + " ".join(f"{x:.6f}" for x in done), flush=True)
@@ -120,7 +112,7 @@ def case_pfe(name: str) -> None:
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     params = make_params()
-    victim = 0 if name == "pfe-server" else 3
+    victim = 0 if name == "pfe-server" else 2
     ps = ParameterServer(params, comm=world, num_servers=1, consistency="bsp",
                          optimizer="sgd", lr=0.125, **SMALL)
     try:
