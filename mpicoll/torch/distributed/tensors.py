@@ -23,27 +23,37 @@ _OPS = {"SUM": "sum", "AVG": "average", "PRODUCT": "prod", "MIN": "min", "MAX": 
 BITWISE = frozenset(_BITWISE.values())
 
 
+def _is_premul(reduce_op: Any) -> bool:
+    # a ReduceOp made by _make_nccl_premul_sum compares equal to PREMUL_SUM in torch 2.13;
+    # older versions expose its type as ``.op``
+    return (reduce_op == dist.ReduceOp.PREMUL_SUM
+            or getattr(reduce_op, "op", None) == dist.ReduceOp.PREMUL_SUM)
+
+
 def op_name(reduce_op: Any) -> str:
     """mpicoll's name for a torch ``ReduceOp`` (``"sum"`` for PREMUL_SUM, whose factor
     :func:`premul_factor` gives); ``ValueError`` for the others."""
+    if _is_premul(reduce_op):
+        if premul_factor(reduce_op) is not None:
+            return "sum"
+        raise ValueError("the mpicoll backend does not support PREMUL_SUM without its "
+                         "factor: make the op with dist._make_nccl_premul_sum(factor)")
     for name, ours in _OPS.items():
         if reduce_op == getattr(dist.ReduceOp, name):
             return ours
-    if reduce_op == dist.ReduceOp.PREMUL_SUM and premul_factor(reduce_op) is not None:
-        return "sum"
     raise ValueError(f"the mpicoll backend does not support reduce op {reduce_op}")
 
 
 def op_label(reduce_op: Any) -> str:
     """The op's name for agreement and messages (``"premul_sum"`` for PREMUL_SUM)."""
-    if reduce_op == dist.ReduceOp.PREMUL_SUM:
+    if _is_premul(reduce_op):
         return "premul_sum"
     return op_name(reduce_op)
 
 
 def premul_factor(reduce_op: Any) -> Any:
     """The factor of a PREMUL_SUM op (a number or a one-element tensor), else ``None``."""
-    if reduce_op != dist.ReduceOp.PREMUL_SUM:
+    if not _is_premul(reduce_op):
         return None
     return getattr(reduce_op, "factor", None)
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import mpicoll
-from test_dist_collectives import data, everyone
+from test_dist_collectives import GATHER_INTO, data, everyone
 
 pytestmark = pytest.mark.mpi
 
@@ -112,7 +112,7 @@ def test_bad_argument_on_one_rank_raises_on_every_rank():
     output = torch.empty(n * 4 + (1 if rank == n - 1 else 0), dtype=torch.int64)
     expected = ValueError if rank == n - 1 else mpicoll.RemoteError
     with pytest.raises(expected, match="output tensor must hold"):
-        dist.all_gather_single(output, torch.ones(4, dtype=torch.int64))
+        GATHER_INTO(output, torch.ones(4, dtype=torch.int64))
 
 
 def test_all_to_all_split_mismatch_raises_on_every_rank():

@@ -116,14 +116,18 @@ def test_all_gather(count):
             assert torch.equal(got, expected)
 
 
-GATHER_INTO = [name for name in ("all_gather_into_tensor", "all_gather_single")
+#: torch 2.13's names where it has them (earlier: all_gather_into_tensor, reduce_scatter_tensor)
+GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+SCATTER_FROM = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+GATHER_INTO_NAMES = [name for name in ("all_gather_into_tensor", "all_gather_single")
                if hasattr(dist, name)]
-REDUCE_SCATTER = [name for name in ("reduce_scatter_tensor", "reduce_scatter_single")
+REDUCE_SCATTER_NAMES = [name for name in ("reduce_scatter_tensor", "reduce_scatter_single")
                   if hasattr(dist, name)]
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-@pytest.mark.parametrize("name", GATHER_INTO)
+@pytest.mark.parametrize("name", GATHER_INTO_NAMES)
 @pytest.mark.parametrize("count", COUNTS)
 def test_all_gather_into_tensor(count, name):
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -135,7 +139,7 @@ def test_all_gather_into_tensor(count, name):
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-@pytest.mark.parametrize("name", REDUCE_SCATTER)
+@pytest.mark.parametrize("name", REDUCE_SCATTER_NAMES)
 @pytest.mark.parametrize("count", COUNTS)
 @pytest.mark.parametrize("op", [dist.ReduceOp.SUM, dist.ReduceOp.MAX], ids=str)
 def test_reduce_scatter_tensor(count, op, name):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from doubles.torch_device import SimulatedDevice
 from mpicoll.torch.device import tensors as device
-from test_dist_collectives import data, everyone
+from test_dist_collectives import GATHER_INTO, SCATTER_FROM, data, everyone
 from test_dist_ops import cell
 
 pytestmark = pytest.mark.mpi
@@ -40,9 +40,9 @@ def test_device_collectives(sim):
         dist.broadcast(b, src=n - 1)
         gathered = sim.tensor(torch.full((3 * n,), -1, dtype=torch.int64))
         small = sim.tensor(torch.zeros(3, dtype=torch.int64))
-        dist.all_gather_single(gathered, late(sim, small, data(rank, 3, rep)))
+        GATHER_INTO(gathered, late(sim, small, data(rank, 3, rep)))
         scattered = sim.tensor(torch.full((2,), -1, dtype=torch.int64))
-        dist.reduce_scatter_single(scattered, sim.tensor(data(rank, 2 * n, rep)))
+        SCATTER_FROM(scattered, sim.tensor(data(rank, 2 * n, rep)))
         exchanged = sim.tensor(torch.full((2 * n,), -1, dtype=torch.int64))
         dist.all_to_all_single(exchanged, sim.tensor(torch.cat([cell(rank, d, 2, rep)
                                                                 for d in range(n)])))

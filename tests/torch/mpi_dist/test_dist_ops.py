@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_dist_collectives import COUNTS, REDUCTIONS, data, everyone
+from test_dist_collectives import COUNTS, REDUCTIONS, SCATTER_FROM, data, everyone
 
 pytestmark = pytest.mark.mpi
 
@@ -155,7 +155,7 @@ def test_premul_sum():
         assert torch.equal(tensor, (0.5 + rep) * sum(everyone(9, rep, torch.float64)))
         full = data(rank, 3 * n, rep, torch.float64)
         output = torch.empty(3, dtype=torch.float64)
-        dist.reduce_scatter_single(output, full, op=dist._make_nccl_premul_sum(2.0))
+        SCATTER_FROM(output, full, op=dist._make_nccl_premul_sum(2.0))
         assert torch.equal(full, data(rank, 3 * n, rep, torch.float64))   # input untouched
         expected = 2.0 * sum(everyone(3 * n, rep, torch.float64))
         assert torch.equal(output, expected[3 * rank:3 * rank + 3])
