@@ -15,7 +15,9 @@ Modules: :mod:`~mpicoll.ps.protocol` (wire format), :mod:`~mpicoll.ps.placement`
 :mod:`~mpicoll.ps.colocated` (``num_servers="colocated"``:
 every rank a worker and the server of its shards), :mod:`~mpicoll.ps.compressed` and
 :mod:`~mpicoll.ps.colocated_coded` (``compression=``: compressed pushes and pulls with
-error feedback). See docs/ps.md.
+error feedback), :mod:`~mpicoll.ps.replicas` and :mod:`~mpicoll.ps.replicated`
+(``replicas=1``: a primary and a backup server rank per shard, failover under ULFM),
+:mod:`~mpicoll.ps.failures` (process failures in the protocol). See docs/ps.md.
 """
 from __future__ import annotations
 
