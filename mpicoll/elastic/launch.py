@@ -106,7 +106,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="mpiexec to use (default: the one beside this Python, else "
                              "PATH's)")
     parser.add_argument("--launcher-args", default="",
-                        help="extra arguments for mpiexec/srun, as one shell-quoted string")
+                        help="extra arguments for mpiexec/srun, as one shell-quoted string "
+                             "(with '=' when it starts with '-': --launcher-args=--oversubscribe)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log each step")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="-- then the job's command")
