@@ -1,13 +1,14 @@
 """A numpy training loop under ``mpicoll.elastic`` (run by test_elastic_numpy.py under
 ``mpirun --with-ft ulfm``, not by pytest).
 
-Usage: ``python elastic_numpy_worker.py STEPS KILL_STEP VICTIM MIN_NP``. Every step
+Usage: ``python elastic_numpy_worker.py STEPS KILL_STEP VICTIMS MIN_NP`` (``VICTIMS``: one
+rank, or several separated by commas, as the ranks of a node). Every step
 all-reduces (``comm=None``: the current world) a rank- and step-dependent vector and adds
-it to the state, then commits; rank ``VICTIM`` of the original world SIGKILLs itself at
+it to the state, then commits; each rank of ``VICTIMS`` (of the original world) SIGKILLs itself at
 step ``KILL_STEP`` (just before that step's collective). Output lines: ``KILL <time>``;
 on every survivor at the end ``DONE <world rank> <size> <step> <total> <checksum>
 <recoveries>``, where ``total`` sums each step's world size (an all-reduce of ones): with
-a correct restore it is exactly ``KILL_STEP * n + (STEPS - KILL_STEP) * (n - 1)``;
+a correct restore it is exactly ``KILL_STEP * n + (STEPS - KILL_STEP) * (n - len(VICTIMS))``;
 ``TOOFEW <world rank> <size> <min_np> <time>`` when fewer than ``MIN_NP`` survive.
 """
 from __future__ import annotations
@@ -25,7 +26,8 @@ import mpicoll.elastic as elastic
 
 
 def main() -> None:
-    steps, kill_step, victim, min_np = map(int, sys.argv[1:5])
+    steps, kill_step, min_np = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[4])
+    victims = {int(r) for r in sys.argv[3].split(",")}
     me = MPI.COMM_WORLD.Get_rank()
     state = elastic.ObjectState(step=0, total=0, weights=np.zeros(1001, np.float64))
     resets: list[int] = []
@@ -34,7 +36,7 @@ def main() -> None:
     @elastic.run(min_np=min_np)
     def train(state: elastic.ObjectState) -> None:
         while state.step < steps:
-            if me == victim and state.step == kill_step:
+            if me in victims and state.step == kill_step:
                 print(f"KILL {time.time():.6f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             # this rank's contribution: depends on its original rank and the step
