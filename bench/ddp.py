@@ -11,6 +11,7 @@ one torch thread per rank) with plain SGD on synthetic data. Modes:
 - ``ddp-mpicoll``: ``DistributedDataParallel`` on the default group, backend "mpicoll";
 - ``ddp-mpicoll-first``: the same on a group that agrees only on the first call of each
   kind (``Options(check="first")``; the default group agrees on every call);
+  ``ddp-mpicoll-native``: that, with MPI's own all-reduce (``algorithm="native"``);
 - ``ddp-mpicoll-<codec>`` (``ddp-mpicoll-int8``, ``-bf16``...): DDP on the default group
   with :mod:`mpicoll.torch.hooks`' codec hook;
 - ``ddp-gloo``: ``DistributedDataParallel`` on a gloo group of the same ranks
@@ -57,6 +58,9 @@ from bench.bench_torch import Timing, data, make_model, run_mpicoll, timed  # no
 DEFAULT_MODES = ("ddp-mpicoll", "ddp-gloo", "hvd")
 
 _groups: dict[str, Any] = {}
+#: The "mpicoll" groups beside the default one (which agrees on every call, "auto").
+GROUP_OPTIONS = {"mpicoll-first": {"check": "first"},
+                 "mpicoll-native": {"check": "first", "algorithm": "native"}}
 
 
 def setup_groups() -> bool:
@@ -74,8 +78,8 @@ def setup_groups() -> bool:
     _groups["gloo"] = dist.new_group(backend="gloo")
     from mpicoll.torch.distributed import Options  # noqa: PLC0415
 
-    _groups["mpicoll-first"] = dist.new_group(backend="mpicoll",
-                                              pg_options=Options(check="first"))
+    for name, options in GROUP_OPTIONS.items():
+        _groups[name] = dist.new_group(backend="mpicoll", pg_options=Options(**options))
     return started
 
 
@@ -89,8 +93,8 @@ def teardown(started: bool, modes: list[str]) -> None:
     if started:
         dist.destroy_process_group()
     else:
-        dist.destroy_process_group(_groups["gloo"])
-        dist.destroy_process_group(_groups["mpicoll-first"])
+        for name in ("gloo", *GROUP_OPTIONS):
+            dist.destroy_process_group(_groups[name])
     _groups.clear()
 
 
@@ -131,7 +135,7 @@ def runner(mode: str) -> Callable[[argparse.Namespace, Any], tuple[Timing, dict]
     """The function that times ``mode`` (``ValueError`` for an unknown one)."""
     if mode == "ddp-gloo":
         return lambda args, comm: run_ddp(args, comm, "gloo")
-    if mode in ("ddp-mpicoll", "ddp-mpicoll-first"):
+    if mode in ("ddp-mpicoll", *(f"ddp-{g}" for g in GROUP_OPTIONS)):
         return lambda args, comm: run_ddp(args, comm, mode.removeprefix("ddp-"))
     if mode.startswith("ddp-mpicoll-"):
         codec = mode.removeprefix("ddp-mpicoll-")
@@ -140,7 +144,13 @@ def runner(mode: str) -> Callable[[argparse.Namespace, Any], tuple[Timing, dict]
         get_codec(codec, "mode")
         return lambda args, comm: run_ddp(args, comm, "mpicoll", codec)
     if mode == "hvd":
-        return lambda args, comm: (run_mpicoll(args, comm), {})
+        def hvd_run(args: argparse.Namespace, comm: Any) -> tuple[Timing, dict]:
+            import mpicoll.torch as hvd  # noqa: PLC0415
+
+            timing = run_mpicoll(args, comm)
+            hvd.shutdown()      # its engine thread must not run beside the next modes
+            return timing, {}
+        return hvd_run
     if mode == "local":
         def local(args: argparse.Namespace, comm: Any) -> tuple[Timing, dict]:
             model = make_model()
@@ -160,7 +170,7 @@ def runner(mode: str) -> Callable[[argparse.Namespace, Any], tuple[Timing, dict]
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.ddp", description=__doc__.splitlines()[0])
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                   help="comma-separated: ddp-mpicoll, ddp-mpicoll-first, "
+                   help="comma-separated: ddp-mpicoll, ddp-mpicoll-first, ddp-mpicoll-native, "
                         "ddp-mpicoll-<codec>, ddp-gloo, hvd, local (default: %(default)s)")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     p.add_argument("--steps", type=int, default=50)
@@ -170,6 +180,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
     p.add_argument("--profile", action="store_true",
                    help="DDP's timers and bucket sizes per DDP mode")
+    p.add_argument("--layers", action="store_true",
+                   help="time one bucket's all-reduce through each layer instead")
+    p.add_argument("--layers-bytes", type=int, default=0,
+                   help="--layers: bytes per all-reduce (default: the model's 412k floats)")
     p.add_argument("--accuracy", action="store_true",
                    help="train examples/train.py's model with each of --hooks instead")
     p.add_argument("--hooks", default="none,powersgd,int8",
@@ -219,6 +233,68 @@ def format_table(rows: list[dict], meta: dict) -> str:
             lines.append(f"# {r['mode']:<20} " + " ".join(f"{k}={v:.2f}" for k, v in p.items())
                          + f" buckets={r['bucket_sizes']}")
     return "\n".join(lines)
+
+
+# --- --layers: one bucket's all-reduce through each layer ----------------------------------
+def layer_times(args: argparse.Namespace, comm: Any) -> list[dict]:
+    """Median time of one all-reduce of the model's gradient bucket (``--layers-bytes``, by
+    default all 412k float32 parameters: DDP's one bucket) through each layer, interleaved
+    over ``--repeats`` rounds of ``--steps`` calls: MPI's ``Allreduce`` on numpy,
+    ``mpicoll.allreduce`` on numpy (``algorithm="auto"``, unchecked), the compressed
+    all-reduce of the int8 and bf16 hooks (without error feedback), ``dist.all_reduce`` on
+    the "mpicoll" groups (every call agreed on / first only: the call, its agreement and
+    the hand-over to the group's thread) and on gloo, and ``async_op=True`` then ``wait``."""
+    import time  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
+    import mpicoll  # noqa: PLC0415
+    from mpicoll import compression  # noqa: PLC0415
+
+    count = args.layers_bytes // 4 if args.layers_bytes else \
+        sum(p.numel() for p in make_model().parameters())
+    gen = torch.Generator().manual_seed(comm.rank)
+
+    def fresh() -> torch.Tensor:
+        """Each layer its own buffer (sums grow n-fold per call: 4^33 stays finite)."""
+        return torch.randn(count, generator=gen)
+
+    def on_numpy(fn: Callable[[Any], Any]) -> Callable[[], Any]:
+        a = fresh().numpy()
+        return lambda: fn(a)
+
+    def on_tensor(fn: Callable[[torch.Tensor], Any]) -> Callable[[], Any]:
+        t = fresh()
+        return lambda: fn(t)
+
+    def codec(name: str) -> Callable[[], Any]:
+        return on_numpy(lambda a: compression.allreduce(
+            a, a, op="average", comm=comm, compression=name, feedback=False, check=False))
+
+    layers: dict[str, Callable[[], Any]] = {
+        "MPI Allreduce (numpy)": on_numpy(lambda a: comm.Allreduce(MPI.IN_PLACE, a,
+                                                                   op=MPI.SUM)),
+        "mpicoll.allreduce (numpy)": on_numpy(lambda a: mpicoll.allreduce(
+            mpicoll.IN_PLACE, a, comm=comm, check=False)),
+        "compression.allreduce int8": codec("int8"),
+        "compression.allreduce bf16": codec("bf16"),
+        **{f"dist.all_reduce {g}": on_tensor(lambda t, g=g: dist.all_reduce(t, group=_groups[g]))
+           for g in ("mpicoll", *GROUP_OPTIONS, "gloo")},
+        **{f"async {g} + wait": on_tensor(lambda t, g=g: dist.all_reduce(
+            t, group=_groups[g], async_op=True).wait()) for g in ("mpicoll", "gloo")},
+    }
+    times: dict[str, list[float]] = {k: [] for k in layers}
+    for _ in range(args.repeats):
+        for name, fn in layers.items():
+            fn()
+            comm.Barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                fn()
+            elapsed = comm.allreduce((time.perf_counter() - start) / args.steps, op=MPI.MAX)
+            times[name].append(elapsed)
+    return [{"layer": k, "bytes": 4 * count, "median_ms": 1e3 * statistics.median(v),
+             "runs_ms": [1e3 * x for x in v]} for k, v in times.items()]
 
 
 # --- --accuracy: examples/train.py's model under each hook --------------------------------
@@ -300,15 +376,20 @@ def run_accuracy(args: argparse.Namespace, comm: Any) -> None:
     if comm.rank == 0:
         meta = {**common.run_meta(MPI, comm.size, "ddp", args.argv), "ranks": comm.size,
                 "epochs": args.epochs}
-        if args.format == "json":
-            text = json.dumps({"meta": meta, "runs": runs}, indent=1)
-            if args.output:
-                with open(args.output, "w", encoding="utf-8") as fh:
-                    fh.write(text + "\n")
-            else:
-                print(text)
-        else:
-            print(accuracy_table(runs, meta))
+        write_or_print(args, {"meta": meta, "runs": runs}, accuracy_table(runs, meta))
+
+
+def write_or_print(args: argparse.Namespace, data_: dict, table: str) -> None:
+    """Rank 0's output: ``data_`` as JSON (to ``--output`` or stdout), or ``table``."""
+    if args.format != "json":
+        print(table)
+        return
+    text = json.dumps(data_, indent=1)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    else:
+        print(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,6 +398,19 @@ def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     if args.accuracy:
         run_accuracy(args, comm)
+        return 0
+    if args.layers:
+        started = setup_groups()
+        rows = layer_times(args, comm)
+        teardown(started, [])
+        if comm.rank == 0:
+            meta = {**common.run_meta(MPI, comm.size, "ddp", args.argv), "ranks": comm.size}
+            write_or_print(args, {"meta": meta, "layers": rows},
+                           "\n".join([f"# one all-reduce of {rows[0]['bytes']} bytes, "
+                                       f"{comm.size} ranks, median ms over {args.repeats} "
+                                       f"rounds of {args.steps} calls"] +
+                                      [f"{r['layer']:<32}{r['median_ms']:>9.3f}"
+                                       for r in rows]))
         return 0
     modes = [m for m in args.modes.split(",") if m]
     runners = {m: runner(m) for m in modes}
@@ -336,15 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {**common.run_meta(MPI, comm.size, "ddp", args.argv), "ranks": comm.size,
                 "batch": args.batch, "steps": args.steps, "repeats": args.repeats,
                 "params": sum(p.numel() for p in make_model().parameters()), "load": load}
-        if args.format == "json":
-            text = json.dumps({"meta": meta, "rows": rows}, indent=1)
-            if args.output:
-                with open(args.output, "w", encoding="utf-8") as fh:
-                    fh.write(text + "\n")
-            else:
-                print(text)
-        else:
-            print(format_table(rows, meta))
+        write_or_print(args, {"meta": meta, "rows": rows}, format_table(rows, meta))
     return 0
 
 
