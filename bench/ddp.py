@@ -53,7 +53,8 @@ import torch.nn.functional as F  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench.bench_torch import Timing, data, make_model, run_mpicoll, timed  # noqa: E402
+from bench.bench_torch import (Timing, make_model, run_local, run_mpicoll,  # noqa: E402
+                               time_sgd_steps)
 
 DEFAULT_MODES = ("ddp-mpicoll", "ddp-gloo", "hvd")
 
@@ -109,15 +110,7 @@ def run_ddp(args: argparse.Namespace, comm: Any, backend: str, hook: str | None 
         import mpicoll.torch.hooks as hooks  # noqa: PLC0415
 
         model.register_comm_hook(hooks.CompressionState(), hooks.codec_hook(hook))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = data(args.batch, comm.rank)
-
-    def step() -> None:
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-
-    timing = timed(step, args, comm)
+    timing = time_sgd_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), args, comm)
     return timing, (ddp_profile(model) if args.profile else {})
 
 
@@ -152,17 +145,7 @@ def runner(mode: str) -> Callable[[argparse.Namespace, Any], tuple[Timing, dict]
             return timing, {}
         return hvd_run
     if mode == "local":
-        def local(args: argparse.Namespace, comm: Any) -> tuple[Timing, dict]:
-            model = make_model()
-            opt = torch.optim.SGD(model.parameters(), lr=0.01)
-            x, y = data(args.batch, comm.rank)
-
-            def step() -> None:
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-            return timed(step, args, comm), {}
-        return local
+        return lambda args, comm: (run_local(args, comm), {})
     raise ValueError(f"unknown mode {mode!r}: choose ddp-mpicoll, ddp-mpicoll-first, "
                      f"ddp-mpicoll-<codec>, ddp-gloo, hvd or local")
 
@@ -245,8 +228,6 @@ def layer_times(args: argparse.Namespace, comm: Any) -> list[dict]:
     the "mpicoll" groups (every call agreed on / first only: the call, its agreement and
     the hand-over to the group's thread) and on gloo, and ``async_op=True`` then ``wait``."""
     import time  # noqa: PLC0415
-
-    import numpy as np  # noqa: PLC0415
 
     import mpicoll  # noqa: PLC0415
     from mpicoll import compression  # noqa: PLC0415

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_dist_ddp import assert_same_model, batch, model, shard, train
+from test_dist_ddp import assert_same_model, model, shard, train
 
 pytestmark = pytest.mark.mpi
 

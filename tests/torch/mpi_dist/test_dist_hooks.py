@@ -23,7 +23,6 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-from torch.nn.parallel import DistributedDataParallel
 
 import mpicoll.torch.hooks as hooks
 from mpicoll import compression
