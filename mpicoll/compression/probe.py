@@ -93,8 +93,10 @@ def _timed(fn: Callable[[], Any], wait: Callable[[], None], cpu: bool
 
 def _speed(small: float, large: float, share: float) -> Speed:
     """``Speed`` from the median times at :data:`SMALL_BYTES` and :data:`LARGE_BYTES`,
-    slowed by the CPU ``share`` (in (0, 1])."""
-    span = max(large - small, 1e-9)
+    slowed by the CPU ``share`` (in (0, 1]). Where the two times hardly differ (a device
+    whose calls cost their launch, or noise) the difference is taken as at least 5% of
+    the large time, so the rate stays finite and the overhead carries the cost."""
+    span = max(large - small, 0.05 * large, 1e-9)
     rate = (LARGE_BYTES - SMALL_BYTES) / span
     return Speed(max(0.0, small - SMALL_BYTES / rate) / share, rate * share)
 
