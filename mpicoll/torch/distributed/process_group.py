@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -106,7 +107,8 @@ class MPIProcessGroup(dist.ProcessGroup):
         self._checked: set[str] = set()
         self._algorithm = self.options.algorithm or allreduce_algorithm()
         self._timeout = seconds(timeout)
-        self._worker = GroupWorker(f"mpicoll-pg{next(_serial)}", self._timeout)
+        self._worker = GroupWorker(f"mpicoll-pg{next(_serial)}", self._timeout,
+                                   inline=_synchronous())
         self._monitored = 0
         self._names: dict[str, str] = {}
 
@@ -640,6 +642,24 @@ class MPIProcessGroup(dist.ProcessGroup):
 
     def abort(self) -> None:  # noqa: D102 (torch's)
         self._worker.close(0.0)
+
+
+def _synchronous() -> bool:
+    """Whether operations must run on the calling thread: MPI below THREAD_MULTIPLE
+    (said once)."""
+    global _said_synchronous
+    if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+        return False
+    if not _said_synchronous:
+        _said_synchronous = True
+        warnings.warn("MPI is initialised below MPI_THREAD_MULTIPLE: the mpicoll "
+                      "torch.distributed backend runs every operation synchronously on the "
+                      "calling thread (async_op=True overlaps nothing)", RuntimeWarning,
+                      stacklevel=3)
+    return True
+
+
+_said_synchronous = False
 
 
 def _wait_all(requests: list[Any], limit: float, missing: bool = False) -> Any:

@@ -130,11 +130,14 @@ class GroupWorker:
     Args:
         name: the thread's name.
         timeout: the group's timeout in seconds (``MPIWork.wait``'s default).
+        inline: run every operation on the calling thread instead (synchronous: for MPI
+            below ``MPI_THREAD_MULTIPLE``, where only one thread may call MPI).
     """
 
-    def __init__(self, name: str, timeout: float | None) -> None:
+    def __init__(self, name: str, timeout: float | None, inline: bool = False) -> None:
         self.name = name
         self.timeout = timeout
+        self.inline = inline
         self.completed = 0
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -146,7 +149,7 @@ class GroupWorker:
         work = MPIWork(kind, self.timeout)
         if self._closed:
             raise RuntimeError(f"mpicoll: {kind} on a process group that was shut down")
-        if threading.current_thread() is self._thread:
+        if self.inline or threading.current_thread() is self._thread:
             self._execute(work, run)
             return work
         self._start()
