@@ -48,6 +48,7 @@ from typing import Any, Generator, Iterator
 import numpy as np
 from mpi4py import MPI
 
+from .. import faults
 from ..compression import Codec
 from . import protocol as P
 from .checkpoint import write_codec_file, write_server_file
@@ -132,6 +133,8 @@ class ColocatedHandle:
             self._engine.wait(self._reqs)
             self._advance()
         if self._error is not None:
+            if isinstance(self._error, MPI.Exception):
+                self._engine.failed(self._error)
             raise self._error
         return self._result
 
@@ -183,6 +186,8 @@ class ColocatedEngine(CodedExchange):
         self.closed = False
         #: block in MPI's Waitall (spins) only when every rank has a core of its own
         self.spin = self.size <= (os.cpu_count() or 1)
+        #: failures under ULFM (a FailureWatch; None: not watched)
+        self.watch: Any = None
         self._ctrl_out = np.zeros(3, dtype=np.int64)
         self._ctrl_in = np.zeros((self.size, 3), dtype=np.int64)
         self._scratch: dict[tuple[int, int], np.ndarray] = {}   # (ident, src) -> buffer
@@ -204,12 +209,38 @@ class ColocatedEngine(CodedExchange):
         yields the core (large shared-memory messages need both sides to drive them)."""
         if not reqs:
             return
+        if self.watch is not None:     # ULFM: poll, so that a failure is seen
+            backoff = P.Backoff(max_sleep=self.max_sleep)
+            while not self._test_watched(reqs):
+                backoff.pause(busy=not self.closed)
+            return
         if self.spin and not self.closed:
             MPI.Request.Waitall(reqs)
             return
         backoff = P.Backoff(max_sleep=self.max_sleep)
         while not MPI.Request.Testall(reqs):
             backoff.pause(busy=not self.closed)
+
+    def _test_watched(self, reqs: list[MPI.Request]) -> bool:
+        """``Testall`` under the failure watch: every step is collective, so any dead rank
+        is fatal (:class:`~mpicoll.ProcessFailedError`, communicators revoked)."""
+        done = self.watch.guard(lambda: MPI.Request.Testall(reqs),
+                                lambda ranks: self.watch.fatal(ranks=ranks))
+        if self.watch.known:
+            faults.keep_requests(reqs)
+            self.watch.fatal()
+        return bool(done)
+
+    def failed(self, exc: BaseException) -> None:
+        """An operation raised MPI error ``exc``: under ULFM a process failure becomes
+        :class:`~mpicoll.ProcessFailedError` (communicators revoked); else return."""
+        if self.watch is None:
+            return
+        try:
+            self.watch.from_exception(exc)     # raises exc back if it is no failure
+        except MPI.Exception:
+            return
+        self.watch.fatal(exc)
 
     def start(self, kind: str, steps: Steps) -> ColocatedHandle:
         """Complete the running operation (if any), then start ``steps``."""

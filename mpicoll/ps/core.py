@@ -304,6 +304,8 @@ class ParameterServer:
         self._client: WorkerClient | None = None
         self._engine: ColocatedEngine | None = None
         self._closed = False
+        watch = FailureWatch(self.comm, lambda: [self.comm, self.worker_comm]) \
+            if faults.ENABLED else None
         if settings.colocated:
             checker = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep)
             self._engine = ColocatedEngine(self.comm, self.placement, self.optimizer,
@@ -311,9 +313,8 @@ class ParameterServer:
                                            self.chunk_bytes, max_sleep, checker.check_arrays,
                                            settings.keep_aggregate, self.compression,
                                            self.feedback)
+            self._engine.watch = watch
             return
-        watch = FailureWatch(self.comm, lambda: [self.comm, self.worker_comm]) \
-            if faults.ENABLED else None
         if self.is_server:
             def make(slot: int) -> Server:
                 return Server(self.comm, self.placement, slot, self.worker_ranks,

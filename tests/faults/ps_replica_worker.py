@@ -14,6 +14,7 @@ Usage: ``python ps_replica_worker.py CASE``:
 - ``pfe-server`` / ``pfe-worker``: 3 ranks, 1 server, ``replicas=0``, ``bsp``: the server
   (rank 0) or a worker (rank 2) dies; every survivor must raise
   :class:`mpicoll.ProcessFailedError` naming it (``RESULT <rank> pfe <ranks> <time>``).
+  ``pfe-colocated``: the same with ``num_servers="colocated"`` (rank 2 dies).
 
 Each victim prints ``KILL <time>`` just before it dies. Survivors shrink the world and
 meet before exiting, so none looks failed to another still collecting failed ranks.
@@ -113,8 +114,9 @@ def case_pfe(name: str) -> None:
     rank = world.Get_rank()
     params = make_params()
     victim = 0 if name == "pfe-server" else 2
-    ps = ParameterServer(params, comm=world, num_servers=1, consistency="bsp",
-                         optimizer="sgd", lr=0.125, **SMALL)
+    ps = ParameterServer(params, comm=world,
+                         num_servers="colocated" if name == "pfe-colocated" else 1,
+                         consistency="bsp", optimizer="sgd", lr=0.125, **SMALL)
     try:
         if ps.is_server:
             if rank == victim:

@@ -8,8 +8,9 @@ Each case is one ``mpirun --with-ft ulfm`` job of ps_replica_worker.py (see its 
   the surviving workers pulled equals bit for bit the single-process reference of the
   same update sequence (no acknowledged update lost, none applied twice; the dead
   worker's gradients stop at the round it never pushed);
-- ``pfe-server`` / ``pfe-worker``: without replicas, a dead server or worker makes every
-  survivor raise :class:`mpicoll.ProcessFailedError` naming it within :data:`BOUND_S`.
+- ``pfe-server`` / ``pfe-worker`` / ``pfe-colocated``: without replicas, a dead server or
+  worker (or, co-located, a dead rank) makes every survivor raise
+  :class:`mpicoll.ProcessFailedError` naming it within :data:`BOUND_S`.
 
 The jobs run two at a time first, then each case checks its own output.
 """
@@ -36,6 +37,7 @@ CASES = {
     "replicas": (6, (0, 5), {1: "served", 2: "served", 3: "equal", 4: "equal"}),
     "pfe-server": (3, (0,), {1: "pfe", 2: "pfe"}),
     "pfe-worker": (3, (2,), {0: "pfe", 1: "pfe"}),
+    "pfe-colocated": (3, (2,), {0: "pfe", 1: "pfe"}),
 }
 
 
