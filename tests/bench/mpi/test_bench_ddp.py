@@ -9,9 +9,14 @@ import json
 import pytest
 from mpi4py import MPI
 
-pytest.importorskip("torch")
 
-from bench import ddp  # noqa: E402
+def _ddp():
+    """bench.ddp, imported only where the test runs (it imports torch: seconds per rank)."""
+    pytest.importorskip("torch")
+    from bench import ddp  # noqa: PLC0415
+
+    return ddp
+
 
 comm = MPI.COMM_WORLD
 
@@ -21,6 +26,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120),
 
 
 def test_ddp_benchmark_runs_every_mode(tmp_path):
+    ddp = _ddp()
     out = comm.bcast(str(tmp_path / "ddp.json") if comm.rank == 0 else None, root=0)
     modes = "ddp-mpicoll,ddp-gloo,hvd,ddp-mpicoll-first,ddp-mpicoll-int8"
     rc = ddp.main(["--modes", modes, "--steps", "2", "--warmup", "1", "--repeats", "2",
@@ -39,6 +45,7 @@ def test_ddp_benchmark_runs_every_mode(tmp_path):
 
 
 def test_ddp_benchmark_rejects_unknown_mode():
+    ddp = _ddp()
     with pytest.raises(ValueError, match="unknown mode"):
         ddp.runner("ddp-nccl")
     with pytest.raises(ValueError):
