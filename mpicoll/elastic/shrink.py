@@ -63,6 +63,11 @@ class Recovery:
     phases: dict[str, float] = field(default_factory=dict)
     detected_at: float = 0.0
 
+    def summary(self) -> str:
+        """``revoke=0.0001,shrink=0.0020,...``: every phase, in seconds."""
+        phases = {"revoke": self.revoke_s, "shrink": self.shrink_s, **self.phases}
+        return ",".join(f"{name}={seconds:.4f}" for name, seconds in phases.items())
+
 
 #: The latest recovery of this process (``None``: none yet).
 last_recovery: Recovery | None = None

@@ -56,9 +56,7 @@ def main() -> None:
         sys.exit(3)
     checksum = float(np.sum(state.weights * np.arange(1, 1002)))
     rec = elastic.last_recovery()
-    phases = "-" if rec is None else ",".join(
-        f"{k}={v:.4f}" for k, v in [("revoke", rec.revoke_s), ("shrink", rec.shrink_s),
-                                    *rec.phases.items()])
+    phases = "-" if rec is None else rec.summary()
     print(f"DONE {me} {elastic.world().Get_size()} {state.step} {state.total} "
           f"{checksum!r} {resets} {phases}", flush=True)
 

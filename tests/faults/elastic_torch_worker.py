@@ -140,9 +140,7 @@ def main() -> None:
     for tensor in model.state_dict().values():
         digest.update(tensor.numpy().tobytes())
     rec = hvd.elastic.last_recovery()
-    phases = "-" if rec is None else ",".join(
-        f"{k}={v:.4f}" for k, v in [("revoke", rec.revoke_s), ("shrink", rec.shrink_s),
-                                    *rec.phases.items()])
+    phases = "-" if rec is None else rec.summary()
     print(f"DONE {hvd.rank()} {hvd.size()} {state.step} {percent:.2f} "
           f"{digest.hexdigest()[:16]} {phases}", flush=True)
 
