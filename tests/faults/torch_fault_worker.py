@@ -40,7 +40,8 @@ def make_call(op: str, rank: int):
     if op == "broadcast":
         return lambda: hvd.broadcast(t, root_rank=0, name="bc")
     if op == "alltoall":
-        return lambda: hvd.alltoall(t, name="a2a")
+        rows = torch.arange(hvd.size() * 100, dtype=torch.float32) + rank  # even splits
+        return lambda: hvd.alltoall(rows, name="a2a")
     if op == "grouped_allreduce":
         return lambda: hvd.grouped_allreduce([t, t * 2, t[:7]], name="gar")
     if op == "optimizer":
