@@ -50,6 +50,9 @@ TOOL_VARIABLES: tuple[Variable, ...] = (
              "seconds to wait for the local Slurm node to become idle"),
     Variable("MPICOLL_CLUSTER_TESTS", "tests", "on",
              "`0` skips the tests that bring up the namespace cluster (tests/cluster/)"),
+    Variable("MPICOLL_CLUSTER_ELASTIC", "tests", "off",
+             "`1` runs tests/cluster/test_cluster_elastic.py: the relaunching supervisor in "
+             "a Slurm allocation that loses a node (2-3 minutes)"),
     Variable("MPICOLL_CLUSTER_DIR", "cluster/", "`/tmp/mpicoll-cluster`",
              "state directory of the namespace cluster (docs/cluster.md)"),
     Variable("MPICOLL_CLUSTER_PREFIX", "cluster/", "`mpicoll`",

@@ -64,6 +64,13 @@ VARIABLES: tuple[Variable, ...] = (
              "write a Chrome-trace timeline of every collective (and of the PyTorch "
              "adapter's operations) to this file, merged across ranks at exit "
              "(`mpicoll.timeline`)"),
+    Variable("MPICOLL_ELASTIC_DIR", "mpicoll.elastic", "unset",
+             "set by `python -m mpicoll.elastic.launch` for each launch of the job: the "
+             "commit directory (`mpicoll.elastic.disk`); rank 0 writes each commit there "
+             "and a relaunched job starts from it"),
+    Variable("MPICOLL_ELASTIC_RESTART", "mpicoll.elastic", "0",
+             "set by `python -m mpicoll.elastic.launch`: how many times the job has been "
+             "relaunched (0 for the first launch)"),
     Variable("MPICOLL_CUDA_AWARE", "mpicoll.gpu", "detect",
              "`1`: the MPI library takes device pointers (device arrays go straight to "
              "MPI); `0`: stage them through pinned host memory; unset or `auto`: detect "

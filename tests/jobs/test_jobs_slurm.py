@@ -182,6 +182,8 @@ COVERED = {
     "train.sbatch": "test_train_job_with_mpirun, test_train_job_requeued_resumes_from_checkpoint",
     "ps.sbatch": "test_parameter_server_job, test_wrong_pmi_fails_the_world_check",
     "hierarchical.sbatch": "test_hierarchical_job",
+    "elastic.sbatch": "test_elastic_job_relaunches_after_a_rank_dies "
+                      "(a lost node: tests/cluster/test_cluster_elastic.py, opt-in)",
     "bench_submit.sh": "test_bench_sweep_array_and_collect",
     "bench_sweep.sbatch": "test_bench_sweep_array_and_collect (via bench_submit.sh)",
     "bench_collect.sbatch": "test_bench_sweep_array_and_collect (via bench_submit.sh)",
@@ -404,3 +406,22 @@ def test_train_job_requeued_resumes_from_checkpoint(slurm: Slurm, tmp_path: Path
         merged.update(_epochs(run))
     assert merged == reference, f"resumed training diverged:\n{merged}\nvs\n{reference}"
     assert _final_accuracy(runs[-1]) == _final_accuracy(plain_training) >= 0.9, runs[-1]
+
+
+def test_elastic_job_relaunches_after_a_rank_dies(slurm: Slurm, tmp_path: Path) -> None:
+    """jobs/elastic.sbatch: rank 1 SIGKILLs itself at step 3 of the first launch (an srun
+    job step); the supervisor relaunches a step at the same size, the job resumes from
+    the commit of step 2 (not from 0) and ends 0 with exactly the weights of 6 steps at 2
+    ranks (step s adds 3 * (arange(7) + s))."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job, log = slurm.submit(
+        "elastic.sbatch", "--ntasks=2",
+        env={"ELASTIC_COMMIT_DIR": str(out / "commits"), "ELASTIC_MIN_NP": "1"},
+        args=(str(ROOT / "tests" / "faults" / "launch_train.py"), str(out), "6", "3", "1"))
+    text = _assert_ok(slurm, job, log, slurm.wait(job, 240))
+    assert "launcher srun" in text and "relaunching from the last commit" in text, text
+    assert json.loads((out / "launch-1.json").read_text())["first_step"] == 3, text
+    result = json.loads((out / "result.json").read_text())
+    assert result["history"] == [2] * 6 and result["restart"] == 1, result
+    assert result["weights"] == [float(sum(3 * (i + s) for s in range(6))) for i in range(7)]
