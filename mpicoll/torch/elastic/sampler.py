@@ -69,7 +69,12 @@ class ElasticSampler(torch.utils.data.Sampler):
     def reset(self) -> None:
         """Split the epoch's unprocessed indices among the current ranks
         (``hvd.size()``, ``hvd.rank()``)."""
-        self.num_replicas, self.rank = size(), rank()
+        self.split(size(), rank())
+
+    def split(self, num_replicas: int, rank: int) -> None:
+        """Split the epoch's unprocessed indices as ``rank`` of ``num_replicas``
+        (:meth:`reset` with the current world's; also for tests)."""
+        self.num_replicas, self.rank = num_replicas, rank
         order = list(range(len(self.dataset)))
         if self.shuffle:
             random.Random(self.seed + self.epoch).shuffle(order)

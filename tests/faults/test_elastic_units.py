@@ -1,0 +1,131 @@
+"""The elastic state API in one process (the MPICH venv, no failure): commits are copies,
+restore goes back to them, the sampler splits an epoch without losing or repeating a
+sample, also when the split changes mid-epoch, and the run loop's bookkeeping."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import mpicoll.elastic as elastic
+import mpicoll.torch as hvd
+from mpicoll import context
+from mpicoll.torch.elastic.sampler import ElasticSampler
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hvd() -> None:
+    hvd.init()
+
+
+def test_object_state_commit_is_a_copy_and_restore_goes_back() -> None:
+    state = elastic.ObjectState(step=0, w=np.zeros(5))
+    state.w += 1
+    state.step = 3
+    state.commit()
+    state.w += 10                        # in place, after the commit
+    state.step = 7
+    state.restore()
+    assert state.step == 3 and state.w.tolist() == [1.0] * 5
+    state.w[0] = 99
+    state.restore()                      # restore hands out copies too
+    assert state.w[0] == 1.0
+
+
+def test_object_state_serializes_its_commit() -> None:
+    a = elastic.ObjectState(step=4, w=np.arange(3.0))
+    b = elastic.ObjectState(step=0, w=np.zeros(3))
+    b.deserialize(a.serialize())
+    b.restore()
+    assert b.step == 4 and b.w.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_torch_state_restores_model_optimizer_sampler_and_objects() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sampler = ElasticSampler(range(40), shuffle=True, seed=1)
+    state = hvd.elastic.TorchState(model, opt, sampler=sampler, epoch=2)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+
+    step()
+    sampler.record_batch(0, 5)
+    state.commit()
+    saved = [p.detach().clone() for p in model.parameters()]
+    momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    step()
+    step()
+    sampler.record_batch(1, 5)
+    state.epoch = 5
+    state.restore()
+    assert all(torch.equal(p, s) for p, s in zip(model.parameters(), saved))
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], m)
+               for p, m in zip(model.parameters(), momentum))
+    assert state.epoch == 2 and sampler.processed_num == 5
+    step()                               # the restored momentum is not the commit's memory
+    state.restore()
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], m)
+               for p, m in zip(model.parameters(), momentum))
+
+
+def test_elastic_sampler_resplits_the_rest_of_the_epoch() -> None:
+    n, batch = 23, 2
+    seen: list[int] = []
+    # 3 ranks take 2 batches each, then the world shrinks to 2 for the rest of the epoch
+    for r in range(3):
+        s = ElasticSampler(range(n), shuffle=True, seed=7)
+        s.split(3, r)
+        seen += list(s)[:2 * batch]
+    processed = 2 * batch * 3
+    for r in range(2):
+        s = ElasticSampler(range(n), shuffle=True, seed=7)
+        s.load_state_dict({"epoch": 0, "processed_num": processed})
+        s.split(2, r)
+        seen += list(s)
+    assert set(seen) == set(range(n))                 # nothing lost
+    assert len(seen) - n <= 1                          # padding repeats at most one
+    assert len(ElasticSampler(range(n))) == n          # one rank here: all of it
+
+
+def test_set_epoch_reshuffles_and_clears_progress() -> None:
+    s = ElasticSampler(range(50), shuffle=True, seed=3)
+    first = list(s)
+    s.record_batch(0, 10)
+    assert s.processed_num == 10 and len(list(s)) == 50   # the split changes at a reset
+    s.reset()
+    assert len(list(s)) == 40 and list(s) == first[10:]
+    s.set_epoch(1)
+    assert s.processed_num == 0 and sorted(s) == list(range(50)) and list(s) != first
+
+
+def test_run_syncs_then_calls_and_returns() -> None:
+    calls = []
+    state = elastic.ObjectState(x=1)
+
+    @elastic.run
+    def f(state: elastic.ObjectState, y: int) -> int:
+        calls.append(state.x)
+        return state.x + y
+
+    assert f(state, 2) == 3 and calls == [1]
+    with pytest.raises(TypeError, match="State"):
+        f(object(), 1)
+    with pytest.raises(ValueError, match="min_np"):
+        elastic.run(min_np=0)
+
+
+def test_world_is_settable_and_comm_none_follows_it() -> None:
+    from mpi4py import MPI  # noqa: PLC0415
+
+    dup = MPI.COMM_WORLD.Dup()
+    try:
+        context.set_world(dup)
+        assert context.resolve_comm(None) is dup and elastic.world() is dup
+    finally:
+        context.set_world(None)
+        dup.Free()
+    assert context.resolve_comm(None) is MPI.COMM_WORLD
