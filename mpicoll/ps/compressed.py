@@ -45,6 +45,7 @@ from typing import Any, Hashable
 import numpy as np
 
 from ..compression import Codec, ErrorFeedback, NoneCodec, get_codec, new_payload
+from ..compression.auto import Auto
 from .placement import ParamSpec
 
 __all__ = ["resolve_codec", "check_compressible", "PushEncoder", "PullEncoder",
@@ -62,9 +63,13 @@ def resolve_codec(spec: Any) -> Codec | None:
             :class:`~mpicoll.compression.Codec`.
     Raises:
         ValueError: unknown name, a ratio outside (0, 1], a malformed parameter.
-        TypeError: neither a name nor a codec.
+        TypeError: neither a name nor a codec; ``compression="auto"``
+            (:class:`mpicoll.compression.Auto`: the choice is per all-reduce call).
     """
     codec = get_codec(spec, argname="compression")
+    if isinstance(codec, Auto):
+        raise TypeError("the parameter server takes a fixed codec, not compression='auto' "
+                        "(mpicoll.compression.Auto); pass 'none', 'bf16', 'int8', ...")
     return None if isinstance(codec, NoneCodec) else codec
 
 

@@ -186,3 +186,15 @@ def test_torch_codec_option():
         resolve_codec(codec_option(Mine))
     with pytest.raises(ValueError, match="onebit with momentum: the parameter server"):
         resolve_codec(codec_option(Compression.onebit.with_momentum(0.9)))
+
+
+
+def test_auto_compression_is_refused_up_front():
+    """compression="auto" picks a codec per all-reduce call; the server's codec is fixed,
+    so an Auto fails at construction (not at the first encode), a name as unknown."""
+    from mpicoll.compression.auto import Auto  # noqa: PLC0415
+
+    with pytest.raises(TypeError, match="compression='auto'"):
+        resolve_codec(Auto())
+    with pytest.raises(ValueError):
+        resolve_codec("auto")
