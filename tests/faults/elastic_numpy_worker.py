@@ -1,8 +1,10 @@
 """A numpy training loop under ``mpicoll.elastic`` (run by test_elastic_numpy.py under
 ``mpirun --with-ft ulfm``, not by pytest).
 
-Usage: ``python elastic_numpy_worker.py STEPS KILL_STEP VICTIMS MIN_NP`` (``VICTIMS``: one
-rank, or several separated by commas, as the ranks of a node). Every step
+Usage: ``python elastic_numpy_worker.py STEPS KILL_STEP VICTIMS MIN_NP [ALGORITHM]``
+(``VICTIMS``: one rank, or several separated by commas, as the ranks of a node;
+``ALGORITHM`` of the all-reduce, default ``ring``: ``shm`` and ``hierarchical`` rebuild
+their node layout and shared-memory windows on the survivors' world). Every step
 all-reduces (``comm=None``: the current world) a rank- and step-dependent vector and adds
 it to the state, then commits; each rank of ``VICTIMS`` (of the original world) SIGKILLs itself at
 step ``KILL_STEP`` (just before that step's collective). Output lines: ``KILL <time>``;
@@ -28,6 +30,7 @@ import mpicoll.elastic as elastic
 def main() -> None:
     steps, kill_step, min_np = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[4])
     victims = {int(r) for r in sys.argv[3].split(",")}
+    algorithm = sys.argv[5] if len(sys.argv) > 5 else "ring"
     me = MPI.COMM_WORLD.Get_rank()
     state = elastic.ObjectState(step=0, total=0, weights=np.zeros(1001, np.float64))
     resets: list[int] = []
@@ -41,7 +44,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             # this rank's contribution: depends on its original rank and the step
             grad = np.arange(1001, dtype=np.float64) * (me + 1) + state.step
-            total = mpicoll.allreduce(grad, op="sum", algorithm="ring")
+            total = mpicoll.allreduce(grad, op="sum", algorithm=algorithm)
             size = int(mpicoll.allreduce(np.ones(1, np.int64), op="sum")[0])
             assert size == elastic.world().Get_size(), (size, elastic.world().Get_size())
             state.weights += total * 1e-3

@@ -5,7 +5,8 @@ Each case is one ``mpirun --with-ft ulfm`` job in which one rank SIGKILLs itself
 
 - numpy (elastic_numpy_worker.py), at 4 and 3 ranks (the victim the last-but-one rank,
   then rank 0, so that the survivors' rank 0 is another process, then two ranks at once,
-  as a node of 2): every survivor ends with the same state, at the world size left, and
+  as a node of 2, then with the shared-memory all-reduce over emulated nodes of 2 ranks,
+  whose windows and node layout are built again on the survivors): every survivor ends with the same state, at the world size left, and
   the state's count of ranks per step proves that the step the failure interrupted was
   restored and redone at the smaller size (exactly ``kill_step * n + (steps -
   kill_step) * survivors``);
@@ -40,11 +41,12 @@ TOO_FEW_BOUND_S = 5.0
 STEPS, KILL_STEP = 30, 10
 EPOCHS, KILL_TRAIN_STEP = 3, 40
 
-#: name -> (script, world size, victims, min_np)
-JOBS = {
+#: name -> (script, world size, victims, min_np[, algorithm])
+JOBS: dict[str, tuple] = {
     "numpy-n4": (NUMPY, 4, (2,), 1),
     "numpy-n3-root": (NUMPY, 3, (0,), 1),
     "numpy-n4-node": (NUMPY, 4, (2, 3), 1),
+    "numpy-n4-shm": (NUMPY, 4, (1,), 1, "shm"),
     "numpy-below-min-np": (NUMPY, 3, (1,), 3),
     "torch-n4": (TORCH, 4, (2,), 1),
 }
@@ -59,11 +61,12 @@ BELOW_MIN_NP = [name for name in JOBS if name.endswith("below-min-np")]
 def outputs() -> dict:
     python = ompi_env.ompi_python(need_torch=True)
     jobs = {}
-    for name, (script, n, victims, min_np) in JOBS.items():
+    for name, (script, n, victims, min_np, *algorithm) in JOBS.items():
         args = ([str(STEPS), str(KILL_STEP)] if script == NUMPY
                 else [str(EPOCHS), str(KILL_TRAIN_STEP)]) + [",".join(map(str, victims)),
-                                                             str(min_np)]
-        jobs[name] = (script, n, args, {}, JOB_TIMEOUT_S)
+                                                             str(min_np), *algorithm]
+        env = {"MPICOLL_RANKS_PER_NODE": "2"} if algorithm else {}
+        jobs[name] = (script, n, args, env, JOB_TIMEOUT_S)
     return ulfm_jobs.run_jobs(python, jobs)
 
 
@@ -79,9 +82,10 @@ def _done(out: str) -> dict[int, list[str]]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["numpy-n4", "numpy-n3-root", "numpy-n4-node"])
+@pytest.mark.parametrize("name", ["numpy-n4", "numpy-n3-root", "numpy-n4-node",
+                                  "numpy-n4-shm"])
 def test_numpy_survivors_shrink_restore_and_finish(outputs, name) -> None:
-    _, n, victims, _ = JOBS[name]
+    _, n, victims, *_ = JOBS[name]
     rc, out, secs = outputs[name]
     tail = _show(name, outputs[name])
     assert rc == 0, f"{name}: status {rc}\n{tail}"
@@ -121,7 +125,7 @@ def test_torch_training_survives_a_killed_rank(outputs) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", BELOW_MIN_NP)
 def test_below_min_np_every_survivor_stops_at_once(outputs, name) -> None:
-    _, n, (victim,), min_np = JOBS[name]
+    _, n, (victim,), min_np, *_ = JOBS[name]
     rc, out, secs = outputs[name]
     tail = _show(name, outputs[name])
     kill = [float(fields[0]) for fields in ulfm_jobs.lines(out, "KILL")]
