@@ -260,7 +260,8 @@ class MPIProcessGroup(dist.ProcessGroup):
     # all-gather ---------------------------------------------------------------------------
     def _gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
         src, dst = Host(input), Host(output)
-        collectives.allgather(src.array, dst.array, comm=self.comm, check=False)
+        collectives.allgather(_gather_source(src.array, dst.array, self.rank()), dst.array,
+                              comm=self.comm, check=False)
         dst.finish()
 
     def _check_gather_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -679,3 +680,17 @@ def _wait_all(requests: list[Any], limit: float, missing: bool = False) -> Any:
     if missing:
         return [i + 1 for i, d in enumerate(done) if not d]
     return all(done)
+
+
+def _gather_source(src: np.ndarray, dst: np.ndarray, rank: int) -> Any:
+    """What an all-gather of ``src`` into ``dst`` sends: ``IN_PLACE`` where ``src`` is
+    exactly this rank's block of ``dst`` (FSDP2 gathers so), a copy where the two overlap
+    otherwise, else ``src`` itself."""
+    if not np.may_share_memory(src, dst):
+        return src
+    flat = dst.reshape(-1)
+    block = flat[rank * src.size:(rank + 1) * src.size]
+    if (src.dtype == dst.dtype and src.flags.c_contiguous and block.size == src.size
+            and block.__array_interface__["data"][0] == src.__array_interface__["data"][0]):
+        return IN_PLACE
+    return src.copy()

@@ -138,6 +138,21 @@ def test_all_gather_into_tensor(count, name):
         assert torch.equal(output, torch.cat(everyone(count, rep)))
 
 
+@pytest.mark.parametrize("count", [1, 5])
+@pytest.mark.parametrize("where", ["own-block", "shifted"])
+def test_all_gather_into_tensor_from_inside_the_output(count, where):
+    """FSDP2 gathers in place: the input is this rank's block of the output ("own-block").
+    An input overlapping the output elsewhere ("shifted": one element further on) must be
+    read before it is overwritten. Every rank's block is rank-dependent."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    expected = torch.cat(everyone(count, 0))
+    output = torch.full((n * count + 1,), -1, dtype=torch.int64)
+    start = rank * count + (where == "shifted")
+    output[start:start + count] = data(rank, count, 0)
+    dist.all_gather_into_tensor(output[:n * count], output[start:start + count])
+    assert torch.equal(output[:n * count], expected)
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("name", REDUCE_SCATTER_NAMES)
 @pytest.mark.parametrize("count", COUNTS)
