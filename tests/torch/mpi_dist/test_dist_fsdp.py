@@ -21,35 +21,12 @@ from test_dist_ddp import assert_same_model, model, shard, train
 pytestmark = pytest.mark.mpi
 
 
-def _backend_gap() -> str | None:
-    """What the backend lacks that FSDP2 needs (the same answer on every rank), or None."""
-    try:
-        dist.group.WORLD.group_name
-    except RuntimeError as exc:
-        return (f"DeviceMesh needs the process group's group_name, which the backend's "
-                f"Python ProcessGroup does not set ({exc})")
-    rank, n = dist.get_rank(), dist.get_world_size()
-    out = torch.zeros(2 * n, dtype=torch.float64)
-    out[2 * rank: 2 * rank + 2] = rank + 1
-    try:
-        dist.all_gather_into_tensor(out, out[2 * rank: 2 * rank + 2])
-    except ValueError as exc:
-        return f"all_gather_into_tensor in place (input a block of output) fails: {exc}"
-    expected = torch.arange(1, n + 1, dtype=torch.float64).repeat_interleave(2)
-    if not torch.equal(out, expected):
-        return f"all_gather_into_tensor in place gave {out.tolist()}"
-    return None
-
-
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_fsdp2_equals_single_process(reshard_after_forward):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    gap = _backend_gap()
-    if gap is not None:
-        pytest.xfail(gap)
     rank, n = dist.get_rank(), dist.get_world_size()
     reference = model()
     train(reference, None, n)
