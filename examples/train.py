@@ -284,7 +284,9 @@ def train_elastic(args: argparse.Namespace, model: nn.Module, optimizer: torch.o
         for state.epoch in range(state.epoch, args.epochs):
             indices = list(state.sampler)
             for i in range(0, len(indices), per_rank):
-                if me == args.kill_rank and state.step == args.kill_step:
+                if (me == args.kill_rank and state.step == args.kill_step
+                        and os.environ.get("MPICOLL_ELASTIC_RESTART", "0") == "0"):
+                    # the first launch only: a relaunched job (the supervisor) goes on
                     print(f"rank {me}: SIGKILL at {time.time():.6f}", flush=True)
                     os.kill(os.getpid(), 9)
                 idx = torch.tensor(indices[i:i + per_rank], device=xtr.device)
