@@ -454,7 +454,11 @@ class Int8Codec(_ChunkedCodec):
             sc = scales[k0:k0 + amax.size]
             xp.divide(amax, x.dtype.type(127.0), out=amax)
             xp.copyto(sc, amax, casting="unsafe")
-            positive = sc > 0
+            # A chunk whose scale is zero or denormal (1/scale would overflow) is sent as
+            # zeros with the scale +0.0 exactly: numpy and CuPy disagree on the sign of
+            # max(0.0, -0.0), and the wire bits must not depend on the array module.
+            positive = sc >= np.float32(np.finfo(np.float32).tiny)
+            xp.copyto(sc, np.float32(0.0), where=~positive)
             inv = xp.divide(np.float32(1.0), xp.where(positive, sc, np.float32(1.0)))
             inv = xp.where(positive, inv, np.float32(0.0)).astype(x.dtype)
             tb = tmp[:xb.size]

@@ -49,6 +49,7 @@ from ..errors import (CollectiveError, HostsUpdatedInterrupt, MismatchError,
                       ProcessFailedError, RemoteError)
 from . import elastic
 from . import distributed as _distributed  # noqa: F401  registers the "mpicoll" torch.distributed backend
+from . import hooks  # DDP communication hooks: mpicoll.torch.hooks.int8_hook
 
 #: Horovod's name for a failed collective (``except hvd.HorovodInternalError`` keeps working);
 #: a dead peer under ULFM raises :class:`~mpicoll.ProcessFailedError`, one of these.
@@ -70,4 +71,4 @@ __all__ = ["init", "shutdown", "is_initialized", "start_timeline", "stop_timelin
            "Compression", "Compressor", "Average", "Sum", "Adasum", "Min", "Max", "Product",
            "ReduceOp", "ProcessSet", "global_process_set", "add_process_set",
            "remove_process_set", "process_grid", "ProcessSetGrid", "CollectiveError", "MismatchError", "RemoteError",
-           "HorovodInternalError", "ProcessFailedError", "HostsUpdatedInterrupt", "elastic"]
+           "HorovodInternalError", "ProcessFailedError", "HostsUpdatedInterrupt", "elastic", "hooks"]

@@ -362,3 +362,22 @@ def test_pairwise_row_sums_order():
         want = np.array([replay(r) for r in rows], dtype=np.float32)
         got = C.pairwise_row_sums(np, rows.copy())
         assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("spec", ["int8", "int8:24", "int8:stochastic"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_int8_zero_and_denormal_chunks_have_scale_plus_zero(spec, dtype):
+    """A chunk of zeros (either sign) or of denormals is sent as zeros with the scale +0.0
+    exactly, without overflowing 1/scale: found on an H200, where CuPy wrote +0.0 and numpy
+    -0.0 for max(0.0, -0.0), so the wire bits depended on the array module."""
+    import warnings  # noqa: PLC0415
+
+    codec = get_codec(spec)
+    x = np.zeros(300, dtype=dtype)          # the first chunk (24 or 256) zeros/denormals
+    x[1], x[2] = -0.0, 1e-44
+    x[256:] = np.linspace(-1, 1, 44)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scales, q = codec.encode(x)
+    assert np.asarray(scales)[0].tobytes() == np.float32(0.0).tobytes()
+    assert not np.asarray(q)[:24].any()
