@@ -191,9 +191,9 @@ class Codec:
         Returns:
             The payload: a tuple of contiguous arrays (``out`` when given).
         """
-        dt = self.check_dtype(x.dtype, "x")
         xp = namespace.array_module(x)
-        x = namespace.as_module_array(x, xp)
+        x = namespace.as_module_array(x, xp)   # a torch tensor: its numpy/CuPy view
+        dt = self.check_dtype(x.dtype, "x")
         if out is not None and out and namespace.array_module(out[0]) is not xp:
             parts = self._encode_in(xp, x, new_payload(self, x.size, dt, like=x)[1])
             for dst, src in zip(out, parts):
