@@ -56,6 +56,9 @@ def main() -> None:
         train(state)
     except elastic.TooFewRanksError as exc:
         print(f"TOOFEW {me} {exc.size} {exc.min_np} {time.time():.6f}", flush=True)
+        # every survivor has printed before any exits: the first non-zero exit makes
+        # mpirun kill the others (a survivor a moment behind lost its line once in CI)
+        elastic.world().Barrier()
         sys.exit(3)
     checksum = float(np.sum(state.weights * np.arange(1, 1002)))
     rec = elastic.last_recovery()

@@ -134,6 +134,8 @@ def main() -> None:
         train(state)
     except hvd.elastic.TooFewRanksError as exc:
         print(f"TOOFEW {me} {exc.size} {exc.min_np} {time.time():.6f}", flush=True)
+        import mpicoll.elastic  # noqa: PLC0415
+        mpicoll.elastic.world().Barrier()   # every survivor prints before any exits
         sys.exit(3)
     percent = accuracy(model)
     digest = hashlib.sha256()
