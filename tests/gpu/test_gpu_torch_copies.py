@@ -45,8 +45,9 @@ def test_chunked_allreduce_waits_for_the_engine_stream() -> None:
     calls = []
 
     def host(args: tuple) -> None:                  # (IN_PLACE, slot view, op)
-        calls.append(args[1].size)
-        args[1] *= 3
+        view = args[1]        # not `args[1] *= 3`: that also assigns into the tuple
+        calls.append(view.size)
+        view *= 3
 
     staging.staged("allreduce", (IN_PLACE, x, None), host, comm=SimulatedWorld(1).comm(0),
                    copies=copies, chunk_bytes=64 << 10, staging_limit=1 << 20)
