@@ -264,24 +264,36 @@ class MPIProcessGroup(dist.ProcessGroup):
                               comm=self.comm, check=False)
         dst.finish()
 
+    def _check_blocks(self, whole: torch.Tensor, block: torch.Tensor, name: str) -> None:
+        """``whole`` (named ``name``) must hold ``size()`` blocks like ``block``."""
+        if whole.dtype != block.dtype or whole.numel() != block.numel() * self.size():
+            raise ValueError(f"{name} tensor must hold {self.size()} x {block.numel()} "
+                             f"elements of {block.dtype}, not {whole.numel()} of "
+                             f"{whole.dtype}")
+
     def _check_gather_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
         check_tensor(output, "output_tensor")
         check_tensor(input, "input_tensor")
-        if output.dtype != input.dtype or output.numel() != input.numel() * self.size():
-            raise ValueError(f"output tensor must hold {self.size()} x {input.numel()} "
-                             f"elements of {input.dtype}, not {output.numel()} of "
-                             f"{output.dtype}")
+        self._check_blocks(output, input, "output")
+
+    @staticmethod
+    def _staged_pairs(stage: Staging, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                      check: Callable[[torch.Tensor, torch.Tensor], None]
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each (output, input) pair checked by ``check``, then as host tensors (the output
+        written back after the call)."""
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{len(outputs)} output tensors for {len(inputs)} inputs")
+        for output, input in zip(outputs, inputs):
+            check(output, input)
+        return [(stage.host(o, load=False, store=True), stage.host(i))
+                for o, i in zip(outputs, inputs)]
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> Any:
         stage = Staging()
         try:
-            if len(outputs) != len(inputs):
-                raise ValueError(f"{len(outputs)} output tensors for {len(inputs)} inputs")
-            for output, input in zip(outputs, inputs):
-                self._check_gather_sizes(output, input)
-            pairs = [(stage.host(o, load=False, store=True), stage.host(i))
-                     for o, i in zip(outputs, inputs)]
+            pairs = self._staged_pairs(stage, outputs, inputs, self._check_gather_sizes)
         except (TypeError, ValueError) as exc:
             return self._call("allgather", stage, None, exc)
 
@@ -350,17 +362,13 @@ class MPIProcessGroup(dist.ProcessGroup):
         stage = Staging()
         try:
             op, factor = op_name(opts.reduceOp), premul_factor(opts.reduceOp)
-            if len(outputs) != len(inputs):
-                raise ValueError(f"{len(outputs)} output tensors for {len(inputs)} inputs")
-            for output, input in zip(outputs, inputs):
+
+            def check(output: torch.Tensor, input: torch.Tensor) -> None:
                 check_reduce_dtype(check_tensor(input, "input"), op)
                 check_tensor(output, "output")
-                if output.dtype != input.dtype or input.numel() != output.numel() * self.size():
-                    raise ValueError(f"input tensor must hold {self.size()} x {output.numel()} "
-                                     f"elements of {output.dtype}, not {input.numel()} of "
-                                     f"{input.dtype}")
-            pairs = [(stage.host(o, load=False, store=True), stage.host(i))
-                     for o, i in zip(outputs, inputs)]
+                self._check_blocks(input, output, "input")
+
+            pairs = self._staged_pairs(stage, outputs, inputs, check)
         except (TypeError, ValueError) as exc:
             return self._call("reduce_scatter", stage, None, exc)
 
