@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-import mpicoll
+from fault_report import report
 from mpicoll.ps import ParameterServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ps" / "mpi"))
@@ -128,14 +128,9 @@ def case_pfe(name: str) -> None:
                 if rank == victim and t == KILL_AT:
                     kill("worker")
                 ps.push_pull(make_grads(params, ps.worker_index, t % 7))
-        print(f"RESULT {rank} none", flush=True)
-    except mpicoll.ProcessFailedError as exc:
-        ranks = ",".join(map(str, exc.failed_ranks)) or "-"
-        print(f"RESULT {rank} pfe {ranks} {time.time():.6f}", flush=True)
+        report(rank)
     except Exception as exc:  # noqa: BLE001
-        msg = str(exc).replace("\n", " ")[:160]
-        print(f"RESULT {rank} other {type(exc).__name__} {time.time():.6f} {msg}",
-              flush=True)
+        report(rank, exc)
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 import mpicoll
 import mpicoll.torch as hvd
+from fault_report import report
 
 CALLS_BEFORE_KILL = 5
 LOOP_S = 10.0
@@ -78,16 +79,9 @@ def main() -> None:
             call()
             if i > CALLS_BEFORE_KILL and time.time() > start + LOOP_S:
                 break
-        print(f"RESULT {rank} none", flush=True)
+        report(rank)
     except Exception as exc:  # noqa: BLE001
-        now = time.time()
-        if isinstance(exc, mpicoll.ProcessFailedError) and \
-                isinstance(exc, hvd.HorovodInternalError):
-            ranks = ",".join(map(str, exc.failed_ranks)) or "-"
-            print(f"RESULT {rank} pfe {ranks} {now:.6f}", flush=True)
-        else:
-            msg = str(exc).replace("\n", " ")[:160]
-            print(f"RESULT {rank} other {type(exc).__name__} {now:.6f} {msg}", flush=True)
+        report(rank, exc, (mpicoll.ProcessFailedError, hvd.HorovodInternalError))
     time.sleep(0.5)   # the stall inspector polls the revoked communicators meanwhile
     MPI.COMM_WORLD.Shrink().Barrier()
     print(f"EXITING {rank}", flush=True)

@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpicoll
+from fault_report import report
 
 CALLS_BEFORE_KILL = 5
 LOOP_S = 10.0
@@ -90,14 +91,9 @@ def main() -> None:
                 break
             if i == 0:
                 start = time.time()
-        print(f"RESULT {rank} none", flush=True)
-    except mpicoll.ProcessFailedError as exc:
-        ranks = ",".join(map(str, exc.failed_ranks)) or "-"
-        print(f"RESULT {rank} pfe {ranks} {time.time():.6f}", flush=True)
+        report(rank)
     except Exception as exc:  # noqa: BLE001
-        msg = str(exc).replace("\n", " ")[:120]
-        print(f"RESULT {rank} other {type(exc).__name__} {time.time():.6f} {msg}",
-              flush=True)
+        report(rank, exc)
     try:
         world.Shrink().Barrier()
     finally:
