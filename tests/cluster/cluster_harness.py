@@ -1,12 +1,14 @@
 """Helpers for the namespace-cluster tests: a private cluster/cluster instance to drive."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -85,3 +87,33 @@ def new_cluster(tmp_path_factory: pytest.TempPathFactory, tag: str) -> Cluster:
     """A cluster with a private state directory and namespace prefix (not started)."""
     return Cluster(tmp_path_factory.mktemp(f"cluster-{tag}") / "state",
                    f"mpct{os.getpid() % 100000}{tag}")
+
+
+@contextlib.contextmanager
+def running_cluster(tmp_path_factory: pytest.TempPathFactory, tag: str, *up_args: str,
+                    up_timeout: float = 60, down_timeout: float = 60,
+                    prepare: Callable[[], None] | None = None
+                    ) -> Iterator[tuple[Cluster, subprocess.CompletedProcess]]:
+    """A cluster brought up with ``cluster/cluster up UP_ARGS`` for the ``with`` block,
+    and its ``up`` output; always torn down, with no namespace left. Skips where the
+    cluster cannot run (:func:`unavailable`, or ``up`` exiting 77); ``prepare`` runs once
+    the cluster is known to be possible, before ``up``."""
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    if prepare is not None:
+        prepare()
+    what = "cluster or Slurm" if "--slurm" in up_args else "cluster"
+    c = new_cluster(tmp_path_factory, tag)
+    try:
+        up = c.run("up", *up_args, timeout=up_timeout)
+        if up.returncode == 77:
+            pytest.skip(f"{what} cannot run here: "
+                        + (up.stdout.strip().splitlines() or ["?"])[-1])
+        slurm = " --slurm" if "--slurm" in up_args else ""
+        assert up.returncode == 0, f"cluster up{slurm} failed ({up.returncode}):\n{up.stdout}"
+        yield c, up
+    finally:
+        down = c.run("down", timeout=down_timeout)
+        assert down.returncode == 0, down.stdout
+        assert not c.namespaces(), f"namespaces left after down: {c.namespaces()}"

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cluster_harness import Cluster, new_cluster, unavailable
+from cluster_harness import Cluster, running_cluster
 
 from mpicoll.elastic import disk
 
@@ -47,21 +47,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("MPICOLL_CLUSTER_ELASTIC") != "1"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    why = unavailable()
-    if why:
-        pytest.skip(why)
-    c = new_cluster(tmp_path_factory, "e")
-    try:
-        up = c.run("up", "--nodes", "3", "--bandwidth", "1gbit", "--slots", "2", "--slurm",
-                   timeout=240)
-        if up.returncode == 77:
-            pytest.skip("cluster or Slurm cannot run here: "
-                        + (up.stdout.strip().splitlines() or ["?"])[-1])
-        assert up.returncode == 0, f"cluster up --slurm failed ({up.returncode}):\n{up.stdout}"
+    with running_cluster(tmp_path_factory, "e", "--nodes", "3", "--bandwidth", "1gbit",
+                         "--slots", "2", "--slurm", up_timeout=240, down_timeout=120) as (c, _):
         yield c
-    finally:
-        down = c.run("down", timeout=120)
-        assert down.returncode == 0, down.stdout
 
 
 def _committed_step(commits: Path) -> int:

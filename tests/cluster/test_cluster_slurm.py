@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_harness import Cluster, new_cluster, unavailable
+from cluster_harness import Cluster, running_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 CI_SLURM = ROOT / ".ci" / "slurm"
@@ -64,24 +64,11 @@ def _ensure_slurm_installed() -> None:
 
 @pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    why = unavailable()
-    if why:
-        pytest.skip(why)
-    _ensure_slurm_installed()
-    c = new_cluster(tmp_path_factory, "s")
-    try:
-        up = c.run("up", "--nodes", "2", "--bandwidth", "1gbit", "--slots", "2", "--slurm",
-                   timeout=150)
-        if up.returncode == 77:
-            pytest.skip("cluster or Slurm cannot run here: "
-                        + (up.stdout.strip().splitlines() or ["?"])[-1])
-        assert up.returncode == 0, f"cluster up --slurm failed ({up.returncode}):\n{up.stdout}"
+    with running_cluster(tmp_path_factory, "s", "--nodes", "2", "--bandwidth", "1gbit",
+                         "--slots", "2", "--slurm", up_timeout=150, down_timeout=90,
+                         prepare=_ensure_slurm_installed) as (c, up):
         assert "srun -N 2 hostname -> n1 n2" in up.stdout, up.stdout
         yield c
-    finally:
-        down = c.run("down", timeout=90)
-        assert down.returncode == 0, down.stdout
-        assert not c.namespaces(), c.namespaces()
 
 
 def _wait(c: Cluster, job: str, timeout: float) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_harness import CLUSTER, Cluster, new_cluster, unavailable
+from cluster_harness import CLUSTER, Cluster, new_cluster, running_cluster, unavailable
 
 import mpicoll
 
@@ -29,20 +29,9 @@ CHECK = Path(__file__).resolve().parent / "cluster_allreduce_check.py"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """2 nodes (2 slots each) on 1 Gb/s links, up for this module, always torn down."""
-    why = unavailable()
-    if why:
-        pytest.skip(why)
-    c = new_cluster(tmp_path_factory, "a")
-    try:
-        up = c.run("up", "--nodes", "2", "--bandwidth", "1gbit", "--slots", "2")
-        if up.returncode == 77:
-            pytest.skip("cluster cannot run here: " + (up.stdout.strip().splitlines() or ["?"])[-1])
-        assert up.returncode == 0, f"cluster up failed ({up.returncode}):\n{up.stdout}"
+    with running_cluster(tmp_path_factory, "a", "--nodes", "2", "--bandwidth", "1gbit",
+                         "--slots", "2") as (c, _):
         yield c
-    finally:
-        down = c.run("down")
-        assert down.returncode == 0, down.stdout
-        assert not c.namespaces(), f"namespaces left after down: {c.namespaces()}"
 
 
 def test_nodes_have_own_hostnames_addresses_and_shaped_links(cluster: Cluster) -> None:
