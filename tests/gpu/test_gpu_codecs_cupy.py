@@ -91,6 +91,7 @@ def test_cupy_round_trip_moves_only_the_payload(spec, monkeypatch):
     the payload's bytes, once each way (counted where the codecs make them)."""
     cp = _cp()
     from mpicoll.compression import namespace
+    from mpicoll.gpu import array_modules
 
     moved = {"d2h": 0, "h2d": 0}
     to_host, to_device = namespace.to_host, namespace.to_device
@@ -104,8 +105,11 @@ def test_cupy_round_trip_moves_only_the_payload(spec, monkeypatch):
         moved["h2d"] += host.nbytes
         return to_device(host, like, out)
 
-    monkeypatch.setattr(namespace, "to_host", counting_to_host)
-    monkeypatch.setattr(namespace, "to_device", counting_to_device)
+    # both names: the codecs call namespace's, and namespace.to_side (decoding a host
+    # payload into device memory) calls array_modules' own
+    for module in (namespace, array_modules):
+        monkeypatch.setattr(module, "to_host", counting_to_host)
+        monkeypatch.setattr(module, "to_device", counting_to_device)
     count = 1 << 20
     codec = get_codec(spec)
     x = cp.asarray(data(count, np.float32))

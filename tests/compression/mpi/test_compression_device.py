@@ -70,12 +70,16 @@ def run_both(call, x: np.ndarray, calls: int = 2) -> tuple[list[str], object, ob
 
 @pytest.mark.parametrize("spec,dtype", [
     ("none", np.float64), ("fp16", np.float32), ("bf16", np.float32), ("int8:4", np.float32),
-    ("onebit:8", np.float64), ("topk:0.2", np.float32)])
+    ("onebit:8", np.float64), ("topk:0.2", np.float32), ("randomk:0.25", np.float32)])
 def test_allreduce_on_device_equals_host_and_moves_only_payloads(spec, dtype):
     count, segment = 601, 512
     x = make_input(RANK, count, 0, dtype)
+    # one codec per side: a name's codec is one object per process, and random-k's
+    # indices follow its encode count, which the other side's calls would advance
+    codec = {True: get_codec(spec), False: get_codec(spec)}
     problems, _, _, d2h = run_both(
-        lambda v, fb: allreduce(v, compression=spec, feedback=fb, key="k",
+        lambda v, fb: allreduce(v, compression=codec[isinstance(v, DevArray)], feedback=fb,
+                                key="k",
                                 segment_bytes=segment,
                                 # auto: flat on the device, node on emulated nodes on the host
                                 layout="auto" if isinstance(v, DevArray) else "flat"), x,
