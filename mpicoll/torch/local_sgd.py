@@ -277,23 +277,49 @@ class LocalSGD:
         averager: the :class:`Averager` over the ranks that train.
         average_world_params: optional replacement for the world-level average of the
             parameters (the parameter server pushes them to its servers).
+        follow: optional; returns the communicator the ranks train on now. When it is
+            another one than the averager's (``hvd.elastic`` went on with the survivors of
+            a failure), the first use after the change builds a new averager over it (a
+            collective: every rank's first step after the reset) and takes the new rank
+            0's schedule, so every rank syncs at the same steps again; the parameters are
+            identical by then (the elastic state's ``sync()``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
                  settings: LocalSGDSettings, averager: Averager,
-                 average_world_params: Callable[[], None] | None = None) -> None:
+                 average_world_params: Callable[[], None] | None = None,
+                 follow: Callable[[], MPI.Intracomm] | None = None) -> None:
         self.optimizer = optimizer
         self.params = params
         self.settings = settings
         self.schedule = LocalSGDSchedule(settings)
         self.averager = averager
         self._world_params = average_world_params
+        self._follow = follow
+        self._source = follow() if follow is not None else None
+        #: Times the averager moved to a new world (``hvd.elastic`` resets).
+        self.rebuilds = 0
         #: The plans of the finished steps' averages, counted by level name.
         self.counts = {"grads.node": 0, "grads.world": 0, "params.node": 0,
                        "params.world": 0}
 
+    def _follow_world(self) -> None:
+        """Move the averager to the world ``follow`` names now, if it changed."""
+        if self._follow is None:
+            return
+        current = self._follow()
+        if current is self._source:
+            return
+        # the old averager's communicator is left alone: after a failure it is revoked
+        # and holds dead ranks (freeing it is not safe then)
+        self.averager = Averager(current)
+        self._source = current
+        self.schedule.load_state_dict(current.bcast(self.schedule.state_dict(), root=0))
+        self.rebuilds += 1
+
     def peek(self) -> StepPlan:
         """The plan of the coming step."""
+        self._follow_world()
         return self.schedule.peek()
 
     def local_gradients(self, level: int) -> None:
@@ -301,6 +327,7 @@ class LocalSGD:
         zero gradient stands in for a missing one, a sparse one is made dense."""
         if level != NODE:
             return
+        self._follow_world()
         grads = []
         for p in self.params:
             if p.grad is None:
@@ -312,6 +339,7 @@ class LocalSGD:
 
     def after_step(self) -> StepPlan:
         """Average what the finished step's plan says (parameters, then state); advance."""
+        self._follow_world()
         plan = self.schedule.advance()
         if plan.grads != NONE:
             self.counts[f"grads.{LEVEL_NAMES[plan.grads]}"] += 1
@@ -333,7 +361,7 @@ class LocalSGD:
     def stats(self) -> dict:
         """Steps, averages done per kind, and the bytes this rank's averages sent."""
         return {"steps": self.schedule.steps, "identical": LEVEL_NAMES[self.schedule.identical],
-                **self.counts, "bytes_sent": dict(self.averager.bytes_sent)}
+                "rebuilds": self.rebuilds, **self.counts, "bytes_sent": dict(self.averager.bytes_sent)}
 
     def free(self) -> None:
         """Free the averager's communicator."""

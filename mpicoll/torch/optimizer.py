@@ -388,9 +388,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if error is None and (self._local_only or self._process_set is not None):
             error = ValueError("sync_every/node_sync_every average over every rank; they "
                                "are not supported with process_set")
-        comm = engine()._user_comm   # the communicator init() was given (every rank)
+        comm = engine().user_comm
         agree_settings(comm, error, settings, layout_of(self._params))
-        self._local_sgd = LocalSGD(self, self._params, settings, Averager(comm))
+        # follow the engine's world: hvd.elastic starts a new engine on the survivors
+        self._local_sgd = LocalSGD(self, self._params, settings, Averager(comm),
+                                   follow=lambda: engine().user_comm)
 
     def _reduces_world(self) -> bool:
         """Whether the coming step all-reduces the gradients over every rank (always,

@@ -1,14 +1,16 @@
 """Elastic training with ``hvd.elastic`` (run by test_elastic_torch.py under ``mpirun
 --with-ft ulfm``, not by pytest; also examples of the API's use).
 
-Usage: ``python elastic_torch_worker.py EPOCHS KILL_STEP VICTIM MIN_NP`` (``VICTIM`` -1:
-nobody dies). A small classifier on synthetic, deterministic data (4 Gaussian classes in
+Usage: ``python elastic_torch_worker.py EPOCHS KILL_STEP VICTIM MIN_NP [H[:M]]`` (``VICTIM``
+-1: nobody dies; ``H``/``M``: local SGD, ``DistributedOptimizer(sync_every=H,
+node_sync_every=M)``). A small classifier on synthetic, deterministic data (4 Gaussian classes in
 16 dimensions) trains with ``DistributedOptimizer``, an :class:`ElasticSampler` and a
 commit after every batch; rank ``VICTIM`` SIGKILLs itself before global step
 ``KILL_STEP``. Output lines: ``KILL <time>``; ``RESET <rank> <size> <time>`` from each
 reset callback; ``FIRST <rank> <time>`` when the first step after a reset completes;
 ``DONE <rank> <size> <steps> <accuracy %> <sha256 of the parameters> <phases>``;
-``TOOFEW <rank> <size> <min_np> <time>`` when fewer than ``MIN_NP`` survive.
+``TOOFEW <rank> <size> <min_np> <time>`` when fewer than ``MIN_NP`` survive; with local
+SGD also ``LOCALSGD <rank> <schedule steps> <identical level> <averager rebuilds>``.
 """
 from __future__ import annotations
 
@@ -90,6 +92,8 @@ def main() -> None:
     import mpicoll.torch as hvd  # noqa: PLC0415  (the module is also imported without MPI)
 
     epochs, kill_step, victim, min_np = map(int, sys.argv[1:5])
+    local = [int(v) for v in sys.argv[5].split(":")] if len(sys.argv) > 5 else []
+    local_sgd = dict(zip(("sync_every", "node_sync_every"), local))
     torch.set_num_threads(1)
     hvd.init()
     me = hvd.rank()                              # the original rank (for the kill)
@@ -97,7 +101,7 @@ def main() -> None:
     model = make_model()
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
-        named_parameters=model.named_parameters())
+        named_parameters=model.named_parameters(), **local_sgd)
     sampler = hvd.elastic.ElasticSampler(range(len(x_train)), shuffle=True, seed=5)
     state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0)
     after_reset = {"pending": False}
@@ -137,6 +141,10 @@ def main() -> None:
         import mpicoll.elastic  # noqa: PLC0415
         mpicoll.elastic.world().Barrier()   # every survivor prints before any exits
         sys.exit(3)
+    if optimizer.local_sgd is not None:
+        st = optimizer.local_sgd.stats()
+        print(f"LOCALSGD {hvd.rank()} {st['steps']} {st['identical']} {st['rebuilds']}",
+              flush=True)
     percent = accuracy(model)
     digest = hashlib.sha256()
     for tensor in model.state_dict().values():

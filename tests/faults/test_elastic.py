@@ -41,7 +41,7 @@ TOO_FEW_BOUND_S = 5.0
 STEPS, KILL_STEP = 30, 10
 EPOCHS, KILL_TRAIN_STEP = 3, 40
 
-#: name -> (script, world size, victims, min_np[, algorithm])
+#: name -> (script, world size, victims, min_np[, algorithm (numpy) or H:M (torch)])
 JOBS: dict[str, tuple] = {
     "numpy-n4": (NUMPY, 4, (2,), 1),
     "numpy-n3-root": (NUMPY, 3, (0,), 1),
@@ -49,6 +49,9 @@ JOBS: dict[str, tuple] = {
     "numpy-n4-shm": (NUMPY, 4, (1,), 1, "shm"),
     "numpy-below-min-np": (NUMPY, 3, (1,), 3),
     "torch-n4": (TORCH, 4, (2,), 1),
+    # local SGD (every 4th step averages the parameters; nodes of 2 and 1, the node
+    # averaging every step): its averager follows the world to the survivors
+    "torch-n3-local-sgd": (TORCH, 3, (1,), 1, "4:1"),
 }
 #: Also run with ``ULFM_ALL_CASES=1`` (a torch job costs 15-60 s of CI here).
 MORE_JOBS = {"torch-below-min-np": (TORCH, 2, (1,), 2)}
@@ -61,11 +64,11 @@ BELOW_MIN_NP = [name for name in JOBS if name.endswith("below-min-np")]
 def outputs() -> dict:
     python = ompi_env.ompi_python(need_torch=True)
     jobs = {}
-    for name, (script, n, victims, min_np, *algorithm) in JOBS.items():
+    for name, (script, n, victims, min_np, *extra) in JOBS.items():
         args = ([str(STEPS), str(KILL_STEP)] if script == NUMPY
                 else [str(EPOCHS), str(KILL_TRAIN_STEP)]) + [",".join(map(str, victims)),
-                                                             str(min_np), *algorithm]
-        env = {"MPICOLL_RANKS_PER_NODE": "2"} if algorithm else {}
+                                                             str(min_np), *extra]
+        env = {"MPICOLL_RANKS_PER_NODE": "2"} if extra else {}   # shm or local SGD: nodes
         jobs[name] = (script, n, args, env, JOB_TIMEOUT_S)
     return ulfm_jobs.run_jobs(python, jobs)
 
@@ -120,6 +123,32 @@ def test_torch_training_survives_a_killed_rank(outputs) -> None:
     assert abs(got - reference) <= 0.5, \
         f"accuracy {got:.2f} % after the failure, {reference:.2f} % without\n{tail}"
     assert len(ulfm_jobs.lines(out, "FIRST")) == 3, f"no step completed after the reset\n{tail}"
+
+
+@pytest.mark.timeout(900)
+def test_local_sgd_training_survives_a_killed_rank(outputs) -> None:
+    """The survivors' local SGD averages over the shrunk world (a new averager, built
+    once), keep one schedule, and their parameters are identical exactly when the
+    schedule says the last step averaged them over every rank."""
+    import elastic_torch_worker  # noqa: PLC0415  (imports torch)
+
+    name = "torch-n3-local-sgd"
+    rc, out, secs = outputs[name]
+    tail = _show(name, outputs[name])
+    assert rc == 0, f"status {rc}\n{tail}"
+    done = _done(out)
+    assert sorted(done) == [0, 1] and {f[0] for f in done.values()} == {"2"}, tail
+    local = {int(f[0]): f[1:] for f in ulfm_jobs.lines(out, "LOCALSGD")}
+    assert sorted(local) == [0, 1], tail
+    assert len({tuple(v[:2]) for v in local.values()}) == 1, f"schedules differ\n{tail}"
+    assert {v[2] for v in local.values()} == {"1"}, f"averager rebuilt {local}\n{tail}"
+    hashes = {f[3] for f in done.values()}
+    identical = next(iter(local.values()))[1] == "world"
+    assert (len(hashes) == 1) == identical, \
+        f"parameters {'differ' if identical else 'equal'} at identical={identical}\n{tail}"
+    reference = elastic_torch_worker.train_serially(3, EPOCHS)
+    got = float(next(iter(done.values()))[2])
+    assert got >= reference - 2.0, f"accuracy {got:.2f} %, synchronous {reference:.2f} %"
 
 
 @pytest.mark.timeout(900)

@@ -208,6 +208,12 @@ class Engine:
                                         daemon=True)
 
     # ----------------------------------------------------------------- user side
+
+    @property
+    def user_comm(self) -> MPI.Intracomm:
+        """The communicator ``init()`` was given (every rank of the engine's world; the
+        engine itself works on a private duplicate, :attr:`comm`)."""
+        return self._user_comm
     def start(self) -> None:
         """Start the thread; return once the communicator and layout are ready.
 
