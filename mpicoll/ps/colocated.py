@@ -13,9 +13,9 @@ with an all-reduce):
    were bad (then every rank raises the same :class:`PSError` and nothing is sent);
 2. *push* = reduce-scatter to the owners: each contributing rank ``Isend``\\ s each shard's
    slice of its gradient to the owner; the owner ``Irecv``\\ s into scratch buffers
-   allocated once, sums the contributions **in rank order** (bit-identical to a
-   single-process reference and to the separate-server layout), divides by the number of
-   contributors, and applies the server-side optimizer to its shard;
+   allocated once, sums the contributions **node by node, in rank order inside a node**
+   (:mod:`mpicoll.ps.node_order`; bit-identical to a single-process reference and to the
+   separate-server layout), divides by the number of contributing workers, and applies the server-side optimizer to its shard;
 3. *pull* = all-gather of the updated shards: the owner ``Isend``\\ s the shard straight from
    its value array, every other rank receives into the caller's ``out`` arrays (receives are
    posted at the start of ``push_pull``, before the gradients go out, unless ``out`` shares
@@ -56,6 +56,7 @@ from .colocated_coded import CodedExchange
 from .compressed import PushEncoder
 from .device import DevicePull, call_side, device_views, first_device, host_arrays
 from .errors import PSError
+from .node_order import fold_sum, grouped_order, total_weight
 from .placement import Placement, Shard
 from .server import ShardState
 from .worker import pull_destination
@@ -155,13 +156,22 @@ class ColocatedEngine(CodedExchange):
             aggregate straight into the caller's ``out`` and does not keep it.
         codec: compress pushes and pulls with it (``None``: uncompressed).
         feedback: error feedback of the codec (pushes, ``sum`` pulls).
+        node_of: each rank's node index: contributions are summed node by node
+            (:mod:`mpicoll.ps.node_order`; ``None``: in rank order).
+        weights: how many workers each rank's contribution holds (a node leader's under
+            local aggregation; ``None``: one each); ``average`` divides by them.
     """
 
     def __init__(self, comm: MPI.Comm, placement: Placement, optimizer: str,
                  hyper: dict[str, float], average: bool, chunk_bytes: int,
                  max_sleep: float, check_arrays: Any, keep_aggregate: bool = True,
-                 codec: Codec | None = None, feedback: bool = True) -> None:
+                 codec: Codec | None = None, feedback: bool = True,
+                 node_of: list[int] | None = None, weights: list[int] | None = None) -> None:
         self.comm = comm
+        self.node_of = node_of
+        self.weights = weights
+        self._groupings: dict[tuple[int, ...], tuple[list[int], list[int], int]] = {}
+        self._tmp: dict[tuple[int, int], np.ndarray] = {}      # ident -> a node's sum
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.placement = placement
         self.average = average
@@ -404,7 +414,7 @@ class ColocatedEngine(CodedExchange):
         for k, (lo, hi) in enumerate(self._segments(sh)):
             if recvs.get((sh.ident, k)):
                 yield recvs[(sh.ident, k)]
-            self._reduce(acc[lo:hi], [p[lo:hi] for p in parts])
+            self._reduce(acc[lo:hi], [p[lo:hi] for p in parts], contributors, sh, lo, hi)
             if not adopt:
                 state.opt.apply_part(state.param[lo:hi], acc[lo:hi], lo, hi)
             sends += [self.comm.Isend(raw(lo, hi), dst, TAG_GATHER) for dst in others]
@@ -430,16 +440,33 @@ class ColocatedEngine(CodedExchange):
             self.counters["bytes_out"] += sh.nbytes * others
             self.counters["bytes_out_uncompressed"] += sh.nbytes * others
 
-    def _reduce(self, acc: np.ndarray, parts: list[np.ndarray]) -> None:
-        """``acc = (parts[0] + parts[1] + ...) / len(parts)`` in this order (average)."""
-        if len(parts) == 1:
-            np.copyto(acc, parts[0])
-            return
-        np.add(parts[0], parts[1], out=acc)
-        for p in parts[2:]:
-            acc += p
-        if self.average:
-            np.divide(acc, len(parts), out=acc)
+    def _grouping(self, contributors: list[int]) -> tuple[list[int], list[int], int]:
+        """(positions of ``contributors`` node by node, parts per node, workers they hold),
+        derived once per set of contributors."""
+        key = tuple(contributors)
+        found = self._groupings.get(key)
+        if found is None:
+            order, sizes = grouped_order(contributors, self.node_of)
+            pos = {r: i for i, r in enumerate(contributors)}
+            found = self._groupings[key] = ([pos[r] for r in order], sizes,
+                                            total_weight(contributors, self.weights))
+        return found
+
+    def _reduce(self, acc: np.ndarray, parts: list[np.ndarray], contributors: list[int],
+                sh: Shard, lo: int = 0, hi: int | None = None) -> None:
+        """``acc`` = the contributions (``parts``, in the order of ``contributors``) summed
+        node by node (:mod:`mpicoll.ps.node_order`), divided by the workers they hold
+        (average); ``[lo, hi)``: the segment of shard ``sh`` they are."""
+        order, sizes, count = self._grouping(contributors)
+        tmp = None
+        if any(n > 1 for n in sizes[1:]):
+            full = self._tmp.get(sh.ident)
+            if full is None:
+                full = self._tmp[sh.ident] = np.empty(sh.count, dtype=sh.spec.dtype)
+            tmp = full[lo:hi if hi is not None else sh.count]
+        fold_sum(acc, [parts[i] for i in order], sizes, tmp)
+        if self.average and count > 1:
+            np.divide(acc, count, out=acc)
 
     def _send_shards(self, pullers: list[int], out_flat: dict[str, np.ndarray] | None
                      ) -> list[MPI.Request]:

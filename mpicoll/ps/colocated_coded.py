@@ -189,7 +189,7 @@ class CodedExchange:
                 self.counters["bytes_in_uncompressed"] += sh.nbytes
         acc = self._acc_for(sh)
         if sh.count and parts:
-            self._reduce(acc, parts)
+            self._reduce(acc, parts, contributors, sh)
         if state.opt.name == "sum":
             state.opt.steps += 1
             state.param, self._acc[sh.ident] = acc, state.param

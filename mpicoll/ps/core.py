@@ -35,6 +35,8 @@ from .device import call_side, device_views, host_arrays
 from .errors import PSError
 from .placement import DEFAULT_SPLIT_BYTES, ParamSpec, Placement, specs_from_params
 from .failures import FailureWatch
+from . import node_aggregation as NA
+from .node_aggregation import NodeGroup, decide, node_indices, worker_groups
 from .replicas import Routing
 from .replicated import ReplicatedServer
 from .server import Server, stats_from_vector
@@ -202,10 +204,12 @@ class ParameterServer:
                  restore: str | None = None, reshard: bool = False, max_sleep: float = 1e-3,
                  keep_aggregate: bool = True, backup_workers: int = 0,
                  compression: Any = None, feedback: bool = True, replicas: int = 0,
-                 **hyperparameters: Any) -> None:
+                 local_aggregation: Any = "auto", **hyperparameters: Any) -> None:
         self.comm = (MPI.COMM_WORLD if comm is None else comm).Dup()
         self.rank = self.comm.Get_rank()
         self.worker_comm = MPI.COMM_NULL
+        self._node_comm = MPI.COMM_NULL
+        self._leader_comm = MPI.COMM_NULL
         try:
             settings, specs, values = self._check_arguments(
                 params, dict(num_servers=num_servers, consistency=consistency,
@@ -215,7 +219,7 @@ class ParameterServer:
                              restore=restore, reshard=reshard,
                              keep_aggregate=keep_aggregate, backup_workers=backup_workers,
                              compression=compression, feedback=feedback,
-                             replicas=replicas))
+                             replicas=replicas, local_aggregation=local_aggregation))
             specs = self._agree(settings, specs)
             self._take_roles(settings, specs, max_sleep)
             self._init_or_restore(settings, values)
@@ -293,7 +297,6 @@ class ParameterServer:
         self.compression = settings.compression
         self.feedback = settings.feedback
         self.replicas = settings.replicas
-        self.placement = Placement(specs, self.num_servers, settings.split_bytes)
         self.server_ranks = list(range(self.num_servers))
         self.worker_ranks = list(range(first_worker, size))
         self.is_server = settings.is_server(rank)
@@ -303,24 +306,60 @@ class ParameterServer:
         self._server: Server | None = None
         self._client: WorkerClient | None = None
         self._engine: ColocatedEngine | None = None
+        self._node: NodeGroup | None = None
         self._closed = False
+        node_of = node_indices(self.comm)
+        self.node_groups = worker_groups(node_of, self.worker_ranks)
+        self.local_aggregation = decide(settings.local_aggregation, self.node_groups,
+                                        self.backup_workers, self.replicas, settings.init)
+        #: the ranks the servers (or the co-located engines) see as workers, each standing
+        #: for `weights` workers; with local aggregation the node leaders
+        leaders = [g[0] for g in self.node_groups]
+        counted = leaders if self.local_aggregation else self.worker_ranks
+        weights = {g[0]: len(g) for g in self.node_groups} if self.local_aggregation else None
+        if settings.colocated and self.local_aggregation:
+            self.num_servers = len(leaders)          # one shard owner per node: its leader
+            self.server_ranks = list(range(self.num_servers))
+        self.placement = Placement(specs, self.num_servers, settings.split_bytes)
+        #: (key the server side keeps a worker's clock under, that worker's index)
+        self._clock_keys = [(w, self.worker_ranks.index(w)) for w in counted]
         watch = FailureWatch(self.comm, lambda: [self.comm, self.worker_comm]) \
             if faults.ENABLED else None
+        if self.local_aggregation and self.is_worker:
+            group = next(g for g in self.node_groups if rank in g)
+            self._node_comm = self.comm.Split(self.node_groups.index(group), rank)
+        elif self.local_aggregation:
+            self._node_comm = self.comm.Split(MPI.UNDEFINED, rank)
+        checker = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep)
         if settings.colocated:
-            checker = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep)
-            self._engine = ColocatedEngine(self.comm, self.placement, self.optimizer,
-                                           self.hyperparameters, self.average,
-                                           self.chunk_bytes, max_sleep, checker.check_arrays,
-                                           settings.keep_aggregate, self.compression,
-                                           self.feedback)
-            self._engine.watch = watch
+            engine_comm, engine_nodes, engine_weights = self.comm, node_of, None
+            if self.local_aggregation:
+                self._leader_comm = self.comm.Split(0 if rank in leaders else MPI.UNDEFINED,
+                                                    rank)
+                engine_comm = self._leader_comm
+                engine_nodes = [node_of[w] for w in leaders]
+                engine_weights = [len(g) for g in self.node_groups]
+                self._clock_keys = [(k, self.worker_ranks.index(w))
+                                    for k, w in enumerate(leaders)]
+            if engine_comm != MPI.COMM_NULL:
+                self._engine = ColocatedEngine(engine_comm, self.placement, self.optimizer,
+                                               self.hyperparameters, self.average,
+                                               self.chunk_bytes, max_sleep,
+                                               checker.check_arrays, settings.keep_aggregate,
+                                               self.compression, self.feedback,
+                                               node_of=engine_nodes, weights=engine_weights)
+                self._engine.watch = watch
+            self._make_node_group(checker, max_sleep)
             return
         if self.is_server:
+            server_nodes = {w: node_of[w] for w in counted}
+
             def make(slot: int) -> Server:
-                return Server(self.comm, self.placement, slot, self.worker_ranks,
+                return Server(self.comm, self.placement, slot, counted,
                               self.consistency, self.staleness, self.optimizer,
                               self.hyperparameters, self.average, self.chunk_bytes,
-                              max_sleep, self.backup_workers, self.compression, self.feedback)
+                              max_sleep, self.backup_workers, self.compression, self.feedback,
+                              node_of=server_nodes, weights=weights)
             if self.replicas:
                 self._server = ReplicatedServer(
                     self.comm, self.placement, Routing(self.num_servers, self.replicas),
@@ -328,7 +367,7 @@ class ParameterServer:
             else:
                 self._server = make(rank)
                 self._server.watch = watch
-        else:
+        elif rank in counted:
             self._client = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep,
                                         adopt_version=self.backup_workers > 0,
                                         codec=self.compression, feedback=self.feedback,
@@ -336,6 +375,30 @@ class ParameterServer:
             self._client.watch = watch
             if self.replicas:
                 self._client.routing = Routing(self.num_servers, self.replicas)
+        if self.is_worker:
+            self._make_node_group(checker, max_sleep)
+
+    def _make_node_group(self, checker: WorkerClient, max_sleep: float) -> None:
+        """With local aggregation, this worker's :class:`NodeGroup` (the leader's calls
+        go to its client or co-located engine)."""
+        if not self.local_aggregation:
+            return
+        self._node = NodeGroup(self._node_comm, self.placement.specs,
+                               self._leader_call if self._node_comm.Get_rank() == 0 else None,
+                               checker.check_arrays, max_sleep)
+
+    def _leader_call(self, kind: str, grads: dict[str, Any] | None,
+                     out: dict[str, Any] | None) -> Any:
+        """A node leader's push/pull/push_pull of the node (a handle)."""
+        if self._engine is not None:
+            eng = self._engine
+            op = {"push": CollOp.PUSH, "pull": CollOp.PULL, "push_pull": CollOp.PUSH_PULL}[kind]
+            return eng.start(kind, eng.step(op, grads, out))
+        if kind == "push":
+            return self._client.push_async(grads, check=False)
+        if kind == "pull":
+            return self._client.pull_async(out)
+        return self._client.push_pull_async(grads, out, check=False)
 
     def _init_or_restore(self, settings: Settings, values: dict[str, np.ndarray] | None
                          ) -> None:
@@ -372,6 +435,8 @@ class ParameterServer:
                 if self.rank == 0 else np.empty(spec.size, dtype=spec.dtype)
             if spec.size:
                 self.comm.Bcast([buf.view(np.uint8), MPI.BYTE], root=0)
+            if engine is None:     # local aggregation: a node's other workers own nothing
+                continue
             for sh in self.placement.shards[name]:
                 state = engine.states.get(sh.ident)
                 if state is not None:
@@ -388,9 +453,16 @@ class ParameterServer:
         """This worker's clock: pushes made so far, i.e. the round its next push is for
         (``None`` on servers); with backup workers it also skips rounds that closed
         without this worker."""
+        if self._node is not None:
+            return self._node.clock
         if self._engine is not None:
             return self._engine.clock
         return None if self._client is None else self._client.clock
+
+    def _need_node(self, what: str) -> NodeGroup:
+        if self._closed:
+            raise PSError(f"{what} after close()")
+        return self._node
 
     def _colocated(self, what: str) -> ColocatedEngine:
         if self._closed:
@@ -445,6 +517,9 @@ class ParameterServer:
 
     def pull_async(self, out: dict[str, Any] | None = None) -> Handle:
         """Start :meth:`pull`; ``handle.wait()`` returns the dict."""
+        if self._node is not None:
+            node = self._need_node("pull()")
+            return node.start("pull", node.step(NA.PULL, out=out))
         if self._engine is not None:
             eng = self._colocated("pull()")
             return eng.start("pull", eng.step(CollOp.PULL, out=out))
@@ -467,6 +542,9 @@ class ParameterServer:
 
     def push_async(self, grads: dict[str, Any], check: bool = True) -> Handle:
         """Start :meth:`push`; do not modify ``grads`` before ``handle.wait()``."""
+        if self._node is not None:
+            node = self._need_node("push()")
+            return node.start("push", node.step(NA.PUSH, grads))
         if self._engine is not None:
             eng = self._colocated("push()")
             return eng.start("push", eng.step(CollOp.PUSH, grads))
@@ -481,6 +559,9 @@ class ParameterServer:
     def push_pull_async(self, grads: dict[str, Any], out: dict[str, Any] | None = None,
                         check: bool = True) -> Handle:
         """Start :meth:`push_pull`."""
+        if self._node is not None:
+            node = self._need_node("push_pull()")
+            return node.start("push_pull", node.step(NA.PUSH_PULL, grads, out))
         if self._engine is not None:
             eng = self._colocated("push_pull()")
             return eng.start("push_pull", eng.step(CollOp.PUSH_PULL, grads, out))
@@ -492,8 +573,15 @@ class ParameterServer:
         Servers stop counting a closed worker in rounds and staleness bounds, so a worker
         that finishes early does not hold the others up. Idempotent. On servers: no-op
         (they finish in :meth:`serve`). Co-located, this rank keeps serving its shards to
-        the others and returns once every rank has closed.
+        the others and returns once every rank has closed. With local aggregation every
+        worker of a node closes at the same step (the node's leader then closes for it).
         """
+        if self._node is not None and not self._closed:
+            node = self._node
+            node.wait_current()
+            node.start("close", self._node_close_steps()).wait()
+            self._closed = True
+            return
         if self._engine is not None and not self._closed:
             eng = self._engine
             eng.wait_current()
@@ -506,9 +594,31 @@ class ParameterServer:
         self._client.control_async(P.Op.CLOSE).wait()
         self._closed = True
 
+    def _node_close_steps(self) -> Any:
+        """A node's close: agree, then the leader closes the node's client or engine."""
+        node = self._node
+        yield from node.control_only(NA.CLOSE)
+        status = None
+        if node.is_leader:
+            try:
+                if self._engine is not None:
+                    eng = self._engine
+                    eng.wait_current()
+                    handle = eng.start("close", eng.close())
+                else:
+                    self._client.wait_all()
+                    handle = self._client.control_async(P.Op.CLOSE)
+                yield handle
+                handle.wait()
+            except PSError as exc:
+                status = str(exc)
+        status = yield from node.share(status)
+        if status is not None:
+            raise PSError(status)
+
     def free(self) -> None:
         """Release the private communicators (collective; after serve()/close())."""
-        for c in (self.worker_comm, self.comm):
+        for c in (self._leader_comm, self._node_comm, self.worker_comm, self.comm):
             if c != MPI.COMM_NULL:
                 c.Free()
 
@@ -535,8 +645,17 @@ class ParameterServer:
             "consistency": self.consistency, "staleness_bound": self.staleness,
             "backup_workers": self.backup_workers,
             "compression": settings_name(self.compression), "replicas": self.replicas}
+        out["local_aggregation"] = bool(getattr(self, "local_aggregation", False))
         if self._server is not None:
             out["server"] = self._server.stats()
+            return out
+        if self._node is not None:
+            node = self._need_node("stats()")
+            node.wait_current()
+            servers = node.start("stats", self._node_stats_steps()).wait()
+            out["servers"] = servers
+            out["worker"] = {**self.worker_counters(), "staleness_max": 0,
+                             "staleness_mean": 0.0, "clock": node.clock}
             return out
         if self._engine is not None:
             eng = self._colocated("stats()")
@@ -555,12 +674,37 @@ class ParameterServer:
         out["worker"] = c
         return out
 
+    def _node_stats_steps(self) -> Any:
+        """A node's stats: the leader asks the servers (or the leaders' engines), every
+        worker of the node gets the answer."""
+        node = self._node
+        yield from node.control_only(NA.STATS)
+        servers = None
+        if node.is_leader:
+            if self._engine is not None:
+                eng = self._engine
+                eng.wait_current()
+                handle = eng.start("stats", eng.stats_steps())
+                yield handle
+                servers = handle.wait()
+            else:
+                n = len(P.STATS_FIELDS) + P.STALENESS_BINS
+                handle = self._client.control_async(P.Op.STATS, dest_size=n)
+                yield handle
+                res = handle.wait()
+                servers = [stats_from_vector(res[s]) for s in range(self.num_servers)]
+        return (yield from node.share(servers))
+
     def worker_counters(self) -> dict[str, int]:
         """This worker's own counters, read locally (no message, not collective): pushes,
         pulls, ``bytes_sent``/``bytes_received`` (what travelled) and
         ``bytes_sent_uncompressed``/``bytes_received_uncompressed`` (what the same
         messages carry uncompressed). Empty on a server.
         """
+        if self._node is not None:
+            leader = self._engine.worker_counters if self._engine is not None else \
+                None if self._client is None else self._client.counters
+            return self._node.worker_counters(leader)
         if self._engine is not None:
             return dict(self._engine.worker_counters)
         return {} if self._client is None else dict(self._client.counters)
@@ -576,11 +720,17 @@ class ParameterServer:
         Raises:
             PSError: called on a server, or a server could not write.
         """
-        if self._engine is not None:
+        if self._node is not None:
+            self._need_node("save()").wait_current()
+            if self.colocated:
+                self._node_colocated_save(path)
+                return
+        elif self._engine is not None:
             self._colocated_save(path)
             return
-        client = self._need_worker("save()")
-        client.wait_all()
+        client = self._client if self._node is not None else self._need_worker("save()")
+        if client is not None:
+            client.wait_all()
         try:
             self._save(client, path)
         except MPI.Exception as exc:   # a worker died (ULFM): the workers' collectives fail
@@ -588,14 +738,16 @@ class ParameterServer:
                 faults.translate(exc, self.worker_comm)
             raise
 
-    def _save(self, client: WorkerClient, path: str) -> None:
+    def _save(self, client: WorkerClient | None, path: str) -> None:
         ckpt_id = self.worker_comm.bcast(
             "ckpt-" + uuid.uuid4().hex[:12] if self.worker_index == 0 else None, root=0)
         error = None
         try:
-            client.control_async(P.Op.SAVE, f"{path}\n{ckpt_id}".encode("utf-8")).wait()
+            if client is not None:      # local aggregation: the node's leader saves for it
+                client.control_async(P.Op.SAVE, f"{path}\n{ckpt_id}".encode("utf-8")).wait()
             if self.compression is not None:
-                ckpt.write_codec_file(path, ckpt_id, self.rank, client.codec_state())
+                ckpt.write_codec_file(path, ckpt_id, self.rank,
+                                      {} if client is None else client.codec_state())
         except PSError as exc:
             error = str(exc)
         except OSError as exc:
@@ -603,7 +755,7 @@ class ParameterServer:
         errors = [e for e in self.worker_comm.allgather(error) if e]
         if errors:
             raise PSError(f"save({path!r}) failed: {errors[0]}")
-        clocks = self.worker_comm.allgather(client.clock)
+        clocks = self.worker_comm.allgather(self.clock)
         if self.worker_index == 0:
             self._commit_checkpoint(path, ckpt_id, clocks)
         _wait_collective(self.worker_comm.Ibarrier())
@@ -621,9 +773,51 @@ class ParameterServer:
                     [ckpt.codec_file(ckpt_id, r) for r in range(self.comm.Get_size())],
                     "optimizer": self.optimizer, "hyperparameters": self.hyperparameters,
                     "average": self.average,
-                    "files": [ckpt.server_file(ckpt_id, s) for s in range(self.num_servers)]}
+                    "files": [ckpt.server_file(ckpt_id, s) for s in range(self.num_servers)],
+                    "node_groups": self._node_groups_by_index()}
         ckpt.write_manifest(path, manifest)
         ckpt.remove_stale(path, ckpt_id)
+
+    def _node_groups_by_index(self) -> list[list[int]] | None:
+        """The node groups as worker indices (checkpoints record them; ``None``: local
+        aggregation off)."""
+        if not self.local_aggregation:
+            return None
+        return [[self.worker_ranks.index(w) for w in g] for g in self.node_groups]
+
+    def _node_colocated_save(self, path: str) -> None:
+        """Co-located :meth:`save` with local aggregation: the leaders' engines save (one
+        shard owner per node), every worker of a node gets their verdict."""
+        node = self._node
+        errors = node.start("save", self._node_save_steps(path)).wait()
+        if errors:
+            raise PSError(f"save({path!r}) failed: {errors[0]}")
+
+    def _node_save_steps(self, path: str) -> Any:
+        node = self._node
+        yield from node.control_only(NA.SAVE)
+        errors = None
+        if node.is_leader:
+            eng = self._engine
+            eng.wait_current()
+            try:
+                eng.check_aggregate_kept("save()")
+                handle = eng.start("save", eng.save_steps(
+                    (path, "ckpt-" + uuid.uuid4().hex[:12]), self._commit_leader_clocks))
+                yield handle
+                errors = handle.wait()
+            except PSError as exc:
+                errors = [str(exc)]
+        return (yield from node.share(errors))
+
+    def _commit_leader_clocks(self, path: str, ckpt_id: str, clocks: list[int]) -> None:
+        """The manifest of a co-located checkpoint with local aggregation: each leader's
+        clock is its node's workers' clock."""
+        per_worker = [0] * self.num_workers
+        for g, c in zip(self.node_groups, clocks):
+            for w in g:
+                per_worker[self.worker_ranks.index(w)] = c
+        self._commit_checkpoint(path, ckpt_id, per_worker)
 
     def _colocated_save(self, path: str) -> None:
         """Co-located :meth:`save`: collective over every rank not yet closed; each rank
@@ -657,8 +851,8 @@ class ParameterServer:
         if holder is not None:
             # servers keep clocks by worker rank, the manifest by worker index: with another
             # number of servers the same workers have other ranks
-            worker_clock = {w: clocks[i] if same_workers else common
-                            for i, w in enumerate(self.worker_ranks)}
+            worker_clock = {key: clocks[i] if same_workers else common
+                            for key, i in self._clock_keys}
             loader = ckpt.ShardLoader(path, manifest)
             try:
                 for state in holder.states.values():
@@ -667,10 +861,11 @@ class ParameterServer:
                 error = f"restoring from {path!r}: {exc}"
             finally:
                 loader.close()
-        if self._engine is not None:
-            self._engine.clock = clocks[self.worker_index] if same_workers else common
-        elif self._client is not None:
-            self._client.clock = clocks[self.worker_index] if same_workers else common
+        if self.is_worker:
+            clock = clocks[self.worker_index] if same_workers else common
+            for part in (self._engine, self._client, self._node):
+                if part is not None:
+                    part.clock = clock
         _collective_check(self.comm, error)
         self._restore_codec_state(path, manifest, reshard)
 
@@ -689,6 +884,8 @@ class ParameterServer:
                    f"feedback={manifest.get('feedback', True)!r}")
         elif reshard and self._layout_mismatch(manifest, False) is not None:
             why = "the layout changed (number of servers, workers or split_bytes)"
+        elif manifest.get("node_groups") != self._node_groups_by_index():
+            why = "local aggregation groups the workers otherwise"
         if why is not None:
             if self.rank == 0:
                 log.warning("restore(%r): compression state dropped (%s): residuals restart "
@@ -697,7 +894,8 @@ class ParameterServer:
         error = None
         holder = self._engine or self._server or self._client
         try:
-            holder.load_codec_state(ckpt.read_codec_file(path, manifest["id"], self.rank))
+            if holder is not None:    # a node's other workers keep no codec state
+                holder.load_codec_state(ckpt.read_codec_file(path, manifest["id"], self.rank))
         except (OSError, ValueError, KeyError) as exc:
             error = f"restoring the compression state from {path!r}: {exc}"
         _collective_check(self.comm, error)

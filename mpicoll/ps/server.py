@@ -8,8 +8,9 @@ does not allow yet, and returns from :meth:`Server.serve` once every worker has 
 Consistency, per shard (a worker's *clock* is the number of pushes it has made):
 
 - ``bsp``: pushes of round ``r`` are buffered per worker; once every active (not closed)
-  worker has pushed round ``r`` they are summed in worker-rank order (reproducible), divided
-  by the number of contributors when averaging, and applied as one update. A pull at clock
+  worker has pushed round ``r`` they are summed node by node, in worker-rank order inside
+  a node (:mod:`mpicoll.ps.node_order`; reproducible), divided by the number of
+  contributing workers when averaging, and applied as one update. A pull at clock
   ``c`` waits until ``c`` rounds have been applied. With ``b`` backup workers a round closes
   as soon as all but ``b`` of the active workers have pushed it (the average of the pushes
   it holds then); a push that comes for a round already closed is received, dropped and
@@ -41,6 +42,7 @@ from ..compression import Codec
 from . import protocol as P
 from .checkpoint import write_codec_file, write_server_file
 from .compressed import PullEncoder, coder_parts, decode_into, load_coder_parts
+from .node_order import fold_sum, grouped_order, total_weight
 from .optimizers import ShardOptimizer, make_optimizer
 from .placement import Placement, Shard
 
@@ -94,14 +96,23 @@ class Server:
             pushed it; later pushes for it are dropped (0: every active worker).
         codec: pushes arrive and pulls leave compressed with it (``None``: uncompressed).
         feedback: keep the residual of ``optimizer="sum"`` pulls (error feedback).
+        node_of: each worker's node index: a round is summed node by node
+            (:mod:`mpicoll.ps.node_order`; ``None``: in worker-rank order).
+        weights: how many workers each worker rank's push holds (a node leader's under
+            local aggregation: its node's; ``None``: one each); ``average`` divides by them.
     """
 
     def __init__(self, comm: MPI.Comm, placement: Placement, server: int, workers: list[int],
                  consistency: str, staleness: int, optimizer: str, hyper: dict[str, float],
                  average: bool, chunk_bytes: int, max_sleep: float = 1e-3,
                  backup_workers: int = 0, codec: Codec | None = None,
-                 feedback: bool = True) -> None:
+                 feedback: bool = True, node_of: dict[int, int] | None = None,
+                 weights: dict[int, int] | None = None) -> None:
         self.comm = comm
+        self.node_of = node_of
+        self.weights = weights
+        #: workers all pushes stand for (asp/ssp divide every push by it when averaging)
+        self.total_weight = total_weight(workers, weights)
         self.placement = placement
         self.index = server
         self.workers = list(workers)
@@ -467,8 +478,8 @@ class Server:
             self._receive_gradient(src, h, state, buf)
             self._forward(src, h, buf)
             state.clocks[src] += 1
-            if self.average and len(self.workers) > 1:
-                np.divide(buf, len(self.workers), out=buf)
+            if self.average and self.total_weight > 1:
+                np.divide(buf, self.total_weight, out=buf)
             state.opt.apply(self._writable_param(state), buf)
             state.version += 1
             self.counters["updates"] += 1
@@ -495,12 +506,11 @@ class Server:
             if not self._round_complete(grads):
                 break
             del state.rounds[state.version]
-            order = sorted(grads)
-            acc = grads[order[0]]
-            for w in order[1:]:
-                acc += grads[w]
-            if self.average and len(order) > 1:
-                np.divide(acc, len(order), out=acc)
+            order, sizes = grouped_order(list(grads), self.node_of)
+            acc = fold_sum(grads[order[0]], [grads[w] for w in order], sizes)
+            count = total_weight(order, self.weights)
+            if self.average and count > 1:
+                np.divide(acc, count, out=acc)
             pool = self._pool.setdefault(state.shard.ident, [])
             if state.opt.name == "sum":
                 # the value becomes the aggregate: adopt the buffer instead of copying it
@@ -510,7 +520,7 @@ class Server:
                     pool.append(old)       # else it stays alive in self._sending until sent
                 state.inflight = []
                 state.param = acc
-                pool.extend(grads[w] for w in order[1:])
+                pool.extend(grads[w] for w in order if grads[w] is not acc)
             else:
                 state.opt.apply(self._writable_param(state), acc)
                 pool.extend(grads.values())

@@ -45,6 +45,9 @@ class Settings:
     feedback: bool = True
     #: backup server ranks per shard (0: none; 1: primary + backup, see mpicoll.ps.replicas)
     replicas: int = 0
+    #: the workers of a node push and pull as one: "auto", True or False
+    #: (mpicoll.ps.node_aggregation)
+    local_aggregation: Any = "auto"
 
     @property
     def compression_name(self) -> str | None:
@@ -70,7 +73,8 @@ class Settings:
         return [self.num_servers, self.consistency, self.staleness, self.optimizer,
                 sorted(self.hyperparameters.items()), self.average, self.split_bytes,
                 self.chunk_bytes, self.init, self.restore, self.reshard, self.keep_aggregate,
-                self.backup_workers, self.compression_name, self.feedback, self.replicas]
+                self.backup_workers, self.compression_name, self.feedback, self.replicas,
+                str(self.local_aggregation)]
 
 
 def _check_layout(size: int, num_servers: Any, consistency: Any, init: bool) -> None:
@@ -145,12 +149,34 @@ def _check_replicas(num_servers: Any, backup_workers: int, compression: Any,
                          f"per-worker state is not replicated)")
 
 
+def _check_local_aggregation(value: Any, backup_workers: int, replicas: int,
+                             init: bool) -> None:
+    """``local_aggregation``: ``"auto"``, ``True`` or ``False``; ``True`` refused where the
+    workers of a node cannot act as one (``"auto"`` falls back to the flat path there)."""
+    if not (value is True or value is False or (isinstance(value, str) and value == "auto")):
+        raise ValueError(f"local_aggregation={value!r} must be 'auto', True or False")
+    if value is not True:
+        return
+    blockers = []
+    if backup_workers:
+        blockers.append(f"backup_workers={backup_workers} (a round closes on the first "
+                        f"pushes to arrive, counted per worker)")
+    if replicas:
+        blockers.append(f"replicas={replicas} (failover replays each worker's requests)")
+    if not init:
+        blockers.append("init=False (any worker may call init())")
+    if blockers:
+        raise ValueError("local_aggregation=True does not work with " + "; ".join(blockers)
+                         + "; pass local_aggregation='auto' (which falls back to the flat "
+                         "path there) or False")
+
+
 def check_settings(size: int, num_servers: Any, consistency: Any, staleness: Any,
                    optimizer: Any, hyperparameters: dict[str, Any], average: bool | None,
                    split_bytes: Any, chunk_bytes: Any, init: bool, restore: str | None,
                    reshard: bool, keep_aggregate: bool, backup_workers: Any = 0,
                    compression: Any = None, feedback: Any = True,
-                   replicas: Any = 0) -> Settings:
+                   replicas: Any = 0, local_aggregation: Any = "auto") -> Settings:
     """Check one rank's constructor arguments for a communicator of ``size`` ranks.
 
     Returns:
@@ -181,10 +207,12 @@ def check_settings(size: int, num_servers: Any, consistency: Any, staleness: Any
                     replicas)
     if not isinstance(feedback, bool):
         raise TypeError(f"feedback={feedback!r} must be True or False")
+    _check_local_aggregation(local_aggregation, backup_workers, replicas, init)
     return Settings(num_servers=num_servers, consistency=consistency, staleness=staleness,
                     optimizer=optimizer, hyperparameters=hyper,
                     average=optimizer != "sum" if average is None else bool(average),
                     split_bytes=int(split_bytes), chunk_bytes=int(chunk_bytes),
                     init=bool(init), restore=restore, reshard=bool(reshard),
                     keep_aggregate=bool(keep_aggregate), backup_workers=backup_workers,
-                    compression=codec, feedback=feedback, replicas=replicas)
+                    compression=codec, feedback=feedback, replicas=replicas,
+                    local_aggregation=local_aggregation)

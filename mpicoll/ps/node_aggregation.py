@@ -1,0 +1,340 @@
+"""Local aggregation (局部聚合): the workers of one node push and pull as one.
+
+With ``ParameterServer(..., local_aggregation=...)`` on (the default ``"auto"`` turns it on
+when the workers span several nodes and some node holds more than one worker), the workers
+of a node form a *node group* (:class:`NodeGroup`), ordered by rank; the lowest rank is
+the node's *leader*. Every operation of a worker is collective over its node group:
+
+1. *control*: a small non-blocking all-gather of ``(op, clock, error)`` over the group,
+   so the node's workers either all go on or all raise the same :class:`PSError` (they
+   made different calls, pushed at different clocks, or one passed bad arrays);
+2. *push*: the gradients are summed inside the node through shared memory
+   (``mpicoll.allreduce(..., algorithm="shm")`` on the group's communicator: a left fold in
+   local rank order, the order :mod:`mpicoll.ps.node_order` prescribes), and only the
+   leader pushes the node's sum, as one push that counts for the node's number of
+   workers (its *weight*);
+3. *pull*: only the leader pulls; it then sends a status word and the values to the
+   node's other workers (non-blocking broadcasts on the group's communicator).
+
+The servers (or, co-located, the leaders' engine) thus see one worker per node. Which
+nodes there are comes from :class:`mpicoll.topology.Topology` (``COMM_TYPE_SHARED``, or
+``MPICOLL_RANKS_PER_NODE`` to emulate nodes on one machine).
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import collectives
+from ..topology import Topology
+from . import protocol as P
+from .device import DevicePull, call_side, device_views, first_device, host_arrays
+from .errors import PSError
+from .placement import ParamSpec
+from .worker import pull_destination
+
+__all__ = ["node_indices", "worker_groups", "decide", "NodeGroup", "NodeHandle",
+           "PUSH", "PULL", "PUSH_PULL", "CLOSE", "STATS", "SAVE"]
+
+# operations in the control all-gather
+PUSH, PULL, PUSH_PULL, CLOSE, STATS, SAVE = 1, 2, 3, 4, 5, 6
+_NAMES = {PUSH: "push", PULL: "pull", PUSH_PULL: "push_pull", CLOSE: "close",
+          STATS: "stats", SAVE: "save"}
+
+
+def node_indices(comm: MPI.Comm) -> list[int]:
+    """Every rank's node index in the node layout of ``comm`` (collective)."""
+    topo = Topology(comm)
+    try:
+        return comm.allgather(topo.node_index)
+    finally:
+        topo.free()
+
+
+def worker_groups(node_of: list[int], workers: list[int]) -> list[list[int]]:
+    """The worker ranks of each node that holds workers, nodes in layout order."""
+    groups: dict[int, list[int]] = {}
+    for w in sorted(workers):
+        groups.setdefault(node_of[w], []).append(w)
+    return [groups[k] for k in sorted(groups)]
+
+
+def decide(setting: Any, groups: list[list[int]], backup_workers: int, replicas: int,
+           init: bool) -> bool:
+    """Whether local aggregation runs (the same answer on every rank: every input was
+    agreed at set-up).
+
+    Args:
+        setting: ``local_aggregation`` (``"auto"``, ``True``, ``False``; ``True`` with an
+            excluding setting was refused by :mod:`mpicoll.ps.settings`).
+        groups: :func:`worker_groups`.
+        backup_workers, replicas, init: the settings that exclude it.
+    Returns:
+        ``True`` when some node holds more than one worker and: ``True`` was passed, or
+        ``"auto"`` was, the workers span more than one node and nothing excludes it.
+    """
+    if setting is False or not any(len(g) > 1 for g in groups):
+        return False
+    if setting is True:
+        return True
+    return len(groups) > 1 and not backup_workers and not replicas and init
+
+
+class NodeHandle:
+    """An outstanding node-group operation (the interface of :class:`~mpicoll.ps.Handle`).
+
+    ``wait()`` completes it and returns its result; ``test()`` makes progress without
+    blocking. One operation of a node group runs at a time: starting another first
+    completes this one.
+    """
+
+    def __init__(self, group: "NodeGroup", kind: str, steps: Any) -> None:
+        self.kind = kind
+        self._group = group
+        self._steps = steps
+        self._reqs: list[MPI.Request] = []
+        self._done = False
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._advance()
+
+    def _advance(self) -> None:
+        try:
+            self._reqs = self._steps.send(None)
+        except StopIteration as stop:
+            self._done, self._result = True, stop.value
+        except BaseException as exc:  # noqa: BLE001  (re-raised by wait())
+            self._done, self._error = True, exc
+        if self._done:
+            self._group.finished(self)
+
+    def test(self) -> bool:
+        """Make progress; whether the operation is complete (never raises)."""
+        while not self._done:
+            pending = self._reqs
+            if isinstance(pending, list):
+                if pending and not MPI.Request.Testall(pending):
+                    return False
+            elif not pending.test():
+                return False
+            self._advance()
+        return True
+
+    def wait(self) -> Any:
+        """Complete the operation and return its result.
+
+        Raises:
+            PSError: the node's workers disagreed, one passed bad arrays, or a server
+                rejected the node's request.
+        """
+        while not self._done:
+            pending = self._reqs
+            if isinstance(pending, list):
+                self._group.wait(pending)
+            else:
+                try:
+                    pending.wait()      # the leader's own handle; the steps see its error
+                except PSError:
+                    pass
+            self._advance()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class NodeGroup:
+    """The workers of one node under local aggregation (see the module docstring).
+
+    Args:
+        comm: the node's workers, ordered by rank (the leader is rank 0 of it).
+        specs: the parameters (name -> spec).
+        leader_call: on the leader, ``leader_call(kind, grads, out)`` starts the node's
+            ``"push"``/``"pull"``/``"push_pull"`` towards the servers and returns a
+            handle; ``None`` on the other workers.
+        check_arrays: the worker-side validation of gradients (raises :class:`PSError`).
+        max_sleep: longest pause while polling.
+    """
+
+    def __init__(self, comm: MPI.Comm, specs: dict[str, ParamSpec], leader_call: Any,
+                 check_arrays: Any, max_sleep: float = 1e-3) -> None:
+        self.comm = comm
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        self.is_leader = self.rank == 0
+        self.specs = specs
+        self.leader_call = leader_call
+        self.check_arrays = check_arrays
+        self.max_sleep = max_sleep
+        self.clock = 0
+        self.counters = {"pushes": 0, "pulls": 0, "bytes_sent": 0, "bytes_received": 0,
+                         "bytes_sent_uncompressed": 0, "bytes_received_uncompressed": 0,
+                         "node_bytes_reduced": 0, "node_bytes_shared": 0}
+        self._ctrl_out = np.zeros(3, dtype=np.int64)
+        self._ctrl_in = np.zeros((self.size, 3), dtype=np.int64)
+        self._sums: dict[str, np.ndarray] = {}
+        self._current: NodeHandle | None = None
+
+    # ------------------------------------------------------------------ plumbing
+    def wait(self, reqs: list[MPI.Request]) -> None:
+        """Complete ``reqs`` by polling (a blocking wait would spin on shared cores)."""
+        P.wait_all(reqs, max_sleep=self.max_sleep)
+
+    def start(self, kind: str, steps: Any) -> NodeHandle:
+        """Complete the running operation (if any), then start ``steps``."""
+        self.wait_current()
+        self._current = NodeHandle(self, kind, steps)
+        return self._current
+
+    def finished(self, handle: NodeHandle) -> None:
+        """Forget ``handle`` as the running operation once it has completed."""
+        if self._current is handle:
+            self._current = None
+
+    def wait_current(self) -> None:
+        """Complete the running operation, if any (its errors stay with its handle)."""
+        if self._current is not None:
+            try:
+                self._current.wait()
+            except PSError:
+                pass
+
+    def _control(self, op: int, error: str | None) -> Any:
+        """All-gather ``(op, clock, error flag)`` over the node and check it.
+
+        Raises:
+            PSError: (on every worker of the node) they made different calls, pushed at
+                different clocks, or one passed bad arguments.
+        """
+        self._ctrl_out[:] = (op, self.clock, 1 if error else 0)
+        yield [self.comm.Iallgather([self._ctrl_out, MPI.INT64_T],
+                                    [self._ctrl_in, MPI.INT64_T])]
+        ops = [int(o) for o in self._ctrl_in[:, 0]]
+        if len(set(ops)) > 1:
+            what = ", ".join(f"local rank {r}: {_NAMES.get(o, o)}" for r, o in enumerate(ops))
+            raise PSError(f"local aggregation: the workers of a node must make the same call "
+                          f"at the same step ({what}); pass local_aggregation=False to let "
+                          f"them act alone")
+        if len({int(c) for c in self._ctrl_in[:, 1]}) > 1:
+            raise PSError(f"local aggregation: the workers of a node are at different clocks "
+                          f"{[int(c) for c in self._ctrl_in[:, 1]]}")
+        bad = [r for r in range(self.size) if self._ctrl_in[r, 2]]
+        if bad:
+            mine = f": {error}" if error else " (see the error on those workers)"
+            raise PSError(f"local aggregation: local rank(s) {bad} of this node passed bad "
+                          f"arguments, nothing was sent{mine}", [error] if error else [])
+
+    def share(self, obj: Any = None) -> Any:
+        """Steps: the leader's ``obj`` (small, pickled) on every worker of the node."""
+        size = np.zeros(1, dtype=np.int64)
+        data = b""
+        if self.is_leader:
+            data = pickle.dumps(obj)
+            size[0] = len(data)
+        yield [self.comm.Ibcast([size, MPI.INT64_T], root=0)]
+        buf = np.frombuffer(data, dtype=np.uint8).copy() if self.is_leader else \
+            np.empty(int(size[0]), dtype=np.uint8)
+        yield [self.comm.Ibcast([buf, MPI.BYTE], root=0)]
+        return obj if self.is_leader else pickle.loads(buf.tobytes())
+
+    # ------------------------------------------------------------------ operations
+    def step(self, op: int, grads: dict[str, Any] | None = None,
+             out: dict[str, Any] | None = None) -> Any:
+        """One node-collective push, pull or push_pull (a generator of request lists).
+
+        Returns (as the generator's value): the pulled dict, or ``None`` for a push.
+        """
+        pushing = op in (PUSH, PUSH_PULL)
+        pulling = op in (PULL, PUSH_PULL)
+        error, result, device_pull = None, None, None
+        try:
+            device = call_side(grads=grads if pushing else None, out=out if pulling else None)
+            if pushing:
+                self.check_arrays(device_views(grads) if device else grads, complete=True,
+                                  what="gradient")
+                if device:
+                    grads = host_arrays(grads)
+            if pulling and device:
+                device_pull = DevicePull(out, first_device(grads if pushing else None, out))
+                pairs = {n: device_pull.destination(n, s) for n, s in self.specs.items()}
+                result = {n: p[0] for n, p in pairs.items()}
+            elif pulling:
+                result = {n: pull_destination(s, out) for n, s in self.specs.items()}
+        except PSError as exc:
+            error = str(exc)
+        yield from self._control(op, error)
+        sums = self._reduce(grads) if pushing else None   # (the sums are separate arrays:
+        # pulling into the gradients is safe)
+        status = None
+        if self.is_leader:
+            kind = _NAMES[op]
+            try:
+                handle = self.leader_call(kind, sums, result)
+                yield handle                # a handle: NodeHandle waits on it
+                got = handle.wait()
+                if pulling:
+                    result = _into(result, got)
+            except PSError as exc:
+                status = str(exc)
+        status = yield from self.share(status)
+        if status is not None:
+            raise PSError(status)
+        if pulling:
+            reqs = [self.comm.Ibcast(_raw(result[n]), root=0)
+                    for n in sorted(self.specs) if result[n].size]
+            yield reqs
+            self.counters["pulls"] += 1
+            if not self.is_leader:
+                self.counters["node_bytes_shared"] += sum(result[n].nbytes for n in self.specs)
+        if pushing:
+            self.clock += 1
+            self.counters["pushes"] += 1
+        if device_pull is not None:
+            device_pull.finish()
+            return {n: p[1] for n, p in pairs.items()}
+        return result
+
+    def _reduce(self, grads: dict[str, Any]) -> dict[str, np.ndarray]:
+        """The node's sum of every gradient (every worker of the node gets it; the leader
+        pushes it): the shared-memory all-reduce, a left fold in local rank order."""
+        sums = {}
+        for name in sorted(self.specs):
+            spec = self.specs[name]
+            buf = self._sums.get(name)
+            if buf is None:
+                buf = self._sums[name] = np.empty(spec.shape, dtype=spec.dtype)
+            src = np.ascontiguousarray(grads[name])
+            if spec.size:
+                collectives.allreduce(src, buf, op="sum", comm=self.comm, algorithm="shm")
+            self.counters["node_bytes_reduced"] += buf.nbytes
+            sums[name] = buf
+        return sums
+
+    def control_only(self, op: int) -> Any:
+        """Steps: the node's agreement on ``op`` (close, stats, save)."""
+        yield from self._control(op, None)
+
+    def worker_counters(self, leader_counters: dict[str, int] | None) -> dict[str, int]:
+        """This worker's counters: the node's traffic to the servers on the leader."""
+        out = dict(self.counters)
+        if leader_counters is not None:
+            for k in ("bytes_sent", "bytes_received", "bytes_sent_uncompressed",
+                      "bytes_received_uncompressed"):
+                out[k] = leader_counters.get(k, 0)
+        out["local_aggregation"] = True
+        out["node_leader"] = self.is_leader
+        out["node_workers"] = self.size
+        return out
+
+
+def _raw(arr: np.ndarray) -> list:
+    return [arr.reshape(-1).view(np.uint8), MPI.BYTE]
+
+
+def _into(result: dict[str, np.ndarray], got: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The leader's pulled values in ``result`` (where the pull did not fill them)."""
+    for name, arr in got.items():
+        if arr is not result[name]:
+            np.copyto(result[name], np.asarray(arr).reshape(result[name].shape))
+    return result
