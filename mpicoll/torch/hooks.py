@@ -172,9 +172,7 @@ def _mpicoll_group(process_group: Any) -> Any:
 def _on_group_thread(group: Any, kind: str, run: Callable[[], torch.Tensor]) -> Future:
     """Run ``run`` where the group runs its operations (after what it has queued, so every
     rank runs it in the same order); return a future of its result."""
-    submit = getattr(group, "submit", None)
-    if submit is None:
-        submit = getattr(getattr(group, "_worker", None), "submit", None)
+    submit = getattr(group, "submit", None)   # MPIProcessGroup.submit
     if submit is not None:
         return submit(kind, run).get_future()
     future: Future = Future()     # a synchronous backend: run it here

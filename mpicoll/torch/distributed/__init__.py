@@ -30,7 +30,27 @@ __all__ = ["BACKEND", "MPIProcessGroup", "Options", "register", "mpi_rendezvous"
 
 
 def _create(opts: Any, backend_options: Any = None) -> MPIProcessGroup:
-    """torch's backend constructor (extended API): the group's communicator from MPI."""
+    """torch's backend constructor (extended API): the group's communicator from MPI.
+    Under ULFM, a member that dies meanwhile is a :class:`mpicoll.ProcessFailedError`
+    on every other member (:func:`.failures.creation_failure`)."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    from ...errors import ProcessFailedError  # noqa: PLC0415
+    from .failures import creation_failure  # noqa: PLC0415
+
+    made: list[Any] = []
+    try:
+        return _build(opts, backend_options, made)
+    except (MPI.Exception, ProcessFailedError) as exc:
+        failure = creation_failure(exc, world(), list(opts.global_ranks_in_group),
+                                   made[0] if made else None)
+        if failure is None:
+            raise
+        raise failure from exc
+
+
+def _build(opts: Any, backend_options: Any, made: list[Any]) -> MPIProcessGroup:
+    """:func:`_create`'s work; the communicator, once made, is appended to ``made``."""
     from mpi4py import MPI  # noqa: PLC0415
 
     comm_world = world()
@@ -51,6 +71,7 @@ def _create(opts: Any, backend_options: Any = None) -> MPIProcessGroup:
         if comm == MPI.COMM_NULL or comm.Get_rank() != opts.group_rank:
             raise RuntimeError(f"the mpicoll backend could not build group {ranks}: "
                                f"default group and MPI.COMM_WORLD differ")
+    made.append(comm)
     return MPIProcessGroup(comm, comm.Get_rank(), comm.Get_size(), opts.timeout,
                            backend_options)
 

@@ -31,12 +31,13 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from ... import collectives, config, tracking
+from ... import collectives, config, faults, tracking
 from ...buffers import IN_PLACE
 from ...checked import agree
 from ...context import get_context
 from ..engine.settings import allreduce_algorithm
 from . import p2p
+from .failures import GroupFailures
 from .staging import Staging
 from .tensors import (Host, byte_view, check_reduce_dtype, check_tensor, op_label, op_name,
                       premul_factor)
@@ -107,12 +108,27 @@ class MPIProcessGroup(dist.ProcessGroup):
         self._checked: set[str] = set()
         self._algorithm = self.options.algorithm or allreduce_algorithm()
         self._timeout = seconds(timeout)
+        self._failures = GroupFailures(comm, self._p2p)
         self._worker = GroupWorker(f"mpicoll-pg{next(_serial)}", self._timeout,
-                                   inline=_synchronous())
+                                   inline=_synchronous(), failures=self._failures)
         self._monitored = 0
+        #: monitored_barrier's sends not known complete (never freed while pending: Open
+        #: MPI ends the job when a freed send to a dead rank fails)
+        self._sends: list[Any] = []
         self._names: dict[str, str] = {}
 
     # --- the call path ----------------------------------------------------------------
+    def submit(self, kind: str, run: Callable[[], Any]) -> MPIWork:
+        """Run ``run`` (a function of no arguments) where the group runs its operations:
+        on its thread, after the operations already queued, so that every rank runs it
+        in the same order (a DDP communication hook's own collectives, say). A process
+        failure it meets is reported like the group's own operations'.
+
+        Returns:
+            The :class:`~.work.MPIWork` of ``run`` (its result is ``run``'s value).
+        """
+        return self._worker.submit(kind, run)
+
     def _check(self, kind: str) -> bool:
         """Whether this call is agreed on first (decided alike on every rank)."""
         if self.options.check == "every" or config.check_enabled():
@@ -606,13 +622,16 @@ class MPIProcessGroup(dist.ProcessGroup):
         self._monitored += 1
         tag = self._monitored % p2p.check_tag(0x7FFF)
         comm = self._p2p
+        failed = self._failures
 
         def run() -> None:
             token = _TOKEN
+            self._sends = _pending(self._sends)
             if self.rank() != 0:
-                comm.Isend(token, dest=0, tag=tag).Free()
+                self._sends.append(comm.Isend(token, dest=0, tag=tag))
                 release = comm.Irecv(_SINK, source=0, tag=tag)
-                if not _wait_all([release], limit):
+                if not _wait_all([release], limit, check=lambda: failed.poll(
+                        "monitored_barrier")):
                     release.Cancel()
                     raise RuntimeError(f"Rank {self.rank()}: monitored_barrier was not "
                                        f"released by rank 0 within {limit * 1e3:.0f} ms")
@@ -620,7 +639,8 @@ class MPIProcessGroup(dist.ProcessGroup):
             others = list(range(1, self.size()))
             requests = [comm.Irecv(_SINK, source=r, tag=tag)
                         for r in others]
-            missing = _wait_all(requests, limit, missing=True)
+            missing = _wait_all(requests, limit, missing=True,
+                                check=lambda: failed.poll("monitored_barrier"))
             if missing:
                 for r in missing:
                     requests[r - 1].Cancel()
@@ -629,20 +649,21 @@ class MPIProcessGroup(dist.ProcessGroup):
                 raise RuntimeError(f"Rank{'s' if len(shown) > 1 else ''} {names} failed to "
                                    f"pass monitoredBarrier in {limit * 1e3:.0f} ms")
             for r in others:
-                comm.Isend(token, dest=r, tag=tag).Free()
+                self._sends.append(comm.Isend(token, dest=r, tag=tag))
 
         work = self._worker.submit("monitored_barrier", run)
         work.wait(timedelta(seconds=2 * limit + 5))
 
     # point-to-point ---------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> Any:  # noqa: N803
-        return p2p.isend(self._p2p, tensors, dstRank, tag, self._timeout)
+        return p2p.isend(self._p2p, tensors, dstRank, tag, self._timeout, self._failures)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> Any:  # noqa: N803
-        return p2p.irecv(self._p2p, tensors, srcRank, tag, self._timeout)
+        return p2p.irecv(self._p2p, tensors, srcRank, tag, self._timeout, self._failures)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
-        return p2p.irecv(self._p2p, tensors, MPI.ANY_SOURCE, tag, self._timeout)
+        return p2p.irecv(self._p2p, tensors, MPI.ANY_SOURCE, tag, self._timeout,
+                         self._failures)
 
     # life cycle -------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -671,13 +692,29 @@ def _synchronous() -> bool:
 _said_synchronous = False
 
 
-def _wait_all(requests: list[Any], limit: float, missing: bool = False) -> Any:
+def _pending(requests: list[Any]) -> list[Any]:
+    """The requests of ``requests`` not complete yet (all of them after an error: a send
+    to a failed rank must not be freed)."""
+    try:
+        return [r for r in requests if not r.Test()]
+    except MPI.Exception:
+        faults.keep_requests(requests)
+        return []
+
+
+def _wait_all(requests: list[Any], limit: float, missing: bool = False,
+              check: Callable[[], BaseException | None] | None = None) -> Any:
     """Test ``requests`` until all complete or ``limit`` seconds pass; returns whether all
-    completed, or (``missing``) the 1-based indices of those that did not."""
+    completed, or (``missing``) the 1-based indices of those that did not. ``check``
+    (called between tests) returns an error to raise instead (a failed peer)."""
     deadline = time.monotonic() + limit
     done = [False] * len(requests)
     pause = 1e-5
     while True:
+        error = check() if check is not None else None
+        if error is not None:
+            faults.keep_requests(requests)
+            raise error
         for i, req in enumerate(requests):
             if not done[i]:
                 done[i] = req.Test()

@@ -26,7 +26,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 from torch.futures import Future
 
-__all__ = ["MPIWork", "GroupWorker", "finished", "seconds", "EXIT_STALL_SECONDS"]
+__all__ = ["MPIWork", "GroupWorker", "finished", "finished_with_error", "seconds",
+           "EXIT_STALL_SECONDS"]
 
 log = logging.getLogger("mpicoll.torch.distributed")
 
@@ -119,6 +120,13 @@ def finished(kind: str, result: Any) -> MPIWork:
     return work
 
 
+def finished_with_error(kind: str, error: BaseException) -> MPIWork:
+    """A work that has already failed with ``error``."""
+    work = MPIWork(kind)
+    work.finish(None, error)
+    return work
+
+
 _workers: "weakref.WeakSet[GroupWorker]" = weakref.WeakSet()
 _exit_registered = False
 _registry_lock = threading.Lock()
@@ -132,12 +140,17 @@ class GroupWorker:
         timeout: the group's timeout in seconds (``MPIWork.wait``'s default).
         inline: run every operation on the calling thread instead (synchronous: for MPI
             below ``MPI_THREAD_MULTIPLE``, where only one thread may call MPI).
+        failures: the group's :class:`~.failures.GroupFailures`: an operation's error
+            passes through its ``translate``, and an operation on a failed group fails
+            at once (``refuse``).
     """
 
-    def __init__(self, name: str, timeout: float | None, inline: bool = False) -> None:
+    def __init__(self, name: str, timeout: float | None, inline: bool = False,
+                 failures: Any = None) -> None:
         self.name = name
         self.timeout = timeout
         self.inline = inline
+        self.failures = failures
         self.completed = 0
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -168,10 +181,16 @@ class GroupWorker:
                 _workers.add(self)
 
     def _execute(self, work: MPIWork, run: Callable[[], Any]) -> None:
+        failures = self.failures
+        refused = failures.refuse(work.kind) if failures is not None else None
+        if refused is not None:   # the group has failed: nothing more runs on it
+            work.finish(None, refused)
+            self.completed += 1
+            return
         try:
             result = run()
         except BaseException as exc:  # noqa: BLE001  (handed to the waiter)
-            work.finish(None, exc)
+            work.finish(None, exc if failures is None else failures.translate(work.kind, exc))
         else:
             work.finish(result)
         self.completed += 1

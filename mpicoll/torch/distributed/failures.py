@@ -1,0 +1,135 @@
+"""Process failures in the backend's groups: :class:`mpicoll.ProcessFailedError` (ULFM).
+
+Under an MPI with ULFM turned on (:data:`mpicoll.faults.ENABLED`), a peer that dies makes
+the group's MPI calls fail with ``MPI_ERR_PROC_FAILED``, or raise mpicoll's
+:class:`~mpicoll.ProcessFailedError` where the group runs mpicoll's collectives. Each
+group has one :class:`GroupFailures`: every error of the group's operations (its
+collectives, its own MPI calls, the agreement step, point-to-point requests,
+``monitored_barrier``) passes through :meth:`GroupFailures.translate`, which turns a
+process failure into a :class:`~mpicoll.ProcessFailedError` naming the failed ranks of
+the group and revokes every communicator of the group (the group's, the ones mpicoll
+holds for it, and the point-to-point duplicate), so that a survivor waiting on another
+survivor wakes with the same error. Waits that poll (point-to-point, ``monitored_barrier``)
+also ask MPI every :data:`POLL_S` seconds whether a rank of the group has failed
+(:meth:`GroupFailures.poll`), so a receive from a live rank ends too.
+
+After a failure the group is unusable: every later operation fails at once with a
+:class:`~mpicoll.ProcessFailedError` naming the same ranks (:meth:`GroupFailures.refuse`).
+Without ULFM nothing here does anything: a failure ends the job, as before.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from mpi4py import MPI
+
+from ... import faults
+from ...errors import ProcessFailedError
+
+__all__ = ["GroupFailures", "creation_failure", "POLL_S"]
+
+#: How often (seconds) a polling wait asks MPI whether a rank of the group has failed.
+POLL_S = 0.02
+
+
+class GroupFailures:
+    """The process failure of one group, once there is one.
+
+    Args:
+        comm: the group's communicator (ranks in group order).
+        p2p: the group's point-to-point duplicate (revoked with ``comm``).
+    """
+
+    def __init__(self, comm: Any, p2p: Any) -> None:
+        self.comm, self.p2p = comm, p2p
+        #: The first failure (``None`` while the group works).
+        self.failure: ProcessFailedError | None = None
+        self._lock = threading.Lock()
+        self._next_poll = 0.0
+
+    def translate(self, kind: str, exc: BaseException) -> BaseException:
+        """The error that operation ``kind`` reports for ``exc``: a
+        :class:`~mpicoll.ProcessFailedError` when ``exc`` is a process failure (the group
+        is then revoked), else ``exc`` itself."""
+        if not faults.ENABLED or (self.failure is None
+                                  and not isinstance(exc, (MPI.Exception,
+                                                           ProcessFailedError))):
+            return exc
+        if self.failure is None:
+            failure = faults.as_process_failure(exc, self.comm)
+            if failure is None:
+                return exc
+            self._record(failure.failed_ranks, exc)
+        elif not isinstance(exc, (MPI.Exception, ProcessFailedError)):
+            return exc
+        return self.refused(kind, exc)
+
+    def poll(self, kind: str) -> ProcessFailedError | None:
+        """The error of operation ``kind`` when MPI knows a rank of the group to have
+        failed (asked at most every :data:`POLL_S` seconds; the group is then revoked)."""
+        if self.failure is not None:
+            return self.refused(kind)
+        if not faults.ENABLED:
+            return None
+        now = time.monotonic()
+        if now < self._next_poll:
+            return None
+        self._next_poll = now + POLL_S
+        ranks = faults.failed_ranks(self.comm, 0.0)
+        if not ranks:
+            return None
+        self._record(ranks, None)
+        return self.refused(kind)
+
+    def refuse(self, kind: str) -> ProcessFailedError | None:
+        """The error of operation ``kind`` on a group that has failed, else ``None``."""
+        return None if self.failure is None else self.refused(kind)
+
+    def refused(self, kind: str, cause: BaseException | None = None) -> ProcessFailedError:
+        """A :class:`~mpicoll.ProcessFailedError` for operation ``kind`` (the group has
+        failed)."""
+        failure = self.failure
+        assert failure is not None
+        error = ProcessFailedError(
+            f"mpicoll: {kind}: rank(s) {failure.failed_ranks} of the process group failed "
+            f"(this is rank {self.comm.Get_rank()} of {self.comm.Get_size()}); the group's "
+            f"communicators are revoked and it cannot be used any more",
+            failure.failed_ranks)
+        error.__cause__ = cause if cause is not None else failure.__cause__
+        return error
+
+    def _record(self, ranks: list[int], cause: BaseException | None) -> None:
+        with self._lock:
+            if self.failure is not None:
+                return
+            faults.note_failure()
+            for comm in (self.comm, self.p2p):
+                faults.revoke_all(comm)
+            failure = ProcessFailedError("process group failed", ranks)
+            failure.__cause__ = cause
+            self.failure = failure
+
+
+def creation_failure(exc: BaseException, world: Any, members: list[int],
+                     created: Any = None) -> ProcessFailedError | None:
+    """The :class:`~mpicoll.ProcessFailedError` of a group whose creation over the ranks
+    ``members`` of ``world`` (``[]``: all) failed with ``exc``, naming the failed
+    members as group ranks; ``created`` (a communicator made before the failure) is
+    revoked, so members still creating wake. ``None``: no process failure (or no ULFM)."""
+    if not faults.ENABLED:
+        return None
+    if not (isinstance(exc, ProcessFailedError) or faults.is_process_failure(exc)):
+        return None
+    if created is not None and created != MPI.COMM_NULL:
+        faults.revoke_all(created)
+    faults.note_failure()
+    dead = faults.failed_ranks(world)
+    members = members or list(range(world.Get_size()))
+    ranks = [members.index(r) for r in dead if r in members]
+    error = ProcessFailedError(
+        f"mpicoll: creating the process group of ranks {members} failed: rank(s) {ranks} "
+        f"of it failed (world ranks {dead})", ranks)
+    error.__cause__ = exc
+    return error
