@@ -19,19 +19,39 @@ the job from the last commit written to disk. For numpy programs::
     train(state)
 
 ``comm=None`` (every mpicoll collective's default) means :func:`world`, which is
-``MPI.COMM_WORLD`` until a failure and the survivors' communicator after it. See
-docs/elastic.md. :mod:`mpicoll.torch.elastic` is Horovod's ``hvd.elastic``.
+``MPI.COMM_WORLD`` until a failure and the survivors' communicator after it (or the grown
+world, after new processes joined: ``run(discovery=..., max_np=...)``,
+:mod:`mpicoll.elastic.grow`). See docs/elastic.md. :mod:`mpicoll.torch.elastic` is Horovod's ``hvd.elastic``.
 """
 from __future__ import annotations
 
 from ..errors import HostsUpdatedInterrupt, ProcessFailedError, TooFewRanksError
+from . import grow as _grow
+from .discovery import DiscoveryError, HostsAddedInterrupt
+from .grow import Growth, GrowthError, grow_world
 from .runner import run, run_fn
 from .state import ObjectState, State, broadcast_object
 from .shrink import Recovery, shrink_world, world
 
 __all__ = ["run", "run_fn", "State", "ObjectState", "broadcast_object", "world",
            "shrink_world", "Recovery", "last_recovery", "ProcessFailedError",
-           "TooFewRanksError", "HostsUpdatedInterrupt"]
+           "TooFewRanksError", "HostsUpdatedInterrupt", "HostsAddedInterrupt",
+           "DiscoveryError", "grow_world", "Growth", "GrowthError", "last_growth", "joined"]
+
+# A process that a growth started joins the running job now, before its program makes
+# any collective (mpicoll.elastic.grow).
+_grow.join()
+
+
+def joined() -> bool:
+    """Whether this process was started by a growth and joined a running job."""
+    return _grow.joined is not None
+
+
+def last_growth() -> Growth | None:
+    """The latest growth this process took part in, with its phases' durations
+    (``None``: none)."""
+    return _grow.last_growth
 
 
 def last_recovery() -> Recovery | None:

@@ -15,6 +15,7 @@ import pickle
 from typing import Any, Callable
 
 from .. import context
+from .discovery import check_host_updates
 
 __all__ = ["State", "ObjectState", "broadcast_object"]
 
@@ -60,15 +61,23 @@ class State:
     def commit(self) -> None:
         """Save the state in memory (a copy: a failure later goes back to it); under the
         relaunching supervisor rank 0 also writes it to disk. Then
-        :meth:`check_host_updates`. Local (no communication) unless on disk."""
+        :meth:`check_host_updates` (collective when a discovery is active). Local (no
+        communication) otherwise."""
         self.save()
         _save_to_disk(self)
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Horovod raises :class:`~mpicoll.HostsUpdatedInterrupt` here when its driver
-        reported new hosts; under ULFM no host is ever added (growing back is not
-        supported), so nothing happens."""
+        """Raise :class:`~mpicoll.HostsUpdatedInterrupt` on every rank when discovery
+        found room for more ranks (Horovod's check): inside :func:`mpicoll.elastic.run`
+        with a discovery, one small broadcast from rank 0 (collective: every rank calls
+        it, as often as the others); without a discovery, nothing.
+
+        Raises:
+            HostsUpdatedInterrupt: the job is to grow (the state is not rolled back).
+            DiscoveryError: discovery failed (on every rank).
+        """
+        check_host_updates()
 
     def save(self) -> None:
         """Keep a copy of the state (the commit)."""

@@ -26,7 +26,16 @@ restores the last commit, abandons the engine, shrinks the world to the survivor
 (:func:`mpicoll.elastic.shrink_world`), starts the engine again on it (``hvd.size()`` and
 ``hvd.rank()`` change; the global process set follows; other process sets are dropped
 and must be added again in a reset callback), calls the reset callbacks, synchronises
-the state from rank 0 and runs the function again. See docs/elastic.md.
+the state from rank 0 and runs the function again.
+
+With ``@hvd.elastic.run(discovery=..., max_np=...)`` the job also grows (Horovod's "hosts
+added"): when discovery reports more slots, the next ``state.commit()`` raises
+``HostsUpdatedInterrupt`` on every rank (the state is not rolled back), the engine is shut
+down, new processes of the same program are spawned and merged into the world
+(:mod:`mpicoll.elastic.grow`), the engine starts on it, the reset callbacks run and the
+new ranks receive the state in the sync. A new process joins when it imports
+``mpicoll.torch``; its ``hvd.init()`` starts its engine on the grown world. See
+docs/elastic.md.
 """
 from __future__ import annotations
 
@@ -34,8 +43,11 @@ import functools
 import time
 from typing import Any, Callable
 
-from ...elastic import last_recovery
+from ...elastic import DiscoveryError, last_growth, last_recovery
 from ...elastic import shrink as _shrink
+from ...elastic.discovery import DEFAULT_INTERVAL_S
+from ...elastic.discovery import configure as configure_discovery
+from ...elastic.grow import grow_world as _grow_world
 from ...elastic.runner import run_fn
 from ...elastic.state import ObjectState, State
 from ...errors import CollectiveError, HostsUpdatedInterrupt, TooFewRanksError
@@ -44,7 +56,8 @@ from .sampler import ElasticSampler
 from .state import TorchState
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler",
-           "HorovodInternalError", "HostsUpdatedInterrupt", "TooFewRanksError", "last_recovery"]
+           "HorovodInternalError", "HostsUpdatedInterrupt", "TooFewRanksError", "DiscoveryError",
+           "last_recovery", "last_growth"]
 
 #: Horovod's name for a failed collective (a process failure is one).
 HorovodInternalError = CollectiveError
@@ -61,23 +74,46 @@ def _reset(min_np: int) -> None:
     recovery.phases.update(abandon=abandoned - began, init=time.perf_counter() - shrunk)
 
 
-def run(func: Callable[..., Any] | None = None, *, min_np: int = 1) -> Callable[..., Any]:
-    """Decorator (Horovod's ``hvd.elastic.run``): ``func(state, ...)`` goes on after a
-    process failure on the survivors (see the module's docstring).
+def _grow(new_size: int) -> None:
+    """Stop the engine (a shutdown round of the running ranks), grow the world, start
+    the engine on it (the new ranks start theirs in their own ``hvd.init()``)."""
+    began = time.perf_counter()
+    _torch_state.shutdown()
+    stopped = time.perf_counter()
+    growth = _grow_world(new_size)
+    grown = time.perf_counter()
+    _torch_state.init()
+    growth.phases.update(shutdown=stopped - began, init=time.perf_counter() - grown)
 
-    ``@hvd.elastic.run`` or ``@hvd.elastic.run(min_np=2)``.
+
+def run(func: Callable[..., Any] | None = None, *, min_np: int = 1,
+        max_np: int | None = None, discovery: Any = None,
+        discovery_interval: float = DEFAULT_INTERVAL_S) -> Callable[..., Any]:
+    """Decorator (Horovod's ``hvd.elastic.run``): ``func(state, ...)`` goes on after a
+    process failure on the survivors, and grows when ``discovery`` reports room for more
+    ranks (see the module's docstring).
+
+    ``@hvd.elastic.run``, ``@hvd.elastic.run(min_np=2)``,
+    ``@hvd.elastic.run(discovery="./discover.sh", max_np=8)``.
 
     Args:
         func: the training function; its first argument is a :class:`State`.
         min_np: the least number of ranks to go on with (horovodrun's ``--min-np``;
             default 1); below it every survivor raises :class:`TooFewRanksError`.
+        max_np: the most ranks to grow to (horovodrun's ``--max-np``; default
+            ``MPICOLL_ELASTIC_MAX_NP``, else the size the job was launched with).
+        discovery: horovodrun's ``--host-discovery-script`` (a command), or a callable
+            returning the slots (default ``MPICOLL_ELASTIC_DISCOVERY``; none: the job
+            never grows). The same on every rank.
+        discovery_interval: seconds between two polls of ``discovery`` (rank 0).
     Raises:
-        ValueError: ``min_np`` below 1.
+        ValueError: ``min_np`` below 1, a bad ``max_np`` or ``discovery_interval``.
     """
     if not isinstance(min_np, int) or min_np < 1:
         raise ValueError(f"min_np must be an int of at least 1, not {min_np!r}")
+    hosts = configure_discovery(discovery, max_np, discovery_interval)
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        return run_fn(fn, functools.partial(_reset, min_np))
+        return run_fn(fn, functools.partial(_reset, min_np), _grow, hosts)
 
     return decorate if func is None else decorate(func)

@@ -1,0 +1,209 @@
+"""Growing the world: new processes join a running job (Horovod's "hosts added").
+
+:func:`grow_world` is what every rank of the world runs once a commit raised
+:class:`~mpicoll.elastic.discovery.HostsAddedInterrupt`:
+
+1. *spawn*: ``MPI_Comm_spawn`` (collective over the world, root rank 0) starts ``new_size
+   - size`` processes running this same program (``sys.executable`` with this process's
+   own command line, ``sys.orig_argv``, in rank 0's working directory), with
+   ``MPICOLL_ELASTIC_JOIN=1`` in their environment;
+2. *merge*: ``MPI_Intercomm_merge`` of the spawn's intercommunicator; the running ranks keep
+   their ranks ``0 .. size-1`` (so rank 0, whose state is the commit, stays rank 0) and the
+   new ones follow;
+3. *hello*: rank 0 tells the new ranks what they need of the job's past (the size it was
+   launched with, whether it has seen a process failure);
+4. *switch*: forget (without freeing) the old world's contexts and make the merged
+   communicator the world that ``comm=None`` means (:func:`mpicoll.context.set_world`), as
+   :func:`mpicoll.elastic.shrink_world` does; per-communicator state is built again on the
+   new world's first collective.
+
+A new process does steps 2-4 from its side when it imports :mod:`mpicoll.elastic` (also
+imported by ``mpicoll.torch``): :func:`join` runs at that import when the process was
+spawned so (``MPI.Comm.Get_parent()`` is not ``MPI.COMM_NULL`` and ``MPICOLL_ELASTIC_JOIN``
+is set). Its world is the merged one from then on; its elastic function then starts with
+the state sync that the running ranks make after their reset, as a new Horovod worker does.
+So, as in Horovod, a program makes no collective before its elastic function runs.
+
+Exit: a process that has seen a process failure ends without ``MPI_Finalize``
+(:func:`mpicoll.faults.exit_without_finalize`). Measured with Open MPI 5.0.11: once a rank
+of the job has died, a spawned process's ``MPI_Finalize`` crashes (SIGSEGV in
+``ompi_dpm_dyn_finalize``), and the job's status is 0 only when every process, old and new,
+skips it. So a joiner learns at the hello whether the job has seen a failure and then ends
+as the others do; without a failure every process finalizes normally.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpi4py import MPI
+
+from .. import context, faults
+
+__all__ = ["Growth", "grow_world", "join", "joined", "spawn_command", "last_growth",
+           "GrowthError", "ENV_JOIN", "launch_size"]
+
+log = logging.getLogger("mpicoll.elastic")
+
+#: Environment variable of the spawned processes: join the running job at import.
+ENV_JOIN = "MPICOLL_ELASTIC_JOIN"
+
+
+class GrowthError(RuntimeError):
+    """The new processes could not be started (``MPI_Comm_spawn`` failed on every rank:
+    no free slot in the allocation, say); the world is unchanged."""
+
+
+@dataclass
+class Growth:
+    """What one growth did, with its phases' durations in seconds.
+
+    Attributes:
+        old_size, new_size: the world's size before and after. rank: this rank after.
+        spawn_s: ``MPI_Comm_spawn`` (the new processes start and initialise MPI).
+        merge_s: the merge (it waits for the new processes to import mpicoll.elastic).
+        switch_s: the hello and switching the world.
+        phases: further phases recorded by the callers (``reset``: all of the growth;
+            ``hvd``: ``shutdown`` of the old engine and ``init`` of the new one;
+            ``callbacks``; ``sync``).
+        detected_at: when (``time.time()``) rank 0's discovery saw the new slots.
+        joined: this process is one of the new ones.
+    """
+
+    old_size: int
+    new_size: int
+    rank: int
+    spawn_s: float
+    merge_s: float
+    switch_s: float
+    phases: dict[str, float] = field(default_factory=dict)
+    detected_at: float = 0.0
+    joined: bool = False
+
+    def summary(self) -> str:
+        """``spawn=0.9000,merge=1.2000,...``: every phase, in seconds."""
+        phases = {"spawn": self.spawn_s, "merge": self.merge_s, "switch": self.switch_s,
+                  **self.phases}
+        return ",".join(f"{name}={seconds:.4f}" for name, seconds in phases.items())
+
+
+#: The latest growth of this process (``None``: none).
+last_growth: Growth | None = None
+#: What the job told this process when it joined (``None``: it was not spawned to join).
+joined: dict[str, Any] | None = None
+#: Intercommunicators of spawns, kept (never freed: a free would be collective with the
+#: other side, and the processes stay connected through the merged world anyway).
+_kept: list[MPI.Comm] = []
+
+
+def spawn_command() -> tuple[str, list[str]]:
+    """``(command, arguments)`` that start this same program: the interpreter and this
+    process's own command line (its options, ``-m module`` or the script, and the
+    program's arguments)."""
+    argv = list(getattr(sys, "orig_argv", []))[1:] or list(sys.argv)
+    return sys.executable, argv
+
+
+def launch_size() -> int:
+    """The size this job was launched with (a process that joined learns it from rank 0)."""
+    return joined["launch_size"] if joined else MPI.COMM_WORLD.Get_size()
+
+
+def _hello(merged: MPI.Intracomm) -> dict[str, Any]:
+    """Rank 0's facts for the new ranks (collective over the merged world)."""
+    facts = None
+    if merged.Get_rank() == 0:
+        facts = {"launch_size": launch_size(), "failure_seen": faults.failure_seen}
+    return merged.bcast(facts, root=0)
+
+
+def _switch(old: MPI.Comm | None, merged: MPI.Intracomm) -> None:
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    if old is not None:
+        context.abandon(old)         # no free: a growth is rare, and the old world lives on
+    context.set_world(merged)
+
+
+def grow_world(new_size: int) -> Growth:
+    """Start ``new_size - size`` processes of this program and make the world all of
+    them (collective over the current world; see the module's docstring).
+
+    Returns:
+        The :class:`Growth` (also kept as :data:`last_growth`).
+    Raises:
+        ValueError: ``new_size`` not above the current size.
+        GrowthError: the processes could not be started (the world is unchanged).
+        ProcessFailedError or MPI.Exception: a process failed meanwhile (the caller
+            shrinks).
+    """
+    global last_growth
+    old = context.world()
+    size = old.Get_size()
+    if new_size <= size:
+        raise ValueError(f"new_size {new_size} must exceed the world's size {size}")
+    plain = old if type(old) is MPI.Intracomm else MPI.Intracomm(old)
+    command, args = spawn_command()
+    info = MPI.Info.Create()
+    try:
+        info.Set("PMIX_ENVAR", f"{ENV_JOIN}=1")      # Open MPI 5 (PRRTE)
+        info.Set("wdir", os.getcwd())
+        start = time.perf_counter()
+        try:
+            inter = plain.Spawn(command, args=args, maxprocs=new_size - size, root=0,
+                                info=info)
+        except MPI.Exception as exc:
+            if faults.is_process_failure(exc):
+                raise
+            raise GrowthError(f"starting {new_size - size} process(es) to grow the world "
+                              f"from {size} to {new_size} failed: {exc} (are there free "
+                              f"slots? Open MPI: 'mpirun --host <host>:<slots>' or "
+                              f"'--oversubscribe')") from exc
+    finally:
+        info.Free()
+    spawned = time.perf_counter()
+    _kept.append(inter)
+    merged = inter.Merge(high=False)
+    merged_at = time.perf_counter()
+    _hello(merged)
+    _switch(old, merged)
+    done = time.perf_counter()
+    last_growth = Growth(size, merged.Get_size(), merged.Get_rank(), spawned - start,
+                         merged_at - spawned, done - merged_at)
+    log.info("rank %d: world grew from %d to %d ranks (spawn %.3f s, merge %.3f s)",
+                merged.Get_rank(), size, merged.Get_size(), spawned - start,
+                merged_at - spawned)
+    return last_growth
+
+
+def join() -> bool:
+    """On a process spawned by :func:`grow_world`: merge with the running job and make
+    the merged communicator the world (collective with the running ranks' growth).
+    Returns whether this process joined (``False``: it was not spawned to join).
+    Idempotent; runs at the import of :mod:`mpicoll.elastic`."""
+    global joined, last_growth
+    if joined is not None:
+        return True
+    if not os.environ.get(ENV_JOIN):
+        return False
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        return False
+    os.environ.pop(ENV_JOIN, None)     # not for this process's own children
+    start = time.perf_counter()
+    _kept.append(parent)
+    merged = parent.Merge(high=True)
+    merged_at = time.perf_counter()
+    joined = _hello(merged)
+    if joined["failure_seen"]:
+        faults.note_failure()          # end as the others will: without MPI_Finalize
+    _switch(None, merged)
+    last_growth = Growth(parent.Get_remote_size(), merged.Get_size(), merged.Get_rank(),
+                         0.0, merged_at - start, time.perf_counter() - merged_at,
+                         joined=True)
+    log.info("rank %d: joined a running job of %d ranks (now %d)", merged.Get_rank(),
+             parent.Get_remote_size(), merged.Get_size())
+    return True
