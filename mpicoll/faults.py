@@ -31,8 +31,8 @@ from .errors import ProcessFailedError
 
 __all__ = ["available", "turned_on", "ENABLED", "is_process_failure", "failed_ranks",
            "revoke_all", "bind_contexts", "translate", "note_failure", "failure_seen",
-           "exit_without_finalize", "as_process_failure", "keep_requests", "guard", "guard_call",
-           "FAILED_WAIT_S"]
+           "exit_without_finalize", "finalize_or_exit", "as_process_failure", "keep_requests",
+           "guard", "guard_call", "FAILED_WAIT_S", "FINALIZE_WAIT_S"]
 
 #: Longest wait, in seconds, for the failure detector to name a failed rank after a
 #: revocation (a rank woken by the revocation may not have noticed the death yet).
@@ -201,12 +201,18 @@ def as_process_failure(exc: BaseException, comm: Any) -> ProcessFailedError | No
 #: Whether this process has seen a process failure (:func:`note_failure`).
 failure_seen = False
 _exit_code: list[Any] = []
+#: Longest wait, in seconds, for ``MPI_Finalize`` at the exit of a process that has seen a
+#: failure; past it the process ends without it (:func:`finalize_or_exit`).
+FINALIZE_WAIT_S = 5.0
+#: Whether the exit sequence of a process that saw a failure has taken over (then
+#: :func:`exit_without_finalize`, called by an exit handler, returns).
+_exit_taken_over = False
 
 
 def note_failure() -> None:
-    """Record that this process has seen a process failure: at exit it will end without
-    ``MPI_Finalize`` (:func:`exit_without_finalize`), and ``sys.exit``'s status is kept
-    for that."""
+    """Record that this process has seen a process failure: at exit it runs every exit
+    handler, then finalizes MPI within :data:`FINALIZE_WAIT_S` or ends without
+    ``MPI_Finalize`` (:func:`finalize_or_exit`); ``sys.exit``'s status is kept for that."""
     global failure_seen
     if failure_seen:
         return
@@ -218,14 +224,41 @@ def note_failure() -> None:
         plain_exit(status)
 
     sys.exit = recording_exit
+    _take_over_exit()
 
 
-def exit_without_finalize() -> None:
-    """End the process now, skipping ``MPI_Finalize`` (called by mpicoll's exit handler
-    once a process failure was seen: Open MPI 5.0.11's ``MPI_Finalize`` can wait forever
-    for a dead rank, seen once in about six jobs whose rank 0 died). The status is the
-    one ``sys.exit`` was given, 1 after an uncaught exception, else 0. Python exit
-    handlers registered before mpicoll was imported do not run (logging is flushed)."""
+def _take_over_exit() -> None:
+    """Run :func:`_exit_after_failure` when the interpreter starts its exit: after
+    ``threading._shutdown`` (non-daemon threads joined), which the interpreter calls, by
+    name, before any exit handler, whatever ends the program (its end, ``sys.exit``, a
+    bare ``raise SystemExit(n)``, an uncaught exception)."""
+    import threading  # noqa: PLC0415
+
+    plain_shutdown = getattr(threading, "_shutdown", None)
+    if plain_shutdown is None or getattr(threading, "_SHUTTING_DOWN", False):
+        return   # exiting already: mpicoll's exit handler ends the process (as before)
+
+    def shutdown() -> None:
+        plain_shutdown()
+        _exit_after_failure()
+
+    threading._shutdown = shutdown  # type: ignore[attr-defined]
+
+
+def _exit_after_failure() -> None:
+    """Every exit handler (those registered before mpicoll was imported too, in the usual
+    order), then :func:`finalize_or_exit`."""
+    global _exit_taken_over
+    import atexit  # noqa: PLC0415
+
+    _exit_taken_over = True
+    atexit._run_exitfuncs()   # runs and clears them: the interpreter finds none left
+    finalize_or_exit()
+
+
+def _known_status() -> Any:
+    """The exit status as far as this process can tell: ``sys.exit``'s, 1 after an
+    uncaught exception, else 0 (a bare ``raise SystemExit(n)`` is not seen here)."""
     status: Any = _exit_code[0] if _exit_code else 0
     if getattr(sys, "last_value", None) is not None and not _exit_code:
         status = 1
@@ -234,12 +267,69 @@ def exit_without_finalize() -> None:
     elif not isinstance(status, int):
         print(status, file=sys.stderr)
         status = 1
+    return status
+
+
+def _flush() -> None:
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # noqa: BLE001  (closed: nothing to flush)
             pass
+
+
+def _mpi_finalize() -> None:
+    """``MPI_Finalize`` through ctypes, which lets other threads run meanwhile (mpi4py's
+    ``MPI.Finalize`` holds the interpreter lock)."""
+    import ctypes  # noqa: PLC0415
+
+    ctypes.CDLL(MPI.__file__).MPI_Finalize()
+
+
+def finalize_or_exit(wait_s: float | None = None) -> None:
+    """Finalize MPI, on a thread of its own, waiting for it at most ``wait_s`` seconds
+    (:data:`FINALIZE_WAIT_S`; Open MPI 5.0.11's ``MPI_Finalize`` can wait forever for a
+    dead rank, in about a third of the jobs whose rank 0 died). Then the interpreter exits
+    as usual, with the program's own status, and mpi4py does not finalize again: where
+    ``MPI_Finalize`` returned, and also where it is still waiting but MPI already says it
+    is finalized (its exit handler then skips it; the process ends, that thread with it).
+    Otherwise the process ends now, without ``MPI_Finalize``, with the status
+    :func:`_known_status` gives."""
+    import threading  # noqa: PLC0415
+
+    if MPI.Is_finalized() or not MPI.Is_initialized():
+        return
+    _flush()
+    finalizer = threading.Thread(target=_mpi_finalize, name="mpicoll-finalize", daemon=True)
+    finalizer.start()
+    finalizer.join(FINALIZE_WAIT_S if wait_s is None else wait_s)
+    if not finalizer.is_alive() or _finalized():
+        return
+    print(f"mpicoll: MPI_Finalize did not return within {wait_s or FINALIZE_WAIT_S:g} s "
+          f"after a process failure; ending without it", file=sys.stderr)
+    _flush()
+    os._exit(_known_status())
+
+
+def _finalized() -> bool:
+    try:
+        return bool(MPI.Is_finalized())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def exit_without_finalize() -> None:
+    """End the process now, skipping ``MPI_Finalize`` (called by mpicoll's exit handler
+    once a process failure was seen). Does nothing where the exit sequence of
+    :func:`note_failure` has taken over (the usual case: every exit handler then runs,
+    and MPI is finalized within a bound); this is the fallback for a failure first seen
+    while the interpreter was already exiting. The status is the one ``sys.exit`` was
+    given, 1 after an uncaught exception, else 0."""
+    if _exit_taken_over:
+        return
+    status = _known_status()
+    _flush()
     os._exit(status)
 
 
