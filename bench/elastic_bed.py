@@ -362,6 +362,14 @@ def relative(word: str) -> str:
     return word.replace(str(ROOT) + "/", "")
 
 
+def save(record: dict, path: Path) -> None:
+    """The record as JSON, without this machine's paths (the checkout, the temporary
+    directories)."""
+    text = relative(json.dumps(record, indent=1))
+    text = re.sub(re.escape(tempfile.gettempdir()) + r"/elastic-bed-\w+", "<tmp>", text)
+    path.write_text(text + "\n")
+
+
 # ------------------------------------------------------------------ the PS workload
 def ps_worker(argv: list[str]) -> int:
     """Run under MPI: 2 servers with replicas=1, the other ranks workers (ps_train.py's
@@ -515,13 +523,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="node/link faults: seconds after rank 0 reports epoch 1")
     ap.add_argument("--ps-steps", type=int, default=150)
     ap.add_argument("--ps-hidden", type=int, default=32)
-    ap.add_argument("--hb-period", type=float, default=0.5)
-    ap.add_argument("--hb-timeout", type=float, default=2.0)
+    ap.add_argument("--hb-period", type=float, default=1.0)
+    ap.add_argument("--hb-timeout", type=float, default=5.0)
     ap.add_argument("--timeout", type=float, default=180)
     ap.add_argument("--link-timeout", type=float, default=90)
     ap.add_argument("--json", default=None, help="write (or extend) this record")
     ap.add_argument("--markdown", metavar="JSON", help="print the summary of a record")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # bed down
     if args.markdown:
         print(summarize(Path(args.markdown)))
         return 0
@@ -548,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(json.dumps({k: v for k, v in r.items() if k not in
                                           ("log_tail", "command", "workers")}), flush=True)
                         if args.json:
-                            Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+                            save(record, Path(args.json))
         finally:
             bed.down()
     return 0
