@@ -119,15 +119,29 @@ def throughput_rank(argv: list[str]) -> int:
     ap.add_argument("--chunk-bytes", default="4M")
     ap.add_argument("--no-keep", action="store_true", help="keep_aggregate=False")
     ap.add_argument("--compression", default=None, help="codec of pushes and pulls")
+    ap.add_argument("--local-aggregation", default="auto", choices=LOCAL_AGGREGATION,
+                    help="the PS's local_aggregation; 'both': a node-aware PS (True) and a "
+                    "flat one (False), interleaved with the all-reduces")
     a = ap.parse_args(argv)
     nbytes = parse_size(a.size)
     count = nbytes // 4
     comm = MPI.COMM_WORLD
     servers = a.servers if a.servers == "colocated" else int(a.servers)
-    ps = ParameterServer({"x": np.zeros(count, np.float32)}, comm=comm,
-                         num_servers=servers, optimizer="sum", split_bytes=1 << 16,
-                         max_sleep=a.max_sleep, chunk_bytes=parse_size(a.chunk_bytes),
-                         keep_aggregate=not a.no_keep, compression=a.compression)
+    modes = {"ps": LOCAL_AGGREGATION[a.local_aggregation]}
+    if a.local_aggregation == "both":
+        if servers != "colocated":
+            raise SystemExit("--local-aggregation both needs the co-located layout (server "
+                             "ranks serve one ParameterServer at a time); run 'on' and "
+                             "'off' separately")
+        modes = {"ps": True, "ps_flat": False}
+    servers_of = {}
+    for key, la in modes.items():
+        servers_of[key] = ParameterServer(
+            {"x": np.zeros(count, np.float32)}, comm=comm, num_servers=servers,
+            optimizer="sum", split_bytes=1 << 16, max_sleep=a.max_sleep,
+            chunk_bytes=parse_size(a.chunk_bytes), keep_aggregate=not a.no_keep,
+            compression=a.compression, local_aggregation=la)
+    ps = servers_of["ps"]
     if ps.is_server:
         ps.serve()
         ps.free()
@@ -141,14 +155,21 @@ def throughput_rank(argv: list[str]) -> int:
     ar = np.empty(count, np.float32)
     nat = np.empty(count, np.float32)
     times = {"ps": [], "allreduce": [], "native": []}
+    outs = {key: out if key == "ps" else {"x": np.empty(count, np.float32)}
+            for key in servers_of}
+    for key in servers_of:
+        times[key] = []
     counted = ps.worker_counters()
     for it in range(a.warmup + a.iters):
         if it == a.warmup:
             counted = ps.worker_counters()          # bytes of the timed steps only
-        wc.Barrier()
-        t0 = time.perf_counter()
-        ps.push_pull({"x": g}, out=out)
-        t1 = time.perf_counter()
+        for key, other in servers_of.items():
+            wc.Barrier()
+            t0 = time.perf_counter()
+            other.push_pull({"x": g}, out=outs[key])
+            t1 = time.perf_counter()
+            if it >= a.warmup:
+                times[key].append(t1 - t0)
         wc.Barrier()
         t2 = time.perf_counter()
         mpicoll.allreduce(g, ar, comm=wc)
@@ -158,17 +179,20 @@ def throughput_rank(argv: list[str]) -> int:
         wc.Allreduce(g, nat, op=MPI.SUM)
         t5 = time.perf_counter()
         if it >= a.warmup:
-            times["ps"].append(t1 - t0)
             times["allreduce"].append(t3 - t2)
             times["native"].append(t5 - t4)
-    valid = bool(np.array_equal(out["x"], ar) and np.array_equal(ar, nat))
+    valid = bool(all(np.array_equal(o["x"], ar) for o in outs.values())
+                 and np.array_equal(ar, nat))
     valid = wc.allreduce(valid, op=MPI.LAND) if a.compression is None else None  # lossy
     worst = {k: wc.allreduce(float(np.mean(v)), op=MPI.MAX) for k, v in times.items()}
     best = {k: wc.allreduce(float(np.min(v)), op=MPI.MAX) for k, v in times.items()}
     counted = {k: v - counted[k] for k, v in ps.worker_counters().items()
                if k.startswith("bytes_")}
     stats = ps.stats()
-    ps.close()
+    crossing = {key: cross_node_bytes(other) for key, other in servers_of.items()}
+    for other in servers_of.values():
+        other.close()
+    load = os.getloadavg()[0]
     if ps.worker_index == 0:
         row = {"servers": servers, "workers": ps.num_workers,
                "keep_aggregate": not a.no_keep, "bytes": nbytes, "iters": a.iters,
@@ -176,13 +200,43 @@ def throughput_rank(argv: list[str]) -> int:
                "gbps": {k: nbytes / v / 1e9 for k, v in worst.items()},
                "bytes_per_server": stats["bytes_per_server"],
                "compression": stats["compression"],
-               "worker_bytes": counted, "steps": a.iters}
+               "worker_bytes": counted, "steps": a.iters,
+               "local_aggregation": {k: o.local_aggregation for k, o in servers_of.items()},
+               "node_groups": ps.node_groups, "cross_node_bytes_per_step": crossing,
+               "load_average": load}
         row["ratio_vs_allreduce"] = row["gbps"]["ps"] / row["gbps"]["allreduce"]
+        if "ps_flat" in servers_of:
+            row["flat_ratio_vs_allreduce"] = row["gbps"]["ps_flat"] / row["gbps"]["allreduce"]
         row["ratio_vs_native"] = row["gbps"]["ps"] / row["gbps"]["native"]
         with open(a.json, "w") as f:
             json.dump(row, f)
-    ps.free()
+    for other in servers_of.values():
+        other.free()
     return 0
+
+
+#: ``--local-aggregation`` values and what the rank passes (``both``: two servers)
+LOCAL_AGGREGATION = {"auto": "auto", "on": True, "off": False, "both": None}
+
+
+def cross_node_bytes(ps) -> int:
+    """Payload bytes that cross between nodes in one push_pull of every worker
+    (uncompressed; from the placement, the node layout and who pushes): each contribution
+    to a shard whose owner is on another node, and its pull back."""
+    if ps.colocated and ps.local_aggregation:
+        owners = [g[0] for g in ps.node_groups]          # engine rank k: node k's leader
+    elif ps.colocated:
+        owners = ps.worker_ranks
+    else:
+        owners = ps.server_ranks
+    pushers = [g[0] for g in ps.node_groups] if ps.local_aggregation else ps.worker_ranks
+    total = 0
+    for shards in ps.placement.shards.values():
+        for sh in shards:
+            owner = owners[sh.server]
+            total += 2 * sh.nbytes * sum(1 for r in pushers
+                                         if ps.node_of[r] != ps.node_of[owner])
+    return total
 
 
 # ---------------------------------------------------------------------- drivers
@@ -203,7 +257,7 @@ def config_label(servers: int | str, keep: bool = True) -> str:
 
 
 def run_throughput(configs: list[tuple[int, int]], size: str, iters: int, warmup: int,
-                   timeout: float) -> list[dict]:
+                   timeout: float, local_aggregation: str = "auto") -> list[dict]:
     rows = []
     print(f"# mpicoll.ps push_pull vs all-reduce, {size} float32 per worker, {iters} iters")
     print(f"# {'servers':>7} {'workers':>7} {'PS GB/s':>9} {'allreduce':>9} {'native':>9} "
@@ -212,7 +266,9 @@ def run_throughput(configs: list[tuple[int, int]], size: str, iters: int, warmup
         ranks = workers if servers == "colocated" else servers + workers
         row = launch_json(ranks,
                           [__file__, "_throughput_rank", "--servers", str(servers), "-m", size,
-                           "-i", str(iters), "-x", str(warmup)] + ([] if keep else ["--no-keep"]),
+                           "-i", str(iters), "-x", str(warmup),
+                           "--local-aggregation", local_aggregation]
+                          + ([] if keep else ["--no-keep"]),
                           f"{servers}x{workers}", timeout)
         if row is None:
             continue
@@ -221,6 +277,12 @@ def run_throughput(configs: list[tuple[int, int]], size: str, iters: int, warmup
         print(f"  {config_label(servers, keep):>7} {workers:>7} {g['ps']:>9.2f} "
               f"{g['allreduce']:>9.2f} {g['native']:>9.2f} {row['ratio_vs_allreduce']:>7.2f} "
               f"{row['ratio_vs_native']:>7.2f} {row['valid']}", flush=True)
+        if "ps_flat" in g:
+            print(f"  {'(flat)':>7} {workers:>7} {g['ps_flat']:>9.2f} {'':>9} {'':>9} "
+                  f"{row['flat_ratio_vs_allreduce']:>7.2f}", flush=True)
+        print(f"    local aggregation {row['local_aggregation']}, nodes {row['node_groups']}, "
+              f"bytes crossing nodes per step {row['cross_node_bytes_per_step']}, "
+              f"load {row['load_average']:.1f}", flush=True)
     return rows
 
 
@@ -448,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--out-json", help="stragglers: the JSON file to write")
     ap.add_argument("--plot", help="stragglers: the loss-vs-time PNG to write")
+    ap.add_argument("--local-aggregation", default="auto", choices=sorted(LOCAL_AGGREGATION),
+                    help="throughput: the PS's local_aggregation (on/off/auto), or 'both': "
+                    "node-aware and flat interleaved in one run (co-located configs)")
     ap.add_argument("--codecs", default="none,fp16,bf16,int8,onebit,topk:0.01,randomk:0.01",
                     help="compression: codecs of the bytes table")
     ap.add_argument("--train-codecs", default="none,int8,onebit,topk:0.01",
@@ -466,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
         pass
     if a.what in ("throughput", "all"):
         configs = [parse_config(c) for c in a.configs.split(",")]
-        result["throughput"] = run_throughput(configs, a.size, a.iters, a.warmup, a.timeout)
+        result["throughput"] = run_throughput(configs, a.size, a.iters, a.warmup, a.timeout,
+                                              a.local_aggregation)
     if a.what == "compression":
         result["compression"] = run_compression(a)
         if a.out_json:

@@ -309,6 +309,9 @@ class ParameterServer:
         self._node: NodeGroup | None = None
         self._closed = False
         node_of = node_indices(self.comm)
+        #: every rank's node index (mpicoll.topology's node layout of ``comm``)
+        self.node_of = node_of
+        #: the worker ranks of each node that holds workers, nodes in layout order
         self.node_groups = worker_groups(node_of, self.worker_ranks)
         self.local_aggregation = decide(settings.local_aggregation, self.node_groups,
                                         self.backup_workers, self.replicas, settings.init)
