@@ -38,10 +38,6 @@ __all__ = ["run", "run_fn", "State", "ObjectState", "broadcast_object", "world",
            "TooFewRanksError", "HostsUpdatedInterrupt", "HostsAddedInterrupt",
            "DiscoveryError", "grow_world", "Growth", "GrowthError", "last_growth", "joined"]
 
-# A process that a growth started joins the running job now, before its program makes
-# any collective (mpicoll.elastic.grow).
-_grow.join()
-
 
 def joined() -> bool:
     """Whether this process was started by a growth and joined a running job."""

@@ -4,9 +4,10 @@
 :class:`~mpicoll.elastic.discovery.HostsAddedInterrupt`:
 
 1. *spawn*: ``MPI_Comm_spawn`` (collective over the world, root rank 0) starts ``new_size
-   - size`` processes running this same program (``sys.executable`` with this process's
-   own command line, ``sys.orig_argv``, in rank 0's working directory), with
-   ``MPICOLL_ELASTIC_JOIN=1`` in their environment;
+   - size`` processes of this same program: ``sys.executable``, rank 0's interpreter
+   options, ``-m mpicoll.elastic.joiner``, then the program as rank 0 was started
+   (``sys.orig_argv``: a script, ``-m module`` or ``-c code``, and its arguments), in rank
+   0's working directory;
 2. *merge*: ``MPI_Intercomm_merge`` of the spawn's intercommunicator; the running ranks keep
    their ranks ``0 .. size-1`` (so rank 0, whose state is the commit, stays rank 0) and the
    new ones follow;
@@ -17,12 +18,13 @@
    :func:`mpicoll.elastic.shrink_world` does; per-communicator state is built again on the
    new world's first collective.
 
-A new process does steps 2-4 from its side when it imports :mod:`mpicoll.elastic` (also
-imported by ``mpicoll.torch``): :func:`join` runs at that import when the process was
-spawned so (``MPI.Comm.Get_parent()`` is not ``MPI.COMM_NULL`` and ``MPICOLL_ELASTIC_JOIN``
-is set). Its world is the merged one from then on; its elastic function then starts with
-the state sync that the running ranks make after their reset, as a new Horovod worker does.
-So, as in Horovod, a program makes no collective before its elastic function runs.
+A new process runs :mod:`mpicoll.elastic.joiner`, which does steps 2-4 from its side
+(:func:`join`) and then runs the program as ``python`` would (``sys.argv``, ``__main__``,
+``sys.path[0]``). The program's world is the merged one from its first line; its elastic
+function then starts with the state sync that the running ranks make after their reset,
+as a new Horovod worker does. So, as in Horovod, a program makes no collective before its
+elastic function runs. Nothing here depends on the MPI library's spawn options: the same
+works with any MPI whose ``MPI_Comm_spawn`` works.
 
 Exit: a process that has seen a process failure ends without ``MPI_Finalize``
 (:func:`mpicoll.faults.exit_without_finalize`). Measured with Open MPI 5.0.11: once a rank
@@ -44,13 +46,13 @@ from mpi4py import MPI
 
 from .. import context, faults
 
-__all__ = ["Growth", "grow_world", "join", "joined", "spawn_command", "last_growth",
-           "GrowthError", "ENV_JOIN", "launch_size"]
+__all__ = ["Growth", "grow_world", "join", "joined", "spawn_command", "split_command_line",
+           "last_growth", "GrowthError", "JOINER", "launch_size"]
 
 log = logging.getLogger("mpicoll.elastic")
 
-#: Environment variable of the spawned processes: join the running job at import.
-ENV_JOIN = "MPICOLL_ELASTIC_JOIN"
+#: The module the new processes run: it joins, then runs the program.
+JOINER = "mpicoll.elastic.joiner"
 
 
 class GrowthError(RuntimeError):
@@ -98,14 +100,55 @@ joined: dict[str, Any] | None = None
 #: Intercommunicators of spawns, kept (never freed: a free would be collective with the
 #: other side, and the processes stay connected through the merged world anyway).
 _kept: list[MPI.Comm] = []
+#: This process's interpreter options and program, when it joined (its own command line
+#: starts the joiner instead).
+_program: tuple[list[str], list[str]] | None = None
+
+
+def split_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(interpreter options, program)`` of a Python command line without its first
+    word (``["-u", "-X", "dev", "train.py", "--epochs", "3"]`` -> ``(["-u", "-X", "dev"],
+    ["train.py", "--epochs", "3"])``; the program is ``script args...``, ``-m module
+    args...`` or ``-c code args...``)."""
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--check-hash-based-pycs":
+            i += 2
+            continue
+        if word.startswith("--") or not word.startswith("-") or word == "-":
+            if word.startswith("--") and word != "--":
+                i += 1
+                continue
+            break
+        for j in range(1, len(word)):
+            if word[j] in "cm":                  # -c code / -m module: the program
+                if j == 1:
+                    return argv[:i], argv[i:]
+                return argv[:i] + [word[:j]], ["-" + word[j:]] + argv[i + 1:]
+            if word[j] in "XW":                  # an option with a value
+                if j + 1 == len(word):
+                    i += 1
+                break
+        i += 1
+    return argv[:i], argv[i:]
 
 
 def spawn_command() -> tuple[str, list[str]]:
-    """``(command, arguments)`` that start this same program: the interpreter and this
-    process's own command line (its options, ``-m module`` or the script, and the
-    program's arguments)."""
-    argv = list(getattr(sys, "orig_argv", []))[1:] or list(sys.argv)
-    return sys.executable, argv
+    """``(command, arguments)`` that start this same program in a process that joins:
+    the interpreter, its options, ``-m mpicoll.elastic.joiner``, and the program as this
+    process was started (``sys.orig_argv``), whatever it has done to ``sys.argv`` since.
+
+    Raises:
+        GrowthError: this process runs no program that can be started again (an
+            interactive interpreter, a script read from stdin).
+    """
+    options, program = _program if _program is not None else \
+        split_command_line(list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))[1:])
+    if not program or program[0] == "-":
+        raise GrowthError("cannot grow: this process runs no script or module that new "
+                          "processes could start (interactive, or read from stdin)")
+    return sys.executable, [*options, "-m", JOINER, *program]
 
 
 def launch_size() -> int:
@@ -149,7 +192,6 @@ def grow_world(new_size: int) -> Growth:
     command, args = spawn_command()
     info = MPI.Info.Create()
     try:
-        info.Set("PMIX_ENVAR", f"{ENV_JOIN}=1")      # Open MPI 5 (PRRTE)
         info.Set("wdir", os.getcwd())
         start = time.perf_counter()
         try:
@@ -179,20 +221,21 @@ def grow_world(new_size: int) -> Growth:
     return last_growth
 
 
-def join() -> bool:
-    """On a process spawned by :func:`grow_world`: merge with the running job and make
-    the merged communicator the world (collective with the running ranks' growth).
-    Returns whether this process joined (``False``: it was not spawned to join).
-    Idempotent; runs at the import of :mod:`mpicoll.elastic`."""
-    global joined, last_growth
-    if joined is not None:
-        return True
-    if not os.environ.get(ENV_JOIN):
-        return False
+def join(options: list[str], program: list[str]) -> None:
+    """In a process started by :func:`grow_world` (:mod:`mpicoll.elastic.joiner` calls
+    it before the program runs): merge with the running job and make the merged
+    communicator the world (collective with the running ranks' growth). ``options`` and
+    ``program``: this process's own command line, for its growths to come.
+
+    Raises:
+        RuntimeError: this process was not spawned (no parent).
+    """
+    global joined, last_growth, _program
     parent = MPI.Comm.Get_parent()
     if parent == MPI.COMM_NULL:
-        return False
-    os.environ.pop(ENV_JOIN, None)     # not for this process's own children
+        raise RuntimeError(f"python -m {JOINER} starts the processes that join a running "
+                           f"job (mpicoll.elastic.grow); this one has no parent job")
+    _program = (list(options), list(program))
     start = time.perf_counter()
     _kept.append(parent)
     merged = parent.Merge(high=True)
@@ -206,4 +249,3 @@ def join() -> bool:
                          joined=True)
     log.info("rank %d: joined a running job of %d ranks (now %d)", merged.Get_rank(),
              parent.Get_remote_size(), merged.Get_size())
-    return True

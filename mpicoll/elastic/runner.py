@@ -114,8 +114,8 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
         # a process that joined a running job starts where the running ranks' reset ends
         joining = first_call[0] and grow_module.joined is not None
         first_call[0] = False
-        discovery_module.activate(hosts, first=not joining)
         try:
+            discovery_module.activate(hosts, first=not joining)
             return _loop(func, reset, grow, state, args, kwargs)
         finally:
             discovery_module.deactivate()

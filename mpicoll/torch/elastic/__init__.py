@@ -43,7 +43,7 @@ import functools
 import time
 from typing import Any, Callable
 
-from ...elastic import DiscoveryError, last_growth, last_recovery
+from ...elastic import DiscoveryError, joined, last_growth, last_recovery
 from ...elastic import shrink as _shrink
 from ...elastic.discovery import DEFAULT_INTERVAL_S
 from ...elastic.discovery import configure as configure_discovery
@@ -57,7 +57,7 @@ from .state import TorchState
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler",
            "HorovodInternalError", "HostsUpdatedInterrupt", "TooFewRanksError", "DiscoveryError",
-           "last_recovery", "last_growth"]
+           "last_recovery", "last_growth", "joined"]
 
 #: Horovod's name for a failed collective (a process failure is one).
 HorovodInternalError = CollectiveError

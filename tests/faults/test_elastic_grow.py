@@ -1,0 +1,333 @@
+"""Growing back (Horovod's "hosts added"): new ranks join a running job under Open MPI.
+
+In one process (any MPI): the discovery source's answers (slots from a script, a
+callable's int, lines or garbage), rank 0's verdict (grow up to ``max_np``, never shrink,
+never retry a target that could not start), and a first poll that fails ending ``run``
+with ``DiscoveryError`` before the function runs.
+
+Under ``mpirun --with-ft ulfm`` (elastic_grow_worker.py, numpy):
+
+- ``numpy-grow`` (one job, to spend little CI time): a job of 2 whose discovery script
+  starts reporting 3 slots grows to 3: every rank raises HostsUpdatedInterrupt at the same
+  commit, the new rank enters the elastic function with the committed state bitwise (the
+  same digest as the commit the old ranks made), every later all-reduce on the grown world
+  gives the exact sum for 3 ranks (checked in the worker at every step), and the state
+  counts exactly ``g * 2 + (s - g) * 3`` rank-steps (``g``: the commit that grew). Then
+  the script prints garbage: after three failed polls every rank, the new one included,
+  raises DiscoveryError at the same commit ``s``, with the same state, and the job ends
+  (status 4): no hang.
+
+With ``ULFM_ALL_CASES=1`` (slower: a torch job here costs one to two minutes under load):
+
+- ``numpy-shrink-grow``: 3 ranks, one SIGKILLed, the 2 survivors shrink, then grow back
+  to 3 (discovery still reports 3 slots); exact sums and totals, identical state;
+- ``torch-grow``: ``hvd.elastic`` (TorchState, DistributedOptimizer, ElasticSampler and a
+  callable discovery) grows from 2 to 3: the committed parameters, optimizer state and
+  sampler state reach the new rank bitwise, the sampler re-splits into 3, an
+  ``hvd.allreduce`` on the grown world is exact, training finishes with identical
+  parameters on the 3 ranks and an accuracy within 2 points of uninterrupted training.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+import mpicoll.elastic as elastic
+import ompi_env
+import ulfm_jobs
+from mpi_launcher import mpirun_command, run_command
+from mpicoll.elastic import discovery
+from mpicoll.elastic.grow import split_command_line
+from mpicoll.elastic.joiner import run_program
+
+HERE = Path(__file__).parent
+NUMPY = HERE / "elastic_grow_worker.py"
+TORCH = HERE / "elastic_grow_torch_worker.py"
+JOB_TIMEOUT_S = 180
+STEPS, GROW_STEP, GARBAGE_STEP = 30, 10, 20
+EPOCHS, TORCH_GROW_STEP = 2, 10
+ALL = os.environ.get("ULFM_ALL_CASES") == "1"
+
+
+# ----- in one process -------------------------------------------------------------------
+def test_a_source_answers_slots_from_a_script_a_number_or_lines(tmp_path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# comment\nnode1:2\nnode2\n\nnode3:3\n")
+    assert discovery.Discovery(f"cat {hosts}").poll() == 6
+    assert discovery.Discovery(lambda: 5).poll() == 5
+    assert discovery.Discovery(lambda: "a:2\nb:2").poll() == 4
+    assert discovery.Discovery(lambda: ["a:1", "b"]).poll() == 2
+
+
+@pytest.mark.parametrize("answer, match", [
+    (lambda: "no such line!", "is not 'hostname'"),
+    (lambda: None, "not a number of slots"),
+    (lambda: -1, "-1 slots"),
+    (lambda: 1 / 0, "raised ZeroDivisionError"),
+    ("false", "exited with 1"),
+    ("/no/such/discovery-script", "cannot run"),
+])
+def test_a_failing_source_is_a_discovery_error(answer, match) -> None:
+    with pytest.raises(elastic.DiscoveryError, match=match):
+        discovery.Discovery(answer).poll()
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(TypeError):
+        discovery.Discovery(3)
+    with pytest.raises(ValueError, match="max_np"):
+        discovery.Discovery(lambda: 2, max_np=0)
+    with pytest.raises(ValueError, match="interval"):
+        elastic.run(discovery=lambda: 2, discovery_interval=-1)
+
+
+def test_rank0_verdict_grows_up_to_max_np_only() -> None:
+    slots = {"n": 2}
+    source = discovery.Discovery(lambda: slots["n"], max_np=4)
+    source.poll_now()
+    assert source.verdict(2)[0] == discovery._NOTHING
+    slots["n"] = 8
+    source.poll_now()
+    kind, target, _, _ = source.verdict(2)
+    assert (kind, target) == (discovery._GROW, 4)           # capped by max_np
+    assert source.verdict(2, first=True)[0] == discovery._NOTHING   # the first only checks
+    source.failed_target = 4                                # could not start: not again
+    assert source.verdict(2)[0] == discovery._NOTHING
+    slots["n"] = 3
+    source.poll_now()
+    assert source.verdict(2)[:2] == (discovery._GROW, 3)    # a new answer: try again
+    slots["n"] = 1
+    source.poll_now()
+    assert source.verdict(2)[0] == discovery._NOTHING       # fewer slots: no shrink
+
+
+def test_later_failures_end_the_job_only_after_several_in_a_row() -> None:
+    answers = iter([3, "bad!", "bad!", 3, "bad!", "bad!", "bad!"])
+    source = discovery.Discovery(lambda: next(answers), max_np=3)
+    verdicts = []
+    for _ in range(7):
+        source.poll_now()
+        verdicts.append(source.verdict(2)[0])
+    assert verdicts == [discovery._GROW, discovery._GROW, discovery._GROW, discovery._GROW,
+                        discovery._GROW, discovery._GROW, discovery._ERROR]
+
+
+def test_max_np_defaults_to_the_launch_size_and_the_environment(monkeypatch) -> None:
+    from mpi4py import MPI  # noqa: PLC0415
+
+    monkeypatch.delenv(discovery.ENV_DISCOVERY, raising=False)
+    monkeypatch.delenv(discovery.ENV_MAX_NP, raising=False)
+    assert discovery.configure() is None
+    assert discovery.configure(lambda: 2).limit() == MPI.COMM_WORLD.Get_size()
+    monkeypatch.setenv(discovery.ENV_DISCOVERY, "echo localhost:4")
+    monkeypatch.setenv(discovery.ENV_MAX_NP, "3")
+    source = discovery.configure()
+    assert source.poll() == 4 and source.limit() == 3
+    monkeypatch.setenv(discovery.ENV_MAX_NP, "three")
+    with pytest.raises(ValueError, match="MPICOLL_ELASTIC_MAX_NP"):
+        discovery.configure()
+
+
+def test_a_first_poll_that_fails_stops_run_before_the_function() -> None:
+    calls = []
+
+    @elastic.run(discovery="false")
+    def train(state: elastic.ObjectState) -> None:
+        calls.append(1)
+
+    with pytest.raises(elastic.DiscoveryError, match="exited with 1"):
+        train(elastic.ObjectState(x=1))
+    assert calls == [] and discovery.active() is None
+
+
+def test_commits_check_only_while_the_function_runs() -> None:
+    polls = []
+
+    @elastic.run(discovery=lambda: polls.append(1) or 1, discovery_interval=60)
+    def train(state: elastic.ObjectState) -> int:
+        assert discovery.active() is not None
+        state.x += 1
+        state.commit()                       # a check: nothing new (1 slot, 1 rank)
+        return state.x
+
+    assert train(elastic.ObjectState(x=1)) == 2
+    assert discovery.active() is None and polls == [1]
+
+
+@pytest.mark.parametrize("argv, options, program", [
+    (["train.py", "-x", "1"], [], ["train.py", "-x", "1"]),
+    (["-u", "-X", "dev", "-W", "error", "t.py"], ["-u", "-X", "dev", "-W", "error"], ["t.py"]),
+    (["-uXdev", "t.py", "-m"], ["-uXdev"], ["t.py", "-m"]),
+    (["-u", "-m", "pkg.mod", "--a"], ["-u"], ["-m", "pkg.mod", "--a"]),
+    (["-um", "pkg", "a"], ["-u"], ["-m", "pkg", "a"]),
+    (["-c", "print(1)", "a"], [], ["-c", "print(1)", "a"]),
+    (["--check-hash-based-pycs", "never", "-B", "t.py"],
+     ["--check-hash-based-pycs", "never", "-B"], ["t.py"]),
+    (["-i"], ["-i"], []),
+])
+def test_command_lines_split_into_options_and_program(argv, options, program) -> None:
+    assert split_command_line(argv) == (options, program)
+
+
+def test_the_joiner_runs_a_script_a_module_or_code_as_main(tmp_path, monkeypatch) -> None:
+    script = tmp_path / "prog.py"
+    script.write_text("import sys\nif __name__ == '__main__':\n"
+                      "    sys.modules['grow_probe'].seen.append((sys.argv[1:], sys.path[0]))\n")
+    probe = type(sys)("grow_probe")
+    probe.seen = []
+    monkeypatch.setitem(sys.modules, "grow_probe", probe)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    run_program([str(script), "a", "b"])
+    assert probe.seen == [(["a", "b"], str(tmp_path))]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run_program(["-m", "prog", "c"])
+    run_program(["-c", "import sys, grow_probe; grow_probe.seen.append((sys.argv, __name__))",
+                 "d"])
+    assert probe.seen[1][0] == ["c"] and probe.seen[2] == (["-c", "d"], "__main__")
+    with pytest.raises(ValueError):
+        run_program(["-"])
+
+
+# ----- under mpirun --with-ft ulfm ------------------------------------------------------
+def _jobs(tmp: Path) -> dict:
+    jobs = {
+        # name: (script, n, args)
+        "numpy-grow": (NUMPY, 2, [1000, GROW_STEP, 3, 3, "2", GARBAGE_STEP]),
+    }
+    if ALL:
+        jobs["numpy-shrink-grow"] = (NUMPY, 3, [STEPS, -1, 3, 3, "3", -1, 1, 8])
+        jobs["torch-grow"] = (TORCH, 2, [EPOCHS, TORCH_GROW_STEP, 3, 3])
+    out = {}
+    for name, (script, n, args) in jobs.items():
+        args = [str(a) for a in args]
+        if script == NUMPY:                  # the host file, with the slots at the start
+            hostfile = tmp / f"{name}.hosts"
+            hostfile.write_text(f"localhost:{args[4]}\n")
+            args[4] = str(hostfile)
+        out[name] = (script, n, args, {}, JOB_TIMEOUT_S)
+    return out
+
+
+def _mpich_job(tmp: Path) -> tuple[int, str, float]:
+    """The numpy growth from 2 to 3 under this venv's MPI (the MPICH wheel: no ULFM)."""
+    hostfile = tmp / "mpich.hosts"
+    hostfile.write_text("localhost:2\n")
+    cmd = mpirun_command(2) + [sys.executable, "-u", str(NUMPY), str(STEPS), str(GROW_STEP),
+                               "3", "3", str(hostfile), "-1"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MPICOLL_")}
+    env["PYTHONPATH"] = str(ompi_env.ROOT)
+    rc, out, secs = run_command(cmd, env, JOB_TIMEOUT_S)
+    return 124 if rc is None else rc, out, secs
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("grow")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        mpich = pool.submit(_mpich_job, tmp)
+        python = ompi_env.ompi_python(need_torch=ALL)
+        results = ulfm_jobs.run_jobs(python, _jobs(tmp), parallel=1)
+        results["mpich-grow"] = mpich.result()
+    return results
+
+
+def _show(name: str, result: tuple[int, str, float]) -> str:
+    rc, out, secs = result
+    tail = "\n".join(out.splitlines()[-30:])
+    print(f"{name}: status {rc}, {secs:.1f} s\n{tail}")
+    return tail
+
+
+def _by_rank(out: str, tag: str) -> dict[int, list[str]]:
+    return {int(f[0]): f[1:] for f in ulfm_jobs.lines(out, tag)}
+
+
+def _check_growth(out: str, tail: str, old: int, new: int) -> int:
+    """The growth from ``old`` to ``new`` ranks: one commit on every old rank raised the
+    interrupt, and every rank entered the function again with that commit's state.
+    Returns the step of that commit."""
+    committed = [f for f in ulfm_jobs.lines(out, "COMMITTED") if int(f[1]) == old]
+    assert len(committed) == old, f"old ranks interrupted: {committed}\n{tail}"
+    assert len({(f[2], f[3]) for f in committed}) == 1, f"commits differ\n{tail}"
+    step, digest = committed[0][2], committed[0][3]
+    # the function's entries at the new size after that commit (a job launched at the
+    # new size also entered at step 0; a growth is at a step > 0)
+    entered = [f for f in ulfm_jobs.lines(out, "ENTER") if int(f[1]) == new and f[2] != "0"]
+    assert int(step) > 0, tail
+    assert sorted(int(f[0]) for f in entered) == list(range(new)), tail
+    assert {(f[2], f[3]) for f in entered} == {(step, digest)}, \
+        f"a rank's state after growing is not the commit {step} {digest}\n{tail}"
+    assert sorted(int(f[0]) for f in entered if f[4] == "1") == list(range(old, new)), tail
+    return int(step)
+
+
+@pytest.mark.timeout(900)
+def test_numpy_job_grows_from_2_to_3_then_stops_on_garbage(outputs) -> None:
+    rc, out, _ = outputs["numpy-grow"]
+    tail = _show("numpy-grow", outputs["numpy-grow"])
+    assert "BAD" not in out, f"a wrong all-reduce sum\n{tail}"
+    grew_at = _check_growth(out, tail, 2, 3)
+    assert len(ulfm_jobs.lines(out, "FIRST")) == 3, f"no step at 3 ranks\n{tail}"
+    errors = _by_rank(out, "DISCOVERYERROR")
+    assert sorted(errors) == [0, 1, 2], f"not every rank stopped on the error\n{tail}"
+    assert len({tuple(f[:4]) for f in errors.values()}) == 1, f"ranks stopped apart\n{tail}"
+    size, step, total, _, *words = errors[0]
+    assert int(size) == 3 and int(step) > GARBAGE_STEP, tail
+    assert int(total) == grew_at * 2 + (int(step) - grew_at) * 3, \
+        f"total {total}: steps lost or repeated (grew at {grew_at})\n{tail}"
+    assert "3 polls in a row" in " ".join(words) and "is not 'hostname'" in " ".join(words)
+    assert rc == 4 and "DONE" not in out, f"status {rc} (124: a hang)\n{tail}"
+
+
+def _check_finished_grown(name: str, outputs: dict, rank_steps: Callable[[int], int]) -> None:
+    """Job ``name`` grew from 2 to 3 ranks and finished: exact sums, every rank done at 3
+    ranks with the same state, and ``rank_steps(g)`` rank-steps (``g``: the commit that
+    grew)."""
+    rc, out, _ = outputs[name]
+    tail = _show(name, outputs[name])
+    assert rc == 0 and "BAD" not in out, f"status {rc}\n{tail}"
+    grew_at = _check_growth(out, tail, 2, 3)
+    done = _by_rank(out, "DONE")
+    assert sorted(done) == [0, 1, 2], tail
+    want = ("3", str(STEPS), str(rank_steps(grew_at)))
+    assert {(f[0], f[1], f[2]) for f in done.values()} == {want}, tail
+    assert len({f[3] for f in done.values()}) == 1, f"final states differ\n{tail}"
+
+
+@pytest.mark.timeout(900)
+def test_numpy_job_grows_under_mpich_without_ulfm(outputs) -> None:
+    _check_finished_grown("mpich-grow", outputs, lambda g: g * 2 + (STEPS - g) * 3)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not ALL, reason="set ULFM_ALL_CASES=1 (about 15 s more)")
+def test_numpy_job_shrinks_then_grows_back(outputs) -> None:
+    # 3 ranks to step 8, where one is killed; 2 ranks to the growth; then 3
+    _check_finished_grown("numpy-shrink-grow", outputs,
+                          lambda g: 8 * 3 + (g - 8) * 2 + (STEPS - g) * 3)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not ALL, reason="set ULFM_ALL_CASES=1 (one to two minutes more)")
+def test_torch_job_grows_from_2_to_3(outputs) -> None:
+    import elastic_torch_worker  # noqa: PLC0415  (imports torch)
+
+    rc, out, _ = outputs["torch-grow"]
+    tail = _show("torch-grow", outputs["torch-grow"])
+    assert rc == 0, f"status {rc}\n{tail}"
+    _check_growth(out, tail, 2, 3)
+    entered = [f for f in ulfm_jobs.lines(out, "ENTER")]
+    assert all(f[6] == "1" for f in entered), f"an hvd.allreduce was wrong\n{tail}"
+    assert {f[5] for f in entered if f[1] == "3"} == {"3"}, f"sampler not re-split\n{tail}"
+    done = _by_rank(out, "DONE")
+    assert sorted(done) == [0, 1, 2] and {f[0] for f in done.values()} == {"3"}, tail
+    assert len({f[3] for f in done.values()}) == 1, f"parameters differ\n{tail}"
+    reference = elastic_torch_worker.train_serially(3, EPOCHS)
+    got = float(done[0][2])
+    assert abs(got - reference) <= 2.0, f"accuracy {got:.2f} %, uninterrupted {reference:.2f} %"
