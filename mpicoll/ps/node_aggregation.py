@@ -28,16 +28,19 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import collectives
 from ..topology import Topology
 from . import protocol as P
 from .device import DevicePull, call_side, device_views, first_device, host_arrays
 from .errors import PSError
+from .node_order import fold_sum
 from .placement import ParamSpec
 from .worker import pull_destination
 
 __all__ = ["node_indices", "worker_groups", "decide", "NodeGroup", "NodeHandle",
            "PUSH", "PULL", "PUSH_PULL", "CLOSE", "STATS", "SAVE"]
+
+#: tag of the node's gradients sent to its leader (the group's own communicator)
+_TAG_REDUCE = 7110
 
 # operations in the control all-gather
 PUSH, PULL, PUSH_PULL, CLOSE, STATS, SAVE = 1, 2, 3, 4, 5, 6
@@ -174,6 +177,7 @@ class NodeGroup:
         self._ctrl_out = np.zeros(3, dtype=np.int64)
         self._ctrl_in = np.zeros((self.size, 3), dtype=np.int64)
         self._sums: dict[str, np.ndarray] = {}
+        self._parts: dict[str, list[np.ndarray]] = {}   # the others' gradients
         self._current: NodeHandle | None = None
 
     # ------------------------------------------------------------------ plumbing
@@ -264,7 +268,7 @@ class NodeGroup:
         except PSError as exc:
             error = str(exc)
         yield from self._control(op, error)
-        sums = self._reduce(grads) if pushing else None   # (the sums are separate arrays:
+        sums = (yield from self._reduce(grads)) if pushing else None   # (separate arrays:
         # pulling into the gradients is safe)
         status = None
         if self.is_leader:
@@ -295,20 +299,35 @@ class NodeGroup:
             return {n: p[1] for n, p in pairs.items()}
         return result
 
-    def _reduce(self, grads: dict[str, Any]) -> dict[str, np.ndarray]:
-        """The node's sum of every gradient (every worker of the node gets it; the leader
-        pushes it): the shared-memory all-reduce, a left fold in local rank order."""
+    def _reduce(self, grads: dict[str, Any]) -> Any:
+        """Steps: the node's sum of every gradient on the leader (the other workers send
+        theirs to it, point to point, through MPI's shared memory), summed in local rank
+        order (:func:`~mpicoll.ps.node_order.fold_sum`, the order the servers use).
+        Returns the sums on the leader, ``None`` elsewhere."""
+        names = [n for n in sorted(self.specs) if self.specs[n].size]
+        flat = {n: np.ascontiguousarray(grads[n]).reshape(-1) for n in self.specs}
+        if not self.is_leader:
+            yield [self.comm.Isend(_raw(flat[n]), 0, _TAG_REDUCE) for n in names]
+            return None
         sums = {}
+        reqs = []
         for name in sorted(self.specs):
             spec = self.specs[name]
-            buf = self._sums.get(name)
-            if buf is None:
-                buf = self._sums[name] = np.empty(spec.shape, dtype=spec.dtype)
-            src = np.ascontiguousarray(grads[name])
+            if name not in self._sums:
+                self._sums[name] = np.empty(spec.shape, dtype=spec.dtype)
+                self._parts[name] = [np.empty(spec.size, dtype=spec.dtype)
+                                     for _ in range(self.size - 1)]
+            sums[name] = self._sums[name]
             if spec.size:
-                collectives.allreduce(src, buf, op="sum", comm=self.comm, algorithm="shm")
-            self.counters["node_bytes_reduced"] += buf.nbytes
-            sums[name] = buf
+                reqs += [self.comm.Irecv(_raw(buf), r + 1, _TAG_REDUCE)
+                         for r, buf in enumerate(self._parts[name])]
+        yield reqs
+        for name in names:
+            fold_sum(sums[name].reshape(-1), [flat[name], *self._parts[name]], [self.size])
+            self.counters["node_bytes_reduced"] += sums[name].nbytes * (self.size - 1)
+        for name in self.specs:
+            if not self.specs[name].size:
+                sums[name] = self._sums[name]
         return sums
 
     def control_only(self, op: int) -> Any:
