@@ -43,6 +43,11 @@ MORE_CASES: list[tuple[str, int, int]] = (
        ("sendrecv", 2, 5)])
 
 
+#: Open MPI 5.0.11 sometimes crashes (a backtrace through this function, in
+#: ``MPI_Comm_dup``) when a member dies while a group's communicators are being made.
+OPEN_MPI_CREATE_CRASH = "ompi_comm_activate"
+
+
 def _case_id(case: tuple[str, int, int]) -> str:
     return f"{case[0]}-kill{case[1]}-exit{case[2]}"
 
@@ -69,6 +74,9 @@ def test_killed_rank_fails_every_survivors_backend_operation(job_outputs, case) 
     print(f"{_case_id(case)}: job {secs:.1f} s\n{tail}")
     if ulfm_jobs.OPEN_MPI_ABORT in out:
         pytest.xfail(f"Open MPI aborted the job twice ({ulfm_jobs.OPEN_MPI_ABORT!r})")
+    if op in ("new_group", "split_group") and OPEN_MPI_CREATE_CRASH in out:
+        pytest.xfail("Open MPI crashed in MPI_Comm_dup while a member died "
+                     f"({OPEN_MPI_CREATE_CRASH})")
     problems = survivors_report(("dist." + op, "-", n, victim), out)
     survivors = set(range(n)) - {victim}
     after = {int(f[0]): f[1:] for f in ulfm_jobs.lines(out, "AFTER")}

@@ -51,18 +51,22 @@ class GroupFailures:
 
     def translate(self, kind: str, exc: BaseException) -> BaseException:
         """The error that operation ``kind`` reports for ``exc``: a
-        :class:`~mpicoll.ProcessFailedError` when ``exc`` is a process failure (the group
-        is then revoked), else ``exc`` itself."""
-        if not faults.ENABLED or (self.failure is None
-                                  and not isinstance(exc, (MPI.Exception,
-                                                           ProcessFailedError))):
+        :class:`~mpicoll.ProcessFailedError` when ``exc`` is a process failure, or any
+        error while MPI knows a rank of the group to have failed (the group is then
+        revoked), else ``exc`` itself."""
+        if not faults.ENABLED or not isinstance(exc, Exception):
             return exc
         if self.failure is None:
-            failure = faults.as_process_failure(exc, self.comm)
-            if failure is None:
+            if isinstance(exc, (MPI.Exception, ProcessFailedError)):
+                failure = faults.as_process_failure(exc, self.comm)
+                ranks = failure.failed_ranks if failure is not None else None
+            else:   # e.g. mpi4py unpickling what a collective cut short left behind
+                ranks = faults.failed_ranks(self.comm, 0.0) or None
+            if ranks is None:
                 return exc
-            self._record(failure.failed_ranks, exc)
-        elif not isinstance(exc, (MPI.Exception, ProcessFailedError)):
+            self._record(ranks, exc)
+        elif not isinstance(exc, (MPI.Exception, ProcessFailedError)) and \
+                not faults.failed_ranks(self.comm, 0.0):
             return exc
         return self.refused(kind, exc)
 
@@ -115,19 +119,24 @@ class GroupFailures:
 def creation_failure(exc: BaseException, world: Any, members: list[int],
                      created: Any = None) -> ProcessFailedError | None:
     """The :class:`~mpicoll.ProcessFailedError` of a group whose creation over the ranks
-    ``members`` of ``world`` (``[]``: all) failed with ``exc``, naming the failed
-    members as group ranks; ``created`` (a communicator made before the failure) is
-    revoked, so members still creating wake. ``None``: no process failure (or no ULFM)."""
+    ``members`` of ``world`` (``[]``: all) failed with ``exc`` (an MPI process failure,
+    or any error while MPI knows a member to have failed), naming the failed members as
+    group ranks; ``created`` (a communicator made before the failure) is revoked, so
+    members still creating wake. ``None``: no process failure (or no ULFM)."""
     if not faults.ENABLED:
         return None
-    if not (isinstance(exc, ProcessFailedError) or faults.is_process_failure(exc)):
+    members = members or list(range(world.Get_size()))
+    failure = isinstance(exc, ProcessFailedError) or faults.is_process_failure(exc)
+    # another error (mpi4py unpickling what a collective cut short left behind) counts
+    # when MPI knows a member to have failed
+    dead = faults.failed_ranks(world, faults.FAILED_WAIT_S if failure
+                               else faults.OTHER_WAIT_S)
+    ranks = [members.index(r) for r in dead if r in members]
+    if not failure and not ranks:
         return None
     if created is not None and created != MPI.COMM_NULL:
         faults.revoke_all(created)
     faults.note_failure()
-    dead = faults.failed_ranks(world)
-    members = members or list(range(world.Get_size()))
-    ranks = [members.index(r) for r in dead if r in members]
     error = ProcessFailedError(
         f"mpicoll: creating the process group of ranks {members} failed: rank(s) {ranks} "
         f"of it failed (world ranks {dead})", ranks)
