@@ -21,7 +21,8 @@ the job from the last commit written to disk. For numpy programs::
 ``comm=None`` (every mpicoll collective's default) means :func:`world`, which is
 ``MPI.COMM_WORLD`` until a failure and the survivors' communicator after it (or the grown
 world, after new processes joined: ``run(discovery=..., max_np=...)``,
-:mod:`mpicoll.elastic.grow`). See docs/elastic.md. :mod:`mpicoll.torch.elastic` is Horovod's ``hvd.elastic``.
+:mod:`mpicoll.elastic.grow`). See docs/elastic.md. :mod:`mpicoll.torch.elastic` is
+Horovod's ``hvd.elastic``.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ original rank 0 reaches global step ``GROW_STEP``, then ``SLOTS`` (it waits ther
 callable has answered so). Output lines:
 
 - ``CAPACITY <time>``;
-- ``COMMITTED <rank> <size> <step> <digest>``: a commit raised HostsUpdatedInterrupt
+- ``COMMITTED <rank> <size> <step> <digest> <time>``: a commit raised HostsUpdatedInterrupt
   (``digest``: sha256 of the parameters, the optimizer's state, the sampler's state and
   the plain attributes);
 - ``ENTER <rank> <size> <step> <digest> <joined> <sampler replicas> <allreduce ok>``: the
@@ -121,7 +121,7 @@ def main() -> None:
                     state.commit()
                 except hvd.elastic.HostsUpdatedInterrupt:
                     say(f"COMMITTED {hvd.rank()} {hvd.size()} {state.step} "
-                        f"{state_digest(state)}")
+                        f"{state_digest(state)} {time.time():.6f}")
                     raise
             state.sampler.set_epoch(state.epoch + 1)
 

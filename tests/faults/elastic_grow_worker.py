@@ -16,7 +16,7 @@ the world's size (a wrong sum prints ``BAD`` and aborts); the state adds it and 
 world's size per step. Output lines:
 
 - ``CAPACITY <time>``: the host file now offers ``SLOTS``;
-- ``COMMITTED <rank> <size> <step> <digest>``: a commit raised HostsUpdatedInterrupt;
+- ``COMMITTED <rank> <size> <step> <digest> <time>``: a commit raised HostsUpdatedInterrupt;
 - ``ENTER <rank> <size> <step> <digest> <joined>``: the elastic function (re)starts,
   after the sync (``digest``: sha256 of the state's bytes);
 - ``FIRST <rank> <size> <time>``: the first step completed after a growth;
@@ -105,7 +105,7 @@ def main() -> None:
             try:
                 state.commit()
             except elastic.HostsUpdatedInterrupt:
-                say(f"COMMITTED {rank} {size} {state.step} {digest(state)}")
+                say(f"COMMITTED {rank} {size} {state.step} {digest(state)} {time.time():.6f}")
                 raise
 
     try:

@@ -47,6 +47,7 @@ from ...elastic import DiscoveryError, joined, last_growth, last_recovery
 from ...elastic import shrink as _shrink
 from ...elastic.discovery import DEFAULT_INTERVAL_S
 from ...elastic.discovery import configure as configure_discovery
+from ...elastic.grow import GrowthError
 from ...elastic.grow import grow_world as _grow_world
 from ...elastic.runner import run_fn
 from ...elastic.state import ObjectState, State
@@ -76,11 +77,16 @@ def _reset(min_np: int) -> None:
 
 def _grow(new_size: int) -> None:
     """Stop the engine (a shutdown round of the running ranks), grow the world, start
-    the engine on it (the new ranks start theirs in their own ``hvd.init()``)."""
+    the engine on it (the new ranks start theirs in their own ``hvd.init()``); when the
+    new processes cannot start, the engine starts again on the unchanged world."""
     began = time.perf_counter()
     _torch_state.shutdown()
     stopped = time.perf_counter()
-    growth = _grow_world(new_size)
+    try:
+        growth = _grow_world(new_size)
+    except GrowthError:
+        _torch_state.init()              # the world is unchanged: the engine again on it
+        raise
     grown = time.perf_counter()
     _torch_state.init()
     growth.phases.update(shutdown=stopped - began, init=time.perf_counter() - grown)
