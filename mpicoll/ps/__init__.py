@@ -17,7 +17,10 @@ every rank a worker and the server of its shards), :mod:`~mpicoll.ps.compressed`
 :mod:`~mpicoll.ps.colocated_coded` (``compression=``: compressed pushes and pulls with
 error feedback), :mod:`~mpicoll.ps.replicas` and :mod:`~mpicoll.ps.replicated`
 (``replicas=1``: a primary and a backup server rank per shard, failover under ULFM),
-:mod:`~mpicoll.ps.failures` (process failures in the protocol). See docs/ps.md.
+:mod:`~mpicoll.ps.failures` (process failures in the protocol),
+:mod:`~mpicoll.ps.node_aggregation` and :mod:`~mpicoll.ps.node_order`
+(``local_aggregation=``: the workers of a node push and pull as one; the summation order
+every aggregation shares). See docs/ps.md.
 """
 from __future__ import annotations
 
