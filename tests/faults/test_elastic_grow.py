@@ -185,7 +185,7 @@ def test_the_joiner_runs_a_script_a_module_or_code_as_main(tmp_path, monkeypatch
     monkeypatch.setattr(sys, "path", list(sys.path))
     run_program([str(script), "a", "b"])
     assert probe.seen == [(["a", "b"], str(tmp_path))]
-    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.path.insert(0, str(tmp_path))       # the patched copy: undone with it
     run_program(["-m", "prog", "c"])
     run_program(["-c", "import sys, grow_probe; grow_probe.seen.append((sys.argv, __name__))",
                  "d"])
