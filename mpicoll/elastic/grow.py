@@ -26,12 +26,13 @@ as a new Horovod worker does. So, as in Horovod, a program makes no collective b
 elastic function runs. Nothing here depends on the MPI library's spawn options: the same
 works with any MPI whose ``MPI_Comm_spawn`` works.
 
-Exit: a process that has seen a process failure ends without ``MPI_Finalize``
-(:func:`mpicoll.faults.exit_without_finalize`). Measured with Open MPI 5.0.11: once a rank
-of the job has died, a spawned process's ``MPI_Finalize`` crashes (SIGSEGV in
-``ompi_dpm_dyn_finalize``), and the job's status is 0 only when every process, old and new,
-skips it. So a joiner learns at the hello whether the job has seen a failure and then ends
-as the others do; without a failure every process finalizes normally.
+Exit: a process that has seen a process failure ends as :mod:`mpicoll.faults` makes it
+(:func:`mpicoll.faults.note_failure`), not with a plain ``MPI_Finalize``. Measured with
+Open MPI 5.0.11: once a rank of the job has died, a spawned process's plain
+``MPI_Finalize`` crashes (SIGSEGV in ``ompi_dpm_dyn_finalize``), and a spawned process that
+skips it while no failure happened makes ``prterun`` end the job with status 1. So a
+joiner learns at the hello whether the job has seen a failure and then ends as the others
+do; without a failure every process finalizes normally.
 """
 from __future__ import annotations
 
@@ -242,7 +243,7 @@ def join(options: list[str], program: list[str]) -> None:
     merged_at = time.perf_counter()
     joined = _hello(merged)
     if joined["failure_seen"]:
-        faults.note_failure()          # end as the others will: without MPI_Finalize
+        faults.note_failure()          # end as the others will (mpicoll.faults)
     _switch(None, merged)
     last_growth = Growth(parent.Get_remote_size(), merged.Get_size(), merged.Get_rank(),
                          0.0, merged_at - start, time.perf_counter() - merged_at,
