@@ -205,7 +205,13 @@ class ParameterServer:
                  keep_aggregate: bool = True, backup_workers: int = 0,
                  compression: Any = None, feedback: bool = True, replicas: int = 0,
                  local_aggregation: Any = "auto", **hyperparameters: Any) -> None:
-        self.comm = (MPI.COMM_WORLD if comm is None else comm).Dup()
+        user = MPI.COMM_WORLD if comm is None else comm
+        try:
+            self.comm = user.Dup()
+        except MPI.Exception as exc:     # under ULFM: a rank died before or during Dup
+            if faults.ENABLED:
+                faults.translate(exc, user)
+            raise
         self.rank = self.comm.Get_rank()
         self.worker_comm = MPI.COMM_NULL
         self._node_comm = MPI.COMM_NULL
@@ -225,6 +231,13 @@ class ParameterServer:
             self._init_or_restore(settings, values)
         except (ValueError, PSError):
             self.free()      # raised on every rank (each step's verdict is collective)
+            raise
+        except MPI.Exception as exc:
+            # under ULFM a rank that died during set-up fails a collective here (or a
+            # revoked communicator does): ProcessFailedError on every survivor, the
+            # communicators revoked (not freed: that would wait for the dead rank)
+            if faults.ENABLED:
+                faults.translate(exc, self.comm)
             raise
 
     # ------------------------------------------------------------------ set-up steps
