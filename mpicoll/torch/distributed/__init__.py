@@ -33,17 +33,29 @@ def _create(opts: Any, backend_options: Any = None) -> MPIProcessGroup:
     """torch's backend constructor (extended API): the group's communicator from MPI.
     Under ULFM, a member that dies meanwhile is a :class:`mpicoll.ProcessFailedError`
     on every other member (:func:`.failures.creation_failure`)."""
-    from .failures import creation_failure  # noqa: PLC0415
+    from ... import faults  # noqa: PLC0415
+    from .failures import creation_failure, watched_creation  # noqa: PLC0415
 
     made: list[Any] = []
+    ranks = list(opts.global_ranks_in_group)
     try:
-        return _build(opts, backend_options, made)
+        return watched_creation(lambda: _build(opts, backend_options, made), world(), ranks,
+                                made)
     except Exception as exc:  # noqa: BLE001  (a process failure, or what it left behind)
-        failure = creation_failure(exc, world(), list(opts.global_ranks_in_group),
-                                   made[0] if made else None)
+        if ranks and faults.ENABLED:
+            _parent.clear()   # maybe still in use by a creation stuck in MPI: later
+                              # groups are made from the world
+        failure = creation_failure(exc, world(), ranks, made[0] if made else None)
         if failure is None:
             raise
         raise failure from exc
+
+
+#: A duplicate of ``MPI.COMM_WORLD`` (same ranks), made with the default group, that
+#: subgroups are made from, so that a creation left waiting in MPI after a member died
+#: (:func:`.failures.watched_creation`) does not share the user's ``MPI.COMM_WORLD``;
+#: later groups are then made from ``MPI.COMM_WORLD``.
+_parent: list[Any] = []
 
 
 def _build(opts: Any, backend_options: Any, made: list[Any]) -> MPIProcessGroup:
@@ -61,9 +73,11 @@ def _build(opts: Any, backend_options: Any, made: list[Any]) -> MPIProcessGroup:
                 f"{comm_world.Get_size()}: start every process with mpirun, and where RANK "
                 f"and WORLD_SIZE are set they must equal MPI's")
         comm = comm_world.Dup()
+        _parent[:] = [comm_world.Dup()]
     else:
-        group = comm_world.Get_group().Incl(ranks)
-        comm = comm_world.Create_group(group)
+        parent = _parent[0] if _parent else comm_world
+        group = parent.Get_group().Incl(ranks)
+        comm = parent.Create_group(group)
         group.Free()
         if comm == MPI.COMM_NULL or comm.Get_rank() != opts.group_rank:
             raise RuntimeError(f"the mpicoll backend could not build group {ranks}: "

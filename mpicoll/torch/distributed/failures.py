@@ -21,17 +21,20 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from mpi4py import MPI
 
 from ... import faults
 from ...errors import ProcessFailedError
 
-__all__ = ["GroupFailures", "creation_failure", "POLL_S"]
+__all__ = ["GroupFailures", "watched_creation", "creation_failure", "POLL_S",
+           "CREATE_GRACE_S"]
 
 #: How often (seconds) a polling wait asks MPI whether a rank of the group has failed.
 POLL_S = 0.02
+#: How long (seconds) a group's creation may go on once a member is known to have failed.
+CREATE_GRACE_S = 1.0
 
 
 class GroupFailures:
@@ -114,6 +117,47 @@ class GroupFailures:
             failure = ProcessFailedError("process group failed", ranks)
             failure.__cause__ = cause
             self.failure = failure
+
+
+def watched_creation(build: Callable[[], Any], world: Any, members: list[int],
+                     made: list[Any]) -> Any:
+    """``build()`` (which makes a group of the ``members`` of ``world``, appending the
+    communicators it makes to ``made``), on a thread of its own under ULFM: Open MPI
+    5.0.11's ``MPI_Comm_create_group`` can wait forever for a member that died, and a
+    revocation does not end it. When MPI knows a member to have failed and ``build`` has
+    not ended :data:`CREATE_GRACE_S` seconds later, the communicators made so far are
+    revoked and :class:`~mpicoll.ProcessFailedError` is raised here; the thread is left
+    waiting in MPI (the process's exit does not wait for it:
+    :func:`mpicoll.faults.finalize_or_exit`). Without ULFM (or below
+    ``MPI_THREAD_MULTIPLE``), ``build()`` on this thread."""
+    if not (faults.ENABLED and members and MPI.Query_thread() >= MPI.THREAD_MULTIPLE):
+        return build()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = build()
+        except BaseException as exc:  # noqa: BLE001  (raised on the caller's thread)
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="mpicoll-create-group", daemon=True)
+    thread.start()
+    deadline = None
+    while True:
+        thread.join(POLL_S)
+        if not thread.is_alive():
+            if "error" in box:
+                raise box["error"]
+            return box["value"]
+        if deadline is None:
+            dead = set(members) & set(faults.failed_ranks(world, 0.0))
+            if dead:
+                deadline = time.monotonic() + CREATE_GRACE_S
+        elif time.monotonic() >= deadline:
+            for comm in list(made):
+                faults.revoke_all(comm)
+            raise ProcessFailedError("group creation stuck on a failed member",
+                                     sorted(dead))
 
 
 def creation_failure(exc: BaseException, world: Any, members: list[int],
