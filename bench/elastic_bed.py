@@ -247,7 +247,8 @@ def run_train(bed: Bed, layout: str, fault: str, args: argparse.Namespace, out: 
         run["failed_at"] = float(m.group(1))
     if rec_file.exists():
         rec = json.loads(rec_file.read_text())
-        run["record_written"] = rec_file.stat().st_mtime - run.get("failed_at", 0)
+        if "failed_at" in run:
+            run["record_written"] = rec_file.stat().st_mtime - run["failed_at"]
         run.update(final_accuracy=rec["final_accuracy"], ranks_after=rec["ranks"],
                    commits=len(rec["commit_seconds"]),
                    commit_ms=1e3 * statistics.mean(rec["commit_seconds"] or [0]))
@@ -434,9 +435,10 @@ def ps_worker(argv: list[str]) -> int:
 
 # ------------------------------------------------------------------ summary
 def job_end(rs: list[dict]) -> str:
-    """When the jobs with a failure ended by themselves (median, range), or what became
-    of them."""
-    ends = [r["job_end"] for r in rs if r.get("job_end") is not None]
+    """When the jobs that did not go on after their failure ended by themselves (median,
+    range), and how many were stopped at the timeout."""
+    ends = [r["job_end"] for r in rs if r.get("job_end") is not None
+            and r.get("recovery") is None and r.get("failover") is None]
     hung = sum(1 for r in rs if r.get("ended") is False)
     text = (f"{statistics.median(ends):.2f} ({min(ends):.2f}-{max(ends):.2f})"
             if ends else "-")
