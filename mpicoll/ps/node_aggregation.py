@@ -257,16 +257,18 @@ class NodeGroup:
             if pushing:
                 self.check_arrays(device_views(grads) if device else grads, complete=True,
                                   what="gradient")
-                if device:
-                    grads = host_arrays(grads)
             if pulling and device:
                 device_pull = DevicePull(out, first_device(grads if pushing else None, out))
                 pairs = {n: device_pull.destination(n, s) for n, s in self.specs.items()}
                 result = {n: p[0] for n, p in pairs.items()}
             elif pulling:
                 result = {n: pull_destination(s, out) for n, s in self.specs.items()}
+            if pushing and device:
+                grads = host_arrays(grads)      # staged now: the caller may reuse them
         except PSError as exc:
             error = str(exc)
+        except (TypeError, ValueError) as exc:   # reported to the node, not raised alone
+            error = f"{type(exc).__name__}: {exc}"
         yield from self._control(op, error)
         sums = (yield from self._reduce(grads)) if pushing else None   # (separate arrays:
         # pulling into the gradients is safe)

@@ -386,3 +386,22 @@ def test_compression_with_local_aggregation(num_servers):
         np.testing.assert_allclose(coded[0][k], exact[0][k], atol=0.05, rtol=0)
     if RANK != group[0]:
         assert coded[1]["bytes_sent"] == 0
+
+
+def test_device_arrays_with_local_aggregation():
+    """Fake device arrays (tests/gpu/mpi's simulated backend) through local aggregation:
+    the same bits as host arrays, co-located and with one server, int8 too."""
+    gpu = os.path.join(os.path.dirname(__file__), "..", "..", "gpu")
+    sys.path[:0] = [gpu, os.path.join(gpu, "mpi")]
+    from gpu_helpers import SimulatedBackend
+    from test_ps_device_mpi import FakeSide, train
+
+    from mpicoll.gpu import backends
+
+    for layout, compression in [(COLOCATED, None), (1, "int8:8")]:
+        if layout not in layouts():
+            continue
+        want = train(layout, compression)
+        with backends.registered(SimulatedBackend()):
+            got = train(layout, compression, FakeSide)
+        assert got == want, (layout, compression)
