@@ -51,8 +51,10 @@ TOOL_VARIABLES: tuple[Variable, ...] = (
     Variable("MPICOLL_CLUSTER_TESTS", "tests", "on",
              "`0` skips the tests that bring up the namespace cluster (tests/cluster/)"),
     Variable("MPICOLL_CLUSTER_ELASTIC", "tests", "off",
-             "`1` runs tests/cluster/test_cluster_elastic.py: the relaunching supervisor in "
-             "a Slurm allocation that loses a node (2-3 minutes)"),
+             "`1` runs the bed's opt-in fault tests: tests/cluster/test_cluster_elastic.py "
+             "(the relaunching supervisor in a Slurm allocation that loses a node, 2-3 "
+             "minutes) and tests/cluster/test_cluster_ompi.py (Open MPI with ULFM across "
+             "the nodes: exact all-reduces, the shaped link, a killed rank survived)"),
     Variable("MPICOLL_CLUSTER_DIR", "cluster/", "`/tmp/mpicoll-cluster`",
              "state directory of the namespace cluster (docs/cluster.md)"),
     Variable("MPICOLL_CLUSTER_PREFIX", "cluster/", "`mpicoll`",

@@ -268,10 +268,13 @@ def train_elastic(args: argparse.Namespace, model: nn.Module, optimizer: torch.o
     per_rank = max(1, args.batch // hvd.size())
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     sampler = hvd.elastic.ElasticSampler(range(len(ytr)), shuffle=True, seed=args.seed)
-    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0)
+    # per_rank is state: ranks that join a grown job take the running ranks' batch
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0,
+                                   per_rank=per_rank)
     me = hvd.rank()                              # the launch rank (for --kill-rank)
     record: dict = {"commit_seconds": [], "resets": []}
     pending = {"reset": False}
+    seen = {"growth": hvd.elastic.last_growth()}   # a process that joined: its own join
 
     def on_reset() -> None:
         pending["reset"] = True
@@ -283,6 +286,7 @@ def train_elastic(args: argparse.Namespace, model: nn.Module, optimizer: torch.o
     def train(state: hvd.elastic.TorchState) -> None:
         for state.epoch in range(state.epoch, args.epochs):
             indices = list(state.sampler)
+            per_rank = state.per_rank
             for i in range(0, len(indices), per_rank):
                 if (me == args.kill_rank and state.step == args.kill_step
                         and os.environ.get("MPICOLL_ELASTIC_RESTART", "0") == "0"):
@@ -299,7 +303,16 @@ def train_elastic(args: argparse.Namespace, model: nn.Module, optimizer: torch.o
                     began = time.perf_counter()
                     state.commit()
                     record["commit_seconds"].append(time.perf_counter() - began)
-                if pending["reset"]:
+                if pending["reset"] and hvd.elastic.last_growth() is not seen["growth"]:
+                    pending["reset"] = False             # the world grew (discovery)
+                    growth = seen["growth"] = hvd.elastic.last_growth()
+                    record["resets"][-1].update(first_step=time.time(),
+                                                grew_from=growth.old_size, **growth.phases)
+                    if hvd.rank() == 0:
+                        print(f"{hvd.size()} ranks go on: grown from {growth.old_size}, "
+                              f"first step done at {time.time():.6f}; {growth.summary()}",
+                              flush=True)
+                if pending["reset"] and hvd.elastic.last_recovery() is not None:
                     pending["reset"] = False
                     rec = hvd.elastic.last_recovery()
                     record["resets"][-1].update(

@@ -71,6 +71,14 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MPICOLL_ELASTIC_RESTART", "mpicoll.elastic", "0",
              "set by `python -m mpicoll.elastic.launch`: how many times the job has been "
              "relaunched (0 for the first launch)"),
+    Variable("MPICOLL_ELASTIC_DISCOVERY", "mpicoll.elastic", "unset",
+             "host discovery command of `mpicoll.elastic.run` / `hvd.elastic.run` when they "
+             "are given no `discovery=` (horovodrun's script format: one `hostname[:slots]` "
+             "a line); rank 0 polls it and the job grows when it reports more slots "
+             "(docs/elastic.md, Growing)"),
+    Variable("MPICOLL_ELASTIC_MAX_NP", "mpicoll.elastic", "the launch size",
+             "the most ranks a growing elastic job grows to, when `run` is given no "
+             "`max_np=`"),
     Variable("MPICOLL_CUDA_AWARE", "mpicoll.gpu", "detect",
              "`1`: the MPI library takes device pointers (device arrays go straight to "
              "MPI); `0`: stage them through pinned host memory; unset or `auto`: detect "

@@ -77,7 +77,8 @@ class HostsUpdatedInterrupt(RuntimeError):
 
     Attributes:
         skip_sync: whether the state need not be synchronised before running again
-            (hosts were only added: every old rank's state is already the same).
+            (Horovod sets it when hosts were only removed: every remaining rank's state is
+            already the same; a growth never skips it, the new ranks need the state).
     """
 
     def __init__(self, skip_sync: bool = False) -> None:
