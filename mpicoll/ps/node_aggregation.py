@@ -8,11 +8,13 @@ the node's *leader*. Every operation of a worker is collective over its node gro
 1. *control*: a small non-blocking all-gather of ``(op, clock, error)`` over the group,
    so the node's workers either all go on or all raise the same :class:`PSError` (they
    made different calls, pushed at different clocks, or one passed bad arrays);
-2. *push*: the gradients are summed inside the node through shared memory
-   (``mpicoll.allreduce(..., algorithm="shm")`` on the group's communicator: a left fold in
-   local rank order, the order :mod:`mpicoll.ps.node_order` prescribes), and only the
-   leader pushes the node's sum, as one push that counts for the node's number of
-   workers (its *weight*);
+2. *push*: the node's other workers send their gradients to the leader (point to point;
+   MPI moves them through shared memory), which sums them in local rank order
+   (:func:`~mpicoll.ps.node_order.fold_sum`, the order the servers use) and pushes the
+   node's sum as one push that counts for the node's number of workers (its *weight*).
+   (A first version used ``mpicoll``'s shared-memory all-reduce; it gives every rank the
+   sum, which only the leader needs, and synchronises the node twice per slot: 4-10x
+   slower on the test bed's oversubscribed cores, docs/results/ps_node_aware.md);
 3. *pull*: only the leader pulls; it then sends a status word and the values to the
    node's other workers (non-blocking broadcasts on the group's communicator).
 

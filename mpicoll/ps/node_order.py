@@ -6,8 +6,7 @@ order: the contributions are grouped by node (nodes in the node layout's order, 
 a node in rank order), each node's group is summed left to right, and the node sums are
 summed left to right. With every contributor on one node (or one per node) this is plain
 rank order. A node that aggregates locally (:mod:`mpicoll.ps.node_aggregation`) computes
-its node sum with the same left fold (``mpicoll``'s shared-memory all-reduce reduces in
-local rank order), so the server's result is the same bits whether it received the node's
+its node sum with the same left fold (:func:`fold_sum` on its leader), so the server's result is the same bits whether it received the node's
 workers one by one or the node's sum once.
 
 The divisor of ``average`` is the number of *workers* a sum holds: a node's push counts
