@@ -29,6 +29,11 @@ SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
     ],
     # parameter server: 1 and 2 servers (the suite picks layouts per world size)
     "tests/ps/mpi": [(2, {}), (3, {}), (4, {})],
+    # the node-aware parameter server (local aggregation) on emulated nodes: 4 = two nodes
+    # of 2 (co-located 2 x 2, one server with workers 1 + 2, the torch front ends); 5 =
+    # a separate server and 2 x 2 workers, co-located 3 + 2
+    "tests/ps/mpi_nodes": [(4, {"MPICOLL_RANKS_PER_NODE": "2"}),
+                           (5, {"MPICOLL_RANKS_PER_NODE": "3"})],
     # PyTorch adapter (collects nothing where torch is not installed)
     "tests/torch/mpi": [
         (1, {}),
