@@ -59,6 +59,7 @@ from .errors import PSError
 from .node_order import fold_sum, grouped_order, total_weight
 from .placement import Placement, Shard
 from .server import ShardState
+from .stepped import SteppedHandle
 from .worker import pull_destination
 
 __all__ = ["CollOp", "ColocatedEngine", "ColocatedHandle"]
@@ -89,34 +90,13 @@ class CollOp(enum.IntEnum):
 _NO_CONTRIBUTION = (CollOp.IDLE, CollOp.CLOSE)
 
 
-class ColocatedHandle:
+class ColocatedHandle(SteppedHandle):
     """An outstanding co-located operation (same interface as :class:`~mpicoll.ps.Handle`).
 
     ``wait()`` completes it and returns its result; ``test()`` makes progress without
     blocking. Only one co-located operation runs at a time: starting another one first
     completes this one.
     """
-
-    def __init__(self, engine: "ColocatedEngine", kind: str, steps: Steps) -> None:
-        self.kind = kind
-        self._engine = engine
-        self._steps = steps
-        self._reqs: list[MPI.Request] = []
-        self._done = False
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._advance()
-
-    def _advance(self) -> None:
-        """Run the operation up to its next wait (or its end)."""
-        try:
-            self._reqs = self._steps.send(None)
-        except StopIteration as stop:
-            self._done, self._result = True, stop.value
-        except BaseException as exc:  # noqa: BLE001  (re-raised by wait())
-            self._done, self._error = True, exc
-        if self._done:
-            self._engine.finished(self)
 
     def test(self) -> bool:
         """Make progress; return whether the operation is complete (without raising)."""
@@ -131,11 +111,11 @@ class ColocatedHandle:
             PSError: bad arguments on some rank, or ranks that disagree on the operation.
         """
         while not self._done:
-            self._engine.wait(self._reqs)
+            self._owner.wait(self._reqs)
             self._advance()
         if self._error is not None:
             if isinstance(self._error, MPI.Exception):
-                self._engine.failed(self._error)
+                self._owner.failed(self._error)
             raise self._error
         return self._result
 

@@ -36,6 +36,7 @@ from .device import DevicePull, call_side, device_views, first_device, host_arra
 from .errors import PSError
 from .node_order import fold_sum
 from .placement import ParamSpec
+from .stepped import SteppedHandle
 from .worker import pull_destination
 
 __all__ = ["node_indices", "worker_groups", "decide", "NodeGroup", "NodeHandle",
@@ -88,33 +89,13 @@ def decide(setting: Any, groups: list[list[int]], backup_workers: int, replicas:
     return len(groups) > 1 and not backup_workers and not replicas and init
 
 
-class NodeHandle:
+class NodeHandle(SteppedHandle):
     """An outstanding node-group operation (the interface of :class:`~mpicoll.ps.Handle`).
 
     ``wait()`` completes it and returns its result; ``test()`` makes progress without
     blocking. One operation of a node group runs at a time: starting another first
     completes this one.
     """
-
-    def __init__(self, group: "NodeGroup", kind: str, steps: Any) -> None:
-        self.kind = kind
-        self._group = group
-        self._steps = steps
-        self._reqs: list[MPI.Request] = []
-        self._done = False
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._advance()
-
-    def _advance(self) -> None:
-        try:
-            self._reqs = self._steps.send(None)
-        except StopIteration as stop:
-            self._done, self._result = True, stop.value
-        except BaseException as exc:  # noqa: BLE001  (re-raised by wait())
-            self._done, self._error = True, exc
-        if self._done:
-            self._group.finished(self)
 
     def test(self) -> bool:
         """Make progress; whether the operation is complete (never raises)."""
@@ -138,7 +119,7 @@ class NodeHandle:
         while not self._done:
             pending = self._reqs
             if isinstance(pending, list):
-                self._group.wait(pending)
+                self._owner.wait(pending)
             else:
                 try:
                     pending.wait()      # the leader's own handle; the steps see its error
