@@ -12,7 +12,6 @@ before mpicoll was imported must have run on each.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -54,7 +53,7 @@ def _case_id(case: tuple[str, int, int]) -> str:
 
 
 def _cases() -> list[tuple[str, int, int]]:
-    return CASES + (MORE_CASES if os.environ.get("ULFM_ALL_CASES") == "1" else [])
+    return ulfm_jobs.selected(CASES, MORE_CASES)
 
 
 @pytest.fixture(scope="module")

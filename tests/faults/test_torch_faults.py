@@ -42,9 +42,7 @@ def _case_id(case: tuple[str, int, int]) -> str:
 
 
 def _cases() -> list[tuple[str, int, int]]:
-    import os  # noqa: PLC0415
-
-    return CASES + (MORE_CASES if os.environ.get("ULFM_ALL_CASES") == "1" else [])
+    return ulfm_jobs.selected(CASES, MORE_CASES)
 
 
 @pytest.fixture(scope="module")

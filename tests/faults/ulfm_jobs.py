@@ -8,8 +8,9 @@ case checks its own output.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from pathlib import Path
-from typing import Hashable
+from typing import Hashable, Sequence, TypeVar
 
 import ompi_env
 from mpi_launcher import run_command
@@ -24,6 +25,17 @@ OPEN_MPI_ABORT = "Send error after request freed"
 
 Job = tuple[Path, int, list[str], dict[str, str], float]
 """(script, world size, arguments, extra environment, timeout in seconds)."""
+
+
+#: Whether every case runs (``ULFM_ALL_CASES=1``), not only CI's representative ones.
+ALL_CASES = os.environ.get("ULFM_ALL_CASES") == "1"
+
+C = TypeVar("C")
+
+
+def selected(cases: Sequence[C], more: Sequence[C]) -> list[C]:
+    """``cases``, and ``more`` too with ``ULFM_ALL_CASES=1``."""
+    return list(cases) + (list(more) if ALL_CASES else [])
 
 
 def run_job(python: Path, job: Job) -> tuple[int, str, float]:
