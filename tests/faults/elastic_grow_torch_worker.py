@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from elastic_grow_worker import say  # noqa: E402
 from elastic_torch_worker import (BATCH, LR, MOMENTUM, accuracy, make_data,  # noqa: E402
-                                  make_model)
+                                  make_model, params_digest, train_step)
 
 
 def _update(h: Any, value: Any) -> None:
@@ -106,14 +106,7 @@ def main() -> None:
                     capacity["slots"] = slots
                     say(f"CAPACITY {time.time():.6f}")
                     capacity["answered"].wait(30)
-                rows = torch.tensor(indices[batch:batch + BATCH])
-                state.optimizer.zero_grad()
-                loss = torch.nn.functional.cross_entropy(state.model(x_train[rows]),
-                                                         y_train[rows])
-                loss.backward()
-                state.optimizer.step()
-                state.step += 1
-                state.sampler.record_batch(batch // BATCH, BATCH)
+                train_step(state, x_train, y_train, indices, batch)
                 if pending["first"]:
                     pending["first"] = False
                     say(f"FIRST {hvd.rank()} {hvd.size()} {time.time():.6f}")
@@ -126,12 +119,9 @@ def main() -> None:
             state.sampler.set_epoch(state.epoch + 1)
 
     train(state)
-    digest = hashlib.sha256()
-    for tensor in model.state_dict().values():
-        digest.update(tensor.numpy().tobytes())
     growth = hvd.elastic.last_growth()
     say(f"DONE {hvd.rank()} {hvd.size()} {state.step} {accuracy(model):.2f} "
-        f"{digest.hexdigest()[:16]} {int(joined)} "
+        f"{params_digest(model)} {int(joined)} "
         f"{'-' if growth is None else growth.summary()}")
 
 

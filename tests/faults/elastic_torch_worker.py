@@ -88,6 +88,27 @@ def _train_serially(n: int, epochs: int, random: Any) -> float:
     return accuracy(model)
 
 
+def train_step(state: Any, x_train: torch.Tensor, y_train: torch.Tensor,
+               indices: list[int], batch: int) -> None:
+    """One optimizer step on the ``BATCH`` samples of ``indices`` from ``batch`` on,
+    counted in ``state.step`` and recorded in ``state.sampler``."""
+    rows = torch.tensor(indices[batch:batch + BATCH])
+    state.optimizer.zero_grad()
+    loss = torch.nn.functional.cross_entropy(state.model(x_train[rows]), y_train[rows])
+    loss.backward()
+    state.optimizer.step()
+    state.step += 1
+    state.sampler.record_batch(batch // BATCH, BATCH)
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    """The first 16 hex digits of the sha256 of the model's parameters and buffers."""
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        digest.update(tensor.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def main() -> None:
     import mpicoll.torch as hvd  # noqa: PLC0415  (the module is also imported without MPI)
 
@@ -120,14 +141,7 @@ def main() -> None:
                 if me == victim and state.step == kill_step:
                     print(f"KILL {time.time():.6f}", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
-                rows = torch.tensor(indices[batch:batch + BATCH])
-                state.optimizer.zero_grad()
-                loss = torch.nn.functional.cross_entropy(state.model(x_train[rows]),
-                                                         y_train[rows])
-                loss.backward()
-                state.optimizer.step()
-                state.step += 1
-                state.sampler.record_batch(batch // BATCH, BATCH)
+                train_step(state, x_train, y_train, indices, batch)
                 state.commit()
                 if after_reset["pending"]:
                     after_reset["pending"] = False
@@ -146,13 +160,10 @@ def main() -> None:
         print(f"LOCALSGD {hvd.rank()} {st['steps']} {st['identical']} {st['rebuilds']}",
               flush=True)
     percent = accuracy(model)
-    digest = hashlib.sha256()
-    for tensor in model.state_dict().values():
-        digest.update(tensor.numpy().tobytes())
     rec = hvd.elastic.last_recovery()
     phases = "-" if rec is None else rec.summary()
     print(f"DONE {hvd.rank()} {hvd.size()} {state.step} {percent:.2f} "
-          f"{digest.hexdigest()[:16]} {phases}", flush=True)
+          f"{params_digest(model)} {phases}", flush=True)
 
 
 if __name__ == "__main__":
