@@ -12,7 +12,8 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from . import buffers, config, fastpath, faults, tracking, validation
+from . import buffers, config, fastpath, tracking, validation
+from .runtime import failures
 from .algorithms.registry import bind, lookup, scales_shards
 from .buffers import flat_view, is_in_place
 from .checked import agree
@@ -371,7 +372,7 @@ def allreduce_init(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
         run()
         return result
 
-    return faults.guard_call(call, comm) if faults.ENABLED else call
+    return failures.guard_call(call, comm) if failures.ENABLED else call
 
 
 def _reduce_scatter_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
@@ -607,10 +608,10 @@ _PUBLIC: dict[str, Callable[..., Any]] = {
     "allreduce": allreduce, "reduce_scatter": reduce_scatter, "allgather": allgather,
     "broadcast": broadcast, "reduce": reduce}
 
-if faults.ENABLED:  # ULFM on: a process failure raises ProcessFailedError (mpicoll.faults)
-    allreduce = faults.guard(allreduce)
-    allreduce_init = faults.guard(allreduce_init)
-    reduce_scatter = faults.guard(reduce_scatter)
-    allgather = faults.guard(allgather)
-    broadcast = faults.guard(broadcast)
-    reduce = faults.guard(reduce)
+if failures.ENABLED:  # ULFM on: a process failure raises ProcessFailedError (mpicoll.runtime)
+    allreduce = failures.guard(allreduce)
+    allreduce_init = failures.guard(allreduce_init)
+    reduce_scatter = failures.guard(reduce_scatter)
+    allgather = failures.guard(allgather)
+    broadcast = failures.guard(broadcast)
+    reduce = failures.guard(reduce)

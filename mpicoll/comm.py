@@ -14,7 +14,8 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import collectives, faults
+from . import collectives
+from .runtime import comms, failures
 from .algorithms.registry import names
 from .buffers import IN_PLACE, Unsupported, is_in_place, parse_mpi_buffer
 from .fastpath import MISS, run_fast
@@ -178,12 +179,12 @@ class Comm(MPI.Intracomm):
     # -- communicator management ----------------------------------------------------------
     def Dup(self, info: Any = None) -> "Comm":
         """Duplicate the communicator; the duplicate is an ``mpicoll.Comm`` too."""
-        dup = super().Dup() if info is None else super().Dup(info)
+        dup = comms.dup(self, "user", info=info)
         return Comm(dup, self._mpicoll_algorithm, self._mpicoll_check)
 
 
-if faults.ENABLED:  # ULFM on: a process failure raises ProcessFailedError (mpicoll.faults)
+if failures.ENABLED:  # ULFM on: a process failure raises ProcessFailedError (mpicoll.runtime)
     for _method in ("Allreduce", "Reduce_scatter_block", "Reduce_scatter", "Allgather",
                     "Bcast", "Reduce"):
-        setattr(Comm, _method, faults.guard(getattr(Comm, _method), "self"))
+        setattr(Comm, _method, failures.guard(getattr(Comm, _method), "self"))
     del _method

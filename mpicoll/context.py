@@ -15,19 +15,19 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
-from . import config, fastpath, faults, timeline, watchdog
+from . import config, fastpath, timeline, watchdog
+from .runtime import comms, failures
+from .runtime import world as runtime_world
 from .topology import Topology
 from .tracking import Tracker
 
-__all__ = ["CommContext", "get_context", "resolve_comm", "world", "set_world", "abandon"]
+__all__ = ["CommContext", "get_context", "resolve_comm", "world", "set_world"]
 
 _keyval: int | None = None
 _lock = threading.Lock()
 # Fast lookup by handle (Get_attr costs ~0.5 us a call); entries leave when MPI deletes the
 # attribute (the communicator is freed), so a later communicator reusing the handle misses.
 _by_handle: dict[int, "CommContext"] = {}
-#: The communicator ``comm=None`` means (``None``: ``MPI.COMM_WORLD``); see :func:`set_world`.
-_world: MPI.Intracomm | None = None
 
 
 def _delete_context(comm: MPI.Comm, keyval: int, ctx: "CommContext") -> None:
@@ -64,7 +64,7 @@ class CommContext:
         self.handle = comm.handle
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.p2p = self.comm.Dup()  # a plain Intracomm: never an mpicoll.Comm (checked)
+        self.p2p = comms.dup(self.comm, "context")  # a plain Intracomm, never an mpicoll.Comm
         #: This rank's record of its collectives here (:mod:`mpicoll.tracking`).
         self.tracker = Tracker(_comm_name(comm))
         #: The stall inspector's view of this communicator (``None``: not watched).
@@ -74,8 +74,7 @@ class CommContext:
         self._plans: dict[Any, Any] = {}
         self._resources: dict[Any, Any] = {}
         self._topology: Any = None
-        #: Set by :func:`abandon`: the communicators may have dead peers, so nothing is
-        #: freed (a collective free would wait for them); the MPI objects are leaked.
+        #: Set when the context was dropped (its world was replaced, or a peer failed).
         self.abandoned = False
         #: Ranks on each node when every node has as many, else 0 (unknown): what
         #: ``algorithm="auto"`` looks up. The layout is computed here, where every rank is
@@ -113,40 +112,23 @@ class CommContext:
             self._topology = Topology(self.comm)
         return self._topology
 
-    def communicators(self) -> list[Any]:
-        """Every communicator this context holds or uses: the user's, the private
-        duplicate, the node layout's node and leader communicators (once built), the
-        resources' (shared-memory windows' ``comm``) and the stall inspector's duplicate.
-        Some may be ``None`` or ``MPI.COMM_NULL``."""
-        held = [self.comm, self.p2p]
-        if self._topology is not None:
-            held += [self._topology.node_comm, self._topology.cross_comm]
-        held += [getattr(obj, "comm", None) for obj in list(self._resources.values())]
-        if self.watched is not None:
-            held.append(getattr(self.watched, "comm", None))
-        return held
-
     def free(self) -> None:
-        """Release the private communicators (called when the user's comm is freed);
-        an abandoned context only drops its references."""
+        """Release the private communicators (called when the user's comm is freed).
+        Communicators of a world that failed are only forgotten by the runtime
+        (:func:`mpicoll.runtime.comms.free`): a collective free would wait for the dead."""
         self._plans.clear()
-        if self.abandoned:
-            self._resources.clear()
-            self._topology = None
-            watchdog.unwatch(self.watched, free=False)
-            self.watched = None
-            return
-        for obj in self._resources.values():
-            if hasattr(obj, "free"):
-                obj.free()
+        rec = comms.record_of(self.p2p)
+        if rec is not None and not rec.revoked and not runtime_world.failed(rec.world):
+            for obj in self._resources.values():
+                if hasattr(obj, "free"):
+                    obj.free()
         self._resources.clear()
         if self._topology is not None:
             self._topology.free()
             self._topology = None
         watchdog.unwatch(self.watched)
         self.watched = None
-        if self.p2p != MPI.COMM_NULL and not MPI.Is_finalized():
-            self.p2p.Free()
+        comms.free(self.p2p)
 
 
 def _comm_name(comm: MPI.Comm) -> str:
@@ -182,8 +164,8 @@ def _free_all_at_exit() -> None:
     shared-memory window (``shm`` all-reduce) left open makes ``MPI_Finalize`` fail over
     MPICH's ofi netmod ("OFI call fabricclose failed ... Device or resource busy").
     Registered after ``mpi4py.MPI`` is imported, so it runs before mpi4py's own handler.
-    After a process failure (ULFM) it ends the process without ``MPI_Finalize``
-    (:func:`mpicoll.faults.exit_without_finalize`).
+    Under ULFM the runtime's exit handler, which runs after this one, then finalizes
+    MPI within a bound (:mod:`mpicoll.runtime.exit`).
     """
     if MPI.Is_finalized():
         return
@@ -192,60 +174,45 @@ def _free_all_at_exit() -> None:
     _by_handle.clear()
     fastpath.invalidate()
     for ctx in contexts:
-        if _has_failed_peers(ctx.comm):
-            ctx.abandoned = True              # freeing would wait for the dead peers
+        if failures.peer_failed(ctx.comm):   # freeing would wait for the dead peers
+            failures.fail_world(ctx.comm, failures.failed_ranks(ctx.comm, 0.0))
+            ctx.abandoned = True
         ctx.free()
-    if faults.failure_seen:
-        faults.exit_without_finalize()        # MPI_Finalize may wait for the dead
-
-
-def _has_failed_peers(comm: MPI.Comm) -> bool:
-    """Whether ULFM reports a failed process in ``comm`` (never, without ULFM on)."""
-    return faults.ENABLED and bool(faults.failed_ranks(comm, 0.0))
 
 
 def world() -> MPI.Intracomm:
-    """The communicator that ``comm=None`` means everywhere in mpicoll: ``MPI.COMM_WORLD``
-    unless :func:`set_world` replaced it (:mod:`mpicoll.elastic` does, with the
-    survivors' communicator after a failure)."""
-    return MPI.COMM_WORLD if _world is None else _world
+    """The communicator that ``comm=None`` means everywhere in mpicoll: the runtime's
+    current world (:func:`mpicoll.runtime.world.comm`)."""
+    return runtime_world.comm()
 
 
 def set_world(comm: MPI.Intracomm | None) -> None:
-    """Make ``comm`` what ``comm=None`` means (``None``: ``MPI.COMM_WORLD`` again).
+    """Reconfigure to ``comm`` (``None``: ``MPI.COMM_WORLD`` again): the runtime's next
+    world generation (:func:`mpicoll.runtime.world.reconfigure`). The contexts of the old
+    world's communicators are dropped (their communicators freed, or only forgotten when
+    the old world failed), and so are the runtime's communicators of the old world.
 
-    Local: every rank of ``comm`` should call it at the same point. Cached calls made with
-    ``comm=None`` are dropped (they are bound to the previous world's context).
+    Local: every rank of ``comm`` calls it at the same point (:mod:`mpicoll.elastic`).
 
     Raises:
         TypeError: not an mpi4py intracommunicator.
     """
-    global _world
     if comm is not None:
         comm = resolve_comm(comm)
-    _world = None if comm is None or comm == MPI.COMM_WORLD else comm
+    old = runtime_world.generation()
+    for ctx in [c for c in _by_handle.values() if comms.record_of(c.p2p) is None
+                or comms.record_of(c.p2p).world == old]:
+        _drop(ctx)
+    runtime_world.reconfigure(comm)
+    comms.release_world(old)
     fastpath.invalidate()
 
 
-def abandon(comm: MPI.Comm) -> None:
-    """Forget the contexts of ``comm`` and of every communicator they hold, without
-    freeing any MPI object (a communicator with a dead peer cannot be freed collectively;
-    the survivors go on with a new one). A later :func:`get_context` of the same
-    communicator builds a fresh context. Revoke first (:func:`mpicoll.faults.revoke_all`)
-    so that no survivor still waits on them."""
-    todo, seen = [comm], set()
-    while todo:
-        c = todo.pop()
-        if not isinstance(c, MPI.Comm) or c == MPI.COMM_NULL or c.handle in seen:
-            continue
-        seen.add(c.handle)
-        ctx = _by_handle.pop(c.handle, None)
-        if ctx is None:
-            continue
-        todo += ctx.communicators()
-        ctx.abandoned = True
-        ctx.free()
-    fastpath.invalidate()
+def _drop(ctx: CommContext) -> None:
+    if _by_handle.get(ctx.handle) is ctx:
+        del _by_handle[ctx.handle]
+    ctx.abandoned = True
+    ctx.free()
 
 
 def resolve_comm(comm: Any, argname: str = "comm") -> MPI.Comm:
@@ -257,7 +224,7 @@ def resolve_comm(comm: Any, argname: str = "comm") -> MPI.Comm:
         ValueError: ``MPI.COMM_NULL``.
     """
     if comm is None:
-        return MPI.COMM_WORLD if _world is None else _world
+        return runtime_world.comm()
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"{argname} must be an mpi4py intracommunicator (or None for "
                         f"COMM_WORLD), not {type(comm).__name__}")
@@ -293,5 +260,3 @@ def get_context(comm: MPI.Comm) -> CommContext:
     _by_handle[ctx.handle] = ctx
     return ctx
 
-
-faults.bind_contexts(_by_handle.get, resolve_comm)

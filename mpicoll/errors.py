@@ -8,7 +8,7 @@ raises the same error.
 from __future__ import annotations
 
 __all__ = ["CollectiveError", "MismatchError", "RemoteError", "ProcessFailedError",
-           "TooFewRanksError", "HostsUpdatedInterrupt"]
+           "TooFewRanksError", "CollectiveTimeoutError", "HostsUpdatedInterrupt"]
 
 
 class CollectiveError(RuntimeError):
@@ -40,7 +40,7 @@ class RemoteError(CollectiveError):
 
 
 class ProcessFailedError(CollectiveError):
-    """A peer process died during a collective (detected by ULFM; see :mod:`mpicoll.faults`).
+    """A peer process died during a collective (detected by ULFM; see :mod:`mpicoll.runtime.failures`).
 
     Raised on every surviving rank of the communicator the collective ran on; mpicoll has
     revoked its communicators for that communicator, so nothing more runs on it.
@@ -69,6 +69,23 @@ class TooFewRanksError(CollectiveError):
         super().__init__(message)
         self.size, self.min_np = size, min_np
         self.failed_ranks = sorted(failed_ranks or [])
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A wait on an operation ran past its timeout (:meth:`mpicoll.runtime.Work.wait`).
+    The operation's lane (a process group, the engine) is then broken: under ULFM its
+    communicators are revoked and it can be rebuilt; without, using it again ends the job.
+
+    Attributes:
+        operation: the operation's name. missing: the ranks known not to have arrived
+            (``[]``: not known).
+    """
+
+    def __init__(self, message: str, operation: str = "",
+                 missing: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.operation = operation
+        self.missing = sorted(missing or [])
 
 
 class HostsUpdatedInterrupt(RuntimeError):

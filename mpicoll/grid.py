@@ -22,6 +22,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .context import resolve_comm
+from .runtime import comms
 
 __all__ = ["ProcessGrid", "process_grid", "agreed_shape", "grid_groups", "grid_coords"]
 
@@ -129,7 +130,7 @@ def process_grid(comm: MPI.Intracomm | None, dp: int, tp: int) -> ProcessGrid:
     agreed_shape(comm, dp, tp)
     rank = comm.Get_rank()
     dp_rank, tp_rank = grid_coords(rank, tp)
-    tp_comm = comm.Split(dp_rank, tp_rank)
-    dp_comm = comm.Split(tp_rank, dp_rank)
+    tp_comm = comms.split(comm, dp_rank, tp_rank, "grid")
+    dp_comm = comms.split(comm, tp_rank, dp_rank, "grid")
     log.debug("rank %d: process grid %d x %d at (%d, %d)", rank, dp, tp, dp_rank, tp_rank)
     return ProcessGrid(dp, tp, dp_rank, tp_rank, tp_comm, dp_comm)

@@ -65,8 +65,8 @@ def _mpi() -> dict:
 
 
 def _ulfm() -> str:
-    """ULFM (process failures as errors, :mod:`mpicoll.faults`): available, and on?"""
-    from . import faults  # noqa: PLC0415
+    """ULFM (process failures as errors, :mod:`mpicoll.runtime.failures`): available, and on?"""
+    from .runtime import failures as faults  # noqa: PLC0415
 
     if not faults.available():
         return "not available (needs Open MPI; the MPICH wheel ends the job on a failure)"

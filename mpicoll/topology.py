@@ -12,6 +12,7 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from . import config
+from .runtime import comms
 
 __all__ = ["Topology"]
 
@@ -41,12 +42,12 @@ class Topology:
             raise MismatchError(f"MPICOLL_RANKS_PER_NODE differs across ranks: {settings}")
         self.emulated = per_node > 0
         if self.emulated:
-            self.node_comm = comm.Split(rank // per_node, rank)
+            self.node_comm = comms.split(comm, rank // per_node, rank, "topology")
         else:
-            self.node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+            self.node_comm = comms.split_shared(comm, rank, "topology")
         self.local_rank = self.node_comm.Get_rank()
         self.local_size = self.node_comm.Get_size()
-        self.cross_comm = comm.Split(self.local_rank, rank)
+        self.cross_comm = comms.split(comm, self.local_rank, rank, "topology")
         first = self.node_comm.allreduce(rank, op=MPI.MIN)  # identifies the node
         leaders = comm.allgather((first, self.local_size))
         firsts = sorted({f for f, _ in leaders})
@@ -58,11 +59,8 @@ class Topology:
 
     def free(self) -> None:
         """Free the node and cross communicators."""
-        if MPI.Is_finalized():
-            return
-        for c in (self.node_comm, self.cross_comm):
-            if c != MPI.COMM_NULL:
-                c.Free()
+        comms.free(self.node_comm)
+        comms.free(self.cross_comm)
 
     def __repr__(self) -> str:
         return (f"Topology(nodes={self.node_sizes}, local_rank={self.local_rank}, "

@@ -37,7 +37,8 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import config, faults, tracking
+from . import config, tracking
+from .runtime import comms, failures
 from .tracking import CallInfo, Tracker
 
 __all__ = ["enabled", "watch", "unwatch", "announce_exit", "Watched", "POLL_SECONDS",
@@ -93,7 +94,7 @@ class Watched:
     """One communicator as the watchdog sees it."""
 
     def __init__(self, comm: MPI.Intracomm, tracker: Tracker) -> None:
-        self.comm = comm.Dup()  # collective: every rank creates its context together
+        self.comm = comms.dup(comm, "watchdog")  # collective: made with the context
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.tracker = tracker
         self.world = _world_ranks(comm)
@@ -120,8 +121,7 @@ class Watched:
             pass
 
     def free(self) -> None:
-        if not MPI.Is_finalized():
-            self.comm.Free()
+        comms.free(self.comm)
 
 
 def _world_ranks(comm: MPI.Intracomm) -> list[int]:
@@ -149,16 +149,15 @@ def watch(comm: MPI.Intracomm, tracker: Tracker) -> Watched | None:
     return watched
 
 
-def unwatch(watched: Watched | None, free: bool = True) -> None:
+def unwatch(watched: Watched | None) -> None:
     """Stop watching (the communicator is being freed) and free the duplicate
-    (``free=False``: leave it, as for a communicator with a dead peer)."""
+    (only forgotten, for a communicator with a dead peer: :func:`mpicoll.runtime.comms.free`)."""
     if watched is None:
         return
     with _lock:
         if watched in _watched:
             _watched.remove(watched)
-    if free:
-        watched.free()
+    watched.free()
 
 
 def _drop_failed(w: Watched, exc: MPI.Exception) -> bool:
@@ -166,9 +165,9 @@ def _drop_failed(w: Watched, exc: MPI.Exception) -> bool:
     if the error reports a process failure or a revocation (ULFM); nothing more can be
     said or asked there, and its pending sends must never be freed (Open MPI ends the job
     when a freed send to a dead process fails). Returns whether it was dropped."""
-    if not faults.is_process_failure(exc):
+    if failures.failed_by(exc, w.comm) is None:
         return False
-    faults.keep_requests(w.sends)
+    failures.keep_requests(w.sends)
     w.sends = []
     if w in _watched:
         _watched.remove(w)
@@ -196,7 +195,7 @@ def announce_exit() -> None:
     with _lock:
         for w in list(_watched):
             if _peer_failed(w):
-                _drop_failed(w, MPI.Exception(MPI.ERR_PROC_FAILED))
+                _drop_failed(w, MPI.Exception(failures.PROC_FAILED))
                 continue
             _collect_left(w)
             now = time.monotonic()
@@ -223,7 +222,7 @@ def announce_exit() -> None:
 
 def _peer_failed(w: Watched) -> bool:
     """Whether ULFM knows a peer of ``w`` to have failed (never without ULFM on)."""
-    return faults.ENABLED and bool(faults.failed_ranks(w.comm, 0.0))
+    return failures.peer_failed(w.comm)
 
 
 def _collect_left(w: Watched) -> None:

@@ -52,7 +52,7 @@ def mpirun_command(python: Path, n: int, args: list[str], ulfm: bool = True) -> 
 
 
 def _works(python: Path, need_torch: bool) -> bool:
-    probe = ("from mpi4py import MPI; import mpicoll.faults as f; "
+    probe = ("from mpi4py import MPI; import mpicoll.runtime.failures as f; "
              "assert 'Open MPI' in MPI.Get_library_version() and f.available()")
     if need_torch:
         probe += "; import torch"

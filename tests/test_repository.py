@@ -134,3 +134,103 @@ def test_docs_links_resolve():
             if not path.exists() or ROOT.resolve() not in (path, *path.parents):
                 broken.setdefault(str(page.relative_to(ROOT)), []).append(target)
     assert not broken, f"relative links to missing files: {broken}"
+
+
+#: MPI calls that only mpicoll.runtime may make: communicator creation and process-failure
+#: handling (issue 32: every communicator from the runtime's registry, one failure path).
+RUNTIME_ONLY = re.compile(
+    r"\.(?:Dup|Idup|Dup_with_info|Split|Split_type|Create_group|Create_from_group|Shrink|"
+    r"Spawn|Merge|Revoke|Get_failed|Ack_failed)\(|\bis_process_failure\b|ERR_PROC_FAILED")
+#: Assignments that patch the interpreter's exit.
+EXIT_PATCHES = re.compile(r"\bsys\.exit\s*=(?!=)|\bthreading\._shutdown\s*=(?!=)")
+
+
+def runtime_only_calls(text: str) -> list[str]:
+    """The lines of ``text`` (code, docstrings and comments included) that make a call
+    only the runtime may make."""
+    return [line.strip() for line in text.splitlines() if RUNTIME_ONLY.search(line)]
+
+
+def test_the_runtime_check_catches_calls():
+    assert runtime_only_calls("        self.p2p = comm.Dup()\n")
+    assert runtime_only_calls("x = parent.Create_group(group, 7)")
+    assert runtime_only_calls("if faults.is_process_failure(exc):")
+    assert runtime_only_calls("    c.Revoke()")
+    assert not runtime_only_calls("comms.dup(comm, 'ps')\ncomms.split(c, 0, r, 'ps')")
+    assert EXIT_PATCHES.search("    sys.exit = recording_exit")
+    assert not EXIT_PATCHES.search("if sys.exit == plain:")
+
+
+def test_only_the_runtime_makes_communicators_and_handles_failures():
+    """Outside mpicoll/runtime/ no module creates a communicator (``Dup``, ``Split``,
+    ``Create_group``, ``Shrink``, ``Spawn``, ``Merge``, ...) or asks MPI about process
+    failures (``Revoke``, ``Get_failed``, ``ERR_PROC_FAILED``): they ask the runtime."""
+    bad = {}
+    for path in sorted((ROOT / "mpicoll").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[1] == "runtime":
+            continue
+        found = runtime_only_calls(path.read_text())
+        if found:
+            bad[str(rel)] = found[:3]
+    assert not bad, f"communicators or failure handling outside mpicoll/runtime: {bad}"
+
+
+def test_nothing_patches_the_interpreters_exit():
+    bad = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "mpicoll").rglob("*.py"))
+           if EXIT_PATCHES.search(p.read_text())]
+    assert not bad, f"assignments to sys.exit or threading._shutdown in {bad}"
+
+
+def test_no_import_cycles_between_mpicoll_modules():
+    """The import graph of mpicoll/ (module-level imports) has no cycle, and the runtime
+    imports nothing of mpicoll above it (only errors, config and itself)."""
+    import ast  # noqa: PLC0415
+
+    graph: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "mpicoll").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        name = ".".join(parts)
+        package = parts if rel.name == "__init__" else parts[:-1]
+        deps: set[str] = set()
+        for node in ast.parse(path.read_text()).body:   # module level only
+            if isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else []
+                mod = ".".join(base + ([node.module] if node.module else []))
+                if not mod.startswith("mpicoll"):
+                    continue
+                for alias in node.names:
+                    deps.add(f"{mod}.{alias.name}")
+                deps.add(mod)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("mpicoll")}
+        graph[name] = deps
+    modules = set(graph)
+    graph = {m: {d for d in ds if d in modules and d != m} for m, ds in graph.items()}
+    runtime = {m for m in modules if m.startswith("mpicoll.runtime")}
+    above = {m: sorted(d for d in graph[m] if d not in runtime and
+                       d not in ("mpicoll.errors", "mpicoll.config", "mpicoll"))
+             for m in runtime}
+    assert not any(above.values()), f"the runtime imports modules above it: {above}"
+    # cycles: a package's __init__ importing its own submodules is not a cycle
+    def edges(m: str) -> set[str]:
+        return {d for d in graph[m] if not d.startswith(m + ".")}
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(m: str, stack: list[str]) -> bool:
+        state[m] = 1
+        for d in edges(m):
+            if state.get(d) == 1 and not m.startswith(d + "."):
+                cycle.extend(stack[stack.index(d):] + [m, d] if d in stack else [m, d])
+                return True
+            if d not in state and visit(d, stack + [d]):
+                return True
+        state[m] = 2
+        return False
+
+    for m in sorted(graph):
+        if m not in state and visit(m, [m]):
+            break
+    assert not cycle, f"import cycle: {' -> '.join(cycle)}"

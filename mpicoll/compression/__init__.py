@@ -15,7 +15,7 @@ all-gather, whose typical data are parameters). See docs/compression.md.
 """
 from __future__ import annotations
 
-from .. import faults
+from ..runtime import failures
 from .allgather import allgather
 from .allreduce import allreduce
 from .auto import Auto
@@ -31,8 +31,8 @@ __all__ = ["allreduce", "reduce_scatter", "allgather", "last_stats", "AllreduceS
            "TwoScaleOneBitCodec", "TopKCodec", "RandomKCodec", "CODECS", "ErrorFeedback",
            "tensor_feedback", "Auto"]
 
-if faults.ENABLED:  # ULFM on: a process failure raises ProcessFailedError (mpicoll.faults)
-    allreduce = faults.guard(allreduce)
-    reduce_scatter = faults.guard(reduce_scatter)
-    allgather = faults.guard(allgather)
+if failures.ENABLED:  # ULFM on: a process failure raises ProcessFailedError (mpicoll.runtime)
+    allreduce = failures.guard(allreduce)
+    reduce_scatter = failures.guard(reduce_scatter)
+    allgather = failures.guard(allgather)
 

@@ -12,9 +12,9 @@
    their ranks ``0 .. size-1`` (so rank 0, whose state is the commit, stays rank 0) and the
    new ones follow;
 3. *hello*: rank 0 tells the new ranks what they need of the job's past (the size it was
-   launched with, whether it has seen a process failure);
-4. *switch*: forget (without freeing) the old world's contexts and make the merged
-   communicator the world that ``comm=None`` means (:func:`mpicoll.context.set_world`), as
+   launched with);
+4. *switch*: drop the old world's contexts and make the merged communicator the runtime's
+   next world, what ``comm=None`` means (:func:`mpicoll.context.set_world`), as
    :func:`mpicoll.elastic.shrink_world` does; per-communicator state is built again on the
    new world's first collective.
 
@@ -26,13 +26,11 @@ as a new Horovod worker does. So, as in Horovod, a program makes no collective b
 elastic function runs. Nothing here depends on the MPI library's spawn options: the same
 works with any MPI whose ``MPI_Comm_spawn`` works.
 
-Exit: a process that has seen a process failure ends as :mod:`mpicoll.faults` makes it
-(:func:`mpicoll.faults.note_failure`), not with a plain ``MPI_Finalize``. Measured with
-Open MPI 5.0.11: once a rank of the job has died, a spawned process's plain
-``MPI_Finalize`` crashes (SIGSEGV in ``ompi_dpm_dyn_finalize``), and a spawned process that
-skips it while no failure happened makes ``prterun`` end the job with status 1. So a
-joiner learns at the hello whether the job has seen a failure and then ends as the others
-do; without a failure every process finalizes normally.
+Exit: every process, a joiner too, ends through :mod:`mpicoll.runtime.exit` (under ULFM,
+``MPI_Finalize`` within a bound). Measured with Open MPI 5.0.11: once a rank of the job
+has died, a spawned process's plain ``MPI_Finalize`` can crash (SIGSEGV in
+``ompi_dpm_dyn_finalize``), and a spawned process that skips it while no failure happened
+makes ``prterun`` end the job with status 1; so every process tries ``MPI_Finalize``.
 """
 from __future__ import annotations
 
@@ -45,7 +43,8 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .. import context, faults
+from .. import context
+from ..runtime import comms, failures
 
 __all__ = ["Growth", "grow_world", "join", "joined", "spawn_command", "split_command_line",
            "last_growth", "GrowthError", "JOINER", "launch_size"]
@@ -98,9 +97,6 @@ class Growth:
 last_growth: Growth | None = None
 #: What the job told this process when it joined (``None``: it was not spawned to join).
 joined: dict[str, Any] | None = None
-#: Intercommunicators of spawns, kept (never freed: a free would be collective with the
-#: other side, and the processes stay connected through the merged world anyway).
-_kept: list[MPI.Comm] = []
 #: This process's interpreter options and program, when it joined (its own command line
 #: starts the joiner instead).
 _program: tuple[list[str], list[str]] | None = None
@@ -161,14 +157,12 @@ def _hello(merged: MPI.Intracomm) -> dict[str, Any]:
     """Rank 0's facts for the new ranks (collective over the merged world)."""
     facts = None
     if merged.Get_rank() == 0:
-        facts = {"launch_size": launch_size(), "failure_seen": faults.failure_seen}
+        facts = {"launch_size": launch_size()}
     return merged.bcast(facts, root=0)
 
 
-def _switch(old: MPI.Comm | None, merged: MPI.Intracomm) -> None:
+def _switch(merged: MPI.Intracomm) -> None:
     merged.Set_errhandler(MPI.ERRORS_RETURN)
-    if old is not None:
-        context.abandon(old)         # no free: a growth is rare, and the old world lives on
     context.set_world(merged)
 
 
@@ -196,11 +190,10 @@ def grow_world(new_size: int) -> Growth:
         info.Set("wdir", os.getcwd())
         start = time.perf_counter()
         try:
-            inter = plain.Spawn(command, args=args, maxprocs=new_size - size, root=0,
-                                info=info)
+            inter = comms.spawn(plain, command, args, new_size - size, info)
         except MPI.Exception as exc:
-            if faults.is_process_failure(exc):
-                raise
+            if failures.failed_by(exc, plain) is not None:
+                raise failures.translate(exc, plain, "a growth") from exc
             raise GrowthError(f"starting {new_size - size} process(es) to grow the world "
                               f"from {size} to {new_size} failed: {exc} (are there free "
                               f"slots? Open MPI: 'mpirun --host <host>:<slots>' or "
@@ -208,11 +201,10 @@ def grow_world(new_size: int) -> Growth:
     finally:
         info.Free()
     spawned = time.perf_counter()
-    _kept.append(inter)
-    merged = inter.Merge(high=False)
+    merged = comms.merge(inter, high=False)
     merged_at = time.perf_counter()
     _hello(merged)
-    _switch(old, merged)
+    _switch(merged)
     done = time.perf_counter()
     last_growth = Growth(size, merged.Get_size(), merged.Get_rank(), spawned - start,
                          merged_at - spawned, done - merged_at)
@@ -232,19 +224,16 @@ def join(options: list[str], program: list[str]) -> None:
         RuntimeError: this process was not spawned (no parent).
     """
     global joined, last_growth, _program
-    parent = MPI.Comm.Get_parent()
+    parent = comms.adopt(MPI.Comm.Get_parent(), "world")
     if parent == MPI.COMM_NULL:
         raise RuntimeError(f"python -m {JOINER} starts the processes that join a running "
                            f"job (mpicoll.elastic.grow); this one has no parent job")
     _program = (list(options), list(program))
     start = time.perf_counter()
-    _kept.append(parent)
-    merged = parent.Merge(high=True)
+    merged = comms.merge(parent, high=True)
     merged_at = time.perf_counter()
     joined = _hello(merged)
-    if joined["failure_seen"]:
-        faults.note_failure()          # end as the others will (mpicoll.faults)
-    _switch(None, merged)
+    _switch(merged)
     last_growth = Growth(parent.Get_remote_size(), merged.Get_size(), merged.Get_rank(),
                          0.0, merged_at - start, time.perf_counter() - merged_at,
                          joined=True)

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
-from .. import faults
+from ..runtime import failures
 from ..errors import HostsUpdatedInterrupt, ProcessFailedError
 from . import discovery as discovery_module
 from . import grow as grow_module
@@ -61,7 +61,7 @@ def _reset_until_stable(reset: Callable[[], Any]) -> None:
         except ProcessFailedError as exc:
             log.warning("another failure while resetting (%s); shrinking again", exc)
         except MPI.Exception as exc:
-            if not faults.is_process_failure(exc):
+            if not isinstance(failures.translate(exc, None, "a reset"), ProcessFailedError):
                 raise
             log.warning("another failure while resetting (%s); shrinking again", exc)
     raise RuntimeError(f"the world kept failing: {MAX_RESETS_PER_FAILURE} resets in a row")
@@ -85,8 +85,7 @@ def _grow_or_reset(exc: HostsUpdatedInterrupt, reset: Callable[[], Any],
             source.failed_target = exc.new_size      # not again until discovery changes
         return None
     except (ProcessFailedError, MPI.Exception) as err:
-        if not faults.ENABLED or (isinstance(err, MPI.Exception)
-                                  and not faults.is_process_failure(err)):
+        if not isinstance(failures.translate(err, None, "a growth"), ProcessFailedError):
             raise
         log.warning("a process failed while the world grew (%s); shrinking", err)
         _reset_until_stable(reset)
@@ -138,7 +137,7 @@ def _loop(func: Callable[..., Any], reset: Callable[[], Any],
                     event.phases["sync"] = time.perf_counter() - began
             return func(state, *args, **kwargs)
         except ProcessFailedError as exc:
-            if not faults.ENABLED:
+            if not failures.ENABLED:
                 raise
             detected_at = time.time()
             failed_at = time.perf_counter()

@@ -4,14 +4,14 @@
 :class:`~mpicoll.ProcessFailedError`:
 
 1. *revoke* the current world and every communicator mpicoll holds for it
-   (:func:`mpicoll.faults.revoke_all`), so that a survivor still blocked in a call on them
+   (:func:`mpicoll.runtime.failures.fail_world`), so that a survivor still blocked in a call on them
    (waiting on another survivor) wakes with an error and comes here too;
 2. *agree and shrink*: ``MPI_Comm_shrink`` (ULFM) is a fault-tolerant agreement on the set
    of failed processes and returns the communicator of the survivors, the same on every
    one of them; the failed ranks are those of the old world missing from it;
-3. *switch*: forget (never free: a collective free would wait for the dead) the old
-   world's contexts (:func:`mpicoll.context.abandon`) and make the survivors' communicator
-   the world that ``comm=None`` means (:func:`mpicoll.context.set_world`). Per-communicator
+3. *switch*: make the survivors' communicator the runtime's next world, what ``comm=None``
+   means (:func:`mpicoll.context.set_world`); the old world's communicators are forgotten,
+   never freed (a collective free would wait for the dead). Per-communicator
    state (private duplicate, node layout, shared-memory windows, tuning layout, stall
    inspector) is built again on the new world's first collective, as for any new
    communicator.
@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
-from .. import context, faults
+from .. import context
+from ..runtime import comms, failures
 from ..errors import TooFewRanksError
 
 __all__ = ["Recovery", "shrink_world", "last_recovery", "world"]
@@ -99,19 +100,17 @@ def shrink_world(min_np: int = 1) -> Recovery:
             together).
     """
     global last_recovery
-    if not faults.ENABLED:
+    if not failures.ENABLED:
         raise RuntimeError("shrinking after a failure needs ULFM: Open MPI launched with "
                            "'mpirun --with-ft ulfm' (see docs/elastic.md)")
     old = context.world()
-    faults.note_failure()
     start = time.perf_counter()
-    faults.revoke_all(old)
+    failures.fail_world(old, [])
     revoked = time.perf_counter()
     plain = old if type(old) is MPI.Intracomm else MPI.Intracomm(old)
-    new = plain.Shrink()
+    new = comms.shrink(plain)
     shrunk = time.perf_counter()
     failed = _failed_ranks(plain, new)
-    context.abandon(old)
     context.set_world(new)
     done = time.perf_counter()
     last_recovery = Recovery(failed, plain.Get_size(), new.Get_size(), new.Get_rank(),

@@ -73,14 +73,14 @@ def choose_device(local: int, device_count: int, setting: str | None) -> int | N
 
 def local_rank(comm: Any = None) -> int:
     """This rank's index among the ranks of its node (collective over ``comm``)."""
-    from mpi4py import MPI  # noqa: PLC0415
+    from ..runtime import comms, world  # noqa: PLC0415
 
-    comm = MPI.COMM_WORLD if comm is None else comm
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    comm = world.comm() if comm is None else comm
+    node = comms.split_shared(comm, comm.Get_rank(), "device")
     try:
         return node.Get_rank()
     finally:
-        node.Free()
+        comms.free(node)
 
 
 def visible_device_count() -> int:

@@ -1,0 +1,197 @@
+"""The one registry of every communicator mpicoll makes.
+
+Every communicator mpicoll creates (a private duplicate, a node or leader communicator, a
+process set, a torch.distributed group, the parameter server's, a shrunk or grown world) is
+made here, by one of the functions below, and recorded with its *owner* (a short name:
+``"context"``, ``"topology"``, ``"ps"``, ``"group"``, ...), the *world* it belongs to (the
+generation of :mod:`mpicoll.runtime.world` it descends from) and its *lifetime*:
+
+- ``"owner"``: the owner frees it (:func:`free`) when it is done with it;
+- ``"world"``: it lives as long as its world, and :func:`release_world` frees it.
+
+No other module of mpicoll calls ``Dup``, ``Split``, ``Split_type``, ``Create_group``,
+``Shrink``, ``Spawn`` or ``Merge`` (a repository test checks). On a process failure
+:mod:`mpicoll.runtime.failures` revokes every communicator of the failed world
+(:func:`of_world`); a communicator of a world that failed is never freed (a collective free
+would wait for the dead), only forgotten.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from mpi4py import MPI
+
+from . import world as _world
+
+__all__ = ["Record", "dup", "split", "split_shared", "create_group", "shrink", "spawn",
+           "merge", "adopt", "free", "forget", "of_world", "alive", "record_of",
+           "release_world", "release_all"]
+
+
+@dataclass
+class Record:
+    """One communicator the runtime made.
+
+    Attributes:
+        comm: the communicator (a plain ``MPI.Intracomm``/``Intercomm``).
+        owner: who asked for it (``"context"``, ``"ps"``, ``"group"``, ...).
+        world: the world generation it belongs to (:func:`mpicoll.runtime.world.generation`).
+        lifetime: ``"owner"`` (freed by its owner) or ``"world"`` (freed with its world).
+        revoked: whether :mod:`mpicoll.runtime.failures` revoked it.
+    """
+
+    comm: Any
+    owner: str
+    world: int
+    lifetime: str = "owner"
+    revoked: bool = False
+
+
+_lock = threading.Lock()
+#: handle -> record of every live communicator the runtime made.
+_records: dict[int, Record] = {}
+#: Every record ever made, with what became of it (``"freed"``/``"forgotten"``); tests read it.
+history: list[tuple[Record, str]] = []
+
+
+def _plain(comm: Any) -> Any:
+    """A plain mpi4py view of ``comm`` (MPI's own methods even for an ``mpicoll.Comm``)."""
+    if type(comm) in (MPI.Intracomm, MPI.Intercomm):
+        return comm
+    return MPI.Intercomm(comm) if comm.Is_inter() else MPI.Intracomm(comm)
+
+
+def _world_of(parent: Any) -> int:
+    rec = _records.get(parent.handle) if parent is not None else None
+    return rec.world if rec is not None else _world.world_of(parent)
+
+
+def _register(comm: Any, owner: str, parent: Any, lifetime: str = "owner",
+              world: int | None = None) -> Any:
+    if comm == MPI.COMM_NULL:
+        return comm
+    rec = Record(comm, owner, _world_of(parent) if world is None else world, lifetime)
+    with _lock:
+        _records[comm.handle] = rec
+        history.append((rec, "made"))
+    return comm
+
+
+def dup(parent: Any, owner: str, lifetime: str = "owner", info: Any = None) -> MPI.Intracomm:
+    """A duplicate of ``parent`` (collective over it)."""
+    plain = _plain(parent)
+    return _register(plain.Dup() if info is None else plain.Dup(info), owner, parent, lifetime)
+
+
+def split(parent: Any, color: int, key: int, owner: str,
+          lifetime: str = "owner") -> MPI.Intracomm:
+    """``parent.Split(color, key)`` (``MPI.UNDEFINED``: ``MPI.COMM_NULL``, not recorded)."""
+    return _register(_plain(parent).Split(color, key), owner, parent, lifetime)
+
+
+def split_shared(parent: Any, key: int, owner: str,
+                 lifetime: str = "owner") -> MPI.Intracomm:
+    """The ranks of ``parent`` that share memory with this one (``COMM_TYPE_SHARED``)."""
+    return _register(_plain(parent).Split_type(MPI.COMM_TYPE_SHARED, key=key), owner,
+                     parent, lifetime)
+
+
+def create_group(parent: Any, group: MPI.Group, tag: int, owner: str,
+                 lifetime: str = "owner") -> MPI.Intracomm:
+    """``MPI_Comm_create_group`` over the members of ``group`` (collective over them)."""
+    return _register(_plain(parent).Create_group(group, tag), owner, parent, lifetime)
+
+
+def shrink(parent: Any, owner: str = "world") -> MPI.Intracomm:
+    """The survivors of ``parent`` (ULFM's ``MPI_Comm_shrink``), as the next world's
+    communicator (recorded for the world generation :func:`world.reconfigure` starts)."""
+    new = _plain(parent).Shrink()
+    return _register(new, owner, None, "world", world=_world.generation() + 1)
+
+
+def spawn(parent: Any, command: str, args: list[str], maxprocs: int, info: Any,
+          owner: str = "world") -> MPI.Intercomm:
+    """``MPI_Comm_spawn`` from rank 0 of ``parent``: the intercommunicator to the new
+    processes (kept for the life of the job: freeing it would wait for them)."""
+    inter = _plain(parent).Spawn(command, args=args, maxprocs=maxprocs, root=0, info=info)
+    return _register(inter, owner, parent, "job")
+
+
+def merge(inter: Any, high: bool, owner: str = "world") -> MPI.Intracomm:
+    """The intracommunicator of both sides of ``inter`` (the next world's)."""
+    return _register(_plain(inter).Merge(high=high), owner, None, "world",
+                     world=_world.generation() + 1)
+
+
+def adopt(comm: Any, owner: str, lifetime: str = "job") -> Any:
+    """Record a communicator MPI made (``MPI.Comm.Get_parent()``) without creating one."""
+    return _register(comm, owner, None, lifetime)
+
+
+def record_of(comm: Any) -> Record | None:
+    """The record of ``comm``, or ``None`` when the runtime did not make it."""
+    if comm is None or not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+        return None
+    return _records.get(comm.handle)
+
+
+def free(comm: Any) -> None:
+    """Free ``comm`` (a communicator the runtime made). A communicator of a world that
+    failed, or one that was revoked, is only forgotten: freeing it could wait for the dead.
+    Does nothing for ``None``/``MPI.COMM_NULL``, after ``MPI_Finalize``, or twice."""
+    if comm is None or not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+        return
+    with _lock:
+        rec = _records.pop(comm.handle, None)
+    if rec is None:
+        return
+    if rec.revoked or _world.failed(rec.world) or MPI.Is_finalized():
+        history.append((rec, "forgotten"))
+        return
+    history.append((rec, "freed"))
+    try:
+        _plain(comm).Free()
+    except MPI.Exception:   # revoked meanwhile: nothing left to free
+        pass
+
+
+def forget(comms: Iterable[Any]) -> None:
+    """Drop ``comms`` from the registry without freeing them (a failed world's)."""
+    with _lock:
+        for comm in comms:
+            if isinstance(comm, MPI.Comm) and comm != MPI.COMM_NULL:
+                rec = _records.pop(comm.handle, None)
+                if rec is not None:
+                    history.append((rec, "forgotten"))
+
+
+def of_world(world: int) -> list[Record]:
+    """The live records of world generation ``world``."""
+    with _lock:
+        return [r for r in _records.values() if r.world == world]
+
+
+def alive() -> list[Record]:
+    """Every live record (made, neither freed nor forgotten)."""
+    with _lock:
+        return list(_records.values())
+
+
+def release_world(world: int) -> None:
+    """At a reconfiguration: free (or, for a failed world, forget) every communicator of
+    world ``world`` whose lifetime is the world's."""
+    for rec in of_world(world):
+        if rec.lifetime == "world":
+            free(rec.comm)
+
+
+def release_all() -> None:
+    """At exit, after the clients' own exit handlers: free (or, for a failed world's,
+    forget) every communicator still alive, so that none outlives the runtime."""
+    for rec in alive():
+        if rec.lifetime == "job":     # a spawn's intercommunicator: freeing waits for the other side
+            forget([rec.comm])
+        else:
+            free(rec.comm)

@@ -1,0 +1,270 @@
+"""Process failures: the one place mpicoll asks MPI about them (ULFM).
+
+Under an MPI with ULFM turned on (Open MPI launched with ``mpirun --with-ft ulfm``), a
+peer that dies makes MPI calls that involve it fail with ``MPI_ERR_PROC_FAILED``. A
+survivor waiting on *another survivor* would still wait forever, so on the first such
+error :func:`translate` marks the world failed (:mod:`mpicoll.runtime.world`) and revokes
+every communicator the runtime holds for that world (:mod:`mpicoll.runtime.comms`: the
+private duplicates, node and leader communicators, process sets, groups, the parameter
+server's, the stall inspector's) and the communicator the call ran on: every pending and
+later call on them fails with ``MPI_ERR_REVOKED``. Each rank then asks MPI which ranks
+failed (``MPI_Comm_get_failed``, which works on a revoked communicator; a rank that only
+saw the revocation waits, within :data:`FAILED_WAIT_S`, for its failure detector to report
+the dead rank) and gets a :class:`~mpicoll.ProcessFailedError` naming them, chained from
+the MPI error.
+
+Clients never look at MPI error classes themselves: an error passes through
+:func:`translate` where a call returns or a :class:`~mpicoll.runtime.progress.Work`
+completes, and the client sees a :class:`~mpicoll.ProcessFailedError` or the error itself.
+:func:`failed_by` classifies without side effects (the replicated parameter server, which
+goes on after a failure, and acknowledges it with :func:`acknowledge`).
+
+Without ULFM (:data:`ENABLED` false) nothing is translated and nothing is wrapped: a
+failure ends the job, as MPI does.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import time
+from typing import Any, Callable
+
+from mpi4py import MPI
+
+from ..errors import ProcessFailedError
+from . import comms, world
+
+__all__ = ["available", "turned_on", "ENABLED", "failed_by", "failed_ranks", "acknowledge",
+           "revoke", "translate", "raise_translated", "keep_requests", "guard", "guard_call",
+           "fail_world", "peer_failed", "FAILED_WAIT_S", "OTHER_WAIT_S", "PROC_FAILED"]
+
+#: Longest wait, in seconds, for the failure detector to name a failed rank after a
+#: revocation (a rank woken by the revocation may not have noticed the death yet).
+FAILED_WAIT_S = 1.0
+#: The same wait after an MPI error of another class (a bad argument must not wait long).
+OTHER_WAIT_S = 0.2
+
+_FAILURE_CLASSES = tuple(getattr(MPI, name) for name in
+                         ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+                         if hasattr(MPI, name))
+#: The error class of a process failure (for errors made up by a client that saw one).
+PROC_FAILED = getattr(MPI, "ERR_PROC_FAILED", MPI.ERR_OTHER)
+
+
+def available() -> bool:
+    """Whether the MPI library has working ULFM: Open MPI with the ``MPIX_Comm_*``
+    functions (the MPICH wheel exports them but ends the job on a failure)."""
+    if not (hasattr(MPI.Comm, "Revoke") and hasattr(MPI.Comm, "Get_failed")):
+        return False
+    try:
+        return "Open MPI" in MPI.Get_library_version()
+    except Exception:  # noqa: BLE001  (MPI not initialisable: no ULFM to use)
+        return False
+
+
+def turned_on() -> bool:
+    """Whether fault tolerance is on for this job (``mpirun --with-ft ulfm`` sets
+    ``OMPI_MCA_mpi_ft_enable=1``)."""
+    for name in ("OMPI_MCA_mpi_ft_enable", "mpi_ft_enable"):
+        value = os.environ.get(name, "").strip().lower()
+        if value:
+            return value in ("1", "true", "yes", "on", "enabled")
+    return False
+
+
+#: ULFM available and on: errors are translated, the public collectives guarded.
+ENABLED = turned_on() and available()
+
+
+def _error_class(exc: BaseException) -> int | None:
+    if not isinstance(exc, MPI.Exception):
+        return None
+    try:
+        return exc.Get_error_class()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _plain(comm: Any) -> MPI.Intracomm:
+    if comm is None:
+        return world.comm()
+    return comm if type(comm) in (MPI.Intracomm, MPI.Intercomm) else MPI.Intracomm(comm)
+
+
+def failed_ranks(comm: Any, wait_s: float = FAILED_WAIT_S) -> list[int]:
+    """The ranks of ``comm`` (``None``: the world) this process knows to have failed,
+    waiting up to ``wait_s`` seconds for at least one to be known. ``[]`` without ULFM."""
+    if not ENABLED:
+        return []
+    comm = _plain(comm)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            group = comm.Get_failed()
+            try:
+                size = group.Get_size()
+                ranks = MPI.Group.Translate_ranks(group, list(range(size)),
+                                                  comm.Get_group()) if size else []
+            finally:
+                group.Free()
+        except Exception:  # noqa: BLE001
+            ranks = []
+        ranks = sorted(r for r in ranks if r is not None and r >= 0)
+        if ranks or time.monotonic() >= deadline:
+            return ranks
+        try:  # drive MPI's progress engine: it delivers the failure notice
+            MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+        except Exception:  # noqa: BLE001
+            pass
+        time.sleep(0.001)
+
+
+def peer_failed(comm: Any) -> bool:
+    """Whether MPI knows a rank of ``comm`` to have failed, now (never without ULFM)."""
+    return bool(failed_ranks(comm, 0.0))
+
+
+def failed_by(exc: BaseException, comm: Any, wait_s: float = 0.0) -> list[int] | None:
+    """Whether ``exc`` (raised by an MPI call on ``comm``) stands for a process failure:
+    the failed ranks of ``comm`` (possibly ``[]`` for a bare revocation), else ``None``.
+    No side effect. An MPI error of another class (``MPI_ERR_IN_STATUS`` from a wait on
+    several requests; Open MPI's native broadcast may say ``MPI_ERR_OTHER``), and any
+    other error when ``wait_s`` is given, count when a peer is known to have failed."""
+    if not ENABLED:
+        return None
+    if isinstance(exc, ProcessFailedError):
+        return list(exc.failed_ranks)
+    error_class = _error_class(exc)
+    if error_class in _FAILURE_CLASSES:
+        return failed_ranks(comm, 0.0)
+    if error_class is None and not wait_s:
+        return None
+    ranks = failed_ranks(comm, wait_s or OTHER_WAIT_S)
+    return ranks or None
+
+
+def acknowledge(comm: Any) -> None:
+    """Acknowledge the failures MPI reported on ``comm`` (``MPI_Comm_ack_failed``), so that
+    ``MPI_ANY_SOURCE`` receives work again between live ranks (the replicated parameter
+    server goes on this way, on the same communicator)."""
+    try:
+        _plain(comm).Ack_failed()
+    except MPI.Exception:  # revoked: the next call raises ERR_REVOKED anyway
+        pass
+
+
+def revoke(comm: Any) -> None:
+    """Revoke ``comm`` and every communicator the runtime holds for its world (errors
+    ignored: already revoked or freed, nothing to wake)."""
+    gen = world.world_of(comm) if comm is not None else world.generation()
+    rec = comms.record_of(comm)
+    if rec is not None:
+        gen = rec.world
+    targets = [comm] if comm is not None else [world.comm()]
+    for r in comms.of_world(gen):
+        r.revoked = True
+        targets.append(r.comm)
+    if gen == world.generation():
+        targets.append(world.comm())
+    seen: set[int] = set()
+    for c in targets:
+        if not isinstance(c, MPI.Comm) or c == MPI.COMM_NULL or c.handle in seen:
+            continue
+        seen.add(c.handle)
+        try:
+            _plain(c).Revoke()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def fail_world(comm: Any, ranks: list[int]) -> None:
+    """The world of ``comm`` has failed: mark it (healthy -> failed) and revoke every
+    communicator of it, so that no survivor waits on another survivor."""
+    rec = comms.record_of(comm)
+    gen = rec.world if rec is not None else world.world_of(comm)
+    world.mark_failed(gen, ranks)
+    revoke(comm)
+
+
+#: Requests left pending by failed collectives, never freed: Open MPI ends the job when a
+#: freed send to a dead process fails ("Send error after request freed"), which is what
+#: mpi4py's garbage collection of the failed call's request objects would do.
+_orphans: list[MPI.Request] = []
+
+
+def _keep_frames(exc: BaseException) -> None:
+    tb = exc.__traceback__
+    while tb is not None:
+        for value in list(tb.tb_frame.f_locals.values()):
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            _orphans.extend(r for r in items if isinstance(r, MPI.Request))
+        tb = tb.tb_next
+
+
+def keep_requests(requests: list[Any]) -> None:
+    """Never free ``requests`` (pending operations on a communicator with a dead peer)."""
+    _orphans.extend(r for r in requests if isinstance(r, MPI.Request))
+
+
+def translate(exc: BaseException, comm: Any, what: str = "the collective",
+              wait_s: float = 0.0) -> BaseException:
+    """The error a client reports for ``exc``, raised by an MPI call on ``comm`` (``None``:
+    the world): a :class:`~mpicoll.ProcessFailedError` naming the failed ranks, chained
+    from ``exc``, when it is a process failure (the world is then failed and revoked:
+    :func:`fail_world`), else ``exc`` itself. ``wait_s``: also count any other error when
+    MPI knows, within that many seconds, a peer of ``comm`` to have failed. Without ULFM,
+    ``exc``."""
+    if isinstance(exc, ProcessFailedError):
+        return exc
+    ranks = failed_by(exc, comm, wait_s)
+    if ranks is None:
+        return exc
+    plain = _plain(comm)
+    fail_world(plain, ranks)
+    _keep_frames(exc)
+    ranks = ranks or failed_ranks(plain)
+    error = ProcessFailedError(
+        f"rank(s) {ranks} of the communicator failed during {what} (rank "
+        f"{plain.Get_rank()} of {plain.Get_size()}); its communicators are revoked", ranks)
+    error.__cause__ = exc
+    return error
+
+
+def raise_translated(exc: BaseException, comm: Any, what: str = "the collective") -> None:
+    """Raise :func:`translate`'s error when it is a process failure; return otherwise
+    (the caller re-raises ``exc``)."""
+    error = translate(exc, comm, what)
+    if error is not exc:
+        raise error from exc
+
+
+def guard(fn: Callable[..., Any], comm_arg: str = "comm") -> Callable[..., Any]:
+    """``fn`` with process failures translated; the communicator is the argument
+    ``comm_arg`` (``"self"``: a :class:`mpicoll.Comm` method)."""
+    index = list(inspect.signature(fn).parameters).index(comm_arg)
+
+    @functools.wraps(fn)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except MPI.Exception as exc:
+            raise_translated(exc, args[index] if len(args) > index else kwargs.get(comm_arg))
+            raise
+
+    return guarded
+
+
+def guard_call(call: Callable[[], Any], comm: Any) -> Callable[[], Any]:
+    """``call`` (a planned collective of no arguments on ``comm``) with process failures
+    translated."""
+
+    @functools.wraps(call)
+    def guarded() -> Any:
+        try:
+            return call()
+        except MPI.Exception as exc:
+            raise_translated(exc, comm)
+            raise
+
+    return guarded

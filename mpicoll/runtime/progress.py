@@ -1,0 +1,327 @@
+"""Work off the caller's thread: ``lane.submit(kind, op) -> Work``.
+
+A :class:`Lane` is one client's ordered stream of operations on its communicators (a
+torch.distributed group, the Horovod engine, a parameter server's handles, an averager):
+operations run in submission order on the lane's own thread, started on first use, so one
+client's blocking collective never delays another client's (a single thread shared by
+clients that run blocking collectives in arrival order could deadlock: rank 0 running
+client A's collective while rank 1 runs client B's). Below ``MPI_THREAD_MULTIPLE`` (only
+one thread may call MPI), and for an operation submitted from the lane's own thread (a
+callback that starts another operation), ``submit`` runs the operation inline.
+
+A :class:`Work` is the operation's handle: ``wait(timeout)``, ``done()``, ``result()``,
+``exception()`` and ``add_done_callback(fn)`` (callbacks run on the thread that
+completes the work, as torch's ``Future.then`` does with gloo). An operation's error passes
+through :func:`mpicoll.runtime.failures.translate` when the work completes: a process
+failure reaches the client as :class:`~mpicoll.ProcessFailedError`, once.
+
+Timeouts and abort:
+
+- a ``wait(timeout)`` that expires raises :class:`~mpicoll.CollectiveTimeoutError` at
+  once, naming the operation (and the ranks that did not arrive, where the lane's client
+  can tell), and *breaks* the lane (:meth:`Lane.abort`);
+- :meth:`Lane.abort` fails the work in flight and every queued work with the error. Under
+  ULFM the lane's communicators are revoked, so the MPI call in flight really ends and
+  the client can be rebuilt. Without ULFM an MPI call cannot be cancelled: using a broken
+  lane again, closing it, or the process's exit ends the job (``MPI_Abort``) with the
+  error's message. Never a silent hang.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import sys
+import threading
+import weakref
+from typing import Any, Callable
+
+from mpi4py import MPI
+
+from ..errors import CollectiveTimeoutError
+from . import failures
+
+__all__ = ["Work", "Lane", "inline_only", "completed", "EXIT_STALL_S"]
+
+log = logging.getLogger("mpicoll.runtime")
+
+#: At exit, how long a lane's thread may go without finishing an operation before the job
+#: is aborted (an operation that other ranks never joined).
+EXIT_STALL_S = 10.0
+
+
+def inline_only() -> bool:
+    """Whether operations must run on the caller's thread (MPI below
+    ``MPI_THREAD_MULTIPLE``)."""
+    return MPI.Query_thread() < MPI.THREAD_MULTIPLE
+
+
+class Work:
+    """One operation's handle.
+
+    Args:
+        kind: the operation's name (shown in errors).
+        lane: the lane it runs on (``None``: a work completed by hand).
+    """
+
+    def __init__(self, kind: str, lane: "Lane | None" = None) -> None:
+        self.kind = kind
+        self.lane = lane
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._result: Any = None
+        self._callbacks: list[Callable[["Work"], Any]] = []
+
+    def finish(self, result: Any = None, error: BaseException | None = None) -> bool:
+        """Complete the work (once: later calls are ignored; returns whether this one
+        completed it); its callbacks run here, in the order they were added."""
+        with self._lock:
+            if self._done.is_set():
+                return False
+            self._result, self._error = result, error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            self._call(fn)
+        return True
+
+    def _call(self, fn: Callable[["Work"], Any]) -> None:
+        try:
+            fn(self)
+        except Exception:  # noqa: BLE001  (a callback's own error is its own)
+            log.exception("mpicoll: a callback of %s raised", self.kind)
+
+    def add_done_callback(self, fn: Callable[["Work"], Any]) -> None:
+        """Call ``fn(work)`` when the work completes (now, if it has)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        self._call(fn)
+
+    def done(self) -> bool:
+        """Whether the work has completed (with a result or an error)."""
+        return self._done.is_set()
+
+    def exception(self) -> BaseException | None:
+        """The work's error (``None``: none, or not completed)."""
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the work completes; return its result or raise its error.
+
+        Args:
+            timeout: seconds (``None``: the lane's timeout; ``None`` there: forever).
+        Raises:
+            CollectiveTimeoutError: the time passed first; the lane is broken.
+        """
+        if timeout is None and self.lane is not None:
+            timeout = self.lane.timeout
+        if not self._done.wait(timeout):
+            error = self.lane.timed_out(self, timeout) if self.lane is not None else \
+                CollectiveTimeoutError(f"mpicoll: {self.kind} timed out after {timeout:g} s",
+                                       self.kind)
+            raise error
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def result(self) -> Any:
+        """:meth:`wait` with the lane's timeout."""
+        return self.wait()
+
+
+def completed(kind: str, result: Any = None, error: BaseException | None = None) -> Work:
+    """A work that has already completed."""
+    work = Work(kind)
+    work.finish(result, error)
+    return work
+
+
+_lanes: "weakref.WeakSet[Lane]" = weakref.WeakSet()
+
+
+class Lane:
+    """One client's ordered stream of operations, run on a thread of its own.
+
+    Args:
+        name: the thread's name (and the client's, in messages).
+        comm: the communicator the lane's operations run on (revoked on abort under
+            ULFM; errors are translated against it). ``None``: the world.
+        timeout: seconds :meth:`Work.wait` waits by default (``None``: forever).
+        missing: a callable naming the ranks that did not arrive at an operation, for
+            timeout messages (``None``: not known).
+        inline: run every operation on the calling thread (default: below
+            ``MPI_THREAD_MULTIPLE``).
+    """
+
+    def __init__(self, name: str, comm: Any = None, timeout: float | None = None,
+                 missing: Callable[[Work], list[int]] | None = None,
+                 inline: bool | None = None) -> None:
+        self.name = name
+        self.comm = comm
+        self.timeout = timeout
+        self.missing = missing
+        self.inline = inline_only() if inline is None else inline
+        #: The error that broke the lane (``None`` while it works).
+        self.broken: BaseException | None = None
+        self.completed = 0
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._pending: list[Work] = []
+        self._running: Work | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # --- submission -------------------------------------------------------------------
+    def submit(self, kind: str, op: Callable[[], Any]) -> Work:
+        """Run ``op()`` after the operations submitted before it; its return value is the
+        work's result, its error (translated) the work's error.
+
+        Raises:
+            RuntimeError: the lane was closed.
+        """
+        if self._closed:
+            raise RuntimeError(f"mpicoll: {kind} on {self.name}, which was shut down")
+        work = Work(kind, self)
+        if self.broken is not None:
+            self._refuse(work)
+            return work
+        if self.inline or threading.current_thread() is self._thread:
+            self._execute(work, op)
+            return work
+        with self._lock:
+            self._pending.append(work)
+        self._start()
+        self._queue.put((work, op))
+        return work
+
+    def _refuse(self, work: Work) -> None:
+        error = self.broken
+        assert error is not None
+        if not failures.ENABLED:
+            _end_job(f"{work.kind} on {self.name}, which is broken: {error}")
+        work.finish(None, error)
+
+    def _start(self) -> None:
+        if self._thread is not None:
+            return
+        with self._lock:
+            if self._thread is None:
+                _register_exit()
+                thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                thread.start()
+                self._thread = thread
+                _lanes.add(self)
+
+    def _execute(self, work: Work, op: Callable[[], Any]) -> None:
+        if work.done():        # aborted while queued
+            return
+        if self.broken is not None:
+            work.finish(None, self.broken)
+            return
+        self._running = work
+        try:
+            result = op()
+        except BaseException as exc:  # noqa: BLE001  (handed to the waiter)
+            work.finish(None, failures.translate(exc, self.comm, work.kind))
+        else:
+            work.finish(result)
+        finally:
+            self._running = None
+            self.completed += 1
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            with self._lock:
+                if item[0] in self._pending:
+                    self._pending.remove(item[0])
+            self._execute(*item)
+
+    # --- failure, timeout, abort ------------------------------------------------------
+    def timed_out(self, work: Work, timeout: float | None) -> CollectiveTimeoutError:
+        """The error of ``work`` whose wait expired; the lane is aborted with it."""
+        missing: list[int] = []
+        if self.missing is not None:
+            try:
+                missing = list(self.missing(work))
+            except Exception:  # noqa: BLE001  (a report, not the error)
+                missing = []
+        who = f"; rank(s) {missing} did not arrive" if missing else ""
+        error = CollectiveTimeoutError(
+            f"mpicoll: {work.kind} on {self.name} timed out after {timeout:g} s{who}; "
+            f"{self.name} is broken (" + ("its communicators are revoked: rebuild it)"
+                                          if failures.ENABLED else
+                                          "using it again ends the job)"),
+            work.kind, missing)
+        self.abort(error)
+        return error
+
+    def abort(self, error: BaseException) -> None:
+        """Break the lane: the work in flight and every queued work fail with ``error``;
+        under ULFM the lane's communicator (and its world's) is revoked, so the MPI call in
+        flight ends. Later submissions fail with ``error`` (without ULFM: end the job)."""
+        with self._lock:
+            if self.broken is None:
+                self.broken = error
+            pending, self._pending = self._pending, []
+            running = self._running
+        for work in ([running] if running is not None else []) + pending:
+            work.finish(None, error)
+        if failures.ENABLED and self.comm is not None:
+            failures.revoke(self.comm)
+
+    def close(self, stall_s: float | None = None) -> bool:
+        """Finish what is queued and stop the thread (idempotent). Returns ``False`` when
+        the thread made no progress for ``stall_s`` seconds (it is left running). A broken
+        lane without ULFM ends the job here (its MPI call cannot be cancelled)."""
+        self._closed = True
+        if self.broken is not None and not failures.ENABLED and self._running is not None:
+            _end_job(f"{self.name} closed while broken: {self.broken}")
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        self._queue.put(None)
+        while True:
+            before = self.completed
+            thread.join(stall_s)
+            if not thread.is_alive():
+                self._thread = None
+                return True
+            if self.completed == before:
+                return False
+
+
+def _end_job(message: str) -> None:
+    """End the job with ``message``: an MPI call that cannot be cancelled is stuck."""
+    log.error("mpicoll: %s; ending the job", message)
+    print(f"mpicoll: {message}; ending the job", file=sys.stderr, flush=True)
+    MPI.COMM_WORLD.Abort(1)
+
+
+_exit_registered = False
+_registry_lock = threading.Lock()
+
+
+def _register_exit() -> None:
+    global _exit_registered
+    with _registry_lock:
+        if not _exit_registered:
+            atexit.register(_close_all_at_exit)   # runs before the runtime's own
+            _exit_registered = True
+
+
+def _close_all_at_exit() -> None:
+    lanes = list(_lanes)
+    for lane in lanes:
+        if lane.broken is not None and not failures.ENABLED and lane._running is not None:
+            _end_job(f"at exit, {lane.name} is broken: {lane.broken}")
+    stuck = [lane for lane in lanes if not lane.close(EXIT_STALL_S)]
+    if stuck:
+        names = ", ".join(lane.name for lane in stuck)
+        _end_job(f"at exit, {names} made no progress for {EXIT_STALL_S:g} s (an operation "
+                 f"the other ranks never joined)")

@@ -1,0 +1,51 @@
+"""One world, every client of the runtime, a rank lost: every communicator of the old world
+is revoked and released, and none is alive at exit (issue 32; Open MPI with ULFM, n = 3).
+
+The worker (runtime_world_worker.py) uses the synchronous collectives, hvd, local SGD, a
+codec, torch.distributed groups and a parameter server, then rank 2 dies and the survivors
+shrink the world. Fails, not skips, when Open MPI with ULFM cannot run.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import ompi_env
+from ulfm_jobs import lines, run_job
+
+HERE = Path(__file__).resolve().parent
+#: The runtime's communicator owners every client must have used.
+OWNERS = {"context", "topology", "engine", "group", "ps"}
+
+
+@pytest.fixture(scope="module")
+def job():
+    python = ompi_env.ompi_python(need_torch=True)
+    return run_job(python, (HERE / "runtime_world_worker.py", 3, [], {}, 150.0))
+
+
+def test_every_client_gets_its_communicators_from_the_runtime(job):
+    rc, out, _ = job
+    owners = lines(out, "OWNERS")
+    assert len(owners) == 3, out[-3000:]
+    for fields in owners:
+        assert OWNERS <= set(fields[1].split(",")), (fields, out[-2000:])
+
+
+def test_the_old_worlds_communicators_are_revoked_and_released(job):
+    rc, out, _ = job
+    assert sorted(f[0] for f in lines(out, "PFE")) == ["0", "1"], out[-3000:]
+    assert all(f[1] == "2" for f in lines(out, "PFE")), out[-3000:]
+    old = lines(out, "OLD")
+    assert sorted(f[0] for f in old) == ["0", "1"], out[-3000:]
+    for fields in old:
+        assert fields[1:] == ["0", "0", "0"], (fields, out[-2000:])
+    assert sorted(lines(out, "NEW")) == [["0", "2", "4"], ["1", "2", "4"]], out[-3000:]
+
+
+def test_no_communicator_is_alive_at_exit(job):
+    rc, out, _ = job
+    alive = lines(out, "ALIVE")
+    assert sorted(f[0] for f in alive) == ["0", "1"], out[-3000:]
+    assert all(f[1] == "-" for f in alive), (alive, out[-2000:])
