@@ -56,6 +56,8 @@ class World:
 
 _lock = threading.Lock()
 _worlds: list[World] = [World(0)]
+#: The current world's communicator (read on every ``comm=None`` call: kept at hand).
+_comm: MPI.Intracomm = MPI.COMM_WORLD
 #: handle -> generation of every world communicator after the first
 _handles: dict[int, int] = {}
 
@@ -67,7 +69,7 @@ def current() -> World:
 
 def comm() -> MPI.Intracomm:
     """The current world's communicator: what ``comm=None`` means everywhere in mpicoll."""
-    return _worlds[-1].communicator
+    return _comm
 
 
 def generation() -> int:
@@ -119,6 +121,7 @@ def reconfigure(new: MPI.Intracomm | None) -> World:
     after a shrink or a growth). The previous world becomes *reconfigured*; the runtime's
     communicators of it are released by the caller (:func:`mpicoll.runtime.comms.release_world`).
     """
+    global _comm
     with _lock:
         old = _worlds[-1]
         old.state = State.RECONFIGURED
@@ -126,4 +129,5 @@ def reconfigure(new: MPI.Intracomm | None) -> World:
         _worlds.append(w)
         if w.comm is not None:
             _handles[w.comm.handle] = w.generation
+        _comm = w.communicator
         return w
