@@ -115,14 +115,17 @@ def _find(need_torch: bool) -> tuple[Path | None, str]:
     return python, ""
 
 
-def ompi_python(need_torch: bool = False) -> Path:
+def ompi_python(need_torch: bool = False, required: bool = False) -> Path:
     """An interpreter whose mpi4py is Open MPI's, with ULFM (and torch if asked); skips
-    the calling test, with the reason, when there is none. Built once per session."""
+    the calling test, with the reason, when there is none (``required``: fails it, for
+    tests an issue needs). Built once per session."""
     key = "torch" if need_torch else "plain"
     with _lock:
         if key not in _found:
             _found[key] = _find(need_torch)
     python, why = _found[key]  # type: ignore[misc]
     if python is None:
+        if required:
+            pytest.fail(f"Open MPI with ULFM cannot run: {why}")
         pytest.skip(str(why))
     return python  # type: ignore[return-value]

@@ -41,16 +41,15 @@ separate layout: a round counts only the ranks that have not closed.
 """
 from __future__ import annotations
 
-import enum
 import os
 from typing import Any, Generator, Iterator
 
 import numpy as np
 from mpi4py import MPI
 
-from .. import faults
 from ..compression import Codec
 from . import protocol as P
+from .protocol import CollOp
 from .checkpoint import write_codec_file, write_server_file
 from .colocated_coded import CodedExchange
 from .compressed import PushEncoder
@@ -59,10 +58,10 @@ from .errors import PSError
 from .node_order import fold_sum, grouped_order, total_weight
 from .placement import Placement, Shard
 from .server import ShardState
-from .stepped import SteppedHandle
+from .stepped import SteppedOwner
 from .worker import pull_destination
 
-__all__ = ["CollOp", "ColocatedEngine", "ColocatedHandle"]
+__all__ = ["CollOp", "ColocatedEngine"]
 
 TAG_SCATTER, TAG_GATHER = P.TAG_SCATTER, P.TAG_GATHER
 
@@ -75,52 +74,10 @@ def _raw(arr: np.ndarray) -> Any:
     return lambda lo, hi: [raw[lo * size:hi * size], MPI.BYTE]
 
 
-class CollOp(enum.IntEnum):
-    """What a rank does in one collective step (the control all-gather's first field)."""
-
-    IDLE = 0        #: closed earlier: serves its shards, contributes nothing
-    PUSH = 1
-    PULL = 2
-    PUSH_PULL = 3
-    CLOSE = 4       #: closes now (does not contribute to this step)
-    STATS = 5
-    SAVE = 6
-
-
 _NO_CONTRIBUTION = (CollOp.IDLE, CollOp.CLOSE)
 
 
-class ColocatedHandle(SteppedHandle):
-    """An outstanding co-located operation (same interface as :class:`~mpicoll.ps.Handle`).
-
-    ``wait()`` completes it and returns its result; ``test()`` makes progress without
-    blocking. Only one co-located operation runs at a time: starting another one first
-    completes this one.
-    """
-
-    def test(self) -> bool:
-        """Make progress; return whether the operation is complete (without raising)."""
-        while not self._done and MPI.Request.Testall(self._reqs):
-            self._advance()
-        return self._done
-
-    def wait(self) -> Any:
-        """Complete the operation and return its result.
-
-        Raises:
-            PSError: bad arguments on some rank, or ranks that disagree on the operation.
-        """
-        while not self._done:
-            self._owner.wait(self._reqs)
-            self._advance()
-        if self._error is not None:
-            if isinstance(self._error, MPI.Exception):
-                self._owner.failed(self._error)
-            raise self._error
-        return self._result
-
-
-class ColocatedEngine(CodedExchange):
+class ColocatedEngine(CodedExchange, SteppedOwner):
     """The worker and server parts of one rank in the co-located layout.
 
     Args:
@@ -176,13 +133,10 @@ class ColocatedEngine(CodedExchange):
         self.closed = False
         #: block in MPI's Waitall (spins) only when every rank has a core of its own
         self.spin = self.size <= (os.cpu_count() or 1)
-        #: failures under ULFM (a FailureWatch; None: not watched)
-        self.watch: Any = None
         self._ctrl_out = np.zeros(3, dtype=np.int64)
         self._ctrl_in = np.zeros((self.size, 3), dtype=np.int64)
         self._scratch: dict[tuple[int, int], np.ndarray] = {}   # (ident, src) -> buffer
         self._acc: dict[tuple[int, int], np.ndarray] = {}       # ident -> aggregate
-        self._current: ColocatedHandle | None = None
         self.counters = {"pushes": 0, "pulls": 0, "updates": 0, "bytes_in": 0, "bytes_out": 0,
                          "errors": 0, "bytes_in_uncompressed": 0, "bytes_out_uncompressed": 0}
         self.worker_counters = {"pushes": 0, "pulls": 0, "bytes_sent": 0, "bytes_received": 0,
@@ -193,65 +147,14 @@ class ColocatedEngine(CodedExchange):
         self._pull_deltas = optimizer != "sum"
         self._coded_init()
 
-    # ------------------------------------------------------------------ waiting
-    def wait(self, reqs: list[MPI.Request]) -> None:
-        """Complete ``reqs``: MPI's Waitall when each rank has a core, else polling that
-        yields the core (large shared-memory messages need both sides to drive them)."""
-        if not reqs:
-            return
-        if self.watch is not None:     # ULFM: poll, so that a failure is seen
-            backoff = P.Backoff(max_sleep=self.max_sleep)
-            while not self._test_watched(reqs):
-                backoff.pause(busy=not self.closed)
-            return
-        if self.spin and not self.closed:
+    def wait(self, reqs: list[MPI.Request], busy: bool = False) -> None:
+        """Complete ``reqs``: MPI's Waitall when each rank has a core (and no failure
+        watch), else polling that yields the core (large shared-memory messages need both
+        sides to drive them)."""
+        if self.spin and not self.closed and self.watch is None:
             MPI.Request.Waitall(reqs)
-            return
-        backoff = P.Backoff(max_sleep=self.max_sleep)
-        while not MPI.Request.Testall(reqs):
-            backoff.pause(busy=not self.closed)
-
-    def _test_watched(self, reqs: list[MPI.Request]) -> bool:
-        """``Testall`` under the failure watch: every step is collective, so any dead rank
-        is fatal (:class:`~mpicoll.ProcessFailedError`, communicators revoked)."""
-        done = self.watch.guard(lambda: MPI.Request.Testall(reqs),
-                                lambda ranks: self.watch.fatal(ranks=ranks))
-        if self.watch.known:
-            faults.keep_requests(reqs)
-            self.watch.fatal()
-        return bool(done)
-
-    def failed(self, exc: BaseException) -> None:
-        """An operation raised MPI error ``exc``: under ULFM a process failure becomes
-        :class:`~mpicoll.ProcessFailedError` (communicators revoked); else return."""
-        if self.watch is None:
-            return
-        try:
-            self.watch.from_exception(exc)     # raises exc back if it is no failure
-        except MPI.Exception:
-            return
-        self.watch.fatal(exc)
-
-    def start(self, kind: str, steps: Steps) -> ColocatedHandle:
-        """Complete the running operation (if any), then start ``steps``."""
-        self.wait_current()
-        self._current = ColocatedHandle(self, kind, steps)
-        return self._current
-
-    def finished(self, handle: ColocatedHandle) -> None:
-        """Called by ``handle`` once its operation has completed: forget it as the
-        running operation."""
-        if self._current is handle:
-            self._current = None
-
-    def wait_current(self) -> None:
-        """Complete the running operation, if any (its errors stay with its handle, raised
-        by that handle's own ``wait()``)."""
-        if self._current is not None:
-            try:
-                self._current.wait()
-            except PSError:
-                pass
+        elif reqs:
+            super().wait(reqs, busy=not self.closed)
 
     # ------------------------------------------------------------------ control step
     def _control(self, op: CollOp, error: str | None) -> Iterator[list]:

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
-from .. import faults
+from ..runtime import comms, failures
 from . import checkpoint as ckpt
 from . import protocol as P
 from .colocated import CollOp, ColocatedEngine
@@ -35,7 +35,6 @@ from .device import call_side, device_views, host_arrays
 from .errors import PSError
 from .placement import DEFAULT_SPLIT_BYTES, ParamSpec, Placement, specs_from_params
 from .failures import FailureWatch
-from . import node_aggregation as NA
 from .node_aggregation import NodeGroup, decide, node_indices, worker_groups
 from .replicas import Routing
 from .replicated import ReplicatedServer
@@ -207,10 +206,9 @@ class ParameterServer:
                  local_aggregation: Any = "auto", **hyperparameters: Any) -> None:
         user = MPI.COMM_WORLD if comm is None else comm
         try:
-            self.comm = user.Dup()
+            self.comm = comms.dup(user, "ps")
         except MPI.Exception as exc:     # under ULFM: a rank died before or during Dup
-            if faults.ENABLED:
-                faults.translate(exc, user)
+            failures.raise_translated(exc, user, "the ParameterServer constructor")
             raise
         self.rank = self.comm.Get_rank()
         self.worker_comm = MPI.COMM_NULL
@@ -236,8 +234,7 @@ class ParameterServer:
             # under ULFM a rank that died during set-up fails a collective here (or a
             # revoked communicator does): ProcessFailedError on every survivor, the
             # communicators revoked (not freed: that would wait for the dead rank)
-            if faults.ENABLED:
-                faults.translate(exc, self.comm)
+            failures.raise_translated(exc, self.comm, "the ParameterServer constructor")
             raise
 
     # ------------------------------------------------------------------ set-up steps
@@ -315,7 +312,7 @@ class ParameterServer:
         self.is_server = settings.is_server(rank)
         self.is_worker = not self.is_server
         self.worker_index = None if self.is_server else rank - first_worker
-        self.worker_comm = self.comm.Split(0 if self.is_server else 1, rank)
+        self.worker_comm = comms.split(self.comm, 0 if self.is_server else 1, rank, "ps")
         self._server: Server | None = None
         self._client: WorkerClient | None = None
         self._engine: ColocatedEngine | None = None
@@ -339,19 +336,18 @@ class ParameterServer:
         self.placement = Placement(specs, self.num_servers, settings.split_bytes)
         #: (key the server side keeps a worker's clock under, that worker's index)
         self._clock_keys = [(w, self.worker_ranks.index(w)) for w in counted]
-        watch = FailureWatch(self.comm, lambda: [self.comm, self.worker_comm]) \
-            if faults.ENABLED else None
-        if self.local_aggregation and self.is_worker:
-            group = next(g for g in self.node_groups if rank in g)
-            self._node_comm = self.comm.Split(self.node_groups.index(group), rank)
-        elif self.local_aggregation:
-            self._node_comm = self.comm.Split(MPI.UNDEFINED, rank)
+        watch = self._watch = FailureWatch(self.comm, tolerant=bool(self.replicas)) \
+            if failures.ENABLED else None
+        if self.local_aggregation:
+            group = next((g for g in self.node_groups if rank in g), None)
+            self._node_comm = comms.split(self.comm, MPI.UNDEFINED if group is None else
+                                          self.node_groups.index(group), rank, "ps")
         checker = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep)
         if settings.colocated:
             engine_comm, engine_nodes, engine_weights = self.comm, node_of, None
             if self.local_aggregation:
-                self._leader_comm = self.comm.Split(0 if rank in leaders else MPI.UNDEFINED,
-                                                    rank)
+                self._leader_comm = comms.split(self.comm, 0 if rank in leaders else
+                                                MPI.UNDEFINED, rank, "ps")
                 engine_comm = self._leader_comm
                 engine_nodes = [node_of[w] for w in leaders]
                 engine_weights = [len(g) for g in self.node_groups]
@@ -401,20 +397,30 @@ class ParameterServer:
             return
         self._node = NodeGroup(self._node_comm, self.placement.specs,
                                self._leader_call if self._node_comm.Get_rank() == 0 else None,
-                               checker.check_arrays, max_sleep)
+                               checker.check_arrays, max_sleep, self._watch)
 
     def _leader_call(self, kind: str, grads: dict[str, Any] | None,
-                     out: dict[str, Any] | None) -> Any:
-        """A node leader's push/pull/push_pull of the node (a handle)."""
+                     out: dict[str, Any] | None, check: bool = False) -> Any:
+        """``"push"``, ``"pull"`` or ``"push_pull"`` through this rank's co-located engine
+        or client (a handle); a node leader's for its node."""
         if self._engine is not None:
-            eng = self._engine
-            op = {"push": CollOp.PUSH, "pull": CollOp.PULL, "push_pull": CollOp.PUSH_PULL}[kind]
-            return eng.start(kind, eng.step(op, grads, out))
-        if kind == "push":
-            return self._client.push_async(grads, check=False)
+            return self._engine.start(kind, self._engine.step(CollOp[kind.upper()], grads,
+                                                              out))
+        client = self._need_worker(f"{kind}()")
         if kind == "pull":
-            return self._client.pull_async(out)
-        return self._client.push_pull_async(grads, out, check=False)
+            return client.pull_async(out)
+        if kind == "push":
+            return client.push_async(grads, check)
+        return client.push_pull_async(grads, out, check)
+
+    def _start(self, kind: str, grads: dict[str, Any] | None = None,
+               out: dict[str, Any] | None = None, check: bool = True) -> Handle:
+        """Start this worker's ``kind`` (through its node group, if any)."""
+        if self._node is not None or self._engine is not None:
+            self._open(f"{kind}()")
+        if self._node is not None:
+            return self._node.start(kind, self._node.step(CollOp[kind.upper()], grads, out))
+        return self._leader_call(kind, grads, out, check)
 
     def _init_or_restore(self, settings: Settings, values: dict[str, np.ndarray] | None
                          ) -> None:
@@ -475,15 +481,9 @@ class ParameterServer:
             return self._engine.clock
         return None if self._client is None else self._client.clock
 
-    def _need_node(self, what: str) -> NodeGroup:
+    def _open(self, what: str) -> None:
         if self._closed:
             raise PSError(f"{what} after close()")
-        return self._node
-
-    def _colocated(self, what: str) -> ColocatedEngine:
-        if self._closed:
-            raise PSError(f"{what} after close()")
-        return self._engine
 
     def _need_worker(self, what: str) -> WorkerClient:
         if self._client is None:
@@ -533,13 +533,7 @@ class ParameterServer:
 
     def pull_async(self, out: dict[str, Any] | None = None) -> Handle:
         """Start :meth:`pull`; ``handle.wait()`` returns the dict."""
-        if self._node is not None:
-            node = self._need_node("pull()")
-            return node.start("pull", node.step(NA.PULL, out=out))
-        if self._engine is not None:
-            eng = self._colocated("pull()")
-            return eng.start("pull", eng.step(CollOp.PULL, out=out))
-        return self._need_worker("pull()").pull_async(out)
+        return self._start("pull", out=out)
 
     def push(self, grads: dict[str, Any], check: bool = True) -> None:
         """Send gradients for every parameter and advance this worker's clock (blocking
@@ -558,13 +552,7 @@ class ParameterServer:
 
     def push_async(self, grads: dict[str, Any], check: bool = True) -> Handle:
         """Start :meth:`push`; do not modify ``grads`` before ``handle.wait()``."""
-        if self._node is not None:
-            node = self._need_node("push()")
-            return node.start("push", node.step(NA.PUSH, grads))
-        if self._engine is not None:
-            eng = self._colocated("push()")
-            return eng.start("push", eng.step(CollOp.PUSH, grads))
-        return self._need_worker("push()").push_async(grads, check)
+        return self._start("push", grads, check=check)
 
     def push_pull(self, grads: dict[str, Any], out: dict[str, Any] | None = None,
                   check: bool = True) -> dict[str, np.ndarray]:
@@ -575,13 +563,7 @@ class ParameterServer:
     def push_pull_async(self, grads: dict[str, Any], out: dict[str, Any] | None = None,
                         check: bool = True) -> Handle:
         """Start :meth:`push_pull`."""
-        if self._node is not None:
-            node = self._need_node("push_pull()")
-            return node.start("push_pull", node.step(NA.PUSH_PULL, grads, out))
-        if self._engine is not None:
-            eng = self._colocated("push_pull()")
-            return eng.start("push_pull", eng.step(CollOp.PUSH_PULL, grads, out))
-        return self._need_worker("push_pull()").push_pull_async(grads, out, check)
+        return self._start("push_pull", grads, out, check)
 
     def close(self) -> None:
         """Finish this worker: complete outstanding requests and tell every server.
@@ -592,51 +574,46 @@ class ParameterServer:
         the others and returns once every rank has closed. With local aggregation every
         worker of a node closes at the same step (the node's leader then closes for it).
         """
-        if self._node is not None and not self._closed:
-            node = self._node
-            node.wait_current()
-            node.start("close", self._node_close_steps()).wait()
-            self._closed = True
+        if self._closed or self._server is not None:
             return
-        if self._engine is not None and not self._closed:
-            eng = self._engine
-            eng.wait_current()
-            eng.start("close", eng.close()).wait()
-            self._closed = True
-            return
-        if self._client is None or self._closed:
-            return
-        self._client.wait_all()
-        self._client.control_async(P.Op.CLOSE).wait()
+        if self._node is not None:
+            self._node.start("close", self._node_steps(CollOp.CLOSE, self._close_leader)).wait()
+        else:
+            self._close_leader().wait()
         self._closed = True
 
-    def _node_close_steps(self) -> Any:
-        """A node's close: agree, then the leader closes the node's client or engine."""
+    def _node_steps(self, op: CollOp, lead: Callable[[], Any],
+                    done: Callable[[Any], Any] = lambda result: result) -> Any:
+        """Steps of a node's close, stats or save: the node's workers agree on ``op``, the
+        leader starts ``lead()`` (a handle of its client or engine), and every worker of
+        the node gets ``done(its result)``, or the same :class:`PSError`."""
         node = self._node
-        yield from node.control_only(NA.CLOSE)
-        status = None
+        yield from node.control_only(op)
+        result, error = None, None
         if node.is_leader:
             try:
-                if self._engine is not None:
-                    eng = self._engine
-                    eng.wait_current()
-                    handle = eng.start("close", eng.close())
-                else:
-                    self._client.wait_all()
-                    handle = self._client.control_async(P.Op.CLOSE)
+                handle = lead()
                 yield handle
-                handle.wait()
+                result = done(handle.wait())
             except PSError as exc:
-                status = str(exc)
-        status = yield from node.share(status)
-        if status is not None:
-            raise PSError(status)
+                error = str(exc)
+        result, error = yield from node.share((result, error))
+        if error is not None:
+            raise PSError(error)
+        return result
+
+    def _close_leader(self) -> Any:
+        """A node leader's close of its engine or client (a handle)."""
+        if self._engine is not None:
+            return self._engine.start("close", self._engine.close())
+        self._client.wait_all()
+        return self._client.control_async(P.Op.CLOSE)
 
     def free(self) -> None:
-        """Release the private communicators (collective; after serve()/close())."""
+        """Release the private communicators (collective; after serve()/close(); after a
+        process failure they are only forgotten: :func:`mpicoll.runtime.comms.free`)."""
         for c in (self._leader_comm, self._node_comm, self.worker_comm, self.comm):
-            if c != MPI.COMM_NULL:
-                c.Free()
+            comms.free(c)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
@@ -665,51 +642,38 @@ class ParameterServer:
         if self._server is not None:
             out["server"] = self._server.stats()
             return out
+        self._open("stats()")
         if self._node is not None:
-            node = self._need_node("stats()")
-            node.wait_current()
-            servers = node.start("stats", self._node_stats_steps()).wait()
-            out["servers"] = servers
+            out["servers"] = self._node.start("stats", self._node_steps(
+                CollOp.STATS, self._stats_leader, self._servers_stats)).wait()
             out["worker"] = {**self.worker_counters(), "staleness_max": 0,
-                             "staleness_mean": 0.0, "clock": node.clock}
+                             "staleness_mean": 0.0, "clock": self._node.clock}
             return out
+        out["servers"] = self._servers_stats(self._stats_leader().wait())
         if self._engine is not None:
-            eng = self._colocated("stats()")
-            out["servers"] = eng.start("stats", eng.stats_steps()).wait()
+            eng = self._engine
             out["worker"] = {**eng.worker_counters, "staleness_max": 0, "staleness_mean": 0.0,
                              "staleness_count": eng.worker_counters["pulls"],
                              "clock": eng.clock}
             return out
-        client = self._need_worker("stats()")
-        n = len(P.STATS_FIELDS) + P.STALENESS_BINS
-        res = client.control_async(P.Op.STATS, dest_size=n).wait()
-        out["servers"] = [stats_from_vector(res[s]) for s in range(self.num_servers)]
-        c = dict(client.counters)
+        c = dict(self._client.counters)
         c["staleness_mean"] = c.pop("staleness_sum") / max(1, c["staleness_count"])
-        c["clock"] = client.clock
+        c["clock"] = self._client.clock
         out["worker"] = c
         return out
 
-    def _node_stats_steps(self) -> Any:
-        """A node's stats: the leader asks the servers (or the leaders' engines), every
-        worker of the node gets the answer."""
-        node = self._node
-        yield from node.control_only(NA.STATS)
-        servers = None
-        if node.is_leader:
-            if self._engine is not None:
-                eng = self._engine
-                eng.wait_current()
-                handle = eng.start("stats", eng.stats_steps())
-                yield handle
-                servers = handle.wait()
-            else:
-                n = len(P.STATS_FIELDS) + P.STALENESS_BINS
-                handle = self._client.control_async(P.Op.STATS, dest_size=n)
-                yield handle
-                res = handle.wait()
-                servers = [stats_from_vector(res[s]) for s in range(self.num_servers)]
-        return (yield from node.share(servers))
+    def _stats_leader(self) -> Any:
+        """A node leader's request for the servers' (or the leaders' engines') counters."""
+        if self._engine is not None:
+            return self._engine.start("stats", self._engine.stats_steps())
+        return self._client.control_async(P.Op.STATS,
+                                          dest_size=len(P.STATS_FIELDS) + P.STALENESS_BINS)
+
+    def _servers_stats(self, res: Any) -> list[dict]:
+        """The servers' counters from a leader's :meth:`_stats_leader` result."""
+        if self._engine is not None:
+            return res
+        return [stats_from_vector(res[s]) for s in range(self.num_servers)]
 
     def worker_counters(self) -> dict[str, int]:
         """This worker's own counters, read locally (no message, not collective): pushes,
@@ -737,7 +701,8 @@ class ParameterServer:
             PSError: called on a server, or a server could not write.
         """
         if self._node is not None:
-            self._need_node("save()").wait_current()
+            self._open("save()")
+            self._node.wait_current()
             if self.colocated:
                 self._node_colocated_save(path)
                 return
@@ -750,8 +715,7 @@ class ParameterServer:
         try:
             self._save(client, path)
         except MPI.Exception as exc:   # a worker died (ULFM): the workers' collectives fail
-            if faults.ENABLED:
-                faults.translate(exc, self.worker_comm)
+            failures.raise_translated(exc, self.worker_comm, "save()")
             raise
 
     def _save(self, client: WorkerClient | None, path: str) -> None:
@@ -804,27 +768,13 @@ class ParameterServer:
     def _node_colocated_save(self, path: str) -> None:
         """Co-located :meth:`save` with local aggregation: the leaders' engines save (one
         shard owner per node), every worker of a node gets their verdict."""
-        node = self._node
-        errors = node.start("save", self._node_save_steps(path)).wait()
+        def lead() -> Any:
+            self._engine.check_aggregate_kept("save()")
+            return self._engine.start("save", self._engine.save_steps(
+                (path, "ckpt-" + uuid.uuid4().hex[:12]), self._commit_leader_clocks))
+        errors = self._node.start("save", self._node_steps(CollOp.SAVE, lead)).wait()
         if errors:
             raise PSError(f"save({path!r}) failed: {errors[0]}")
-
-    def _node_save_steps(self, path: str) -> Any:
-        node = self._node
-        yield from node.control_only(NA.SAVE)
-        errors = None
-        if node.is_leader:
-            eng = self._engine
-            eng.wait_current()
-            try:
-                eng.check_aggregate_kept("save()")
-                handle = eng.start("save", eng.save_steps(
-                    (path, "ckpt-" + uuid.uuid4().hex[:12]), self._commit_leader_clocks))
-                yield handle
-                errors = handle.wait()
-            except PSError as exc:
-                errors = [str(exc)]
-        return (yield from node.share(errors))
 
     def _commit_leader_clocks(self, path: str, ckpt_id: str, clocks: list[int]) -> None:
         """The manifest of a co-located checkpoint with local aggregation: each leader's
@@ -838,7 +788,8 @@ class ParameterServer:
     def _colocated_save(self, path: str) -> None:
         """Co-located :meth:`save`: collective over every rank not yet closed; each rank
         writes its own shards, the first one the manifest."""
-        eng = self._colocated("save()")
+        self._open("save()")
+        eng = self._engine
         eng.wait_current()
         eng.check_aggregate_kept("save()")
         ckpt_id = "ckpt-" + uuid.uuid4().hex[:12]    # the first saving rank's id is used

@@ -20,7 +20,9 @@ the node's *leader*. Every operation of a worker is collective over its node gro
 
 The servers (or, co-located, the leaders' engine) thus see one worker per node. Which
 nodes there are comes from :class:`mpicoll.topology.Topology` (``COMM_TYPE_SHARED``, or
-``MPICOLL_RANKS_PER_NODE`` to emulate nodes on one machine).
+``MPICOLL_RANKS_PER_NODE`` to emulate nodes on one machine). Under ULFM a node group's
+waits go through the parameter server's failure watch (:mod:`mpicoll.ps.failures`): a
+dead rank, in the node or elsewhere, is a :class:`~mpicoll.ProcessFailedError` here too.
 """
 from __future__ import annotations
 
@@ -31,24 +33,18 @@ import numpy as np
 from mpi4py import MPI
 
 from ..topology import Topology
-from . import protocol as P
 from .device import DevicePull, call_side, device_views, first_device, host_arrays
 from .errors import PSError
 from .node_order import fold_sum
 from .placement import ParamSpec
-from .stepped import SteppedHandle
+from .protocol import CollOp
+from .stepped import SteppedOwner
 from .worker import pull_destination
 
-__all__ = ["node_indices", "worker_groups", "decide", "NodeGroup", "NodeHandle",
-           "PUSH", "PULL", "PUSH_PULL", "CLOSE", "STATS", "SAVE"]
+__all__ = ["node_indices", "worker_groups", "decide", "NodeGroup"]
 
 #: tag of the node's gradients sent to its leader (the group's own communicator)
 _TAG_REDUCE = 7110
-
-# operations in the control all-gather
-PUSH, PULL, PUSH_PULL, CLOSE, STATS, SAVE = 1, 2, 3, 4, 5, 6
-_NAMES = {PUSH: "push", PULL: "pull", PUSH_PULL: "push_pull", CLOSE: "close",
-          STATS: "stats", SAVE: "save"}
 
 
 def node_indices(comm: MPI.Comm) -> list[int]:
@@ -89,49 +85,7 @@ def decide(setting: Any, groups: list[list[int]], backup_workers: int, replicas:
     return len(groups) > 1 and not backup_workers and not replicas and init
 
 
-class NodeHandle(SteppedHandle):
-    """An outstanding node-group operation (the interface of :class:`~mpicoll.ps.Handle`).
-
-    ``wait()`` completes it and returns its result; ``test()`` makes progress without
-    blocking. One operation of a node group runs at a time: starting another first
-    completes this one.
-    """
-
-    def test(self) -> bool:
-        """Make progress; whether the operation is complete (never raises)."""
-        while not self._done:
-            pending = self._reqs
-            if isinstance(pending, list):
-                if pending and not MPI.Request.Testall(pending):
-                    return False
-            elif not pending.test():
-                return False
-            self._advance()
-        return True
-
-    def wait(self) -> Any:
-        """Complete the operation and return its result.
-
-        Raises:
-            PSError: the node's workers disagreed, one passed bad arrays, or a server
-                rejected the node's request.
-        """
-        while not self._done:
-            pending = self._reqs
-            if isinstance(pending, list):
-                self._owner.wait(pending)
-            else:
-                try:
-                    pending.wait()      # the leader's own handle; the steps see its error
-                except PSError:
-                    pass
-            self._advance()
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-
-class NodeGroup:
+class NodeGroup(SteppedOwner):
     """The workers of one node under local aggregation (see the module docstring).
 
     Args:
@@ -142,10 +96,11 @@ class NodeGroup:
             handle; ``None`` on the other workers.
         check_arrays: the worker-side validation of gradients (raises :class:`PSError`).
         max_sleep: longest pause while polling.
+        watch: the failure watch under ULFM (``None``: not watched); any failure is fatal.
     """
 
     def __init__(self, comm: MPI.Comm, specs: dict[str, ParamSpec], leader_call: Any,
-                 check_arrays: Any, max_sleep: float = 1e-3) -> None:
+                 check_arrays: Any, max_sleep: float = 1e-3, watch: Any = None) -> None:
         self.comm = comm
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.is_leader = self.rank == 0
@@ -153,6 +108,7 @@ class NodeGroup:
         self.leader_call = leader_call
         self.check_arrays = check_arrays
         self.max_sleep = max_sleep
+        self.watch = watch
         self.clock = 0
         self.counters = {"pushes": 0, "pulls": 0, "bytes_sent": 0, "bytes_received": 0,
                          "bytes_sent_uncompressed": 0, "bytes_received_uncompressed": 0,
@@ -161,32 +117,8 @@ class NodeGroup:
         self._ctrl_in = np.zeros((self.size, 3), dtype=np.int64)
         self._sums: dict[str, np.ndarray] = {}
         self._parts: dict[str, list[np.ndarray]] = {}   # the others' gradients
-        self._current: NodeHandle | None = None
 
-    # ------------------------------------------------------------------ plumbing
-    def wait(self, reqs: list[MPI.Request]) -> None:
-        """Complete ``reqs`` by polling (a blocking wait would spin on shared cores)."""
-        P.wait_all(reqs, max_sleep=self.max_sleep)
-
-    def start(self, kind: str, steps: Any) -> NodeHandle:
-        """Complete the running operation (if any), then start ``steps``."""
-        self.wait_current()
-        self._current = NodeHandle(self, kind, steps)
-        return self._current
-
-    def finished(self, handle: NodeHandle) -> None:
-        """Forget ``handle`` as the running operation once it has completed."""
-        if self._current is handle:
-            self._current = None
-
-    def wait_current(self) -> None:
-        """Complete the running operation, if any (its errors stay with its handle)."""
-        if self._current is not None:
-            try:
-                self._current.wait()
-            except PSError:
-                pass
-
+    # ------------------------------------------------------------------ steps
     def _control(self, op: int, error: str | None) -> Any:
         """All-gather ``(op, clock, error flag)`` over the node and check it.
 
@@ -199,7 +131,8 @@ class NodeGroup:
                                     [self._ctrl_in, MPI.INT64_T])]
         ops = [int(o) for o in self._ctrl_in[:, 0]]
         if len(set(ops)) > 1:
-            what = ", ".join(f"local rank {r}: {_NAMES.get(o, o)}" for r, o in enumerate(ops))
+            what = ", ".join(f"local rank {r}: {CollOp(o).name.lower()}"
+                             for r, o in enumerate(ops))
             raise PSError(f"local aggregation: the workers of a node must make the same call "
                           f"at the same step ({what}); pass local_aggregation=False to let "
                           f"them act alone")
@@ -232,8 +165,8 @@ class NodeGroup:
 
         Returns (as the generator's value): the pulled dict, or ``None`` for a push.
         """
-        pushing = op in (PUSH, PUSH_PULL)
-        pulling = op in (PULL, PUSH_PULL)
+        pushing = op in (CollOp.PUSH, CollOp.PUSH_PULL)
+        pulling = op in (CollOp.PULL, CollOp.PUSH_PULL)
         error, result, device_pull = None, None, None
         try:
             device = call_side(grads=grads if pushing else None, out=out if pulling else None)
@@ -257,10 +190,10 @@ class NodeGroup:
         # pulling into the gradients is safe)
         status = None
         if self.is_leader:
-            kind = _NAMES[op]
+            kind = CollOp(op).name.lower()
             try:
                 handle = self.leader_call(kind, sums, result)
-                yield handle                # a handle: NodeHandle waits on it
+                yield handle                # a handle: the node's handle waits on it
                 got = handle.wait()
                 if pulling:
                     result = _into(result, got)

@@ -58,11 +58,11 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["Op", "Status", "HEADER_LEN", "OP", "KEY", "SHARD", "CLOCK", "COUNT", "TOTAL",
+__all__ = ["Op", "CollOp", "Status", "HEADER_LEN", "OP", "KEY", "SHARD", "CLOCK", "COUNT", "TOTAL",
            "DTYPE", "SEQ", "OFFSET", "SHAPE", "STATUS", "NBYTES", "AUX", "CODED",
            "TAG_REQUEST", "TAG_REQUEST_DATA", "TAG_REPLY", "TAG_REPLY_DATA", "TAG_SCATTER",
-           "TAG_GATHER", "TAG_FORWARD", "TAG_FORWARD_DATA", "TAG_FORWARD_ACK", "DTYPES",
-           "dtype_code", "dtype_of", "key_of", "shape_code", "new_header", "chunk_count",
+           "TAG_GATHER", "TAG_FORWARD", "TAG_FORWARD_DATA", "TAG_FORWARD_ACK",
+           "DTYPES", "dtype_code", "dtype_of", "key_of", "shape_code", "new_header", "chunk_count",
            "send_payload", "recv_payload", "drain_payload", "Backoff", "wait_all",
            "STATS_FIELDS", "STALENESS_BINS", "DEFAULT_CHUNK_BYTES"]
 
@@ -108,6 +108,19 @@ class Op(enum.IntEnum):
     SAVE = 6       #: checkpoint (payload: UTF-8 "directory\\nid"); answered when all saved
     REPLICATE = 7  #: replicas: a slot's whole state, primary -> new backup (TAG_FORWARD)
     NOTICE = 8     #: replicas: a worker tells a server which servers died (AUX); no reply
+
+
+class CollOp(enum.IntEnum):
+    """What a rank does in one collective step (co-located, or a node group's): the first
+    field of the control all-gather."""
+
+    IDLE = 0        #: closed earlier: serves its shards, contributes nothing
+    PUSH = 1
+    PULL = 2
+    PUSH_PULL = 3
+    CLOSE = 4       #: closes now (does not contribute to this step)
+    STATS = 5
+    SAVE = 6
 
 
 class Status(enum.IntEnum):

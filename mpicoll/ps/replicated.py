@@ -37,7 +37,6 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-from .. import faults
 from . import protocol as P
 from .placement import Placement
 from .replicas import Routing
@@ -46,11 +45,6 @@ from .server import Server
 __all__ = ["ReplicatedServer"]
 
 log = logging.getLogger("mpicoll.ps.replicated")
-
-
-
-def _is_failure(exc: BaseException, watched: bool) -> bool:
-    return watched and faults.is_process_failure(exc)
 
 
 class ReplicatedServer:
@@ -139,7 +133,7 @@ class ReplicatedServer:
         try:
             req = self.comm.Isend([msg, MPI.BYTE], dest, P.TAG_FORWARD)
         except MPI.Exception as exc:
-            if not _is_failure(exc, self.watch is not None):
+            if self.watch is None or not self.watch.is_failure(exc):
                 raise
             return   # the backup died: the watch reports it, the state copy replaces this
         self.groups[slot].track_send(dest, [req], msg)
@@ -239,7 +233,7 @@ class ReplicatedServer:
         try:
             req = self.comm.Isend([ack, MPI.INT64_T], src, P.TAG_FORWARD_ACK)
         except MPI.Exception as exc:
-            if not _is_failure(exc, self.watch is not None):
+            if self.watch is None or not self.watch.is_failure(exc):
                 raise
             return
         self.groups[slot].track_send(src, [req], ack)
@@ -298,7 +292,7 @@ class ReplicatedServer:
             g.forget_dead(dead)
         changes = self.routing.fail(dead)
         if self.routing.lost():
-            self.watch.fatal(ranks=sorted(self.watch.known))
+            self.watch.fatal()
         for slot, (before, after) in sorted(changes.items()):
             group = self.groups.get(slot)
             if self.rank not in after or group is None:

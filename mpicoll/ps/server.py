@@ -32,13 +32,13 @@ feedback). The shard's value itself always stays exact (what checkpoints hold).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
 
-from .. import faults
 from ..compression import Codec
+from ..runtime import failures
 from . import protocol as P
 from .checkpoint import write_codec_file, write_server_file
 from .compressed import PullEncoder, coder_parts, decode_into, load_coder_parts
@@ -157,25 +157,7 @@ class Server:
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
         """Serve requests until every worker has closed."""
-        backoff = P.Backoff(max_sleep=self.max_sleep)
-        comm, status = self.comm, self._status
-        header = np.empty(P.HEADER_LEN, dtype=np.int64)
-        def step() -> None:
-            if comm.Iprobe(MPI.ANY_SOURCE, P.TAG_REQUEST, status):
-                src = status.Get_source()
-                comm.Recv([header, MPI.INT64_T], src, P.TAG_REQUEST)
-                self._dispatch(src, header.copy())
-                backoff.reset()
-            else:
-                if self._reap(force=True):
-                    backoff.reset()
-                backoff.pause(busy=bool(self._sending))
-
-        while self.active:
-            if self.watch is None:
-                step()
-            else:   # replicas=0 under ULFM: any failure is fatal
-                self.watch.guard(step, lambda ranks: self.watch.fatal(ranks=ranks))
+        self._serve(lambda _: not self.active)
         self.finish_sends()
         log.debug("server %d done: %s", self.index, self.counters)
 
@@ -187,16 +169,33 @@ class Server:
         answered with the reason and still counts), so this returns once ``source`` has
         sent as many requests as this server stores shards.
         """
+        self._serve(lambda served: served == len(self.states), source)
+
+    def _serve(self, until: Callable[[int], bool], source: int = MPI.ANY_SOURCE) -> None:
+        """Serve requests from ``source`` until ``until(requests served)``; under ULFM
+        (``replicas=0``) any failure is fatal."""
         backoff = P.Backoff(max_sleep=self.max_sleep)
-        comm, status = self.comm, self._status
-        header = np.empty(P.HEADER_LEN, dtype=np.int64)
-        for _ in range(len(self.states)):
-            while not comm.Iprobe(source, P.TAG_REQUEST, status):
-                self._reap(force=True)
+        status, header = self._status, np.empty(P.HEADER_LEN, dtype=np.int64)
+        served = 0
+
+        def step() -> None:
+            nonlocal served
+            if self.comm.Iprobe(source, P.TAG_REQUEST, status):
+                src = status.Get_source()
+                self.comm.Recv([header, MPI.INT64_T], src, P.TAG_REQUEST)
+                served += 1
+                self._dispatch(src, header.copy())
+                backoff.reset()
+            else:
+                if self._reap(force=True):
+                    backoff.reset()
                 backoff.pause(busy=bool(self._sending))
-            comm.Recv([header, MPI.INT64_T], source, P.TAG_REQUEST)
-            self._dispatch(source, header.copy())
-            backoff.reset()
+
+        while not until(served):
+            if self.watch is None:
+                step()
+            else:
+                self.watch.guard(step)
 
     def finish_sends(self) -> None:
         """Complete every reply still being sent."""
@@ -218,11 +217,11 @@ class Server:
 
     def forget_dead(self, dead: set[int]) -> None:
         """Failed ranks: never wait for sends to them (their requests are kept, not
-        freed: see :func:`mpicoll.faults.keep_requests`) nor answer their pulls."""
+        freed: see :func:`mpicoll.runtime.failures.keep_requests`) nor answer their pulls."""
         keep = []
         for dest, reqs, obj in self._sending:
             if dest in dead:
-                faults.keep_requests(reqs)
+                failures.keep_requests(reqs)
             else:
                 keep.append((dest, reqs, obj))
         self._sending = keep
@@ -268,7 +267,7 @@ class Server:
                                        self.chunk_bytes) \
                 if payload is not None and payload.size else []
         except MPI.Exception as exc:
-            if self.watch is None or not faults.is_process_failure(exc):
+            if self.watch is None or not self.watch.is_failure(exc):
                 raise
             return      # the worker died: the failure watch reports it
         if data_reqs:

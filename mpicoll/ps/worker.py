@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import faults
 from ..compression import Codec
+from ..runtime import failures
 from . import protocol as P
 from .compressed import PullDecoder, PushEncoder, coder_parts, load_coder_parts
 from .device import DevicePull, call_side, device_views, first_device, host_arrays
@@ -86,7 +86,7 @@ class Handle:
         """Never wait for sends to failed ranks (their requests are kept, not freed)."""
         lost = [r for r, d in zip(self._sends, self._send_ranks) if d in dead]
         if lost:
-            faults.keep_requests(lost)
+            failures.keep_requests(lost)
             kept = [(r, d) for r, d in zip(self._sends, self._send_ranks) if d not in dead]
             self._sends = [r for r, _ in kept]
             self._send_ranks = [d for _, d in kept]
@@ -410,18 +410,17 @@ class WorkerClient:
                 pass
 
     # ------------------------------------------------------------------ receiving
+    def _watched(self, step: Any) -> bool:
+        """``step()``, under the failure watch if there is one (a failure: ``False``)."""
+        return bool(step() if self.watch is None else self.watch.guard(step, self.on_failure))
+
     def sends_done(self, handle: Handle) -> bool:
         """Whether every send of ``handle`` completed (a failure counts as not yet)."""
-        if self.watch is None:
-            return MPI.Request.Testall(handle._sends)
-        return bool(self.watch.guard(lambda: MPI.Request.Testall(handle._sends),
-                                     self.on_failure))
+        return self._watched(lambda: MPI.Request.Testall(handle._sends))
 
     def progress(self) -> bool:
         """Receive every reply that has arrived; return whether any did."""
-        if self.watch is None:
-            return self._progress()
-        return bool(self.watch.guard(self._progress, self.on_failure))
+        return self._watched(self._progress)
 
     def on_failure(self, failed: list[int]) -> None:
         """Ranks failed (ULFM): fatal without replicas (every survivor raises
@@ -431,11 +430,11 @@ class WorkerClient:
         if not failed:
             return
         if self.routing is None:
-            self.watch.fatal(ranks=failed)
+            self.watch.fatal()
         dead = set(failed)
         self.routing.fail(dead)
         if self.routing.lost():
-            self.watch.fatal(ranks=sorted(self.watch.known))
+            self.watch.fatal()
         self._notify_servers()
         for h in self._open:
             h.forget_sends_to(dead)
@@ -449,7 +448,7 @@ class WorkerClient:
         try:
             return req.Test()
         except MPI.Exception:
-            faults.keep_requests([req])
+            failures.keep_requests([req])
             return True
 
     def _notify_servers(self) -> None:

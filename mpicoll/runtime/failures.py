@@ -36,7 +36,7 @@ from ..errors import ProcessFailedError
 from . import comms, world
 
 __all__ = ["available", "turned_on", "ENABLED", "failed_by", "failed_ranks", "acknowledge",
-           "revoke", "translate", "raise_translated", "keep_requests", "guard", "guard_call",
+           "revoke", "revoked", "translate", "raise_translated", "keep_requests", "guard", "guard_call",
            "fail_world", "peer_failed", "FAILED_WAIT_S", "OTHER_WAIT_S", "PROC_FAILED"]
 
 #: Longest wait, in seconds, for the failure detector to name a failed rank after a
@@ -142,6 +142,14 @@ def failed_by(exc: BaseException, comm: Any, wait_s: float = 0.0) -> list[int] |
         return None
     ranks = failed_ranks(comm, wait_s or OTHER_WAIT_S)
     return ranks or None
+
+
+def revoked(comm: Any) -> bool:
+    """Whether ``comm`` was revoked, by any rank (``MPI_Comm_is_revoked``)."""
+    try:
+        return bool(_plain(comm).Is_revoked())
+    except Exception:  # noqa: BLE001  (freed, or no ULFM: not revoked)
+        return False
 
 
 def acknowledge(comm: Any) -> None:

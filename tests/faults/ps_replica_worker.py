@@ -15,6 +15,9 @@ Usage: ``python ps_replica_worker.py CASE``:
   (rank 0) or a worker (rank 2) dies; every survivor must raise
   :class:`mpicoll.ProcessFailedError` naming it (``RESULT <rank> pfe <ranks> <time>``).
   ``pfe-colocated``: the same with ``num_servers="colocated"`` (rank 2 dies).
+  ``pfe-node`` / ``pfe-node-leader``: 5 ranks with ``MPICOLL_RANKS_PER_NODE=2``, 1 server,
+  ``local_aggregation=True`` (worker nodes {1}, {2, 3}, {4}): rank 3, or its node's
+  leader rank 2, dies.
 
 Each victim prints ``KILL <time>`` just before it dies. Survivors shrink the world and
 meet before exiting, so none looks failed to another still collecting failed ranks.
@@ -109,14 +112,22 @@ def case_replicas(name: str) -> None:
           flush=True)
 
 
+#: the rank each ``pfe-*`` case kills
+VICTIMS = {"pfe-server": 0, "pfe-worker": 2, "pfe-colocated": 2, "pfe-node": 3,
+           "pfe-node-leader": 2}
+
+
 def case_pfe(name: str) -> None:
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     params = make_params()
-    victim = 0 if name == "pfe-server" else 2
+    victim = VICTIMS[name]
     ps = ParameterServer(params, comm=world,
                          num_servers="colocated" if name == "pfe-colocated" else 1,
-                         consistency="bsp", optimizer="sgd", lr=0.125, **SMALL)
+                         consistency="bsp", optimizer="sgd", lr=0.125,
+                         local_aggregation=name.startswith("pfe-node"), **SMALL)
+    if name.startswith("pfe-node") and ps.node_groups != [[1], [2, 3], [4]]:
+        raise RuntimeError(f"node groups {ps.node_groups} (MPICOLL_RANKS_PER_NODE=2?)")
     try:
         if ps.is_server:
             if rank == victim:

@@ -10,19 +10,26 @@ Each case is one ``mpirun --with-ft ulfm`` job of ps_replica_worker.py (see its 
   worker's gradients stop at the round it never pushed);
 - ``pfe-server`` / ``pfe-worker`` / ``pfe-colocated``: without replicas, a dead server or
   worker (or, co-located, a dead rank) makes every survivor raise
-  :class:`mpicoll.ProcessFailedError` naming it within :data:`BOUND_S`.
+  :class:`mpicoll.ProcessFailedError` naming it within :data:`BOUND_S`;
+- ``pfe-node`` / ``pfe-node-leader`` (issue 32): the same with local aggregation, 5 ranks
+  on emulated nodes of 2 (server 0; worker nodes {1}, {2, 3}, {4}); rank 3 dies (its
+  node's leader, rank 2, then waits on it for the node's gradients), or the leader, rank 2,
+  does (rank 3 then waits on it for the values). Every survivor, the dead rank's node
+  partner included, raises ``ProcessFailedError`` naming it within :data:`BOUND_S` (the
+  partner used to get a raw ``mpi4py.MPI.Exception``: the node communicator was neither
+  revoked nor watched).
 
-The jobs run two at a time first, then each case checks its own output.
+The jobs run two at a time first, then each case checks its own output. Fails, not
+skips, when Open MPI with ULFM cannot run.
 """
 from __future__ import annotations
 
-import concurrent.futures
 from pathlib import Path
 
 import pytest
 
 import ompi_env
-from mpi_launcher import run_command
+from ulfm_jobs import run_jobs
 
 WORKER = Path(__file__).with_name("ps_replica_worker.py")
 
@@ -30,30 +37,24 @@ WORKER = Path(__file__).with_name("ps_replica_worker.py")
 BOUND_S = 2.0
 #: Seconds one job may take (a hang means a survivor never went on, or never raised).
 JOB_TIMEOUT_S = 60
-PARALLEL = 2
+NODES = {"MPICOLL_RANKS_PER_NODE": "2"}
 
-#: case -> (world size, killed ranks, what each survivor must print)
+#: case -> (world size, killed ranks, what each survivor must print, environment)
 CASES = {
-    "replicas": (6, (0, 5), {1: "served", 2: "served", 3: "equal", 4: "equal"}),
-    "pfe-server": (3, (0,), {1: "pfe", 2: "pfe"}),
-    "pfe-worker": (3, (2,), {0: "pfe", 1: "pfe"}),
-    "pfe-colocated": (3, (2,), {0: "pfe", 1: "pfe"}),
+    "replicas": (6, (0, 5), {1: "served", 2: "served", 3: "equal", 4: "equal"}, {}),
+    "pfe-server": (3, (0,), {1: "pfe", 2: "pfe"}, {}),
+    "pfe-worker": (3, (2,), {0: "pfe", 1: "pfe"}, {}),
+    "pfe-colocated": (3, (2,), {0: "pfe", 1: "pfe"}, {}),
+    "pfe-node": (5, (3,), {0: "pfe", 1: "pfe", 2: "pfe", 4: "pfe"}, NODES),
+    "pfe-node-leader": (5, (2,), {0: "pfe", 1: "pfe", 3: "pfe", 4: "pfe"}, NODES),
 }
 
 
 @pytest.fixture(scope="module")
 def outputs() -> dict[str, tuple[int, str, float]]:
-    python = ompi_env.ompi_python()
-
-    def run(case: str) -> tuple[int, str, float]:
-        n = CASES[case][0]
-        rc, out, secs = run_command(ompi_env.mpirun_command(python, n, [str(WORKER), case]),
-                                    ompi_env.ompi_env(), JOB_TIMEOUT_S)
-        return 124 if rc is None else rc, out, secs
-
-    with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:
-        futures = {case: pool.submit(run, case) for case in CASES}
-        return {case: f.result() for case, f in futures.items()}
+    python = ompi_env.ompi_python(required=True)
+    return run_jobs(python, {case: (WORKER, n, [case], env, JOB_TIMEOUT_S)
+                             for case, (n, _, _, env) in CASES.items()})
 
 
 def parse(out: str) -> tuple[list[float], dict[int, list[str]], dict[int, list[float]]]:
@@ -73,7 +74,7 @@ def parse(out: str) -> tuple[list[float], dict[int, list[str]], dict[int, list[f
 @pytest.mark.parametrize("case", list(CASES))
 def test_ps_fault(outputs, case) -> None:
     rc, out, secs = outputs[case]
-    n, victims, want = CASES[case]
+    n, victims, want, _ = CASES[case]
     kills, results, done = parse(out)
     tail = "\n".join(out.splitlines()[-25:])
     print(f"{case}: job {secs:.1f} s\n{tail}")

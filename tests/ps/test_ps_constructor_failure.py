@@ -4,7 +4,7 @@ survivor's constructor raises :class:`mpicoll.ProcessFailedError` naming it, wit
 
 Each case is one ``mpirun --with-ft ulfm -n 3`` job of ps_ctor_kill_worker.py; rank 0 dies
 at the start of a set-up step: the agreement of settings (separate servers) and the
-initial values (co-located). Skips where Open MPI's mpi4py cannot be had.
+initial values (co-located). Fails, not skips, where Open MPI's mpi4py cannot be had.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ CASES = {"agree-1server": ("_agree", "1"), "values-colocated": ("_init_or_restor
 
 @pytest.fixture(scope="module")
 def outputs() -> dict[str, tuple[int, str]]:
-    python = ompi_env.ompi_python()
+    python = ompi_env.ompi_python(required=True)
 
     def run(case: str) -> tuple[int, str]:
         step, servers = CASES[case]
