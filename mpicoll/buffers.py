@@ -160,22 +160,7 @@ def parse_mpi_buffer(spec: Any, argname: str, writable: bool = False) -> Any:
                 raise Unsupported(f"{argname}: cannot view {type(spec).__name__}") from None
             return parse_mpi_buffer(arr, argname, writable)
         raise Unsupported(f"{argname}: {type(spec).__name__} is not a buffer mpicoll knows")
-    items = list(spec)
-    if len(items) == 2:
-        buf, count, displ, datatype = items[0], None, 0, items[1]
-    elif len(items) == 3:
-        buf, count, datatype = items
-        displ = 0
-        if isinstance(count, (list, tuple)):
-            if len(count) != 2:
-                raise Unsupported(f"{argname}: vector (counts, displs) specs are not handled")
-            count, displ = count
-    elif len(items) == 4:
-        buf, count, displ, datatype = items
-    else:
-        raise Unsupported(f"{argname}: buffer spec of {len(items)} items")
-    if isinstance(count, (list, tuple)) or isinstance(displ, (list, tuple)):
-        raise Unsupported(f"{argname}: vector (counts, displs) specs are not handled")
+    buf, count, displ, datatype = spec_parts(spec, argname, Unsupported)
     dtype = _dtype_of(datatype, argname)
     if buf is None:
         if count:
@@ -184,12 +169,37 @@ def parse_mpi_buffer(spec: Any, argname: str, writable: bool = False) -> Any:
     raw = _as_byte_array(buf, argname)
     if writable and not raw.flags.writeable:
         raise ValueError(f"{argname} is read-only; the result must be written into it")
+    return spec_bytes(raw, count, displ, dtype, argname, ValueError).view(dtype)
+
+
+def spec_parts(spec: list | tuple, argname: str, error: type) -> tuple:
+    """``(buf, count, displ, datatype)`` of a list spec (``count`` ``None``: the rest of
+    the buffer); raises ``error`` for another length or vector (counts, displs)."""
+    items = list(spec)
+    if len(items) == 2:
+        return items[0], None, 0, items[1]
+    if len(items) == 3:
+        buf, count, datatype = items
+        displ = 0
+        if isinstance(count, (list, tuple)) and len(count) == 2:
+            count, displ = count
+    elif len(items) == 4:
+        buf, count, displ, datatype = items
+    else:
+        raise error(f"{argname}: buffer spec of {len(items)} items")
+    if isinstance(count, (list, tuple)) or isinstance(displ, (list, tuple)):
+        raise error(f"{argname}: vector (counts, displs) specs are not handled")
+    return buf, count, displ, datatype
+
+
+def spec_bytes(raw: Any, count: Any, displ: Any, dtype: np.dtype, argname: str,
+               error: type) -> Any:
+    """The bytes of ``count`` elements of ``dtype`` at element ``displ`` of byte array
+    ``raw`` (``count`` ``None``: up to its end); raises ``error`` if they do not fit."""
     itemsize = dtype.itemsize
     start = int(displ) * itemsize
-    if count is None:
-        count = (raw.size - start) // itemsize
-    count, start = int(count), int(start)
+    count = (raw.size - start) // itemsize if count is None else int(count)
     if count < 0 or start < 0 or start + count * itemsize > raw.size:
-        raise ValueError(f"{argname}: count {count} at displacement {displ} does not fit a "
-                         f"buffer of {raw.size} bytes with {itemsize}-byte elements")
-    return raw[start:start + count * itemsize].view(dtype)
+        raise error(f"{argname}: count {count} at displacement {displ} does not fit a "
+                    f"buffer of {raw.size} bytes with {itemsize}-byte elements")
+    return raw[start:start + count * itemsize]

@@ -31,7 +31,7 @@ from .arguments import (DEFAULT_SEGMENT_BYTES, agreed, array_view, check_feedbac
 from . import namespace
 from .auto import Auto, resolve
 from .node import check_layout, flat_split, node_allreduce, resolve_layout
-from .ring import TAG_AG, TAG_RS, TAG_SPARSE, dense_ring, sparse_allgather
+from .ring import TAG_AG, TAG_RS, TAG_SPARSE, flat_allreduce
 from .stats import AllreduceStats, CollectiveStats, fill, last_stats, record
 
 __all__ = ["allreduce", "AllreduceStats", "last_stats", "TAG_RS", "TAG_AG", "TAG_SPARSE",
@@ -135,11 +135,7 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
     if shape == "node":
         intra, inter = node_allreduce(ctx, codec, y, res, out, seg)
     else:
-        if codec.dense:
-            sent = dense_ring(ctx, codec, y, res, out, seg)
-        else:
-            sent = sparse_allgather(ctx, codec, y, res, out)
-        intra, inter = flat_split(ctx, sent)
+        intra, inter = flat_split(ctx, flat_allreduce(ctx, codec, y, res, out, seg))
     fill(stats, intra, inter)
     if opname == "average":
         namespace.array_module(out).divide(out, n, out=out)

@@ -46,7 +46,7 @@ from ..context import CommContext, get_context
 from ..ops import SUM
 from ..partition import tree_children
 from .codecs import Codec
-from .ring import Sent, dense_ring, sparse_allgather
+from .ring import Sent, flat_allreduce
 
 __all__ = ["LAYOUTS", "resolve_layout", "node_allreduce", "flat_crosses_nodes", "flat_split",
            "node_peers"]
@@ -121,13 +121,6 @@ def flat_split(ctx: CommContext, sent: Sent) -> tuple[Sent, Sent]:
     return (Sent(), sent) if flat_crosses_nodes(ctx) else (sent, Sent())
 
 
-def _flat(ctx: CommContext, codec: Codec, y: np.ndarray, res: np.ndarray | None,
-          out: np.ndarray, seg_bytes: int) -> Sent:
-    if codec.dense:
-        return dense_ring(ctx, codec, y, res, out, seg_bytes)
-    return sparse_allgather(ctx, codec, y, res, out)
-
-
 def node_allreduce(ctx: CommContext, codec: Codec, y: np.ndarray, res: np.ndarray | None,
                    out: np.ndarray, seg_bytes: int) -> tuple[Sent, Sent]:
     """The node-aware compressed all-reduce of ``y`` (the compensated input; it may be
@@ -144,14 +137,15 @@ def node_allreduce(ctx: CommContext, codec: Codec, y: np.ndarray, res: np.ndarra
     itemsize = y.dtype.itemsize
     if topo.uniform:
         if local.size == 1:
-            return Sent(), _flat(get_context(topo.cross_comm), codec, y, res, out, seg_bytes)
+            return Sent(), flat_allreduce(get_context(topo.cross_comm), codec, y, res, out,
+                                          seg_bytes)
         bounds = rank_blocks(local, y.size)
         plan = ring_plan(local, bounds, y.dtype, target)
         ring_reduce_scatter(local.p2p, local.rank, local.size, y, target, plan.segb,
                             plan.scratch, SUM, shift=-1)
         lo, hi = bounds[local.rank], bounds[local.rank + 1]
-        inter = _flat(get_context(topo.cross_comm), codec, target[lo:hi],
-                      None if res is None else res[lo:hi], out[lo:hi], seg_bytes)
+        inter = flat_allreduce(get_context(topo.cross_comm), codec, target[lo:hi],
+                               None if res is None else res[lo:hi], out[lo:hi], seg_bytes)
         if res is not None:
             res[:lo] = 0
             res[hi:] = 0
@@ -169,7 +163,8 @@ def node_allreduce(ctx: CommContext, codec: Codec, y: np.ndarray, res: np.ndarra
         buffers.copy(target, y)
     inter = Sent()
     if local.rank == 0:
-        inter = _flat(get_context(topo.cross_comm), codec, target, res, out, seg_bytes)
+        inter = flat_allreduce(get_context(topo.cross_comm), codec, target, res, out,
+                               seg_bytes)
     else:
         if res is not None:
             res.fill(0)

@@ -58,7 +58,7 @@ from . import namespace
 from ..partition import block_bounds, segment_bounds
 from .codecs import Codec, layout_nbytes, payload_views
 
-__all__ = ["Sent", "encode_to_host", "add_pairs", "side_key", "dense_ring",
+__all__ = ["Sent", "encode_to_host", "add_pairs", "side_key", "flat_allreduce", "dense_ring",
            "dense_reduce_scatter", "payload_allgather",
            "sparse_allgather", "gather_phase", "TAG_RS", "TAG_AG", "TAG_SPARSE", "TAG_GATHER"]
 
@@ -446,3 +446,11 @@ def sparse_allgather(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | No
         add_pairs(codec, payload_views(layout, region(q)), out)
     MPI.Request.Waitall(sreqs)
     return Sent(sent_bytes, len(sreqs), 2 * (n - 1) * y.size * dtype.itemsize // n)
+
+
+def flat_allreduce(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | None,
+                   out: np.ndarray, seg_bytes: int) -> Sent:
+    """The flat compressed all-reduce: :func:`dense_ring` or :func:`sparse_allgather`."""
+    if codec.dense:
+        return dense_ring(ctx, codec, y, res, out, seg_bytes)
+    return sparse_allgather(ctx, codec, y, res, out)

@@ -8,17 +8,20 @@ arrays exactly as it does device arrays, with no device and nothing deferred.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from .slots import HostSlots
+from .staging import Copies
 
 __all__ = ["NumpyCopies"]
 
 
-class NumpyCopies:
-    """:class:`mpicoll.gpu.staging.Copies` on numpy arrays: every copy runs at once.
+class NumpyCopies(Copies):
+    """:class:`mpicoll.gpu.staging.Copies` on numpy arrays: every copy runs at once, so
+    the stream methods (``begin``, ``record``, ``wait``, ``stream_wait``, ``finish``,
+    ``drain``) are the protocol's, which do nothing (no streams, nothing to wait for).
 
     Args:
         host_pool: the reusable host slots of this rank's calls.
@@ -41,26 +44,8 @@ class NumpyCopies:
         """A new C-ordered array."""
         return np.empty(shape, dtype=dtype)
 
-    def begin(self, objs: Sequence[Any]) -> None:
-        """Nothing produces host arrays asynchronously."""
-
     def d2h(self, dst: np.ndarray, src: np.ndarray, chunk: int) -> None:
         """``dst[...] = src`` now."""
         np.copyto(dst, src)
 
     h2d = d2h
-
-    def record(self, stream: str, chunk: int) -> None:
-        """No streams: every copy is done when it returns."""
-
-    def wait(self, event: Any) -> None:
-        """Nothing to wait for."""
-
-    def stream_wait(self, stream: str, event: Any) -> None:
-        """Nothing to wait for."""
-
-    def finish(self, event: Any) -> None:
-        """Nothing to wait for."""
-
-    def drain(self) -> None:
-        """Nothing queued."""

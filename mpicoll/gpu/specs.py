@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import buffers
 from . import route
 
 __all__ = ["device_buffer"]
@@ -42,29 +43,10 @@ def device_buffer(spec: Any, argname: str) -> Any:
     """
     if not isinstance(spec, (list, tuple)):
         return spec
-    items = list(spec)
-    if len(items) == 2:
-        buf, count, displ, datatype = items[0], None, 0, items[1]
-    elif len(items) == 3:
-        buf, count, datatype = items
-        count, displ = count if isinstance(count, (list, tuple)) and len(count) == 2 \
-            else (count, 0)
-    elif len(items) == 4:
-        buf, count, displ, datatype = items
-    else:
-        raise TypeError(f"{argname}: a buffer spec of {len(items)} items")
-    if isinstance(count, (list, tuple)) or isinstance(displ, (list, tuple)):
-        raise TypeError(f"{argname}: vector (counts, displs) specs with device buffers are "
-                        f"not handled")
+    buf, count, displ, datatype = buffers.spec_parts(spec, argname, TypeError)
     dtype = _dtype(datatype, argname)
     array, wrap = route.as_device_array(buf)
     if count is None and not displ and np.dtype(array.dtype) == dtype:
         return buf
     raw = array.reshape(-1, order="A").view(np.uint8)
-    start = int(displ) * dtype.itemsize
-    count = (raw.size - start) // dtype.itemsize if count is None else int(count)
-    if count < 0 or start < 0 or start + count * dtype.itemsize > raw.size:
-        raise TypeError(f"{argname}: count {count} at displacement {displ} does not fit a "
-                         f"device buffer of {raw.size} bytes with {dtype.itemsize}-byte "
-                         f"elements")
-    return wrap(raw[start:start + count * dtype.itemsize].view(dtype))
+    return wrap(buffers.spec_bytes(raw, count, displ, dtype, argname, TypeError).view(dtype))

@@ -415,15 +415,13 @@ def _plan(collective: str, args: tuple, copies: Copies, slots: HostSlots, rank: 
         result = None
     if dst is None and result is not None:
         dst = _memory_flat(copies.as_array(result))
+    e = chunks(collective, src.size, dtype.itemsize, size, chunk_bytes, limit)[0]
     if collective == "reduce_scatter":
-        e = chunks(collective, src.size, dtype.itemsize, size, chunk_bytes, limit)[0]
         layout = _ReduceScatter(slots, src, dst, src.size, dtype, rank, size, e, rest[0])
     elif collective == "allgather":
-        e = chunks(collective, src.size, dtype.itemsize, size, chunk_bytes, limit)[0]
         layout = _Allgather(slots, src, dst, src.size, dtype, rank, size, e, in_place)
     else:
         op = rest[0]
-        e = chunks(collective, src.size, dtype.itemsize, size, chunk_bytes, limit)[0]
         if r is None:
             def make_args(h: np.ndarray) -> tuple:
                 return (buffers.IN_PLACE, h, op)
