@@ -22,8 +22,8 @@ from .buffers import IN_PLACE
 from .collectives import (allgather, allreduce, allreduce_init, broadcast, reduce,
                           reduce_scatter)
 from .comm import Comm
-from .errors import (CollectiveError, HostsUpdatedInterrupt, MismatchError, ProcessFailedError,
-                     RemoteError, TooFewRanksError)
+from .errors import (CollectiveError, CollectiveTimeoutError, HostsUpdatedInterrupt,
+                     MismatchError, ProcessFailedError, RemoteError, TooFewRanksError)
 from .grid import ProcessGrid, process_grid
 from .ops import OPS, Op
 
@@ -31,7 +31,8 @@ __version__ = "0.1.0"
 
 __all__ = ["allreduce", "allreduce_init", "reduce_scatter", "allgather", "broadcast", "reduce", "algorithms",
            "Comm", "IN_PLACE", "Op", "OPS", "COLLECTIVES", "CollectiveError", "MismatchError",
-           "RemoteError", "ProcessFailedError", "TooFewRanksError", "HostsUpdatedInterrupt",
+           "RemoteError", "ProcessFailedError", "TooFewRanksError", "CollectiveTimeoutError",
+           "HostsUpdatedInterrupt",
            "__version__", "ProcessGrid", "process_grid"]
 
 

@@ -27,7 +27,7 @@ from . import world as _world
 
 __all__ = ["Record", "dup", "split", "split_shared", "create_group", "shrink", "spawn",
            "merge", "adopt", "free", "forget", "of_world", "alive", "record_of",
-           "release_world", "release_all"]
+           "release_world", "release_all", "descendants"]
 
 
 @dataclass
@@ -39,6 +39,7 @@ class Record:
         owner: who asked for it (``"context"``, ``"ps"``, ``"group"``, ...).
         world: the world generation it belongs to (:func:`mpicoll.runtime.world.generation`).
         lifetime: ``"owner"`` (freed by its owner) or ``"world"`` (freed with its world).
+        parent: the handle of the communicator it was made from (``None``: none).
         revoked: whether :mod:`mpicoll.runtime.failures` revoked it.
     """
 
@@ -46,6 +47,7 @@ class Record:
     owner: str
     world: int
     lifetime: str = "owner"
+    parent: int | None = None
     revoked: bool = False
 
 
@@ -72,7 +74,8 @@ def _register(comm: Any, owner: str, parent: Any, lifetime: str = "owner",
               world: int | None = None) -> Any:
     if comm == MPI.COMM_NULL:
         return comm
-    rec = Record(comm, owner, _world_of(parent) if world is None else world, lifetime)
+    rec = Record(comm, owner, _world_of(parent) if world is None else world, lifetime,
+                 parent.handle if parent is not None else None)
     with _lock:
         _records[comm.handle] = rec
         history.append((rec, "made"))
@@ -165,6 +168,20 @@ def forget(comms: Iterable[Any]) -> None:
                 rec = _records.pop(comm.handle, None)
                 if rec is not None:
                     history.append((rec, "forgotten"))
+
+
+def descendants(comm: Any) -> list[Record]:
+    """The live records made from ``comm``, directly or through others made from it."""
+    with _lock:
+        records = list(_records.values())
+    found: list[Record] = []
+    parents = {comm.handle}
+    while True:
+        more = [r for r in records if r.parent in parents and r not in found]
+        if not more:
+            return found
+        found += more
+        parents = {r.comm.handle for r in more}
 
 
 def of_world(world: int) -> list[Record]:

@@ -32,11 +32,11 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
-from ..errors import ProcessFailedError
+from ..errors import CollectiveError, ProcessFailedError
 from . import comms, world
 
 __all__ = ["available", "turned_on", "ENABLED", "failed_by", "failed_ranks", "acknowledge",
-           "revoke", "revoked", "translate", "raise_translated", "keep_requests", "guard", "guard_call",
+           "revoke", "revoke_only", "revoked", "translate", "raise_translated", "keep_requests", "guard", "guard_call",
            "fail_world", "peer_failed", "FAILED_WAIT_S", "OTHER_WAIT_S", "PROC_FAILED"]
 
 #: Longest wait, in seconds, for the failure detector to name a failed rank after a
@@ -48,6 +48,7 @@ OTHER_WAIT_S = 0.2
 _FAILURE_CLASSES = tuple(getattr(MPI, name) for name in
                          ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
                          if hasattr(MPI, name))
+_REVOKED = getattr(MPI, "ERR_REVOKED", None)
 #: The error class of a process failure (for errors made up by a client that saw one).
 PROC_FAILED = getattr(MPI, "ERR_PROC_FAILED", MPI.ERR_OTHER)
 
@@ -186,12 +187,38 @@ def revoke(comm: Any) -> None:
             pass
 
 
+def revoke_only(comm: Any) -> None:
+    """Revoke ``comm`` and every communicator the runtime made from it, and nothing else:
+    a broken client (a timed-out or aborted lane) ends the MPI calls in flight on its own
+    communicators, while its world stays healthy (it can be rebuilt from the world)."""
+    records = comms.descendants(comm)
+    rec = comms.record_of(comm)
+    for r in records + ([rec] if rec is not None else []):
+        r.revoked = True
+    for c in [comm] + [r.comm for r in records]:
+        try:
+            _plain(c).Revoke()
+        except Exception:  # noqa: BLE001  (already revoked or freed)
+            pass
+
+
+def _world_ranks(comm: Any, ranks: list[int], gen: int) -> list[int]:
+    """``ranks`` of ``comm`` as ranks of world generation ``gen``'s communicator."""
+    try:
+        target = world.state_world(gen).communicator
+        return sorted(r for r in MPI.Group.Translate_ranks(
+            _plain(comm).Get_group(), ranks, target.Get_group()) if r is not None and r >= 0)
+    except Exception:  # noqa: BLE001  (freed or revoked: the ranks as given)
+        return list(ranks)
+
+
 def fail_world(comm: Any, ranks: list[int]) -> None:
-    """The world of ``comm`` has failed: mark it (healthy -> failed) and revoke every
-    communicator of it, so that no survivor waits on another survivor."""
+    """The world of ``comm`` has failed: mark it (healthy -> failed, with ``ranks`` of
+    ``comm`` as world ranks) and revoke every communicator of it, so that no survivor
+    waits on another survivor."""
     rec = comms.record_of(comm)
     gen = rec.world if rec is not None else world.world_of(comm)
-    world.mark_failed(gen, ranks)
+    world.mark_failed(gen, _world_ranks(comm, ranks, gen) if ranks else [])
     revoke(comm)
 
 
@@ -222,13 +249,29 @@ def translate(exc: BaseException, comm: Any, what: str = "the collective",
     from ``exc``, when it is a process failure (the world is then failed and revoked:
     :func:`fail_world`), else ``exc`` itself. ``wait_s``: also count any other error when
     MPI knows, within that many seconds, a peer of ``comm`` to have failed. Without ULFM,
-    ``exc``."""
+    ``exc``.
+
+    A revocation while no process of ``comm`` is known to have failed (within
+    :data:`FAILED_WAIT_S`) comes from a peer whose client broke (a timeout or an abort
+    there revokes that client's communicators only): a :class:`~mpicoll.CollectiveError`
+    saying so, and the world stays healthy."""
     if isinstance(exc, ProcessFailedError):
         return exc
     ranks = failed_by(exc, comm, wait_s)
     if ranks is None:
         return exc
     plain = _plain(comm)
+    if not ranks and _error_class(exc) == _REVOKED:
+        ranks = failed_ranks(plain)
+        gen = world.world_of(plain)
+        rec = comms.record_of(plain)
+        if not ranks and not world.failed(rec.world if rec is not None else gen):
+            revoke_only(plain)
+            error = CollectiveError(
+                f"{what} ended: another rank revoked the communicator (a timeout or an "
+                f"abort there broke it; no process failed); it cannot be used any more")
+            error.__cause__ = exc
+            return error
     fail_world(plain, ranks)
     _keep_frames(exc)
     ranks = ranks or failed_ranks(plain)

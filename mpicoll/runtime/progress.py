@@ -33,6 +33,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -225,7 +226,9 @@ class Lane:
         try:
             result = op()
         except BaseException as exc:  # noqa: BLE001  (handed to the waiter)
-            work.finish(None, failures.translate(exc, self.comm, work.kind))
+            broken = self.broken   # the lane's own revocation ended it: no process failure
+            work.finish(None, broken if broken is not None else
+                        failures.translate(exc, self.comm, work.kind))
         else:
             work.finish(result)
         finally:
@@ -263,8 +266,9 @@ class Lane:
 
     def abort(self, error: BaseException) -> None:
         """Break the lane: the work in flight and every queued work fail with ``error``;
-        under ULFM the lane's communicator (and its world's) is revoked, so the MPI call in
-        flight ends. Later submissions fail with ``error`` (without ULFM: end the job)."""
+        under ULFM the lane's communicator and those made from it are revoked
+        (:func:`~mpicoll.runtime.failures.revoke_only`: the world stays healthy), so the
+        MPI call in flight ends. Later submissions fail with ``error`` (without ULFM: end the job)."""
         with self._lock:
             if self.broken is None:
                 self.broken = error
@@ -273,17 +277,20 @@ class Lane:
         for work in ([running] if running is not None else []) + pending:
             work.finish(None, error)
         if failures.ENABLED and self.comm is not None:
-            failures.revoke(self.comm)
+            failures.revoke_only(self.comm)
 
     def close(self, stall_s: float | None = None) -> bool:
         """Finish what is queued and stop the thread (idempotent). Returns ``False`` when
         the thread made no progress for ``stall_s`` seconds (it is left running). A broken
-        lane without ULFM ends the job here (its MPI call cannot be cancelled)."""
+        lane without ULFM ends the job here (its MPI call cannot be cancelled); under ULFM
+        its thread is not waited for (its work was failed and its communicators revoked:
+        an MPI call that a revocation does not end is abandoned)."""
         self._closed = True
         if self.broken is not None and not failures.ENABLED and self._running is not None:
             _end_job(f"{self.name} closed while broken: {self.broken}")
         thread = self._thread
-        if thread is None or thread is threading.current_thread():
+        if thread is None or thread is threading.current_thread() or \
+                (self.broken is not None and failures.ENABLED):
             return True
         self._queue.put(None)
         while True:
@@ -300,6 +307,7 @@ def _end_job(message: str) -> None:
     """End the job with ``message``: an MPI call that cannot be cancelled is stuck."""
     log.error("mpicoll: %s; ending the job", message)
     print(f"mpicoll: {message}; ending the job", file=sys.stderr, flush=True)
+    time.sleep(0.2)     # the launcher forwards the message before MPI_Abort ends the job
     MPI.COMM_WORLD.Abort(1)
 
 

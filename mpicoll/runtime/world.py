@@ -41,12 +41,15 @@ class World:
         comm: the world's communicator (``None``: ``MPI.COMM_WORLD``).
         state: healthy, failed or reconfigured.
         failed_ranks: the ranks of ``comm`` known to have failed (while failed).
+        failed_at_exit: the failure was first noticed after the program's main thread had
+            ended (in an exit handler): the program never heard of it.
     """
 
     generation: int
     comm: Any = None
     state: State = State.HEALTHY
     failed_ranks: list[int] = field(default_factory=list)
+    failed_at_exit: bool = False
 
     @property
     def communicator(self) -> MPI.Intracomm:
@@ -91,6 +94,11 @@ def world_of(comm: Any) -> int:
     return _handles.get(handle, generation())
 
 
+def state_world(gen: int) -> World:
+    """World generation ``gen``."""
+    return _worlds[gen]
+
+
 def state_of(gen: int) -> State:
     """The state of world generation ``gen``."""
     return _worlds[gen].state
@@ -108,6 +116,8 @@ def mark_failed(gen: int, ranks: list[int]) -> bool:
     with _lock:
         w = _worlds[gen]
         first = w.state is State.HEALTHY
+        if first:
+            w.failed_at_exit = not threading.main_thread().is_alive()
         if w.state is not State.RECONFIGURED:
             w.state = State.FAILED
         w.failed_ranks = sorted(set(w.failed_ranks) | set(ranks))

@@ -95,3 +95,32 @@ def test_killed_rank_fails_every_survivors_backend_operation(job_outputs, case) 
         problems.append(f"the job ended with status {rc}, not the survivors' {status} "
                         f"(124: it hung)")
     assert not problems, f"{_case_id(case)} ({secs:.1f} s): {problems}\n{tail}"
+
+
+#: (operation, the rank that skips the all-reduce): a group broken by a timeout or an
+#: abort, with nobody dead.
+BROKEN_CASES = [("timeout", 1), ("abort", 1)]
+
+
+@pytest.fixture(scope="module")
+def broken_outputs() -> dict:
+    python = ompi_env.ompi_python(need_torch=True)
+    return ulfm_jobs.run_jobs(python, {
+        case: (WORKER, 2, [case[0], str(case[1])], {}, JOB_TIMEOUT_S) for case in BROKEN_CASES})
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", BROKEN_CASES, ids=[c[0] for c in BROKEN_CASES])
+def test_timeout_or_abort_revokes_so_the_call_in_flight_ends(broken_outputs, case) -> None:
+    """Under ULFM an expired ``Work.wait(timeout)`` or ``abort()`` raises at once and
+    revokes the group's communicators, so the all-reduce the other rank never joined ends
+    (its lane is free again) and the job ends with status 0."""
+    op, skipper = case
+    rc, out, secs = broken_outputs[case]
+    tail = "\n".join(out.splitlines()[-20:])
+    got = ulfm_jobs.lines(out, "BROKEN")
+    assert len(got) == 1, f"{op} ({secs:.1f} s): {tail}"
+    _, error, raised, free = got[0]
+    assert error == ("CollectiveTimeoutError" if op == "timeout" else "CollectiveError"), tail
+    assert 0.9 < float(raised) < BOUND_S and float(free) < float(raised) + BOUND_S, tail
+    assert rc == 0, f"{op}: the job ended with status {rc} (124: it hung)\n{tail}"

@@ -13,6 +13,8 @@ and ends (``EXITING <rank>``) with a bare ``raise SystemExit(STATUS)`` (default 
 must end with that status, without hanging in ``MPI_Finalize``, and the exit handler
 registered before mpicoll was imported must run (``ATEXIT <rank>``).
 
+``timeout``, ``abort``: no rank dies; see :func:`broken`.
+
 ``recv_live``: every rank waits for a message from its right neighbour that never sends
 it. ``blocked``: the first survivor waits for such a message from the second, which waits
 in a barrier (MPI's, on the group's thread) that the first never joins: survivors blocked
@@ -131,11 +133,42 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def broken(op: str, skipper: int) -> None:
+    """``timeout``/``abort`` (nobody dies): rank ``skipper`` skips an all-reduce; on each
+    other rank ``wait(timeout=1 s)`` expires (``timeout``), or a timer aborts the group
+    after 1 s (``abort``). The wait must raise at once, and the all-reduce in flight must
+    end too (the revocation: MPI cannot cancel it otherwise). Prints ``BROKEN <rank>
+    <error type> <seconds until it raised> <seconds until the group's lane was free>``."""
+    rank = dist.get_rank()
+    pg = dist.group.WORLD
+    dist.all_reduce(torch.ones(2))
+    if rank == skipper:
+        time.sleep(4)
+        return
+    work = dist.all_reduce(torch.ones(2), async_op=True)
+    start = time.monotonic()
+    if op == "abort":
+        threading.Timer(1.0, pg.abort).start()
+    try:
+        work.wait(timedelta(seconds=1 if op == "timeout" else 30))
+        error = "none"
+    except Exception as exc:  # noqa: BLE001
+        error = type(exc).__name__
+    raised = time.monotonic() - start
+    while pg._lane.completed < 2 and time.monotonic() < start + 10:
+        time.sleep(0.01)
+    print(f"BROKEN {rank} {error} {raised:.2f} {time.monotonic() - start:.2f}", flush=True)
+
+
 def main() -> None:
     op, victim = sys.argv[1], int(sys.argv[2])
     status = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     dist.init_process_group("mpicoll")
     rank, n = dist.get_rank(), dist.get_world_size()
+    if op in ("timeout", "abort"):
+        broken(op, victim)
+        print(f"EXITING {rank}", flush=True)
+        raise SystemExit(status)
     call = make_call(op, rank, n, victim)
     start = time.time()
     try:

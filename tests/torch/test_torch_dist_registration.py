@@ -49,17 +49,52 @@ def test_premul_sum_and_options():
 
 
 def test_work_completes_with_result_or_error():
-    from mpicoll.torch.distributed.work import GroupWorker
+    """torch's Work over the runtime's: result, error, future; a closed lane refuses."""
+    from mpicoll.runtime import Lane
+    from mpicoll.torch.distributed.work import MPIWork, completed
 
-    worker = GroupWorker("test-worker", None)
-    ok = worker.submit("ok", lambda: [1])
-    bad = worker.submit("bad", lambda: 1 / 0)
+    lane = Lane("test-lane", inline=False)
+    ok = MPIWork(lane.submit("ok", lambda: [1]))
+    bad = MPIWork(lane.submit("bad", lambda: 1 / 0))
     assert ok.wait() and ok.result() == [1] and ok.get_future().wait() == [1]
     with pytest.raises(ZeroDivisionError):
         bad.wait()
     with pytest.raises(ZeroDivisionError):
         bad.get_future().wait()
     assert bad.is_completed() and not bad.is_success()
-    assert worker.close(5.0)
+    assert isinstance(bad.exception(), ZeroDivisionError)
+    assert completed("done", [2]).result() == [2]
+    assert lane.close(5.0)
     with pytest.raises(RuntimeError, match="shut down"):
-        worker.submit("late", lambda: None)
+        lane.submit("late", lambda: None)
+
+
+def test_wait_timeout_raises_at_once_and_breaks_the_lane():
+    """An expired wait(timeout) raises CollectiveTimeoutError (a RuntimeError) naming the
+    operation within the timeout; the work queued behind fails with the same error."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    from mpicoll.errors import CollectiveTimeoutError
+    from mpicoll.runtime import Lane
+    from mpicoll.torch.distributed.work import MPIWork
+
+    release = threading.Event()
+    lane = Lane("test-timeout", inline=False)
+    stuck = MPIWork(lane.submit("allreduce", lambda: release.wait(30)))
+    queued = MPIWork(lane.submit("broadcast", lambda: None))
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match="allreduce.*timed out") as info:
+        stuck.wait(timedelta(seconds=0.3))
+    assert time.monotonic() - start < 1.5 and isinstance(info.value, RuntimeError)
+    with pytest.raises(CollectiveTimeoutError):
+        queued.wait()
+    with pytest.raises(CollectiveTimeoutError):
+        stuck.get_future().wait()
+    release.set()          # the operation ends: closing the broken lane then is fine
+    for _ in range(500):
+        if lane.completed:
+            break
+        time.sleep(0.01)
+    assert lane.close(5.0)

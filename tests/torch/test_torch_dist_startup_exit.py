@@ -5,7 +5,9 @@
 - at exit, without ``destroy_process_group``, operations left unwaited complete (the
   groups' threads finish what is queued);
 - a rank whose asynchronous all-reduce the other rank never joins does not hang the job
-  in ``MPI_Finalize``: the exit handler aborts it and says why.
+  in ``MPI_Finalize``: the exit handler aborts it and says why;
+- a group broken by an expired ``Work.wait(timeout)`` and used again, or destroyed while
+  an operation makes no progress, ends the job with the message (MPICH, no ULFM).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -24,9 +27,9 @@ pytest.importorskip("torch")
 SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
     import mpicoll.torch  # noqa: F401
-    import mpicoll.torch.distributed.work as work
+    import mpicoll.runtime.progress as progress
     import atexit
-    work.EXIT_STALL_SECONDS = 1.0
+    progress.EXIT_STALL_S = 1.0
     # registered before the backend's own exit handler, so it runs after it (LIFO)
     atexit.register(lambda: print("rank", rank, "drained", last.tolist(), flush=True))
     dist.init_process_group("mpicoll")
@@ -44,11 +47,12 @@ SCRIPT = textwrap.dedent("""
 
 
 def _run(script: str, tmp_path, env: dict | None = None, wrap: list[str] | None = None,
-         timeout: float = 120) -> subprocess.CompletedProcess:
+         timeout: float = 120, args: list[str] | None = None) -> subprocess.CompletedProcess:
     path = tmp_path / "script.py"
     path.write_text(script)
     full = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run(mpirun_command(2) + (wrap or []) + [sys.executable, str(path)],
+    return subprocess.run(mpirun_command(2) + (wrap or []) + [sys.executable, str(path)]
+                          + (args or []),
                           capture_output=True, text=True, timeout=timeout, env=full, cwd=ROOT,
                           check=False)
 
@@ -69,4 +73,63 @@ def test_torchrun_style_env_unwaited_operations_and_abandoned_one_at_exit(tmp_pa
     assert out.count("backend mpicoll ok") == 2, out
     assert "rank 1 drained [2.0, 2.0, 2.0]" in out, out     # rank 0 aborts before its print
     assert proc.returncode != 0, out
-    assert "made no progress" in out and "aborting the job" in out, out
+    assert "made no progress" in out and "ending the job" in out, out
+
+
+BROKEN = textwrap.dedent("""
+    import sys, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import mpicoll.torch  # noqa: F401
+    from mpicoll.errors import CollectiveTimeoutError
+    from mpicoll.torch.distributed import Options, process_group
+    mode = sys.argv[1]
+    process_group.SHUTDOWN_STALL_S = 1.0
+    # check="first": the second all-reduce enters mpicoll's collective at once, where the
+    # stall inspector (asking after 0.3 s) sees that rank 1 never arrives
+    dist.init_process_group("mpicoll", pg_options=Options(check="first"))
+    rank = dist.get_rank()
+    dist.all_reduce(torch.ones(2))
+    if rank == 1:
+        time.sleep(60)                       # skips the next collective; ended by rank 0
+    work = dist.all_reduce(torch.ones(2), async_op=True)
+    if mode == "reuse":
+        start = time.monotonic()
+        try:
+            work.wait(timedelta(seconds=1))
+        except CollectiveTimeoutError as exc:
+            print(f"TIMEOUT {time.monotonic() - start:.2f} {exc.missing} {exc}", flush=True)
+        dist.all_reduce(torch.ones(2))       # the group is broken: this ends the job
+    else:
+        start = time.monotonic()
+        print("DESTROYING", flush=True)
+        dist.destroy_process_group()         # the all-reduce never ends: this ends the job
+    print("NOT ENDED", flush=True)
+""")
+
+
+@pytest.mark.parametrize("mode", ["reuse", "destroy"])
+def test_broken_group_used_again_or_destroyed_ends_the_job(tmp_path, mode):
+    """Without ULFM (MPICH), a collective rank 1 skips: rank 0's ``wait(timeout=1 s)``
+    raises at once naming the operation and rank 1, and using the broken group again
+    ends the job with that message (``reuse``); destroying a group whose operation makes
+    no progress ends it after ``SHUTDOWN_STALL_S`` instead of the group's 30-minute
+    timeout (``destroy``). Never a silent hang."""
+    start = time.monotonic()
+    proc = _run(BROKEN, tmp_path, {"MPICOLL_STALL_WARN_SECONDS": "0.3"}, args=[mode],
+                timeout=120)
+    took = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "NOT ENDED" not in out, out
+    if mode == "reuse":
+        line = next(x for x in out.splitlines() if x.startswith("TIMEOUT"))
+        secs = float(line.split()[1])
+        assert 0.9 < secs < 2.0, line
+        assert "allreduce" in line and "timed out after 1 s" in line, line
+        assert "rank(s) [1] did not arrive" in line, line
+        assert "which is broken" in out and "ending the job" in out, out
+    else:
+        assert "DESTROYING" in out, out
+        assert "made no progress for 1 s while shutting down" in out, out
+        assert "ending the job" in out, out
+    assert took < 60, f"the job took {took:.0f} s"

@@ -9,8 +9,8 @@ Importing this package (``import mpicoll.torch`` does it) registers the backend 
     dist.init_process_group("mpicoll")        # mpirun -n N python train.py
 
 Modules: :mod:`.startup` (the ``env://`` rendezvous from MPI), :mod:`.process_group`
-(:class:`MPIProcessGroup`, :class:`Options`), :mod:`.work` (``Work`` objects, the
-communication thread of each group), :mod:`.p2p` (send/recv), :mod:`.staging` (device
+(:class:`MPIProcessGroup`, :class:`Options`), :mod:`.work` (torch's ``Work`` over the
+runtime's), :mod:`.p2p` (send/recv), :mod:`.staging` (device
 tensors through host memory), :mod:`.tensors` (reduce ops, host views), :mod:`.groups`
 (:func:`monitored_barrier`, :func:`split_group`). Reference: docs/torch_distributed.md.
 """
@@ -33,7 +33,7 @@ def _create(opts: Any, backend_options: Any = None) -> MPIProcessGroup:
     """torch's backend constructor (extended API): the group's communicator from MPI.
     Under ULFM, a member that dies meanwhile is a :class:`mpicoll.ProcessFailedError`
     on every other member (:func:`.failures.creation_failure`)."""
-    from ... import faults  # noqa: PLC0415
+    from ...runtime import failures  # noqa: PLC0415
     from .failures import creation_failure, watched_creation  # noqa: PLC0415
 
     made: list[Any] = []
@@ -42,7 +42,7 @@ def _create(opts: Any, backend_options: Any = None) -> MPIProcessGroup:
         return watched_creation(lambda: _build(opts, backend_options, made), world(), ranks,
                                 made)
     except Exception as exc:  # noqa: BLE001  (a process failure, or what it left behind)
-        if ranks and faults.ENABLED:
+        if ranks and failures.ENABLED:
             _parent.clear()   # maybe still in use by a creation stuck in MPI: later
                               # groups are made from the world
         failure = creation_failure(exc, world(), ranks, made[0] if made else None)
@@ -51,10 +51,10 @@ def _create(opts: Any, backend_options: Any = None) -> MPIProcessGroup:
         raise failure from exc
 
 
-#: A duplicate of ``MPI.COMM_WORLD`` (same ranks), made with the default group, that
-#: subgroups are made from, so that a creation left waiting in MPI after a member died
-#: (:func:`.failures.watched_creation`) does not share the user's ``MPI.COMM_WORLD``;
-#: later groups are then made from ``MPI.COMM_WORLD``.
+#: A duplicate of the world (same ranks), made with the default group and freed with it,
+#: that subgroups are made from, so that a creation left waiting in MPI after a member
+#: died (:func:`.failures.watched_creation`) does not share the user's world; later
+#: groups are then made from the world.
 _parent: list[Any] = []
 
 
@@ -62,8 +62,11 @@ def _build(opts: Any, backend_options: Any, made: list[Any]) -> MPIProcessGroup:
     """:func:`_create`'s work; the communicator, once made, is appended to ``made``."""
     from mpi4py import MPI  # noqa: PLC0415
 
+    from ...runtime import comms  # noqa: PLC0415
+
     comm_world = world()
     ranks = list(opts.global_ranks_in_group)
+    owned: tuple[Any, ...] = ()
     if not ranks:  # the default group: every MPI process, ranks as MPI's
         if (opts.group_rank != comm_world.Get_rank()
                 or opts.group_size != comm_world.Get_size()):
@@ -72,19 +75,20 @@ def _build(opts: Any, backend_options: Any, made: list[Any]) -> MPIProcessGroup:
                 f"torch's rendezvous, but MPI says rank {comm_world.Get_rank()} of "
                 f"{comm_world.Get_size()}: start every process with mpirun, and where RANK "
                 f"and WORLD_SIZE are set they must equal MPI's")
-        comm = comm_world.Dup()
-        _parent[:] = [comm_world.Dup()]
+        comm = comms.dup(comm_world, "group")
+        owned = (comms.dup(comm_world, "group"),)
+        _parent[:] = owned
     else:
         parent = _parent[0] if _parent else comm_world
         group = parent.Get_group().Incl(ranks)
-        comm = parent.Create_group(group)
+        comm = comms.create_group(parent, group, 0, "group")
         group.Free()
         if comm == MPI.COMM_NULL or comm.Get_rank() != opts.group_rank:
             raise RuntimeError(f"the mpicoll backend could not build group {ranks}: "
                                f"default group and MPI.COMM_WORLD differ")
     made.append(comm)
     return MPIProcessGroup(comm, comm.Get_rank(), comm.Get_size(), opts.timeout,
-                           backend_options)
+                           backend_options, owned)
 
 
 def register() -> None:

@@ -4,9 +4,10 @@ Each call posts a non-blocking ``MPI_Isend``/``MPI_Irecv`` on the group's point-
 communicator at once, on the caller's thread, so sends and receives never wait for each
 other or for the group's queued collectives (``batch_isend_irecv``'s order-free batches
 work). The returned :class:`P2PWork` completes the request when waited on or tested;
-``get_future()`` starts a thread that waits for it. Tags are MPI tags (0 to
-``MPI_TAG_UB``, at least 32767); messages between one pair of ranks with one tag arrive
-in the order they were sent.
+its ``get_future()`` completes from the group's point-to-point lane, one runtime
+:class:`~mpicoll.runtime.Lane` that tests every request whose future was asked for. Tags
+are MPI tags (0 to ``MPI_TAG_UB``, at least 32767); messages between one pair of ranks
+with one tag arrive in the order they were sent.
 
 Under ULFM, a request that fails, or a wait during which a rank of the group is known to
 have failed (even a receive from a live rank), completes with the group's
@@ -21,13 +22,13 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from ... import faults
-from .failures import GroupFailures
+from ...errors import CollectiveTimeoutError
+from ...runtime import Lane, Work, failures
 from .staging import Staging
 from .tensors import Host, check_tensor
-from .work import MPIWork, finished_with_error, seconds
+from .work import MPIWork, completed, seconds
 
-__all__ = ["P2PWork", "isend", "irecv", "check_tag"]
+__all__ = ["P2PWork", "Futures", "isend", "irecv", "check_tag"]
 
 _tag_ub: int | None = None
 
@@ -43,20 +44,18 @@ def check_tag(tag: int) -> int:
 
 
 class P2PWork(MPIWork):
-    """A posted send or receive."""
+    """A posted send or receive of group ``pg`` (an :class:`.MPIProcessGroup`)."""
 
     def __init__(self, kind: str, request: Any, host: Host, stage: Staging,
-                 tensors: list[torch.Tensor], timeout: float | None,
-                 failures: GroupFailures | None = None) -> None:
-        super().__init__(kind, timeout)
-        self._failures = failures
+                 tensors: list[torch.Tensor], pg: Any) -> None:
+        super().__init__(Work(kind))
+        self._pg = pg
         self._request = request
         self._host = host
         self._stage = stage
         self._tensors = tensors
         self._status = MPI.Status()
         self._lock = threading.Lock()
-        self._waiter: threading.Thread | None = None
 
     def _complete(self) -> None:
         try:
@@ -65,17 +64,17 @@ class P2PWork(MPIWork):
                 self._stage.after()
                 self.source_rank = self._status.Get_source()
         except BaseException as exc:  # noqa: BLE001  (handed to the waiter)
-            self.finish(None, exc)
+            self.work.finish(None, exc)
         else:
-            self.finish(self._tensors)
+            self.work.finish(self._tensors)
 
-    def _poll(self, limit: float | None) -> bool:
+    def poll(self, limit: float | None) -> bool:
         """Test the request until it completes or ``limit`` seconds pass (``0``: once)."""
         deadline = None if limit is None else time.monotonic() + limit
         pause = 0.0
         while True:
             with self._lock:
-                if self._done.is_set():
+                if self.work.done():
                     return True
                 try:
                     done = self._request.Test(self._status)
@@ -85,8 +84,8 @@ class P2PWork(MPIWork):
                 if done:
                     self._complete()
                     return True
-                failure = self._failures.poll(self.kind) if self._failures else None
-                if failure is not None:   # a rank of the group died: this may never end
+                failure = self._pg._failures.poll(self.kind) or self._pg._lane.broken
+                if failure is not None:   # a rank died, or the group was aborted
                     self._fail(failure)
                     return True
             if deadline is not None and time.monotonic() >= deadline:
@@ -97,70 +96,100 @@ class P2PWork(MPIWork):
     def _fail(self, exc: BaseException) -> None:
         """Complete with ``exc`` (a process failure as the group's error); the request
         is kept, never freed."""
-        if self._failures is not None:
-            exc = self._failures.translate(self.kind, exc)
-            faults.keep_requests([self._request])
-        self.finish(None, exc)
+        if failures.ENABLED:
+            exc = self._pg._failures.error(self.kind, exc)
+            failures.keep_requests([self._request])
+        self.work.finish(None, exc)
 
     def wait(self, timeout: Any = None) -> bool:  # noqa: D102 (MPIWork's)
         limit = seconds(timeout)
         if limit is None:
-            limit = self._timeout
-        if not self._poll(limit):
-            raise RuntimeError(f"mpicoll: {self.kind} timed out after {limit:g} s waiting for "
-                               f"its peer")
-        return super().wait(timeout)
+            limit = self._pg._lane.timeout
+        if not self.poll(limit):
+            raise CollectiveTimeoutError(f"mpicoll: {self.kind} timed out after {limit:g} s "
+                                         f"waiting for its peer", self.kind)
+        return super().wait()
 
     def is_completed(self) -> bool:  # noqa: D102
-        return self._poll(0)
+        return self.poll(0)
 
     def get_future(self) -> Any:  # noqa: D102
-        with self._lock:
-            if not self._done.is_set() and self._waiter is None:
-                self._waiter = threading.Thread(target=self._poll, args=(None,),
-                                                name=f"mpicoll-{self.kind}", daemon=True)
-                self._waiter.start()
+        if not self.work.done():
+            self._pg._futures.watch(self)
         return self._future
 
 
-def isend(comm: Any, tensors: list[torch.Tensor], dst: int, tag: int,
-          timeout: float | None, failures: GroupFailures | None = None) -> MPIWork:
-    """Post a send of ``tensors[0]`` to group rank ``dst`` (``failures``: the group's;
-    a failed group's work fails at once)."""
-    tensor, stage = _one(tensors, comm, dst, "dst")
-    refused = failures.refuse("send") if failures is not None else None
+class Futures:
+    """The requests of one group whose futures were asked for, tested on the group's
+    point-to-point lane until each completes."""
+
+    def __init__(self, name: str) -> None:
+        self.lane = Lane(name)
+        self._works: list[P2PWork] = []
+        self._lock = threading.Lock()
+        self._active = False
+
+    def watch(self, work: P2PWork) -> None:
+        """Complete ``work`` (and so its future) as soon as its request completes."""
+        with self._lock:
+            if work not in self._works:
+                self._works.append(work)
+            if self._active:
+                return
+            self._active = True
+        self.lane.submit("p2p futures", self._run)
+
+    def _run(self) -> None:
+        pause = 0.0
+        while True:
+            with self._lock:
+                works = list(self._works)
+            done = [w for w in works if w.poll(0)]   # (callbacks may watch more)
+            with self._lock:
+                self._works = [w for w in self._works if w not in done]
+                if not self._works:
+                    self._active = False
+                    return
+            time.sleep(pause)
+            pause = min(pause * 2 or 1e-5, 2e-3)
+
+
+def isend(pg: Any, tensors: list[torch.Tensor], dst: int, tag: int) -> MPIWork:
+    """Post a send of ``tensors[0]`` to rank ``dst`` of group ``pg`` (a failed group's
+    work fails at once)."""
+    tensor, stage = _one(tensors, pg._p2p, dst, "dst")
+    refused = pg._failures.refuse("send")
     if refused is not None:
-        return finished_with_error("send", refused)
+        return completed("send", None, refused)
     host = Host(stage.host(tensor))
     stage.before()
     try:
-        request = comm.Isend(host.array, dest=dst, tag=check_tag(tag))
+        request = pg._p2p.Isend(host.array, dest=dst, tag=check_tag(tag))
     except MPI.Exception as exc:
-        return finished_with_error("send", _posting_error(failures, "send", exc))
-    return P2PWork("send", request, host, stage, tensors, timeout, failures)
+        return completed("send", None, _posting_error(pg, "send", exc))
+    return P2PWork("send", request, host, stage, tensors, pg)
 
 
-def irecv(comm: Any, tensors: list[torch.Tensor], src: int, tag: int,
-          timeout: float | None, failures: GroupFailures | None = None) -> MPIWork:
-    """Post a receive into ``tensors[0]`` from group rank ``src`` (``MPI.ANY_SOURCE``:
-    any; ``failures`` as :func:`isend`'s)."""
+def irecv(pg: Any, tensors: list[torch.Tensor], src: int, tag: int) -> MPIWork:
+    """Post a receive into ``tensors[0]`` from rank ``src`` of group ``pg``
+    (``MPI.ANY_SOURCE``: any)."""
     kind = "recv_anysource" if src == MPI.ANY_SOURCE else "recv"
-    tensor, stage = _one(tensors, comm, src, "src")
-    refused = failures.refuse(kind) if failures is not None else None
+    tensor, stage = _one(tensors, pg._p2p, src, "src")
+    refused = pg._failures.refuse(kind)
     if refused is not None:
-        return finished_with_error(kind, refused)
+        return completed(kind, None, refused)
     host = Host(stage.host(tensor, load=False, store=True))
     try:
-        request = comm.Irecv(host.array, source=src, tag=check_tag(tag))
+        request = pg._p2p.Irecv(host.array, source=src, tag=check_tag(tag))
     except MPI.Exception as exc:
-        return finished_with_error(kind, _posting_error(failures, kind, exc))
-    return P2PWork(kind, request, host, stage, tensors, timeout, failures)
+        return completed(kind, None, _posting_error(pg, kind, exc))
+    return P2PWork(kind, request, host, stage, tensors, pg)
 
 
-def _posting_error(failures: GroupFailures | None, kind: str, exc: BaseException) -> Any:
+def _posting_error(pg: Any, kind: str, exc: BaseException) -> Any:
     """The error of a send or receive that MPI refused to post: the group's process
     failure, else ``exc`` itself (raised at once)."""
-    error = failures.translate(kind, exc) if failures is not None else exc
+    error = pg._failures.error(kind, exc)
     if error is exc:
         raise exc
     return error

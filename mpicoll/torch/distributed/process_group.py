@@ -1,9 +1,9 @@
 """:class:`MPIProcessGroup`: a torch process group whose operations are mpicoll's.
 
-Each group owns an MPI communicator (ranks in group order), a duplicate of it for
-point-to-point messages, and a communication thread (:class:`~.work.GroupWorker`) on
-which its collectives run in call order; every call returns a :class:`~.work.MPIWork` at
-once (``async_op=False`` is torch waiting on it).
+Each group owns an MPI communicator (ranks in group order) and a duplicate of it for
+point-to-point messages, both made and freed by :mod:`mpicoll.runtime.comms`, and a
+runtime :class:`~mpicoll.runtime.Lane` on which its collectives run in call order; every
+call returns a :class:`~.work.MPIWork` at once (``async_op=False`` is torch waiting on it).
 
 Reductions, broadcast, all-gather and reduce-scatter run mpicoll's collectives
 (``algorithm="auto"``; :class:`Options` or ``MPICOLL_ALLREDUCE_ALGORITHM`` force the
@@ -11,12 +11,20 @@ all-reduce's, ``MPICOLL_ALGORITHM`` every collective's); gather, scatter, the al
 and barriers run MPI's own (``MPI_Gather``, ``MPI_Scatter``, ``MPI_Alltoallv``,
 ``MPI_Barrier``), recorded for the stall inspector and timeline like mpicoll's.
 
-Checking (:class:`Options` ``check``): before a checked call runs, the group's ranks
-agree on it (:func:`mpicoll.checked.agree`: one small ``MPI_Allgather``): a rank whose own
-arguments were bad raises its ``ValueError``/``TypeError`` and the others
-:class:`mpicoll.RemoteError`; ranks that disagree on the operation, count, dtype, op or
-root all raise :class:`mpicoll.MismatchError`. The all-to-alls also check that each
-rank's send splits equal its peers' receive splits.
+Checking (:class:`Options` ``check``): each call's arguments are checked on the calling
+rank (any error there, a ``ValueError``/``TypeError`` or another, is the rank's local
+error), then, before a checked call runs, the group's ranks agree on it
+(:func:`mpicoll.checked.agree`: one small ``MPI_Allgather``): a rank whose own arguments
+were bad raises its error and the others :class:`mpicoll.RemoteError`; ranks that
+disagree on the operation, count, dtype, op or root all raise
+:class:`mpicoll.MismatchError`. The all-to-alls also check that each rank's send splits
+equal its peers' receive splits.
+
+Timeouts, abort and shutdown follow the runtime's lane (:mod:`mpicoll.runtime.progress`):
+an expired ``Work.wait(timeout)`` raises :class:`mpicoll.CollectiveTimeoutError` and
+breaks the group; :meth:`MPIProcessGroup.abort` fails the work in flight and the queued
+work; under ULFM both revoke the communicators, without ULFM a broken group used again,
+destroyed or left at exit with an operation in flight ends the job.
 """
 from __future__ import annotations
 
@@ -31,28 +39,37 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from ... import collectives, config, faults, tracking
+from ... import collectives, config, tracking
 from ...buffers import IN_PLACE
 from ...checked import agree
 from ...context import get_context
+from ...errors import CollectiveError, CollectiveTimeoutError
+from ...runtime import Lane, comms, failures, progress
 from ..engine.settings import allreduce_algorithm
 from . import p2p
 from .failures import GroupFailures
 from .staging import Staging
 from .tensors import (Host, byte_view, check_reduce_dtype, check_tensor, op_label, op_name,
                       premul_factor)
-from .work import MPIWork, GroupWorker, seconds
+from .work import MPIWork, completed, seconds
 
-__all__ = ["MPIProcessGroup", "Options", "BACKEND"]
+__all__ = ["MPIProcessGroup", "Options", "BACKEND", "SHUTDOWN_STALL_S"]
 
 #: The backend name for ``dist.init_process_group``.
 BACKEND = "mpicoll"
+#: How long :meth:`MPIProcessGroup.shutdown` waits for a group whose queued operations
+#: make no progress (an operation the other ranks never joined) before it aborts it.
+SHUTDOWN_STALL_S = progress.EXIT_STALL_S
+#: How long a timed-out wait waits for the stall inspector's answers naming late ranks.
+MISSING_WAIT_S = 0.4
 
 _CHECKS = ("every", "first")
 #: What monitored_barrier's messages carry (kept alive while sends are pending).
 _TOKEN = np.zeros(1, dtype=np.uint8)
 _SINK = np.zeros(1, dtype=np.uint8)
 _serial = itertools.count()
+#: What a call's ``prepare`` returns: the operation and the fields the ranks agree on.
+Prepared = tuple[Callable[[], Any], dict[str, Any]]
 
 
 class Options:
@@ -91,26 +108,31 @@ class MPIProcessGroup(dist.ProcessGroup):
     """A torch process group whose collectives are mpicoll's, on its own MPI communicator.
 
     Args:
-        comm: the communicator (private to this group; ranks in group order).
+        comm: the communicator (made for this group by :mod:`mpicoll.runtime.comms`,
+            freed by :meth:`shutdown`; ranks in group order).
         rank: this process's rank in the group (equals ``comm``'s).
         size: the group's size (equals ``comm``'s).
         timeout: the group's timeout: ``Work.wait()``'s default limit.
         options: :class:`Options` (``None``: the defaults).
+        owned: more communicators of the runtime's that :meth:`shutdown` frees.
     """
 
     def __init__(self, comm: Any, rank: int, size: int, timeout: Any = None,
-                 options: Options | None = None) -> None:
+                 options: Options | None = None, owned: tuple[Any, ...] = ()) -> None:
         super().__init__(rank, size)
         self.comm = comm
         self.options = options if isinstance(options, Options) else Options()
-        self._p2p = comm.Dup()
+        self._p2p = comms.dup(comm, "group")
+        self._owned = (self._p2p, comm, *owned)
         self._ctx = get_context(comm)
         self._checked: set[str] = set()
         self._algorithm = self.options.algorithm or allreduce_algorithm()
-        self._timeout = seconds(timeout)
-        self._failures = GroupFailures(comm, self._p2p)
-        self._worker = GroupWorker(f"mpicoll-pg{next(_serial)}", self._timeout,
-                                   inline=_synchronous(), failures=self._failures)
+        self._failures = GroupFailures(comm)
+        name = f"mpicoll-pg{next(_serial)}"
+        self._lane = Lane(name, comm, seconds(timeout), missing=self._missing)
+        if self._lane.inline:
+            _warn_synchronous()
+        self._futures = p2p.Futures(f"{name}-p2p")
         self._monitored = 0
         #: monitored_barrier's sends not known complete (never freed while pending: Open
         #: MPI ends the job when a freed send to a dead rank fails)
@@ -120,14 +142,29 @@ class MPIProcessGroup(dist.ProcessGroup):
     # --- the call path ----------------------------------------------------------------
     def submit(self, kind: str, run: Callable[[], Any]) -> MPIWork:
         """Run ``run`` (a function of no arguments) where the group runs its operations:
-        on its thread, after the operations already queued, so that every rank runs it
-        in the same order (a DDP communication hook's own collectives, say). A process
-        failure it meets is reported like the group's own operations'.
+        on its lane, after the operations already queued, so that every rank runs it in
+        the same order (a DDP communication hook's own collectives, say). On a group that
+        failed it fails at once; a process failure it meets is reported like the group's
+        own operations'.
 
         Returns:
             The :class:`~.work.MPIWork` of ``run`` (its result is ``run``'s value).
         """
-        return self._worker.submit(kind, run)
+        def op() -> Any:
+            refused = self._failures.refuse(kind)
+            if refused is not None:
+                raise refused
+            try:
+                return run()
+            except Exception as exc:
+                if self._lane.broken is not None:   # the abort's revocation ended it
+                    raise
+                error = self._failures.error(kind, exc)
+                if error is exc:
+                    raise
+                raise error from exc
+
+        return MPIWork(self._lane.submit(kind, op))
 
     def _check(self, kind: str) -> bool:
         """Whether this call is agreed on first (decided alike on every rank)."""
@@ -138,15 +175,22 @@ class MPIProcessGroup(dist.ProcessGroup):
         self._checked.add(kind)
         return True
 
-    def _call(self, kind: str, stage: Staging, run: Callable[[], Any] | None,
-              error: BaseException | None = None,
-              splits: Callable[[], BaseException | None] | None = None,
-              **fields: Any) -> MPIWork:
-        """Queue ``run`` on the group's thread, after the agreement step where this call
-        is checked; a local ``error`` raises at once where it is not."""
+    def _call(self, kind: str, prepare: Callable[[Staging], Prepared]) -> MPIWork:
+        """Check and stage the call's arguments here (``prepare``: its error is this
+        rank's local error), then queue its operation on the group's lane, after the
+        agreement step where the call is checked (a local error is raised at once where
+        it is not). ``prepare``'s fields may hold ``splits``, a second agreement step's
+        check (the all-to-alls')."""
+        stage = Staging()
+        try:
+            run, fields = prepare(stage)
+            error = None
+        except Exception as exc:  # noqa: BLE001  (this rank's error, told to the others)
+            run, fields, error = None, {}, exc
         check = self._check(kind)
         if error is not None and not check:
             raise error
+        splits = fields.pop("splits", None)
 
         def task() -> Any:
             if check:
@@ -158,7 +202,7 @@ class MPIProcessGroup(dist.ProcessGroup):
             stage.after()
             return result
 
-        return self._worker.submit(kind, task)
+        return self.submit(kind, task)
 
     def _native(self, name: str, fn: Callable[[], Any], **info: Any) -> Any:
         """Run MPI's own collective ``fn``, recorded for the stall inspector/timeline."""
@@ -172,6 +216,27 @@ class MPIProcessGroup(dist.ProcessGroup):
         collectives.allreduce(IN_PLACE, host.array, op=op, comm=self.comm,
                               algorithm=self._algorithm, check=False)
         host.finish()
+
+    def _root(self, kind: str, root: int) -> int:
+        if not 0 <= root < self.size():
+            raise ValueError(f"{kind} root {root} is not a rank of the group")
+        return root
+
+    def _missing(self, work: Any) -> list[int]:
+        """The ranks the stall inspector found outside the call in progress (those that
+        had not entered it, or had ended), for timeout messages; ``[]``: not known. Waits
+        up to :data:`MISSING_WAIT_S` for the answers to its latest question."""
+        w = self._ctx.watched
+        deadline = time.monotonic() + MISSING_WAIT_S
+        while w is not None and w.query and len(w.query["replies"]) < self.size() - 1 \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        query = w.query if w is not None else None
+        if not query:
+            return []
+        seq = query["seq"]
+        late = {peer for peer, reply in query["replies"].items() if reply[1] < seq}
+        return sorted(late | {r for r, done in w.left.items() if done < seq})
 
     # --- torch's ProcessGroup interface -------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -203,75 +268,70 @@ class MPIProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or dist.AllreduceOptions()
-        stage = Staging()
-        try:
+
+        def prepare(stage: Staging) -> Prepared:
             op, factor = op_name(opts.reduceOp), premul_factor(opts.reduceOp)
             for t in tensors:
                 check_reduce_dtype(check_tensor(t, "tensor"), op)
             hosts = [stage.host(t, load=True, store=True) for t in tensors]
-        except (TypeError, ValueError) as exc:
-            return self._call("allreduce", stage, None, exc)
 
-        def run() -> list[torch.Tensor]:
-            for host in hosts:
-                self._allreduce_host(host, op, factor)
-            return tensors
+            def run() -> list[torch.Tensor]:
+                for host in hosts:
+                    self._allreduce_host(host, op, factor)
+                return tensors
 
-        return self._call("allreduce", stage, run, count=_count(tensors),
-                          dtype=_dtype_field(tensors), op=op_label(opts.reduceOp))
+            return run, dict(count=_count(tensors), dtype=_dtype_field(tensors),
+                             op=op_label(opts.reduceOp))
+
+        return self._call("allreduce", prepare)
 
     allreduce_coalesced = allreduce   # one all-reduce per tensor, same options
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or dist.BroadcastOptions()
-        stage = Staging()
-        try:
-            root = opts.rootRank
-            if not 0 <= root < self.size():
-                raise ValueError(f"broadcast root {root} is not a rank of the group")
+
+        def prepare(stage: Staging) -> Prepared:
+            root = self._root("broadcast", opts.rootRank)
             hosts = [stage.host(check_tensor(t, "tensor"), load=True, store=True)
                      for t in tensors]
-        except (TypeError, ValueError) as exc:
-            return self._call("broadcast", stage, None, exc)
 
-        def run() -> list[torch.Tensor]:
-            for tensor in hosts:
-                host = Host(tensor)
-                collectives.broadcast(host.array, root=root, comm=self.comm, check=False)
-                host.finish()
-            return tensors
+            def run() -> list[torch.Tensor]:
+                for tensor in hosts:
+                    host = Host(tensor)
+                    collectives.broadcast(host.array, root=root, comm=self.comm, check=False)
+                    host.finish()
+                return tensors
 
-        return self._call("broadcast", stage, run, count=_count(tensors),
-                          dtype=_dtype_field(tensors), root=root)
+            return run, dict(count=_count(tensors), dtype=_dtype_field(tensors), root=root)
+
+        return self._call("broadcast", prepare)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or dist.ReduceOptions()
-        stage = Staging()
-        try:
+
+        def prepare(stage: Staging) -> Prepared:
             op, factor = op_name(opts.reduceOp), premul_factor(opts.reduceOp)
-            root = opts.rootRank
-            if not 0 <= root < self.size():
-                raise ValueError(f"reduce root {root} is not a rank of the group")
+            root = self._root("reduce", opts.rootRank)
             for t in tensors:
                 check_reduce_dtype(check_tensor(t, "tensor"), op)
             hosts = [stage.host(t, load=True, store=self.rank() == root) for t in tensors]
-        except (TypeError, ValueError) as exc:
-            return self._call("reduce", stage, None, exc)
 
-        def run() -> list[torch.Tensor]:
-            for tensor in hosts:
-                host = Host(tensor, True, factor)
-                if self.rank() == root:
-                    collectives.reduce(IN_PLACE, host.array, op=op, root=root,
-                                       comm=self.comm, check=False)
-                    host.finish()
-                else:
-                    collectives.reduce(host.array, None, op=op, root=root, comm=self.comm,
-                                       check=False)
-            return tensors
+            def run() -> list[torch.Tensor]:
+                for tensor in hosts:
+                    host = Host(tensor, True, factor)
+                    if self.rank() == root:
+                        collectives.reduce(IN_PLACE, host.array, op=op, root=root,
+                                           comm=self.comm, check=False)
+                        host.finish()
+                    else:
+                        collectives.reduce(host.array, None, op=op, root=root,
+                                           comm=self.comm, check=False)
+                return tensors
 
-        return self._call("reduce", stage, run, count=_count(tensors),
-                          dtype=_dtype_field(tensors), op=op_label(opts.reduceOp), root=root)
+            return run, dict(count=_count(tensors), dtype=_dtype_field(tensors),
+                             op=op_label(opts.reduceOp), root=root)
+
+        return self._call("reduce", prepare)
 
     # all-gather ---------------------------------------------------------------------------
     def _gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -307,19 +367,17 @@ class MPIProcessGroup(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> Any:
-        stage = Staging()
-        try:
+        def prepare(stage: Staging) -> Prepared:
             pairs = self._staged_pairs(stage, outputs, inputs, self._check_gather_sizes)
-        except (TypeError, ValueError) as exc:
-            return self._call("allgather", stage, None, exc)
 
-        def run() -> list[torch.Tensor]:
-            for output, input in pairs:
-                self._gather_into(output, input)
-            return outputs
+            def run() -> list[torch.Tensor]:
+                for output, input in pairs:
+                    self._gather_into(output, input)
+                return outputs
 
-        return self._call("allgather", stage, run, count=_count(inputs),
-                          dtype=_dtype_field(inputs))
+            return run, dict(count=_count(inputs), dtype=_dtype_field(inputs))
+
+        return self._call("allgather", prepare)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -331,10 +389,27 @@ class MPIProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],
                   input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        stage = Staging()
-        try:
+        return self._allgather(lambda: output_tensors, input_tensors)
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
+                            input_list: list[torch.Tensor], opts: Any = None) -> Any:
+        """``all_gather_coalesced``: ``output_lists[r][i]`` gets rank ``r``'s ``input_list[i]``."""
+        def per_input() -> list[list[torch.Tensor]]:
+            if len(output_lists) != self.size():
+                raise ValueError(f"all_gather_coalesced needs {self.size()} output lists, "
+                                 f"not {len(output_lists)}")
+            return [[outputs[i] for outputs in output_lists] for i in range(len(input_list))]
+
+        return self._allgather(per_input, input_list)
+
+    def _allgather(self, output_lists: Callable[[], list[list[torch.Tensor]]],
+                   input_tensors: list[torch.Tensor]) -> Any:
+        def prepare(stage: Staging) -> Prepared:
+            lists = output_lists()
+            if len(lists) != len(input_tensors):
+                raise ValueError(f"{len(lists)} output lists for {len(input_tensors)} inputs")
             gathered = []
-            for outputs, input in zip(output_tensors, input_tensors):
+            for outputs, input in zip(lists, input_tensors):
                 check_tensor(input, "input_tensor")
                 if len(outputs) != self.size():
                     raise ValueError(f"all_gather needs {self.size()} output tensors, "
@@ -347,36 +422,54 @@ class MPIProcessGroup(dist.ProcessGroup):
                                          f"{out.numel()} x {out.dtype}")
                 gathered.append(([stage.host(o, load=False, store=True) for o in outputs],
                                  stage.host(input)))
-        except (TypeError, ValueError) as exc:
-            return self._call("allgather", stage, None, exc)
 
-        def run() -> list[list[torch.Tensor]]:
-            for outputs, input in gathered:
-                whole = torch.empty((self.size(), input.numel()), dtype=input.dtype)
-                self._gather_into(whole, input)
-                with torch.no_grad():
-                    for out, part in zip(outputs, whole):
-                        out.copy_(part.view(out.shape))
-            return output_tensors
+            def run() -> Any:
+                for outputs, input in gathered:
+                    whole = torch.empty((self.size(), input.numel()), dtype=input.dtype)
+                    self._gather_into(whole, input)
+                    with torch.no_grad():
+                        for out, part in zip(outputs, whole):
+                            out.copy_(part.view(out.shape))
+                return lists
 
-        return self._call("allgather", stage, run, count=_count(input_tensors),
-                          dtype=_dtype_field(input_tensors))
+            return run, dict(count=_count(input_tensors), dtype=_dtype_field(input_tensors))
 
-    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
-                            input_list: list[torch.Tensor], opts: Any = None) -> Any:
-        """``all_gather_coalesced``: ``output_lists[r][i]`` gets rank ``r``'s ``input_list[i]``."""
-        per_input = [[outputs[i] for outputs in output_lists] for i in range(len(input_list))]
-        if len(output_lists) != self.size():
-            raise ValueError(f"all_gather_coalesced needs {self.size()} output lists, "
-                             f"not {len(output_lists)}")
-        return self.allgather(per_input, input_list, opts)
+        return self._call("allgather", prepare)
 
     # reduce-scatter -------------------------------------------------------------------------
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        return self._reduce_scatter(outputs, lambda: inputs, opts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any = None) -> Any:
+        return self._reduce_scatter([output], lambda: [input], opts)
+
+    _reduce_scatter_base = reduce_scatter_single   # reduce_scatter_tensor
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],
+                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        def flat() -> list[torch.Tensor]:
+            if len(output_tensors) != len(input_tensors):
+                raise ValueError(f"{len(output_tensors)} output tensors for "
+                                 f"{len(input_tensors)} input lists")
+            for inputs in input_tensors:
+                if len(inputs) != self.size():
+                    raise ValueError(f"reduce_scatter needs {self.size()} input tensors, "
+                                     f"not {len(inputs)}")
+                for t in inputs:
+                    check_tensor(t, "input_tensor")
+            return [torch.cat([t.reshape(-1) for t in inputs]) for inputs in input_tensors]
+
+        return self._reduce_scatter(output_tensors, flat, opts)
+
+    def _reduce_scatter(self, outputs: list[torch.Tensor],
+                        inputs: Callable[[], list[torch.Tensor]], opts: Any) -> Any:
         opts = opts or dist.ReduceScatterOptions()
-        stage = Staging()
-        try:
+
+        def prepare(stage: Staging) -> Prepared:
             op, factor = op_name(opts.reduceOp), premul_factor(opts.reduceOp)
 
             def check(output: torch.Tensor, input: torch.Tensor) -> None:
@@ -384,46 +477,25 @@ class MPIProcessGroup(dist.ProcessGroup):
                 check_tensor(output, "output")
                 self._check_blocks(input, output, "input")
 
-            pairs = self._staged_pairs(stage, outputs, inputs, check)
-        except (TypeError, ValueError) as exc:
-            return self._call("reduce_scatter", stage, None, exc)
+            pairs = self._staged_pairs(stage, outputs, inputs(), check)
 
-        def run() -> list[torch.Tensor]:
-            for output, input in pairs:
-                src, dst = Host(input, True, factor), Host(output, True)
-                collectives.reduce_scatter(src.array, dst.array, op=op, comm=self.comm,
-                                           check=False)
-                dst.finish()
-            return outputs
+            def run() -> list[torch.Tensor]:
+                for output, input in pairs:
+                    src, dst = Host(input, True, factor), Host(output, True)
+                    collectives.reduce_scatter(src.array, dst.array, op=op, comm=self.comm,
+                                               check=False)
+                    dst.finish()
+                return outputs
 
-        return self._call("reduce_scatter", stage, run, count=_count(outputs),
-                          dtype=_dtype_field(outputs), op=op_label(opts.reduceOp))
+            return run, dict(count=_count(outputs), dtype=_dtype_field(outputs),
+                             op=op_label(opts.reduceOp))
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
-
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                              opts: Any = None) -> Any:
-        return self.reduce_scatter_single_coalesced([output], [input], opts)
-
-    _reduce_scatter_base = reduce_scatter_single   # reduce_scatter_tensor
-
-    def reduce_scatter(self, output_tensors: list[torch.Tensor],
-                       input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
-        flat = []
-        for output, inputs in zip(output_tensors, input_tensors):
-            if len(inputs) != self.size():
-                raise ValueError(f"reduce_scatter needs {self.size()} input tensors, "
-                                 f"not {len(inputs)}")
-            for t in inputs:
-                check_tensor(t, "input_tensor")
-            flat.append(torch.cat([t.reshape(-1) for t in inputs]))
-        return self.reduce_scatter_single_coalesced(output_tensors, flat, opts)
+        return self._call("reduce_scatter", prepare)
 
     # gather, scatter ----------------------------------------------------------------------
     def _rooted_lists(self, kind: str, lists: list[list[torch.Tensor]], one: torch.Tensor,
                       root: int) -> list[torch.Tensor]:
-        if not 0 <= root < self.size():
-            raise ValueError(f"{kind} root {root} is not a rank of the group")
+        self._root(kind, root)
         if self.rank() != root:
             if lists and any(len(x) for x in lists):
                 raise ValueError(f"{kind}: only the root (rank {root}) passes a tensor list")
@@ -439,71 +511,69 @@ class MPIProcessGroup(dist.ProcessGroup):
                                  f"{one.numel()} x {one.dtype}, not {t.numel()} x {t.dtype}")
         return list(lists[0])
 
+    @staticmethod
+    def _one(kind: str, tensors: list[torch.Tensor], name: str) -> torch.Tensor:
+        if len(tensors) != 1:
+            raise ValueError(f"{kind} takes one {name} tensor, not {len(tensors)}")
+        return check_tensor(tensors[0], f"{name}_tensor")
+
     def gather(self, output_tensors: list[list[torch.Tensor]],
                input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = opts or dist.GatherOptions()
-        stage = Staging()
-        root = opts.rootRank
-        try:
-            if len(input_tensors) != 1:
-                raise ValueError(f"gather takes one input tensor, not {len(input_tensors)}")
-            input = check_tensor(input_tensors[0], "input_tensor")
+        root = (opts or dist.GatherOptions()).rootRank
+
+        def prepare(stage: Staging) -> Prepared:
+            input = self._one("gather", input_tensors, "input")
             outputs = self._rooted_lists("gather", output_tensors, input, root)
             outs = [stage.host(o, load=False, store=True) for o in outputs]
             src = stage.host(input)
-        except (TypeError, ValueError) as exc:
-            return self._call("gather", stage, None, exc)
 
-        def run() -> Any:
-            send = Host(src)
-            whole = (torch.empty((self.size(), src.numel()), dtype=src.dtype)
-                     if self.rank() == root else None)
-            recv = byte_view(whole) if whole is not None else None
-            self._native("gather", lambda: self.comm.Gather(send.array.view(np.uint8),
-                                                            recv, root=root),
-                         count=src.numel(), dtype=str(src.dtype), root=root)
-            if whole is not None:
-                with torch.no_grad():
-                    for out, part in zip(outs, whole):
-                        out.copy_(part.view(out.shape))
-            return output_tensors
+            def run() -> Any:
+                send = Host(src)
+                whole = (torch.empty((self.size(), src.numel()), dtype=src.dtype)
+                         if self.rank() == root else None)
+                recv = byte_view(whole) if whole is not None else None
+                self._native("gather", lambda: self.comm.Gather(send.array.view(np.uint8),
+                                                                recv, root=root),
+                             count=src.numel(), dtype=str(src.dtype), root=root)
+                if whole is not None:
+                    with torch.no_grad():
+                        for out, part in zip(outs, whole):
+                            out.copy_(part.view(out.shape))
+                return output_tensors
 
-        return self._call("gather", stage, run, count=input.numel(), dtype=str(input.dtype),
-                          root=root)
+            return run, dict(count=input.numel(), dtype=str(input.dtype), root=root)
+
+        return self._call("gather", prepare)
 
     def scatter(self, output_tensors: list[torch.Tensor],
                 input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
-        opts = opts or dist.ScatterOptions()
-        stage = Staging()
-        root = opts.rootRank
-        try:
-            if len(output_tensors) != 1:
-                raise ValueError(f"scatter takes one output tensor, not {len(output_tensors)}")
-            output = check_tensor(output_tensors[0], "output_tensor")
+        root = (opts or dist.ScatterOptions()).rootRank
+
+        def prepare(stage: Staging) -> Prepared:
+            output = self._one("scatter", output_tensors, "output")
             inputs = [stage.host(t) for t in
                       self._rooted_lists("scatter", input_tensors, output, root)]
             dst = stage.host(output, load=False, store=True)
-        except (TypeError, ValueError) as exc:
-            return self._call("scatter", stage, None, exc)
 
-        def run() -> Any:
-            whole = (torch.stack([t.reshape(-1) for t in inputs])
-                     if self.rank() == root else None)
-            send = byte_view(whole) if whole is not None else None
-            recv = Host(dst)
-            self._native("scatter", lambda: self.comm.Scatter(send, recv.array.view(np.uint8),
-                                                              root=root),
-                         count=dst.numel(), dtype=str(dst.dtype), root=root)
-            recv.finish()
-            return output_tensors
+            def run() -> Any:
+                whole = (torch.stack([t.reshape(-1) for t in inputs])
+                         if self.rank() == root else None)
+                send = byte_view(whole) if whole is not None else None
+                recv = Host(dst)
+                self._native("scatter", lambda: self.comm.Scatter(
+                    send, recv.array.view(np.uint8), root=root),
+                    count=dst.numel(), dtype=str(dst.dtype), root=root)
+                recv.finish()
+                return output_tensors
 
-        return self._call("scatter", stage, run, count=output.numel(), dtype=str(output.dtype),
-                          root=root)
+            return run, dict(count=output.numel(), dtype=str(output.dtype), root=root)
+
+        return self._call("scatter", prepare)
 
     # all-to-all -----------------------------------------------------------------------------
-    def _alltoallv(self, kind: str, stage: Staging, send: Callable[[], torch.Tensor],
-                   recv: torch.Tensor, send_counts: list[int], recv_counts: list[int],
-                   itemsize: int, finish: Callable[[], Any], dtype: str) -> MPIWork:
+    def _alltoallv(self, kind: str, send: Callable[[], torch.Tensor], recv: torch.Tensor,
+                   send_counts: list[int], recv_counts: list[int], itemsize: int,
+                   finish: Callable[[], Any], dtype: str) -> Prepared:
         """``MPI_Alltoallv`` of flat contiguous host buffers (counts in elements)."""
         sc = np.array(send_counts, dtype=np.int64) * itemsize
         rc = np.array(recv_counts, dtype=np.int64) * itemsize
@@ -526,12 +596,11 @@ class MPIProcessGroup(dist.ProcessGroup):
                 count=None, dtype=dtype)
             return finish()
 
-        return self._call(kind, stage, run, splits=splits, dtype=dtype, count=itemsize)
+        return run, dict(splits=splits, dtype=dtype, count=itemsize)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> Any:
-        stage = Staging()
-        try:
+        def prepare(stage: Staging) -> Prepared:
             for name, lst in (("output", output_tensors), ("input", input_tensors)):
                 if len(lst) != self.size():
                     raise ValueError(f"all_to_all needs {self.size()} {name} tensors, "
@@ -543,27 +612,26 @@ class MPIProcessGroup(dist.ProcessGroup):
                 raise ValueError(f"all_to_all's tensors must have one dtype, not {dtypes}")
             ins = [stage.host(t) for t in input_tensors]
             outs = [stage.host(t, load=False, store=True) for t in output_tensors]
-        except (TypeError, ValueError) as exc:
-            return self._call("alltoall", stage, None, exc)
-        dtype = input_tensors[0].dtype
-        recv = torch.empty(_count(outs), dtype=dtype)
+            dtype = input_tensors[0].dtype
+            recv = torch.empty(_count(outs), dtype=dtype)
 
-        def finish() -> list[torch.Tensor]:
-            with torch.no_grad():
-                for out, part in zip(outs, recv.split([o.numel() for o in outs])):
-                    out.copy_(part.view(out.shape))
-            return output_tensors
+            def finish() -> list[torch.Tensor]:
+                with torch.no_grad():
+                    for out, part in zip(outs, recv.split([o.numel() for o in outs])):
+                        out.copy_(part.view(out.shape))
+                return output_tensors
 
-        return self._alltoallv(
-            "alltoall", stage, lambda: torch.cat([t.reshape(-1) for t in ins]),
-            recv, [t.numel() for t in ins], [t.numel() for t in outs], recv.element_size(),
-            finish, str(dtype))
+            return self._alltoallv(
+                "alltoall", lambda: torch.cat([t.reshape(-1) for t in ins]), recv,
+                [t.numel() for t in ins], [t.numel() for t in outs], recv.element_size(),
+                finish, str(dtype))
+
+        return self._call("alltoall", prepare)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: list[int], input_split_sizes: list[int],
                           opts: Any = None) -> Any:
-        stage = Staging()
-        try:
+        def prepare(stage: Staging) -> Prepared:
             check_tensor(output, "output")
             check_tensor(input, "input")
             if output.dtype != input.dtype:
@@ -577,19 +645,18 @@ class MPIProcessGroup(dist.ProcessGroup):
                 raise ValueError(f"all_to_all_single: rows of output ({out_row} elements) and "
                                  f"input ({in_row}) differ")
             src = stage.host(input)
-            dst = stage.host(output, load=False, store=True)
-        except (TypeError, ValueError) as exc:
-            return self._call("alltoall_single", stage, None, exc)
-        recv = Host(dst)
+            recv = Host(stage.host(output, load=False, store=True))
 
-        def finish() -> list[torch.Tensor]:
-            recv.finish()
-            return [output]
+            def finish() -> list[torch.Tensor]:
+                recv.finish()
+                return [output]
 
-        return self._alltoallv(
-            "alltoall_single", stage, lambda: Host(src).work.reshape(-1), recv.work.reshape(-1),
-            [r * in_row for r in in_rows], [r * out_row for r in out_rows],
-            output.element_size(), finish, str(output.dtype))
+            return self._alltoallv(
+                "alltoall_single", lambda: Host(src).work.reshape(-1), recv.work.reshape(-1),
+                [r * in_row for r in in_rows], [r * out_row for r in out_rows],
+                output.element_size(), finish, str(output.dtype))
+
+        return self._call("alltoall_single", prepare)
 
     alltoall_base = all_to_all_single
 
@@ -608,21 +675,23 @@ class MPIProcessGroup(dist.ProcessGroup):
 
     # barriers ---------------------------------------------------------------------------------
     def barrier(self, opts: Any = None) -> Any:
-        def run() -> None:
-            self._native("barrier", self.comm.Barrier)
+        def prepare(stage: Staging) -> Prepared:
+            return lambda: self._native("barrier", self.comm.Barrier), {}
 
-        return self._call("barrier", Staging(), run)
+        return self._call("barrier", prepare)
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """gloo's ``monitored_barrier``: rank 0 waits ``timeout`` for every other rank and
         raises ``RuntimeError`` naming the first (``wait_all_ranks``: every) rank that did
         not arrive; the others wait as long for rank 0's release and raise if it does not
         come. Runs after the group's queued operations."""
-        limit = seconds(timeout) or self._timeout or 1800.0
+        limit = seconds(timeout) or self._lane.timeout or 1800.0
         self._monitored += 1
         tag = self._monitored % p2p.check_tag(0x7FFF)
         comm = self._p2p
-        failed = self._failures
+
+        def check() -> BaseException | None:
+            return self._failures.poll("monitored_barrier")
 
         def run() -> None:
             token = _TOKEN
@@ -630,17 +699,14 @@ class MPIProcessGroup(dist.ProcessGroup):
             if self.rank() != 0:
                 self._sends.append(comm.Isend(token, dest=0, tag=tag))
                 release = comm.Irecv(_SINK, source=0, tag=tag)
-                if not _wait_all([release], limit, check=lambda: failed.poll(
-                        "monitored_barrier")):
+                if not _wait_all([release], limit, check=check):
                     release.Cancel()
                     raise RuntimeError(f"Rank {self.rank()}: monitored_barrier was not "
                                        f"released by rank 0 within {limit * 1e3:.0f} ms")
                 return
             others = list(range(1, self.size()))
-            requests = [comm.Irecv(_SINK, source=r, tag=tag)
-                        for r in others]
-            missing = _wait_all(requests, limit, missing=True,
-                                check=lambda: failed.poll("monitored_barrier"))
+            requests = [comm.Irecv(_SINK, source=r, tag=tag) for r in others]
+            missing = _wait_all(requests, limit, missing=True, check=check)
             if missing:
                 for r in missing:
                     requests[r - 1].Cancel()
@@ -651,42 +717,67 @@ class MPIProcessGroup(dist.ProcessGroup):
             for r in others:
                 self._sends.append(comm.Isend(token, dest=r, tag=tag))
 
-        work = self._worker.submit("monitored_barrier", run)
-        work.wait(timedelta(seconds=2 * limit + 5))
+        self.submit("monitored_barrier", run).wait(timedelta(seconds=2 * limit + 5))
 
     # point-to-point ---------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> Any:  # noqa: N803
-        return p2p.isend(self._p2p, tensors, dstRank, tag, self._timeout, self._failures)
+        return self._refused("send") or p2p.isend(self, tensors, dstRank, tag)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> Any:  # noqa: N803
-        return p2p.irecv(self._p2p, tensors, srcRank, tag, self._timeout, self._failures)
+        return self._refused("recv") or p2p.irecv(self, tensors, srcRank, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
-        return p2p.irecv(self._p2p, tensors, MPI.ANY_SOURCE, tag, self._timeout,
-                         self._failures)
+        return (self._refused("recv_anysource")
+                or p2p.irecv(self, tensors, MPI.ANY_SOURCE, tag))
+
+    def _refused(self, kind: str) -> MPIWork | None:
+        """The work of an operation on a group that failed or is broken (without ULFM a
+        broken group used again ends the job: the runtime's lane does it), else ``None``."""
+        refused = self._failures.refuse(kind)
+        if refused is not None:
+            return completed(kind, None, refused)
+        if self._lane.broken is not None:
+            return MPIWork(self._lane.submit(kind, lambda: None))
+        return None
 
     # life cycle -------------------------------------------------------------------------------
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Make ``timeout`` the group's: ``Work.wait()``'s default limit from now on."""
+        self._lane.timeout = seconds(timeout)
+
     def shutdown(self) -> None:
-        """Finish the queued operations and stop the group's thread (``destroy_process_group``)."""
-        self._worker.close(self._timeout)
+        """Finish the queued operations, stop the group's lanes and free its
+        communicators (``destroy_process_group``). Lanes that make no progress for
+        :data:`SHUTDOWN_STALL_S` seconds (an operation the other ranks never joined) are
+        aborted: under ULFM the communicators are revoked; without ULFM the job ends
+        with that message (an MPI call cannot be cancelled)."""
+        for lane in (self._lane, self._futures.lane):
+            if not lane.close(SHUTDOWN_STALL_S):
+                lane.abort(CollectiveTimeoutError(
+                    f"mpicoll: {lane.name} made no progress for {SHUTDOWN_STALL_S:g} s "
+                    f"while shutting down (an operation the other ranks never joined)"))
+                lane.close(0.0)
+        for comm in self._owned:
+            comms.free(comm)
 
-    def abort(self) -> None:  # noqa: D102 (torch's)
-        self._worker.close(0.0)
+    def abort(self) -> None:
+        """Fail the work in flight and every queued work; the group is broken (under ULFM
+        its communicators are revoked, so the MPI call in flight ends; without ULFM using
+        the group again or destroying it with an operation in flight ends the job)."""
+        error = CollectiveError(f"mpicoll: process group {self._lane.name} was aborted")
+        self._lane.abort(error)
+        self._futures.lane.abort(error)
 
 
-def _synchronous() -> bool:
-    """Whether operations must run on the calling thread: MPI below THREAD_MULTIPLE
-    (said once)."""
+def _warn_synchronous() -> None:
+    """Say once that operations run on the calling thread (MPI below THREAD_MULTIPLE)."""
     global _said_synchronous
-    if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
-        return False
     if not _said_synchronous:
         _said_synchronous = True
         warnings.warn("MPI is initialised below MPI_THREAD_MULTIPLE: the mpicoll "
                       "torch.distributed backend runs every operation synchronously on the "
                       "calling thread (async_op=True overlaps nothing)", RuntimeWarning,
-                      stacklevel=3)
-    return True
+                      stacklevel=4)
 
 
 _said_synchronous = False
@@ -698,7 +789,7 @@ def _pending(requests: list[Any]) -> list[Any]:
     try:
         return [r for r in requests if not r.Test()]
     except MPI.Exception:
-        faults.keep_requests(requests)
+        failures.keep_requests(requests)
         return []
 
 
@@ -713,7 +804,7 @@ def _wait_all(requests: list[Any], limit: float, missing: bool = False,
     while True:
         error = check() if check is not None else None
         if error is not None:
-            faults.keep_requests(requests)
+            failures.keep_requests(requests)
             raise error
         for i, req in enumerate(requests):
             if not done[i]:

@@ -30,10 +30,10 @@ def in_mpi_launch() -> bool:
 
 
 def world() -> Any:
-    """``MPI.COMM_WORLD`` (imports MPI on first use)."""
-    from mpi4py import MPI  # noqa: PLC0415
+    """The runtime's world (``MPI.COMM_WORLD`` until an elastic reconfiguration)."""
+    from ...runtime import world as current  # noqa: PLC0415
 
-    return MPI.COMM_WORLD
+    return current.comm()
 
 
 def mpi_rendezvous(timeout: timedelta = timedelta(minutes=30)) -> tuple[Any, int, int]:

@@ -4,11 +4,15 @@ through their futures; bad or mismatched arguments raise on every rank (no hang)
 """
 from __future__ import annotations
 
+import time
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import mpicoll
+from mpicoll.errors import CollectiveTimeoutError
 from test_dist_collectives import GATHER_INTO, data, everyone
 
 pytestmark = pytest.mark.mpi
@@ -142,21 +146,93 @@ def test_bitwise_op_on_float_raises_on_every_rank():
         dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND)
 
 
-def test_wait_timeout_names_the_operation():
-    """rank 0 is late (it waits for a message rank 1 sends after its timeout fired)."""
-    needs_two()
-    from datetime import timedelta
+def _stuck(group):
+    """A group's operation that runs until released (every rank's own, no MPI), and the
+    event that releases it."""
+    import threading
 
-    rank = dist.get_rank()
-    tensor = torch.ones(2)
-    if rank == 0:
-        dist.recv(torch.zeros(1), src=1, tag=78)
-        dist.all_reduce(tensor)
-    else:
-        work = dist.all_reduce(tensor, async_op=True)
-        if rank == 1:
-            with pytest.raises(RuntimeError, match="allreduce timed out"):
-                work.wait(timedelta(milliseconds=50))
-            dist.send(torch.zeros(1), dst=0, tag=78)
+    release = threading.Event()
+    return group.submit("stuck op", lambda: release.wait(60)), release
+
+
+def _finish(group, release) -> None:
+    """Let the stuck operation end (a broken group is then destroyed cleanly)."""
+    release.set()
+    for _ in range(1000):
+        if group._lane.completed:
+            return
+        time.sleep(0.01)
+
+
+def _fresh_group():
+    return dist.new_group(list(range(dist.get_world_size())))
+
+
+def test_wait_timeout_raises_at_once_and_breaks_the_group():
+    """``Work.wait(timeout)`` raises CollectiveTimeoutError (a RuntimeError) naming the
+    operation as the timeout passes; the group is broken: the work queued behind fails
+    with the same error (without ULFM, using the group again would end the job: the
+    serial test_torch_dist_startup_exit.py runs that)."""
+    group = _fresh_group()
+    work, release = _stuck(group)
+    queued = dist.all_reduce(torch.ones(2), group=group, async_op=True)
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match="stuck op .*timed out after 1 s") as info:
+        work.wait(timedelta(seconds=1))
+    assert 0.9 < time.monotonic() - start < 1.5
+    assert isinstance(info.value, RuntimeError) and info.value.operation == "stuck op"
+    with pytest.raises(CollectiveTimeoutError):
+        queued.wait()
+    assert group._lane.broken is info.value
+    _finish(group, release)
+
+
+def test_set_timeout_is_the_default_wait():
+    group = _fresh_group()
+    group.set_timeout(timedelta(seconds=0.5))
+    work, release = _stuck(group)
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match="timed out after 0.5 s"):
         work.wait()
-    assert torch.equal(tensor, torch.full((2,), float(dist.get_world_size())))
+    assert 0.4 < time.monotonic() - start < 1.2
+    _finish(group, release)
+
+
+def test_abort_fails_the_work_in_flight_and_the_queued_work():
+    group = _fresh_group()
+    work, release = _stuck(group)
+    queued = [dist.all_reduce(torch.ones(2), group=group, async_op=True),
+              dist.barrier(group=group, async_op=True)]
+    if dist.get_world_size() > 1:   # a receive nobody sends: in flight too
+        queued.append(dist.irecv(torch.zeros(1), group=group, group_src=1 - min(
+            dist.get_rank(), 1), tag=99))
+    futures = [w.get_future() for w in [work] + queued]
+    start = time.monotonic()
+    group.abort()
+    for w in [work] + queued:
+        with pytest.raises(mpicoll.CollectiveError, match="was aborted"):
+            w.wait()
+        assert w.is_completed() and not w.is_success()
+    for fut in futures:
+        with pytest.raises(mpicoll.CollectiveError, match="was aborted"):
+            fut.wait()
+    assert time.monotonic() - start < 1.0
+    if dist.get_world_size() > 1:
+        queued[-1]._request.Cancel()   # the receive nobody sends
+    _finish(group, release)
+
+
+def test_shutdown_finishes_queued_work_and_frees_the_communicators():
+    from mpicoll.runtime import comms
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = _fresh_group()
+    tensors = [torch.full((3,), rank + i) for i in range(5)]
+    works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
+    assert {r.owner for r in map(comms.record_of, (group.comm, group._p2p))} == {"group"}
+    start = time.monotonic()
+    dist.destroy_process_group(group)
+    assert time.monotonic() - start < 10
+    assert all(w.is_completed() for w in works)
+    assert torch.equal(tensors[-1], torch.full((3,), sum(r + 4 for r in range(n))))
+    assert comms.record_of(group.comm) is None and comms.record_of(group._p2p) is None
