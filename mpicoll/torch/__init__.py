@@ -51,8 +51,8 @@ from . import elastic
 from . import distributed as _distributed  # noqa: F401  registers the "mpicoll" torch.distributed backend
 from . import hooks  # DDP communication hooks: mpicoll.torch.hooks.int8_hook
 
-#: Horovod's name for a failed collective (``except hvd.HorovodInternalError`` keeps working);
-#: a dead peer under ULFM raises :class:`~mpicoll.ProcessFailedError`, one of these.
+#: Horovod's name for a failure elastic mode recovers from: :class:`~mpicoll.ProcessFailedError`
+#: (a dead peer under ULFM), nothing else (see :mod:`mpicoll.torch.elastic`).
 HorovodInternalError = elastic.HorovodInternalError
 
 __all__ = ["init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "rank", "local_rank", "local_size",

@@ -24,7 +24,8 @@ Either way the replicas of ``G`` hold identical parameters after the step (``I :
 
 :class:`Averager` averages lists of tensors over the node or over every rank with
 mpicoll's all-reduce (:data:`ALGORITHMS`: ring over every rank, recursive doubling within
-a node) on a private duplicate of the communicator: every rank gets the same bits.
+a node) on a communicator private to its client (the hvd engine's side communicator, the
+parameter server's workers'), on the caller's thread: every rank gets the same bits.
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ from mpi4py import MPI
 from ..checked import agree
 from ..collectives import allreduce
 from ..context import get_context
+from ..runtime import comms
+from ..runtime import world as runtime_world
 
 __all__ = ["NONE", "NODE", "WORLD", "LocalSGDSettings", "StepPlan", "LocalSGDSchedule",
            "check_settings", "agree_settings", "Averager", "state_tensors", "LocalSGD"]
@@ -210,18 +213,21 @@ def layout_of(tensors: Iterable[torch.Tensor]) -> str:
 class Averager:
     """Averages tensors over every rank of a communicator or over this rank's node.
 
-    Collective over ``comm`` at construction (a private duplicate and the node layout of
+    Collective over ``comm`` at construction (the node layout of
     :class:`mpicoll.topology.Topology`: ``MPICOLL_RANKS_PER_NODE`` emulates nodes).
 
+    Args:
+        comm: a communicator that only the averager's client uses, on the thread that
+            averages (the averager makes none of its own, and frees none).
     Attributes:
-        comm: the private duplicate (every rank).
+        comm: ``comm`` (every rank).
         node_comm: this rank's node.
         bytes_sent: bytes this rank's averages sent, by level name (counted as a ring
             all-reduce's ``2 (n - 1) / n`` of the vector).
     """
 
     def __init__(self, comm: MPI.Intracomm) -> None:
-        self.comm = comm.Dup()
+        self.comm = comm
         topology = get_context(self.comm).topology
         self.node_comm = topology.node_comm
         self.num_nodes = topology.num_nodes
@@ -261,11 +267,6 @@ class Averager:
                     offset += t.numel()
             self.bytes_sent[LEVEL_NAMES[level]] += 2 * (n - 1) * buf.nbytes // n
 
-    def free(self) -> None:
-        """Free the private communicator."""
-        if not MPI.Is_finalized() and self.comm != MPI.COMM_NULL:
-            self.comm.Free()
-
 
 class LocalSGD:
     """The local SGD driver of one distributed optimizer.
@@ -277,26 +278,27 @@ class LocalSGD:
         averager: the :class:`Averager` over the ranks that train.
         average_world_params: optional replacement for the world-level average of the
             parameters (the parameter server pushes them to its servers).
-        follow: optional; returns the communicator the ranks train on now. When it is
-            another one than the averager's (``hvd.elastic`` went on with the survivors of
-            a failure), the first use after the change builds a new averager over it (a
-            collective: every rank's first step after the reset) and takes the new rank
-            0's schedule, so every rank syncs at the same steps again; the parameters are
-            identical by then (the elastic state's ``sync()``).
+        regroup: optional; builds the averager of the ranks that train now, at the first
+            use after the runtime's world changed (:func:`mpicoll.runtime.world.generation`:
+            ``hvd.elastic`` shrank or grew it) or the averager's communicator was released
+            (its hvd engine stopped); collective (every rank's first step then). The new
+            rank 0's schedule is taken, so every rank syncs at the same steps again (the
+            parameters are identical by then: the elastic state's ``sync()``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
                  settings: LocalSGDSettings, averager: Averager,
                  average_world_params: Callable[[], None] | None = None,
-                 follow: Callable[[], MPI.Intracomm] | None = None) -> None:
+                 regroup: Callable[[], Averager] | None = None) -> None:
         self.optimizer = optimizer
         self.params = params
         self.settings = settings
         self.schedule = LocalSGDSchedule(settings)
         self.averager = averager
         self._world_params = average_world_params
-        self._follow = follow
-        self._source = follow() if follow is not None else None
+        self._regroup = regroup
+        #: The world generation the averager was built for.
+        self.generation = runtime_world.generation()
         #: Times the averager moved to a new world (``hvd.elastic`` resets).
         self.rebuilds = 0
         #: The plans of the finished steps' averages, counted by level name.
@@ -304,17 +306,14 @@ class LocalSGD:
                        "params.world": 0}
 
     def _follow_world(self) -> None:
-        """Move the averager to the world ``follow`` names now, if it changed."""
-        if self._follow is None:
+        """Build the averager again if the world changed or its communicator is gone."""
+        if self._regroup is None or (runtime_world.generation() == self.generation
+                                     and comms.record_of(self.averager.comm) is not None):
             return
-        current = self._follow()
-        if current is self._source:
-            return
-        # the old averager's communicator is left alone: after a failure it is revoked
-        # and holds dead ranks (freeing it is not safe then)
-        self.averager = Averager(current)
-        self._source = current
-        self.schedule.load_state_dict(current.bcast(self.schedule.state_dict(), root=0))
+        self.averager = self._regroup()
+        self.generation = runtime_world.generation()
+        self.schedule.load_state_dict(
+            self.averager.comm.bcast(self.schedule.state_dict(), root=0))
         self.rebuilds += 1
 
     def peek(self) -> StepPlan:
@@ -362,7 +361,3 @@ class LocalSGD:
         """Steps, averages done per kind, and the bytes this rank's averages sent."""
         return {"steps": self.schedule.steps, "identical": LEVEL_NAMES[self.schedule.identical],
                 "rebuilds": self.rebuilds, **self.counts, "bytes_sent": dict(self.averager.bytes_sent)}
-
-    def free(self) -> None:
-        """Free the averager's communicator."""
-        self.averager.free()

@@ -388,11 +388,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if error is None and (self._local_only or self._process_set is not None):
             error = ValueError("sync_every/node_sync_every average over every rank; they "
                                "are not supported with process_set")
-        comm = engine().user_comm
+        comm = engine().side_comm()
         agree_settings(comm, error, settings, layout_of(self._params))
-        # follow the engine's world: hvd.elastic starts a new engine on the survivors
+        # a new world (hvd.elastic) has a new engine: the averager moves to its side comm
         self._local_sgd = LocalSGD(self, self._params, settings, Averager(comm),
-                                   follow=lambda: engine().user_comm)
+                                   regroup=lambda: Averager(engine().side_comm()))
 
     def _reduces_world(self) -> bool:
         """Whether the coming step all-reduces the gradients over every rank (always,

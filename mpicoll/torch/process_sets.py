@@ -3,7 +3,8 @@
 ``ps = hvd.add_process_set([0, 2])`` (on every rank) or ``hvd.init(process_sets=[...])``
 registers a set: every rank of the adapter's communicator takes part (same sets, same
 order), the ranks of the set get their own :class:`~mpicoll.torch.engine.core.Engine` on a
-communicator split from it, and ``process_set=ps`` on a collective submits it to that
+communicator split from it by the runtime (:func:`mpicoll.runtime.comms.split`, owner
+``"process_set"``; the engine runs on it and frees it), and ``process_set=ps`` on a collective submits it to that
 engine. Ranks are always *global* ranks (``hvd.rank()``), as in Horovod: ``root_rank`` of a
 broadcast too; ``ps.rank()`` is the rank within the set (the order of an all-gather's
 result). ``hvd.global_process_set`` (id 0) is the whole communicator.
@@ -29,6 +30,7 @@ import torch
 from mpi4py import MPI
 
 from ..grid import agreed_shape, grid_coords, grid_groups
+from ..runtime import comms
 from .engine.core import Engine
 from .engine.dtypes import dtype_name
 from .engine.negotiation import Meta
@@ -161,15 +163,12 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         raise ValueError(error)
     me = comm.Get_rank()
     color = 0 if me in ranks else MPI.UNDEFINED
-    sub = comm.Split(color, me)
+    sub = comms.split(comm, color, me, "process_set")
     engine = None
     if sub != MPI.COMM_NULL:
-        engine = Engine(sub, world.settings)
+        engine = Engine(sub, world.settings, private=True)
         engine.members = list(ranks)
-        try:
-            engine.start()
-        finally:
-            sub.Free()
+        engine.start()
     with _lock:
         process_set.process_set_id = _next_id
         _registry[_next_id] = (process_set, engine)

@@ -392,8 +392,6 @@ class _PSDistributedOptimizer(_PSTraining):
 
     def free(self) -> None:
         """Release the communicators (after serve/close)."""
-        if self._local_sgd is not None:
-            self._local_sgd.free()
         self.ps.free()
 
     @contextlib.contextmanager

@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from .. import timeline
 from ..context import resolve_comm
+from ..runtime import world as runtime_world
 from . import process_sets as process_set_registry
 from .engine.core import Engine
 from .engine.settings import from_environment
@@ -38,8 +39,9 @@ _atexit_registered = False
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Start mpicoll.torch on ``comm`` (default: :func:`mpicoll.context.world`, which is
-    ``MPI.COMM_WORLD`` unless an elastic reset shrank it); collective.
+    """Start mpicoll.torch on ``comm`` (default: the runtime's world,
+    :func:`mpicoll.runtime.world.comm`: ``MPI.COMM_WORLD`` unless elastic mode shrank or
+    grew it); collective. An engine built for an earlier world generation is abandoned.
 
     Args:
         comm: an mpi4py communicator.
@@ -50,6 +52,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         ValueError: a malformed ``MPICOLL_*`` variable; bad process sets.
     """
     global _engine, _atexit_registered
+    if _engine is not None and _engine.generation != runtime_world.generation():
+        abandon("the world changed (mpicoll.elastic); mpicoll.torch started on the new one")
     with _lock:
         if _engine is not None and _engine.running():
             return

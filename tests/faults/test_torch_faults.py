@@ -5,8 +5,9 @@ over one ``hvd`` operation, one rank SIGKILLs itself, and every survivor's opera
 raise an error that is both :class:`mpicoll.ProcessFailedError` (naming exactly that
 rank) and ``hvd.HorovodInternalError``, within test_ulfm.BOUND_S of the kill. The
 survivors then idle while the stall inspector's thread polls the revoked communicators,
-and exit normally: the job must end with status 0 (no exit handler may wait on the dead
-rank or crash).
+shrink the world, start ``hvd`` again and all-reduce there, plain and with a codec (whose
+communicator must come from the runtime's new world), and exit normally: the job must end
+with status 0 (no exit handler may wait on the dead rank or crash).
 """
 from __future__ import annotations
 
@@ -63,6 +64,14 @@ def test_killed_rank_fails_every_survivors_torch_operation(job_outputs, case) ->
     if ulfm_jobs.OPEN_MPI_ABORT in out:
         pytest.xfail(f"Open MPI aborted the job twice ({ulfm_jobs.OPEN_MPI_ABORT!r})")
     problems = survivors_report(("hvd." + op, "-", n, victim), out)
+    survivors = n - 1
+    after = {int(f[0]): f[1:] for f in ulfm_jobs.lines(out, "AFTER")}
+    for rank in sorted(set(range(n)) - {victim}):
+        got = after.get(rank)
+        if got is None or int(got[0]) != survivors or float(got[1]) != survivors \
+                or abs(float(got[2]) - survivors) > 0.05:
+            problems.append(f"rank {rank} after the shrink: {got} (want size, plain and "
+                            f"int8 sums {survivors})")
     exited = {int(fields[0]) for fields in ulfm_jobs.lines(out, "EXITING")}
     missing = sorted(set(range(n)) - {victim} - exited)
     if missing:

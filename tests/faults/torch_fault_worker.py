@@ -8,8 +8,11 @@ path rather than in a negotiation round). Output lines as ulfm_worker.py's: ``KI
 <time>``; ``RESULT <rank> pfe <failed ranks> <time>`` from a survivor whose error is both
 a :class:`mpicoll.ProcessFailedError` and ``hvd.HorovodInternalError``; ``RESULT <rank>
 other ...`` otherwise. Survivors then keep the process alive a little (the stall
-inspector's thread polls the revoked communicators), shrink and meet, and exit normally
-(the exit handlers must not hang on the dead rank): ``EXITING <rank>``.
+inspector's thread polls the revoked communicators), shrink the world
+(:func:`mpicoll.elastic.shrink_world`), start ``hvd`` again on it and run a plain and a
+codec-compressed all-reduce there (the codec's communicator comes from the new world, not
+the revoked ``COMM_WORLD``): ``AFTER <rank> <size> <plain sum> <int8 sum>``; then they exit
+normally (the exit handlers must not hang on the dead rank): ``EXITING <rank>``.
 """
 from __future__ import annotations
 
@@ -20,11 +23,11 @@ import threading
 import time
 
 import torch
-from mpi4py import MPI
 
 import mpicoll
 import mpicoll.torch as hvd
 from fault_report import report
+from mpicoll.elastic import shrink_world
 
 CALLS_BEFORE_KILL = 5
 LOOP_S = 10.0
@@ -83,7 +86,14 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001
         report(rank, exc, (mpicoll.ProcessFailedError, hvd.HorovodInternalError))
     time.sleep(0.5)   # the stall inspector polls the revoked communicators meanwhile
-    MPI.COMM_WORLD.Shrink().Barrier()
+    shrink_world()
+    hvd.init()        # the engine of the failed world is abandoned, a new one starts
+    ones = torch.ones(300)
+    plain = hvd.allreduce(ones, op=hvd.Sum, name="after").max().item()
+    coded = hvd.allreduce(ones, op=hvd.Sum, name="after.int8",
+                          compression=hvd.Compression.int8).max().item()
+    print(f"AFTER {rank} {hvd.size()} {plain:g} {coded:.3f}", flush=True)
+    hvd.shutdown()
     print(f"EXITING {rank}", flush=True)
 
 

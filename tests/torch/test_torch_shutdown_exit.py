@@ -30,7 +30,7 @@ LEAVES = textwrap.dedent("""
     start = time.monotonic()
     try:
         hvd.allreduce(torch.ones(4), name="x")
-    except hvd.HorovodInternalError as exc:
+    except hvd.CollectiveError as exc:
         print(f"waited {time.monotonic() - start:.2f} s: {exc}", flush=True)
         raise
 """)

@@ -115,3 +115,42 @@ def test_horovod_keywords_sparse_as_dense_num_groups_join_device():
             hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), num_groups=-1)
     finally:
         hvd.shutdown()
+
+
+WORLD_CHANGE = """
+import torch
+import mpicoll.torch as hvd
+from mpicoll import context
+from mpicoll.runtime import comms
+
+hvd.init()
+old = hvd.state.engine()
+model = torch.nn.Linear(2, 1)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters(), sync_every=2)
+model(torch.ones(3, 2)).sum().backward()
+opt.step()
+context.set_world(None)            # a new world generation, as an elastic reset makes
+hvd.init()                         # not a no-op: the engine of the old world is abandoned
+assert hvd.state.engine() is not old and not old.running()
+opt.zero_grad()
+model(torch.ones(3, 2)).sum().backward()
+opt.step()
+assert opt.local_sgd.stats()["rebuilds"] == 1, opt.local_sgd.stats()
+assert hvd.allreduce(torch.ones(2)).tolist() == [1.0, 1.0]
+hvd.shutdown()
+owners = sorted(r.owner for r in comms.alive() if r.owner.startswith("engine"))
+print("ALIVE", owners)
+assert not owners
+"""
+
+
+def test_a_new_world_generation_gets_a_new_engine_and_averager():
+    """hvd and local SGD learn of a new world from the runtime's generation (issue 32):
+    ``init()`` abandons the engine of the old world instead of keeping it, the averager
+    moves to the new engine's side communicator, and the engines' communicators are all
+    released at shutdown."""
+    done = subprocess.run([sys.executable, "-c", WORLD_CHANGE], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ALIVE []" in done.stdout

@@ -309,3 +309,28 @@ def test_a_group_and_a_plain_request_of_one_name_fail_every_member():
     run_responses(engine, out)
     assert set(engine.finished) == {"g", "g.0", "g.1"}
     assert all("kind" in str(e) for e in engine.finished.values())
+
+
+def test_horovod_internal_error_catches_only_what_elastic_recovers_from():
+    """``except hvd.HorovodInternalError`` (what ``hvd.elastic.run`` recovers from) catches a
+    lost rank, and lets mismatches, another rank's bad input, too few ranks and another
+    rank's shutdown through (issue 32: it was CollectiveError, which catches them all)."""
+    import mpicoll.torch as hvd
+    from mpicoll import errors
+
+    def caught(error: BaseException) -> bool:
+        try:
+            raise error
+        except hvd.HorovodInternalError:
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    assert hvd.elastic.HorovodInternalError is hvd.HorovodInternalError
+    assert caught(errors.ProcessFailedError("rank 2 failed", [2]))
+    for error in (errors.MismatchError("ranks disagree on the shape"),
+                  errors.RemoteError("rank 1's tensor is not contiguous", {1: "no"}),
+                  errors.TooFewRanksError("1 rank left", 1, 2, [1, 2]),
+                  errors.CollectiveError("mpicoll.torch has been shut down by rank 1"),
+                  ValueError("bad argument")):
+        assert not caught(error), type(error).__name__

@@ -1,15 +1,14 @@
 """What both compressed reductions of the adapter (the optimizer's,
 :mod:`.gradients`, and the per-tensor calls', :mod:`.allreduce`) share: the engine request
-that orders a reduction running outside the engine (:func:`check_presence`) and the
-communicator it runs on (:func:`codec_comm`).
+that orders a reduction running outside the engine (:func:`check_presence`). The reduction
+then runs on the engine's side communicator
+(:meth:`mpicoll.torch.engine.core.Engine.side_comm`).
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
-from mpi4py import MPI
 
 from ...errors import CollectiveError
 from ..engine.dtypes import dtype_name
@@ -17,27 +16,7 @@ from ..engine.negotiation import Meta
 from ..ops import Sum
 from ..state import engine
 
-__all__ = ["codec_comm", "check_presence"]
-
-#: ``Create_group`` tag of the communicators made for compressed all-reduces.
-_GROUP_TAG = 1414
-
-#: Engine -> the communicator of its ranks used for compressed all-reduces.
-_comms: "weakref.WeakKeyDictionary[Any, MPI.Intracomm]" = weakref.WeakKeyDictionary()
-
-
-def codec_comm(eng: Any) -> MPI.Intracomm:
-    """The communicator of ``eng``'s ranks for compressed all-reduces (made on first use,
-    collectively over those ranks only: ``MPI_Comm_create_group`` from ``COMM_WORLD``)."""
-    comm = _comms.get(eng)
-    if comm is None:
-        group = eng.comm.Get_group()         # local: does not use the engine's communicator
-        try:
-            comm = MPI.COMM_WORLD.Create_group(group, _GROUP_TAG)
-        finally:
-            group.Free()
-        _comms[eng] = comm
-    return comm
+__all__ = ["check_presence"]
 
 
 def check_presence(name: str, layout: str, what: str) -> Any:

@@ -4,7 +4,7 @@
 Their payloads cannot be summed as tensors, so these calls do not go through the engine's
 fused all-reduce: each tensor is reduced by one :func:`mpicoll.compression.allreduce` on
 the calling thread, over the communicator of the engine's ranks
-(:func:`~mpicoll.torch.compression.agreement.codec_comm`), after two agreement steps that make every
+(:meth:`~mpicoll.torch.engine.core.Engine.side_comm`), after two agreement steps that make every
 failure an error on every rank:
 
 1. :func:`~mpicoll.torch.compression.agreement.check_presence`: one tiny engine all-reduce named like
@@ -44,7 +44,7 @@ import torch
 from ... import compression as codecs
 from ...checked import agree
 from ...context import get_context
-from .agreement import check_presence, codec_comm
+from .agreement import check_presence
 from .compressors import CodecCompressor
 from ..engine.dtypes import numpy_view
 from ..ops import Average, ReduceOp, Sum, resolve_reduce_op
@@ -131,7 +131,7 @@ def _reduce(name: str, compressor: CodecCompressor, op: tuple, prescale: Any, po
               for t in tensors]
     eng = check_presence(name, f"compression={codec.name} prescale={_shown(prescale)} "
                                f"postscale={_shown(postscale)} shapes={shapes}", what)
-    comm = codec_comm(eng)
+    comm = eng.side_comm()
     agree(get_context(comm), error, collective=what,
           count=sum(a.size for a in arrays), dtype=",".join(str(a.dtype) for a in arrays),
           op=opname, algorithm=codec.name)

@@ -60,7 +60,7 @@ from ... import compression as codecs
 from ...buffers import IN_PLACE
 from ...checked import agree
 from ...context import get_context
-from .agreement import check_presence, codec_comm
+from .agreement import check_presence
 from .compressors import CodecCompressor
 from ..engine.dtypes import dtype_name, numpy_view
 from ..engine.fusion import plan_runs
@@ -207,7 +207,7 @@ class CompressedGradients:
 
     def _reduce_compressed(self, eng: Any) -> None:
         """A compressed step: every run through :func:`mpicoll.compression.allreduce`."""
-        comm = codec_comm(eng)
+        comm = eng.side_comm()
         codec = self.compressor.codec
         runs = self._plan(eng.settings.fusion_threshold)
         prepared = []

@@ -51,7 +51,7 @@ from ...elastic.grow import GrowthError
 from ...elastic.grow import grow_world as _grow_world
 from ...elastic.runner import run_fn
 from ...elastic.state import ObjectState, State
-from ...errors import CollectiveError, HostsUpdatedInterrupt, TooFewRanksError
+from ...errors import HostsUpdatedInterrupt, ProcessFailedError, TooFewRanksError
 from .. import state as _torch_state
 from .sampler import ElasticSampler
 from .state import TorchState
@@ -60,8 +60,11 @@ __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler",
            "HorovodInternalError", "HostsUpdatedInterrupt", "TooFewRanksError", "DiscoveryError",
            "last_recovery", "last_growth", "joined"]
 
-#: Horovod's name for a failed collective (a process failure is one).
-HorovodInternalError = CollectiveError
+#: Horovod's name for the failure that :func:`run` recovers from (restore the last commit,
+#: reset, go on): a rank lost, :class:`mpicoll.ProcessFailedError`. Mismatches, bad
+#: arguments, too few ranks and another rank's shutdown are not: they are
+#: :class:`mpicoll.CollectiveError` (or ``ValueError``) and end the training function.
+HorovodInternalError = ProcessFailedError
 
 
 def _reset(min_np: int) -> None:

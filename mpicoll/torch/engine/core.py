@@ -35,6 +35,11 @@ ranks for it (:mod:`mpicoll.torch.engine.notices`); after that round every rank'
 what is still pending, or submitted later, fails with an error naming the rank that left.
 
 The stall inspector (rank 0) logs requests that some ranks submitted and others did not.
+
+From :mod:`mpicoll.runtime`: the communicator (``comms.dup``, owner ``"engine"``; the
+shutdown notices share it), the thread (a ``Lane`` running the loop as one operation; why
+the rounds are not lane operations: docs/torch.md, "The engine's thread") and the failures
+(``failures.translate``: a process failure revokes every communicator of the world).
 """
 from __future__ import annotations
 
@@ -51,9 +56,12 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ... import faults, timeline
+from ... import timeline
 from ...context import get_context
 from ...errors import CollectiveError, ProcessFailedError
+from ...runtime import comms, failures
+from ...runtime import world as runtime_world
+from ...runtime.progress import Lane
 from . import trace
 from ...gpu.slots import HostSlots
 from ..device.tensors import TensorDevice, device_of, same_device
@@ -89,6 +97,9 @@ _NOTICE_POLL_SECONDS = 0.05
 #: The longest a rank that shuts down waits for the other ranks to take part in its
 #: shutdown round (they do within about :data:`_NOTICE_POLL_SECONDS` unless they are gone).
 SHUTDOWN_WAIT_SECONDS = 10.0
+
+#: ``MPI_Comm_create_group`` tag of the engines' side communicators (:meth:`Engine.side_comm`).
+_SIDE_TAG = 1414
 
 
 class Work(NamedTuple):
@@ -134,19 +145,14 @@ def _decide_overlap(setting: str, local_size: int) -> bool:
     return cores >= local_size * (torch.get_num_threads() + 1)
 
 
-def _log_failure(what: str, exc: BaseException) -> None:
-    """Log a failed round: one line for a process failure (an expected event under
-    ULFM), the traceback otherwise."""
-    if faults.ENABLED and (faults.is_process_failure(exc)
-                           or isinstance(exc, ProcessFailedError)):
-        log.warning("%s: %s", what, exc)
-    else:
-        log.exception(what)
-
-
 class Engine:
     """Owner of the adapter's communicator and of the thread that uses it.
 
+    Args:
+        comm: the communicator of the engine's ranks.
+        settings: fusion threshold, cycle time, algorithm, stall time.
+        private: ``comm`` was made for this engine alone (a process set's): the engine runs
+            on it and frees it, instead of on a duplicate.
     Attributes:
         comm: private duplicate of the user's communicator (valid once started).
         rank, size, local_rank, local_size, cross_rank, cross_size: the layout.
@@ -154,9 +160,10 @@ class Engine:
         local: name -> :class:`Work` submitted by this rank and not finished (engine thread).
     """
 
-    def __init__(self, comm: MPI.Intracomm, settings: Settings) -> None:
+    def __init__(self, comm: MPI.Intracomm, settings: Settings, private: bool = False) -> None:
         self.settings = settings
         self._user_comm = comm
+        self._private = private
         #: Wake-up markers for the engine thread (requests themselves go to _submitted).
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         #: Guards _inflight, _waited, _submitted.
@@ -167,8 +174,12 @@ class Engine:
         self._last_submit = self._last_round = -1.0
         self._inflight: set[str] = set()
         self._waited: dict[int, Future] = {}
-        self._ready = threading.Event()
-        self._init_error: BaseException | None = None
+        #: Set once the engine's loop has ended (and its communicators are released).
+        self._stopped = threading.Event()
+        self._lane: Lane | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._side: MPI.Intracomm | None = None
+        self._side_lock = threading.Lock()
         self._fatal: BaseException | None = None
         self._fusion: dict[Any, torch.Tensor] = {}
         self._pinned: dict[str, HostSlots] = {}
@@ -204,34 +215,76 @@ class Engine:
         self.comm: Any = None
         self.rank = self.size = self.local_rank = self.local_size = 0
         self.cross_rank = self.cross_size = 0
-        self._thread = threading.Thread(target=self._main, name="mpicoll.torch.engine.core",
-                                        daemon=True)
 
     # ----------------------------------------------------------------- user side
-
-    @property
-    def user_comm(self) -> MPI.Intracomm:
-        """The communicator ``init()`` was given (every rank of the engine's world; the
-        engine itself works on a private duplicate, :attr:`comm`)."""
-        return self._user_comm
     def start(self) -> None:
-        """Start the thread; return once the communicator and layout are ready.
+        """Make the communicator and learn the layout (collective over the user's
+        communicator, on the calling thread), then start the engine's loop on its lane.
 
         Raises:
             whatever setting up the communicator raised (collective: on every rank).
         """
-        self._thread.start()
-        self._ready.wait()
-        if self._init_error is not None:
-            raise self._init_error
+        user = self._user_comm
+        #: The world generation the engine was built for (:mod:`mpicoll.runtime.world`).
+        self.generation = runtime_world.generation()
+        self.comm = user if self._private else comms.dup(user, "engine")
+        try:
+            self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+            topology = get_context(self.comm).topology
+            self.local_rank, self.local_size = topology.local_rank, topology.local_size
+            self.cross_rank = topology.cross_comm.Get_rank()
+            self.cross_size = topology.cross_comm.Get_size()
+            self.overlap = _decide_overlap(self.settings.overlap, self.local_size)
+            self.bulk_gradients = self.size == 1 or \
+                bool(self.comm.allreduce(not self.overlap, op=MPI.LAND))
+        except BaseException:
+            comms.free(self.comm)
+            raise
+        if self.size == 1:
+            self._inline = Negotiator(1)
+        else:
+            self._notices = Notices(self.comm)
+        self._negotiator = Negotiator(self.size)
+        self._cache = ResponseCache()
+        self._header = np.zeros(2 + SLOT_BYTES // 8, dtype=np.int64)
+        self._headers = np.zeros((self.size, self._header.size), dtype=np.int64)
+        self._lane = Lane("mpicoll.torch.engine", self.comm, inline=False)
+        self._lane.submit("the engine's loop", self._main)
+
+    def _started(self) -> bool:
+        return self._lane is not None and not self._stopped.is_set()
 
     def running(self) -> bool:
         """Whether the engine takes requests (not stopped by a shutdown or a failure)."""
-        return self._thread.is_alive() and not self.stopping and self._fatal is None
+        return self._started() and not self.stopping and self._fatal is None
 
-    def join(self) -> None:
-        """Wait (at most :data:`SHUTDOWN_WAIT_SECONDS`) for a stopped engine's thread."""
-        self._thread.join(SHUTDOWN_WAIT_SECONDS)
+    def join(self, timeout: float = SHUTDOWN_WAIT_SECONDS) -> None:
+        """Wait (at most ``timeout`` seconds) for a stopped engine's loop to end, then
+        close its lane (its thread ends). Not on the engine's own thread."""
+        if threading.current_thread() is not self._loop_thread and \
+                self._stopped.wait(timeout) and self._lane is not None:
+            self._lane.close()
+
+    def side_comm(self) -> MPI.Intracomm:
+        """The communicator of this engine's ranks for work outside the engine, on the
+        callers' threads in one order on every rank: compressed all-reduces and local
+        SGD's averages. Made on first use by ``MPI_Comm_create_group`` over the runtime's
+        world (not collective over the engine's busy communicator); freed with the engine.
+
+        Raises:
+            CollectiveError: the engine has stopped.
+        """
+        with self._side_lock:
+            if self._side is None:
+                if not self._started():
+                    raise CollectiveError("mpicoll.torch has been shut down")
+                group = self.comm.Get_group()          # local
+                try:
+                    self._side = comms.create_group(runtime_world.comm(), group, _SIDE_TAG,
+                                                    "engine.side")
+                finally:
+                    group.Free()
+            return self._side
 
     def submit(self, meta: Meta, tensor: Any = None, output: Any = None,
                waiting: bool = False) -> Future:
@@ -281,7 +334,7 @@ class Engine:
         key = JOIN if meta.kind == "join" else meta.name
         inline = self._inline is not None and meta.kind != "shutdown"
         with self._lock:
-            if self._fatal is not None or self.stopping or not self._thread.is_alive():
+            if self._fatal is not None or self.stopping or not self._started():
                 raise _request_error(meta, self._fatal or CollectiveError(
                     "mpicoll.torch has been shut down"))
             if key in self._inflight:
@@ -360,8 +413,7 @@ class Engine:
                         and self._pending():
                     self._round()
             except BaseException as exc:  # noqa: BLE001  (reported through every future)
-                _log_failure("mpicoll.torch negotiation round failed", exc)
-                self._fail_all(exc)
+                self._failed("mpicoll.torch negotiation round failed", exc)
                 self._queue.put(None)
             finally:
                 self._round_lock.release()
@@ -370,7 +422,7 @@ class Engine:
                 future.wait(0.001)
 
     def _check_running(self) -> None:
-        if self._fatal is not None or not self._thread.is_alive():
+        if self._fatal is not None or not self._started():
             message = f"mpicoll.torch engine stopped ({self._fatal or 'shut down'})"
             if isinstance(self._fatal, ProcessFailedError):
                 raise ProcessFailedError(message, self._fatal.failed_ranks)
@@ -461,57 +513,60 @@ class Engine:
             return any(not f.done() for f in self._waited.values())
 
     def _main(self) -> None:
-        try:
-            self.comm = self._user_comm.Dup()
-            self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-            topology = get_context(self.comm).topology
-            self.local_rank, self.local_size = topology.local_rank, topology.local_size
-            self.cross_rank = topology.cross_comm.Get_rank()
-            self.cross_size = topology.cross_comm.Get_size()
-            self.overlap = _decide_overlap(self.settings.overlap, self.local_size)
-            self.bulk_gradients = self.size == 1 or \
-                bool(self.comm.allreduce(not self.overlap, op=MPI.LAND))
-            if self.size == 1:
-                self._inline = Negotiator(1)
-            else:
-                self._notices = Notices(self.comm)
-            self._negotiator = Negotiator(self.size)
-            self._cache = ResponseCache()
-            self._header = np.zeros(2 + SLOT_BYTES // 8, dtype=np.int64)
-            self._headers = np.zeros((self.size, self._header.size), dtype=np.int64)
-        except BaseException as exc:  # noqa: BLE001  (re-raised by start())
-            self._init_error = exc
-            self._ready.set()
-            return
-        self._ready.set()
+        """The engine's loop (the lane's one long operation); then release its
+        communicators."""
+        self._loop_thread = threading.current_thread()
+        clean = False
         try:
             self._loop()
+            clean = True
         except BaseException as exc:  # noqa: BLE001  (reported through every future)
-            _log_failure("mpicoll.torch engine failed", exc)
-            self._fail_all(exc)
-            return
-        self._fail_all(CollectiveError("mpicoll.torch has been shut down"))
-        leaving = sorted(self.leaving or ())
-        if self.on_peer_shutdown is not None and leaving and self.rank not in leaving:
-            try:
-                self.on_peer_shutdown(leaving)
-            except Exception:  # noqa: BLE001  (nothing to report to on this thread)
-                log.exception("stopping the process sets after a shutdown failed")
+            self._failed("mpicoll.torch engine failed", exc)
         try:
-            if self._notices is not None and self.leaving is not None:
-                self._notices.close(sum(1 for r in self.leaving if r != self.rank))
-            self.comm.Free()
-        except Exception:  # noqa: BLE001
-            log.debug("freeing the adapter communicators failed", exc_info=True)
+            if clean:
+                self._fail_all(CollectiveError("mpicoll.torch has been shut down"))
+                leaving = sorted(self.leaving or ())
+                if self.on_peer_shutdown is not None and leaving and self.rank not in leaving:
+                    self.on_peer_shutdown(leaving)
+        except Exception:  # noqa: BLE001  (nothing to report to on this thread)
+            log.exception("stopping the process sets after a shutdown failed")
+        try:
+            self._release(clean)
+        finally:
+            self._stopped.set()
+
+    def _release(self, clean: bool) -> None:
+        """Free the engine's communicators after a shutdown round (once its notices are
+        in); after a failure, or when abandoned, only forget them
+        (:func:`mpicoll.runtime.comms.forget`: a free could wait for ranks that are gone)."""
+        with self._side_lock:
+            owned, self._side = [self.comm, self._side], None
+        clean = clean and self.leaving is not None
+        try:
+            if clean and self._notices is not None:
+                clean = self._notices.close(sum(1 for r in self.leaving if r != self.rank))
+        except MPI.Exception:
+            clean = False
+        if not clean:
+            comms.forget(owned)
+            return
+        for comm in owned:
+            comms.free(comm)
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        """A round failed: fail every request of this rank with ``exc`` as the runtime
+        translates it (a process failure revokes the world's communicators, so every
+        survivor's engine fails too)."""
+        exc = failures.translate(exc, self.comm, "a negotiation round of mpicoll.torch")
+        if isinstance(exc, ProcessFailedError):
+            log.warning("%s: %s", what, exc)       # an expected event under ULFM
+        else:
+            log.error("%s", what, exc_info=exc)
+        self._fail_all(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         """Fail every request of this rank (pending, or submitted later) with ``exc``'s
-        message (the first failure is kept for later submissions). A process failure
-        (ULFM) revokes the engine's communicators, so that every survivor's engine fails
-        too, and fails the requests with :class:`~mpicoll.ProcessFailedError`."""
-        failure = self._as_failure(exc)
-        if failure is not None:
-            exc = failure
+        message (the first failure is kept for later submissions)."""
         with self._lock:
             self._fatal = self._fatal or exc
             submitted, self._submitted = self._submitted, []
@@ -521,30 +576,15 @@ class Engine:
             meta = self.local[key].meta
             self.finish(key, error=_request_error(meta, exc))
 
-    def _as_failure(self, exc: BaseException) -> ProcessFailedError | None:
-        """The :class:`~mpicoll.ProcessFailedError` that ``exc`` stands for (``None``: not
-        a process failure, or ULFM is off)."""
-        if not faults.ENABLED or self.comm is None:
-            return exc if isinstance(exc, ProcessFailedError) else None
-        failure = faults.as_process_failure(exc, self.comm)
-        if failure is not None and self._notices is not None:
-            faults.revoke_all(self._notices.comm)
-        return failure
-
     def abandon(self, reason: str) -> None:
-        """Stop this engine without a shutdown round and without freeing its
-        communicators (some of their ranks are dead, or revoked them): revoke them, so
-        that the thread and any peer still waiting there wake with an error, and wait
-        (briefly) for the thread. Pending and later requests fail with ``reason``."""
-        if self.comm is not None and faults.ENABLED:
-            faults.revoke_all(self.comm)
-            if self._notices is not None:
-                faults.revoke_all(self._notices.comm)
+        """Stop this engine without a shutdown round (after a process failure, which the
+        runtime has answered by revoking the world's communicators, so a round in flight
+        ends with an error) and wait briefly for its loop to end; its communicators are
+        only forgotten. Pending and later requests fail with ``reason``."""
         self.stopping = True
         self._fail_all(CollectiveError(reason))
         self._queue.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(2.0)
+        self.join(2.0)
 
     def _pending(self) -> bool:
         """Whether a round is due: this rank has new requests, or some request is

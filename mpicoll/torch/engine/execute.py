@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ... import collectives, faults, timeline
+from ... import collectives, timeline
 from ...buffers import IN_PLACE
 from ...errors import CollectiveError, MismatchError, ProcessFailedError, RemoteError
+from ...runtime import failures
 from ...ops import scaled_sum
 from . import trace
 from ...algorithms.adasum import adasum_allreduce
@@ -168,13 +169,14 @@ def _guarded(engine: EngineInterface, bucket: list[Response], run: Any) -> None:
 
 
 def _failed(engine: EngineInterface, bucket: list[Response], exc: Exception) -> None:
-    if faults.ENABLED and (faults.is_process_failure(exc)
-                           or isinstance(exc, ProcessFailedError)):
-        # a dead peer (ULFM): the whole engine fails (its communicators are revoked then),
-        # not just this bucket; the round's caller fails every request
-        log.warning("mpicoll.torch: %s failed: %s", [r.name for r in bucket], exc)
-        raise exc
-    log.exception("mpicoll.torch: %s failed", [r.name for r in bucket])
+    names = [r.name for r in bucket]
+    error = failures.translate(exc, engine.comm, f"{bucket[0].kind} {names} of mpicoll.torch")
+    if isinstance(error, ProcessFailedError):
+        # a dead peer (ULFM): the whole engine fails (the runtime has revoked the world's
+        # communicators), not just this bucket; the round's caller fails every request
+        log.warning("mpicoll.torch: %s failed: %s", names, error)
+        raise error
+    log.exception("mpicoll.torch: %s failed", names)
     for response in bucket:
         engine.finish(_local_key(response), error=exc)
 

@@ -4,11 +4,13 @@ Negotiation rounds are all-gathers, so a rank's ``shutdown`` request reaches the
 the next round that *all* ranks make. A rank whose user thread is busy elsewhere makes no
 round until it submits something; the rank that shuts down would wait for it in its exit.
 So, right before posting the round that carries its ``shutdown``, a rank sends a one-integer
-notice to every other rank on a private communicator; each engine thread, when idle, looks
-for a notice every few hundredths of a second and then makes a round at once. Every rank
-stops after that round (see :mod:`mpicoll.torch.engine.negotiation`), and each one then receives
-exactly the notices that the round's leaving ranks sent it (so no message outlives the
-communicator, whose context id a later ``init`` may reuse).
+notice to every other rank on the engine's communicator (point-to-point, with a tag of its
+own: the engine's rounds there are collectives, which never match a send, and Adasum's
+messages have other tags); each engine thread, when idle, looks for a notice every few
+hundredths of a second and then makes a round at once. Every rank stops after that round
+(see :mod:`mpicoll.torch.engine.negotiation`), and each one then receives exactly the
+notices that the round's leaving ranks sent it (so no message outlives the communicator,
+whose context id a later ``init`` may reuse).
 """
 from __future__ import annotations
 
@@ -22,11 +24,12 @@ __all__ = ["Notices"]
 
 log = logging.getLogger("mpicoll.torch.engine.notices")
 
-_TAG = 7
+#: The notices' tag on the engine's communicator ("SD"; Adasum uses 0x4144 and 0x4145).
+_TAG = 0x5344
 
 
 class Notices:
-    """The notice channel of one engine (a private duplicate of its communicator).
+    """The notice channel of one engine, on the engine's communicator.
 
     :meth:`poll` belongs to the engine thread; :meth:`announce` to the thread running the
     round that carries this rank's ``shutdown``; :meth:`close` to the engine thread once the
@@ -34,7 +37,7 @@ class Notices:
     """
 
     def __init__(self, comm: MPI.Intracomm) -> None:
-        self.comm = comm.Dup()
+        self.comm = comm
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self._buf = np.zeros(1, dtype=np.int64)
         self._recv: MPI.Request | None = self.comm.Irecv(self._buf, source=MPI.ANY_SOURCE,
@@ -58,13 +61,14 @@ class Notices:
             self._sends = [self.comm.Isend(self._mine, dest=r, tag=_TAG)
                            for r in range(self.size) if r != self.rank]
 
-    def close(self, expected: int, timeout: float = 5.0) -> None:
-        """Receive the ``expected`` notices sent to this rank, complete this rank's own, and
-        free the communicator. If that takes longer than ``timeout`` seconds (a rank that
-        announced is gone), leave the communicator unfreed rather than wait.
+    def close(self, expected: int, timeout: float = 5.0) -> bool:
+        """Receive the ``expected`` notices sent to this rank and complete this rank's own.
 
         Args:
             expected: how many other ranks announced (they sent one notice each).
+        Returns:
+            whether they completed within ``timeout`` seconds (else a rank that announced
+            is gone, and the communicator must be left unfreed rather than waited for).
         """
         deadline = time.monotonic() + timeout
         received = 1 if self.arrived else 0
@@ -82,9 +86,9 @@ class Notices:
                      for i in range(scratch.size)]
         while not MPI.Request.Testall(requests):
             if time.monotonic() > deadline:
-                log.warning("rank %d: shutdown notices incomplete after %.0f s; the notice "
+                log.warning("rank %d: shutdown notices incomplete after %.0f s; the engine's "
                             "communicator is left as it is", self.rank, timeout)
-                return
+                return False
             time.sleep(0.001)
         self._sends = []
-        self.comm.Free()
+        return True
