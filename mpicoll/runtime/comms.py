@@ -27,7 +27,7 @@ from . import world as _world
 
 __all__ = ["Record", "dup", "split", "split_shared", "create_group", "shrink", "spawn",
            "merge", "adopt", "free", "forget", "of_world", "alive", "record_of",
-           "release_world", "release_all", "descendants"]
+           "release_world", "release_all", "descendants", "world_of"]
 
 
 @dataclass
@@ -54,6 +54,9 @@ class Record:
 _lock = threading.Lock()
 #: handle -> record of every live communicator the runtime made.
 _records: dict[int, Record] = {}
+#: handle -> world generation of every communicator forgotten (never freed: MPI does not
+#: reuse its handle), so that a late error on it is charged to its own world.
+_forgotten: dict[int, int] = {}
 #: Every record ever made, with what became of it (``"freed"``/``"forgotten"``); tests read it.
 history: list[tuple[Record, str]] = []
 
@@ -65,9 +68,19 @@ def _plain(comm: Any) -> Any:
     return MPI.Intercomm(comm) if comm.Is_inter() else MPI.Intracomm(comm)
 
 
-def _world_of(parent: Any) -> int:
-    rec = _records.get(parent.handle) if parent is not None else None
-    return rec.world if rec is not None else _world.world_of(parent)
+def world_of(comm: Any) -> int:
+    """The world generation of ``comm``: its record's, a forgotten one's, else
+    :func:`mpicoll.runtime.world.world_of`'s."""
+    handle = getattr(comm, "handle", None)
+    rec = _records.get(handle) if handle is not None else None
+    if rec is not None:
+        return rec.world
+    if handle in _forgotten:
+        return _forgotten[handle]
+    return _world.world_of(comm)
+
+
+_world_of = world_of
 
 
 def _register(comm: Any, owner: str, parent: Any, lifetime: str = "owner",
@@ -152,6 +165,7 @@ def free(comm: Any) -> None:
         return
     if rec.revoked or _world.failed(rec.world) or MPI.Is_finalized():
         history.append((rec, "forgotten"))
+        _forgotten[comm.handle] = rec.world
         return
     history.append((rec, "freed"))
     try:
@@ -168,6 +182,7 @@ def forget(comms: Iterable[Any]) -> None:
                 rec = _records.pop(comm.handle, None)
                 if rec is not None:
                     history.append((rec, "forgotten"))
+                    _forgotten[comm.handle] = rec.world
 
 
 def descendants(comm: Any) -> list[Record]:
@@ -197,10 +212,14 @@ def alive() -> list[Record]:
 
 
 def release_world(world: int) -> None:
-    """At a reconfiguration: free (or, for a failed world, forget) every communicator of
-    world ``world`` whose lifetime is the world's."""
+    """At a reconfiguration: a failed world's communicators are all forgotten (they are
+    revoked; nothing can run on them, and a free would wait for the dead), whoever owns
+    them; of a healthy world (a growth), those whose lifetime is the world's are freed."""
+    failed = _world.failed(world)
     for rec in of_world(world):
-        if rec.lifetime == "world":
+        if failed:
+            forget([rec.comm])
+        elif rec.lifetime == "world":
             free(rec.comm)
 
 

@@ -166,10 +166,7 @@ def acknowledge(comm: Any) -> None:
 def revoke(comm: Any) -> None:
     """Revoke ``comm`` and every communicator the runtime holds for its world (errors
     ignored: already revoked or freed, nothing to wake)."""
-    gen = world.world_of(comm) if comm is not None else world.generation()
-    rec = comms.record_of(comm)
-    if rec is not None:
-        gen = rec.world
+    gen = comms.world_of(comm) if comm is not None else world.generation()
     targets = [comm] if comm is not None else [world.comm()]
     for r in comms.of_world(gen):
         r.revoked = True
@@ -216,8 +213,7 @@ def fail_world(comm: Any, ranks: list[int]) -> None:
     """The world of ``comm`` has failed: mark it (healthy -> failed, with ``ranks`` of
     ``comm`` as world ranks) and revoke every communicator of it, so that no survivor
     waits on another survivor."""
-    rec = comms.record_of(comm)
-    gen = rec.world if rec is not None else world.world_of(comm)
+    gen = comms.world_of(comm)
     world.mark_failed(gen, _world_ranks(comm, ranks, gen) if ranks else [])
     revoke(comm)
 
@@ -263,9 +259,7 @@ def translate(exc: BaseException, comm: Any, what: str = "the collective",
     plain = _plain(comm)
     if not ranks and _error_class(exc) == _REVOKED:
         ranks = failed_ranks(plain)
-        gen = world.world_of(plain)
-        rec = comms.record_of(plain)
-        if not ranks and not world.failed(rec.world if rec is not None else gen):
+        if not ranks and not world.failed(comms.world_of(plain)):
             revoke_only(plain)
             error = CollectiveError(
                 f"{what} ended: another rank revoked the communicator (a timeout or an "

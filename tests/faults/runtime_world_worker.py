@@ -104,10 +104,11 @@ def main() -> None:
     hvd.shutdown()
     shrink_world()
     ended = {id(r) for r, what in comms.history if what in ("freed", "forgotten")}
-    alive_old = len(comms.of_world(0))
+    alive_old = len(comms.of_world(0))   # owners named after the counts
     unrevoked = sum(1 for r in at_failure if not r.revoked)
     kept = sum(1 for r in made if id(r) not in ended)
-    print(f"OLD {rank} {alive_old} {unrevoked} {kept}", flush=True)
+    print(f"OLD {rank} {alive_old} {unrevoked} {kept} "
+          f"{','.join(sorted({r.owner for r in comms.of_world(0)})) or '-'}", flush=True)
     hvd.init()
     total = mpicoll.allreduce(np.ones(3))[0] + hvd.allreduce(torch.ones(1), op=hvd.Sum).item()
     print(f"NEW {rank} {hvd.size()} {total:g}", flush=True)

@@ -40,7 +40,7 @@ def test_the_old_worlds_communicators_are_revoked_and_released(job):
     old = lines(out, "OLD")
     assert sorted(f[0] for f in old) == ["0", "1"], out[-3000:]
     for fields in old:
-        assert fields[1:] == ["0", "0", "0"], (fields, out[-2000:])
+        assert fields[1:] == ["0", "0", "0", "-"], (fields, out[-2000:])
     assert sorted(lines(out, "NEW")) == [["0", "2", "4"], ["1", "2", "4"]], out[-3000:]
 
 
