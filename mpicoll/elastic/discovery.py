@@ -3,10 +3,10 @@
 Horovod's driver runs a host discovery script now and then and, when it reports more
 slots, tells the workers; their next ``state.commit()`` (or ``state.check_host_updates()``)
 raises :class:`~mpicoll.HostsUpdatedInterrupt` on every one of them, and the job grows.
-Here there is no driver: rank 0 of the current world polls the discovery source in a
-background thread (at most once every ``interval`` seconds, so a slow script never stalls
-training), and every check is one small broadcast from rank 0, so that all ranks learn the
-same answer at the same commit:
+Here there is no driver: rank 0 of the current world polls the discovery source off the
+training thread (on a runtime lane, at most once every ``interval`` seconds, so a slow
+script never stalls training), and every check is one small broadcast from rank 0, so
+that all ranks learn the same answer at the same commit:
 
 - nothing new: the commit returns;
 - more slots than ranks, up to ``max_np``: every rank raises :class:`HostsAddedInterrupt`
@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Union
 import numpy as np
 from .. import context
 from ..errors import HostsUpdatedInterrupt
+from ..runtime import progress
 from .grow import launch_size
 from .launch_hosts import DiscoveryError, parse_hosts, run_discovery_script, total_slots
 
@@ -135,7 +136,7 @@ class Discovery:
         #: discovery reports something else.
         self.failed_target = 0
         self._poll = _PollState()
-        self._thread: threading.Thread | None = None
+        self._lane: progress.Lane | None = None
         self._stop = threading.Event()
 
     def poll(self) -> int:
@@ -164,18 +165,20 @@ class Discovery:
         self._poll.record(self._poll_or_error())
 
     def start(self) -> None:
-        """Start polling every ``interval`` seconds in a daemon thread (idempotent)."""
-        if self._thread is not None:
+        """Start polling every ``interval`` seconds, off the training thread (on a
+        runtime lane of its own; idempotent)."""
+        if self._lane is not None:
             return
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, args=(self._stop,),
-                                        name="mpicoll-elastic-discovery", daemon=True)
-        self._thread.start()
+        stop = self._stop = threading.Event()
+        self._lane = progress.Lane("mpicoll-elastic-discovery", inline=False)
+        self._lane.submit("discovery polls", lambda: self._loop(stop))
 
     def stop(self) -> None:
-        """Stop the poller (it ends after its current poll)."""
+        """Stop the poller (it ends after its current poll; this does not wait)."""
         self._stop.set()
-        self._thread = None
+        if self._lane is not None:
+            self._lane.close(0)
+        self._lane = None
 
     def _poll_or_error(self) -> int | DiscoveryError:
         try:

@@ -155,10 +155,7 @@ def launch_size() -> int:
 
 def _hello(merged: MPI.Intracomm) -> dict[str, Any]:
     """Rank 0's facts for the new ranks (collective over the merged world)."""
-    facts = None
-    if merged.Get_rank() == 0:
-        facts = {"launch_size": launch_size()}
-    return merged.bcast(facts, root=0)
+    return merged.bcast({"launch_size": launch_size()} if merged.Get_rank() == 0 else None)
 
 
 def _switch(merged: MPI.Intracomm) -> None:

@@ -58,9 +58,7 @@ def _reset_until_stable(reset: Callable[[], Any]) -> None:
         try:
             reset()
             return
-        except ProcessFailedError as exc:
-            log.warning("another failure while resetting (%s); shrinking again", exc)
-        except MPI.Exception as exc:
+        except (ProcessFailedError, MPI.Exception) as exc:
             if not isinstance(failures.translate(exc, None, "a reset"), ProcessFailedError):
                 raise
             log.warning("another failure while resetting (%s); shrinking again", exc)
@@ -188,8 +186,8 @@ def run(func: Callable[..., Any] | None = None, *, min_np: int = 1,
             format) or a callable returning the slots (default
             ``MPICOLL_ELASTIC_DISCOVERY``; none: the job never grows). See
             :mod:`mpicoll.elastic.discovery`. The same on every rank.
-        discovery_interval: seconds between two polls of ``discovery`` (on rank 0, in
-            a background thread).
+        discovery_interval: seconds between two polls of ``discovery`` (on rank 0, off
+            the training thread).
     Raises:
         ValueError: ``min_np`` below 1, a bad ``max_np`` or ``discovery_interval``.
     """

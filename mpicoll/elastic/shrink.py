@@ -4,8 +4,8 @@
 :class:`~mpicoll.ProcessFailedError`:
 
 1. *revoke* the current world and every communicator mpicoll holds for it
-   (:func:`mpicoll.runtime.failures.fail_world`), so that a survivor still blocked in a call on them
-   (waiting on another survivor) wakes with an error and comes here too;
+   (:func:`mpicoll.runtime.failures.fail_world`), so that a survivor still blocked in a
+   call on them (waiting on another survivor) wakes with an error and comes here too;
 2. *agree and shrink*: ``MPI_Comm_shrink`` (ULFM) is a fault-tolerant agreement on the set
    of failed processes and returns the communicator of the survivors, the same on every
    one of them; the failed ranks are those of the old world missing from it;
@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from mpi4py import MPI
 
 from .. import context
-from ..runtime import comms, failures
 from ..errors import TooFewRanksError
+from ..runtime import comms, failures
+from ..runtime import world as runtime_world
 
 __all__ = ["Recovery", "shrink_world", "last_recovery", "world"]
 
@@ -46,7 +47,7 @@ class Recovery:
         failed: the ranks of the old world that failed (agreed by every survivor).
         old_size, new_size: the world's size before and after. rank: this rank after.
         revoke_s: revoking the old world's communicators. shrink_s: ``MPI_Comm_shrink``
-            (the agreement included). switch_s: abandoning the old contexts and switching.
+            (the agreement included). switch_s: switching the world.
         phases: further phases recorded by the callers, in seconds: ``restore`` (the
             last commit), ``reset`` (all of the reset: for ``hvd.elastic`` also
             ``abandon``, the old engine, and ``init``, the new one), ``callbacks``,
@@ -111,6 +112,7 @@ def shrink_world(min_np: int = 1) -> Recovery:
     new = comms.shrink(plain)
     shrunk = time.perf_counter()
     failed = _failed_ranks(plain, new)
+    runtime_world.mark_failed(runtime_world.generation(), failed)   # the agreed ranks
     context.set_world(new)
     done = time.perf_counter()
     last_recovery = Recovery(failed, plain.Get_size(), new.Get_size(), new.Get_rank(),

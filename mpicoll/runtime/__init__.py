@@ -10,7 +10,8 @@ message schedules.
   revocation of a failed world's communicators.
 - :mod:`.progress`: work off the caller's thread, ``Lane.submit(kind, op) -> Work``, with
   timeouts and abort.
-- :mod:`.exit`: the process's exit under ULFM, never waiting forever in ``MPI_Finalize``.
+- :mod:`.exit`: the process's exit: what is left of the communicators freed; under ULFM
+  never waiting forever for a dead rank, and a rank lost meanwhile in the status.
 
 Clients (the synchronous collectives, the Horovod engine, torch.distributed groups, the
 codecs, local SGD, the parameter server, elastic mode) ask the runtime for communicators,
@@ -18,15 +19,8 @@ threads and failure handling; they make none of their own.
 """
 from __future__ import annotations
 
-import atexit
-
 from . import comms, exit, failures, progress, world  # noqa: A004
 from .progress import Lane, Work
 from .world import reconfigure
 
 __all__ = ["comms", "exit", "failures", "progress", "world", "Lane", "Work", "reconfigure"]
-
-# after the exit module's handler, so it runs before it: the clients' handlers (registered
-# later, when they are imported) free what they hold, then this frees what is left, then
-# (under ULFM) MPI is finalized within a bound
-atexit.register(comms.release_all)

@@ -1,22 +1,37 @@
-"""The process's exit: MPI is never waited for forever after a process failure.
+"""The process's exit: the runtime's last exit handler. Under ULFM it never waits forever
+for a dead rank.
 
-Open MPI 5.0.11's ``MPI_Finalize`` can wait forever for a dead rank (in about a third of
-the jobs whose rank 0 died, and in every job whose node died while the others exited).
-Under ULFM (:data:`mpicoll.runtime.failures.ENABLED`) this module's exit handler,
-registered with :mod:`atexit` when the runtime is imported (after ``mpi4py.MPI``, so it
-runs before mpi4py's own finalization, and after the handlers registered later, mpicoll's
-included), finalizes MPI on a thread of its own and waits for it at most
-:data:`FINALIZE_WAIT_S` seconds:
+This module's exit handler is registered with :mod:`atexit` when the runtime is imported,
+so it runs after mpicoll's other exit handlers (registered later, by the clients: they
+free what they hold). It frees the communicators still alive
+(:func:`mpicoll.runtime.comms.release_all`); without ULFM that is all, and mpi4py then
+finalizes MPI (a failure ends the job, as MPI does).
 
-- it returned, or MPI already says it is finalized (Open MPI does from the start of
-  ``MPI_Finalize``): the interpreter ends as usual, with the program's own exit status,
-  and mpi4py does not finalize again;
-- otherwise the process ends now, without ``MPI_Finalize``, with status 1 when the
-  program ended on an uncaught exception, else 0 (the launcher reports the failed rank).
+Under ULFM (:data:`~mpicoll.runtime.failures.ENABLED`) Open MPI 5.0.11's ``MPI_Finalize``,
+which waits for every rank of the job (a PMIx fence), can wait forever for one that died
+(seen in jobs whose rank 0 had died, and in jobs whose ranks died while the others were
+finalizing). There the handler
 
-Nothing in the interpreter is patched. Without ULFM a failure ends the job as MPI does,
-and this handler does nothing. Exit handlers registered before mpicoll was imported run
-after MPI is finalized (under ULFM only).
+1. *meets*: before freeing, waits until every live rank of the current world has reached
+   it too (a nonblocking barrier, polled together with MPI's failure detector). A late
+   rank is waited for, as ``MPI_Finalize`` would; a rank that died before or meanwhile
+   ends the wait on every survivor at once;
+2. *finalizes*: ``MPI_Finalize`` on a thread of its own, waited for at most
+   :data:`FINALIZE_WAIT_S` seconds (every live rank is at its exit by then); past that
+   the process ends without it;
+3. keeps the *status*: the interpreter ends as usual, with the program's own status, and
+   mpi4py does not finalize again. Two exceptions, where the process ends at once
+   (``os._exit``, after flushing): a rank of the world lost during the exit (a failure the
+   program never heard of, or a finalize that never returned in a job without a failure)
+   ends it with :data:`LOST_RANK_STATUS`, so that the job's status says a rank failed
+   (``prterun`` reports 0 for a rank killed under ULFM); a finalize that never returned
+   after a failure the program saw ends it with 1 after an uncaught exception, else 0 (a
+   ``SystemExit(n)`` cannot be seen from an exit handler without patching the interpreter).
+
+Nothing in the interpreter is patched. Under ULFM, exit handlers registered before mpicoll
+was imported run after MPI is finalized (and not at all when the process ends at once),
+and every rank of the world must import mpicoll (a rank that never reaches this handler is
+waited for, as by ``MPI_Finalize``).
 """
 from __future__ import annotations
 
@@ -25,15 +40,19 @@ import logging
 import os
 import sys
 import threading
+import time
 
 from mpi4py import MPI
 
-from . import failures, world
+from . import comms, failures, world
 
-__all__ = ["FINALIZE_WAIT_S", "finalize_bounded", "failure_seen"]
+__all__ = ["FINALIZE_WAIT_S", "LOST_RANK_STATUS", "finalize_bounded", "failure_seen",
+           "meet"]
 
-#: Longest wait, in seconds, for ``MPI_Finalize`` at exit under ULFM.
+#: Longest wait, in seconds, for ``MPI_Finalize`` at exit under ULFM (after the meeting).
 FINALIZE_WAIT_S = 5.0
+#: The status of a process whose world lost a rank while it was exiting.
+LOST_RANK_STATUS = 1
 
 
 def failure_seen() -> bool:
@@ -54,6 +73,12 @@ def _flush() -> None:
             pass
 
 
+def _end(status: int, message: str) -> None:
+    print(f"mpicoll: {message}; ending with status {status}", file=sys.stderr)
+    _flush()
+    os._exit(status)
+
+
 def _mpi_finalize() -> None:
     """``MPI_Finalize`` through ctypes, which lets other threads run meanwhile (mpi4py's
     ``MPI.Finalize`` holds the interpreter lock)."""
@@ -69,25 +94,63 @@ def _finalized() -> bool:
         return False
 
 
-def finalize_bounded(wait_s: float | None = None) -> None:
-    """Finalize MPI, waiting at most ``wait_s`` seconds (:data:`FINALIZE_WAIT_S`); past
-    that, end the process without it (see the module's docstring)."""
+def finalize_bounded(wait_s: float | None = None) -> bool:
+    """Finalize MPI on a thread, waiting at most ``wait_s`` seconds
+    (:data:`FINALIZE_WAIT_S`). Returns whether MPI is finalized (or finalizing, as MPI
+    says) by then."""
     if _finalized() or not MPI.Is_initialized():
-        return
-    limit = FINALIZE_WAIT_S if wait_s is None else wait_s
+        return True
     _flush()
     finalizer = threading.Thread(target=_mpi_finalize, name="mpicoll-finalize", daemon=True)
     finalizer.start()
-    finalizer.join(limit)
-    if not finalizer.is_alive() or _finalized():
+    finalizer.join(FINALIZE_WAIT_S if wait_s is None else wait_s)
+    return not finalizer.is_alive() or _finalized()
+
+
+def meet(comm: MPI.Intracomm) -> list[int] | None:
+    """Wait until every live rank of ``comm`` calls this too (a barrier that a dead rank
+    ends): ``[]`` once they all have, the failed ranks when some failed, ``None`` when
+    ``comm`` was revoked and MPI names no failed rank (a broken lane revokes its world:
+    no meeting is possible)."""
+    request = None
+    pause = 0.0005
+    try:
+        request = comm.Ibarrier()
+        while not request.Test():
+            lost = failures.failed_ranks(comm, 0.0)
+            if lost:
+                failures.keep_requests([request])
+                return lost
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+        return []
+    except MPI.Exception:
+        if request is not None:
+            failures.keep_requests([request])
+        return failures.failed_ranks(comm, failures.FAILED_WAIT_S) or None
+
+
+def _at_exit() -> None:
+    if _finalized():
         return
-    print(f"mpicoll: MPI_Finalize did not return within {limit:g} s; ending without it",
-          file=sys.stderr)
-    _flush()
-    os._exit(_status())
+    if not failures.ENABLED:
+        comms.release_all()
+        return
+    current = world.current()
+    met: list[int] | None = None       # the program saw a failure: its status stands
+    if current.failed_at_exit:         # an exit handler saw it: ask MPI for the ranks
+        met = failures.failed_ranks(current.communicator, failures.FAILED_WAIT_S) or [-1]
+    elif not world.failed(current.generation):
+        met = meet(current.communicator)
+    comms.release_all()
+    seen = failure_seen()
+    done = finalize_bounded()
+    if met:
+        who = "a rank" if met == [-1] else f"rank(s) {met}"
+        _end(LOST_RANK_STATUS, f"{who} of the world failed while this process was exiting")
+    if not done:   # after a meeting and no failure: a rank died meanwhile
+        _end(LOST_RANK_STATUS if met == [] and not seen else _status(),
+             f"MPI_Finalize did not return within {FINALIZE_WAIT_S:g} s")
 
 
-@atexit.register
-def _exit_under_ulfm() -> None:
-    if failures.ENABLED:
-        finalize_bounded()
+atexit.register(_at_exit)

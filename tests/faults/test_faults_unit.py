@@ -1,12 +1,13 @@
-"""mpicoll.faults without ULFM (the MPICH venv, one process): the error class, the
-detection, and that nothing is wrapped when ULFM is off."""
+"""mpicoll.runtime.failures without ULFM (the MPICH venv, one process): the error class,
+the classification of MPI errors, and that nothing is wrapped when ULFM is off."""
 from __future__ import annotations
 
 from mpi4py import MPI
 
 import mpicoll
-from mpicoll import collectives, compression, faults
+from mpicoll import collectives, compression
 from mpicoll.comm import Comm
+from mpicoll.runtime import failures
 
 
 def test_process_failed_error_is_a_collective_error_naming_the_ranks() -> None:
@@ -19,17 +20,17 @@ def test_process_failed_error_is_a_collective_error_naming_the_ranks() -> None:
 def test_turned_on_reads_the_ft_variable(monkeypatch) -> None:
     for name in ("OMPI_MCA_mpi_ft_enable", "mpi_ft_enable"):
         monkeypatch.delenv(name, raising=False)
-    assert not faults.turned_on()
+    assert not failures.turned_on()
     monkeypatch.setenv("OMPI_MCA_mpi_ft_enable", "1")
-    assert faults.turned_on()
+    assert failures.turned_on()
     monkeypatch.setenv("OMPI_MCA_mpi_ft_enable", "0")
-    assert not faults.turned_on()
+    assert not failures.turned_on()
 
 
 def test_ulfm_is_off_here_and_nothing_is_wrapped() -> None:
     if "Open MPI" not in MPI.Get_library_version():  # the MPICH wheel: no working ULFM
-        assert not faults.available()
-    if not faults.ENABLED:
+        assert not failures.available()
+    if not failures.ENABLED:
         for fn in (mpicoll.allreduce, mpicoll.allreduce_init, mpicoll.reduce_scatter,
                    mpicoll.allgather, mpicoll.broadcast, mpicoll.reduce,
                    compression.allreduce, compression.allgather, compression.reduce_scatter,
@@ -38,10 +39,20 @@ def test_ulfm_is_off_here_and_nothing_is_wrapped() -> None:
         assert mpicoll.allreduce is collectives._PUBLIC["allreduce"]
 
 
-def test_only_process_failures_are_translated() -> None:
-    assert not faults.is_process_failure(ValueError("x"))
-    assert not faults.is_process_failure(MPI.Exception(MPI.ERR_TRUNCATE))
-    if hasattr(MPI, "ERR_PROC_FAILED"):
-        assert faults.is_process_failure(MPI.Exception(MPI.ERR_PROC_FAILED))
-        assert faults.is_process_failure(MPI.Exception(MPI.ERR_REVOKED))
-    faults.translate(MPI.Exception(MPI.ERR_TRUNCATE), None)  # returns: not a failure
+def test_without_ulfm_nothing_is_translated() -> None:
+    if failures.ENABLED:
+        return
+    exc = MPI.Exception(failures.PROC_FAILED)
+    assert failures.failed_by(exc, None) is None
+    assert failures.translate(exc, None) is exc
+
+
+def test_only_process_failures_are_translated(monkeypatch) -> None:
+    monkeypatch.setattr(failures, "ENABLED", True)   # classify as under ULFM
+    assert failures.failed_by(ValueError("x"), None) is None
+    assert failures.failed_by(MPI.Exception(MPI.ERR_TRUNCATE), None) is None
+    truncate = MPI.Exception(MPI.ERR_TRUNCATE)
+    assert failures.translate(truncate, None) is truncate    # not a failure: itself
+    for name in ("ERR_PROC_FAILED", "ERR_REVOKED"):
+        if hasattr(MPI, name):
+            assert failures.failed_by(MPI.Exception(getattr(MPI, name)), None) == [], name
