@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 from . import world as _world
 
-__all__ = ["Record", "dup", "split", "split_shared", "create_group", "shrink", "spawn",
+__all__ = ["Record", "plain", "dup", "split", "split_shared", "create_group", "shrink", "spawn",
            "merge", "adopt", "free", "forget", "of_world", "alive", "record_of",
            "release_world", "release_all", "descendants", "world_of"]
 
@@ -61,7 +61,7 @@ _forgotten: dict[int, int] = {}
 history: list[tuple[Record, str]] = []
 
 
-def _plain(comm: Any) -> Any:
+def plain(comm: Any) -> Any:
     """A plain mpi4py view of ``comm`` (MPI's own methods even for an ``mpicoll.Comm``)."""
     if type(comm) in (MPI.Intracomm, MPI.Intercomm):
         return comm
@@ -80,14 +80,12 @@ def world_of(comm: Any) -> int:
     return _world.world_of(comm)
 
 
-_world_of = world_of
-
 
 def _register(comm: Any, owner: str, parent: Any, lifetime: str = "owner",
               world: int | None = None) -> Any:
     if comm == MPI.COMM_NULL:
         return comm
-    rec = Record(comm, owner, _world_of(parent) if world is None else world, lifetime,
+    rec = Record(comm, owner, world_of(parent) if world is None else world, lifetime,
                  parent.handle if parent is not None else None)
     with _lock:
         _records[comm.handle] = rec
@@ -97,33 +95,33 @@ def _register(comm: Any, owner: str, parent: Any, lifetime: str = "owner",
 
 def dup(parent: Any, owner: str, lifetime: str = "owner", info: Any = None) -> MPI.Intracomm:
     """A duplicate of ``parent`` (collective over it)."""
-    plain = _plain(parent)
-    return _register(plain.Dup() if info is None else plain.Dup(info), owner, parent, lifetime)
+    view = plain(parent)
+    return _register(view.Dup() if info is None else view.Dup(info), owner, parent, lifetime)
 
 
 def split(parent: Any, color: int, key: int, owner: str,
           lifetime: str = "owner") -> MPI.Intracomm:
     """``parent.Split(color, key)`` (``MPI.UNDEFINED``: ``MPI.COMM_NULL``, not recorded)."""
-    return _register(_plain(parent).Split(color, key), owner, parent, lifetime)
+    return _register(plain(parent).Split(color, key), owner, parent, lifetime)
 
 
 def split_shared(parent: Any, key: int, owner: str,
                  lifetime: str = "owner") -> MPI.Intracomm:
     """The ranks of ``parent`` that share memory with this one (``COMM_TYPE_SHARED``)."""
-    return _register(_plain(parent).Split_type(MPI.COMM_TYPE_SHARED, key=key), owner,
+    return _register(plain(parent).Split_type(MPI.COMM_TYPE_SHARED, key=key), owner,
                      parent, lifetime)
 
 
 def create_group(parent: Any, group: MPI.Group, tag: int, owner: str,
                  lifetime: str = "owner") -> MPI.Intracomm:
     """``MPI_Comm_create_group`` over the members of ``group`` (collective over them)."""
-    return _register(_plain(parent).Create_group(group, tag), owner, parent, lifetime)
+    return _register(plain(parent).Create_group(group, tag), owner, parent, lifetime)
 
 
 def shrink(parent: Any, owner: str = "world") -> MPI.Intracomm:
     """The survivors of ``parent`` (ULFM's ``MPI_Comm_shrink``), as the next world's
     communicator (recorded for the world generation :func:`world.reconfigure` starts)."""
-    new = _plain(parent).Shrink()
+    new = plain(parent).Shrink()
     return _register(new, owner, None, "world", world=_world.generation() + 1)
 
 
@@ -131,13 +129,13 @@ def spawn(parent: Any, command: str, args: list[str], maxprocs: int, info: Any,
           owner: str = "world") -> MPI.Intercomm:
     """``MPI_Comm_spawn`` from rank 0 of ``parent``: the intercommunicator to the new
     processes (kept for the life of the job: freeing it would wait for them)."""
-    inter = _plain(parent).Spawn(command, args=args, maxprocs=maxprocs, root=0, info=info)
+    inter = plain(parent).Spawn(command, args=args, maxprocs=maxprocs, root=0, info=info)
     return _register(inter, owner, parent, "job")
 
 
 def merge(inter: Any, high: bool, owner: str = "world") -> MPI.Intracomm:
     """The intracommunicator of both sides of ``inter`` (the next world's)."""
-    return _register(_plain(inter).Merge(high=high), owner, None, "world",
+    return _register(plain(inter).Merge(high=high), owner, None, "world",
                      world=_world.generation() + 1)
 
 
@@ -169,7 +167,7 @@ def free(comm: Any) -> None:
         return
     history.append((rec, "freed"))
     try:
-        _plain(comm).Free()
+        plain(comm).Free()
     except MPI.Exception:   # revoked meanwhile: nothing left to free
         pass
 

@@ -88,9 +88,7 @@ def _error_class(exc: BaseException) -> int | None:
 
 
 def _plain(comm: Any) -> MPI.Intracomm:
-    if comm is None:
-        return world.comm()
-    return comm if type(comm) in (MPI.Intracomm, MPI.Intercomm) else MPI.Intracomm(comm)
+    return world.comm() if comm is None else comms.plain(comm)
 
 
 def failed_ranks(comm: Any, wait_s: float = FAILED_WAIT_S) -> list[int]:
