@@ -18,6 +18,7 @@ would wait for the dead), only forgotten.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -57,8 +58,12 @@ _records: dict[int, Record] = {}
 #: handle -> world generation of every communicator forgotten (never freed: MPI does not
 #: reuse its handle), so that a late error on it is charged to its own world.
 _forgotten: dict[int, int] = {}
-#: Every record ever made, with what became of it (``"freed"``/``"forgotten"``); tests read it.
-history: list[tuple[Record, str]] = []
+#: How many events :data:`history` keeps.
+HISTORY = 4096
+#: The last :data:`HISTORY` records made, freed or forgotten (``"made"``/``"freed"``/
+#: ``"forgotten"``), oldest first: bounded, so a job that makes groups for ever does not
+#: grow; tests read it.
+history: deque[tuple[Record, str]] = deque(maxlen=HISTORY)
 
 
 def plain(comm: Any) -> Any:
