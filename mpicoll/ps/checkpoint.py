@@ -72,7 +72,6 @@ def write_server_file(directory: str, ckpt_id: str, server: int, states: Iterabl
     Returns:
         The path written.
     """
-    os.makedirs(directory, exist_ok=True)
     arrays: dict[str, np.ndarray] = {}
     meta = []
     for i, st in enumerate(states):
@@ -92,7 +91,9 @@ def write_server_file(directory: str, ckpt_id: str, server: int, states: Iterabl
 
 
 def _write_npz(path: str, arrays: dict[str, np.ndarray], meta: dict) -> str:
-    """Write ``arrays`` plus ``meta`` (JSON, as the bytes array ``"meta"``) atomically."""
+    """Write ``arrays`` plus ``meta`` (JSON, as the bytes array ``"meta"``) atomically (the
+    directory created if missing)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
     _atomic_write(path, lambda f: np.savez(f, **arrays))
     return path
@@ -108,7 +109,6 @@ def write_codec_file(directory: str, ckpt_id: str, rank: int,
     Returns:
         The path written.
     """
-    os.makedirs(directory, exist_ok=True)
     arrays: dict[str, np.ndarray] = {}
     meta = []
     for i, (name, (part_meta, part_arrays)) in enumerate(sorted(parts.items())):

@@ -52,14 +52,11 @@ from . import protocol as P
 from .protocol import CollOp
 from .checkpoint import write_codec_file, write_server_file
 from .colocated_coded import CodedExchange
-from .compressed import PushEncoder
-from .device import DevicePull, call_side, device_views, first_device, host_arrays
 from .errors import PSError
 from .node_order import fold_sum, grouped_order, total_weight
 from .placement import Placement, Shard
 from .server import ShardState
-from .stepped import SteppedOwner
-from .worker import pull_destination
+from .stepped import CollectiveGroup
 
 __all__ = ["CollOp", "ColocatedEngine"]
 
@@ -77,7 +74,7 @@ def _raw(arr: np.ndarray) -> Any:
 _NO_CONTRIBUTION = (CollOp.IDLE, CollOp.CLOSE)
 
 
-class ColocatedEngine(CodedExchange, SteppedOwner):
+class ColocatedEngine(CodedExchange, CollectiveGroup):
     """The worker and server parts of one rank in the co-located layout.
 
     Args:
@@ -88,7 +85,6 @@ class ColocatedEngine(CodedExchange, SteppedOwner):
         average: divide the aggregated gradient by the number of contributing ranks.
         chunk_bytes: largest data message.
         max_sleep: longest pause while a closed rank waits for the next step.
-        check_arrays: the worker-side validation (raises :class:`PSError`).
         keep_aggregate: ``False`` (``sum`` only): a push_pull writes each owned shard's
             aggregate straight into the caller's ``out`` and does not keep it.
         codec: compress pushes and pulls with it (``None``: uncompressed).
@@ -101,20 +97,18 @@ class ColocatedEngine(CodedExchange, SteppedOwner):
 
     def __init__(self, comm: MPI.Comm, placement: Placement, optimizer: str,
                  hyper: dict[str, float], average: bool, chunk_bytes: int,
-                 max_sleep: float, check_arrays: Any, keep_aggregate: bool = True,
+                 max_sleep: float, keep_aggregate: bool = True,
                  codec: Codec | None = None, feedback: bool = True,
                  node_of: list[int] | None = None, weights: list[int] | None = None) -> None:
-        self.comm = comm
+        self._setup_group(comm)
         self.node_of = node_of
         self.weights = weights
         self._groupings: dict[tuple[int, ...], tuple[list[int], list[int], int]] = {}
         self._tmp: dict[tuple[int, int], np.ndarray] = {}      # ident -> a node's sum
-        self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.placement = placement
         self.average = average
         self.chunk_bytes = int(chunk_bytes)
         self.max_sleep = max_sleep
-        self.check_arrays = check_arrays
         self.keep_aggregate = keep_aggregate
         #: the last push_pull did not keep the aggregates (keep_aggregate=False): every
         #: rank that took part knows it, so pull()/save() refuse identically everywhere
@@ -127,25 +121,17 @@ class ColocatedEngine(CodedExchange, SteppedOwner):
         self.order: list[Shard] = [sh for name in sorted(placement.specs)
                                    for sh in placement.shards[name]]
         self.active = [True] * self.size
-        self.clock = 0
         #: every rank's clock at the last control step (checkpoints record them)
         self.clocks = [0] * self.size
         self.closed = False
         #: block in MPI's Waitall (spins) only when every rank has a core of its own
         self.spin = self.size <= (os.cpu_count() or 1)
-        self._ctrl_out = np.zeros(3, dtype=np.int64)
-        self._ctrl_in = np.zeros((self.size, 3), dtype=np.int64)
         self._scratch: dict[tuple[int, int], np.ndarray] = {}   # (ident, src) -> buffer
         self._acc: dict[tuple[int, int], np.ndarray] = {}       # ident -> aggregate
-        self.counters = {"pushes": 0, "pulls": 0, "updates": 0, "bytes_in": 0, "bytes_out": 0,
-                         "errors": 0, "bytes_in_uncompressed": 0, "bytes_out_uncompressed": 0}
-        self.worker_counters = {"pushes": 0, "pulls": 0, "bytes_sent": 0, "bytes_received": 0,
-                                "bytes_sent_uncompressed": 0, "bytes_received_uncompressed": 0}
-        self.codec = codec
-        self.feedback = feedback
-        self.push_encoder = None if codec is None else PushEncoder(codec, feedback)
-        self._pull_deltas = optimizer != "sum"
-        self._coded_init()
+        self._coded_bufs: dict[tuple[Any, ...], np.ndarray] = {}
+        self.counters = dict.fromkeys(P.SERVER_COUNTERS, 0)
+        self.worker_counters = dict.fromkeys(P.WORKER_COUNTERS, 0)
+        self._setup_coders(codec, feedback, pull_deltas=optimizer != "sum", pushes=True)
 
     def wait(self, reqs: list[MPI.Request], busy: bool = False) -> None:
         """Complete ``reqs``: MPI's Waitall when each rank has a core (and no failure
@@ -157,12 +143,6 @@ class ColocatedEngine(CodedExchange, SteppedOwner):
             super().wait(reqs, busy=not self.closed)
 
     # ------------------------------------------------------------------ control step
-    def _control(self, op: CollOp, error: str | None) -> Iterator[list]:
-        """All-gather (op, clock, error flag); leaves the table in ``self._ctrl_in``."""
-        self._ctrl_out[:] = (int(op), self.clock, 1 if error else 0)
-        yield [self.comm.Iallgather([self._ctrl_out, MPI.INT64_T],
-                                    [self._ctrl_in, MPI.INT64_T])]
-
     def _agree(self, op: CollOp, error: str | None) -> list[int]:
         """Check the control table; return the ranks that contribute to this step.
 
@@ -175,11 +155,10 @@ class ColocatedEngine(CodedExchange, SteppedOwner):
         ops = [CollOp(int(o)) for o in table[:, 0]]
         busy = [r for r in self.ranks if ops[r] not in _NO_CONTRIBUTION]
         kinds = {ops[r] for r in busy}
-        for r in self.ranks:
-            if ops[r] == CollOp.CLOSE:
-                self.active[r] = False
-        if self.codec is not None:
-            self.forget_pullers([r for r in self.ranks if ops[r] == CollOp.CLOSE])
+        closing = [r for r in self.ranks if ops[r] == CollOp.CLOSE]
+        for r in closing:
+            self.active[r] = False
+        self.forget_pullers(closing)
         if len(kinds) > 1:
             what = ", ".join(f"rank {r}: {ops[r].name.lower()}" for r in busy)
             raise PSError(f"colocated parameter server: every rank must make the same call "
@@ -191,9 +170,8 @@ class ColocatedEngine(CodedExchange, SteppedOwner):
         bad = [r for r in busy if table[r, 2]]
         if bad:
             self.counters["errors"] += 1
-            mine = f": {error}" if error else " (see the error on those ranks)"
-            raise PSError(f"colocated parameter server: rank(s) {bad} passed bad "
-                          f"arguments, nothing was sent{mine}", [error] if error else [])
+            self._refuse_bad_arguments(f"colocated parameter server: rank(s) {bad}", error,
+                                       "ranks")
         return busy
 
     # ------------------------------------------------------------------ data steps
@@ -204,27 +182,23 @@ class ColocatedEngine(CodedExchange, SteppedOwner):
         return [(lo, min(lo + step, sh.count)) for lo in range(0, sh.count, step)]
 
     def _scratch_for(self, sh: Shard, src: int) -> np.ndarray:
-        buf = self._scratch.get((sh.ident, src))
-        if buf is None:
-            buf = self._scratch[(sh.ident, src)] = np.empty(sh.count, dtype=sh.spec.dtype)
-        return buf
+        return P.scratch(self._scratch, (sh.ident, src), sh.count, sh.spec.dtype)
 
     def _acc_for(self, sh: Shard) -> np.ndarray:
-        acc = self._acc.get(sh.ident)
-        if acc is None:
-            acc = self._acc[sh.ident] = np.empty(sh.count, dtype=sh.spec.dtype)
-        return acc
+        return P.scratch(self._acc, sh.ident, sh.count, sh.spec.dtype)
 
-    def _post_gather_recvs(self, out_flat: dict[str, np.ndarray]) -> list[MPI.Request]:
-        """Receives of every shard this rank does not own, straight into ``out``."""
-        reqs = []
+    def _post_with_owners(self, flat: dict[str, np.ndarray], send: bool) -> list[MPI.Request]:
+        """The segments of every shard this rank does not own: sends of this rank's
+        gradient ``flat`` to their owners (``send``), or receives of the owners' values
+        straight into ``out`` (``flat``)."""
+        post, tag, counter = (self.comm.Isend, TAG_SCATTER, "bytes_sent") if send else \
+            (self.comm.Irecv, TAG_GATHER, "bytes_received")
+        reqs: list[MPI.Request] = []
         for sh in self.order:
             if sh.server != self.rank and sh.count:
-                view = _raw(out_flat[sh.spec.name][sh.lo:sh.hi])
-                for lo, hi in self._segments(sh):
-                    reqs.append(self.comm.Irecv(view(lo, hi), sh.server, TAG_GATHER))
-                self.worker_counters["bytes_received"] += sh.nbytes
-                self.worker_counters["bytes_received_uncompressed"] += sh.nbytes
+                view = _raw(flat[sh.spec.name][sh.lo:sh.hi])
+                reqs += [post(view(lo, hi), sh.server, tag) for lo, hi in self._segments(sh)]
+                P.count_bytes(self.worker_counters, counter, sh.nbytes, sh.nbytes)
         return reqs
 
     def _push_steps(self, grads_flat: dict[str, np.ndarray], contributors: list[int],
@@ -240,7 +214,7 @@ class ColocatedEngine(CodedExchange, SteppedOwner):
         ends).
         """
         recvs = self._post_scatter_recvs(contributors)     # receives first, then the sends
-        sends = self._post_scatter_sends(grads_flat) if self.rank in contributors else []
+        sends = self._post_with_owners(grads_flat, True) if self.rank in contributors else []
         others = [r for r in pullers if r != self.rank]
         for state in self.states.values():
             sends += yield from self._update_shard(state, grads_flat, contributors, others,
@@ -262,18 +236,6 @@ class ColocatedEngine(CodedExchange, SteppedOwner):
                         recvs.setdefault((sh.ident, k), []).append(
                             self.comm.Irecv(view(lo, hi), src, TAG_SCATTER))
         return recvs
-
-    def _post_scatter_sends(self, grads_flat: dict[str, np.ndarray]) -> list[MPI.Request]:
-        """Sends of this rank's gradient segments of every shard to their owners."""
-        sends: list[MPI.Request] = []
-        for sh in self.order:
-            if sh.server != self.rank and sh.count:
-                view = _raw(grads_flat[sh.spec.name][sh.lo:sh.hi])
-                sends += [self.comm.Isend(view(lo, hi), sh.server, TAG_SCATTER)
-                          for lo, hi in self._segments(sh)]
-                self.worker_counters["bytes_sent"] += sh.nbytes
-                self.worker_counters["bytes_sent_uncompressed"] += sh.nbytes
-        return sends
 
     def _update_shard(self, state: ShardState, grads_flat: dict[str, np.ndarray],
                       contributors: list[int], others: list[int],
@@ -313,15 +275,13 @@ class ColocatedEngine(CodedExchange, SteppedOwner):
     def _count_update(self, sh: Shard, contributors: list[int], pullers: int,
                       others: int) -> None:
         """Server counters of one applied update of an owned shard."""
-        me_contributes = self.rank in contributors
+        received = sh.nbytes * (len(contributors) - (self.rank in contributors))
         self.counters["updates"] += 1
         self.counters["pushes"] += len(contributors)
-        self.counters["bytes_in"] += sh.nbytes * (len(contributors) - me_contributes)
-        self.counters["bytes_in_uncompressed"] += sh.nbytes * (len(contributors) - me_contributes)
+        P.count_bytes(self.counters, "bytes_in", received, received)
         if others:
             self.counters["pulls"] += pullers
-            self.counters["bytes_out"] += sh.nbytes * others
-            self.counters["bytes_out_uncompressed"] += sh.nbytes * others
+            P.count_bytes(self.counters, "bytes_out", sh.nbytes * others, sh.nbytes * others)
 
     def _grouping(self, contributors: list[int]) -> tuple[list[int], list[int], int]:
         """(positions of ``contributors`` node by node, parts per node, workers they hold),
@@ -343,10 +303,7 @@ class ColocatedEngine(CodedExchange, SteppedOwner):
         order, sizes, count = self._grouping(contributors)
         tmp = None
         if any(n > 1 for n in sizes[1:]):
-            full = self._tmp.get(sh.ident)
-            if full is None:
-                full = self._tmp[sh.ident] = np.empty(sh.count, dtype=sh.spec.dtype)
-            tmp = full[lo:hi if hi is not None else sh.count]
+            tmp = P.scratch(self._tmp, sh.ident, sh.count, sh.spec.dtype)[lo:hi]
         fold_sum(acc, [parts[i] for i in order], sizes, tmp)
         if self.average and count > 1:
             np.divide(acc, count, out=acc)
@@ -366,8 +323,7 @@ class ColocatedEngine(CodedExchange, SteppedOwner):
                 if dst != me and sh.count:
                     sends += [self.comm.Isend(raw(lo, hi), dst, TAG_GATHER)
                               for lo, hi in self._segments(sh)]
-                    self.counters["bytes_out"] += sh.nbytes
-                    self.counters["bytes_out_uncompressed"] += sh.nbytes
+                    P.count_bytes(self.counters, "bytes_out", sh.nbytes, sh.nbytes)
             self.counters["pulls"] += len(pullers)
         return sends
 
@@ -381,9 +337,6 @@ class ColocatedEngine(CodedExchange, SteppedOwner):
             out[name] = arr.reshape(-1)
         return out
 
-    def _out_arrays(self, out: dict[str, Any] | None) -> dict[str, np.ndarray]:
-        return {name: pull_destination(spec, out) for name, spec in self.placement.specs.items()}
-
     def step(self, op: CollOp, grads: dict[str, Any] | None = None,
              out: dict[str, Any] | None = None) -> Steps:
         """One collective push, pull or push_pull (a generator of request lists to wait on).
@@ -392,34 +345,17 @@ class ColocatedEngine(CodedExchange, SteppedOwner):
         are sent there is no server left to reject them.
         Returns (as the generator's value): the pulled dict, or ``None`` for a push.
         """
-        pushing = op in (CollOp.PUSH, CollOp.PUSH_PULL)
-        pulling = op in (CollOp.PULL, CollOp.PUSH_PULL)
-        error, result, device_pull = None, None, None
-        try:
-            device = call_side(grads=grads if pushing else None, out=out if pulling else None)
-            if op == CollOp.PULL:
-                self.check_aggregate_kept("pull()")
-            if pushing:
-                self.check_arrays(device_views(grads) if device else grads, complete=True,
-                                  what="gradient")
-            if pulling and device:
-                device_pull = DevicePull(out, first_device(grads if pushing else None, out))
-                result = {name: device_pull.destination(name, spec)
-                          for name, spec in self.placement.specs.items()}
-            elif pulling:
-                result = self._out_arrays(out)
-            if pushing and device:
-                grads = host_arrays(grads)
-        except PSError as exc:
-            error = str(exc)
-        yield from self._control(op, error)
-        busy = self._agree(op, error)
-        if device_pull is None:
-            return (yield from self._data(busy, grads if pushing else None, result))
-        yield from self._data(busy, grads if pushing else None,
-                              {name: pair[0] for name, pair in result.items()})
-        device_pull.finish()
-        return {name: pair[1] for name, pair in result.items()}
+        call = self._prepare(op, grads, out, self.placement.specs)
+        yield from self._control(op, call.error)
+        busy = self._agree(op, call.error)
+        yield from self._data(busy, call.grads, call.result)
+        self._advance(call, self.worker_counters)
+        return call.finish()
+
+    def _check_call(self, op: int) -> None:
+        """A pull needs the aggregates kept (see ``keep_aggregate``)."""
+        if op == CollOp.PULL:
+            self.check_aggregate_kept("pull()")
 
     def _data(self, busy: list[int], grads: dict[str, Any] | None,
               result: dict[str, np.ndarray] | None) -> Steps:
@@ -436,13 +372,13 @@ class ColocatedEngine(CodedExchange, SteppedOwner):
             self.aggregate_dropped = pulling and not self.keep_aggregate
         if self.codec is not None:
             yield from self._coded_step(busy, pushing, pulling, grads_flat, out_flat)
-            return self._finish_step(busy, kind, pulling, result)
+            return
         if out_flat is not None and any(np.shares_memory(out_flat[n], g)
                                         for n, g in grads_flat.items()):
             # out overwrites the gradients being sent: receive only after they are sent
             yield (yield from self._push_steps(grads_flat, busy, [], None))
             pushing = False
-        gather_recvs = [] if out_flat is None else self._post_gather_recvs(out_flat)
+        gather_recvs = [] if out_flat is None else self._post_with_owners(out_flat, False)
         sends: list[MPI.Request] = []
         if pushing:
             sends = yield from self._push_steps(grads_flat, busy, busy if pulling else [],
@@ -450,45 +386,31 @@ class ColocatedEngine(CodedExchange, SteppedOwner):
         elif pulling:
             sends = self._send_shards(busy, out_flat)
         yield gather_recvs + sends
-        return self._finish_step(busy, kind, pulling, result)
-
-    def _finish_step(self, busy: list[int], kind: CollOp, pulling: bool,
-                     result: dict[str, np.ndarray] | None) -> dict[str, np.ndarray] | None:
-        """Advance this rank's clock and worker counters after a data step."""
-        if self.rank in busy:
-            if kind in (CollOp.PUSH, CollOp.PUSH_PULL):
-                self.clock += 1
-                self.worker_counters["pushes"] += 1
-            if pulling:
-                self.worker_counters["pulls"] += 1
-        return result
 
     def close(self) -> Steps:
         """Announce that this rank is done, then serve until every rank has closed."""
         yield from self._control(CollOp.CLOSE, None)
-        self._agree_quietly()
+        busy = self._agree_quietly()
         self.closed = True
         self.active[self.rank] = False
-        yield from self._data_for_others()
+        yield from self._data_for_others(busy)
         while any(self.active):
             yield from self._control(CollOp.IDLE, None)
-            self._agree_quietly()
-            yield from self._data_for_others()
+            yield from self._data_for_others(self._agree_quietly())
 
-    def _agree_quietly(self) -> None:
+    def _agree_quietly(self) -> list[int]:
+        """:meth:`_agree` on a closed rank: the ranks that contribute to the step, none
+        when the active ranks raise (a closed rank has nothing to report)."""
         try:
-            self._agree(CollOp.IDLE, None)
+            return self._agree(CollOp.IDLE, None)
         except PSError:
-            pass   # the active ranks raise it; a closed rank has nothing to report
+            return []
 
-    def _data_for_others(self) -> Steps:
-        """A closed rank's part of the step the active ranks are taking."""
-        ops = [CollOp(int(o)) for o in self._ctrl_in[:, 0]]
-        busy = [r for r in self.ranks if ops[r] not in _NO_CONTRIBUTION]
-        if not busy or bool(self._ctrl_in[busy, 2].any()) or \
-                len({ops[r] for r in busy}) > 1:
+    def _data_for_others(self, busy: list[int]) -> Steps:
+        """A closed rank's part of the step the active ranks in ``busy`` are taking."""
+        if not busy:
             return
-        kind = ops[busy[0]]
+        kind = CollOp(int(self._ctrl_in[busy[0], 0]))
         if kind == CollOp.STATS:
             self.comm.allgather(self.server_stats())
         elif kind == CollOp.SAVE:

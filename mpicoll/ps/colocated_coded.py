@@ -30,9 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import protocol as P
-from .compressed import (PullDecoder, PullEncoder, coder_parts, decode_into,
-                         load_coder_parts)
-from .placement import Shard
+from .compressed import Coders, decode_into
 from .server import ShardState
 
 __all__ = ["CodedExchange"]
@@ -40,64 +38,22 @@ __all__ = ["CodedExchange"]
 Steps = Generator[list, None, Any]
 
 
-class CodedExchange:
+class CodedExchange(Coders):
     """Compressed push/pull steps of a :class:`~mpicoll.ps.colocated.ColocatedEngine`.
 
-    Uses the engine's ``comm``, ``rank``, ``order``, ``states``, ``codec``,
-    ``feedback``, ``push_encoder``, ``chunk_bytes``, ``counters``, ``worker_counters``, ``_scratch_for``,
-    ``_acc_for``, ``_reduce`` and ``_acc``.
+    Uses the engine's ``comm``, ``rank``, ``order``, ``states``, ``chunk_bytes``,
+    ``counters``, ``worker_counters``, ``_scratch_for``, ``_acc_for``, ``_reduce`` and
+    ``_acc``, and the codec state of :class:`~mpicoll.ps.compressed.Coders`.
     """
-
-    def _coded_init(self) -> None:
-        self._encoders: dict[tuple[int, int], PullEncoder] = {}
-        self._decoders: dict[tuple[int, int], PullDecoder] = {}
-        self._coded_bufs: dict[tuple[Any, ...], np.ndarray] = {}
 
     def _bytes(self, key: tuple[Any, ...], nbytes: int) -> np.ndarray:
         """A reusable byte buffer (one per shard and peer: used once per step)."""
-        buf = self._coded_bufs.get(key)
-        if buf is None or buf.size != nbytes:
-            buf = self._coded_bufs[key] = np.empty(nbytes, dtype=np.uint8)
-        return buf
+        return P.scratch(self._coded_bufs, key, nbytes)
 
     def _messages(self, data: np.ndarray, peer: int, tag: int, send: bool) -> list[MPI.Request]:
         """Post the ``chunk_bytes`` messages of a payload (bytes or values)."""
-        raw = data.view(np.uint8)
-        call = self.comm.Isend if send else self.comm.Irecv
-        return [call([raw[i:i + self.chunk_bytes], MPI.BYTE], peer, tag)
-                for i in range(0, raw.size, self.chunk_bytes)]
-
-    def _pull_encoder(self, state: ShardState) -> PullEncoder:
-        sh = state.shard
-        enc = self._encoders.get(sh.ident)
-        if enc is None:
-            enc = self._encoders[sh.ident] = PullEncoder(
-                self.codec, sh.count, sh.spec.dtype, delta=state.opt.name != "sum",
-                feedback=self.feedback)
-        return enc
-
-    def _pull_decoder(self, sh: Shard) -> PullDecoder:
-        dec = self._decoders.get(sh.ident)
-        if dec is None:
-            dec = self._decoders[sh.ident] = PullDecoder(
-                self.codec, sh.count, sh.spec.dtype, delta=self._pull_deltas)
-        return dec
-
-    def codec_state(self) -> dict:
-        """This rank's compression state (as worker and as owner), for checkpoints."""
-        return coder_parts(self.push_encoder, self._encoders, self._decoders)
-
-    def load_codec_state(self, parts: dict) -> None:
-        """Take back what :meth:`codec_state` returned (same rank, same layout)."""
-        load_coder_parts(parts, self.push_encoder,
-                         lambda i: self._pull_encoder(self.states[i]),
-                         lambda i: self._pull_decoder(self.placement.by_ident[i]))
-
-    def forget_pullers(self, ranks: list[int]) -> None:
-        """Closed ranks pull no more: drop their replicas."""
-        for enc in self._encoders.values():
-            for r in ranks:
-                enc.forget(r)
+        post = P.send_payload if send else P.post_recv_payload
+        return post(self.comm, data, peer, tag, self.chunk_bytes)
 
     def _coded_step(self, busy: list[int], pushing: bool, pulling: bool,
                     grads_flat: dict[str, np.ndarray],
@@ -135,8 +91,8 @@ class CodedExchange:
             part = grads_flat[sh.spec.name][sh.lo:sh.hi]
             mine[sh.ident] = self.push_encoder.encode((sh.spec.name, sh.index), part)
             if sh.server != self.rank and sh.count:
-                self.worker_counters["bytes_sent"] += mine[sh.ident][0].nbytes
-                self.worker_counters["bytes_sent_uncompressed"] += sh.nbytes
+                P.count_bytes(self.worker_counters, "bytes_sent", mine[sh.ident][0].nbytes,
+                              sh.nbytes)
         return mine
 
     def _post_coded_gradient_recvs(self, contributors: list[int]
@@ -167,8 +123,7 @@ class CodedExchange:
                 else out_flat[sh.spec.name][sh.lo:sh.hi]
             reqs += self._messages(buf, sh.server, P.TAG_GATHER, False)
             pending.append((sh, buf, coded, dec))
-            self.worker_counters["bytes_received"] += buf.nbytes
-            self.worker_counters["bytes_received_uncompressed"] += sh.nbytes
+            P.count_bytes(self.worker_counters, "bytes_received", buf.nbytes, sh.nbytes)
         return pending, reqs
 
     def _coded_update(self, state: ShardState, contributors: list[int],
@@ -182,11 +137,9 @@ class CodedExchange:
             if src == self.rank:
                 parts.append(mine[sh.ident][1])
             else:
-                parts.append(decode_into(self.codec, self._bytes(("grad", sh.ident, src),
-                                                                 nbytes),
-                                         sh.count, self._scratch_for(sh, src)))
-                self.counters["bytes_in"] += nbytes if sh.count else 0
-                self.counters["bytes_in_uncompressed"] += sh.nbytes
+                raw = self._bytes(("grad", sh.ident, src), nbytes)
+                parts.append(decode_into(self.codec, raw, sh.count, self._scratch_for(sh, src)))
+                P.count_bytes(self.counters, "bytes_in", nbytes if sh.count else 0, sh.nbytes)
         acc = self._acc_for(sh)
         if sh.count and parts:
             self._reduce(acc, parts, contributors, sh)
@@ -218,6 +171,5 @@ class CodedExchange:
                         decode_into(self.codec, data, sh.count, dest)
             elif sh.count:
                 sends += self._messages(data, dst, P.TAG_GATHER, True)
-                self.counters["bytes_out"] += data.nbytes
-                self.counters["bytes_out_uncompressed"] += sh.nbytes
+                P.count_bytes(self.counters, "bytes_out", data.nbytes, sh.nbytes)
         return sends

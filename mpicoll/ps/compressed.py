@@ -47,9 +47,10 @@ import numpy as np
 from ..compression import Codec, ErrorFeedback, NoneCodec, get_codec, new_payload
 from ..compression.auto import Auto
 from .placement import ParamSpec
+from .protocol import scratch
 
 __all__ = ["resolve_codec", "check_compressible", "PushEncoder", "PullEncoder",
-           "PullDecoder", "decode_into", "State", "coder_parts", "load_coder_parts"]
+           "PullDecoder", "decode_into", "State", "coder_parts", "load_coder_parts", "Coders"]
 
 #: a coder's checkpointed state: JSON-able metadata and named arrays
 State = tuple[dict, dict[str, np.ndarray]]
@@ -91,20 +92,6 @@ def decode_into(codec: Codec, raw: np.ndarray, count: int, out: np.ndarray) -> n
     return codec.decode_into(raw, count, out)
 
 
-class _PerKeyCodecs:
-    """One copy of a codec per key (a shard), made on first use."""
-
-    def __init__(self, codec: Codec) -> None:
-        self.codec = codec
-        self._codecs: dict[Hashable, Codec] = {}
-
-    def codec_for(self, key: Hashable) -> Codec:
-        c = self._codecs.get(key)
-        if c is None:
-            c = self._codecs[key] = copy.deepcopy(self.codec)
-        return c
-
-
 def _encode_with_feedback(codec: Codec, residual: np.ndarray | None, x: np.ndarray,
                           sent: np.ndarray) -> np.ndarray:
     """Encode ``y = residual + x``; leave ``y - sent`` in ``residual`` and what the receiver
@@ -130,7 +117,8 @@ class PushEncoder:
     """
 
     def __init__(self, codec: Codec, feedback: bool = True) -> None:
-        self.codecs = _PerKeyCodecs(codec)
+        self.codec = codec
+        self._codecs: dict[Hashable, Codec] = {}
         #: the residual of every shard pushed so far (key: ``(name, shard index)``);
         #: ``None`` with error feedback off
         self.feedback = ErrorFeedback() if feedback else None
@@ -144,18 +132,23 @@ class PushEncoder:
             server will decode from them (valid until this key's next ``encode``).
         """
         residual = None if self.feedback is None else self.feedback.buffer(key, x)
-        sent = self._sent.get(key)
-        if sent is None or sent.size != x.size or sent.dtype != x.dtype:
-            sent = self._sent[key] = np.empty(x.size, dtype=x.dtype)
-        return _encode_with_feedback(self.codecs.codec_for(key), residual, x, sent), sent
+        sent = scratch(self._sent, key, x.size, x.dtype)
+        return _encode_with_feedback(self.codec_for(key), residual, x, sent), sent
+
+    def codec_for(self, key: Hashable) -> Codec:
+        """The copy of the codec of shard ``key`` (one per shard, made on first use)."""
+        c = self._codecs.get(key)
+        if c is None:
+            c = self._codecs[key] = copy.deepcopy(self.codec)
+        return c
 
     def wire_bytes(self, count: int, dtype: Any) -> int:
         """Payload bytes of a shard of ``count`` elements."""
-        return self.codecs.codec.wire_bytes(count, dtype)
+        return self.codec.wire_bytes(count, dtype)
 
     def state(self) -> State:
         """Residuals and codec states, for checkpoints (see :func:`load_state`)."""
-        keys = sorted(self.codecs._codecs, key=repr)
+        keys = sorted(self._codecs, key=repr)
         arrays = {}
         if self.feedback is not None:
             for i, key in enumerate(keys):
@@ -163,13 +156,13 @@ class PushEncoder:
                 if res is not None:
                     arrays[f"r{i}"] = res
         return {"keys": [list(k) for k in keys],
-                "codecs": [self.codecs._codecs[k].state_dict() for k in keys]}, arrays
+                "codecs": [self._codecs[k].state_dict() for k in keys]}, arrays
 
     def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
         """Take back what :meth:`state` returned."""
         for i, (k, cs) in enumerate(zip(meta["keys"], meta["codecs"])):
             key = tuple(k)
-            self.codecs.codec_for(key).load_state_dict(cs)
+            self.codec_for(key).load_state_dict(cs)
             if self.feedback is not None and f"r{i}" in arrays:
                 self.feedback.store(key, arrays[f"r{i}"].copy())
 
@@ -207,10 +200,6 @@ class PullEncoder:
     def wire_bytes(self) -> int:
         """Bytes of a compressed pull of this shard."""
         return self.codec.wire_bytes(self.count, self.dtype)
-
-    def has_replica(self, puller: int) -> bool:
-        """Whether ``puller``'s next pull is compressed (it holds a replica already)."""
-        return not self.delta or puller in self.holders
 
     def payload(self, puller: int, value: np.ndarray, version: int) -> tuple[np.ndarray, bool]:
         """What to send ``puller`` for ``value`` (the shard at ``version``).
@@ -383,3 +372,64 @@ def load_coder_parts(parts: dict[str, State], push: PushEncoder | None,
         a, b = (int(v) for v in ident.split(","))
         coder = encoder_for((a, b)) if kind == "enc" else decoder_for((a, b))
         coder.load_state(meta, arrays)
+
+
+class Coders:
+    """The compression state of one rank of the parameter server (a mixin of the server,
+    the worker client and the co-located engine): its push encoder, the pull encoders of
+    the shards it serves and the pull decoders of the shards it pulls, each made on first
+    use. Users call :meth:`_setup_coders`; they have ``placement`` and, where they serve
+    shards, ``states`` (ident -> :class:`~mpicoll.ps.server.ShardState`)."""
+
+    #: the shards served here (a worker client serves none: this empty default)
+    states: dict = {}
+
+    def _setup_coders(self, codec: Codec | None, feedback: bool, pull_deltas: bool,
+                      pushes: bool) -> None:
+        self.codec = codec
+        #: error feedback of compressed pushes (and ``optimizer="sum"`` pulls)
+        self.feedback = feedback
+        #: compressed pulls carry the change since the last pull (parameters), not the
+        #: value itself (``optimizer="sum"``)
+        self.pull_deltas = pull_deltas
+        self.push_encoder = PushEncoder(codec, feedback) if codec is not None and pushes \
+            else None
+        self._encoders: dict[tuple[int, int], PullEncoder] = {}
+        self._decoders: dict[tuple[int, int], PullDecoder] = {}
+
+    def _pull_encoder(self, state: Any) -> PullEncoder:
+        """The compressed-pull state of a shard served here (server-side error feedback)."""
+        sh = state.shard
+        enc = self._encoders.get(sh.ident)
+        if enc is None:
+            enc = self._encoders[sh.ident] = PullEncoder(self.codec, sh.count, sh.spec.dtype,
+                                                         delta=state.opt.name != "sum",
+                                                         feedback=self.feedback)
+        return enc
+
+    def _pull_decoder(self, sh: Any) -> PullDecoder | None:
+        """The decoder of compressed pulls of shard ``sh`` (``None`` without a codec)."""
+        if self.codec is None:
+            return None
+        dec = self._decoders.get(sh.ident)
+        if dec is None:
+            dec = self._decoders[sh.ident] = PullDecoder(self.codec, sh.count, sh.spec.dtype,
+                                                         self.pull_deltas)
+        return dec
+
+    def codec_state(self) -> dict:
+        """This rank's compression state (push residuals, the pull encoders' replicas and
+        residuals, the pull decoders' replicas), for checkpoints."""
+        return coder_parts(self.push_encoder, self._encoders, self._decoders)
+
+    def load_codec_state(self, parts: dict) -> None:
+        """Take back what :meth:`codec_state` returned (same rank, same layout)."""
+        load_coder_parts(parts, self.push_encoder,
+                         lambda i: self._pull_encoder(self.states[i]),
+                         lambda i: self._pull_decoder(self.placement.by_ident[i]))
+
+    def forget_pullers(self, ranks: list[int]) -> None:
+        """Closed ranks pull no more: drop their replicas."""
+        for enc in self._encoders.values():
+            for r in ranks:
+                enc.forget(r)

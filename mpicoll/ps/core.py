@@ -66,15 +66,6 @@ def _collective_verdict(comm: MPI.Comm, error: str | None) -> None:
         _collective_check(comm, error)
 
 
-def settings_name(codec: Any) -> str | None:
-    """The name of a codec as stats and checkpoints record it (``None``: uncompressed)."""
-    return None if codec is None else codec.name
-
-
-def _wait_collective(req: MPI.Request) -> None:
-    P.wait_all([req])
-
-
 def _check_dtypes(specs: list[ParamSpec], optimizer: str) -> None:
     """Raise ``ValueError`` unless ``optimizer`` can update every parameter."""
     if optimizer != "sum":
@@ -295,18 +286,12 @@ class ParameterServer:
         """Set the public attributes and make this rank's server, client or engine."""
         size, rank = self.comm.Get_size(), self.rank
         first_worker = settings.first_worker
-        self.colocated = settings.colocated
+        self._settings = settings
         self.num_servers = size if settings.colocated else settings.num_servers
-        self.consistency = settings.consistency
-        self.staleness = settings.staleness
-        self.backup_workers = settings.backup_workers
-        self.optimizer = settings.optimizer
-        self.hyperparameters = settings.hyperparameters
-        self.average = settings.average
-        self.chunk_bytes = settings.chunk_bytes
-        self.compression = settings.compression
-        self.feedback = settings.feedback
-        self.replicas = settings.replicas
+        for name in ("colocated", "consistency", "staleness", "backup_workers", "optimizer",
+                     "hyperparameters", "average", "chunk_bytes", "compression", "feedback",
+                     "replicas"):
+            setattr(self, name, getattr(settings, name))
         self.server_ranks = list(range(self.num_servers))
         self.worker_ranks = list(range(first_worker, size))
         self.is_server = settings.is_server(rank)
@@ -342,7 +327,6 @@ class ParameterServer:
             group = next((g for g in self.node_groups if rank in g), None)
             self._node_comm = comms.split(self.comm, MPI.UNDEFINED if group is None else
                                           self.node_groups.index(group), rank, "ps")
-        checker = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep)
         if settings.colocated:
             engine_comm, engine_nodes, engine_weights = self.comm, node_of, None
             if self.local_aggregation:
@@ -357,13 +341,11 @@ class ParameterServer:
                 self._engine = ColocatedEngine(engine_comm, self.placement, self.optimizer,
                                                self.hyperparameters, self.average,
                                                self.chunk_bytes, max_sleep,
-                                               checker.check_arrays, settings.keep_aggregate,
-                                               self.compression, self.feedback,
-                                               node_of=engine_nodes, weights=engine_weights)
+                                               settings.keep_aggregate, self.compression,
+                                               self.feedback, node_of=engine_nodes,
+                                               weights=engine_weights)
                 self._engine.watch = watch
-            self._make_node_group(checker, max_sleep)
-            return
-        if self.is_server:
+        elif self.is_server:
             server_nodes = {w: node_of[w] for w in counted}
 
             def make(slot: int) -> Server:
@@ -387,17 +369,11 @@ class ParameterServer:
             self._client.watch = watch
             if self.replicas:
                 self._client.routing = Routing(self.num_servers, self.replicas)
-        if self.is_worker:
-            self._make_node_group(checker, max_sleep)
-
-    def _make_node_group(self, checker: WorkerClient, max_sleep: float) -> None:
-        """With local aggregation, this worker's :class:`NodeGroup` (the leader's calls
-        go to its client or co-located engine)."""
-        if not self.local_aggregation:
-            return
-        self._node = NodeGroup(self._node_comm, self.placement.specs,
-                               self._leader_call if self._node_comm.Get_rank() == 0 else None,
-                               checker.check_arrays, max_sleep, self._watch)
+        if self.is_worker and self.local_aggregation:
+            # this worker's NodeGroup: the leader's calls go to its client or engine
+            self._node = NodeGroup(self._node_comm, self.placement.specs,
+                                   self._leader_call if self._node_comm.Get_rank() == 0
+                                   else None, max_sleep, self._watch)
 
     def _leader_call(self, kind: str, grads: dict[str, Any] | None,
                      out: dict[str, Any] | None, check: bool = False) -> Any:
@@ -475,11 +451,8 @@ class ParameterServer:
         """This worker's clock: pushes made so far, i.e. the round its next push is for
         (``None`` on servers); with backup workers it also skips rounds that closed
         without this worker."""
-        if self._node is not None:
-            return self._node.clock
-        if self._engine is not None:
-            return self._engine.clock
-        return None if self._client is None else self._client.clock
+        part = self._node or self._engine or self._client
+        return None if part is None else part.clock
 
     def _open(self, what: str) -> None:
         if self._closed:
@@ -488,8 +461,7 @@ class ParameterServer:
     def _need_worker(self, what: str) -> WorkerClient:
         if self._client is None:
             raise PSError(f"{what} is for workers; rank {self.rank} is a server (call serve())")
-        if self._closed:
-            raise PSError(f"{what} after close()")
+        self._open(what)
         return self._client
 
     # ------------------------------------------------------------------ server
@@ -576,14 +548,19 @@ class ParameterServer:
         """
         if self._closed or self._server is not None:
             return
-        if self._node is not None:
-            self._node.start("close", self._node_steps(CollOp.CLOSE, self._close_leader)).wait()
-        else:
-            self._close_leader().wait()
+        self._through_node("close", CollOp.CLOSE, self._close_leader)
         self._closed = True
 
+    def _through_node(self, kind: str, op: CollOp, lead: Callable[[], Any],
+                      done: Callable[[Any], Any] = lambda result: result) -> Any:
+        """``done(result)`` of ``lead()`` (a handle of this rank's client or engine); with
+        local aggregation through the node (:meth:`_node_steps`)."""
+        if self._node is None:
+            return done(lead().wait())
+        return self._node.start(kind, self._node_steps(op, lead, done)).wait()
+
     def _node_steps(self, op: CollOp, lead: Callable[[], Any],
-                    done: Callable[[Any], Any] = lambda result: result) -> Any:
+                    done: Callable[[Any], Any]) -> Any:
         """Steps of a node's close, stats or save: the node's workers agree on ``op``, the
         leader starts ``lead()`` (a handle of its client or engine), and every worker of
         the node gets ``done(its result)``, or the same :class:`PSError`."""
@@ -637,29 +614,22 @@ class ParameterServer:
                                   for s in range(self.num_servers)],
             "consistency": self.consistency, "staleness_bound": self.staleness,
             "backup_workers": self.backup_workers,
-            "compression": settings_name(self.compression), "replicas": self.replicas}
+            "compression": self._settings.compression_name, "replicas": self.replicas}
         out["local_aggregation"] = bool(getattr(self, "local_aggregation", False))
         if self._server is not None:
             out["server"] = self._server.stats()
             return out
         self._open("stats()")
-        if self._node is not None:
-            out["servers"] = self._node.start("stats", self._node_steps(
-                CollOp.STATS, self._stats_leader, self._servers_stats)).wait()
-            out["worker"] = {**self.worker_counters(), "staleness_max": 0,
-                             "staleness_mean": 0.0, "clock": self._node.clock}
-            return out
-        out["servers"] = self._servers_stats(self._stats_leader().wait())
-        if self._engine is not None:
-            eng = self._engine
-            out["worker"] = {**eng.worker_counters, "staleness_max": 0, "staleness_mean": 0.0,
-                             "staleness_count": eng.worker_counters["pulls"],
-                             "clock": eng.clock}
-            return out
-        c = dict(self._client.counters)
-        c["staleness_mean"] = c.pop("staleness_sum") / max(1, c["staleness_count"])
-        c["clock"] = self._client.clock
-        out["worker"] = c
+        out["servers"] = self._through_node("stats", CollOp.STATS, self._stats_leader,
+                                            self._servers_stats)
+        c = self.worker_counters()
+        if self._node is None and self._engine is None:     # a client's pulls' staleness
+            c["staleness_mean"] = c.pop("staleness_sum") / max(1, c["staleness_count"])
+        else:
+            c.update(staleness_max=0, staleness_mean=0.0)
+            if self._node is None:
+                c["staleness_count"] = c["pulls"]
+        out["worker"] = {**c, "clock": self.clock}
         return out
 
     def _stats_leader(self) -> Any:
@@ -681,13 +651,11 @@ class ParameterServer:
         ``bytes_sent_uncompressed``/``bytes_received_uncompressed`` (what the same
         messages carry uncompressed). Empty on a server.
         """
+        leader = self._engine.worker_counters if self._engine is not None else \
+            None if self._client is None else self._client.counters
         if self._node is not None:
-            leader = self._engine.worker_counters if self._engine is not None else \
-                None if self._client is None else self._client.counters
             return self._node.worker_counters(leader)
-        if self._engine is not None:
-            return dict(self._engine.worker_counters)
-        return {} if self._client is None else dict(self._client.counters)
+        return dict(leader or {})
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str) -> None:
@@ -700,15 +668,12 @@ class ParameterServer:
         Raises:
             PSError: called on a server, or a server could not write.
         """
-        if self._node is not None:
+        if self._node is not None or self.colocated:
             self._open("save()")
-            self._node.wait_current()
+            (self._node or self._engine).wait_current()
             if self.colocated:
-                self._node_colocated_save(path)
+                self._colocated_save(path)
                 return
-        elif self._engine is not None:
-            self._colocated_save(path)
-            return
         client = self._client if self._node is not None else self._need_worker("save()")
         if client is not None:
             client.wait_all()
@@ -738,16 +703,23 @@ class ParameterServer:
         clocks = self.worker_comm.allgather(self.clock)
         if self.worker_index == 0:
             self._commit_checkpoint(path, ckpt_id, clocks)
-        _wait_collective(self.worker_comm.Ibarrier())
+        P.wait_all([self.worker_comm.Ibarrier()])
 
     def _commit_checkpoint(self, path: str, ckpt_id: str, clocks: list[int]) -> None:
-        """Write the manifest (the commit point), then delete older checkpoints' files."""
+        """Write the manifest (the commit point), then delete older checkpoints' files.
+        ``clocks``: every worker's; co-located with local aggregation every leader's,
+        which is its node's workers' clock."""
+        if self.colocated and self.local_aggregation:
+            per_leader, clocks = clocks, [0] * self.num_workers
+            for g, c in zip(self.node_groups, per_leader):
+                for w in g:
+                    clocks[self.worker_ranks.index(w)] = c
         manifest = {"format": ckpt.FORMAT, "id": ckpt_id, "layout": self.placement.describe(),
                     "num_workers": self.num_workers, "worker_clocks": clocks,
                     "colocated": self.colocated,
                     "consistency": self.consistency, "staleness": self.staleness,
                     "backup_workers": self.backup_workers,
-                    "compression": settings_name(self.compression),
+                    "compression": self._settings.compression_name,
                     "feedback": self.feedback,
                     "codec_files": [] if self.compression is None else
                     [ckpt.codec_file(ckpt_id, r) for r in range(self.comm.Get_size())],
@@ -765,36 +737,18 @@ class ParameterServer:
             return None
         return [[self.worker_ranks.index(w) for w in g] for g in self.node_groups]
 
-    def _node_colocated_save(self, path: str) -> None:
-        """Co-located :meth:`save` with local aggregation: the leaders' engines save (one
-        shard owner per node), every worker of a node gets their verdict."""
-        def lead() -> Any:
-            self._engine.check_aggregate_kept("save()")
-            return self._engine.start("save", self._engine.save_steps(
-                (path, "ckpt-" + uuid.uuid4().hex[:12]), self._commit_leader_clocks))
-        errors = self._node.start("save", self._node_steps(CollOp.SAVE, lead)).wait()
-        if errors:
-            raise PSError(f"save({path!r}) failed: {errors[0]}")
-
-    def _commit_leader_clocks(self, path: str, ckpt_id: str, clocks: list[int]) -> None:
-        """The manifest of a co-located checkpoint with local aggregation: each leader's
-        clock is its node's workers' clock."""
-        per_worker = [0] * self.num_workers
-        for g, c in zip(self.node_groups, clocks):
-            for w in g:
-                per_worker[self.worker_ranks.index(w)] = c
-        self._commit_checkpoint(path, ckpt_id, per_worker)
-
     def _colocated_save(self, path: str) -> None:
         """Co-located :meth:`save`: collective over every rank not yet closed; each rank
-        writes its own shards, the first one the manifest."""
-        self._open("save()")
-        eng = self._engine
-        eng.wait_current()
-        eng.check_aggregate_kept("save()")
-        ckpt_id = "ckpt-" + uuid.uuid4().hex[:12]    # the first saving rank's id is used
-        errors = eng.start("save", eng.save_steps((path, ckpt_id),
-                                                  self._commit_checkpoint)).wait()
+        writes its own shards, the first one the manifest. With local aggregation the
+        leaders' engines save (one shard owner per node) and every worker of a node gets
+        their verdict."""
+        def lead() -> Any:
+            eng = self._engine
+            eng.wait_current()
+            eng.check_aggregate_kept("save()")
+            ckpt_id = "ckpt-" + uuid.uuid4().hex[:12]    # the first saving rank's id is used
+            return eng.start("save", eng.save_steps((path, ckpt_id), self._commit_checkpoint))
+        errors = self._through_node("save", CollOp.SAVE, lead)
         if errors:
             raise PSError(f"save({path!r}) failed: {errors[0]}")
 
@@ -846,7 +800,7 @@ class ParameterServer:
         if not manifest.get("codec_files"):
             why = "the checkpoint holds no compression state"
         elif (manifest.get("compression"), manifest.get("feedback", True)) != \
-                (settings_name(self.compression), self.feedback):
+                (self._settings.compression_name, self.feedback):
             why = (f"it was saved with compression={manifest.get('compression')!r}, "
                    f"feedback={manifest.get('feedback', True)!r}")
         elif reshard and self._layout_mismatch(manifest, False) is not None:

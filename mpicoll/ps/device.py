@@ -87,6 +87,8 @@ class DevicePull:
     def __init__(self, out: dict[str, Any] | None, like: Any) -> None:
         self.out = dict(out or {})
         self.like = like
+        #: name -> the device array each :meth:`destination` gave
+        self.arrays: dict[str, Any] = {}
         self._pairs: list[tuple[np.ndarray, Any]] = []
 
     def destination(self, name: str, spec: Any) -> tuple[np.ndarray, Any]:
@@ -106,6 +108,7 @@ class DevicePull:
                           f"of shape {spec.shape}")
         staging = np.empty(spec.shape, dtype=spec.dtype)
         self._pairs.append((staging, dest))
+        self.arrays[name] = dest
         return staging, dest
 
     def finish(self) -> None:

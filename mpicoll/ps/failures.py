@@ -35,11 +35,18 @@ from ..errors import ProcessFailedError
 from ..runtime import failures
 from . import protocol as P
 
-__all__ = ["FailureWatch", "POLL_S"]
+__all__ = ["FailureWatch", "POLL_S", "guarded"]
 
 #: Seconds between two looks at the communicator's failed ranks while waiting.
 POLL_S = 0.02
 _WHAT = "the parameter server's protocol"
+
+
+def guarded(watch: FailureWatch | None, step: Callable[[], Any],
+            on_failure: Callable[[list[int]], None] | None = None) -> Any:
+    """``step()``, under ``watch`` (:meth:`FailureWatch.guard`: a failure gives ``None``)
+    when there is one."""
+    return step() if watch is None else watch.guard(step, on_failure)
 
 
 class FailureWatch:

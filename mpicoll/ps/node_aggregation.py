@@ -33,13 +33,12 @@ import numpy as np
 from mpi4py import MPI
 
 from ..topology import Topology
-from .device import DevicePull, call_side, device_views, first_device, host_arrays
+from . import protocol as P
 from .errors import PSError
 from .node_order import fold_sum
 from .placement import ParamSpec
 from .protocol import CollOp
-from .stepped import SteppedOwner
-from .worker import pull_destination
+from .stepped import CollectiveGroup
 
 __all__ = ["node_indices", "worker_groups", "decide", "NodeGroup"]
 
@@ -85,7 +84,7 @@ def decide(setting: Any, groups: list[list[int]], backup_workers: int, replicas:
     return len(groups) > 1 and not backup_workers and not replicas and init
 
 
-class NodeGroup(SteppedOwner):
+class NodeGroup(CollectiveGroup):
     """The workers of one node under local aggregation (see the module docstring).
 
     Args:
@@ -94,27 +93,20 @@ class NodeGroup(SteppedOwner):
         leader_call: on the leader, ``leader_call(kind, grads, out)`` starts the node's
             ``"push"``/``"pull"``/``"push_pull"`` towards the servers and returns a
             handle; ``None`` on the other workers.
-        check_arrays: the worker-side validation of gradients (raises :class:`PSError`).
         max_sleep: longest pause while polling.
         watch: the failure watch under ULFM (``None``: not watched); any failure is fatal.
     """
 
     def __init__(self, comm: MPI.Comm, specs: dict[str, ParamSpec], leader_call: Any,
-                 check_arrays: Any, max_sleep: float = 1e-3, watch: Any = None) -> None:
-        self.comm = comm
-        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+                 max_sleep: float = 1e-3, watch: Any = None) -> None:
+        self._setup_group(comm)
         self.is_leader = self.rank == 0
         self.specs = specs
         self.leader_call = leader_call
-        self.check_arrays = check_arrays
         self.max_sleep = max_sleep
         self.watch = watch
-        self.clock = 0
-        self.counters = {"pushes": 0, "pulls": 0, "bytes_sent": 0, "bytes_received": 0,
-                         "bytes_sent_uncompressed": 0, "bytes_received_uncompressed": 0,
-                         "node_bytes_reduced": 0, "node_bytes_shared": 0}
-        self._ctrl_out = np.zeros(3, dtype=np.int64)
-        self._ctrl_in = np.zeros((self.size, 3), dtype=np.int64)
+        self.counters = dict.fromkeys(P.WORKER_COUNTERS + ("node_bytes_reduced",
+                                                           "node_bytes_shared"), 0)
         self._sums: dict[str, np.ndarray] = {}
         self._parts: dict[str, list[np.ndarray]] = {}   # the others' gradients
 
@@ -126,9 +118,7 @@ class NodeGroup(SteppedOwner):
             PSError: (on every worker of the node) they made different calls, pushed at
                 different clocks, or one passed bad arguments.
         """
-        self._ctrl_out[:] = (op, self.clock, 1 if error else 0)
-        yield [self.comm.Iallgather([self._ctrl_out, MPI.INT64_T],
-                                    [self._ctrl_in, MPI.INT64_T])]
+        yield from super()._control(op, error)
         ops = [int(o) for o in self._ctrl_in[:, 0]]
         if len(set(ops)) > 1:
             what = ", ".join(f"local rank {r}: {CollOp(o).name.lower()}"
@@ -141,9 +131,8 @@ class NodeGroup(SteppedOwner):
                           f"{[int(c) for c in self._ctrl_in[:, 1]]}")
         bad = [r for r in range(self.size) if self._ctrl_in[r, 2]]
         if bad:
-            mine = f": {error}" if error else " (see the error on those workers)"
-            raise PSError(f"local aggregation: local rank(s) {bad} of this node passed bad "
-                          f"arguments, nothing was sent{mine}", [error] if error else [])
+            self._refuse_bad_arguments(f"local aggregation: local rank(s) {bad} of this node",
+                                       error, "workers")
 
     def share(self, obj: Any = None) -> Any:
         """Steps: the leader's ``obj`` (small, pickled) on every worker of the node."""
@@ -165,57 +154,32 @@ class NodeGroup(SteppedOwner):
 
         Returns (as the generator's value): the pulled dict, or ``None`` for a push.
         """
-        pushing = op in (CollOp.PUSH, CollOp.PUSH_PULL)
-        pulling = op in (CollOp.PULL, CollOp.PUSH_PULL)
-        error, result, device_pull = None, None, None
-        try:
-            device = call_side(grads=grads if pushing else None, out=out if pulling else None)
-            if pushing:
-                self.check_arrays(device_views(grads) if device else grads, complete=True,
-                                  what="gradient")
-            if pulling and device:
-                device_pull = DevicePull(out, first_device(grads if pushing else None, out))
-                pairs = {n: device_pull.destination(n, s) for n, s in self.specs.items()}
-                result = {n: p[0] for n, p in pairs.items()}
-            elif pulling:
-                result = {n: pull_destination(s, out) for n, s in self.specs.items()}
-            if pushing and device:
-                grads = host_arrays(grads)      # staged now: the caller may reuse them
-        except PSError as exc:
-            error = str(exc)
-        except (TypeError, ValueError) as exc:   # reported to the node, not raised alone
-            error = f"{type(exc).__name__}: {exc}"
-        yield from self._control(op, error)
-        sums = (yield from self._reduce(grads)) if pushing else None   # (separate arrays:
-        # pulling into the gradients is safe)
+        call = self._prepare(op, grads, out, self.specs)
+        yield from self._control(op, call.error)
+        # (separate arrays: pulling into the gradients is safe)
+        sums = (yield from self._reduce(call.grads)) if call.pushing else None
         status = None
         if self.is_leader:
             kind = CollOp(op).name.lower()
             try:
-                handle = self.leader_call(kind, sums, result)
+                handle = self.leader_call(kind, sums, call.result)
                 yield handle                # a handle: the node's handle waits on it
                 got = handle.wait()
-                if pulling:
-                    result = _into(result, got)
+                if call.pulling:
+                    _into(call.result, got)
             except PSError as exc:
                 status = str(exc)
         status = yield from self.share(status)
         if status is not None:
             raise PSError(status)
-        if pulling:
-            reqs = [self.comm.Ibcast(_raw(result[n]), root=0)
-                    for n in sorted(self.specs) if result[n].size]
-            yield reqs
-            self.counters["pulls"] += 1
+        if call.pulling:
+            result = call.result
+            yield [self.comm.Ibcast(_raw(result[n]), root=0)
+                   for n in sorted(self.specs) if result[n].size]
             if not self.is_leader:
                 self.counters["node_bytes_shared"] += sum(result[n].nbytes for n in self.specs)
-        if pushing:
-            self.clock += 1
-            self.counters["pushes"] += 1
-        if device_pull is not None:
-            device_pull.finish()
-            return {n: p[1] for n, p in pairs.items()}
-        return result
+        self._advance(call, self.counters)
+        return call.finish()
 
     def _reduce(self, grads: dict[str, Any]) -> Any:
         """Steps: the node's sum of every gradient on the leader (the other workers send
@@ -227,15 +191,14 @@ class NodeGroup(SteppedOwner):
         if not self.is_leader:
             yield [self.comm.Isend(_raw(flat[n]), 0, _TAG_REDUCE) for n in names]
             return None
-        sums = {}
+        sums = self._sums
         reqs = []
         for name in sorted(self.specs):
             spec = self.specs[name]
-            if name not in self._sums:
-                self._sums[name] = np.empty(spec.shape, dtype=spec.dtype)
+            if name not in sums:
+                sums[name] = np.empty(spec.shape, dtype=spec.dtype)
                 self._parts[name] = [np.empty(spec.size, dtype=spec.dtype)
                                      for _ in range(self.size - 1)]
-            sums[name] = self._sums[name]
             if spec.size:
                 reqs += [self.comm.Irecv(_raw(buf), r + 1, _TAG_REDUCE)
                          for r, buf in enumerate(self._parts[name])]
@@ -243,9 +206,6 @@ class NodeGroup(SteppedOwner):
         for name in names:
             fold_sum(sums[name].reshape(-1), [flat[name], *self._parts[name]], [self.size])
             self.counters["node_bytes_reduced"] += sums[name].nbytes * (self.size - 1)
-        for name in self.specs:
-            if not self.specs[name].size:
-                sums[name] = self._sums[name]
         return sums
 
     def control_only(self, op: int) -> Any:

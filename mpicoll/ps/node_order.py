@@ -61,30 +61,29 @@ def fold_sum(out: np.ndarray, parts: Sequence[np.ndarray], sizes: Sequence[int],
     Returns:
         ``out``.
     """
-    if not parts:
-        return out
     start = 0
     for k, n in enumerate(sizes):
         group = parts[start:start + n]
         start += n
         if k == 0:
-            if n == 1:
-                if group[0] is not out:
-                    np.copyto(out, group[0])
-            else:
-                np.add(group[0], group[1], out=out)
-                for p in group[2:]:
-                    out += p
-            continue
-        if n == 1:
+            _sum_into(out, group)
+        elif n == 1:
             out += group[0]
-            continue
-        acc = group[0] if tmp is None else tmp
-        np.add(group[0], group[1], out=acc)
-        for p in group[2:]:
-            acc += p
-        out += acc
+        else:
+            out += _sum_into(group[0] if tmp is None else tmp, group)
     return out
+
+
+def _sum_into(dest: np.ndarray, group: Sequence[np.ndarray]) -> np.ndarray:
+    """``dest`` = ``group`` summed left to right (``dest`` may be ``group[0]``)."""
+    if len(group) == 1:
+        if group[0] is not dest:
+            np.copyto(dest, group[0])
+        return dest
+    np.add(group[0], group[1], out=dest)
+    for p in group[2:]:
+        dest += p
+    return dest
 
 
 def total_weight(contributors: Sequence[int], weights: dict[int, int] | Sequence[int] | None

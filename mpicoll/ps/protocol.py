@@ -63,8 +63,9 @@ __all__ = ["Op", "CollOp", "Status", "HEADER_LEN", "OP", "KEY", "SHARD", "CLOCK"
            "TAG_REQUEST", "TAG_REQUEST_DATA", "TAG_REPLY", "TAG_REPLY_DATA", "TAG_SCATTER",
            "TAG_GATHER", "TAG_FORWARD", "TAG_FORWARD_DATA", "TAG_FORWARD_ACK",
            "DTYPES", "dtype_code", "dtype_of", "key_of", "shape_code", "new_header", "chunk_count",
-           "send_payload", "recv_payload", "drain_payload", "Backoff", "wait_all",
-           "STATS_FIELDS", "STALENESS_BINS", "DEFAULT_CHUNK_BYTES"]
+           "send_payload", "post_recv_payload", "recv_payload", "drain_payload", "Backoff",
+           "wait_all", "scratch", "count_bytes", "STATS_FIELDS", "STALENESS_BINS",
+           "WORKER_COUNTERS", "SERVER_COUNTERS", "DEFAULT_CHUNK_BYTES"]
 
 HEADER_LEN = 14
 (OP, KEY, SHARD, CLOCK, COUNT, TOTAL, DTYPE, SEQ, OFFSET, SHAPE, STATUS, NBYTES, AUX,
@@ -95,6 +96,13 @@ STATS_FIELDS = ("server", "rank", "shards", "bytes_stored", "pushes", "pulls", "
                 "staleness_count", "active_workers", "late_pushes_dropped", "short_rounds",
                 "bytes_in_uncompressed", "bytes_out_uncompressed")
 STALENESS_BINS = 16
+
+#: a worker side's counters (a client, a co-located engine, a node group)
+WORKER_COUNTERS = ("pushes", "pulls", "bytes_sent", "bytes_received", "bytes_sent_uncompressed",
+                   "bytes_received_uncompressed")
+#: a server side's counters (a server, a co-located engine's owned shards)
+SERVER_COUNTERS = ("pushes", "pulls", "updates", "bytes_in", "bytes_out", "errors",
+                   "bytes_in_uncompressed", "bytes_out_uncompressed")
 
 
 class Op(enum.IntEnum):
@@ -181,6 +189,13 @@ def send_payload(comm: MPI.Comm, data: np.ndarray, dest: int, tag: int,
     return [comm.Isend([c, MPI.BYTE], dest, tag) for c in _chunks(raw, chunk_bytes)]
 
 
+def post_recv_payload(comm: MPI.Comm, out: np.ndarray, source: int, tag: int,
+                      chunk_bytes: int) -> list[MPI.Request]:
+    """Start receiving a chunked payload into flat array ``out``; returns the requests."""
+    raw = out.view(np.uint8) if out.size else np.empty(0, np.uint8)
+    return [comm.Irecv([c, MPI.BYTE], source, tag) for c in _chunks(raw, chunk_bytes)]
+
+
 def recv_payload(comm: MPI.Comm, out: np.ndarray, source: int, tag: int,
                  chunk_bytes: int) -> None:
     """Receive a chunked payload into flat array ``out`` (blocking: it is already in flight)."""
@@ -189,7 +204,7 @@ def recv_payload(comm: MPI.Comm, out: np.ndarray, source: int, tag: int,
     if len(chunks) == 1:
         comm.Recv([chunks[0], MPI.BYTE], source, tag)
     elif chunks:
-        wait_all([comm.Irecv([c, MPI.BYTE], source, tag) for c in chunks], spin=1 << 30)
+        wait_all(post_recv_payload(comm, out, source, tag, chunk_bytes), spin=1 << 30)
 
 
 def drain_payload(comm: MPI.Comm, nbytes: int, source: int, tag: int, chunk_bytes: int) -> bytes:
@@ -197,6 +212,22 @@ def drain_payload(comm: MPI.Comm, nbytes: int, source: int, tag: int, chunk_byte
     buf = np.empty(max(0, int(nbytes)), dtype=np.uint8)
     recv_payload(comm, buf, source, tag, chunk_bytes)
     return buf.tobytes()
+
+
+def scratch(cache: dict, key: Any, count: int, dtype: Any = np.uint8) -> np.ndarray:
+    """The reusable flat array ``cache[key]`` of ``count`` elements of ``dtype``, made on
+    first use (again when the size or dtype changed)."""
+    buf = cache.get(key)
+    if buf is None or buf.size != count or buf.dtype != dtype:
+        buf = cache[key] = np.empty(count, dtype=dtype)
+    return buf
+
+
+def count_bytes(counters: dict[str, int], key: str, wire: int, plain: int) -> None:
+    """Count ``wire`` bytes (what travelled) in ``counters[key]`` and ``plain`` (what the
+    same messages carry uncompressed) in ``counters[key + "_uncompressed"]``."""
+    counters[key] += wire
+    counters[key + "_uncompressed"] += plain
 
 
 class Backoff:
@@ -240,10 +271,12 @@ class Backoff:
         self._sleep = min(self._sleep * 2, self.max_sleep)
 
 
-def wait_all(requests: list[MPI.Request], spin: int = 50, max_sleep: float = 1e-3) -> None:
-    """Complete every request, polling with :class:`Backoff` instead of spinning."""
+def wait_all(requests: list[MPI.Request], spin: int = 50, max_sleep: float = 1e-3,
+             busy: bool = False) -> None:
+    """Complete every request, polling with :class:`Backoff` instead of spinning (``busy``:
+    see :meth:`Backoff.pause`)."""
     if not requests:
         return
     backoff = Backoff(spin=spin, max_sleep=max_sleep)
     while not MPI.Request.Testall(requests):
-        backoff.pause()
+        backoff.pause(busy=busy)

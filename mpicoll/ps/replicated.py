@@ -38,6 +38,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import protocol as P
+from .failures import guarded
 from .placement import Placement
 from .replicas import Routing
 from .server import Server
@@ -71,13 +72,10 @@ class ReplicatedServer:
         self.make_server = make_server
         self.max_sleep = max_sleep
         self.watch = watch
-        self.chunk_bytes = 0
         self.groups: dict[int, Server] = {}
         self.queues: dict[int, collections.deque[list[Callable[[], None]]]] = {}
         for slot in routing.slots_of(self.rank):
             self.groups[slot] = self._role(slot, make_server(slot))
-        self.chunk_bytes = next(iter(self.groups.values())).chunk_bytes if self.groups \
-            else P.DEFAULT_CHUNK_BYTES
         self._status = MPI.Status()
         self._hdr = np.empty(P.HEADER_LEN, dtype=np.int64)
         self._backoff = P.Backoff(max_sleep=max_sleep)
@@ -130,13 +128,19 @@ class ReplicatedServer:
         msg[:P.HEADER_LEN * 8] = h.view(np.uint8)
         if raw is not None:
             msg[P.HEADER_LEN * 8:] = raw
+        # if the backup died the watch reports it, and the state copy replaces this
+        self._isend(slot, dest, [msg, MPI.BYTE], P.TAG_FORWARD, msg)
+
+    def _isend(self, slot: int, dest: int, buf: list, tag: int, keep: Any) -> None:
+        """Send ``buf`` to ``dest``, completed (``keep`` kept alive) in ``slot``'s loop;
+        nothing if ``dest`` died (the failure watch reports it)."""
         try:
-            req = self.comm.Isend([msg, MPI.BYTE], dest, P.TAG_FORWARD)
+            req = self.comm.Isend(buf, dest, tag)
         except MPI.Exception as exc:
             if self.watch is None or not self.watch.is_failure(exc):
                 raise
-            return   # the backup died: the watch reports it, the state copy replaces this
-        self.groups[slot].track_send(dest, [req], msg)
+            return
+        self.groups[slot].track_send(dest, [req], keep)
 
     def defer(self, slot: int, reply: Callable[[], None]) -> None:
         """Send ``reply`` once the backup holds everything forwarded so far for ``slot``."""
@@ -230,13 +234,7 @@ class ReplicatedServer:
             finally:
                 group.payload_from = None
         ack = P.new_header(op, shard=slot)
-        try:
-            req = self.comm.Isend([ack, MPI.INT64_T], src, P.TAG_FORWARD_ACK)
-        except MPI.Exception as exc:
-            if self.watch is None or not self.watch.is_failure(exc):
-                raise
-            return
-        self.groups[slot].track_send(src, [req], ack)
+        self._isend(slot, src, [ack, MPI.INT64_T], P.TAG_FORWARD_ACK, ack)
 
     def _step(self) -> None:
         comm, status, hdr = self.comm, self._status, self._hdr
@@ -262,10 +260,7 @@ class ReplicatedServer:
 
     def _run(self, until: Callable[[], bool]) -> None:
         while not until():
-            if self.watch is None:
-                self._step()
-            else:
-                self.watch.guard(self._step, self.on_failure)
+            guarded(self.watch, self._step, self.on_failure)
 
     def _settled(self) -> bool:
         return not any(self.queues.values())

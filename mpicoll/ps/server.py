@@ -41,7 +41,8 @@ from ..compression import Codec
 from ..runtime import failures
 from . import protocol as P
 from .checkpoint import write_codec_file, write_server_file
-from .compressed import PullEncoder, coder_parts, decode_into, load_coder_parts
+from .compressed import Coders, decode_into
+from .failures import guarded
 from .node_order import fold_sum, grouped_order, total_weight
 from .optimizers import ShardOptimizer, make_optimizer
 from .placement import Placement, Shard
@@ -76,7 +77,7 @@ class ShardState:
         self.opt = make_optimizer(self.optimizer_name, sh.count, sh.spec.dtype, self.hyper)
 
 
-class Server:
+class Server(Coders):
     """The request loop of one server rank.
 
     Args:
@@ -126,20 +127,17 @@ class Server:
         self.states: dict[tuple[int, int], ShardState] = {
             sh.ident: ShardState(sh, optimizer, hyper, self.workers)
             for sh in placement.shards_on(server)}
-        self.codec = codec
-        self.feedback = feedback
-        self._encoders: dict[tuple[int, int], PullEncoder] = {}
+        self._setup_coders(codec, feedback, pull_deltas=optimizer != "sum", pushes=False)
         self._coded_in: dict[tuple[int, int], np.ndarray] = {}   # a shard's push payload
-        self.counters = {k: 0 for k in ("pushes", "pulls", "updates", "bytes_in", "bytes_out",
-                                        "errors", "late_pushes_dropped", "short_rounds",
-                                        "bytes_in_uncompressed", "bytes_out_uncompressed")}
+        self.counters = dict.fromkeys(P.SERVER_COUNTERS + ("late_pushes_dropped",
+                                                           "short_rounds"), 0)
         self.staleness_hist = np.zeros(P.STALENESS_BINS, dtype=np.int64)
         self.staleness_max = 0
         self.staleness_sum = 0
         self.staleness_count = 0
         self._sending: list[tuple[int, list[MPI.Request], Any]] = []   # (dest, sends, keep)
         self._pool: dict[tuple[int, int], list[np.ndarray]] = {}
-        self._scratch: dict[tuple[int, int, int], np.ndarray] = {}
+        self._scratch: dict[tuple[tuple[int, int], int], np.ndarray] = {}
         self._saves: dict[int, tuple[np.ndarray, str]] = {}
         self._status = MPI.Status()
         #: replicas (mpicoll.ps.replicated): forwards state changes to the backup and
@@ -192,10 +190,7 @@ class Server:
                 backoff.pause(busy=bool(self._sending))
 
         while not until(served):
-            if self.watch is None:
-                step()
-            else:
-                self.watch.guard(step)
+            guarded(self.watch, step)
 
     def finish_sends(self) -> None:
         """Complete every reply still being sent."""
@@ -323,7 +318,8 @@ class Server:
             elif op == P.Op.PUSH:
                 self._push(src, h, state)
             else:
-                self._pull(src, h, state)
+                self.counters["pulls"] += 1
+                self._answer_or_defer(src, h, state)
         else:
             self._error(src, h, P.Status.BAD_REQUEST, f"unknown operation {op}")
 
@@ -420,8 +416,7 @@ class Server:
         except BaseException:
             state.param = None    # the sender died mid-way: not initialized
             raise
-        self.counters["bytes_in"] += state.shard.nbytes
-        self.counters["bytes_in_uncompressed"] += state.shard.nbytes
+        P.count_bytes(self.counters, "bytes_in", state.shard.nbytes, state.shard.nbytes)
         self._forward(src, h, state.param)
         self._ack(src, h)
 
@@ -441,14 +436,11 @@ class Server:
         """Receive a push's payload into ``buf`` (decoding it when compressed)."""
         sh = state.shard
         nbytes = int(h[P.NBYTES])
-        self.counters["bytes_in"] += nbytes
-        self.counters["bytes_in_uncompressed"] += sh.nbytes
+        P.count_bytes(self.counters, "bytes_in", nbytes, sh.nbytes)
         if self.codec is None:
             self._recv_data(src, buf)
             return
-        raw = self._coded_in.get(sh.ident)
-        if raw is None:
-            raw = self._coded_in[sh.ident] = np.empty(nbytes, dtype=np.uint8)
+        raw = P.scratch(self._coded_in, sh.ident, nbytes)
         self._recv_data(src, raw)
         decode_into(self.codec, raw, sh.count, buf)
 
@@ -456,10 +448,12 @@ class Server:
         sh = state.shard
         clock = int(h[P.CLOCK])
         self.counters["pushes"] += 1
-        if self.consistency == "bsp":
-            buf = self._buffer(state)
-            self._receive_gradient(src, h, state, buf)
-            self._forward(src, h, buf)
+        bsp = self.consistency == "bsp"     # bsp buffers each push until its round closes
+        buf = self._buffer(state) if bsp else \
+            P.scratch(self._scratch, (sh.ident, src), sh.count, sh.spec.dtype)
+        self._receive_gradient(src, h, state, buf)
+        self._forward(src, h, buf)
+        if bsp:
             state.clocks[src] = clock + 1
             late = clock < state.version       # only with backup workers: the round closed
             if late:
@@ -470,12 +464,6 @@ class Server:
             self._ack(src, h, clock=state.version, aux=int(late))
             self._complete_rounds(state)
         else:
-            key = (sh.ident[0], sh.ident[1], src)
-            buf = self._scratch.get(key)
-            if buf is None:
-                buf = self._scratch[key] = np.empty(sh.count, dtype=sh.spec.dtype)
-            self._receive_gradient(src, h, state, buf)
-            self._forward(src, h, buf)
             state.clocks[src] += 1
             if self.average and self.total_weight > 1:
                 np.divide(buf, self.total_weight, out=buf)
@@ -539,10 +527,6 @@ class Server:
             return self._min_clock(state) >= clock - self.staleness
         return True
 
-    def _pull(self, src: int, h: np.ndarray, state: ShardState) -> None:
-        self.counters["pulls"] += 1
-        self._answer_or_defer(src, h, state)
-
     def _answer_or_defer(self, src: int, h: np.ndarray, state: ShardState) -> None:
         """Answer pull ``h`` if the consistency model allows it now, else keep it."""
         if self._ready(state, int(h[P.CLOCK])):
@@ -563,19 +547,9 @@ class Server:
             self._reply(src, h, payload=state.param, clock=state.version, aux=stale,
                         state=state)
             return
-        data, coded = self._encoder(state).payload(src, state.param, state.version)
+        data, coded = self._pull_encoder(state).payload(src, state.param, state.version)
         self._reply(src, h, payload=data, clock=state.version, aux=stale,
                     state=state if coded else None, coded=coded)   # data never is the value
-
-    def _encoder(self, state: ShardState) -> PullEncoder:
-        """The compressed-pull state of a shard (server-side error feedback)."""
-        enc = self._encoders.get(state.shard.ident)
-        if enc is None:
-            sh = state.shard
-            enc = self._encoders[sh.ident] = PullEncoder(self.codec, sh.count, sh.spec.dtype,
-                                                         delta=state.opt.name != "sum",
-                                                         feedback=self.feedback)
-        return enc
 
     def _answer_deferred(self, state: ShardState) -> None:
         waiting, state.deferred = state.deferred, []
@@ -588,8 +562,7 @@ class Server:
         self.active.discard(src)
         self.closed.add(src)
         self._saves.pop(src, None)
-        for enc in self._encoders.values():
-            enc.forget(src)
+        self.forget_pullers([src])
         if reply:
             self._ack(src, h)
         else:
@@ -625,8 +598,7 @@ class Server:
             try:
                 write_server_file(directory, ckpt_id, self.index, list(self.states.values()))
                 if self.codec is not None:
-                    write_codec_file(directory, ckpt_id, self.comm.Get_rank(),
-                                     coder_parts(None, self._encoders, {}))
+                    write_codec_file(directory, ckpt_id, self.comm.Get_rank(), self.codec_state())
             except OSError as exc:
                 status, reason = P.Status.FAILED, f"writing the checkpoint failed: {exc}"
         for src, (h, _) in sorted(saves.items()):
@@ -636,10 +608,6 @@ class Server:
                             payload=f"server rank {self.comm.Get_rank()}: {reason}")
             else:
                 self._reply(src, h)
-
-    def load_codec_state(self, parts: dict) -> None:
-        """Restore the pull encoders saved with :func:`~mpicoll.ps.checkpoint.write_codec_file`."""
-        load_coder_parts(parts, None, lambda i: self._encoder(self.states[i]), None)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
@@ -655,13 +623,8 @@ class Server:
 
     def stats_vector(self) -> np.ndarray:
         """:meth:`stats` as the float64 vector of a STATS reply."""
-        s = self.stats()
-        head = [s["server"], s["rank"], s["shards"], s["bytes_stored"], s["pushes"], s["pulls"],
-                s["updates"], s["bytes_in"], s["bytes_out"], s["errors"], s["staleness_max"],
-                self.staleness_sum, s["staleness_count"], s["active_workers"],
-                s["late_pushes_dropped"], s["short_rounds"], s["bytes_in_uncompressed"],
-                s["bytes_out_uncompressed"]]
-        return np.array(head + s["staleness_hist"], dtype=np.float64)
+        s = dict(self.stats(), staleness_sum=self.staleness_sum)
+        return np.array([s[k] for k in P.STATS_FIELDS] + s["staleness_hist"], dtype=np.float64)
 
 
 def stats_from_vector(v: np.ndarray) -> dict:

@@ -5,18 +5,25 @@ waits for next (a list of requests, or another handle) and returns its result.
 :class:`SteppedHandle` runs it up to each wait, on the caller's thread (in ``test()`` and
 ``wait()``: no thread of its own), and keeps its result or its error for ``wait()``. A
 :class:`SteppedOwner` runs one operation at a time and waits on requests under its
-failure watch (:mod:`mpicoll.ps.failures`) when it has one.
+failure watch (:mod:`mpicoll.ps.failures`) when it has one. A :class:`CollectiveGroup`
+is an owner whose push, pull and push_pull are collective over its communicator.
 """
 from __future__ import annotations
 
-from typing import Any, Generator
+from dataclasses import dataclass
+from typing import Any, Generator, Iterator, NoReturn
 
+import numpy as np
 from mpi4py import MPI
 
 from . import protocol as P
+from .device import DevicePull, call_side, device_views, first_device, host_arrays
 from .errors import PSError
+from .failures import guarded
+from .protocol import CollOp
+from .worker import check_arrays, pull_destination
 
-__all__ = ["SteppedHandle", "SteppedOwner"]
+__all__ = ["SteppedHandle", "SteppedOwner", "GroupCall", "CollectiveGroup"]
 
 
 class SteppedHandle:
@@ -126,16 +133,12 @@ class SteppedOwner:
         flight (see :meth:`~mpicoll.ps.protocol.Backoff.pause`)."""
         if self.watch is not None:
             self.watch.wait(reqs, self.max_sleep, busy)
-            return
-        backoff = P.Backoff(max_sleep=self.max_sleep)
-        while not MPI.Request.Testall(reqs):
-            backoff.pause(busy=busy)
+        else:
+            P.wait_all(reqs, max_sleep=self.max_sleep, busy=busy)
 
     def test(self, reqs: list[MPI.Request]) -> bool:
         """Whether ``reqs`` are complete (under the failure watch when there is one)."""
-        if self.watch is None:
-            return MPI.Request.Testall(reqs)
-        return bool(self.watch.guard(lambda: MPI.Request.Testall(reqs)))
+        return bool(guarded(self.watch, lambda: MPI.Request.Testall(reqs)))
 
     def failure(self, exc: BaseException) -> BaseException:
         """The error an operation that raised ``exc`` reports: under ULFM a process
@@ -146,3 +149,98 @@ class SteppedOwner:
             self.watch.fatal(exc)
         except BaseException as error:  # noqa: BLE001  (exc itself when no failure)
             return error
+
+
+@dataclass
+class GroupCall:
+    """One rank's arguments of a collective push, pull or push_pull, checked and staged
+    (:meth:`CollectiveGroup._prepare`)."""
+
+    pushing: bool
+    pulling: bool
+    #: the gradients, in host memory (``None`` unless pushing)
+    grads: dict[str, Any] | None = None
+    #: the host arrays the pull fills (``None`` unless pulling)
+    result: dict[str, np.ndarray] | None = None
+    #: with device ``out`` arrays: their host staging arrays are ``result``
+    device: DevicePull | None = None
+    #: why this rank's arguments are bad (``None``: they are good)
+    error: str | None = None
+
+    def finish(self) -> dict[str, Any] | None:
+        """The pulled dict once the data step is done: ``result``, or the device arrays
+        (their staging arrays copied in)."""
+        if self.device is None:
+            return self.result
+        self.device.finish()
+        return self.device.arrays
+
+
+class CollectiveGroup(SteppedOwner):
+    """A :class:`SteppedOwner` whose push, pull and push_pull are collective over
+    ``comm`` (a co-located engine, a node group): each step starts with a control
+    all-gather of ``(op, clock, error flag)`` per rank, so that every rank either goes on
+    or raises the same :class:`PSError` (bad arguments are reported, never raised on one
+    rank alone). Subclasses call :meth:`_setup_group`."""
+
+    def _setup_group(self, comm: MPI.Comm) -> None:
+        self.comm = comm
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        self.clock = 0
+        self._ctrl_out = np.zeros(3, dtype=np.int64)
+        self._ctrl_in = np.zeros((self.size, 3), dtype=np.int64)
+
+    def _control(self, op: int, error: str | None) -> Iterator[list]:
+        """All-gather (op, clock, error flag); leaves the table in ``self._ctrl_in``."""
+        self._ctrl_out[:] = (int(op), self.clock, 1 if error else 0)
+        yield [self.comm.Iallgather([self._ctrl_out, MPI.INT64_T],
+                                    [self._ctrl_in, MPI.INT64_T])]
+
+    @staticmethod
+    def _refuse_bad_arguments(who: str, error: str | None, peers: str) -> NoReturn:
+        """Raise the error of a step some rank (``who``) passed bad arguments to; this
+        rank's own reason (``error``) is in it, else a pointer to the other ``peers``."""
+        mine = f": {error}" if error else f" (see the error on those {peers})"
+        raise PSError(f"{who} passed bad arguments, nothing was sent{mine}",
+                      [error] if error else [])
+
+    def _check_call(self, op: int) -> None:
+        """Refuse ``op`` on this rank before its arrays are looked at (raises
+        :class:`PSError`); nothing to refuse here."""
+
+    def _prepare(self, op: int, grads: dict[str, Any] | None, out: dict[str, Any] | None,
+                 specs: dict[str, Any]) -> GroupCall:
+        """Check this rank's arguments of ``op`` and stage them: device gradients are
+        copied to host memory now (the caller may reuse them), a pull gets its host arrays
+        (staging arrays for device ``out`` arrays). Gradients are always checked
+        (``push(check=False)`` included): once the bytes are sent there is no server left
+        to reject them. A bad argument becomes the call's ``error``."""
+        call = GroupCall(op in (CollOp.PUSH, CollOp.PUSH_PULL),
+                         op in (CollOp.PULL, CollOp.PUSH_PULL))
+        try:
+            device = call_side(grads=grads if call.pushing else None,
+                               out=out if call.pulling else None)
+            self._check_call(op)
+            if call.pushing:
+                check_arrays(specs, device_views(grads) if device else grads, complete=True,
+                             what="gradient")
+                call.grads = host_arrays(grads) if device else grads
+            if call.pulling and device:
+                call.device = DevicePull(out, first_device(grads if call.pushing else None,
+                                                           out))
+                call.result = {n: call.device.destination(n, s)[0] for n, s in specs.items()}
+            elif call.pulling:
+                call.result = {n: pull_destination(s, out) for n, s in specs.items()}
+        except PSError as exc:
+            call.error = str(exc)
+        except (TypeError, ValueError) as exc:   # reported to the group, not raised alone
+            call.error = f"{type(exc).__name__}: {exc}"
+        return call
+
+    def _advance(self, call: GroupCall, counters: dict[str, int]) -> None:
+        """After this rank's data step: a push moves its clock on; count the call."""
+        if call.pushing:
+            self.clock += 1
+            counters["pushes"] += 1
+        if call.pulling:
+            counters["pulls"] += 1

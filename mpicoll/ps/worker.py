@@ -29,12 +29,13 @@ from mpi4py import MPI
 from ..compression import Codec
 from ..runtime import failures
 from . import protocol as P
-from .compressed import PullDecoder, PushEncoder, coder_parts, load_coder_parts
+from .compressed import Coders, PullDecoder
 from .device import DevicePull, call_side, device_views, first_device, host_arrays
 from .errors import PSError
-from .placement import ParamSpec, Placement, Shard
+from .failures import guarded
+from .placement import ParamSpec, Placement
 
-__all__ = ["Handle", "WorkerClient", "pull_destination"]
+__all__ = ["Handle", "WorkerClient", "pull_destination", "check_arrays"]
 
 
 def pull_destination(spec: ParamSpec, out: dict[str, Any] | None) -> np.ndarray:
@@ -51,6 +52,32 @@ def pull_destination(spec: ParamSpec, out: dict[str, Any] | None) -> np.ndarray:
         raise PSError(f"out[{spec.name!r}] must be a writable C-contiguous {spec.dtype} "
                       f"array of shape {spec.shape}")
     return dest
+
+
+def check_arrays(specs: dict[str, ParamSpec], arrays: dict[str, Any], complete: bool,
+                 what: str) -> None:
+    """Raise :class:`PSError` unless names, shapes and dtypes match the parameters ``specs``
+    (``complete``: every parameter must be there)."""
+    if not isinstance(arrays, dict):
+        raise PSError(f"expected a dict name -> array, got {type(arrays).__name__}")
+    problems = []
+    for name in sorted(arrays, key=str):
+        arr = arrays[name]
+        spec = specs.get(name)
+        if spec is None:
+            problems.append(f"unknown key {name!r}")
+        elif not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+            problems.append(f"{name!r}: {type(arr).__name__} is not an array")
+        elif tuple(arr.shape) != spec.shape:
+            problems.append(f"{name!r}: shape {tuple(arr.shape)}, expected {spec.shape}")
+        elif np.dtype(arr.dtype) != spec.dtype:
+            problems.append(f"{name!r}: dtype {arr.dtype}, expected {spec.dtype}")
+    if complete:
+        missing = sorted(set(specs) - set(arrays))
+        if missing:
+            problems.append(f"missing {what} for {missing}")
+    if problems:
+        raise PSError(f"bad {what}s: " + "; ".join(problems), problems)
 
 
 class Handle:
@@ -137,7 +164,7 @@ class Handle:
         return self.result
 
 
-class WorkerClient:
+class WorkerClient(Coders):
     """Requests of one worker rank.
 
     Args:
@@ -165,10 +192,7 @@ class WorkerClient:
         self.adopt_version = adopt_version
         self.clock = 0
         self._seq = 0
-        self.codec = codec
-        self.pull_deltas = pull_deltas
-        self.push_encoder = None if codec is None else PushEncoder(codec, feedback)
-        self._decoders: dict[tuple[int, int], PullDecoder] = {}
+        self._setup_coders(codec, feedback, pull_deltas, pushes=True)
         self._raw: dict[tuple[int, int], np.ndarray] = {}     # compressed replies land here
         self._pending: dict[int, list] = {}   # seq -> [handle, dest, what, decoder, request]
         #: replicas: who serves each slot (None: slot s is rank s)
@@ -179,10 +203,8 @@ class WorkerClient:
         self._open: list[Handle] = []
         self._status = MPI.Status()
         self._hdr = np.empty(P.HEADER_LEN, dtype=np.int64)
-        self.counters = {"pushes": 0, "pulls": 0, "bytes_sent": 0, "bytes_received": 0,
-                         "staleness_max": 0, "staleness_sum": 0, "staleness_count": 0,
-                         "late_pushes_dropped": 0, "bytes_sent_uncompressed": 0,
-                         "bytes_received_uncompressed": 0}
+        self.counters = dict.fromkeys(P.WORKER_COUNTERS + (
+            "staleness_max", "staleness_sum", "staleness_count", "late_pushes_dropped"), 0)
 
     # ------------------------------------------------------------------ sending
     def _send(self, handle: Handle, server: int, header: np.ndarray,
@@ -200,9 +222,8 @@ class WorkerClient:
             header[P.NBYTES] = payload.nbytes
             header[P.CODED] = int(dense is not None)
         if payload is not None and payload.size:
-            self.counters["bytes_sent"] += payload.nbytes
-            self.counters["bytes_sent_uncompressed"] += \
-                payload.nbytes if dense is None else dense.nbytes
+            P.count_bytes(self.counters, "bytes_sent", payload.nbytes,
+                          payload.nbytes if dense is None else dense.nbytes)
         request = [server, -1, header, payload]      # slot, rank sent to, header, payload
         self._pending[seq] = [handle, dest, what, decoder, request]
         handle.remaining += 1
@@ -235,8 +256,8 @@ class WorkerClient:
         what = "gradient" if op == P.Op.PUSH else "value"
         device = call_side(**{"grads" if op == P.Op.PUSH else "params": arrays})
         if check:
-            self.check_arrays(device_views(arrays) if device else arrays,
-                              complete=(op == P.Op.PUSH), what=what)
+            check_arrays(self.placement.specs, device_views(arrays) if device else arrays,
+                         complete=(op == P.Op.PUSH), what=what)
         if device:
             arrays = host_arrays(arrays)
         for name in sorted(arrays):
@@ -265,30 +286,6 @@ class WorkerClient:
                     self._send(handle, sh.server, header, raw, what=sh.label(), dense=part)
                 else:
                     self._send(handle, sh.server, header, part, what=sh.label())
-
-    def check_arrays(self, arrays: dict[str, Any], complete: bool, what: str) -> None:
-        """Raise :class:`PSError` unless names, shapes and dtypes match the parameters."""
-        if not isinstance(arrays, dict):
-            raise PSError(f"expected a dict name -> array, got {type(arrays).__name__}")
-        specs = self.placement.specs
-        problems = []
-        for name in sorted(arrays, key=str):
-            arr = arrays[name]
-            spec = specs.get(name)
-            if spec is None:
-                problems.append(f"unknown key {name!r}")
-            elif not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
-                problems.append(f"{name!r}: {type(arr).__name__} is not an array")
-            elif tuple(arr.shape) != spec.shape:
-                problems.append(f"{name!r}: shape {tuple(arr.shape)}, expected {spec.shape}")
-            elif np.dtype(arr.dtype) != spec.dtype:
-                problems.append(f"{name!r}: dtype {arr.dtype}, expected {spec.dtype}")
-        if complete:
-            missing = sorted(set(specs) - set(arrays))
-            if missing:
-                problems.append(f"missing {what} for {missing}")
-        if problems:
-            raise PSError(f"bad {what}s: " + "; ".join(problems), problems)
 
     # ------------------------------------------------------------------ operations
     def init_async(self, values: dict[str, Any], check: bool = True) -> Handle:
@@ -340,7 +337,7 @@ class WorkerClient:
                                    total=spec.size, dtype=P.dtype_code(spec.dtype),
                                    offset=sh.lo, count=sh.count, shape=P.shape_code(spec.shape))
                 self._send(h, sh.server, hdr, dest=flat[sh.lo:sh.hi], what=sh.label(),
-                           decoder=self._decoder(sh))
+                           decoder=self._pull_decoder(sh))
         h.result = result
         if device is not None:
             h.add_device_pull(device)
@@ -370,25 +367,6 @@ class WorkerClient:
                        what=f"server {server}")
         return self._opened(h)
 
-    def _decoder(self, sh: Shard) -> PullDecoder | None:
-        """The decoder of compressed pulls of shard ``sh`` (``None`` without a codec)."""
-        if self.codec is None:
-            return None
-        dec = self._decoders.get(sh.ident)
-        if dec is None:
-            dec = self._decoders[sh.ident] = PullDecoder(self.codec, sh.count, sh.spec.dtype,
-                                                         self.pull_deltas)
-        return dec
-
-    def codec_state(self) -> dict:
-        """This worker's compression state (push residuals, pull replicas), for checkpoints."""
-        return coder_parts(self.push_encoder, {}, self._decoders)
-
-    def load_codec_state(self, parts: dict) -> None:
-        """Take back what :meth:`codec_state` returned (same rank, same layout)."""
-        load_coder_parts(parts, self.push_encoder, None,
-                         lambda i: self._decoder(self.placement.by_ident[i]))
-
     def _opened(self, h: Handle) -> Handle:
         self._open.append(h)
         return h
@@ -410,17 +388,15 @@ class WorkerClient:
                 pass
 
     # ------------------------------------------------------------------ receiving
-    def _watched(self, step: Any) -> bool:
-        """``step()``, under the failure watch if there is one (a failure: ``False``)."""
-        return bool(step() if self.watch is None else self.watch.guard(step, self.on_failure))
-
     def sends_done(self, handle: Handle) -> bool:
         """Whether every send of ``handle`` completed (a failure counts as not yet)."""
-        return self._watched(lambda: MPI.Request.Testall(handle._sends))
+        return bool(guarded(self.watch, lambda: MPI.Request.Testall(handle._sends),
+                            self.on_failure))
 
     def progress(self) -> bool:
-        """Receive every reply that has arrived; return whether any did."""
-        return self._watched(self._progress)
+        """Receive every reply that has arrived; return whether any did (under the failure
+        watch, if there is one: a failure is ``False``)."""
+        return bool(guarded(self.watch, self._progress, self.on_failure))
 
     def on_failure(self, failed: list[int]) -> None:
         """Ranks failed (ULFM): fatal without replicas (every survivor raises
@@ -504,18 +480,14 @@ class WorkerClient:
         """Receive a reply's payload into ``dest`` (decoding a compressed one)."""
         comm = self.comm
         if coded:
-            key = (int(self._hdr[P.KEY]), int(self._hdr[P.SHARD]))
-            raw = self._raw.get(key)
-            if raw is None or raw.size != nbytes:
-                raw = self._raw[key] = np.empty(nbytes, dtype=np.uint8)
+            raw = P.scratch(self._raw, (int(self._hdr[P.KEY]), int(self._hdr[P.SHARD])), nbytes)
             P.recv_payload(comm, raw, src, P.TAG_REPLY_DATA, self.chunk_bytes)
             decoder.apply(raw, True, dest)
         else:
             P.recv_payload(comm, dest, src, P.TAG_REPLY_DATA, self.chunk_bytes)
             if decoder is not None:
                 decoder.apply(dest, False, dest)
-        self.counters["bytes_received"] += nbytes
-        self.counters["bytes_received_uncompressed"] += dest.nbytes
+        P.count_bytes(self.counters, "bytes_received", nbytes, dest.nbytes)
 
     def _note_reply(self, hdr: np.ndarray) -> None:
         """Counters (staleness of a pull, a dropped late push) and, with backup workers,

@@ -203,13 +203,15 @@ class _PSTraining:
         out = {n: v for n, v in self._views.items() if v is not None}
         self._copy_back(self.ps.pull(out=out), out)
 
-    def _copy_back(self, values: dict[str, np.ndarray], received: dict[str, Any]) -> None:
+    def _copy_back(self, values: dict[str, np.ndarray], received: dict[str, Any],
+                   grads: bool | None = None) -> None:
         """Copy ``values`` into the tensors (``.grad`` with ``server_optimizer='sum'``, else the
-        parameters) that were not received in place."""
+        parameters; ``grads`` says which when given) that were not received in place."""
+        grads = self._local_update if grads is None else grads
         with torch.no_grad():
             for name, p in self._named.items():
                 if name not in received:
-                    target = p.grad if self._local_update else p
+                    target = p.grad if grads else p
                     target.copy_(torch.from_numpy(values[name]).to(target.device))
 
     def _grads(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -338,17 +340,11 @@ class _PSDistributedOptimizer(_PSTraining):
         """Local SGD's average over every worker: push the parameters through the servers
         (``server_optimizer='sum'`` averages what the workers push) and pull the average
         into them; every worker pulls the same bits."""
-        values, out = {}, {}
-        for name, p in self._named.items():
-            view = self._views[name]
-            values[name] = view if view is not None else _as_numpy(p)
-            if view is not None:
-                out[name] = view
+        out = {n: v for n, v in self._views.items() if v is not None}
+        values = {n: out[n] if n in out else _as_numpy(p) for n, p in self._named.items()}
         with torch.no_grad():
             result = self.ps.push_pull(values, out=out)
-            for name, p in self._named.items():
-                if name not in out:
-                    p.copy_(torch.from_numpy(result[name]).to(p.device))
+        self._copy_back(result, out, grads=False)
 
     @property
     def local_sgd(self) -> LocalSGD | None:
@@ -389,10 +385,6 @@ class _PSDistributedOptimizer(_PSTraining):
             raise
         self._local_sgd = LocalSGD(self, params, checked, Averager(self.ps.worker_comm),
                                    average_world_params=self._push_parameters)
-
-    def free(self) -> None:
-        """Release the communicators (after serve/close)."""
-        self.ps.free()
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
