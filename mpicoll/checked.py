@@ -24,6 +24,7 @@ import numpy as np
 
 from .context import CommContext
 from .errors import MismatchError, RemoteError
+from .partition import rank_ranges
 
 __all__ = ["agree", "FIELDS"]
 
@@ -72,21 +73,9 @@ def agree(ctx: CommContext, error: BaseException | None, **fields: Any) -> None:
             groups: dict[str, list[int]] = {}
             for r, v in enumerate(values):
                 groups.setdefault(v, []).append(r)
-            details.append(f"{name}: " + ", ".join(f"ranks {_ranges(rs)} have {v}"
+            details.append(f"{name}: " + ", ".join(f"ranks {rank_ranges(rs)} have {v}"
                                                    for v, rs in groups.items()))
     if details:
         raise MismatchError(f"{fields.get('collective')}: ranks disagree: " + "; ".join(details),
                             details)
 
-
-def _ranges(ranks: list[int]) -> str:
-    parts = []
-    start = prev = ranks[0]
-    for r in ranks[1:] + [None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ",".join(parts)

@@ -80,7 +80,8 @@ class Comm(MPI.Intracomm):
         return ours, send, recv
 
     def _run(self, method: str, collective: str, args: tuple, key_args: tuple) -> None:
-        """Run mpicoll's ``collective`` on parsed ``args``; cache it under the raw ones."""
+        """Run mpicoll's ``collective`` on parsed ``args``; cache it under the raw ones.
+        Returns ``None``, what the mpi4py methods return."""
         collectives.dispatch(collective, args + (self._algo(collective),), self,
                              self._mpicoll_check,
                              cache_as=("Comm." + method, key_args + (self,)))
@@ -94,8 +95,7 @@ class Comm(MPI.Intracomm):
             ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op)
         except (Unsupported, ValueError):
             return super().Allreduce(sendbuf, recvbuf, op)
-        self._run("Allreduce", "allreduce", (send, recv, ours), (sendbuf, recvbuf, op))
-        return None
+        return self._run("Allreduce", "allreduce", (send, recv, ours), (sendbuf, recvbuf, op))
 
     def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM) -> None:
         """As ``MPI.Comm.Reduce_scatter_block``, with mpicoll's reduce-scatter."""
@@ -110,9 +110,8 @@ class Comm(MPI.Intracomm):
                 send.size != recv.size * self.Get_size():     # (device: the route checks)
             raise ValueError(f"sendbuf has {send.size} elements; Reduce_scatter_block needs "
                              f"size x recvbuf = {recv.size * self.Get_size()}")
-        self._run("Reduce_scatter_block", "reduce_scatter", (send, recv, ours),
-                  (sendbuf, recvbuf, op))
-        return None
+        return self._run("Reduce_scatter_block", "reduce_scatter", (send, recv, ours),
+                         (sendbuf, recvbuf, op))
 
     def Reduce_scatter(self, sendbuf: Any, recvbuf: Any, recvcounts: Any = None,
                        op: MPI.Op = MPI.SUM) -> None:
@@ -137,8 +136,8 @@ class Comm(MPI.Intracomm):
         else:
             args = (send[:total], recv[:counts[self.Get_rank()]], ours)
         # keyed by the counts too: a list, so never cached (it could change in place)
-        self._run("Reduce_scatter", "reduce_scatter", args, (sendbuf, recvbuf, recvcounts, op))
-        return None
+        return self._run("Reduce_scatter", "reduce_scatter", args,
+                         (sendbuf, recvbuf, recvcounts, op))
 
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
         """As ``MPI.Comm.Allgather``, with mpicoll's all-gather."""
@@ -149,8 +148,7 @@ class Comm(MPI.Intracomm):
             recv = _buffer(recvbuf, "recvbuf", writable=True)
         except (Unsupported, ValueError):
             return super().Allgather(sendbuf, recvbuf)
-        self._run("Allgather", "allgather", (send, recv), (sendbuf, recvbuf))
-        return None
+        return self._run("Allgather", "allgather", (send, recv), (sendbuf, recvbuf))
 
     def Bcast(self, buf: Any, root: int = 0) -> None:
         """As ``MPI.Comm.Bcast``, with mpicoll's broadcast."""
@@ -160,8 +158,7 @@ class Comm(MPI.Intracomm):
             flat = _buffer(buf, "buf", writable=self.Get_rank() != root)
         except (Unsupported, ValueError):
             return super().Bcast(buf, root)
-        self._run("Bcast", "broadcast", (flat, root), (buf, root))
-        return None
+        return self._run("Bcast", "broadcast", (flat, root), (buf, root))
 
     def Reduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM, root: int = 0) -> None:
         """As ``MPI.Comm.Reduce``, with mpicoll's reduce."""
@@ -173,8 +170,8 @@ class Comm(MPI.Intracomm):
             ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op, with_recv=at_root)
         except (Unsupported, ValueError):
             return super().Reduce(sendbuf, recvbuf, op, root)
-        self._run("Reduce", "reduce", (send, recv, ours, root), (sendbuf, recvbuf, op, root))
-        return None
+        return self._run("Reduce", "reduce", (send, recv, ours, root),
+                         (sendbuf, recvbuf, op, root))
 
     # -- communicator management ----------------------------------------------------------
     def Dup(self, info: Any = None) -> "Comm":

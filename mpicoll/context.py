@@ -16,6 +16,7 @@ from typing import Any, Callable
 from mpi4py import MPI
 
 from . import config, fastpath, timeline, watchdog
+from .partition import rank_ranges
 from .runtime import comms, failures
 from .runtime import world as runtime_world
 from .topology import Topology
@@ -31,10 +32,8 @@ _by_handle: dict[int, "CommContext"] = {}
 
 
 def _delete_context(comm: MPI.Comm, keyval: int, ctx: "CommContext") -> None:
-    if _by_handle.get(ctx.handle) is ctx:
-        del _by_handle[ctx.handle]
     fastpath.invalidate()  # cached calls are bound to this context
-    ctx.free()
+    _drop(ctx)
 
 
 def _get_keyval() -> int:
@@ -142,17 +141,7 @@ def _comm_name(comm: MPI.Comm) -> str:
                                           MPI.COMM_WORLD.Get_group())
     except MPI.Exception:
         return f"communicator {comm.handle:#x}"
-    spans: list[str] = []
-    for rank in world:
-        if spans and rank == _span_end(spans[-1]) + 1:
-            spans[-1] = f"{spans[-1].split('-')[0]}-{rank}"
-        else:
-            spans.append(str(rank))
-    return "world ranks " + ",".join(spans)
-
-
-def _span_end(span: str) -> int:
-    return int(span.rsplit("-", 1)[-1])
+    return "world ranks " + rank_ranges(list(world))
 
 
 @atexit.register
@@ -209,6 +198,7 @@ def set_world(comm: MPI.Intracomm | None) -> None:
 
 
 def _drop(ctx: CommContext) -> None:
+    """Forget ``ctx`` (its communicator freed, or its world replaced) and free it."""
     if _by_handle.get(ctx.handle) is ctx:
         del _by_handle[ctx.handle]
     ctx.abandoned = True

@@ -267,14 +267,10 @@ def store(collective: str, args: tuple, run: Callable[[], Any], result: Any,
         output: the numpy array written by ``run``; re-checked for writability on a hit.
     """
     global _held_bytes
-    nbytes = 0
-    for arg in args:
-        held = _cacheable(arg)
-        if held is None:
-            return
-        nbytes += held
-    if nbytes > MAX_BYTES // 4:
+    held = [_cacheable(arg) for arg in args]
+    if None in held or sum(held) > MAX_BYTES // 4:
         return
+    nbytes = sum(held)
     call_key = key(collective, *args)
     out = output if type(output) is np.ndarray else None
     with _lock:

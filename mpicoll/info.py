@@ -116,11 +116,8 @@ def _torch() -> dict:
     out: dict[str, Any] = {"installed": True, "version": torch.__version__,
                            "cuda_build": torch.version.cuda,
                            "cuda_available": bool(torch.cuda.is_available())}
-    if out["cuda_available"]:
-        out["devices"] = [torch.cuda.get_device_name(i)
-                          for i in range(torch.cuda.device_count())]
-    else:
-        out["devices"] = []
+    count = torch.cuda.device_count() if out["cuda_available"] else 0
+    out["devices"] = [torch.cuda.get_device_name(i) for i in range(count)]
     return out
 
 

@@ -5,8 +5,10 @@ elements per block and one more for the first ``count % n`` blocks.
 """
 from __future__ import annotations
 
+from itertools import groupby
+
 __all__ = ["block_bounds", "segment_count", "segment_bounds", "lowbit", "tree_parent",
-           "tree_children", "subtree_size", "Fold"]
+           "tree_children", "subtree_size", "Fold", "rank_ranges", "is_power_of_two"]
 
 
 def block_bounds(count: int, nblocks: int) -> list[int]:
@@ -14,10 +16,7 @@ def block_bounds(count: int, nblocks: int) -> list[int]:
     if nblocks <= 0:
         raise ValueError(f"nblocks must be positive, got {nblocks}")
     base, extra = divmod(count, nblocks)
-    bounds = [0] * (nblocks + 1)
-    for i in range(nblocks):
-        bounds[i + 1] = bounds[i] + base + (1 if i < extra else 0)
-    return bounds
+    return [i * base + min(i, extra) for i in range(nblocks + 1)]
 
 
 def segment_count(largest_block: int, itemsize: int, segment_bytes: int) -> int:
@@ -29,6 +28,11 @@ def segment_count(largest_block: int, itemsize: int, segment_bytes: int) -> int:
 def segment_bounds(lo: int, hi: int, nseg: int) -> list[int]:
     """Offsets of ``nseg`` array_split segments of the range ``[lo, hi)``."""
     return [lo + b for b in block_bounds(hi - lo, nseg)]
+
+
+def is_power_of_two(n: int) -> bool:
+    """Whether ``n`` is 1, 2, 4, 8, ..."""
+    return n > 0 and n & (n - 1) == 0
 
 
 def lowbit(v: int) -> int:
@@ -92,3 +96,13 @@ class Fold:
     def first(self, newrank: int) -> int:
         """First original rank participant ``newrank`` stands for (``first(p) == size``)."""
         return 2 * newrank if newrank < self.rem else newrank + self.rem
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """``ranks`` with runs of consecutive ranks as spans: ``[0, 2, 4, 5, 6, 7]`` ->
+    ``"0,2,4-7"``."""
+    spans = []
+    for _, run in groupby(enumerate(ranks), lambda p: p[1] - p[0]):   # r - i: one per run
+        run = [r for _, r in run]
+        spans.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ",".join(spans)

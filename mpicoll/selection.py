@@ -19,15 +19,12 @@ from . import config, tuning
 from .algorithms.allreduce_hierarchical import cross_node_message
 from .algorithms.registry import is_registered, names
 from .context import CommContext
+from .partition import is_power_of_two
 
 __all__ = ["choose", "builtin_choice", "resolve_algorithm", "inner_allreduce",
            "algorithm_options"]
 
 KiB = 1024
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n & (n - 1) == 0
 
 
 def choose(collective: str, size: int, ranks_per_node: int, nbytes: int) -> str:
@@ -66,7 +63,7 @@ def builtin_choice(collective: str, size: int, ranks_per_node: int, nbytes: int)
             return "recursive_doubling" if nbytes <= 64 * KiB else "hierarchical"
         if nbytes <= 4 * KiB:
             return "recursive_doubling"
-        if nbytes <= 512 * KiB or (_is_power_of_two(size) and nbytes <= 4096 * KiB):
+        if nbytes <= 512 * KiB or (is_power_of_two(size) and nbytes <= 4096 * KiB):
             return "rabenseifner"
         return "ring"
     if collective == "reduce_scatter":

@@ -167,9 +167,7 @@ def merge(path: str | os.PathLike, size: int | None = None, keep_parts: bool = F
                        key=lambda p: int(p.name.rsplit(".rank", 1)[1]))
     else:
         parts = [p for p in (_part(os.fspath(path), r) for r in range(size)) if p.exists()]
-    trace: list[dict] = []
-    for part in parts:
-        trace.extend(_part_events(part))
+    trace = [event for part in parts for event in _part_events(part)]
     path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}) + "\n",
                     encoding="utf-8")
     if not keep_parts:

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from . import config, fastpath
+from .partition import is_power_of_two
 
 __all__ = ["FORMAT", "TuningTable", "load_table", "default_table_path", "default_table",
            "use_table", "active_table", "rules_from_timings", "slowdowns", "merge_tables",
@@ -57,11 +58,6 @@ _lock = threading.Lock()
 _file_cache: dict[str, "TuningTable | ValueError"] = {}
 _override: "TuningTable | None" = None
 _override_set = False
-_warned: set[str] = set()
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def _spans_nodes(ranks_per_node: int, size: int) -> bool | None:
@@ -160,10 +156,8 @@ class TuningTable:
     def _entry(self, collective: str, size: int,
                ranks_per_node: int) -> tuple[list[float], list[str]] | None:
         key = (collective, size, ranks_per_node)
-        try:
+        if key in self._cache:
             return self._cache[key]
-        except KeyError:
-            pass
         entries = self._entries.get(collective, {})
         found = None
         sizes = sorted({s for s, _ in entries})
@@ -171,7 +165,7 @@ class TuningTable:
             pick = size
         else:
             same_kind = [s for s in sizes
-                         if _is_power_of_two(s) == _is_power_of_two(size)
+                         if is_power_of_two(s) == is_power_of_two(size)
                          and s <= 2 * size and size <= 2 * s]
             pick = min(same_kind, key=lambda s: (abs(s - size), -s)) if same_kind else None
         if pick is not None:
@@ -252,7 +246,6 @@ def clear_cache() -> None:
     fastpath.invalidate()
     with _lock:
         _file_cache.clear()
-        _warned.clear()
 
 
 def default_table_path() -> Path:
@@ -260,26 +253,21 @@ def default_table_path() -> Path:
     return Path(__file__).with_name("tuning_default.json")
 
 
-_DEFAULT_PATH = str(Path(__file__).with_name("tuning_default.json"))
+_DEFAULT_PATH = str(default_table_path())
 
 
 def default_table() -> TuningTable | None:
-    """The shipped table, or ``None`` if it is missing or invalid (logged once)."""
-    hit = _file_cache.get(_DEFAULT_PATH)
-    if isinstance(hit, TuningTable):
-        return hit
-    if isinstance(hit, ValueError):
+    """The shipped table, or ``None`` if it is missing or invalid (logged once: the
+    error is cached with the file, :func:`load_table`)."""
+    if isinstance(_file_cache.get(_DEFAULT_PATH), ValueError):
         return None
     try:
         return load_table(_DEFAULT_PATH)
     except ValueError as exc:
-        with _lock:
-            first = "default" not in _warned
-            _warned.add("default")
-        if first:  # a missing file (a source checkout without one) is not worth a warning
-            missing = not os.path.exists(_DEFAULT_PATH)
-            log.log(logging.DEBUG if missing else logging.WARNING,
-                    "ignoring the default tuning table: %s", exc)
+        # a missing file (a source checkout without one) is not worth a warning
+        missing = not os.path.exists(_DEFAULT_PATH)
+        log.log(logging.DEBUG if missing else logging.WARNING,
+                "ignoring the default tuning table: %s", exc)
         return None
 
 

@@ -27,6 +27,7 @@ counting in :mod:`mpicoll.tracking`; everything else happens on the watchdog thr
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import sys
@@ -115,10 +116,8 @@ class Watched:
         return f"rank {rank}" if world == rank else f"rank {rank} (world rank {world})"
 
     def send(self, obj: Any, dest: int, tag: int) -> None:
-        try:
+        with contextlib.suppress(MPI.Exception):  # a peer already gone: nothing to tell it
             self.sends.append(self.comm.isend(obj, dest=dest, tag=tag))
-        except MPI.Exception:  # a peer already gone: nothing to tell it
-            pass
 
     def free(self) -> None:
         comms.free(self.comm)
@@ -194,7 +193,7 @@ def announce_exit() -> None:
         return
     with _lock:
         for w in list(_watched):
-            if _peer_failed(w):
+            if failures.peer_failed(w.comm):   # ULFM knows a peer to have failed
                 _drop_failed(w, MPI.Exception(failures.PROC_FAILED))
                 continue
             _collect_left(w)
@@ -218,11 +217,6 @@ def announce_exit() -> None:
             if not waiting or time.monotonic() >= deadline:
                 break
             time.sleep(0.001)
-
-
-def _peer_failed(w: Watched) -> bool:
-    """Whether ULFM knows a peer of ``w`` to have failed (never without ULFM on)."""
-    return failures.peer_failed(w.comm)
 
 
 def _collect_left(w: Watched) -> None:

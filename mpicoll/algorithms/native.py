@@ -47,19 +47,9 @@ def _user_op(dtype: np.dtype, op: Any) -> tuple[MPI.Datatype, MPI.Op]:
         return found
 
 
-_types_cache: dict[Any, tuple[MPI.Datatype, MPI.Op]] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def native_types(dtype: np.dtype, op: Any) -> tuple[MPI.Datatype, MPI.Op]:
     """The (datatype, op) pair native MPI reduces ``dtype`` with under ``op`` (cached)."""
-    key = (dtype, op)
-    found = _types_cache.get(key)
-    if found is None:
-        found = _types_cache[key] = _native_types(dtype, op)
-    return found
-
-
-def _native_types(dtype: np.dtype, op: Any) -> tuple[MPI.Datatype, MPI.Op]:
     name = getattr(op, "name", None)
     if name in _NATIVE_KINDS and dtype.kind in _NATIVE_KINDS[name] and dtype != np.float16:
         datatype = MPI._typedict.get(dtype.char)  # the predefined type (dtlib's are dups)

@@ -57,16 +57,10 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, compression: 
             ``IN_PLACE``/``None`` when it is already at position ``rank`` of ``recvbuf``.
         recvbuf: ``size`` times as many elements, same dtype; ``None`` allocates one shaped
             ``(size * sendbuf.shape[0], *sendbuf.shape[1:])`` (``(size,)`` for 0-d input).
-        comm: mpi4py intracommunicator (``None``: ``COMM_WORLD``).
-        compression: a codec name (``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``,
-            ``"onebit"``, ``"topk:RATIO"``, ``"randomk:RATIO"``), a
-            :class:`~mpicoll.compression.codecs.Codec`, or ``"auto"`` (the candidate the
-            time model predicts fastest, as for :func:`~mpicoll.compression.allreduce`).
+        comm, compression, key, check: as for :func:`~mpicoll.compression.allreduce`.
         feedback: error feedback on this rank's block. ``None`` (default) and ``False``:
             off (see the module docstring); ``True``: on, the residual kept with the input
             array object; an :class:`ErrorFeedback`: on, kept there under ``key``.
-        key: the residual's key in an explicit ``feedback`` object.
-        check: the agreement step of :func:`~mpicoll.compression.allreduce`.
     Returns:
         The gathered array (``recvbuf`` when given), the same bits on every rank (a rank's
         own block too is its decoded payload). :func:`~mpicoll.compression.last_stats`

@@ -20,6 +20,7 @@ from ..checked import agree
 from ..context import CommContext
 from ..gpu import arrays as device_arrays
 from . import namespace
+from .namespace import side
 from .auto import codec_from_spec
 from .codecs import Codec
 from .feedback import ErrorFeedback, tensor_feedback
@@ -108,12 +109,6 @@ def array_view(a: Any, argname: str, writable: bool = False) -> Any:
     if not isinstance(a, np.ndarray) and not buffers.is_array(a) and device_arrays.is_device(a):
         a = namespace.as_module_array(a, namespace.array_module(a))
     return buffers.flat_view(a, argname, writable=writable)
-
-
-def side(a: Any) -> str:
-    """Where array ``a`` lives, in words (for errors)."""
-    xp = namespace.array_module(a)
-    return "in host memory" if namespace.is_host_module(xp) else f"a {xp.__name__} array"
 
 
 def check_side(out: Any, x: Any) -> None:

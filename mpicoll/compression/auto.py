@@ -43,8 +43,7 @@ from .codecs import Codec, get_codec
 from .cost_model import DEFAULT_CANDIDATES, Choice, Layout, ModelInputs, choose
 from . import namespace, probe
 
-__all__ = ["Auto", "AUTO", "codec_from_spec", "is_auto", "model_inputs", "model_layout",
-           "resolve"]
+__all__ = ["Auto", "AUTO", "codec_from_spec", "is_auto", "model_layout", "resolve"]
 
 #: The spec's name.
 AUTO = "auto"
@@ -215,18 +214,10 @@ def _table_link() -> tuple[float, float, str] | None:
     return latency, bandwidth, f"tuning table {table.source}"
 
 
-def model_inputs(ctx: CommContext, auto: Auto, like: Any = None) -> ModelInputs:
-    """The agreed model inputs of ``auto``'s candidates on ``ctx`` (collective the first
-    time per communicator, candidate list, link source and array module; cached).
-
-    Args:
-        like: an array of the module the collective runs in (numpy when ``None``).
-    """
-    return _state(ctx, auto, like).inputs
-
-
 def _state(ctx: CommContext, auto: Auto, like: Any) -> _State:
-    like = np.empty(0, np.float32) if like is None else like
+    """The agreed model inputs of ``auto``'s candidates on ``ctx`` (collective the first
+    time per communicator, candidate list, link source and array module of ``like``, an
+    array of the module the collective runs in; cached)."""
     module = namespace.array_module(like).__name__
     given = None if auto.latency is None else (auto.latency, auto.bandwidth, "given")
     key = ("compression.auto", module, auto.candidates, given)

@@ -124,22 +124,15 @@ def pairwise_row_sums(xp: Any, rows: Any) -> Any:
     width = rows.shape[1]
     if width == 0:
         return xp.zeros(rows.shape[0], dtype=rows.dtype)
-    if 1 < width <= NARROW_ROWS:
-        cols = xp.ascontiguousarray(rows.T)       # column j of rows is cols[j]
-        while width > 1:
-            half = width // 2
-            xp.add(cols[:half], cols[half:2 * half], out=cols[:half])
-            if width % 2:
-                xp.add(cols[:1], cols[width - 1:width], out=cols[:1])
-            width = half
-        return cols[0]
+    # column j of rows is cols[j] (a column-major copy, or a view)
+    cols = xp.ascontiguousarray(rows.T) if 1 < width <= NARROW_ROWS else rows.T
     while width > 1:
         half = width // 2
-        xp.add(rows[:, :half], rows[:, half:2 * half], out=rows[:, :half])
+        xp.add(cols[:half], cols[half:2 * half], out=cols[:half])
         if width % 2:
-            xp.add(rows[:, :1], rows[:, width - 1:width], out=rows[:, :1])
+            xp.add(cols[:1], cols[width - 1:width], out=cols[:1])
         width = half
-    return rows[:, 0]
+    return cols[0]
 
 
 #: Widest rows :func:`pairwise_row_sums` sums column-major (numpy, 2^17 elements, one
@@ -413,6 +406,21 @@ class _ChunkedCodec(Codec):
         full = a.size // self.chunk * self.chunk
         return a[:full].reshape(-1, self.chunk), a[full:]
 
+    def _scaled(self, xp: Any, values: tuple[Any, Any], scales: Any, out: Any) -> None:
+        """Chunk ``k`` of flat ``out`` = chunk ``k`` of ``values`` (:meth:`_rows`: the full
+        chunks, then the tail) times ``scales[k]``, computed in float32 (``scales``'
+        dtype), then stored in ``out``'s dtype: the same bits whichever module and output
+        dtype."""
+        nfull = values[0].shape[0]
+        for v, sc, o in zip(values, (scales[:nfull, None], scales[nfull:nfull + 1]),
+                            self._rows(out)):
+            if not v.size:
+                continue
+            if o.dtype == np.float32:
+                xp.multiply(v, sc, out=o)
+            else:
+                xp.copyto(o, xp.multiply(v, sc))
+
 
 class Int8Codec(_ChunkedCodec):
     """int8 with one float32 scale per chunk: ``q = round(x * (1/s))``, ``s = max|x| / 127``.
@@ -490,22 +498,7 @@ class Int8Codec(_ChunkedCodec):
     def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
         scales, q = payload
         for lo, hi, k0 in self._blocks(xp, count):
-            qf, qt = self._rows(q[lo:hi])
-            of, ot = self._rows(out[lo:hi])
-            nfull = qf.shape[0]
-            if nfull:
-                _scaled(xp, qf, scales[k0:k0 + nfull, None], of)
-            if qt.size:
-                _scaled(xp, qt, scales[k0 + nfull:k0 + nfull + 1], ot)
-
-
-def _scaled(xp: Any, values: Any, scales: Any, out: Any) -> None:
-    """``out = values * scales`` computed in float32 (``scales``' dtype), then stored in
-    ``out``'s dtype: the same bits whichever module and output dtype."""
-    if out.dtype == np.float32:
-        xp.multiply(values, scales, out=out)
-    else:
-        xp.copyto(out, xp.multiply(values, scales))
+            self._scaled(xp, self._rows(q[lo:hi]), scales[k0:], out[lo:hi])
 
 
 def _check_step(step: Any) -> int:
@@ -588,14 +581,8 @@ class OneBitCodec(_ChunkedCodec):
 
     def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
         scales, bits = payload
-        for lo, hi, k0, (sf, st) in self._unpacked(xp, bits, count, "onebit.signs",
-                                                   _SIGN_TABLE):
-            of, ot = self._rows(out[lo:hi])
-            nfull = sf.shape[0]
-            if nfull:
-                _scaled(xp, sf, scales[k0:k0 + nfull, None], of)
-            if st.size:
-                _scaled(xp, st, scales[k0 + nfull:k0 + nfull + 1], ot)
+        for lo, hi, k0, rows in self._unpacked(xp, bits, count, "onebit.signs", _SIGN_TABLE):
+            self._scaled(xp, rows, scales[k0:], out[lo:hi])
 
 
 def _pack_signs(xp: Any, xb: Any, neg: Any, bits: Any, lo: int) -> None:

@@ -46,11 +46,9 @@ class ErrorFeedback:
         """The stored residual of ``key`` (``None`` if there is none yet)."""
         return self._residuals.get(key)
 
-    def check(self, key: Hashable, x: np.ndarray) -> None:
-        """Raise ``ValueError`` if the residual stored for ``key`` does not fit ``x``."""
-        self._check(key, x)
-
-    def _check(self, key: Hashable, x: np.ndarray) -> np.ndarray | None:
+    def check(self, key: Hashable, x: np.ndarray) -> np.ndarray | None:
+        """Raise ``ValueError`` if the residual stored for ``key`` does not fit ``x``;
+        return it (``None`` if there is none yet)."""
         res = self._residuals.get(key)
         if res is not None and (res.size != x.size or res.dtype != x.dtype):
             raise ValueError(f"feedback: the residual stored for key={key!r} has {res.size} "
@@ -58,8 +56,8 @@ class ErrorFeedback:
                              f"use one key per tensor (key=...) or reset(key)")
         if res is not None and namespace.array_module(res) is not namespace.array_module(x):
             raise ValueError(f"feedback: the residual stored for key={key!r} is "
-                             f"{_side(res)} but the tensor is {_side(x)}; use one key per "
-                             f"tensor (key=...) or reset(key)")
+                             f"{namespace.side(res)} but the tensor is {namespace.side(x)}; "
+                             f"use one key per tensor (key=...) or reset(key)")
         return res
 
     def compensate(self, key: Hashable, x: np.ndarray, out: np.ndarray | None = None
@@ -69,7 +67,7 @@ class ErrorFeedback:
         Raises:
             ValueError: the stored residual does not match ``x``'s size and dtype.
         """
-        res = self._check(key, x)
+        res = self.check(key, x)
         xp = namespace.array_module(x)
         if out is None:
             out = xp.empty(x.size, dtype=x.dtype)
@@ -81,7 +79,7 @@ class ErrorFeedback:
 
     def buffer(self, key: Hashable, x: np.ndarray) -> np.ndarray:
         """The residual array of ``key`` to overwrite in place (allocated on first use)."""
-        res = self._check(key, x)
+        res = self.check(key, x)
         if res is None:
             res = self._residuals[key] = namespace.array_module(x).zeros(x.size, dtype=x.dtype)
         return res
@@ -149,11 +147,6 @@ class _TensorFeedback(ErrorFeedback):
         with self._lock:
             self._refs.pop(k, None)
             self._residuals.pop(k, None)
-
-
-def _side(a: Any) -> str:
-    xp = namespace.array_module(a)
-    return "in host memory" if xp is np else f"a {xp.__name__} array"
 
 
 _TENSOR_FEEDBACK = _TensorFeedback()

@@ -15,7 +15,7 @@ from ..gpu.array_modules import (array_module, as_module_array, constant, is_hos
                                  to_device, to_host, to_side)
 
 __all__ = ["array_module", "is_host_module", "as_module_array", "to_host", "to_device", "to_side",
-           "constant", "block_elements"]
+           "constant", "block_elements", "side"]
 
 
 def block_elements(xp: Any, default: int) -> int | None:
@@ -23,3 +23,9 @@ def block_elements(xp: Any, default: int) -> int | None:
     on the host (temporaries stay in cache), ``None`` (the whole vector in one block:
     fewer kernel launches) on a device."""
     return default if xp is np else None
+
+
+def side(a: Any) -> str:
+    """Where array ``a`` lives, in words (for errors)."""
+    xp = array_module(a)
+    return "in host memory" if xp is np else f"a {xp.__name__} array"

@@ -85,9 +85,7 @@ def resolve_layout(ctx: CommContext, layout: str, device: bool = False) -> str:
                          "or 'auto' (flat for device arrays)")
     if layout != "auto":
         return layout
-    if device:
-        return "flat"
-    if ctx.size == 1:
+    if device or ctx.size == 1:
         return "flat"
     topo = ctx.topology
     return "node" if topo.num_nodes > 1 and max(topo.node_sizes) > 1 else "flat"

@@ -209,22 +209,14 @@ def agree_inputs(comm: MPI.Intracomm, enc: dict[str, Speed], dec: dict[str, Spee
             ``None``: 1).
     """
     names = list(enc)
-    row = []
-    for n in names:
-        row += [enc[n].overhead, 1.0 / enc[n].rate, dec[n].overhead, 1.0 / dec[n].rate]
-    row += [add.overhead, 1.0 / add.rate, float(link[0]), float(link[1]),
-            -(1.0 if share is None else float(share))]
+    speeds = [s for n in names for s in (enc[n], dec[n])] + [add]   # as (overhead, 1/rate)
+    row = [x for s in speeds for x in (s.overhead, 1.0 / s.rate)]
+    row += [float(link[0]), float(link[1]), -(1.0 if share is None else float(share))]
     mine = np.array(row, dtype=np.float64)
     agreed = np.empty_like(mine)
     comm.Allreduce(mine, agreed, op=MPI.MAX)
-    a = agreed.tolist()
-    enc_a, dec_a = {}, {}
-    for i, n in enumerate(names):
-        o = 4 * i
-        enc_a[n] = Speed(a[o], 1.0 / a[o + 1])
-        dec_a[n] = Speed(a[o + 2], 1.0 / a[o + 3])
-    o = 4 * len(names)
-    add_a = Speed(a[o], 1.0 / a[o + 1])
-    latency, per_byte = a[o + 2], a[o + 3]
+    *pairs, latency, per_byte, minus_share = agreed.tolist()
+    got = [Speed(pairs[i], 1.0 / pairs[i + 1]) for i in range(0, len(pairs), 2)]
     bandwidth = 1.0 / per_byte if per_byte > 0 else math.inf
-    return ModelInputs(latency, bandwidth, enc_a, dec_a, add_a, source, -a[o + 4])
+    return ModelInputs(latency, bandwidth, dict(zip(names, got[0:-1:2])),
+                       dict(zip(names, got[1:-1:2])), got[-1], source, -minus_share)

@@ -57,18 +57,11 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
             does).
         recvbuf: this rank's block (any shape with that many elements, same dtype);
             ``None`` allocates a flat array.
-        op: ``"sum"`` or ``"average"`` (sum, then one division by the world size).
-        comm: mpi4py intracommunicator (``None``: ``COMM_WORLD``).
-        compression: a codec name (``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``,
-            ``"onebit"``, ``"topk:RATIO"``, ``"randomk:RATIO"``), a
-            :class:`~mpicoll.compression.codecs.Codec`, or ``"auto"`` (the candidate the
-            time model predicts fastest, as for :func:`~mpicoll.compression.allreduce`).
+        op, comm, compression, key, check: as for :func:`~mpicoll.compression.allreduce`.
         feedback: error feedback, as for :func:`~mpicoll.compression.allreduce` (on by
             default for lossy codecs); the residual has the size of ``sendbuf``.
-        key: the residual's key in an explicit ``feedback`` object.
         segment_bytes: largest piece of the uncompressed input per message (default
             4 MiB; dense codecs).
-        check: the agreement step of :func:`~mpicoll.compression.allreduce`.
     Returns:
         This rank's block of the result (``recvbuf`` when given; in place the first
         elements of ``recvbuf``). :func:`~mpicoll.compression.last_stats` then reports the

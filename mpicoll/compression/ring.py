@@ -48,6 +48,7 @@ payloads directly; that is not done (the host buffers are used whatever MPI is).
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -55,7 +56,7 @@ from mpi4py import MPI
 
 from .. import buffers
 from . import namespace
-from ..partition import block_bounds, segment_bounds
+from ..partition import block_bounds, segment_bounds, segment_count
 from .codecs import Codec, layout_nbytes, payload_views
 
 __all__ = ["Sent", "encode_to_host", "add_pairs", "side_key", "flat_allreduce", "dense_ring",
@@ -103,36 +104,27 @@ class _RingPlan:
         self.xp = xp = namespace.array_module(like)
         bb = block_bounds(count, n)
         largest = max(bb[i + 1] - bb[i] for i in range(n))
-        per = max(1, seg_bytes // dtype.itemsize)
-        self.nseg = nseg = max(1, -(-largest // per))
+        self.nseg = nseg = segment_count(largest, dtype.itemsize, seg_bytes)
         self.segb = [segment_bounds(bb[b], bb[b + 1], nseg) for b in range(n)]
         # layout and wire bytes of every (block, segment)
         self.layout = [[codec.layout(self.segb[b][j + 1] - self.segb[b][j], dtype)
                         for j in range(nseg)] for b in range(n)]
         self.nbytes = [[layout_nbytes(lay) for lay in row] for row in self.layout]
         # gather area: every block's final payloads back to back, block by block
-        self.goff = []
-        off = 0
-        for b in range(n):
-            row = []
-            for j in range(nseg):
-                row.append(off)
-                off += self.nbytes[b][j] if gathers else 0
-            self.goff.append(row)
-        self.gather = np.empty(off, dtype=np.uint8)
+        starts = list(accumulate((nb if gathers else 0 for row in self.nbytes for nb in row),
+                                 initial=0))
+        self.goff = [starts[b * nseg:(b + 1) * nseg] for b in range(n)]
+        self.gather = np.empty(starts[-1], dtype=np.uint8)
         maxseg = max(self.segb[b][j + 1] - self.segb[b][j] for b in range(n)
                      for j in range(nseg))
         maxwire = max(max(row) for row in self.nbytes)
         self.recv = [np.empty(maxwire, dtype=np.uint8) for _ in range(2)]
         # send area: the blocks this rank sends in the reduce-scatter (steps 0..n-2)
         sent = [first] + [(first - s - 1) % n for s in range(n - 2)] if n > 1 else []
-        self.soff = {}
-        off = 0
-        for b in sent:
-            for j in range(nseg):
-                self.soff[(b, j)] = off
-                off += self.nbytes[b][j]
-        self.send = np.empty(off, dtype=np.uint8)
+        units = [(b, j) for b in sent for j in range(nseg)]
+        starts = list(accumulate((self.nbytes[b][j] for b, j in units), initial=0))
+        self.soff = dict(zip(units, starts))
+        self.send = np.empty(starts[-1], dtype=np.uint8)
         # on the vector's side: decoded sums, round trips, and (device) encoded payloads
         self.dec = xp.empty(maxseg, dtype=dtype)
         self.rt = xp.empty(maxseg, dtype=dtype)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from ..errors import HostsUpdatedInterrupt, ProcessFailedError, TooFewRanksError
 from . import grow as _grow
+from . import shrink as _shrink
 from .discovery import DiscoveryError, HostsAddedInterrupt
 from .grow import Growth, GrowthError, grow_world
 from .runner import run, run_fn
@@ -53,6 +54,4 @@ def last_growth() -> Growth | None:
 
 def last_recovery() -> Recovery | None:
     """The latest recovery of this process, with its phases' durations (``None``: none)."""
-    from . import shrink as world_module  # noqa: PLC0415
-
-    return world_module.last_recovery
+    return _shrink.last_recovery

@@ -19,6 +19,7 @@ cheaply.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -89,16 +90,12 @@ def restart_count() -> int:
 
 def _fsync_dir(path: Path) -> None:
     """Make a rename in ``path`` durable (where the platform allows opening a directory)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def save(payload: bytes) -> None:

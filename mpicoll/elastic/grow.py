@@ -153,14 +153,19 @@ def launch_size() -> int:
     return joined["launch_size"] if joined else MPI.COMM_WORLD.Get_size()
 
 
-def _hello(merged: MPI.Intracomm) -> dict[str, Any]:
-    """Rank 0's facts for the new ranks (collective over the merged world)."""
-    return merged.bcast({"launch_size": launch_size()} if merged.Get_rank() == 0 else None)
-
-
-def _switch(merged: MPI.Intracomm) -> None:
+def _merge(inter: MPI.Intercomm, old_size: int, spawn_s: float,
+           joining: bool) -> tuple[Growth, dict[str, Any]]:
+    """Steps 2-4 (collective over the running and the new ranks): merge ``inter`` (the
+    running ranks first), rank 0's facts for the new ranks (the hello), switch the world.
+    Returns the growth (``last_growth``) and the facts."""
+    start = time.perf_counter()
+    merged = comms.merge(inter, high=joining)
+    merged_at = time.perf_counter()
+    facts = merged.bcast({"launch_size": launch_size()} if merged.Get_rank() == 0 else None)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     context.set_world(merged)
+    return Growth(old_size, merged.Get_size(), merged.Get_rank(), spawn_s, merged_at - start,
+                  time.perf_counter() - merged_at, joined=joining), facts
 
 
 def grow_world(new_size: int) -> Growth:
@@ -197,17 +202,10 @@ def grow_world(new_size: int) -> Growth:
                               f"'--oversubscribe')") from exc
     finally:
         info.Free()
-    spawned = time.perf_counter()
-    merged = comms.merge(inter, high=False)
-    merged_at = time.perf_counter()
-    _hello(merged)
-    _switch(merged)
-    done = time.perf_counter()
-    last_growth = Growth(size, merged.Get_size(), merged.Get_rank(), spawned - start,
-                         merged_at - spawned, done - merged_at)
+    last_growth, _ = _merge(inter, size, time.perf_counter() - start, joining=False)
     log.info("rank %d: world grew from %d to %d ranks (spawn %.3f s, merge %.3f s)",
-                merged.Get_rank(), size, merged.Get_size(), spawned - start,
-                merged_at - spawned)
+             last_growth.rank, size, last_growth.new_size, last_growth.spawn_s,
+             last_growth.merge_s)
     return last_growth
 
 
@@ -226,13 +224,6 @@ def join(options: list[str], program: list[str]) -> None:
         raise RuntimeError(f"python -m {JOINER} starts the processes that join a running "
                            f"job (mpicoll.elastic.grow); this one has no parent job")
     _program = (list(options), list(program))
-    start = time.perf_counter()
-    merged = comms.merge(parent, high=True)
-    merged_at = time.perf_counter()
-    joined = _hello(merged)
-    _switch(merged)
-    last_growth = Growth(parent.Get_remote_size(), merged.Get_size(), merged.Get_rank(),
-                         0.0, merged_at - start, time.perf_counter() - merged_at,
-                         joined=True)
-    log.info("rank %d: joined a running job of %d ranks (now %d)", merged.Get_rank(),
-             parent.Get_remote_size(), merged.Get_size())
+    last_growth, joined = _merge(parent, parent.Get_remote_size(), 0.0, joining=True)
+    log.info("rank %d: joined a running job of %d ranks (now %d)", last_growth.rank,
+             last_growth.old_size, last_growth.new_size)

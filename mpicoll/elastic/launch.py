@@ -230,8 +230,7 @@ class Supervisor:
             argv = self.command_line(hosts, np)
             self.event("launch", restart=restart, np=np, hosts=[str(h) for h in hosts],
                        argv=argv)
-            print(f"mpicoll.elastic.launch: launch {restart} with {np} rank(s) on "
-                  f"{', '.join(map(str, hosts))}", file=sys.stderr, flush=True)
+            _say(f"launch {restart} with {np} rank(s) on {', '.join(map(str, hosts))}")
             try:
                 proc = start_job(argv, self.job_env(restart))
             except OSError as exc:
@@ -241,8 +240,7 @@ class Supervisor:
             rc = wait_job(proc, lambda: self.stop_signal is not None)
             if rc is None:
                 self.event("stop", signal=self.stop_signal)
-                print(f"mpicoll.elastic.launch: stopped by signal {self.stop_signal}; "
-                      f"the job was ended", file=sys.stderr, flush=True)
+                _say(f"stopped by signal {self.stop_signal}; the job was ended")
                 return 128 + int(self.stop_signal or 0)
             self.event("exit", restart=restart, rc=rc)
             if rc == 0:
@@ -254,10 +252,13 @@ class Supervisor:
                              f"{a.max_restarts} restart(s) allowed (--max-restarts), "
                              f"giving up")
             restart += 1
-            print(f"mpicoll.elastic.launch: the job failed (exit status {rc}); "
-                  f"relaunching from the last commit in {self.commit_dir} "
-                  f"(restart {restart} of at most {a.max_restarts})",
-                  file=sys.stderr, flush=True)
+            _say(f"the job failed (exit status {rc}); relaunching from the last commit in "
+                 f"{self.commit_dir} (restart {restart} of at most {a.max_restarts})")
+
+
+def _say(message: str) -> None:
+    """Tell the user (stderr, at once)."""
+    print(f"mpicoll.elastic.launch: {message}", file=sys.stderr, flush=True)
 
 
 def _in_slurm_allocation() -> bool:
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                                             and _in_slurm_allocation()):
             find_mpiexec(args.mpiexec)
     except LaunchError as exc:
-        print(f"mpicoll.elastic.launch: error: {exc}", file=sys.stderr)
+        _say(f"error: {exc}")
         return 2
     temporary = args.commit_dir is None
     commit_dir = Path(tempfile.mkdtemp(prefix="mpicoll-elastic-") if temporary
@@ -315,10 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         return supervisor.run()
     except (GaveUp, LaunchError) as exc:
         if supervisor.stop_signal is not None:  # stopped while discovering
-            print(f"mpicoll.elastic.launch: stopped by signal {supervisor.stop_signal}",
-                  file=sys.stderr, flush=True)
+            _say(f"stopped by signal {supervisor.stop_signal}")
             return 128 + supervisor.stop_signal
-        print(f"mpicoll.elastic.launch: error: {exc}", file=sys.stderr, flush=True)
+        _say(f"error: {exc}")
         return 1
     finally:
         for signum, handler in previous.items():

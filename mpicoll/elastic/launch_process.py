@@ -8,6 +8,7 @@ after the launcher itself is gone: a rank whose launcher died is not left behind
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -59,12 +60,8 @@ def _stat(pid: int) -> tuple[int, int] | None:
 def job_processes(leader: int) -> set[int]:
     """Living processes of the job led by ``leader``: its session, and every descendant
     of the leader (even if it made a session of its own)."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            info = _stat(int(entry))
-            if info is not None:
-                table[int(entry)] = info
+    stats = {int(entry): _stat(int(entry)) for entry in os.listdir("/proc") if entry.isdigit()}
+    table = {pid: info for pid, info in stats.items() if info is not None}
     found = {pid for pid, (_, sid) in table.items() if sid == leader}
     if leader in table:
         found.add(leader)
@@ -81,10 +78,8 @@ def job_processes(leader: int) -> set[int]:
 
 def _signal_all(pids: set[int], signum: int) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def kill_job(proc: subprocess.Popen, grace_s: float = TERM_GRACE_S) -> None:
@@ -105,10 +100,8 @@ def kill_job(proc: subprocess.Popen, grace_s: float = TERM_GRACE_S) -> None:
             break
         _signal_all(left, signal.SIGKILL)
         time.sleep(_POLL_S)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def wait_job(proc: subprocess.Popen, stop_requested: Callable[[], bool]) -> int | None:

@@ -65,11 +65,11 @@ def _reset_until_stable(reset: Callable[[], Any]) -> None:
     raise RuntimeError(f"the world kept failing: {MAX_RESETS_PER_FAILURE} resets in a row")
 
 
-def _grow_or_reset(exc: HostsUpdatedInterrupt, reset: Callable[[], Any],
+def _grow_or_reset(exc: HostsUpdatedInterrupt | None, reset: Callable[[], Any],
                    grow: Callable[[int], Any] | None) -> Any:
-    """The reset after ``exc``: grow the world when hosts were added (shrink instead if a
-    process fails meanwhile; stay at the size when the new processes cannot start), else
-    ``reset()``. Returns the :class:`~mpicoll.elastic.grow.Growth` or
+    """The reset after ``exc`` (``None``: a process failure): grow the world when hosts
+    were added (shrink instead if a process fails meanwhile; stay at the size when the new
+    processes cannot start), else ``reset()``. Returns the :class:`~mpicoll.elastic.grow.Growth` or
     :class:`~mpicoll.elastic.Recovery` made, if any."""
     if grow is None or not isinstance(exc, HostsAddedInterrupt):
         _reset_until_stable(reset)
@@ -151,11 +151,7 @@ def _loop(func: Callable[..., Any], reset: Callable[[], Any],
             detected_at = time.time()
             failed_at = restored = time.perf_counter()
             interrupt = exc
-        if interrupt is None:
-            _reset_until_stable(reset)
-            event = world_module.last_recovery
-        else:
-            event = _grow_or_reset(interrupt, reset, grow)
+        event = _grow_or_reset(interrupt, reset, grow)
         reset_done = time.perf_counter()
         state.on_reset()
         if event is not None:

@@ -174,20 +174,16 @@ def check_contiguous(a: Any, argname: str) -> None:
 
 
 def _contiguous(shape: tuple, strides: tuple, itemsize: int) -> bool:
-    if math.prod(shape) <= 1:
+    def packed(dims: list) -> bool:  # (extent, stride), the fastest-varying first
+        expect = itemsize
+        for n, s in dims:
+            if n != 1 and s != expect:
+                return False
+            expect *= n
         return True
-    c = f = True
-    expect = itemsize
-    for n, s in zip(reversed(shape), reversed(strides)):
-        if n != 1 and s != expect:
-            c = False
-        expect *= n
-    expect = itemsize
-    for n, s in zip(shape, strides):
-        if n != 1 and s != expect:
-            f = False
-        expect *= n
-    return c or f
+
+    dims = list(zip(shape, strides))
+    return math.prod(shape) <= 1 or packed(dims[::-1]) or packed(dims)
 
 
 def buffer_arguments(collective: str, args: tuple) -> list[tuple[str, Any]]:

@@ -22,6 +22,7 @@ This module imports nothing GPU-related and initialises MPI only when
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -113,16 +114,13 @@ def info_alloc_kinds() -> str | None:
 def mpi_library_paths(maps: str = "/proc/self/maps") -> list[str]:
     """Paths of the loaded MPI libraries (``libmpi*.so*``), from ``/proc/self/maps``."""
     found: list[str] = []
-    try:
-        with open(maps, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                path = line.rstrip("\n").split(maxsplit=5)[-1]
-                name = os.path.basename(path)
-                if re.match(r"lib(mpi|mpich|mpi_ilp64)(\.|_|\b)", name) and ".so" in name:
-                    if path not in found:
-                        found.append(path)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open(maps, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            path = line.rstrip("\n").split(maxsplit=5)[-1]
+            name = os.path.basename(path)
+            if re.match(r"lib(mpi|mpich|mpi_ilp64)(\.|_|\b)", name) and ".so" in name:
+                if path not in found:
+                    found.append(path)
     return found
 
 
@@ -134,10 +132,8 @@ def library_lookup(paths: list[str] | None = None) -> Lookup:
             handles.append(ctypes.CDLL(path))
         except OSError:
             continue
-    try:
+    with contextlib.suppress(OSError):
         handles.append(ctypes.CDLL(None))
-    except OSError:
-        pass
 
     def lookup(symbol: str) -> Any:
         for handle in handles:
@@ -158,27 +154,18 @@ def query_library(lookup: Lookup) -> tuple[bool | None, str]:
     """
     answers: list[str] = []
     said_no = False
-    gpu_query = lookup("MPIX_GPU_query_support")
+    gpu_query = _typed(lookup("MPIX_GPU_query_support"),
+                       [ctypes.c_int, ctypes.POINTER(ctypes.c_int)])
     if gpu_query is not None:
         flag = ctypes.c_int(0)
-        try:
-            gpu_query.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
-            gpu_query.restype = ctypes.c_int
-        except (AttributeError, TypeError):
-            pass  # an injected plain Python callable
         err = gpu_query(MPIX_GPU_SUPPORT_CUDA, ctypes.byref(flag))
         if err == 0 and flag.value:
             return True, "MPIX_GPU_query_support(CUDA) says supported"
         said_no = said_no or err == 0
         answers.append(f"MPIX_GPU_query_support(CUDA) = {flag.value}"
                        + (f" (error {err})" if err else ""))
-    cuda_query = lookup("MPIX_Query_cuda_support")
+    cuda_query = _typed(lookup("MPIX_Query_cuda_support"), [])
     if cuda_query is not None:
-        try:
-            cuda_query.argtypes = []
-            cuda_query.restype = ctypes.c_int
-        except (AttributeError, TypeError):
-            pass
         value = int(cuda_query())
         if value:
             return True, "MPIX_Query_cuda_support() says supported"
@@ -188,6 +175,15 @@ def query_library(lookup: Lookup) -> tuple[bool | None, str]:
         return None, "the MPI library has neither MPIX_GPU_query_support nor " \
                      "MPIX_Query_cuda_support"
     return (False if said_no else None), "; ".join(answers)
+
+
+def _typed(fn: Any, argtypes: list) -> Any:
+    """``fn`` (``None``: not exported) with its C signature set: ``argtypes``, ``int``."""
+    try:
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    except (AttributeError, TypeError):
+        pass  # None, or an injected plain Python callable
+    return fn
 
 
 def decide(override: str | None, alloc_kinds: str | None | Callable[[], str | None],

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from .. import config
 from . import arrays, backends
+from .array_transfer import device_view
 
 __all__ = ["device_call", "prepare_aware", "reporter", "as_device_array", "synchronise"]
 
@@ -76,9 +77,7 @@ def prepare_aware(collective: str, args: tuple) -> tuple:
     out = list(args)
     for i, (name, value) in enumerate(zip(names, args)):
         if name in ("sendbuf", "recvbuf", "buf") and arrays.is_device(value):
-            backend = backends.require(value)
-            backend.synchronise(value)
-            out[i] = backend.view(value)[0]
+            out[i] = device_view(value)
     return tuple(out)
 
 
@@ -124,12 +123,5 @@ def device_call(collective: str, args: tuple, comm: Any, check: Any,
     def host_call(host_args: tuple) -> Any:
         return public(*host_args, comm=comm, algorithm=algorithm, check=check)
 
-    if comm is None:
-        from mpi4py import MPI  # noqa: PLC0415
-
-        world: Any = MPI.COMM_WORLD
-    else:
-        world = comm
-    result = staging.staged(collective, tuple(data), host_call, comm=world,
-                            report_error=report, **staged_options)
-    return True, result
+    return True, staging.staged(collective, tuple(data), host_call, comm=comm,
+                                report_error=report, **staged_options)

@@ -192,10 +192,8 @@ def chunks(collective: str, count: int, itemsize: int, size: int, chunk_bytes: i
 
 
 def _memory_flat(a: Any) -> Any:
-    """Flat view of contiguous array ``a`` in memory order (no copy)."""
-    if a.ndim == 1:
-        return a
-    if a.flags.c_contiguous:
+    """Flat view of contiguous array or tensor ``a`` in memory order (no copy)."""
+    if getattr(a, "ndim", 1) <= 1 or _c_order(a):
         return a.reshape(-1)
     return a.T.reshape(-1)  # Fortran order: the transpose is C-contiguous
 
@@ -204,9 +202,7 @@ def _user_prefix(obj: Any, count: int, view: Any) -> Any:
     """The first ``count`` elements of the user's object, flat, in its own family."""
     if hasattr(obj, "reshape") and type(obj).__module__.split(".")[0] in ("torch", "cupy",
                                                                            "numpy"):
-        flat = obj.reshape(-1) if getattr(obj, "ndim", 1) <= 1 or _c_order(obj) \
-            else obj.T.reshape(-1)
-        return flat[:count]
+        return _memory_flat(obj)[:count]
     return view[:count]
 
 
@@ -219,12 +215,17 @@ def _c_order(obj: Any) -> bool:
 
 
 class _Layout:
-    """Chunk k's copies and host-call arguments for one collective (see module doc)."""
+    """Chunk k's copies and host-call arguments for one collective (see module doc):
+    ``n_chunks`` host calls of ``e`` elements a row, ``width`` slot elements a row."""
 
-    n_chunks: int
-    slot_bytes: int
     inputs: list[Any]
     result: Any
+
+    def __init__(self, slots: HostSlots, src: Any, dst: Any, dtype: np.dtype, e: int,
+                 n_chunks: int, width: int) -> None:
+        self.slots, self.src, self.dst, self.dtype, self.e = slots, src, dst, dtype, e
+        self.n_chunks = n_chunks
+        self.slot_bytes = e * width * dtype.itemsize
 
     def d2h(self, k: int, slot: np.ndarray) -> list[tuple[np.ndarray, Any]]:
         raise NotImplementedError
@@ -240,11 +241,9 @@ class _Elementwise(_Layout):
     """allreduce, reduce, broadcast: chunk k is elements ``[k*e, (k+1)*e)``."""
 
     def __init__(self, slots: HostSlots, src: Any, dst: Any, count: int, dtype: np.dtype,
-                 e: int, make_args: Callable[[np.ndarray], tuple]) -> None:
-        self.slots, self.src, self.dst, self.dtype = slots, src, dst, dtype
-        self.count, self.e, self.make_args = count, e, make_args
-        self.n_chunks = max(1, math.ceil(count / e))
-        self.slot_bytes = e * dtype.itemsize
+                 e: int, n_chunks: int, make_args: Callable[[np.ndarray], tuple]) -> None:
+        super().__init__(slots, src, dst, dtype, e, n_chunks, 1)
+        self.count, self.make_args = count, make_args
 
     def _span(self, k: int) -> tuple[int, int]:
         lo = k * self.e
@@ -272,14 +271,11 @@ class _ReduceScatter(_Layout):
     """Chunk k of every rank's block, packed; host reduce-scatter into a second region."""
 
     def __init__(self, slots: HostSlots, src: Any, dst: Any, count: int, dtype: np.dtype,
-                 rank: int, size: int, e: int, op: Any) -> None:
-        self.slots, self.src, self.dst, self.dtype = slots, src, dst, dtype
-        self.rank, self.size, self.e, self.op = rank, size, e, op
+                 rank: int, size: int, e: int, n_chunks: int, op: Any) -> None:
+        super().__init__(slots, src, dst, dtype, e, n_chunks, size + 1)
+        self.rank, self.size, self.op = rank, size, op
         self.bounds = block_bounds(count, size)
         self.lens = [self.bounds[i + 1] - self.bounds[i] for i in range(size)]
-        rows = max(self.lens) if self.lens else 0
-        self.n_chunks = max(1, math.ceil(rows / e))
-        self.slot_bytes = e * (size + 1) * dtype.itemsize
         self.nothing = np.empty(0, dtype)
 
     def _pieces(self, k: int) -> list[int]:
@@ -318,12 +314,9 @@ class _Allgather(_Layout):
     """Chunk k of this rank's block into its place; host all-gather in place; unpack."""
 
     def __init__(self, slots: HostSlots, src: Any, dst: Any, block: int, dtype: np.dtype,
-                 rank: int, size: int, e: int, in_place: bool) -> None:
-        self.slots, self.src, self.dst, self.dtype = slots, src, dst, dtype
-        self.block, self.rank, self.size, self.e = block, rank, size, e
-        self.in_place = in_place
-        self.n_chunks = max(1, math.ceil(block / e))
-        self.slot_bytes = e * size * dtype.itemsize
+                 rank: int, size: int, e: int, n_chunks: int, in_place: bool) -> None:
+        super().__init__(slots, src, dst, dtype, e, n_chunks, size)
+        self.block, self.rank, self.size, self.in_place = block, rank, size, in_place
 
     def _m(self, k: int) -> int:
         return max(0, min(self.e, self.block - k * self.e))
@@ -373,65 +366,63 @@ def _plan(collective: str, args: tuple, copies: Copies, slots: HostSlots, rank: 
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; the staged path runs "
                          f"{', '.join(COLLECTIVES)}")
+    r = op = None
     if collective == "broadcast":
         buf, root = args
         r, flat = validation.broadcast(buf, root, rank, size, view)
         src, dst = (flat, None) if rank == r else (None, flat)
-        dtype = np.dtype(flat.dtype)
-        e = chunks(collective, flat.size, dtype.itemsize, size, chunk_bytes, limit)[0]
-        layout: _Layout = _Elementwise(slots, src, dst, flat.size, dtype, e,
-                                       lambda h: (h, r))
-        layout.inputs, layout.result = [buf], buf
-        return layout
-    sendbuf, recvbuf, *rest = args
-    in_place = buffers.is_in_place(sendbuf)
-    inputs = [recvbuf] if in_place else [sendbuf]
-    if collective == "allreduce":
-        r = None
-        src, dst, _ = validation.elementwise(sendbuf, recvbuf, view)
-    elif collective == "reduce":
-        r, (src, dst, _) = validation.reduce(sendbuf, recvbuf, rest[1], rank, size, view)
-    elif collective == "reduce_scatter":
-        src, dst, _ = validation.reduce_scatter(sendbuf, recvbuf, rank, size, view)
+        in_place, inputs, result = False, [buf], buf
     else:
-        src, dst, _ = validation.allgather(sendbuf, recvbuf, rank, size, view)
-    dtype = np.dtype(src.dtype)
-    if rest and rest[0] is not None:  # the op: one that applies to the dtype, as on the
-        resolve_op(rest[0]).check_dtype(dtype)  # host (None: host_call brings its own)
-    result = recvbuf
-    if in_place:
-        if collective == "reduce_scatter":
-            result = _user_prefix(recvbuf, dst.size, dst)
-    elif recvbuf is not None and dst is not None:
-        inputs.append(recvbuf)
-    elif collective == "reduce_scatter":
-        result = copies.empty((validation.own_block(src.size, rank, size),), dtype, sendbuf)
-    elif collective == "allgather":
-        shape = validation.gathered_shape(copies.as_array(sendbuf).shape, size)
-        result = copies.empty(shape, dtype, sendbuf)
-    elif r is None or rank == r:
-        result = copies.empty_like(sendbuf)
-    else:  # a reduce off its root
-        result = None
-    if dst is None and result is not None:
-        dst = _memory_flat(copies.as_array(result))
-    e = chunks(collective, src.size, dtype.itemsize, size, chunk_bytes, limit)[0]
-    if collective == "reduce_scatter":
-        layout = _ReduceScatter(slots, src, dst, src.size, dtype, rank, size, e, rest[0])
-    elif collective == "allgather":
-        layout = _Allgather(slots, src, dst, src.size, dtype, rank, size, e, in_place)
-    else:
-        op = rest[0]
-        if r is None:
-            def make_args(h: np.ndarray) -> tuple:
-                return (buffers.IN_PLACE, h, op)
-        elif rank == r:
-            def make_args(h: np.ndarray) -> tuple:
-                return (buffers.IN_PLACE, h, op, r)
+        sendbuf, recvbuf, *rest = args
+        op = rest[0] if rest else None
+        in_place = buffers.is_in_place(sendbuf)
+        inputs = [recvbuf] if in_place else [sendbuf]
+        if collective == "allreduce":
+            src, dst, _ = validation.elementwise(sendbuf, recvbuf, view)
+        elif collective == "reduce":
+            r, (src, dst, _) = validation.reduce(sendbuf, recvbuf, rest[1], rank, size, view)
+        elif collective == "reduce_scatter":
+            src, dst, _ = validation.reduce_scatter(sendbuf, recvbuf, rank, size, view)
         else:
-            def make_args(h: np.ndarray) -> tuple:
-                return (h, None, op, r)
-        layout = _Elementwise(slots, src, dst, src.size, dtype, e, make_args)
+            src, dst, _ = validation.allgather(sendbuf, recvbuf, rank, size, view)
+        if op is not None:  # an op that applies to the dtype, as on the host (None:
+            resolve_op(op).check_dtype(np.dtype(src.dtype))  # host_call brings its own)
+        result = recvbuf
+        if in_place:
+            if collective == "reduce_scatter":
+                result = _user_prefix(recvbuf, dst.size, dst)
+        elif recvbuf is not None and dst is not None:
+            inputs.append(recvbuf)
+        elif collective == "reduce_scatter":
+            result = copies.empty((validation.own_block(src.size, rank, size),),
+                                  src.dtype, sendbuf)
+        elif collective == "allgather":
+            shape = validation.gathered_shape(copies.as_array(sendbuf).shape, size)
+            result = copies.empty(shape, src.dtype, sendbuf)
+        elif r is None or rank == r:
+            result = copies.empty_like(sendbuf)
+        else:  # a reduce off its root
+            result = None
+        if dst is None and result is not None:
+            dst = _memory_flat(copies.as_array(result))
+    flat = src if src is not None else dst
+    dtype = np.dtype(flat.dtype)
+    e, n_chunks = chunks(collective, flat.size, dtype.itemsize, size, chunk_bytes, limit)
+    if collective == "reduce_scatter":
+        layout: _Layout = _ReduceScatter(slots, src, dst, src.size, dtype, rank, size, e,
+                                         n_chunks, op)
+    elif collective == "allgather":
+        layout = _Allgather(slots, src, dst, src.size, dtype, rank, size, e, n_chunks,
+                            in_place)
+    else:
+        def make_args(h: np.ndarray) -> tuple:
+            if collective == "broadcast":
+                return (h, r)
+            if r is None:
+                return (buffers.IN_PLACE, h, op)
+            return (buffers.IN_PLACE, h, op, r) if rank == r else (h, None, op, r)
+
+        layout = _Elementwise(slots, src, dst, flat.size, dtype, e, n_chunks, make_args)
     layout.inputs, layout.result = inputs, result
     return layout
 

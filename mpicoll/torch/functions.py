@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
@@ -108,50 +108,27 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = None)
     payload = _to_bytes_tensor(obj)
     lengths = mpi_ops.allgather(torch.tensor([payload.numel()], dtype=torch.int64),
                                 name=f"{tag}.len", process_set=process_set)
-    data = mpi_ops.allgather(payload, name=f"{tag}.data", process_set=process_set).numpy()
-    out, offset = [], 0
-    for n in lengths.tolist():
-        out.append(pickle.loads(data[offset:offset + n].tobytes()))
-        offset += n
-    return out
+    data = mpi_ops.allgather(payload, name=f"{tag}.data", process_set=process_set)
+    return [pickle.loads(part.numpy().tobytes()) for part in torch.split(data, lengths.tolist())]
 
 
-class _TensorSlot:
+class _TensorSlot(NamedTuple):
     """Placeholder for a state tensor in the broadcast structure."""
 
-    __slots__ = ("index", "shape", "dtype")
-
-    def __init__(self, index: int, tensor: torch.Tensor) -> None:
-        self.index, self.shape, self.dtype = index, tuple(tensor.shape), tensor.dtype
-
-    def __reduce__(self) -> tuple:
-        return (_make_slot, (self.index, self.shape, str(self.dtype).replace("torch.", "")))
+    index: int
+    shape: tuple
+    dtype: torch.dtype
 
 
-def _make_slot(index: int, shape: tuple, dtype: str) -> _TensorSlot:
-    slot = _TensorSlot.__new__(_TensorSlot)
-    slot.index, slot.shape, slot.dtype = index, shape, getattr(torch, dtype)
-    return slot
-
-
-def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        tensors.append(value.detach().cpu().contiguous())
-        return _TensorSlot(len(tensors) - 1, value)
+def _map_tensors(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` (a state dict) with each tensor and :class:`_TensorSlot` replaced by
+    ``leaf(it)``, dicts, lists and tuples rebuilt around them."""
+    if isinstance(value, (torch.Tensor, _TensorSlot)):
+        return leaf(value)
     if isinstance(value, dict):
-        return {k: _strip(v, tensors) for k, v in value.items()}
+        return {k: _map_tensors(v, leaf) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_strip(v, tensors) for v in value)
-    return value
-
-
-def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, _TensorSlot):
-        return tensors[value.index]
-    if isinstance(value, dict):
-        return {k: _fill(v, tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_fill(v, tensors) for v in value)
+        return type(value)(_map_tensors(v, leaf) for v in value)
     return value
 
 
@@ -170,29 +147,24 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     check_usable(process_set)
     me = rank()
     tensors: list[torch.Tensor] = []
-    structure = _strip(optimizer.state_dict(), tensors) if me == root_rank else None
+
+    def strip(tensor: torch.Tensor) -> _TensorSlot:       # the root: tensors out
+        tensors.append(tensor.detach().cpu().contiguous())
+        return _TensorSlot(len(tensors) - 1, tuple(tensor.shape), tensor.dtype)
+
+    def fill(slot: _TensorSlot) -> torch.Tensor:           # the others: tensors in
+        tensors.append(torch.empty(slot.shape, dtype=slot.dtype))
+        return tensors[-1]
+
+    structure = _map_tensors(optimizer.state_dict(), strip) if me == root_rank else None
     structure = broadcast_object(structure, root_rank, name="broadcast_optimizer_state",
                                  process_set=process_set)
-    if me != root_rank:
-        tensors = []
-        _collect_slots(structure, tensors)
+    state = structure if me == root_rank else _map_tensors(structure, fill)
     handles = [mpi_ops.broadcast_async_(t, root_rank, name=f"broadcast_optimizer_state.{i}",
                                         process_set=process_set)
                for i, t in enumerate(tensors)]
     for handle in handles:
         mpi_ops.synchronize(handle)
     if me != root_rank:
-        optimizer.load_state_dict(_fill(structure, tensors))
+        optimizer.load_state_dict(state)
 
-
-def _collect_slots(value: Any, tensors: list[torch.Tensor]) -> None:
-    if isinstance(value, _TensorSlot):
-        while len(tensors) <= value.index:
-            tensors.append(None)  # type: ignore[arg-type]
-        tensors[value.index] = torch.empty(value.shape, dtype=value.dtype)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _collect_slots(v, tensors)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _collect_slots(v, tensors)

@@ -16,7 +16,7 @@ for Sum, times both scaling factors, all-gathered as a group.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,10 +26,10 @@ from .compression.allreduce import codec_allreduce
 from .compression.compressors import CodecCompressor, Compression
 from .engine.dtypes import dtype_name
 from .engine.handles import GroupFuture
-from .mpi_ops import (allreduce_meta, check_gather, reducescatter_meta,
-                      request_name, resolve_scatter_op, synchronize)
+from .mpi_ops import (allreduce_meta, check_gather, gathered_rows, reducescatter_meta,
+                      request_name, resolve_scatter_op, scatter_gradient, synchronize)
 from .engine.negotiation import Meta
-from .ops import Average, ReduceOp, Sum, resolve_reduce_op
+from .ops import Average, ReduceOp, resolve_reduce_op
 from .process_sets import backward_in_scope, forward_in_scope, scoped
 from .state import engine
 
@@ -47,33 +47,36 @@ def _tensor_list(tensors: Any) -> list[torch.Tensor]:
     return list(tensors)
 
 
-def _member_names(kind: str, name: str | None, count: int,
-                  process_set: Any) -> tuple[str, list[str]]:
-    with scoped(process_set):  # unnamed groups are numbered per process set
+def _submit_group(kind: str, tensors: list[torch.Tensor], name: str | None,
+                  process_set: Any, describe: Callable[[torch.Tensor, str], Meta],
+                  output: Callable[[torch.Tensor], Any] = lambda t: None) -> int:
+    """Submit ``tensors`` as one group request named ``name`` (or the next unnamed
+    ``kind``, numbered per process set); return its handle.
+
+    Member ``i`` is named ``<group>.<i>`` and described (validated) by
+    ``describe(tensor, member_name)``; ``output(tensor)`` is where its result goes
+    (``None``: a new tensor made by the engine).
+    """
+    with scoped(process_set):
         base = request_name(kind, name)
-    return base, [f"{base}.{i}" for i in range(count)]
-
-
-def _submit_group(base: str, metas: list[Meta], tensors: Sequence[Any],
-                  outputs: Sequence[Any]) -> int:
-    group = Meta(base, "group", members=tuple(metas))
-    futures = engine().submit_group(group, list(zip(tensors, outputs)))
+        metas = [describe(t, f"{base}.{i}") for i, t in enumerate(tensors)]
+        futures = engine().submit_group(Meta(base, "group", members=tuple(metas)),
+                                        [(t.detach(), output(t)) for t in tensors])
     return handles.register(GroupFuture(futures))
 
 
 # ------------------------------------------------------------------ all-reduce
-def _grouped_allreduce_async(tensors: Any, outputs: Any, average: Any, name: str | None,
+def _grouped_allreduce_async(tensors: Any, in_place: bool, average: Any, name: str | None,
                              op: Any, prescale_factor: float, postscale_factor: float,
                              process_set: Any) -> int:
     tensors = _tensor_list(tensors)
     resolved = resolve_reduce_op(average, op, adasum=True)
-    base, names = _member_names("grouped_allreduce", name, len(tensors), process_set)
-    metas = [allreduce_meta(t, n, resolved, prescale_factor, postscale_factor)
-             for t, n in zip(tensors, names)]
-    if outputs is None:
-        outputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    with scoped(process_set):
-        return _submit_group(base, metas, [t.detach() for t in tensors], outputs)
+    return _submit_group(
+        "grouped_allreduce", tensors, name, process_set,
+        lambda t, member: allreduce_meta(t, member, resolved, prescale_factor,
+                                         postscale_factor),
+        (lambda t: t.detach()) if in_place
+        else (lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)))
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Any = None,
@@ -88,7 +91,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Any = None
     Raises:
         TypeError, ValueError: bad arguments (this rank, before anything is sent).
     """
-    return _grouped_allreduce_async(tensors, None, average, name, op, prescale_factor,
+    return _grouped_allreduce_async(tensors, False, average, name, op, prescale_factor,
                                     postscale_factor, process_set)
 
 
@@ -97,11 +100,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Any = Non
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: Any = None) -> int:
     """As :func:`grouped_allreduce_async`, writing each result into its tensor."""
-    tensors = _tensor_list(tensors)
-    return _grouped_allreduce_async(tensors, [t.detach() if isinstance(t, torch.Tensor)
-                                              else t for t in tensors],
-                                    average, name, op, prescale_factor, postscale_factor,
-                                    process_set)
+    return _grouped_allreduce_async(tensors, True, average, name, op, prescale_factor,
+                                    postscale_factor, process_set)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Any = None,
@@ -178,15 +178,12 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     Raises:
         TypeError, ValueError: bad arguments (this rank, before anything is sent).
     """
-    tensors = _tensor_list(tensors)
-    base, names = _member_names("grouped_allgather", name, len(tensors), process_set)
-    metas = []
-    for tensor, member in zip(tensors, names):
+    def describe(tensor: Any, member: str) -> Meta:
         check_gather(tensor)
-        metas.append(Meta(member, "allgather", dtype_name(tensor.dtype), tuple(tensor.shape)))
-    with scoped(process_set):
-        return _submit_group(base, metas, [t.detach() for t in tensors],
-                             [None] * len(tensors))
+        return Meta(member, "allgather", dtype_name(tensor.dtype), tuple(tensor.shape))
+
+    return _submit_group("grouped_allgather", _tensor_list(tensors), name, process_set,
+                         describe)
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -223,11 +220,8 @@ class GroupedAllgatherFn(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         averaged = synchronize(grouped_allreduce_async([g.contiguous() for g in grads],
                                                        op=Average))
-        out = []
-        for grad, dims in zip(averaged, ctx.dims):
-            start = sum(dims[:ctx.rank])
-            out.append(grad[start:start + dims[ctx.rank]].clone())
-        return (None, *out)
+        return (None, *(gathered_rows(grad, dims, ctx.rank)
+                        for grad, dims in zip(averaged, ctx.dims)))
 
 
 # -------------------------------------------------------------- reduce-scatter
@@ -245,12 +239,10 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     """
     tensors = _tensor_list(tensors)
     resolved = resolve_scatter_op(op)
-    base, names = _member_names("grouped_reducescatter", name, len(tensors), process_set)
-    metas = [reducescatter_meta(t, n, resolved, prescale_factor, postscale_factor)
-             for t, n in zip(tensors, names)]
-    with scoped(process_set):
-        return _submit_group(base, metas, [t.detach() for t in tensors],
-                             [None] * len(tensors))
+    return _submit_group("grouped_reducescatter", tensors, name, process_set,
+                         lambda t, member: reducescatter_meta(t, member, resolved,
+                                                              prescale_factor,
+                                                              postscale_factor))
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -284,7 +276,7 @@ class GroupedReducescatterFn(torch.autograd.Function):
     @forward_in_scope
     def forward(ctx: Any, name: str, op: ReduceOp, prescale: float, postscale: float,
                 *tensors: torch.Tensor) -> tuple:
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        ctx.scaling = (op, prescale, postscale)
         return tuple(synchronize(grouped_reducescatter_async(
             list(tensors), name=name, op=op, prescale_factor=prescale,
             postscale_factor=postscale)))
@@ -292,14 +284,6 @@ class GroupedReducescatterFn(torch.autograd.Function):
     @staticmethod
     @backward_in_scope
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        scaled = []
-        for grad in grads:                   # Horovod's order: size, prescale, postscale
-            if int(ctx.op) == int(Sum):
-                grad = grad * engine().size
-            if ctx.prescale != 1.0:
-                grad = grad * ctx.prescale
-            if ctx.postscale != 1.0:
-                grad = grad * ctx.postscale
-            scaled.append(grad.contiguous())
-        gathered = synchronize(grouped_allgather_async(scaled))
+        gathered = synchronize(grouped_allgather_async(
+            [scatter_gradient(grad, *ctx.scaling) for grad in grads]))
         return (None, None, None, None, *gathered)

@@ -21,6 +21,7 @@ Hooks: :func:`int8_hook`, :func:`onebit_hook`, :func:`bf16_hook`, :func:`fp16_ho
 import logging
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.futures import Future
@@ -123,13 +124,11 @@ class CompressionState:
         if not pieces:
             return
         residual = numpy_view(torch.zeros(buffer.numel(), dtype=buffer.dtype))
-        offset = 0
-        for pid, numel in zip(*layout):
+        for pid, part in zip(layout[0], np.split(residual, np.cumsum(layout[1])[:-1])):
             piece = pieces.get(pid)
-            if piece is not None and piece.size == numel:
-                residual[offset:offset + numel] = piece
+            if piece is not None and piece.size == part.size:
+                part[:] = piece
             self._orphans.pop(pid, None)
-            offset += numel
         self.feedback.store(index, residual)
 
     def _parameter_residuals(self) -> dict[int, Any]:
@@ -139,10 +138,8 @@ class CompressionState:
             residual = self.feedback.residual(index)
             if residual is None or residual.size != sum(numels):
                 continue
-            offset = 0
-            for pid, numel in zip(ids, numels):
-                pieces[pid] = residual[offset:offset + numel].copy()
-                offset += numel
+            for pid, piece in zip(ids, np.split(residual, np.cumsum(numels)[:-1])):
+                pieces[pid] = piece.copy()
         return pieces
 
     def __repr__(self) -> str:

@@ -260,11 +260,8 @@ class Averager:
                 buf = flat.numpy()
                 allreduce(buf, buf, op="average", comm=comm, algorithm=ALGORITHMS[level],
                           check=check)
-                offset = 0
-                for t in group:
-                    part = flat[offset:offset + t.numel()].view(t.shape)
-                    t.copy_(part.to(t.device) if t.device.type != "cpu" else part)
-                    offset += t.numel()
+                for t, part in zip(group, torch.split(flat, [t.numel() for t in group])):
+                    t.copy_(part.view(t.shape))           # to the tensor's device
             self.bytes_sent[LEVEL_NAMES[level]] += 2 * (n - 1) * buf.nbytes // n
 
 

@@ -46,7 +46,8 @@ __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "al
            "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
            "poll", "synchronize", "barrier", "join", "allreduce_meta", "submit_allreduce",
            "alltoall_meta", "reducescatter_meta", "request_name",
-           "check_gather", "resolve_scatter_op", "SplitsTypeError",
+           "check_gather", "resolve_scatter_op", "SplitsTypeError", "gathered_rows",
+           "scatter_gradient",
            "AllreduceFn", "AllgatherFn", "BroadcastFn", "AlltoallFn", "ReducescatterFn"]
 
 def request_name(kind: str, name: str | None) -> str:
@@ -244,12 +245,16 @@ def _check_root(root_rank: Any) -> int:
     return int(root_rank)
 
 
-def _broadcast_async(tensor: Any, output: Any, root_rank: int, name: str | None) -> int:
+def _broadcast_async(tensor: Any, in_place: bool, root_rank: Any, name: str | None,
+                     process_set: Any) -> int:
     check_supported(tensor)
-    root = _check_root(root_rank)
-    meta = Meta(request_name("broadcast", name), "broadcast", dtype_name(tensor.dtype),
-                tuple(tensor.shape), -1, root)
-    return _submit(meta, None, output)
+    output = tensor.detach() if in_place \
+        else tensor.detach().clone(memory_format=torch.contiguous_format)
+    with scoped(process_set):
+        root = _check_root(root_rank)
+        meta = Meta(request_name("broadcast", name), "broadcast", dtype_name(tensor.dtype),
+                    tuple(tensor.shape), -1, root)
+        return _submit(meta, None, output)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -257,19 +262,13 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     """Start a broadcast of ``root_rank``'s ``tensor`` into a new tensor; return a handle.
 
     ``root_rank`` is a global rank (``hvd.rank()``), in ``process_set`` if one is given."""
-    check_supported(tensor)
-    with scoped(process_set):
-        return _broadcast_async(tensor,
-                                tensor.detach().clone(memory_format=torch.contiguous_format),
-                                root_rank, name)
+    return _broadcast_async(tensor, False, root_rank, name, process_set)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: Any = None) -> int:
     """Start a broadcast of ``root_rank``'s ``tensor`` into ``tensor`` itself."""
-    check_supported(tensor)
-    with scoped(process_set):
-        return _broadcast_async(tensor, tensor.detach(), root_rank, name)
+    return _broadcast_async(tensor, True, root_rank, name, process_set)
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -555,6 +554,26 @@ class AllreduceFn(torch.autograd.Function):
         return reduced, None, None, None, None
 
 
+def gathered_rows(grad: torch.Tensor, dims: list[int], rank: int) -> torch.Tensor:
+    """The rows of an all-gather's (averaged) gradient ``grad`` that ``rank`` contributed
+    (``dims``: every rank's first dimension)."""
+    start = sum(dims[:rank])
+    return grad[start:start + dims[rank]].clone()
+
+
+def scatter_gradient(grad: torch.Tensor, op: ReduceOp, prescale: float,
+                     postscale: float) -> torch.Tensor:
+    """Horovod's reduce-scatter gradient before its all-gather: ``grad`` times ``size()``
+    for Sum (not for Average), then times ``prescale``, then ``postscale``."""
+    if int(op) == int(Sum):
+        grad = grad * engine().size
+    if prescale != 1.0:
+        grad = grad * prescale
+    if postscale != 1.0:
+        grad = grad * postscale
+    return grad.contiguous()
+
+
 class AllgatherFn(torch.autograd.Function):
     """Differentiable all-gather along dimension 0: the gradient is the average over ranks
     of the incoming gradients, rows of this rank (as Horovod)."""
@@ -573,8 +592,7 @@ class AllgatherFn(torch.autograd.Function):
     @backward_in_scope
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         averaged = synchronize(allreduce_async(grad.contiguous(), op=Average))
-        start = sum(ctx.dims[:ctx.rank])
-        return averaged[start:start + ctx.dims[ctx.rank]].clone(), None
+        return gathered_rows(averaged, ctx.dims, ctx.rank), None
 
 
 class BroadcastFn(torch.autograd.Function):
@@ -628,7 +646,7 @@ class ReducescatterFn(torch.autograd.Function):
     @forward_in_scope
     def forward(ctx: Any, tensor: torch.Tensor, name: str, op: ReduceOp, prescale: float,
                 postscale: float) -> torch.Tensor:
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        ctx.scaling = (op, prescale, postscale)
         return synchronize(reducescatter_async(tensor, name=name, op=op,
                                                prescale_factor=prescale,
                                                postscale_factor=postscale))
@@ -636,10 +654,5 @@ class ReducescatterFn(torch.autograd.Function):
     @staticmethod
     @backward_in_scope
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        scaled = grad * engine().size if int(ctx.op) == int(Sum) else grad.clone()
-        if ctx.prescale != 1.0:
-            scaled = scaled * ctx.prescale
-        if ctx.postscale != 1.0:
-            scaled = scaled * ctx.postscale
-        gathered = synchronize(allgather_async(scaled.contiguous()))
+        gathered = synchronize(allgather_async(scatter_gradient(grad, *ctx.scaling)))
         return gathered, None, None, None, None

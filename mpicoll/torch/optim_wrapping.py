@@ -11,6 +11,7 @@ Used by :mod:`mpicoll.torch.optimizer` (all-reduce backend) and
 """
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import torch
@@ -44,10 +45,8 @@ def check_named_parameters(named_parameters: Any, param_groups: list,
     if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
         raise ValueError("named_parameters should be a sequence of (name, parameter) "
                          "tuples, usually produced by model.named_parameters()")
-    seen: dict[str, int] = {}
-    for name, _ in named:
-        seen[name] = seen.get(name, 0) + 1
-    duplicates = sorted(n for n, c in seen.items() if c > 1)
+    counts = collections.Counter(name for name, _ in named)
+    duplicates = sorted(n for n, c in counts.items() if c > 1)
     if duplicates:
         raise ValueError(f"parameter names in named_parameters must be unique; "
                          f"duplicates: {duplicates}")

@@ -225,14 +225,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                           process_set=self._process_set)
         return handle, (ctx, compressed)
 
-    def _allreduce_flat_async(self, flat: "_FlatGradients") -> tuple[int, Any]:
+    def _allreduce_flat_async(self, flat: "_FlatGradients") -> tuple[Any, Any]:
         """Submit one flat gradient buffer (bulk mode), after putting back into it any
         gradient that is not its view (``model.zero_grad()`` set it to ``None``, or the
         user assigned one): a missing gradient is reduced as zeros."""
         self._fill_flat(flat)
         compressed, ctx = self._compression.compress(flat.buffer)
+        pre, post = self._scaling()
         with scoped(self._process_set):
-            return self._submit_flat(flat, compressed, ctx)
+            if compressed is not flat.buffer:
+                handle = mpi_ops.submit_allreduce(compressed, compressed, flat.name, self.op,
+                                                  pre, post, layout=flat.layout, waiting=True)
+                return handle, (ctx, compressed)
+            # The same buffer every step: validated once, then submitted straight to the
+            # engine.
+            meta = self._metas.get(flat.name)
+            if meta is None or meta.op != int(self.op) or meta.prescale != pre \
+                    or meta.postscale != post:
+                meta = self._metas[flat.name] = mpi_ops.allreduce_meta(
+                    flat.buffer, flat.name, self.op, pre, post, flat.layout)
+            return engine().submit(meta, flat.buffer, flat.buffer, waiting=True), (ctx, compressed)
 
     def _fill_flat(self, flat: "_FlatGradients") -> None:
         """Make every parameter's gradient its view of ``flat`` again (zeros for none)."""
@@ -246,22 +258,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 else:
                     view.copy_(grad)
                 p.grad = view
-
-    def _submit_flat(self, flat: "_FlatGradients", compressed: torch.Tensor,
-                     ctx: Any) -> tuple[int, Any]:
-        pre, post = self._scaling()
-        if compressed is not flat.buffer:
-            handle = mpi_ops.submit_allreduce(compressed, compressed, flat.name, self.op, pre,
-                                              post, layout=flat.layout, waiting=True)
-            return handle, (ctx, compressed)
-        # The same buffer every step: validated once, then submitted straight to the engine.
-        meta = self._metas.get(flat.name)
-        if meta is None or meta.op != int(self.op) or meta.prescale != pre \
-                or meta.postscale != post:
-            meta = self._metas[flat.name] = mpi_ops.allreduce_meta(
-                flat.buffer, flat.name, self.op, pre, post, flat.layout)
-        future = engine().submit(meta, flat.buffer, flat.buffer, waiting=True)
-        return future, (ctx, compressed)
 
     def synchronize(self) -> None:
         """Wait for every gradient's all-reduce (submitting zeros for missing ones).
@@ -291,9 +287,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             pending += self._handles.items()
             self._handles.clear()
-            for p in self._params:
-                self._delay[p] = self.backward_passes_per_step
-            self._accumulated = 0
+            self._reset_accumulation()
             for target, (handle, (ctx, _)) in pending:   # every handle, even after an error
                 try:
                     output = _wait(handle)
@@ -342,10 +336,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._fill_flat(flat)
             self._codec_grads.reduce()
         finally:
-            for p in self._params:
-                self._delay[p] = self.backward_passes_per_step
-            self._accumulated = 0
+            self._reset_accumulation()
         self._synchronized = True
+
+    def _reset_accumulation(self) -> None:
+        """Start counting the next step's backward passes (after a synchronize)."""
+        for p in self._params:
+            self._delay[p] = self.backward_passes_per_step
+        self._accumulated = 0
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -402,9 +400,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _synchronize_locally(self) -> None:
         """A local SGD step's ``synchronize()``: gradients stay this rank's own, or are
         averaged within the node."""
-        for p in self._params:
-            self._delay[p] = self.backward_passes_per_step
-        self._accumulated = 0
+        self._reset_accumulation()
         plan = self._local_sgd.peek()
         if plan.grads == NODE:
             self._local_sgd.local_gradients(NODE)
@@ -481,16 +477,13 @@ def _flat_gradients(params: list, names: dict) -> list[_FlatGradients]:
     seen: dict[torch.dtype, int] = {}
     for (_, dtype), group in by_place.items():
         # new_zeros: on the parameters' device (and of their tensor kind)
-        buf = group[0].detach().new_zeros(sum(p.numel() for p in group))
-        views = []
-        offset = 0
-        for p in group:
-            view = buf[offset:offset + p.numel()].view(p.shape)
+        sizes = [p.numel() for p in group]
+        buf = group[0].detach().new_zeros(sum(sizes))
+        views = [part.view(p.shape) for p, part in zip(group, torch.split(buf, sizes))]
+        for p, view in zip(group, views):
             if p.grad is not None:
                 view.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
             p.grad = view
-            views.append(view)
-            offset += p.numel()
         described = repr([(names[p], tuple(p.shape)) for p in group]).encode()
         index = seen[dtype] = seen.get(dtype, -1) + 1
         name = f"allreduce.__gradients__.{dtype_name(dtype)}" + (f".{index}" if index else "")
@@ -513,10 +506,8 @@ def _check_groups(groups: Any, params: list) -> None:
         return
     if isinstance(groups, (list, tuple)):
         ids = {id(p) for p in params}
-        for group in groups:
-            for p in group:
-                if id(p) not in ids:
-                    raise ValueError("groups names a tensor that is not an optimizer parameter")
+        if any(id(p) not in ids for group in groups for p in group):
+            raise ValueError("groups names a tensor that is not an optimizer parameter")
         return
     raise ValueError(f"groups must be None, an int or a list of lists of parameters, not "
                      f"{type(groups).__name__}")

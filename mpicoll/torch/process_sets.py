@@ -80,10 +80,13 @@ class ProcessSet:
         self.process_set_id: int | None = None
 
     def size(self) -> int | None:
-        """Number of ranks in the set (``None`` if not registered)."""
+        """Number of ranks in the set (``None`` if not registered; the global
+        communicator's for the global set)."""
         if self.process_set_id is None:
             return None
-        return _registered(self)[0].engine_size()
+        if self.process_set_id == 0:
+            return _world_or_raise()[0].size
+        return len(_registered(self)[0].ranks or ())
 
     def rank(self) -> int | None:
         """This process's rank within the set (``None`` if not registered).
@@ -105,12 +108,6 @@ class ProcessSet:
         if self.process_set_id is None or self.ranks is None:
             return None
         return _world_or_raise()[0].rank in self.ranks
-
-    def engine_size(self) -> int:
-        """The set's size (the global communicator's for the global set)."""
-        if self.process_set_id == 0:
-            return _world_or_raise()[0].size
-        return len(self.ranks or ())
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
@@ -192,12 +189,8 @@ def _gather_through_engine(tag: str, values: tuple[int, ...]) -> list[tuple[int,
     world.wait(future)
     if future.error is not None:
         raise future.error
-    flat = future.result.tolist()
-    out, offset = [], 0
-    for count in future.extra:
-        out.append(tuple(flat[offset:offset + int(count)]))
-        offset += int(count)
-    return out
+    parts = torch.split(future.result, [int(count) for count in future.extra])
+    return [tuple(part.tolist()) for part in parts]
 
 
 def _registration_error(every: list[tuple[int, ...]], size: int) -> str:
@@ -249,8 +242,9 @@ def register_all(process_sets: Sequence[ProcessSet] | None) -> None:
             process_set.process_set_id = None
 
 
-def _forget_all() -> list[tuple[ProcessSet, Engine | None]]:
-    """Unregister every set (and the global engine); return what was registered."""
+def _forget_all(stop: str, reason: str) -> None:
+    """Unregister every set (and the global engine), then stop each process-set engine of
+    this rank with its method ``stop`` (``"shutdown"`` or ``"abandon"``) and ``reason``."""
     global _world
     with _lock:
         entries = list(_registry.values())
@@ -258,24 +252,22 @@ def _forget_all() -> list[tuple[ProcessSet, Engine | None]]:
         _world = None
     for process_set, _ in entries:
         process_set.process_set_id = None
-    return entries
+    for _, engine in entries:
+        if engine is not None:
+            getattr(engine, stop)(reason)
 
 
 def detach(reason: str) -> None:
     """At ``shutdown`` (this rank's or another's): stop every process-set engine of this
     rank (``reason`` says why, for the other ranks' errors) and forget the sets."""
-    for _, engine in _forget_all():
-        if engine is not None:
-            engine.shutdown(reason)
+    _forget_all("shutdown", reason)
 
 
 def abandon(reason: str) -> None:
     """After a process failure (:mod:`mpicoll.torch.elastic`): stop every process-set
     engine of this rank without a shutdown round (:meth:`Engine.abandon`: some members
     may be dead) and forget the sets; the global set follows the next ``init``."""
-    for _, engine in _forget_all():
-        if engine is not None:
-            engine.abandon(reason)
+    _forget_all("abandon", reason)
 
 
 def _engine_of(process_set: ProcessSet | None) -> Engine | None:
@@ -395,11 +387,6 @@ class ProcessSetGrid:
         self.registered = []
 
 
-def _registered_with(ranks: list[int]) -> ProcessSet | None:
-    with _lock:
-        return next((ps for ps, _ in _registry.values() if ps.ranks == ranks), None)
-
-
 def process_grid(dp: int, tp: int) -> ProcessSetGrid:
     """Register the process sets of a ``dp x tp`` grid of the adapter's ranks; collective
     over every rank (the same sets in the same order everywhere: every row, then every
@@ -426,7 +413,8 @@ def process_grid(dp: int, tp: int) -> ProcessSetGrid:
     def register(ranks: list[int]) -> ProcessSet:
         if len(ranks) == world.size:
             return global_process_set
-        existing = _registered_with(ranks)
+        with _lock:
+            existing = next((ps for ps, _ in _registry.values() if ps.ranks == ranks), None)
         if existing is not None:
             return existing
         registered.append(add_process_set(ranks))

@@ -99,10 +99,9 @@ class SparseHandle:
                                          check_invariants=False).coalesce()
         if int(self._op) == int(Average) and self._divisor != 1:
             reduced = result.values()
-            if reduced.dtype.is_floating_point or reduced.dtype.is_complex:
-                reduced.div_(self._divisor)
-            else:                                     # as the adapter's Average: toward zero
-                reduced.copy_(torch.div(reduced, self._divisor, rounding_mode="trunc"))
+            floating = reduced.dtype.is_floating_point or reduced.dtype.is_complex
+            # integers as the adapter's Average: toward zero
+            reduced.div_(self._divisor, rounding_mode=None if floating else "trunc")
         return result
 
     __call__ = synchronize

@@ -62,9 +62,9 @@ from ...checked import agree
 from ...context import get_context
 from .agreement import check_presence
 from .compressors import CodecCompressor
-from ..engine.dtypes import dtype_name, numpy_view
+from ..engine.dtypes import numpy_view
 from ..engine.fusion import plan_runs
-from ..engine.negotiation import Meta
+from ..mpi_ops import allreduce_meta
 from ..ops import Average, ReduceOp, Sum
 from ..process_sets import scoped
 
@@ -186,8 +186,8 @@ class CompressedGradients:
                 np.add(local, array if pre == 1.0 else array * pre, out=local)
         futures = []
         for flat in self._flats:
-            meta = Meta(flat.name, "allreduce", dtype_name(flat.buffer.dtype),
-                        tuple(flat.buffer.shape), self._op, -1, pre, post, flat.layout)
+            meta = allreduce_meta(flat.buffer, flat.name, ReduceOp(self._op), pre, post,
+                                  flat.layout)
             futures.append(eng.submit(meta, flat.buffer, flat.buffer, waiting=True))
         errors = []
         for future in futures:                # every future, even after an error

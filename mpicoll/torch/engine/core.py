@@ -44,6 +44,7 @@ the rounds are not lane operations: docs/torch.md, "The engine's thread") and th
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import pickle
@@ -122,11 +123,10 @@ def _stamped(meta: Meta, dev: TensorDevice | None) -> Meta:
     return meta._replace(stages=True) if dev is not None and not dev.aware() else meta
 
 
-def _request_error(meta: Meta, exc: BaseException) -> CollectiveError:
-    """The error of one request that failed because the engine did (``exc``): a
-    :class:`~mpicoll.ProcessFailedError` (naming the failed ranks) for a process failure,
-    else a :class:`~mpicoll.CollectiveError`."""
-    message = f"{meta.kind} {meta.name!r} failed: {exc}"
+def _engine_error(message: str, exc: BaseException | None) -> CollectiveError:
+    """The error ``message`` of a request, or wait, that failed because the engine did
+    (``exc``): a :class:`~mpicoll.ProcessFailedError` (naming the failed ranks) for a
+    process failure, else a :class:`~mpicoll.CollectiveError`."""
     if isinstance(exc, ProcessFailedError):
         error = ProcessFailedError(message, exc.failed_ranks)
         error.__cause__ = exc
@@ -335,8 +335,8 @@ class Engine:
         inline = self._inline is not None and meta.kind != "shutdown"
         with self._lock:
             if self._fatal is not None or self.stopping or not self._started():
-                raise _request_error(meta, self._fatal or CollectiveError(
-                    "mpicoll.torch has been shut down"))
+                exc = self._fatal or CollectiveError("mpicoll.torch has been shut down")
+                raise _engine_error(f"{meta.kind} {meta.name!r} failed: {exc}", exc)
             if key in self._inflight:
                 raise ValueError(f"a {meta.kind} named {meta.name!r} is already in flight on "
                                  f"this rank; names must be unique until synchronized")
@@ -423,10 +423,8 @@ class Engine:
 
     def _check_running(self) -> None:
         if self._fatal is not None or not self._started():
-            message = f"mpicoll.torch engine stopped ({self._fatal or 'shut down'})"
-            if isinstance(self._fatal, ProcessFailedError):
-                raise ProcessFailedError(message, self._fatal.failed_ranks)
-            raise CollectiveError(message)
+            raise _engine_error(f"mpicoll.torch engine stopped ({self._fatal or 'shut down'})",
+                                self._fatal)
 
     def _forget(self, future: Future) -> None:
         with self._lock:
@@ -574,7 +572,8 @@ class Engine:
             self._register(work)
         for key in list(self.local):
             meta = self.local[key].meta
-            self.finish(key, error=_request_error(meta, exc))
+            self.finish(key, error=_engine_error(f"{meta.kind} {meta.name!r} failed: {exc}",
+                                                 exc))
 
     def abandon(self, reason: str) -> None:
         """Stop this engine without a shutdown round (after a process failure, which the
@@ -731,21 +730,19 @@ class Engine:
 
     def _payloads(self, data: bytes, headers: np.ndarray) -> list[list[Meta]]:
         """Every rank's requests of this round, from the records (and the ``v`` fallback)."""
-        cache = self._cache
         codes = [int(c) for c in headers[:, 0]]
         counts = [max(c, 0) for c in codes]
         if max(counts) <= SLOT_BYTES:
             slots = headers.view(np.uint8)[:, 16:]
-            return [cache.metas(-c) if c < 0 else pickle.loads(slots[r, :c].tobytes())
-                    if c else [] for r, c in enumerate(codes)]
-        displs = [0] * self.size
-        for r in range(1, self.size):
-            displs[r] = displs[r - 1] + counts[r - 1]
-        recv = np.empty(sum(counts), dtype=np.uint8)
-        send = np.frombuffer(data, dtype=np.uint8) if data else np.empty(0, dtype=np.uint8)
-        self.comm.Allgatherv(send, [recv, (counts, displs), MPI.BYTE])
-        return [cache.metas(-code) if code < 0 else pickle.loads(recv[d:d + c].tobytes())
-                if c else [] for d, c, code in zip(displs, counts, codes)]
+            raw = [slots[r, :c] for r, c in enumerate(counts)]
+        else:
+            displs = [0, *itertools.accumulate(counts)][:-1]
+            recv = np.empty(sum(counts), dtype=np.uint8)
+            send = np.frombuffer(data, dtype=np.uint8) if data else np.empty(0, np.uint8)
+            self.comm.Allgatherv(send, [recv, (counts, displs), MPI.BYTE])
+            raw = [recv[d:d + c] for d, c in zip(displs, counts)]
+        return [self._cache.metas(-code) if code < 0 else pickle.loads(payload.tobytes())
+                if code else [] for code, payload in zip(codes, raw)]
 
     def _poll(self, request: MPI.Request, stall_after: float) -> None:
         """Complete ``request``: test and yield, then sleep between tests once it has taken

@@ -9,6 +9,8 @@ rounded back to bfloat16 once at the end). ``bool`` moves as numpy ``bool`` and 
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -64,25 +66,19 @@ def move_dtype(dtype: torch.dtype) -> torch.dtype:
     return _MOVE[dtype]
 
 
-_NUMPY: dict[torch.dtype, np.dtype] = {}
-
-
+@functools.cache
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """The numpy dtype of :func:`move_dtype` (``dtype``)'s numpy views."""
-    hit = _NUMPY.get(dtype)
-    if hit is None:
-        hit = _NUMPY[dtype] = torch.empty(0, dtype=_MOVE[dtype]).numpy().dtype
-    return hit
+    return torch.empty(0, dtype=_MOVE[dtype]).numpy().dtype
+
+
+_REDUCE = {torch.bfloat16: torch.float32, torch.bool: torch.uint8}
 
 
 def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype in which tensors of ``dtype`` are reduced (bfloat16 -> float32, bool ->
     uint8, where Min/Max of 0/1 are logical and/or)."""
-    if dtype is torch.bfloat16:
-        return torch.float32
-    if dtype is torch.bool:
-        return torch.uint8
-    return dtype
+    return _REDUCE.get(dtype, dtype)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

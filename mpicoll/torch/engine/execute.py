@@ -13,6 +13,7 @@ does not import :mod:`mpicoll.torch.engine.core` (which imports this one).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from math import prod
 from typing import Any, Iterator, Protocol, Sequence
@@ -158,14 +159,22 @@ def _local_key(response: Response) -> str:
 
 def _guarded(engine: EngineInterface, bucket: list[Response], run: Any) -> None:
     """Run one bucket; its failure fails its requests. Traced (:mod:`.trace`) while a
-    timeline records."""
-    if timeline.enabled() and bucket[0].kind != "shutdown":
-        _traced(engine, bucket, run)
-        return
+    timeline records (its requests then finish once its events are recorded)."""
+    traced = timeline.enabled() and bucket[0].kind != "shutdown"
+    target: Any = engine
+    if traced:
+        trace.begin_bucket(bucket[0].kind, [r.name for r in bucket])
+        target = _DeferredFinish(engine)
+    error = None
     try:
-        run(engine, bucket)
+        run(target, bucket)
     except Exception as exc:  # noqa: BLE001  (reported through the futures)
-        _failed(engine, bucket, exc)
+        error = exc
+        _failed(target, bucket, exc)
+    finally:
+        if traced:
+            trace.end_bucket(error)
+            target.flush()
 
 
 def _failed(engine: EngineInterface, bucket: list[Response], exc: Exception) -> None:
@@ -199,20 +208,6 @@ class _DeferredFinish:
     def flush(self) -> None:
         for args, kwargs in self._finished:
             self._engine.finish(*args, **kwargs)
-
-
-def _traced(engine: EngineInterface, bucket: list[Response], run: Any) -> None:
-    trace.begin_bucket(bucket[0].kind, [r.name for r in bucket])
-    deferred = _DeferredFinish(engine)
-    error = None
-    try:
-        run(deferred, bucket)
-    except Exception as exc:  # noqa: BLE001  (reported through the futures)
-        error = exc
-        _failed(deferred, bucket, exc)
-    finally:
-        trace.end_bucket(error)
-        deferred.flush()
 
 
 def _first_meta(response: Response) -> Any:
@@ -268,13 +263,10 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
     works = [engine.local.get(r.name) for r in bucket]
     adasum = int(op) == int(Adasum)         # per-tensor dot products: the negotiated layout
     dev = request_device(works)
-    if dev is None:
-        flat, segments, in_place = _fill(engine, bucket, works, dtype, rdtype, adasum, None)
-    else:
-        _await(dev, works)
-        with dev.stream():                   # the fusion buffer is packed on the device
-            flat, segments, in_place = _fill(engine, bucket, works, dtype, rdtype, adasum,
-                                             dev)
+    _await(dev, works)
+    with _on_stream(dev):                    # the fusion buffer is packed on the device
+        flat, parts = _fill(engine, bucket, works, dtype, rdtype, adasum, dev)
+    in_place = parts is None
     scaled = False
     if flat.numel() and engine.size > 1:
         core_op = None if adasum else _passed_down(op, meta.postscale, flat.dtype,
@@ -284,7 +276,7 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
         def reduce(array: Any) -> None:
             if adasum:
                 trace.step("MPI_ADASUM_ALLREDUCE")
-                adasum_allreduce(array, [n for _, n in segments], engine.comm)
+                adasum_allreduce(array, [part.numel() for part in parts], engine.comm)
             else:
                 trace.step("MPI_ALLREDUCE")
                 collectives.allreduce(IN_PLACE, array, op=core_op or mpicoll_op(op),
@@ -299,11 +291,9 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
         else:                                # Adasum's dot products run on the host
             _staged(engine, dev, [flat], [flat], reduce, aware=not adasum)
     trace.step(None if in_place else "MEMCPY_OUT_FUSION_BUFFER")
-    if dev is None:
-        _unpack(flat, works, segments, in_place, op, meta.postscale, engine.size, scaled)
-    else:
-        with dev.stream():
-            _unpack(flat, works, segments, in_place, op, meta.postscale, engine.size, scaled)
+    with _on_stream(dev):
+        _unpack(flat, works, parts, op, meta.postscale, engine.size, scaled)
+    if dev is not None:
         dev.synchronize()                    # results ready for any stream
     for response, work in zip(bucket, works):
         if work is not None:
@@ -311,55 +301,55 @@ def _allreduce_bucket(engine: EngineInterface, bucket: list[Response]) -> None:
 
 
 def _fill(engine: EngineInterface, bucket: list[Response], works: list, dtype: torch.dtype,
-          rdtype: torch.dtype, adasum: bool, dev: Any) -> tuple[torch.Tensor, list, bool]:
-    """The flat tensor an all-reduce bucket reduces (prescaled), its segments, and whether
-    it is the outputs themselves: zero-copy when the outputs tile one contiguous range (a
-    single tensor, or gradients that DistributedOptimizer keeps as views of one flat
-    buffer), else packed into the fusion buffer (on ``dev``; ``None``: the host)."""
+          rdtype: torch.dtype, adasum: bool, dev: Any) -> tuple[torch.Tensor, Any]:
+    """The flat tensor an all-reduce bucket reduces (prescaled), and its part for each
+    request, or ``None`` when it is the outputs themselves: zero-copy when the outputs tile
+    one contiguous range (a single tensor, or gradients that DistributedOptimizer keeps as
+    views of one flat buffer), else packed into the fusion buffer (on ``dev``; ``None``:
+    the host)."""
     meta = _first_meta(bucket[0])
     adjacent = _adjacent_outputs(works, dtype) if rdtype is dtype and not adasum else None
     if adjacent is not None:
-        flat = adjacent
         for work in works:
             if work.tensor is not work.output:
                 work.output.copy_(work.tensor)
-        segments = [(0, 0)] * len(works)
-        in_place = True
+        flat, parts = adjacent, None
     else:
         trace.step("MEMCPY_IN_FUSION_BUFFER")
-        total = sum(numel(_first_meta(r)) for r in bucket)
-        flat = engine.fusion_buffer(rdtype, total, dev)
-        segments = []
-        offset = 0
-        for response, work in zip(bucket, works):
-            n = numel(_first_meta(response))
+        sizes = [numel(_first_meta(r)) for r in bucket]
+        flat = engine.fusion_buffer(rdtype, sum(sizes), dev)
+        parts = torch.split(flat, sizes)
+        for work, part in zip(works, parts):
             if work is None:
-                flat[offset:offset + n].zero_()
+                part.zero_()
             else:
-                flat[offset:offset + n].copy_(work.tensor.reshape(-1))
-            segments.append((offset, n))
-            offset += n
-        in_place = False
+                part.copy_(work.tensor.reshape(-1))
     _scale(flat, meta.prescale)
-    return flat, segments, in_place
+    return flat, parts
 
 
-def _unpack(flat: torch.Tensor, works: list, segments: list, in_place: bool, op: ReduceOp,
-            postscale: float, size: int, scaled: bool) -> None:
-    """Finalize (Average, postscale) a reduced bucket and copy it out to the outputs."""
+def _unpack(flat: torch.Tensor, works: list, parts: Any, op: ReduceOp, postscale: float,
+            size: int, scaled: bool) -> None:
+    """Finalize (Average, postscale) a reduced bucket and copy its ``parts`` (``None``: in
+    place) out to the outputs."""
     if not scaled:
         _finalize(flat, op, postscale, size)
-    if not in_place:
-        for work, (offset, n) in zip(works, segments):
-            if work is not None:
-                work.output.copy_(flat[offset:offset + n].view(work.output.shape))
+    for work, part in zip(works, parts or ()):
+        if work is not None:
+            work.output.copy_(part.view(work.output.shape))
 
 
 def _await(dev: Any, works: list) -> None:
-    """The engine's stream waits for each request's submit-time event."""
+    """The engine's stream waits for each request's submit-time event (nothing on the
+    host: ``dev`` ``None``)."""
     for work in works:
-        if work is not None and work.ready is not None:
+        if dev is not None and work is not None and work.ready is not None:
             dev.wait(work.ready)
+
+
+def _on_stream(dev: Any) -> contextlib.AbstractContextManager:
+    """Make the engine's stream of ``dev`` current (nothing on the host)."""
+    return contextlib.nullcontext() if dev is None else dev.stream()
 
 
 def _staged(engine: EngineInterface, dev: Any, inputs: list, outputs: list, fn: Any,
@@ -399,6 +389,10 @@ def _allgather(engine: EngineInterface, bucket: list[Response]) -> None:
     dims = [response.metas[r].shape[0] for r in range(engine.size)]   # nobody joined
     work = engine.local[response.name]
     dev = request_device([work])
+
+    def gather(send: Any, recv: Any) -> None:
+        collectives.allgather(send, recv, comm=engine.comm)
+
     with _scope(dev, [work]):
         mine = work.tensor.contiguous()
         out = _empty(dev, (sum(dims), *rows), dtype, work)
@@ -407,10 +401,8 @@ def _allgather(engine: EngineInterface, bucket: list[Response]) -> None:
                 out.copy_(mine)
             elif len(set(dims)) == 1:
                 trace.step("MPI_ALLGATHER")
-                _collect(engine, dev, [mine.view(-1)], [out.view(-1)],
-                         lambda send, recv: collectives.allgather(send, recv,
-                                                                  comm=engine.comm),
-                         "allgather", bucket=bucket)
+                _collect(engine, dev, [mine.view(-1)], [out.view(-1)], gather, "allgather",
+                         bucket=bucket)
             else:
                 trace.step("MEMCPY_IN_FUSION_BUFFER")
                 block = max(dims) * row
@@ -418,15 +410,10 @@ def _allgather(engine: EngineInterface, bucket: list[Response]) -> None:
                 send[:mine.numel()].copy_(mine.reshape(-1))
                 recv = _empty(dev, (block * engine.size,), dtype)
                 trace.step("MPI_ALLGATHER")
-                _collect(engine, dev, [send], [recv],
-                         lambda a, b: collectives.allgather(a, b, comm=engine.comm),
-                         "allgather", bucket=bucket)
+                _collect(engine, dev, [send], [recv], gather, "allgather", bucket=bucket)
                 trace.step("MEMCPY_OUT_FUSION_BUFFER")
-                flat = out.view(-1)
-                offset = 0
-                for r, d in enumerate(dims):
-                    flat[offset:offset + d * row].copy_(recv[r * block:r * block + d * row])
-                    offset += d * row
+                torch.cat([recv[r * block:r * block + d * row] for r, d in enumerate(dims)],
+                          out=out.view(-1))
     engine.finish(response.name, result=out, extra=dims)
 
 
@@ -473,9 +460,8 @@ def _alltoall(engine: EngineInterface, bucket: list[Response]) -> None:
             item = dtype.itemsize * row              # bytes per row
 
             def exchange(send: Any, recv: Any) -> None:
-                engine.comm.Alltoallv(
-                    [send, (_counts(splits[me], item), _displs(splits[me], item)), MPI.BYTE],
-                    [recv, (_counts(received, item), _displs(received, item)), MPI.BYTE])
+                engine.comm.Alltoallv([send, _byte_layout(splits[me], item), MPI.BYTE],
+                                      [recv, _byte_layout(received, item), MPI.BYTE])
 
             trace.step("MPI_ALLTOALL")
             _collect(engine, dev, [source.view(-1).view(torch.uint8)],
@@ -488,13 +474,11 @@ def _scope(dev: Any, works: list) -> Iterator[None]:
     """For device requests: wait for their submit-time events, run the body on the
     engine's stream, then synchronise it (results ready for any stream). Nothing on the
     host."""
-    if dev is None:
-        yield
-        return
     _await(dev, works)
-    with dev.stream():
+    with _on_stream(dev):
         yield
-    dev.synchronize()
+    if dev is not None:
+        dev.synchronize()
 
 
 def _empty(dev: Any, shape: tuple, dtype: torch.dtype, work: Any = None) -> torch.Tensor:
@@ -527,16 +511,10 @@ def alltoall_splits(meta: Any, size: int) -> tuple[int, ...]:
     return tuple(meta.splits) if meta.splits else (meta.shape[0] // size,) * size
 
 
-def _counts(splits: list[int] | tuple[int, ...], item: int) -> list[int]:
-    return [s * item for s in splits]
-
-
-def _displs(splits: list[int] | tuple[int, ...], item: int) -> list[int]:
-    out, offset = [], 0
-    for s in splits:
-        out.append(offset)
-        offset += s * item
-    return out
+def _byte_layout(splits: Sequence[int], item: int) -> tuple[list[int], list[int]]:
+    """The byte counts and displacements of blocks of ``splits`` rows of ``item`` bytes."""
+    counts = [s * item for s in splits]
+    return counts, [0, *itertools.accumulate(counts)][:-1]
 
 
 def reducescatter_rows(rows: int, size: int) -> list[int]:
@@ -569,12 +547,9 @@ def _reducescatter_bucket(engine: EngineInterface, bucket: list[Response]) -> No
         send.zero_()
         offsets = [0] * n                            # filled part of each rank's block
         for work, count in zip(works, counts):
-            flat = work.tensor.reshape(-1)
-            start = 0
-            for r in range(n):
+            for r, rows in enumerate(torch.split(work.tensor.reshape(-1), count)):
                 dst = r * block + offsets[r]
-                send[dst:dst + count[r]].copy_(flat[start:start + count[r]])
-                start += count[r]
+                send[dst:dst + count[r]].copy_(rows)
                 offsets[r] += count[r]
         _scale(send, meta.prescale)
         recv = _empty(dev, (block,), rdtype, works[0])
@@ -588,12 +563,11 @@ def _reducescatter_bucket(engine: EngineInterface, bucket: list[Response]) -> No
                      "reduce_scatter", bucket=bucket)
         trace.step("MEMCPY_OUT_FUSION_BUFFER")
         _finalize(recv, op, meta.postscale, n)
-        offset = 0
-        for response, count in zip(bucket, counts):
+        mine = [count[me] for count in counts]
+        for response, part in zip(bucket, torch.split(recv[:sum(mine)], mine)):
             shape = _first_meta(response).shape
             rows = reducescatter_rows(shape[0], n)[me]
-            out = recv[offset:offset + count[me]].to(dtype).view(rows, *shape[1:])
-            offset += count[me]
+            out = part.to(dtype).view(rows, *shape[1:])
             results.append(out.clone() if rdtype is dtype and len(bucket) > 1 else out)
     for response, out in zip(bucket, results):
         engine.finish(response.name, result=out)

@@ -55,10 +55,7 @@ class GroupFuture:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every member is done (or ``timeout`` seconds); return :meth:`done`."""
-        for future in self.members:
-            if not future.wait(timeout):
-                return False
-        return True
+        return all(future.wait(timeout) for future in self.members)
 
     @property
     def owner(self) -> Any:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 __all__ = ["Meta", "Response", "Negotiator", "ResponseCache", "JOIN", "SHUTDOWN", "REALIGN",
            "shutdown_message"]
@@ -161,7 +161,7 @@ class Negotiator:
                     error = f"{entry.kind} {name!r}: " + "; ".join(
                         f"rank {r}: {entry.metas[r].error}" for r in bad)
                 else:
-                    error = _mismatch(entry.kind, name, entry.metas, joined)
+                    error = _mismatch(entry.kind, name, entry.metas)
                 responses.append(Response(entry.kind, name, entry.metas, error,
                                           bad_ranks=bad))
         if len(self.joined) == self.size:
@@ -304,17 +304,25 @@ def _field(meta: Meta, field: str) -> object:
     return tuple(value) if field == "shape" else value
 
 
-def _group_mismatch(name: str, metas: dict, joined: frozenset) -> str | None:
-    sizes: dict[int, list[int]] = {}
+def _disagreement(metas: dict, value: Callable[[Meta], object]) -> str:
+    """Which ranks have which ``value(meta)`` (``ranks 0,1 have X; ranks 2 have Y``), or
+    "" when every rank has the same."""
+    groups: dict[object, list[int]] = {}
     for rank in sorted(metas):
-        sizes.setdefault(len(metas[rank].members), []).append(rank)
-    if len(sizes) > 1:
-        return (f"group {name!r}: ranks disagree: members: "
-                + "; ".join(f"ranks {_ranks(rs)} have {v}" for v, rs in sizes.items()))
+        groups.setdefault(value(metas[rank]), []).append(rank)
+    if len(groups) == 1:
+        return ""
+    return "; ".join(f"ranks {_ranks(rs)} have {v}" for v, rs in groups.items())
+
+
+def _group_mismatch(name: str, metas: dict) -> str | None:
+    differ = _disagreement(metas, lambda m: len(m.members))
+    if differ:
+        return f"group {name!r}: ranks disagree: members: {differ}"
     first = next(iter(metas.values()))
     for index, member in enumerate(first.members):
         error = _mismatch(member.kind, member.name,
-                          {r: m.members[index] for r, m in metas.items()}, joined)
+                          {r: m.members[index] for r, m in metas.items()})
         if error:
             return f"group {name!r}: member {index}: {error}"
     return None
@@ -364,29 +372,20 @@ def _join_refusal(entry: _Entry, name: str, joined: frozenset) -> str | None:
                "by all-reduce)" if kind == "allgather" else ""))
 
 
-def _mismatch(kind: str, name: str, metas: dict, joined: frozenset) -> str | None:
+def _mismatch(kind: str, name: str, metas: dict) -> str | None:
     if kind == "group" and all(m.kind == "group" for m in metas.values()):
-        return _group_mismatch(name, metas, joined)
+        return _group_mismatch(name, metas)
     details = []
     kinds = {m.kind for m in metas.values()}
     fields = ("kind",) if len(kinds) > 1 else _FIELDS.get(kind, ("kind",))
     for field in fields:
-        groups: dict[object, list[int]] = {}
-        for rank in sorted(metas):
-            groups.setdefault(_field(metas[rank], field), []).append(rank)
-        if len(groups) > 1:
-            shown = "rows" if field == "rows" else field
-            details.append(f"{shown}: " + "; ".join(f"ranks {_ranks(rs)} have {v}"
-                                                    for v, rs in groups.items()))
+        differ = _disagreement(metas, lambda m, field=field: _field(m, field))
+        if differ:
+            details.append(f"{field}: {differ}")
     if details:
         return f"{kind} {name!r}: ranks disagree: " + " | ".join(details)
     if kind == "allgather" and any(not m.shape for m in metas.values()):
         return f"allgather {name!r}: tensors must have at least one dimension"
-    if kind in _NO_JOIN and joined:
-        return (f"{kind} {name!r}: {_NO_JOIN[kind]} is not supported with join() "
-                f"(ranks {_ranks(sorted(joined))} joined), as in Horovod"
-                + (" (DistributedOptimizer(sparse_as_dense=True) reduces sparse gradients "
-                   "by all-reduce)" if kind == "allgather" else ""))
     return None
 
 

@@ -31,7 +31,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from ...buffers import IN_PLACE
 from ...context import get_context

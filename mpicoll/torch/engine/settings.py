@@ -45,25 +45,13 @@ class Settings:
     overlap: str = "auto"
 
 
-def _env(name: str) -> str | None:
-    return config.env_str(name)
-
-
-def _env_int(name: str, default: int) -> int:
-    return config.env_int(name, default, minimum=0)
-
-
-def _env_float(name: str, default: float) -> float:
-    return config.env_float(name, default, minimum=0)
-
-
 def allreduce_algorithm() -> str:
     """``MPICOLL_ALLREDUCE_ALGORITHM`` (as last read by :mod:`mpicoll.config`), else ``"auto"``.
 
     Raises:
         ValueError: not ``auto`` nor a name of ``mpicoll.algorithms("allreduce")``.
     """
-    algorithm = _env("MPICOLL_ALLREDUCE_ALGORITHM") or "auto"
+    algorithm = config.env_str("MPICOLL_ALLREDUCE_ALGORITHM") or "auto"
     if algorithm != "auto" and algorithm not in names("allreduce"):
         raise ValueError(f"MPICOLL_ALLREDUCE_ALGORITHM={algorithm!r}; choose one of "
                          f"{['auto', *names('allreduce')]}")
@@ -78,13 +66,15 @@ def from_environment() -> Settings:
     """
     config.refresh()
     algorithm = allreduce_algorithm()
-    overlap = (_env("MPICOLL_OVERLAP") or "auto").lower()
+    overlap = (config.env_str("MPICOLL_OVERLAP") or "auto").lower()
     if overlap not in ("auto", "0", "1"):
         raise ValueError(f"MPICOLL_OVERLAP={overlap!r}; use auto, 1 or 0")
     return Settings(
-        fusion_threshold=_env_int("MPICOLL_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD),
-        cycle_time=_env_float("MPICOLL_CYCLE_TIME_MS", 0.5) / 1000.0,
+        fusion_threshold=config.env_int("MPICOLL_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD,
+                                        minimum=0),
+        cycle_time=config.env_float("MPICOLL_CYCLE_TIME_MS", 0.5, minimum=0) / 1000.0,
         algorithm=algorithm,
-        stall_check_time=_env_float("MPICOLL_STALL_CHECK_TIME_SECONDS", 60.0),
+        stall_check_time=config.env_float("MPICOLL_STALL_CHECK_TIME_SECONDS", 60.0,
+                                          minimum=0),
         overlap=overlap,
     )
