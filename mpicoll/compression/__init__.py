@@ -22,14 +22,19 @@ from .auto import Auto
 from .codecs import (CODECS, BF16Codec, Codec, FP16Codec, Int8Codec, NoneCodec, OneBitCodec,
                      RandomKCodec, TopKCodec, TwoScaleOneBitCodec, get_codec, new_payload)
 from .feedback import ErrorFeedback, tensor_feedback
+from .int4 import Int4Codec
 from .reduce_scatter import reduce_scatter
 from .stats import AllreduceStats, CollectiveStats, last_stats
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "last_stats", "AllreduceStats",
            "CollectiveStats", "get_codec", "new_payload", "Codec",
            "NoneCodec", "FP16Codec", "BF16Codec", "Int8Codec", "OneBitCodec",
-           "TwoScaleOneBitCodec", "TopKCodec", "RandomKCodec", "CODECS", "ErrorFeedback",
+           "TwoScaleOneBitCodec", "TopKCodec", "RandomKCodec", "Int4Codec", "CODECS",
+           "ErrorFeedback",
            "tensor_feedback", "Auto"]
+
+#: int4 builds on codecs.py's chunked codec, so it is registered here, not in CODECS' literal
+CODECS["int4"] = Int4Codec
 
 if failures.ENABLED:  # ULFM on: a process failure raises ProcessFailedError (mpicoll.runtime)
     allreduce = failures.guard(allreduce)

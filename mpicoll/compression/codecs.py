@@ -813,6 +813,7 @@ def get_codec(spec: Any, argname: str = "compression") -> Codec:
     Args:
         spec: a :class:`Codec` (returned as is), ``None`` (``"none"``), or a name:
             ``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"`` (``"int8:512"`` sets the chunk),
+            ``"int4"`` (``"int4:512"``; registered by :mod:`mpicoll.compression`),
             ``"onebit"`` (``"onebit:512"``; ``"onebit:two"``, ``"onebit:512:two"``: two
             values per chunk, :class:`TwoScaleOneBitCodec`), ``"topk:RATIO"``,
             ``"randomk:RATIO"`` (RATIO in
@@ -843,7 +844,7 @@ def get_codec(spec: Any, argname: str = "compression") -> Codec:
         if not (0.0 < ratio <= 1.0):
             raise ValueError(f"{argname}={spec!r}: {name} ratio must be in (0, 1], got {ratio:g}")
         return cls(ratio)
-    if name in ("int8", "onebit") and param:
+    if name in ("int8", "int4", "onebit") and param:
         opts = param.split(":")
         kwargs: dict[str, Any] = {}
         for opt in opts:

@@ -37,6 +37,7 @@ from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allredu
                       reducescatter_async, synchronize)
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .optimizer import DistributedOptimizer
+from .diloco import DiLoCo
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .process_sets import ProcessSetGrid, process_grid
 from .state import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
@@ -66,7 +67,7 @@ __all__ = ["init", "shutdown", "is_initialized", "start_timeline", "stop_timelin
            "grouped_allreduce_async_", "grouped_allgather", "grouped_allgather_async",
            "grouped_reducescatter", "grouped_reducescatter_async",
            "poll", "synchronize", "barrier", "join", "allgather_object", "broadcast_object",
-           "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
+           "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer", "DiLoCo",
            "SyncBatchNorm",
            "Compression", "Compressor", "Average", "Sum", "Adasum", "Min", "Max", "Product",
            "ReduceOp", "ProcessSet", "global_process_set", "add_process_set",

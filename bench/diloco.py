@@ -1,0 +1,351 @@
+"""DiLoCo and Streaming DiLoCo against every-step sync and local SGD, to accuracy.
+
+``examples/train.py``'s model and data (DigitsCNN, 13,706 float32 parameters, scikit-learn's
+8x8 digits, global batch 64 split over the ranks, inner SGD lr 0.05 momentum 0.9), one
+model per ``--variants`` entry:
+
+- ``sync``: ``DistributedOptimizer``, gradients all-reduced every step (a ring:
+  ``MPICOLL_ALLREDUCE_ALGORITHM=ring``);
+- ``L<H>``: local SGD, ``DistributedOptimizer(sync_every=H)`` (parameters and momentum
+  averaged every ``H`` steps);
+- ``D<H>``: ``DiLoCo(sync_every=H)``;
+- ``S<H>F<F>T<tau>``: Streaming DiLoCo, ``DiLoCo(sync_every=H, fragments=F, overlap=tau)``;
+- a DiLoCo variant may end in ``:codec`` (``S100F4T1:int4``): ``compression=codec``.
+
+DiLoCo's outer optimizer is SGD with Nesterov momentum (``--outer-lr`` 0.7,
+``--outer-momentum`` 0.5; see docs/diloco.md for why not 0.9 here). Seeds are the outer
+loop and variants the inner one, all variants of a seed in one launch (the order rotated
+per seed), so variants share the machine's load.
+
+Each run records on rank 0: the training wall time (steps only; evaluations excluded),
+every ``--eval-every`` steps the test accuracy (of the global parameters for DiLoCo, of
+the replicas for the others), rank 0's mean training loss since the previous evaluation
+and the bytes crossed between nodes so far (all ranks together), the step and time at
+which the accuracy first reaches ``--target``, and the final accuracy. Bytes crossing
+nodes: ``sync`` and ``L<H>`` computed from the ring schedule (``bench.local_sgd``); DiLoCo's
+from its ``stats()`` summed over the ranks (computed from the placement without a codec,
+the codec collective's payload count with one). From the repository root::
+
+    python -m bench.diloco --ranks 4 --ranks-per-node 2 --seeds 1,2 --out docs/results
+
+Under ``MPICOLL_BENCH_MPIRUN="cluster/cluster mpirun -ppn 2"`` the launches run on the
+test bed (docs/cluster.md; leave ``--ranks-per-node 0`` there).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+from bench.bench_ps import _pyplot, launch_json
+from bench.common import command_line, machine_description
+from bench.local_sgd import cross_node_ring_senders
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_VARIANTS = "sync,L8,D10,D50,D100,S100F4T1:int4"
+VARIANT = re.compile(r"^(?:(sync)|L(\d+)|D(\d+)|S(\d+)F(\d+)T(\d+))(?::(.+))?$")
+
+
+def parse_variant(name: str) -> dict:
+    """``"S100F4T1:int4"`` -> ``{"kind": "diloco", "sync_every": 100, "fragments": 4,
+    "overlap": 1, "compression": "int4"}``; ``"L8"`` -> ``{"kind": "local", "sync_every":
+    8}``; ``"sync"`` -> ``{"kind": "sync"}``.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    m = VARIANT.match(name)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"variant {name!r}: sync, L<H>, D<H>, S<H>F<F>T<tau>, "
+                                         f"a DiLoCo one with :codec")
+    sync, local, d, s, f, t, codec = m.groups()
+    if sync or local:
+        if codec:
+            raise argparse.ArgumentTypeError(f"variant {name!r}: a codec only with DiLoCo")
+        return {"kind": "sync"} if sync else {"kind": "local", "sync_every": int(local)}
+    return {"kind": "diloco", "sync_every": int(d or s), "fragments": int(f or 1),
+            "overlap": int(t or 0), "compression": codec}
+
+
+def _train_module():
+    spec = importlib.util.spec_from_file_location("train_example",
+                                                  os.path.join(ROOT, "examples", "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ring_cross_bytes(hvd, param_bytes: int, node_sizes: list[int]) -> float:
+    """Bytes crossing nodes (all ranks) in one ring all-reduce of ``param_bytes``."""
+    n = hvd.size()
+    return cross_node_ring_senders(node_sizes) * 2 * (n - 1) / n * param_bytes
+
+
+def _train_run(train, hvd, a: argparse.Namespace, variant: str, seed: int, data) -> dict:
+    """Train one variant from scratch; rank 0's record."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from mpi4py import MPI
+
+    from mpicoll.context import get_context
+
+    settings = parse_variant(variant)
+    per_rank = max(1, a.batch // hvd.size())
+    xtr, ytr, xte, yte, _ = data
+    node_sizes = get_context(MPI.COMM_WORLD).topology.node_sizes
+    torch.manual_seed(seed)
+    model = train.DigitsCNN()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    inner = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum)
+    diloco = None
+    if settings["kind"] == "diloco":
+        outer = torch.optim.SGD(model.parameters(), lr=a.outer_lr, momentum=a.outer_momentum,
+                                nesterov=a.outer_momentum > 0)
+        diloco = hvd.DiLoCo(model, inner, outer, sync_every=settings["sync_every"],
+                            fragments=settings["fragments"], overlap=settings["overlap"],
+                            compression=settings["compression"])
+        opt = diloco
+        scratch = copy.deepcopy(model)
+    else:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(
+            inner, named_parameters=model.named_parameters(),
+            **({"sync_every": settings["sync_every"]} if settings["kind"] == "local" else {}))
+    ring = _ring_cross_bytes(hvd, param_bytes, node_sizes)
+
+    def crossed(step: int) -> float:
+        if diloco is not None:
+            mine = torch.tensor([float(diloco.stats()["bytes_sent"]["inter_node"])])
+            return float(hvd.allreduce(mine, op=hvd.Sum, name=f"bench.diloco.bytes.{step}"))
+        if settings["kind"] == "sync":
+            return ring * step
+        # local SGD: parameters and momentum buffers every H steps
+        return ring * 2 * (step // settings["sync_every"])
+
+    def evaluated() -> torch.nn.Module:
+        if diloco is None:
+            return model
+        with torch.no_grad():
+            for p, theta in zip(scratch.parameters(), diloco.global_parameters()):
+                p.copy_(theta)
+        return scratch
+
+    train_seconds, step, log, reached, losses = 0.0, 0, [], None, []
+    for epoch in range(a.epochs):
+        indices = train.shard(len(ytr), epoch, seed)
+        for i in range(0, len(indices), per_rank):
+            idx = indices[i:i + per_rank]
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
+            loss.backward()
+            opt.step()
+            train_seconds += time.perf_counter() - t0
+            losses.append(float(loss.detach()))
+            step += 1
+            if step % a.eval_every == 0:
+                accuracy = train.evaluate(evaluated(), xte, yte)
+                log.append([step, round(train_seconds, 4), accuracy,
+                            statistics.mean(losses), crossed(step)])
+                losses = []
+                if reached is None and accuracy >= a.target:
+                    reached = [step, round(train_seconds, 4), log[-1][4]]
+    accuracy = train.evaluate(evaluated(), xte, yte)
+    total_crossed = crossed(step)
+    stats = None
+    if diloco is not None:
+        stats = diloco.stats()
+        diloco.close()
+    return {"variant": variant, "seed": seed, "settings": settings, "ranks": hvd.size(),
+            "steps": step, "train_seconds": train_seconds, "final_accuracy": accuracy,
+            "reached": reached, "log": log, "param_bytes": param_bytes,
+            "cross_node_bytes": total_crossed, "node_sizes": node_sizes, "diloco": stats,
+            "log_columns": ["step", "train_seconds", "accuracy", "loss", "cross_node_bytes"]}
+
+
+def worker(a: argparse.Namespace) -> int:
+    """One process of a launch (under mpirun): every variant in the order given; rank 0
+    writes the records to ``a.json``."""
+    import torch
+
+    train = _train_module()
+    hvd = train.hvd
+    torch.set_num_threads(1)
+    hvd.init()
+    data = train.load_data("digits")
+    result = [_train_run(train, hvd, a, v, a.seed, data) for v in a.variant.split(",")]
+    if hvd.rank() == 0:
+        with open(a.json, "w") as f:
+            json.dump(result, f)
+    hvd.shutdown()
+    return 0
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per variant: medians over seeds, ratios to ``sync``."""
+    out = {}
+    for variant in dict.fromkeys(r["variant"] for r in records):
+        mine = [r for r in records if r["variant"] == variant]
+        reached = [r["reached"] for r in mine if r["reached"]]
+        complete = len(reached) == len(mine)
+        out[variant] = {
+            "runs": len(mine),
+            "reached": f"{len(reached)}/{len(mine)}",
+            "steps_to_target": [r["reached"][0] if r["reached"] else None for r in mine],
+            "time_to_target_median": statistics.median(x[1] for x in reached)
+            if complete else None,
+            "bytes_to_target_median": statistics.median(x[2] for x in reached)
+            if complete else None,
+            "final_accuracy_mean": statistics.mean(r["final_accuracy"] for r in mine),
+            "train_seconds_median": statistics.median(r["train_seconds"] for r in mine),
+            "cross_node_bytes_per_step": statistics.median(r["cross_node_bytes"] / r["steps"]
+                                                           for r in mine),
+            "node_sizes": mine[0]["node_sizes"],
+        }
+    base = out.get("sync")
+    for row in out.values():
+        if not base:
+            break
+        for key in ("time_to_target_median", "bytes_to_target_median",
+                    "train_seconds_median", "cross_node_bytes_per_step"):
+            if base.get(key) and row.get(key) is not None:
+                row[key.replace("_median", "") + "_vs_sync"] = row[key] / base[key]
+        row["accuracy_vs_sync_points"] = 100 * (row["final_accuracy_mean"] -
+                                                base["final_accuracy_mean"])
+    return out
+
+
+def print_summary(summary: dict, target: float) -> None:
+    print(f"# variant        reached  steps-to-{target:.2f}        time(s)  vs-sync  "
+          f"bytes-to-{target:.2f}  vs-sync  final-acc  d-acc(pts)  cross-node B/step")
+    for name, row in summary.items():
+        ttt, btt = row["time_to_target_median"], row["bytes_to_target_median"]
+        print(f"{name:15s} {row['reached']:>7s}  {row['steps_to_target']!s:>18s}  "
+              f"{'-' if ttt is None else f'{ttt:.2f}':>7s}  "
+              f"{row.get('time_to_target_vs_sync', float('nan')):7.3f}  "
+              f"{'-' if btt is None else f'{btt:.0f}':>14s}  "
+              f"{row.get('bytes_to_target_vs_sync', float('nan')):7.4f}  "
+              f"{row['final_accuracy_mean']:.4f}  "
+              f"{row.get('accuracy_vs_sync_points', float('nan')):+9.2f}  "
+              f"{row['cross_node_bytes_per_step']:14.0f}")
+
+
+def plot(records: list[dict], path: str, title: str, seed: int | None = None
+         ) -> str | None:
+    """One seed's (default: the first) training loss and test accuracy of every variant against training time
+    and against bytes crossing nodes (log scale), as a PNG at ``path`` (``None`` without
+    matplotlib)."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    seed = min(r["seed"] for r in records) if seed is None else seed
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharey="row")
+    for rec in (r for r in records if r["seed"] == seed):
+        log = rec["log"]
+        t = [row[1] for row in log]
+        b = [max(row[4], 1.0) for row in log]
+        for row_axes, column in ((axes[0], 3), (axes[1], 2)):
+            row_axes[0].plot(t, [row[column] for row in log], label=rec["variant"])
+            row_axes[1].plot(b, [row[column] for row in log], label=rec["variant"])
+    axes[0][0].set_ylabel("training loss (rank 0, mean since last point)")
+    axes[1][0].set_ylabel("test accuracy")
+    axes[1][0].set_xlabel("training time (s)")
+    axes[1][1].set_xlabel("bytes crossing nodes, all ranks (log)")
+    for ax in axes[:, 1]:
+        ax.set_xscale("log")
+    axes[0][0].set_yscale("log")
+    for ax in axes[1]:
+        ax.set_ylim(0.8, 1.0)
+    axes[0][1].legend(fontsize=8)
+    fig.suptitle(f"{title} (seed {seed})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="sync", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--ranks-per-node", type=int, default=2,
+                   help="MPICOLL_RANKS_PER_NODE for the runs (0: the real node layout)")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS)
+    p.add_argument("--seeds", default="1,2")
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.5)
+    p.add_argument("--target", type=float, default=0.95)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--out", default=None, help="write <name>.json here")
+    p.add_argument("--name", default="diloco")
+    p.add_argument("--plot-only", default=None, metavar="JSON",
+                   help="only draw the PNG of an earlier run's JSON (beside it)")
+    p.add_argument("--plot-seed", type=int, default=None,
+                   help="the seed whose runs the PNG shows (default: the first)")
+    a = p.parse_args(argv)
+    if a.worker:
+        return worker(a)
+    if a.plot_only:
+        with open(a.plot_only) as f:
+            saved = json.load(f)
+        png = plot(saved["records"], a.plot_only[:-len(".json")] + ".png",
+                   f"DigitsCNN, {saved['command']}", a.plot_seed)
+        print(f"wrote {png}" if png else "no matplotlib: nothing drawn")
+        return 0 if png else 1
+    variants = [v for v in a.variants.split(",") if v]
+    for v in variants:
+        parse_variant(v)
+    env = {"MPICOLL_ALLREDUCE_ALGORITHM": "ring"}
+    if a.ranks_per_node:
+        env["MPICOLL_RANKS_PER_NODE"] = str(a.ranks_per_node)
+    common = ["--epochs", str(a.epochs), "--batch", str(a.batch), "--lr", str(a.lr),
+              "--momentum", str(a.momentum), "--outer-lr", str(a.outer_lr),
+              "--outer-momentum", str(a.outer_momentum), "--target", str(a.target),
+              "--eval-every", str(a.eval_every)]
+    records = []
+    for i, seed in enumerate(int(s) for s in a.seeds.split(",")):
+        order = variants[i % len(variants):] + variants[:i % len(variants)]  # rotate
+        recs = launch_json(a.ranks, ["-m", "bench.diloco", "--worker", "--variant",
+                                     ",".join(order), "--seed", str(seed), *common],
+                           f"seed {seed}", a.timeout, env)
+        if recs is None:
+            return 1
+        for rec in recs:
+            print(f"{rec['variant']} seed {seed}: {rec['train_seconds']:.2f} s, final "
+                  f"{rec['final_accuracy']:.4f}, reached {rec['reached']}", flush=True)
+        records += recs
+    records.sort(key=lambda r: (variants.index(r["variant"]), r["seed"]))
+    summary = summarize(records)
+    print_summary(summary, a.target)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        path = os.path.join(a.out, f"{a.name}.json")
+        with open(path, "w") as f:
+            json.dump({"command": command_line(None, "diloco", argv),
+                       "machine": machine_description(), "environment": env,
+                       "summary": summary, "records": records}, f, indent=1)
+        print(f"wrote {os.path.relpath(path, ROOT)}")
+        png = plot(records, path[:-len(".json")] + ".png",
+                   f"DigitsCNN, {command_line(None, 'diloco', argv)}", a.plot_seed)
+        if png:
+            print(f"wrote {os.path.relpath(png, ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
