@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent("""
     import atexit
     progress.EXIT_STALL_S = 1.0
     # registered before the backend's own exit handler, so it runs after it (LIFO)
-    atexit.register(lambda: print("rank", rank, "drained", last.tolist(), flush=True))
+    atexit.register(lambda: print(f"rank {rank} drained {last.tolist()}", flush=True))
     dist.init_process_group("mpicoll")
     rank, n = dist.get_rank(), dist.get_world_size()
     tensors = [torch.full((1000,), float(rank + i)) for i in range(20)]
@@ -42,7 +42,7 @@ SCRIPT = textwrap.dedent("""
     dist.all_reduce(last, async_op=True)                # never waited for
     if rank == 0:
         dist.all_reduce(torch.ones(3), async_op=True)   # rank 1 never joins this one
-    print("rank", rank, "backend", dist.get_backend(), "ok", flush=True)
+    print(f"rank {rank} backend {dist.get_backend()} ok", flush=True)  # one string
 """)
 
 
@@ -124,7 +124,7 @@ def test_broken_group_used_again_or_destroyed_ends_the_job(tmp_path, mode):
     if mode == "reuse":
         line = next(x for x in out.splitlines() if x.startswith("TIMEOUT"))
         secs = float(line.split()[1])
-        assert 0.9 < secs < 2.0, line
+        assert 0.9 < secs < 4.0, line       # "at once": 1 s, plus a loaded machine
         assert "allreduce" in line and "timed out after 1 s" in line, line
         assert "rank(s) [1] did not arrive" in line, line
         assert "which is broken" in out and "ending the job" in out, out
