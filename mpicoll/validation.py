@@ -27,7 +27,7 @@ import numpy as np
 from .buffers import array_module, is_in_place
 from .partition import block_bounds
 
-__all__ = ["View", "Buffers", "check_root", "require_recvbuf", "check_output",
+__all__ = ["View", "Buffers", "check_int", "check_root", "require_recvbuf", "check_output",
            "elementwise", "reduce", "reduce_scatter", "allgather", "broadcast",
            "gathered_shape", "own_block"]
 
@@ -52,6 +52,20 @@ class Buffers(NamedTuple):
     send: Any
     recv: Any
     in_place: bool
+
+
+def check_int(name: str, value: Any, minimum: int) -> int:
+    """``value`` (the argument ``name``) as an int of at least ``minimum``.
+
+    Raises:
+        TypeError: not an int (``bool`` included).
+        ValueError: below ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, not {value}")
+    return int(value)
 
 
 def check_root(root: Any, size: int) -> int:

@@ -22,6 +22,8 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
+from ..validation import check_int
+
 __all__ = ["DiLoCoSettings", "check_settings", "balanced_runs", "fragment_sizes",
            "DiLoCoSchedule"]
 
@@ -38,14 +40,6 @@ class DiLoCoSettings(NamedTuple):
     def period(self) -> int:
         """``h = H / F``: inner steps between two fragments' outer steps."""
         return self.sync_every // self.fragments
-
-
-def _int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, not {value}")
-    return int(value)
 
 
 def check_settings(sync_every: Any, fragments: Any = 1, overlap: Any = 0,
@@ -66,9 +60,9 @@ def check_settings(sync_every: Any, fragments: Any = 1, overlap: Any = 0,
         ValueError: a setting out of range, ``H`` not a multiple of ``F``, or
             ``tau >= H / F``.
     """
-    h = _int("sync_every", sync_every, 1)
-    f = _int("fragments", fragments, 1)
-    tau = _int("overlap", overlap, 0)
+    h = check_int("sync_every", sync_every, 1)
+    f = check_int("fragments", fragments, 1)
+    tau = check_int("overlap", overlap, 0)
     if h % f:
         raise ValueError(f"sync_every ({h}) must be a multiple of fragments ({f}): each "
                          f"fragment syncs every sync_every steps, one every "

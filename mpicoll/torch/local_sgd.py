@@ -32,13 +32,13 @@ from __future__ import annotations
 import zlib
 from typing import Any, Callable, Iterable, NamedTuple
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
 from ..checked import agree
 from ..collectives import allreduce
 from ..context import get_context
+from ..validation import check_int
 from ..runtime import comms
 from ..runtime import world as runtime_world
 
@@ -80,14 +80,6 @@ class StepPlan(NamedTuple):
     params: int
 
 
-def _positive_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, not {value}")
-    return int(value)
-
-
 def check_settings(sync_every: Any = 1, node_sync_every: Any = None, warmup_steps: Any = 0,
                    average_state: Any = True) -> LocalSGDSettings:
     """Validate the local SGD settings on this rank (no communication).
@@ -106,14 +98,14 @@ def check_settings(sync_every: Any = 1, node_sync_every: Any = None, warmup_step
         TypeError: a setting of the wrong type.
         ValueError: a setting out of range.
     """
-    h = _positive_int("sync_every", sync_every, 1)
+    h = check_int("sync_every", sync_every, 1)
     m = None
     if node_sync_every is not None:
-        m = _positive_int("node_sync_every", node_sync_every, 1)
+        m = check_int("node_sync_every", node_sync_every, 1)
         if m >= h:
             raise ValueError(f"node_sync_every ({m}) must be smaller than sync_every ({h}): "
                              f"the node averages more often than all ranks")
-    k = _positive_int("warmup_steps", warmup_steps, 0)
+    k = check_int("warmup_steps", warmup_steps, 0)
     if not isinstance(average_state, bool):
         raise TypeError(f"average_state must be a bool, not {type(average_state).__name__}")
     return LocalSGDSettings(h, m, k, average_state)
