@@ -1,6 +1,7 @@
 """One failing rank ends the whole run quickly, never a hang."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from mpi_launcher import mpirun_command, run_suite
+from mpi_launcher import LAUNCH_FAILURES, mpirun_command, run_command, run_suite
 
 CRASH = textwrap.dedent("""
     import numpy as np, mpicoll
@@ -69,3 +70,19 @@ def test_launcher_kills_a_hung_run(tmp_path, n):
     rc, out, secs = run_suite(n, str(suite), ["--rootdir", str(suite), "-p", "no:timeout"],
                               timeout=10)
     assert rc != 0 and secs < 30
+
+
+def test_launcher_retries_only_a_launch_that_never_started(tmp_path):
+    """A launch that failed before any rank started (Open MPI's PMIx listener) runs again;
+    a job that failed for itself is not rerun."""
+    counter = tmp_path / "tries"
+    script = ("import pathlib, sys; p = pathlib.Path(sys.argv[1]); "
+              "n = int(p.read_text()) + 1 if p.exists() else 1; p.write_text(str(n)); "
+              "print(sys.argv[2] if n < 3 else 'started'); sys.exit(213 if n < 3 else 0)")
+    launch = [sys.executable, "-c", script, str(counter), LAUNCH_FAILURES[0]]
+    rc, out, _ = run_command(launch, dict(os.environ), 30)
+    assert (rc, out.strip(), counter.read_text()) == (0, "started", "3")
+
+    counter.unlink()
+    rc, out, _ = run_command(launch[:-1] + ["rank 1 raised"], dict(os.environ), 30)
+    assert (rc, counter.read_text()) == (213, "1")
