@@ -34,19 +34,18 @@ test bed (docs/cluster.md; leave ``--ranks-per-node 0`` there).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
 import statistics
 import sys
-import time
 
-from bench.bench_ps import _pyplot, launch_json
-from bench.common import command_line, machine_description
+from bench import training_runs
+from bench.bench_ps import _pyplot
+from bench.common import command_line
 from bench.local_sgd import cross_node_ring_senders
+from bench.training_runs import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VARIANTS = "sync,L8,D10,D50,D100,S100F4T1:int4"
 VARIANT = re.compile(r"^(?:(sync)|L(\d+)|D(\d+)|S(\d+)F(\d+)T(\d+))(?::(.+))?$")
 
@@ -72,14 +71,6 @@ def parse_variant(name: str) -> dict:
             "overlap": int(t or 0), "compression": codec}
 
 
-def _train_module():
-    spec = importlib.util.spec_from_file_location("train_example",
-                                                  os.path.join(ROOT, "examples", "train.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _ring_cross_bytes(hvd, param_bytes: int, node_sizes: list[int]) -> float:
     """Bytes crossing nodes (all ranks) in one ring all-reduce of ``param_bytes``."""
     n = hvd.size()
@@ -91,7 +82,6 @@ def _train_run(train, hvd, a: argparse.Namespace, variant: str, seed: int, data)
     import copy
 
     import torch
-    import torch.nn.functional as F
     from mpi4py import MPI
 
     from mpicoll.context import get_context
@@ -137,26 +127,11 @@ def _train_run(train, hvd, a: argparse.Namespace, variant: str, seed: int, data)
                 p.copy_(theta)
         return scratch
 
-    train_seconds, step, log, reached, losses = 0.0, 0, [], None, []
-    for epoch in range(a.epochs):
-        indices = train.shard(len(ytr), epoch, seed)
-        for i in range(0, len(indices), per_rank):
-            idx = indices[i:i + per_rank]
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
-            loss.backward()
-            opt.step()
-            train_seconds += time.perf_counter() - t0
-            losses.append(float(loss.detach()))
-            step += 1
-            if step % a.eval_every == 0:
-                accuracy = train.evaluate(evaluated(), xte, yte)
-                log.append([step, round(train_seconds, 4), accuracy,
-                            statistics.mean(losses), crossed(step)])
-                losses = []
-                if reached is None and accuracy >= a.target:
-                    reached = [step, round(train_seconds, 4), log[-1][4]]
+    train_seconds, step, log, reached = training_runs.train_to_target(
+        train, a, seed, model, opt, xtr, ytr, per_rank,
+        lambda: train.evaluate(evaluated(), xte, yte),
+        columns=lambda step, losses: [statistics.mean(losses), crossed(step)],
+        reached_columns=(4,))
     accuracy = train.evaluate(evaluated(), xte, yte)
     total_crossed = crossed(step)
     stats = None
@@ -173,19 +148,9 @@ def _train_run(train, hvd, a: argparse.Namespace, variant: str, seed: int, data)
 def worker(a: argparse.Namespace) -> int:
     """One process of a launch (under mpirun): every variant in the order given; rank 0
     writes the records to ``a.json``."""
-    import torch
-
-    train = _train_module()
-    hvd = train.hvd
-    torch.set_num_threads(1)
-    hvd.init()
-    data = train.load_data("digits")
-    result = [_train_run(train, hvd, a, v, a.seed, data) for v in a.variant.split(",")]
-    if hvd.rank() == 0:
-        with open(a.json, "w") as f:
-            json.dump(result, f)
-    hvd.shutdown()
-    return 0
+    return training_runs.worker(
+        a, lambda train, hvd, data: [_train_run(train, hvd, a, v, a.seed, data)
+                                     for v in a.variant.split(",")], shutdown=True)
 
 
 def summarize(records: list[dict]) -> dict:
@@ -273,24 +238,10 @@ def plot(records: list[dict], path: str, title: str, seed: int | None = None
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--variant", default="sync", help=argparse.SUPPRESS)
-    p.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--ranks-per-node", type=int, default=2,
-                   help="MPICOLL_RANKS_PER_NODE for the runs (0: the real node layout)")
-    p.add_argument("--variants", default=DEFAULT_VARIANTS)
-    p.add_argument("--seeds", default="1,2")
-    p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
+    training_runs.add_run_options(p, variants=DEFAULT_VARIANTS, epochs=30)
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.5)
-    p.add_argument("--target", type=float, default=0.95)
-    p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--timeout", type=float, default=900)
+    training_runs.add_target_options(p, eval_every=10, timeout=900)
     p.add_argument("--out", default=None, help="write <name>.json here")
     p.add_argument("--name", default="diloco")
     p.add_argument("--plot-only", default=None, metavar="JSON",
@@ -310,36 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     variants = [v for v in a.variants.split(",") if v]
     for v in variants:
         parse_variant(v)
-    env = {"MPICOLL_ALLREDUCE_ALGORITHM": "ring"}
-    if a.ranks_per_node:
-        env["MPICOLL_RANKS_PER_NODE"] = str(a.ranks_per_node)
-    common = ["--epochs", str(a.epochs), "--batch", str(a.batch), "--lr", str(a.lr),
-              "--momentum", str(a.momentum), "--outer-lr", str(a.outer_lr),
-              "--outer-momentum", str(a.outer_momentum), "--target", str(a.target),
-              "--eval-every", str(a.eval_every)]
-    records = []
-    for i, seed in enumerate(int(s) for s in a.seeds.split(",")):
-        order = variants[i % len(variants):] + variants[:i % len(variants)]  # rotate
-        recs = launch_json(a.ranks, ["-m", "bench.diloco", "--worker", "--variant",
-                                     ",".join(order), "--seed", str(seed), *common],
-                           f"seed {seed}", a.timeout, env)
-        if recs is None:
-            return 1
-        for rec in recs:
-            print(f"{rec['variant']} seed {seed}: {rec['train_seconds']:.2f} s, final "
-                  f"{rec['final_accuracy']:.4f}, reached {rec['reached']}", flush=True)
-        records += recs
-    records.sort(key=lambda r: (variants.index(r["variant"]), r["seed"]))
+    env = training_runs.environment(a)
+    common = training_runs.forwarded(a, "epochs", "batch", "lr", "momentum", "outer-lr",
+                                     "outer-momentum", "target", "eval-every")
+    records = training_runs.launch_seeds(a, "diloco", variants, common, env)
+    if records is None:
+        return 1
     summary = summarize(records)
     print_summary(summary, a.target)
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        path = os.path.join(a.out, f"{a.name}.json")
-        with open(path, "w") as f:
-            json.dump({"command": command_line(None, "diloco", argv),
-                       "machine": machine_description(), "environment": env,
-                       "summary": summary, "records": records}, f, indent=1)
-        print(f"wrote {os.path.relpath(path, ROOT)}")
+        path = training_runs.write_results(a, "diloco", argv, env, summary, records)
         png = plot(records, path[:-len(".json")] + ".png",
                    f"DigitsCNN, {command_line(None, 'diloco', argv)}", a.plot_seed)
         if png:

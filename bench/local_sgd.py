@@ -28,19 +28,14 @@ test bed (docs/cluster.md) instead (leave ``--ranks-per-node 0`` there: real nod
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
-import math
-import os
 import re
 import statistics
 import sys
 import time
 
+from bench import training_runs
 from bench.bench_ps import launch_json
-from bench.common import command_line, machine_description
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VARIANTS = "sync,H2,H4,H8,H8M1"
 VARIANT = re.compile(r"^(?:sync|H(\d+))(?:M(\d+))?(?:K(\d+))?(P?)$")
 
@@ -65,18 +60,9 @@ def cross_node_ring_senders(node_sizes: list[int]) -> int:
     return sum(1 for r in range(len(node)) if node[r] != node[(r + 1) % len(node)])
 
 
-def _train_module():
-    spec = importlib.util.spec_from_file_location("train_example",
-                                                  os.path.join(ROOT, "examples", "train.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _train_run(train, hvd, a: argparse.Namespace, variant: str, seed: int, data) -> dict:
     """Train one variant from scratch; rank 0's record (None elsewhere)."""
     import torch
-    import torch.nn.functional as F
 
     settings = parse_variant(variant)
     per_rank = max(1, a.batch // hvd.size())
@@ -87,22 +73,9 @@ def _train_run(train, hvd, a: argparse.Namespace, variant: str, seed: int, data)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                    **settings)
-    train_seconds, step, log, reached = 0.0, 0, [], None
-    for epoch in range(a.epochs):
-        indices = train.shard(len(ytr), epoch, seed)
-        for i in range(0, len(indices), per_rank):
-            idx = indices[i:i + per_rank]
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            F.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-            opt.step()
-            train_seconds += time.perf_counter() - t0
-            step += 1
-            if step % a.eval_every == 0:
-                accuracy = train.evaluate(model, xte, yte)
-                log.append([step, round(train_seconds, 4), accuracy])
-                if reached is None and accuracy >= a.target:
-                    reached = [step, round(train_seconds, 4)]
+    train_seconds, step, log, reached = training_runs.train_to_target(
+        train, a, seed, model, opt, xtr, ytr, per_rank,
+        lambda: train.evaluate(model, xte, yte))
     accuracy = train.evaluate(model, xte, yte)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     state = params if (settings["sync_every"] > 1 and a.momentum
@@ -111,8 +84,6 @@ def _train_run(train, hvd, a: argparse.Namespace, variant: str, seed: int, data)
     from mpi4py import MPI
     from mpicoll.context import get_context
     node_sizes = get_context(MPI.COMM_WORLD).topology.node_sizes
-    if opt.local_sgd is not None:
-        opt.local_sgd.free()
     return {"variant": variant, "seed": seed, "settings": settings, "ranks": hvd.size(),
             "steps": step, "train_seconds": train_seconds, "final_accuracy": accuracy,
             "reached": reached, "log": log, "param_bytes": params, "state_bytes": state,
@@ -123,7 +94,6 @@ def _step_times(train, hvd, a: argparse.Namespace, variants: list[str], data) ->
     """Milliseconds per step of each variant, in blocks of ``a.eval_every`` steps that take
     turns (one model and optimizer per variant, all in this process)."""
     import torch
-    import torch.nn.functional as F
 
     xtr, ytr = data[0], data[1]
     per_rank = max(1, a.batch // hvd.size())
@@ -141,9 +111,7 @@ def _step_times(train, hvd, a: argparse.Namespace, variants: list[str], data) ->
         for v, model, opt in runs:
             t0 = time.perf_counter()
             for _ in range(a.eval_every):
-                opt.zero_grad()
-                F.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-                opt.step()
+                train.train_step(model, opt, xtr, ytr, idx)
             if block:                      # the first block warms up
                 times[v].append(1e3 * (time.perf_counter() - t0) / a.eval_every)
     return {v: {"median_ms": statistics.median(t), "mean_ms": statistics.mean(t)}
@@ -153,22 +121,14 @@ def _step_times(train, hvd, a: argparse.Namespace, variants: list[str], data) ->
 def worker(a: argparse.Namespace) -> int:
     """One process of a launch (under mpirun): every variant, in the order given; rank 0
     writes the records to ``a.json``."""
-    import torch
-
-    train = _train_module()
-    hvd = train.hvd
-    torch.set_num_threads(1)
-    hvd.init()
-    data = train.load_data("digits")
     variants = a.variant.split(",")
-    if a.step_times:
-        result = _step_times(train, hvd, a, variants, data)
-    else:
-        result = [_train_run(train, hvd, a, v, a.seed, data) for v in variants]
-    if hvd.rank() == 0:
-        with open(a.json, "w") as f:
-            json.dump(result, f)
-    return 0
+
+    def results(train, hvd, data):
+        if a.step_times:
+            return _step_times(train, hvd, a, variants, data)
+        return [_train_run(train, hvd, a, v, a.seed, data) for v in variants]
+
+    return training_runs.worker(a, results)
 
 
 def cross_bytes_per_step(record: dict) -> float:
@@ -229,22 +189,8 @@ def print_summary(summary: dict, target: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--variant", default="sync", help=argparse.SUPPRESS)
-    p.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--ranks-per-node", type=int, default=2,
-                   help="MPICOLL_RANKS_PER_NODE for the runs (0: the real node layout)")
-    p.add_argument("--variants", default=DEFAULT_VARIANTS)
-    p.add_argument("--seeds", default="1,2")
-    p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--target", type=float, default=0.95)
-    p.add_argument("--eval-every", type=int, default=8)
-    p.add_argument("--timeout", type=float, default=600)
+    training_runs.add_run_options(p, variants=DEFAULT_VARIANTS, epochs=15)
+    training_runs.add_target_options(p, eval_every=8, timeout=600)
     p.add_argument("--step-times", type=int, default=0, metavar="BLOCKS",
                    help="instead: time BLOCKS blocks of --eval-every steps per variant, the "
                         "variants taking turns in one launch")
@@ -256,13 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     variants = [v for v in a.variants.split(",") if v]
     for v in variants:
         parse_variant(v)
-    env = {"MPICOLL_ALLREDUCE_ALGORITHM": "ring"}
-    if a.ranks_per_node:
-        env["MPICOLL_RANKS_PER_NODE"] = str(a.ranks_per_node)
+    env = training_runs.environment(a)
     records = []
-    common = ["--epochs", str(a.epochs), "--batch", str(a.batch), "--lr", str(a.lr),
-              "--momentum", str(a.momentum), "--target", str(a.target),
-              "--eval-every", str(a.eval_every), "--step-times", str(a.step_times)]
+    common = training_runs.forwarded(a, "epochs", "batch", "lr", "momentum", "target",
+                                     "eval-every", "step-times")
     if a.step_times:
         summary = launch_json(a.ranks, ["-m", "bench.local_sgd", "--worker", "--variant",
                                         ",".join(variants), *common], "step times",
@@ -274,30 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         for v, row in summary.items():
             print(f"{v:9s} {row['median_ms']:14.2f} {row['mean_ms']:12.2f} "
                   f"{row['median_ms'] / base if base else float('nan'):14.2f}")
-    for i, seed in enumerate([int(s) for s in a.seeds.split(",")] if not a.step_times
-                             else []):
-        order = variants[i % len(variants):] + variants[:i % len(variants)]  # rotate
-        recs = launch_json(a.ranks, ["-m", "bench.local_sgd", "--worker", "--variant",
-                                     ",".join(order), "--seed", str(seed), *common],
-                           f"seed {seed}", a.timeout, env)
-        if recs is None:
+    else:
+        records = training_runs.launch_seeds(a, "local_sgd", variants, common, env)
+        if records is None:
             return 1
-        for rec in recs:
-            print(f"{rec['variant']} seed {seed}: {rec['train_seconds']:.2f} s, final "
-                  f"{rec['final_accuracy']:.4f}, reached {rec['reached']}", flush=True)
-        records += recs
-    if not a.step_times:
-        records.sort(key=lambda r: (variants.index(r["variant"]), r["seed"]))
         summary = summarize(records)
         print_summary(summary, a.target)
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        path = os.path.join(a.out, f"{a.name}.json")
-        with open(path, "w") as f:
-            json.dump({"command": command_line(None, "local_sgd", argv),
-                       "machine": machine_description(), "environment": env,
-                       "summary": summary, "records": records}, f, indent=1)
-        print(f"wrote {os.path.relpath(path, ROOT)}")
+        training_runs.write_results(a, "local_sgd", argv, env, summary, records)
     return 0
 
 

@@ -31,11 +31,10 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from train import DigitsCNN, evaluate, hvd, load_data, shard  # noqa: E402
+from train import DigitsCNN, evaluate, hvd, load_data, shard, train_epoch  # noqa: E402
 
 
 def global_model(diloco: hvd.DiLoCo, scratch: torch.nn.Module) -> torch.nn.Module:
@@ -97,19 +96,9 @@ def main() -> int:
     started = time.perf_counter()
     train_seconds, log = 0.0, []
     for epoch in range(args.epochs):
-        indices = shard(len(ytr), epoch, args.seed)
-        total_loss, batches = 0.0, 0
-        epoch_start = time.perf_counter()
-        for i in range(0, len(indices), per_rank):
-            idx = indices[i:i + per_rank]
-            diloco.zero_grad()
-            loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
-            loss.backward()
-            diloco.step()
-            total_loss += float(loss.detach())
-            batches += 1
-        train_seconds += time.perf_counter() - epoch_start
-        mean_loss = float(hvd.allreduce(torch.tensor(total_loss / batches), name="epoch.loss"))
+        mean_loss, _, _, seconds = train_epoch(model, diloco, xtr, ytr,
+                                               shard(len(ytr), epoch, args.seed), per_rank)
+        train_seconds += seconds
         accuracy = evaluate(global_model(diloco, scratch), xte, yte)
         sent = diloco.stats()["bytes_sent"]
         log.append([round(train_seconds, 4), epoch + 1, diloco.steps, mean_loss, accuracy,

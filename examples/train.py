@@ -54,6 +54,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -122,6 +124,52 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     total = hvd.allreduce(torch.tensor([float(correct), float(len(y[mine]))]), op=hvd.Sum,
                           name="eval.correct")
     return float(total[0] / total[1])
+
+
+def train_step(model: nn.Module, optimizer: Any, x: torch.Tensor, y: torch.Tensor,
+               idx: torch.Tensor) -> torch.Tensor:
+    """One ``optimizer`` step on the cross-entropy of ``model`` over the batch ``x[idx]``
+    (labels ``y[idx]``); ``optimizer`` is anything with ``zero_grad()`` and ``step()`` (a
+    torch optimizer, the ``DistributedOptimizer``, :class:`mpicoll.torch.DiLoCo`).
+
+    Returns:
+        The batch's loss.
+    """
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x[idx]), y[idx])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def train_epoch(model: nn.Module, optimizer: Any, x: torch.Tensor,
+                y: torch.Tensor, indices: torch.Tensor, per_rank: int,
+                before_step: Callable[[int], None] | None = None
+                ) -> tuple[float, int, int, float]:
+    """One epoch of :func:`train_step` over this rank's ``indices`` (from :func:`shard`) in
+    batches of ``per_rank``.
+
+    Args:
+        before_step: called before each step with the batch's number in the epoch (to set
+            the learning rate).
+    Returns:
+        ``(loss, batches, samples, seconds)``: this rank's mean batch loss averaged over
+        the ranks, the steps and samples this rank ran, and the wall time of the steps
+        (without the loss's all-reduce).
+    """
+    total_loss, batches, samples = 0.0, 0, 0
+    start = time.perf_counter()
+    for i in range(0, len(indices), per_rank):
+        idx = indices[i:i + per_rank]
+        if before_step is not None:
+            before_step(i // per_rank)
+        loss = train_step(model, optimizer, x, y, idx)
+        total_loss += float(loss.detach())
+        batches += 1
+        samples += len(idx)
+    seconds = time.perf_counter() - start
+    mean_loss = float(hvd.allreduce(torch.tensor(total_loss / batches), name="epoch.loss"))
+    return mean_loss, batches, samples, seconds
 
 
 CODEC_NAMES = ("bf16", "int8", "onebit")
@@ -459,29 +507,23 @@ def main() -> int:
               f"{f', the first {warmup} steps uncompressed' if warmup else ''}"
               f"{f'; {args.lr_schedule} learning rate' if args.lr_schedule != 'constant' else ''}",
               flush=True)
+
+    def scheduled_lr(batch: int) -> None:     # not with constant: the optimizer's own lr
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(args.lr_schedule, args.lr,
+                                        epoch * steps_per_epoch + batch,
+                                        args.epochs * steps_per_epoch)
+
     started = time.perf_counter()
     train_seconds, steps, mine, log = 0.0, 0, 0, []
     for epoch in range(start_epoch, args.epochs):
         indices = shard(len(ytr), epoch, args.seed).to(device)
-        total_loss, batches = 0.0, 0
-        epoch_start = time.perf_counter()
-        for i in range(0, len(indices), per_rank):
-            idx = indices[i:i + per_rank]
-            if args.lr_schedule != "constant":     # constant: the optimizer's own lr
-                for group in optimizer.param_groups:
-                    group["lr"] = learning_rate(args.lr_schedule, args.lr,
-                                                epoch * steps_per_epoch + i // per_rank,
-                                                args.epochs * steps_per_epoch)
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
-            loss.backward()
-            optimizer.step()
-            total_loss += float(loss.detach())
-            batches += 1
-            mine += len(idx)
-        train_seconds += time.perf_counter() - epoch_start
+        mean_loss, batches, samples, seconds = train_epoch(
+            model, optimizer, xtr, ytr, indices, per_rank,
+            scheduled_lr if args.lr_schedule != "constant" else None)
+        train_seconds += seconds
         steps += batches
-        mean_loss = float(hvd.allreduce(torch.tensor(total_loss / batches), name="epoch.loss"))
+        mine += samples
         accuracy = evaluate(model, xte, yte)
         log.append([round(train_seconds, 4), epoch + 1, mean_loss, accuracy])
         if hvd.rank() == 0:

@@ -406,6 +406,38 @@ class _ChunkedCodec(Codec):
         full = a.size // self.chunk * self.chunk
         return a[:full].reshape(-1, self.chunk), a[full:]
 
+    def _to_levels(self, xp: Any, xb: Any, scales: Any, levels: int, out: Any) -> None:
+        """The scales of an integer codec with levels ``-levels .. levels`` for block
+        ``xb`` (whole chunks, then maybe a shorter last one), and ``xb`` in units of them.
+
+        Chunk ``k``'s scale ``s = max|x| / levels`` (in ``xb``'s dtype) is stored in
+        ``scales[k]`` as float32, and ``out`` (as long as ``xb``, of its dtype) gets the
+        chunk's ``x * (1/s)``, ``1/s`` computed in float32: values in
+        ``[-levels, levels]`` up to float rounding, for the caller to round to integers.
+        """
+        full, tail = self._rows(xb)
+        nfull = full.shape[0]
+        amax = xp.empty(nfull + (1 if tail.size else 0), dtype=xb.dtype)
+        if nfull:
+            xp.maximum(full.max(axis=1), -full.min(axis=1), out=amax[:nfull])
+        if tail.size:
+            xp.maximum(tail.max(), -tail.min(), out=amax[nfull:])
+        sc = scales[:amax.size]
+        xp.divide(amax, xb.dtype.type(levels), out=amax)
+        xp.copyto(sc, amax, casting="unsafe")
+        # A chunk whose scale is zero or denormal (1/scale would overflow) is sent as
+        # zeros with the scale +0.0 exactly: numpy and CuPy disagree on the sign of
+        # max(0.0, -0.0), and the wire bits must not depend on the array module.
+        positive = sc >= np.float32(np.finfo(np.float32).tiny)
+        xp.copyto(sc, np.float32(0.0), where=~positive)
+        inv = xp.divide(np.float32(1.0), xp.where(positive, sc, np.float32(1.0)))
+        inv = xp.where(positive, inv, np.float32(0.0)).astype(xb.dtype)
+        tfull, ttail = self._rows(out)
+        if nfull:
+            xp.multiply(full, inv[:nfull, None], out=tfull)
+        if tail.size:
+            xp.multiply(tail, inv[nfull:], out=ttail)
+
     def _scaled(self, xp: Any, values: tuple[Any, Any], scales: Any, out: Any) -> None:
         """Chunk ``k`` of flat ``out`` = chunk ``k`` of ``values`` (:meth:`_rows`: the full
         chunks, then the tail) times ``scales[k]``, computed in float32 (``scales``'
@@ -420,6 +452,10 @@ class _ChunkedCodec(Codec):
                 xp.multiply(v, sc, out=o)
             else:
                 xp.copyto(o, xp.multiply(v, sc))
+
+
+#: The largest magnitude of an int8 level (levels -127 .. 127).
+LEVELS_INT8 = 127
 
 
 class Int8Codec(_ChunkedCodec):
@@ -451,34 +487,12 @@ class Int8Codec(_ChunkedCodec):
             self.step += 1
         tmp = xp.empty(min(self._block_size(xp, x.size), x.size), dtype=x.dtype)
         for lo, hi, k0 in self._blocks(xp, x.size):
-            xb = x[lo:hi]
-            full, tail = self._rows(xb)
-            nfull = full.shape[0]
-            amax = xp.empty(nfull + (1 if tail.size else 0), dtype=x.dtype)
-            if nfull:
-                xp.maximum(full.max(axis=1), -full.min(axis=1), out=amax[:nfull])
-            if tail.size:
-                xp.maximum(tail.max(), -tail.min(), out=amax[nfull:])
-            sc = scales[k0:k0 + amax.size]
-            xp.divide(amax, x.dtype.type(127.0), out=amax)
-            xp.copyto(sc, amax, casting="unsafe")
-            # A chunk whose scale is zero or denormal (1/scale would overflow) is sent as
-            # zeros with the scale +0.0 exactly: numpy and CuPy disagree on the sign of
-            # max(0.0, -0.0), and the wire bits must not depend on the array module.
-            positive = sc >= np.float32(np.finfo(np.float32).tiny)
-            xp.copyto(sc, np.float32(0.0), where=~positive)
-            inv = xp.divide(np.float32(1.0), xp.where(positive, sc, np.float32(1.0)))
-            inv = xp.where(positive, inv, np.float32(0.0)).astype(x.dtype)
-            tb = tmp[:xb.size]
-            tfull, ttail = self._rows(tb)
-            if nfull:
-                xp.multiply(full, inv[:nfull, None], out=tfull)
-            if tail.size:
-                xp.multiply(tail, inv[nfull:], out=ttail)
+            tb = tmp[:hi - lo]
+            self._to_levels(xp, x[lo:hi], scales[k0:], LEVELS_INT8, tb)
             if self.stochastic:
                 xp.add(tb, uniform(xp, key, lo, tb.size, tb.dtype), out=tb)
                 xp.floor(tb, out=tb)
-                xp.clip(tb, -127, 127, out=tb)
+                xp.clip(tb, -LEVELS_INT8, LEVELS_INT8, out=tb)
             else:
                 xp.rint(tb, out=tb)
             xp.copyto(q[lo:hi], tb, casting="unsafe")

@@ -58,27 +58,8 @@ class Int4Codec(_ChunkedCodec):
         tmp = xp.empty(block, dtype=x.dtype)
         nib = xp.empty(block + 1, dtype=np.uint8)
         for lo, hi, k0 in self._blocks(xp, x.size):
-            xb = x[lo:hi]
-            full, tail = self._rows(xb)
-            nfull = full.shape[0]
-            amax = xp.empty(nfull + (1 if tail.size else 0), dtype=x.dtype)
-            if nfull:
-                xp.maximum(full.max(axis=1), -full.min(axis=1), out=amax[:nfull])
-            if tail.size:
-                xp.maximum(tail.max(), -tail.min(), out=amax[nfull:])
-            sc = scales[k0:k0 + amax.size]
-            xp.divide(amax, x.dtype.type(LEVELS), out=amax)
-            xp.copyto(sc, amax, casting="unsafe")
-            positive = sc >= np.float32(np.finfo(np.float32).tiny)
-            xp.copyto(sc, np.float32(0.0), where=~positive)
-            inv = xp.divide(np.float32(1.0), xp.where(positive, sc, np.float32(1.0)))
-            inv = xp.where(positive, inv, np.float32(0.0)).astype(x.dtype)
-            tb = tmp[:xb.size]
-            tfull, ttail = self._rows(tb)
-            if nfull:
-                xp.multiply(full, inv[:nfull, None], out=tfull)
-            if tail.size:
-                xp.multiply(tail, inv[nfull:], out=ttail)
+            tb = tmp[:hi - lo]
+            self._to_levels(xp, x[lo:hi], scales[k0:], LEVELS, tb)
             xp.rint(tb, out=tb)
             xp.clip(tb, -LEVELS, LEVELS, out=tb)
             xp.add(tb, x.dtype.type(8), out=tb)
