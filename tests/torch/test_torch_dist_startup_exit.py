@@ -133,3 +133,57 @@ def test_broken_group_used_again_or_destroyed_ends_the_job(tmp_path, mode):
         assert "made no progress for 1 s while shutting down" in out, out
         assert "ending the job" in out, out
     assert took < 60, f"the job took {took:.0f} s"
+
+
+INIT = textwrap.dedent("""
+    import sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import mpicoll.torch  # noqa: F401
+    from mpicoll.torch.distributed import MPIProcessGroup, Options
+    device = sys.argv[1]
+    kwargs = {}
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        kwargs["device_id"] = torch.device("cuda", 0)
+    dist.init_process_group("mpicoll", timeout=timedelta(seconds=42),
+                            pg_options=Options(check="first"), **kwargs)
+    pg, rank, n = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    backend = pg._get_backend(torch.device(device))
+    assert isinstance(backend, MPIProcessGroup), backend
+    assert backend is pg._get_backend(torch.device("cpu"))
+    assert dist.get_backend_config() == "cpu:mpicoll,cuda:mpicoll"
+    assert backend.options._timeout == timedelta(seconds=42), backend.options
+    assert backend.options.check == "first" and backend._lane.timeout == 42.0
+    assert pg.bound_device_id == kwargs.get("device_id"), pg.bound_device_id
+    x = torch.full((5,), float(rank + 1), device=device)
+    dist.all_reduce(x)
+    assert x.device.type == device and x.cpu().tolist() == [n * (n + 1) / 2] * 5, x
+    dist.barrier()
+    objects = [None] * n
+    dist.all_gather_object(objects, rank)
+    assert objects == list(range(n)), objects
+    sub = dist.new_group(list(range(n)))
+    y = torch.ones(3, device=device)
+    dist.all_reduce(y, group=sub)
+    assert y.cpu().tolist() == [float(n)] * 3
+    print(f"rank {rank} init {device} ok", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_init_options_timeout_and_device_id(tmp_path, device):
+    """``init_process_group``'s ``timeout=`` and ``pg_options=`` reach the default group's
+    backend, which torch registered for both devices; on CUDA (skipped without one) with
+    ``device_id`` bound as for nccl and gloo: operations on the bound device, the
+    barrier, object collectives and a subgroup."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA (a CPU-only torch refuses every device_id: "
+                    "test_torch_dist_registration.py)")
+    proc = _run(INIT, tmp_path, args=[device], timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert out.count(f"init {device} ok") == 2, out

@@ -8,11 +8,18 @@ Importing this package (``import mpicoll.torch`` does it) registers the backend 
     import mpicoll.torch  # registers "mpicoll"
     dist.init_process_group("mpicoll")        # mpirun -n N python train.py
 
+Each group's backend is a real c10d ``Backend`` (:class:`MPIProcessGroup`, a Python
+subclass of a small C++ extension's): torch wraps it in its own ``ProcessGroup`` and
+registers it for the ``"cpu"`` and ``"cuda"`` devices, as it does gloo and NCCL. The
+extension is built with torch's JIT on first use (the first group's creation) and cached
+(:mod:`.extension`); ``import mpicoll.torch`` alone builds nothing.
+
 Modules: :mod:`.startup` (the ``env://`` rendezvous from MPI), :mod:`.process_group`
-(:class:`MPIProcessGroup`, :class:`Options`), :mod:`.work` (torch's ``Work`` over the
-runtime's), :mod:`.p2p` (send/recv), :mod:`.staging` (device
-tensors through host memory), :mod:`.tensors` (reduce ops, host views), :mod:`.groups`
-(:func:`monitored_barrier`, :func:`split_group`). Reference: docs/torch_distributed.md.
+(:class:`MPIProcessGroup`), :mod:`.options` (:class:`Options`), :mod:`.extension` (the
+C++ ``Backend`` and ``Work`` trampolines), :mod:`.work` (torch's ``Work`` over the
+runtime's), :mod:`.p2p` (send/recv), :mod:`.staging` (device tensors through host memory),
+:mod:`.tensors` (reduce ops, host views), :mod:`.groups` (:func:`backend_of`,
+:func:`monitored_barrier`, :func:`split_group`). Reference: docs/torch_distributed.md.
 """
 from __future__ import annotations
 
@@ -20,20 +27,30 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .groups import monitored_barrier, split_group
-from .process_group import BACKEND, MPIProcessGroup, Options
+from .groups import backend_of, monitored_barrier, split_group
+from .options import BACKEND, Options
 from .startup import install_env_handler, mpi_rendezvous, world
 from .tensors import op_name as _op_name  # noqa: F401  (kept for callers of the old module)
 
 __all__ = ["BACKEND", "MPIProcessGroup", "Options", "register", "mpi_rendezvous",
-           "monitored_barrier", "split_group"]
+           "backend_of", "monitored_barrier", "split_group"]
 
 
-def _create(opts: Any, backend_options: Any = None) -> MPIProcessGroup:
+def __getattr__(name: str) -> Any:
+    """:class:`MPIProcessGroup` on first use (importing it builds the C++ extension)."""
+    if name == "MPIProcessGroup":
+        from .process_group import MPIProcessGroup  # noqa: PLC0415
+
+        return MPIProcessGroup
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _create(opts: Any, backend_options: Any = None) -> Any:
     """torch's backend constructor (extended API): the group's communicator from MPI.
     Under ULFM, a member that dies meanwhile is a :class:`mpicoll.ProcessFailedError`
     on every other member (:func:`.failures.creation_failure`)."""
     from ...runtime import failures  # noqa: PLC0415
+    from . import process_group  # noqa: F401, PLC0415  (builds the extension: not watched)
     from .failures import creation_failure, watched_creation  # noqa: PLC0415
 
     made: list[Any] = []
@@ -58,11 +75,12 @@ def _create(opts: Any, backend_options: Any = None) -> MPIProcessGroup:
 _parent: list[Any] = []
 
 
-def _build(opts: Any, backend_options: Any, made: list[Any]) -> MPIProcessGroup:
+def _build(opts: Any, backend_options: Any, made: list[Any]) -> Any:
     """:func:`_create`'s work; the communicator, once made, is appended to ``made``."""
     from mpi4py import MPI  # noqa: PLC0415
 
     from ...runtime import comms  # noqa: PLC0415
+    from .process_group import MPIProcessGroup  # noqa: PLC0415  (builds the extension)
 
     comm_world = world()
     ranks = list(opts.global_ranks_in_group)
@@ -88,7 +106,7 @@ def _build(opts: Any, backend_options: Any, made: list[Any]) -> MPIProcessGroup:
                                f"default group and MPI.COMM_WORLD differ")
     made.append(comm)
     return MPIProcessGroup(comm, comm.Get_rank(), comm.Get_size(), opts.timeout,
-                           backend_options, owned)
+                           backend_options, owned, group_name=opts.group_id, ranks=ranks)
 
 
 def register() -> None:

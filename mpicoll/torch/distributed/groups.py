@@ -1,5 +1,7 @@
-"""Group helpers torch reserves for other backends, for "mpicoll" groups.
+"""Group helpers for "mpicoll" groups.
 
+- :func:`backend_of`: the mpicoll backend (:class:`~.process_group.MPIProcessGroup`) of a
+  torch process group, where its ``submit``, communicators and lanes are.
 - :func:`monitored_barrier`: torch's ``dist.monitored_barrier`` refuses every backend
   but gloo; this one runs gloo's protocol on an mpicoll group.
 - :func:`split_group`: torch's ``dist.split_group`` needs an accelerator and a C++
@@ -12,18 +14,38 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["monitored_barrier", "split_group"]
+__all__ = ["backend_of", "monitored_barrier", "split_group"]
 
 
-def _mpicoll_group(group: Any, what: str) -> Any:
+def backend_of(group: Any = None, what: str = "backend_of") -> Any:
+    """The mpicoll backend of ``group``.
+
+    Args:
+        group: a torch process group made with the "mpicoll" backend, or its backend
+            itself (``None``: the default group).
+        what: the caller's name, for the error message.
+    Returns:
+        Its :class:`~.process_group.MPIProcessGroup` (the backend torch registered for
+        ``"cpu"`` and ``"cuda"``).
+    Raises:
+        ValueError: ``group`` is not an mpicoll group (or there is no default group).
+    """
     from .process_group import MPIProcessGroup  # noqa: PLC0415
 
     pg = dist.group.WORLD if group is None else group
-    if not isinstance(pg, MPIProcessGroup):
-        raise ValueError(f"{what} takes an mpicoll process group, not {type(pg).__name__}")
-    return pg
+    if isinstance(pg, MPIProcessGroup):
+        return pg
+    try:
+        backend = pg._get_backend(torch.device("cpu"))
+    except (AttributeError, RuntimeError):
+        backend = None
+    if not isinstance(backend, MPIProcessGroup):
+        raise ValueError(f"{what} takes an mpicoll process group, not "
+                         f"{type(pg).__name__} with backend {type(backend).__name__}")
+    return backend
 
 
 def monitored_barrier(group: Any = None, timeout: timedelta | None = None,
@@ -38,10 +60,9 @@ def monitored_barrier(group: Any = None, timeout: timedelta | None = None,
         RuntimeError: on rank 0, ``"Rank 2 failed to pass monitoredBarrier in 1000 ms"``;
             on the others, that rank 0 did not release them in time.
     """
-    pg = _mpicoll_group(group, "monitored_barrier")
-    if dist.get_rank(pg) < 0:
+    if group == dist.GroupMember.NON_GROUP_MEMBER:   # new_group's value on non-members
         return
-    pg.monitored_barrier(timeout, wait_all_ranks)
+    backend_of(group, "monitored_barrier").monitored_barrier(timeout, wait_all_ranks)
 
 
 def split_group(parent_pg: Any = None, split_ranks: list[list[int]] | None = None,
@@ -55,7 +76,8 @@ def split_group(parent_pg: Any = None, split_ranks: list[list[int]] | None = Non
     """
     if not split_ranks:
         raise ValueError("split_ranks cannot be None or empty")
-    parent = _mpicoll_group(parent_pg, "split_group")
+    parent = dist.group.WORLD if parent_pg is None else parent_pg
+    backend_of(parent, "split_group")
     me = dist.get_rank(parent)
     seen: set[int] = set()
     mine = None

@@ -1,4 +1,10 @@
-""":class:`MPIProcessGroup`: a torch process group whose operations are mpicoll's.
+""":class:`MPIProcessGroup`: the c10d backend whose operations are mpicoll's.
+
+It subclasses the C++ extension's ``Backend`` (:mod:`.extension`: a ``c10d::Backend``
+whose virtual operations call these Python methods), so torch wraps it in a
+``ProcessGroup`` of its own and registers it for the ``"cpu"`` and ``"cuda"`` devices, as
+it does gloo and NCCL: ``pg._get_backend(torch.device("cpu"))`` is this object. Importing
+this module builds the extension where no build is cached.
 
 Each group owns an MPI communicator (ranks in group order) and a duplicate of it for
 point-to-point messages, both made and freed by :mod:`mpicoll.runtime.comms`, and a
@@ -46,8 +52,9 @@ from ...context import get_context
 from ...errors import CollectiveError, CollectiveTimeoutError
 from ...runtime import Lane, comms, failures, progress
 from ..engine.settings import allreduce_algorithm
-from . import p2p
+from . import extension, p2p
 from .failures import GroupFailures
+from .options import BACKEND, Options
 from .staging import Staging
 from .tensors import (Host, byte_view, check_reduce_dtype, check_tensor, op_label, op_name,
                       premul_factor)
@@ -55,15 +62,12 @@ from .work import MPIWork, completed, seconds
 
 __all__ = ["MPIProcessGroup", "Options", "BACKEND", "SHUTDOWN_STALL_S"]
 
-#: The backend name for ``dist.init_process_group``.
-BACKEND = "mpicoll"
 #: How long :meth:`MPIProcessGroup.shutdown` waits for a group whose queued operations
 #: make no progress (an operation the other ranks never joined) before it aborts it.
 SHUTDOWN_STALL_S = progress.EXIT_STALL_S
 #: How long a timed-out wait waits for the stall inspector's answers naming late ranks.
 MISSING_WAIT_S = 0.4
 
-_CHECKS = ("every", "first")
 #: What monitored_barrier's messages carry (kept alive while sends are pending).
 _TOKEN = np.zeros(1, dtype=np.uint8)
 _SINK = np.zeros(1, dtype=np.uint8)
@@ -72,24 +76,16 @@ _serial = itertools.count()
 Prepared = tuple[Callable[[], Any], dict[str, Any]]
 
 
-class Options:
-    """Options of an mpicoll process group: ``init_process_group("mpicoll",
-    pg_options=Options(...))`` or ``new_group(..., pg_options=Options(...))``.
+#: The C++ extension's ``c10d::Backend`` that Python can subclass.
+_Backend = extension.load().Backend
+#: Every group not shut down yet. torch's ProcessGroup holds the C++ object only; the
+#: Python object, which holds the operations, must live as long (see :meth:`shutdown`).
+_live: set[Any] = set()
 
-    Args:
-        algorithm: the all-reduce algorithm (a name registered for ``allreduce``, or
-            ``"auto"``); ``None``: ``MPICOLL_ALLREDUCE_ALGORITHM``, else ``"auto"``.
-        check: ``"every"`` (default): every collective call is agreed on first, so bad or
-            mismatched arguments raise on every rank instead of hanging; ``"first"``: only
-            the first call of each kind (unless ``MPICOLL_CHECK=1``).
-    """
 
-    def __init__(self, algorithm: str | None = None, check: str = "every") -> None:
-        if check not in _CHECKS:
-            raise ValueError(f"check={check!r}; choose one of {', '.join(_CHECKS)}")
-        self.algorithm = algorithm
-        self.check = check
-        self._timeout = timedelta(minutes=30)
+def _sizes_field(sizes: list[list[int]]) -> str:
+    """The agreement's count of an uneven call: every block size, per tensor."""
+    return ";".join(",".join(str(n) for n in s) for s in sizes)
 
 
 def _dtype_field(tensors: list[torch.Tensor]) -> str:
@@ -104,8 +100,10 @@ def _numbers(values: Any) -> list[int]:
     return [int(v) for v in values]
 
 
-class MPIProcessGroup(dist.ProcessGroup):
-    """A torch process group whose collectives are mpicoll's, on its own MPI communicator.
+class MPIProcessGroup(_Backend):
+    """The c10d backend of one group: its collectives are mpicoll's, on its own MPI
+    communicator. torch's ``ProcessGroup`` holds it for the ``"cpu"`` and ``"cuda"``
+    devices; its methods are c10d's ``Backend`` operations (torch's names).
 
     Args:
         comm: the communicator (made for this group by :mod:`mpicoll.runtime.comms`,
@@ -113,15 +111,24 @@ class MPIProcessGroup(dist.ProcessGroup):
         rank: this process's rank in the group (equals ``comm``'s).
         size: the group's size (equals ``comm``'s).
         timeout: the group's timeout: ``Work.wait()``'s default limit.
-        options: :class:`Options` (``None``: the defaults).
+        options: :class:`Options` (``None``: the defaults); the group keeps a copy with
+            its timeout, name and ranks.
         owned: more communicators of the runtime's that :meth:`shutdown` frees.
+        group_name: torch's name of the group.
+        ranks: the group's global ranks (``[]``: the default group).
     """
 
     def __init__(self, comm: Any, rank: int, size: int, timeout: Any = None,
-                 options: Options | None = None, owned: tuple[Any, ...] = ()) -> None:
-        super().__init__(rank, size)
+                 options: Options | None = None, owned: tuple[Any, ...] = (),
+                 group_name: str = "", ranks: list[int] | tuple[int, ...] = ()) -> None:
+        super().__init__(rank, size, BACKEND)
         self.comm = comm
-        self.options = options if isinstance(options, Options) else Options()
+        if not isinstance(timeout, timedelta):
+            timeout = None if timeout is None else timedelta(seconds=float(timeout))
+        #: The group's :class:`Options` (its timeout, name, ranks; what
+        #: ``pg._get_backend(device).options`` gives).
+        self.options = (options if isinstance(options, Options) else Options()).for_group(
+            timeout, group_name, list(ranks))
         self._p2p = comms.dup(comm, "group")
         self._owned = (self._p2p, comm, *owned)
         self._ctx = get_context(comm)
@@ -137,7 +144,8 @@ class MPIProcessGroup(dist.ProcessGroup):
         #: monitored_barrier's sends not known complete (never freed while pending: Open
         #: MPI ends the job when a freed send to a dead rank fails)
         self._sends: list[Any] = []
-        self._names: dict[str, str] = {}
+        self._shut = False
+        _live.add(self)
 
     # --- the call path ----------------------------------------------------------------
     def submit(self, kind: str, run: Callable[[], Any]) -> MPIWork:
@@ -238,33 +246,19 @@ class MPIProcessGroup(dist.ProcessGroup):
         late = {peer for peer, reply in query["replies"].items() if reply[1] < seq}
         return sorted(late | {r for r, done in w.left.items() if done < seq})
 
-    # --- torch's ProcessGroup interface -------------------------------------------------
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
-        return BACKEND
+    # --- c10d's Backend interface --------------------------------------------------------
+    def supportsSplitting(self) -> bool:  # noqa: N802 (c10d's name)
+        """No: ``dist.split_group`` needs an accelerator; :func:`.groups.split_group` is
+        the mpicoll way."""
+        return False
 
-    # (torch keeps a group's name and description in its C++ backends, which a Python
-    # group has none of: they are kept here)
-    def _set_group_name(self, name: str) -> None:
-        self._names["name"] = name
+    def supportsCoalescing(self) -> bool:  # noqa: N802
+        """No: ``batch_isend_irecv`` posts every operation at once without it."""
+        return False
 
-    def _set_group_desc(self, desc: str) -> None:
-        self._names["desc"] = desc
-
-    def getGroupName(self) -> str:  # noqa: N802
-        return self._names.get("name", "")
-
-    def getGroupDesc(self) -> str:  # noqa: N802
-        return self._names.get("desc", "")
-
-    setGroupName, setGroupDesc = _set_group_name, _set_group_desc
-
-    @property
-    def group_name(self) -> str:  # noqa: D102
-        return self.getGroupName()
-
-    @property
-    def group_desc(self) -> str:  # noqa: D102
-        return self.getGroupDesc()
+    def getBackendOptions(self) -> Options:  # noqa: N802
+        """The group's :class:`Options` (``_get_backend(device).options``' source)."""
+        return self.options
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or dist.AllreduceOptions()
@@ -286,6 +280,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         return self._call("allreduce", prepare)
 
     allreduce_coalesced = allreduce   # one all-reduce per tensor, same options
+    allreduce_sparse = allreduce      # refused (a sparse tensor) on every rank
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or dist.BroadcastOptions()
@@ -379,16 +374,16 @@ class MPIProcessGroup(dist.ProcessGroup):
 
         return self._call("allgather", prepare)
 
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
-
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
                         opts: Any = None) -> Any:
+        """``all_gather_into_tensor`` (``all_gather_single``)."""
         return self.allgather_into_tensor_coalesced([output], [input], opts)
-
-    all_gather_single = _allgather_base   # all_gather_into_tensor
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],
                   input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        """``all_gather``: ``output_tensors[0][r]`` gets rank ``r``'s input. Ranks may
+        give inputs of different sizes (as NCCL allows): output ``r`` must then hold as
+        many elements as rank ``r``'s input, and every rank must pass the same sizes."""
         return self._allgather(lambda: output_tensors, input_tensors)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
@@ -408,7 +403,7 @@ class MPIProcessGroup(dist.ProcessGroup):
             lists = output_lists()
             if len(lists) != len(input_tensors):
                 raise ValueError(f"{len(lists)} output lists for {len(input_tensors)} inputs")
-            gathered = []
+            gathered, sizes = [], []
             for outputs, input in zip(lists, input_tensors):
                 check_tensor(input, "input_tensor")
                 if len(outputs) != self.size():
@@ -416,81 +411,139 @@ class MPIProcessGroup(dist.ProcessGroup):
                                      f"not {len(outputs)}")
                 for out in outputs:
                     check_tensor(out, "output_tensor")
-                    if out.numel() != input.numel() or out.dtype != input.dtype:
-                        raise ValueError(f"all_gather's output tensors must match the input "
-                                         f"({input.numel()} x {input.dtype}), not "
-                                         f"{out.numel()} x {out.dtype}")
+                    if out.dtype != input.dtype:
+                        raise ValueError(f"all_gather's output tensors must have the "
+                                         f"input's dtype ({input.dtype}), not {out.dtype}")
+                mine = outputs[self.rank()]
+                if mine.numel() != input.numel():
+                    raise ValueError(f"all_gather's output tensor {self.rank()} (this "
+                                     f"rank's) must hold the input's {input.numel()} "
+                                     f"elements, not {mine.numel()}")
+                sizes.append([out.numel() for out in outputs])
                 gathered.append(([stage.host(o, load=False, store=True) for o in outputs],
                                  stage.host(input)))
+            even = all(len(set(s)) == 1 for s in sizes)
 
             def run() -> Any:
                 for outputs, input in gathered:
-                    whole = torch.empty((self.size(), input.numel()), dtype=input.dtype)
-                    self._gather_into(whole, input)
+                    if even:
+                        whole = torch.empty((self.size(), input.numel()), dtype=input.dtype)
+                        self._gather_into(whole, input)
+                        parts = list(whole)
+                    else:
+                        parts = self._gather_uneven(input, [o.numel() for o in outputs])
                     with torch.no_grad():
-                        for out, part in zip(outputs, whole):
+                        for out, part in zip(outputs, parts):
                             out.copy_(part.view(out.shape))
                 return lists
 
-            return run, dict(count=_count(input_tensors), dtype=_dtype_field(input_tensors))
+            count: Any = _count(input_tensors) if even else _sizes_field(sizes)
+            return run, dict(count=count, dtype=_dtype_field(input_tensors))
 
         return self._call("allgather", prepare)
 
+    def _gather_uneven(self, input: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """Every rank's ``input`` (rank ``r``'s has ``sizes[r]`` elements), by
+        ``MPI_Allgatherv``; returns one flat tensor per rank."""
+        src = Host(input)
+        recv = torch.empty(sum(sizes), dtype=input.dtype)
+        counts = np.array(sizes, dtype=np.int64) * recv.element_size()
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        self._native("allgather", lambda: self.comm.Allgatherv(
+            byte_view(src.work), [byte_view(recv), (counts, displs)]),
+            count=None, dtype=str(input.dtype))
+        return list(recv.split(sizes))
+
     # reduce-scatter -------------------------------------------------------------------------
-    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> Any:
-        return self._reduce_scatter(outputs, lambda: inputs, opts)
+        return self._reduce_scatter(outputs, lambda: (inputs, None), opts)
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
-
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                              opts: Any = None) -> Any:
-        return self._reduce_scatter([output], lambda: [input], opts)
-
-    _reduce_scatter_base = reduce_scatter_single   # reduce_scatter_tensor
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
+                             opts: Any = None) -> Any:
+        """``reduce_scatter_tensor`` (``reduce_scatter_single``)."""
+        return self._reduce_scatter([output], lambda: ([input], None), opts)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],
                        input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
-        def flat() -> list[torch.Tensor]:
+        """``reduce_scatter`` (list form): rank ``r`` gets the reduction of every rank's
+        ``input_tensors[0][r]``. The inputs may differ in size (as gloo and NCCL allow):
+        then this rank's output must hold as many elements as its own input (index
+        ``rank``), every rank must pass the same sizes, and the call runs as an all-reduce
+        of the concatenated inputs."""
+        def flat() -> tuple[list[torch.Tensor], list[list[int]] | None]:
             if len(output_tensors) != len(input_tensors):
                 raise ValueError(f"{len(output_tensors)} output tensors for "
                                  f"{len(input_tensors)} input lists")
-            for inputs in input_tensors:
+            sizes = []
+            for output, inputs in zip(output_tensors, input_tensors):
                 if len(inputs) != self.size():
                     raise ValueError(f"reduce_scatter needs {self.size()} input tensors, "
                                      f"not {len(inputs)}")
                 for t in inputs:
                     check_tensor(t, "input_tensor")
-            return [torch.cat([t.reshape(-1) for t in inputs]) for inputs in input_tensors]
+                mine = inputs[self.rank()]
+                if len({t.numel() for t in inputs}) > 1 and mine.numel() != output.numel():
+                    raise ValueError(f"reduce_scatter's output must hold as many elements as "
+                                     f"input tensor {self.rank()} (this rank's): "
+                                     f"{mine.numel()}, not {output.numel()}")
+                sizes.append([t.numel() for t in inputs])
+            uneven = any(len(set(s)) > 1 for s in sizes)
+            return ([torch.cat([t.reshape(-1) for t in inputs]) for inputs in input_tensors],
+                    sizes if uneven else None)
 
         return self._reduce_scatter(output_tensors, flat, opts)
 
     def _reduce_scatter(self, outputs: list[torch.Tensor],
-                        inputs: Callable[[], list[torch.Tensor]], opts: Any) -> Any:
+                        inputs: Callable[[], tuple[list[torch.Tensor], list[list[int]] | None]],
+                        opts: Any) -> Any:
+        """Reduce-scatter each input into its output. ``inputs()`` gives the flat inputs
+        and, for uneven blocks, each input's block sizes (``None``: ``size()`` equal
+        blocks)."""
         opts = opts or dist.ReduceScatterOptions()
 
         def prepare(stage: Staging) -> Prepared:
             op, factor = op_name(opts.reduceOp), premul_factor(opts.reduceOp)
+            flat, sizes = inputs()
 
             def check(output: torch.Tensor, input: torch.Tensor) -> None:
                 check_reduce_dtype(check_tensor(input, "input"), op)
                 check_tensor(output, "output")
-                self._check_blocks(input, output, "input")
+                if sizes is None:
+                    self._check_blocks(input, output, "input")
+                elif input.dtype != output.dtype:
+                    raise ValueError(f"reduce_scatter's output is {output.dtype}, its "
+                                     f"inputs {input.dtype}")
 
-            pairs = self._staged_pairs(stage, outputs, inputs(), check)
+            pairs = self._staged_pairs(stage, outputs, flat, check)
 
             def run() -> list[torch.Tensor]:
-                for output, input in pairs:
-                    src, dst = Host(input, True, factor), Host(output, True)
-                    collectives.reduce_scatter(src.array, dst.array, op=op, comm=self.comm,
-                                               check=False)
-                    dst.finish()
+                for i, (output, input) in enumerate(pairs):
+                    if sizes is None:
+                        src, dst = Host(input, True, factor), Host(output, True)
+                        collectives.reduce_scatter(src.array, dst.array, op=op,
+                                                   comm=self.comm, check=False)
+                        dst.finish()
+                    else:
+                        self._reduce_scatter_uneven(output, input, sizes[i], op, factor)
                 return outputs
 
-            return run, dict(count=_count(outputs), dtype=_dtype_field(outputs),
+            count: Any = _count(outputs) if sizes is None else _sizes_field(sizes)
+            return run, dict(count=count, dtype=_dtype_field(outputs),
                              op=op_label(opts.reduceOp))
 
         return self._call("reduce_scatter", prepare)
+
+    def _reduce_scatter_uneven(self, output: torch.Tensor, input: torch.Tensor,
+                               sizes: list[int], op: str, factor: Any) -> None:
+        """Rank ``r`` gets block ``r`` (``sizes[r]`` elements) of the reduction of every
+        rank's ``input``: an all-reduce of ``input`` (a copy: the concatenated list)."""
+        whole = Host(input, True, factor)
+        collectives.allreduce(IN_PLACE, whole.array, op=op, comm=self.comm,
+                              algorithm=self._algorithm, check=False)
+        start = sum(sizes[:self.rank()])
+        with torch.no_grad():
+            output.copy_(whole.work[start:start + sizes[self.rank()]].view(output.shape))
 
     # gather, scatter ----------------------------------------------------------------------
     def _rooted_lists(self, kind: str, lists: list[list[torch.Tensor]], one: torch.Tensor,
@@ -628,9 +681,10 @@ class MPIProcessGroup(dist.ProcessGroup):
 
         return self._call("alltoall", prepare)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
-                          output_split_sizes: list[int], input_split_sizes: list[int],
-                          opts: Any = None) -> Any:
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: list[int], input_split_sizes: list[int],
+                      opts: Any = None) -> Any:
+        """``all_to_all_single``: even, or rows of dim 0 split as given."""
         def prepare(stage: Staging) -> Prepared:
             check_tensor(output, "output")
             check_tensor(input, "input")
@@ -657,8 +711,6 @@ class MPIProcessGroup(dist.ProcessGroup):
                 output.element_size(), finish, str(output.dtype))
 
         return self._call("alltoall_single", prepare)
-
-    alltoall_base = all_to_all_single
 
     def _splits(self, name: str, tensor: torch.Tensor, sizes: list[int]) -> list[int]:
         rows = tensor.shape[0] if tensor.dim() else tensor.numel()
@@ -742,15 +794,23 @@ class MPIProcessGroup(dist.ProcessGroup):
 
     # life cycle -------------------------------------------------------------------------------
     def set_timeout(self, timeout: timedelta) -> None:
-        """Make ``timeout`` the group's: ``Work.wait()``'s default limit from now on."""
+        """Make ``timeout`` the group's: ``Work.wait()``'s default limit from now on
+        (``pg.set_timeout(...)`` on torch's group calls it; so does ``options._timeout``
+        reflect it)."""
         self._lane.timeout = seconds(timeout)
+        self.options._timeout = timeout
+
+    _set_default_timeout = set_timeout   # gloo's and NCCL's name
 
     def shutdown(self) -> None:
         """Finish the queued operations, stop the group's lanes and free its
         communicators (``destroy_process_group``). Lanes that make no progress for
         :data:`SHUTDOWN_STALL_S` seconds (an operation the other ranks never joined) are
         aborted: under ULFM the communicators are revoked; without ULFM the job ends
-        with that message (an MPI call cannot be cancelled)."""
+        with that message (an MPI call cannot be cancelled). Idempotent."""
+        if self._shut:
+            return
+        self._shut = True
         for lane in (self._lane, self._futures.lane):
             if not lane.close(SHUTDOWN_STALL_S):
                 lane.abort(CollectiveTimeoutError(
@@ -759,6 +819,7 @@ class MPIProcessGroup(dist.ProcessGroup):
                 lane.close(0.0)
         for comm in self._owned:
             comms.free(comm)
+        _live.discard(self)
 
     def abort(self) -> None:
         """Fail the work in flight and every queued work; the group is broken (under ULFM

@@ -8,7 +8,12 @@ raises the operation's error, and ``get_future()`` completes (with the result or
 error) on the thread that completes the work, so callbacks chained with ``then`` run
 there, as with gloo. A ``wait(timeout)`` that expires raises
 :class:`mpicoll.CollectiveTimeoutError` (a ``RuntimeError``) at once and breaks the group
-(the runtime's rules: :mod:`mpicoll.runtime.progress`).
+(the runtime's rules: :mod:`mpicoll.runtime.progress`). ``get_future_result()`` completes
+with the outcome as torch's ``WorkResult`` number, never with an error.
+
+torch's ``ProcessGroup`` hands callers a C++ ``WorkHandle`` of the extension
+(:mod:`.extension`) that asks this object for everything and forwards any other
+attribute to it.
 """
 from __future__ import annotations
 
@@ -16,11 +21,13 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import WorkResult
 from torch.futures import Future
 
+from ...errors import CollectiveTimeoutError
 from ...runtime import Work
 
-__all__ = ["MPIWork", "completed", "seconds"]
+__all__ = ["MPIWork", "completed", "seconds", "outcome"]
 
 
 def seconds(timeout: Any) -> float | None:
@@ -29,6 +36,17 @@ def seconds(timeout: Any) -> float | None:
         return None
     value = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     return value if value > 0 else None
+
+
+def outcome(error: BaseException | None) -> int:
+    """torch's ``WorkResult`` number for a work that ended with ``error`` (``None``:
+    ``SUCCESS``; a :class:`mpicoll.CollectiveTimeoutError`: ``TIMEOUT``; any other error:
+    ``COMM_ERROR``)."""
+    if error is None:
+        return int(WorkResult.SUCCESS.value)
+    if isinstance(error, CollectiveTimeoutError):
+        return int(WorkResult.TIMEOUT.value)
+    return int(WorkResult.COMM_ERROR.value)
 
 
 class MPIWork(dist.Work):
@@ -75,6 +93,13 @@ class MPIWork(dist.Work):
 
     def get_future(self) -> Future:  # noqa: D102
         return self._future
+
+    def get_future_result(self) -> Future:
+        """A future that completes with the work's :func:`outcome` (an ``int``, torch's
+        ``WorkResult``) when it ends, successful or not."""
+        future: Future = Future()
+        self.get_future().then(lambda _: future.set_result(outcome(self.work.exception())))
+        return future
 
     def result(self) -> Any:  # noqa: D102
         self.wait()

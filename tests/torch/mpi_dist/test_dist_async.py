@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import mpicoll
 from mpicoll.errors import CollectiveTimeoutError
+from mpicoll.torch.distributed import backend_of
 from test_dist_collectives import GATHER_INTO, data, everyone
 
 pytestmark = pytest.mark.mpi
@@ -152,14 +153,14 @@ def _stuck(group):
     import threading
 
     release = threading.Event()
-    return group.submit("stuck op", lambda: release.wait(60)), release
+    return backend_of(group).submit("stuck op", lambda: release.wait(60)), release
 
 
 def _finish(group, release) -> None:
     """Let the stuck operation end (a broken group is then destroyed cleanly)."""
     release.set()
     for _ in range(1000):
-        if group._lane.completed:
+        if backend_of(group)._lane.completed:
             return
         time.sleep(0.01)
 
@@ -183,7 +184,7 @@ def test_wait_timeout_raises_at_once_and_breaks_the_group():
     assert isinstance(info.value, RuntimeError) and info.value.operation == "stuck op"
     with pytest.raises(CollectiveTimeoutError):
         queued.wait()
-    assert group._lane.broken is info.value
+    assert backend_of(group)._lane.broken is info.value
     _finish(group, release)
 
 
@@ -229,10 +230,11 @@ def test_shutdown_finishes_queued_work_and_frees_the_communicators():
     group = _fresh_group()
     tensors = [torch.full((3,), rank + i) for i in range(5)]
     works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
-    assert {r.owner for r in map(comms.record_of, (group.comm, group._p2p))} == {"group"}
+    backend = backend_of(group)
+    assert {r.owner for r in map(comms.record_of, (backend.comm, backend._p2p))} == {"group"}
     start = time.monotonic()
     dist.destroy_process_group(group)
     assert time.monotonic() - start < 10
     assert all(w.is_completed() for w in works)
     assert torch.equal(tensors[-1], torch.full((3,), sum(r + 4 for r in range(n))))
-    assert comms.record_of(group.comm) is None and comms.record_of(group._p2p) is None
+    assert comms.record_of(backend.comm) is None and comms.record_of(backend._p2p) is None

@@ -11,7 +11,9 @@ case makes the bad call from a DDP communication hook after DDP rebuilt its buck
 Errors torch raises itself before the call reaches the backend (a non-tensor argument,
 tensors of different dtypes in one ``dist.*`` call, a ``src``/``dst`` outside the group)
 never reach the other ranks with any backend; the mixed-dtype and bad-root cases call the
-backend's own methods, as DTensor and FSDP do.
+group's own methods, as DTensor and FSDP do. Tensors on the meta device never reach any
+backend through torch's group (torch's c10d ops have meta kernels that do nothing, for
+gloo too): the meta cases call the mpicoll backend's methods (``backend_of(group)``).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import mpicoll
+from mpicoll.torch.distributed import backend_of
 from test_dist_collectives import GATHER_INTO, SCATTER_FROM
 
 pytestmark = pytest.mark.mpi
@@ -59,11 +62,11 @@ def all_reduce_bitwise_float(g, n, bad):
 
 
 def all_reduce_meta(g, n, bad):
-    dist.all_reduce(_meta(3) if bad else _ones(3), group=g)
+    backend_of(g).allreduce([_meta(3) if bad else _ones(3)], dist.AllreduceOptions()).wait()
 
 
 def broadcast_meta(g, n, bad):
-    dist.broadcast(_meta(3) if bad else _ones(3), group_src=0, group=g)
+    backend_of(g).broadcast([_meta(3) if bad else _ones(3)], dist.BroadcastOptions()).wait()
 
 
 def broadcast_bad_root(g, n, bad):
@@ -130,9 +133,10 @@ def reduce_scatter_list_length(g, n, bad):
 
 
 def reduce_scatter_list_size(g, n, bad):
+    """This rank's own input (uneven inputs are allowed, but the output must match it)."""
     ins = [_ones(3) for _ in range(n)]
     if bad:
-        ins[0] = _ones(5)
+        ins[-1] = _ones(5)
     dist.reduce_scatter(_ones(3), ins, group=g)
 
 
