@@ -159,7 +159,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per rank (0: leave torch's default, which "
+                        "mpicoll's MPICOLL_TORCH_THREADS=auto may then fit to the node)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
     p.add_argument("--profile", action="store_true",
                    help="DDP's timers and bucket sizes per DDP mode")
@@ -199,7 +201,8 @@ def format_table(rows: list[dict], meta: dict) -> str:
     base = {r["mode"]: r["wall"] for r in rows}
     lines = [f"# DDP training throughput: SmallCNN, {meta['ranks']} ranks, batch "
              f"{meta['batch']}/rank, {meta['steps']} steps x {meta['repeats']} repeats "
-             f"(interleaved), {meta['thread_level']}",
+             f"(interleaved), {meta['thread_level']}, "
+             f"{meta.get('torch_threads', '?')} torch threads per rank",
              f"# {meta['mpi_library']}; {meta['machine']}; load {meta['load'][0]:.1f} -> "
              f"{meta['load'][1]:.1f}",
              "# samples/s: wall = total samples / total time; median of the repeats' rates",
@@ -375,7 +378,8 @@ def write_or_print(args: argparse.Namespace, data_: dict, table: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = common.parse_args(parser(), argv)
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     comm = MPI.COMM_WORLD
     if args.accuracy:
         run_accuracy(args, comm)
@@ -410,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     if comm.rank == 0:
         meta = {**common.run_meta(MPI, comm.size, "ddp", args.argv), "ranks": comm.size,
                 "batch": args.batch, "steps": args.steps, "repeats": args.repeats,
+                "torch_threads": torch.get_num_threads(),
                 "params": sum(p.numel() for p in make_model().parameters()), "load": load}
         write_or_print(args, {"meta": meta, "rows": rows}, format_table(rows, meta))
     return 0

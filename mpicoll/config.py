@@ -110,6 +110,12 @@ VARIABLES: tuple[Variable, ...] = (
              "backward); `0`: start a round only once the user thread waits for a result "
              "(or 50 ms after the latest request); `auto`: `1` when the node has a spare "
              "core per rank"),
+    Variable("MPICOLL_TORCH_THREADS", "mpicoll.torch", "`auto`",
+             "torch threads per rank, set by `mpicoll.torch.init()` and "
+             "`init_process_group(\"mpicoll\")`: `auto` gives each rank `cores // ranks on "
+             "the node` (at least 1) when the user set neither `OMP_NUM_THREADS` nor torch's "
+             "count and the node's ranks times torch's threads exceed its cores (torchrun's "
+             "policy); `keep` leaves torch's count; a number sets it"),
 )
 
 

@@ -24,6 +24,7 @@ from .. import timeline
 from ..context import resolve_comm
 from ..runtime import world as runtime_world
 from . import process_sets as process_set_registry
+from . import threads
 from .engine.core import Engine
 from .engine.settings import from_environment
 
@@ -68,6 +69,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
                 f"mpicoll.torch needs MPI initialized with THREAD_MULTIPLE (its engine thread "
                 f"calls MPI while your threads may too) but MPI provides level {provided}; "
                 f"do not set mpi4py.rc.thread_level / MPI4PY_RC_THREAD_LEVEL below 'multiple'")
+        threads.fit(comm)
         engine = Engine(comm, from_environment())
         engine.on_peer_shutdown = _stop_process_sets
         engine.start()

@@ -80,6 +80,7 @@ def _build(opts: Any, backend_options: Any, made: list[Any]) -> Any:
     from mpi4py import MPI  # noqa: PLC0415
 
     from ...runtime import comms  # noqa: PLC0415
+    from ..threads import fit as fit_threads  # noqa: PLC0415
     from .process_group import MPIProcessGroup  # noqa: PLC0415  (builds the extension)
 
     comm_world = world()
@@ -93,6 +94,7 @@ def _build(opts: Any, backend_options: Any, made: list[Any]) -> Any:
                 f"torch's rendezvous, but MPI says rank {comm_world.Get_rank()} of "
                 f"{comm_world.Get_size()}: start every process with mpirun, and where RANK "
                 f"and WORLD_SIZE are set they must equal MPI's")
+        fit_threads(comm_world)
         comm = comms.dup(comm_world, "group")
         owned = (comms.dup(comm_world, "group"),)
         _parent[:] = owned
