@@ -55,9 +55,27 @@ class SmallCNN(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
-def make_model(seed: int = 0) -> nn.Module:
+class MLP(nn.Module):
+    """fc(784->2048) fc(2048->1024) fc(1024->10): 3.7M parameters and little compute per
+    byte of gradient (communication-bound where SmallCNN is compute-bound)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(28 * 28, 2048)
+        self.fc2 = nn.Linear(2048, 1024)
+        self.fc3 = nn.Linear(1024, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))))
+
+
+#: ``--model`` choices.
+MODELS = {"cnn": SmallCNN, "mlp": MLP}
+
+
+def make_model(name: str = "cnn", seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return SmallCNN()
+    return MODELS[name]()
 
 
 def data(batch: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +92,7 @@ def run_mpicoll(args: argparse.Namespace, comm: MPI.Intracomm,
         os.environ.pop(key, None)
     os.environ.update(VARIANTS[variant])
     hvd.init(comm)
-    model = make_model()
+    model = make_model(args.model)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), 0)
@@ -95,13 +113,13 @@ def run_ddp(args: argparse.Namespace, comm: MPI.Intracomm) -> Timing:
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
         _ddp_ready = True
-    model = DDP(make_model())
+    model = DDP(make_model(args.model))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     return time_sgd_steps(model, opt, args, comm)
 
 
 def run_handrolled(args: argparse.Namespace, comm: MPI.Intracomm) -> Timing:
-    model = make_model()
+    model = make_model(args.model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     size = comm.size
 
@@ -153,7 +171,7 @@ def timed(step, args: argparse.Namespace, comm: MPI.Intracomm) -> Timing:
 def run_local(args: argparse.Namespace, comm: MPI.Intracomm) -> Timing:
     """Every rank trains alone, no communication: the ceiling for ``comm.size`` ranks
     sharing this machine (what scaling efficiency cannot exceed here)."""
-    model = make_model()
+    model = make_model(args.model)
     return time_sgd_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), args, comm)
 
 
@@ -167,7 +185,7 @@ def fusion_sweep(args: argparse.Namespace, comm: MPI.Intracomm) -> None:
     ``--sweep-tensors`` small ones, submitted together) at several fusion thresholds."""
     import mpicoll.torch as hvd
 
-    shapes = [tuple(p.shape) for p in make_model().parameters()]
+    shapes = [tuple(p.shape) for p in make_model(args.model).parameters()]
     shapes += [(args.sweep_tensors_size,)] * args.sweep_tensors
     thresholds = [int(t) for t in args.fusion_sweep.split(",")]
     results: dict[int, list[float]] = {t: [] for t in thresholds}
@@ -202,6 +220,8 @@ def main() -> None:
                         help=f"comma-separated, from {sorted(set(MODES) | set(VARIANTS) | {'local'})}"
                              " (local: no communication, the machine's ceiling)")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    parser.add_argument("--model", choices=sorted(MODELS), default="cnn",
+                        help="cnn: SmallCNN, 412k parameters; mlp: 784-2048-1024-10, 3.7M")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
@@ -236,7 +256,7 @@ def main() -> None:
     load.append(os.getloadavg()[0])
     if comm.rank != 0:
         return
-    nparams = sum(p.numel() for p in make_model().parameters())
+    nparams = sum(p.numel() for p in make_model(args.model).parameters())
     rows = []
     for mode in modes:
         ordered = sorted(steps[mode])

@@ -5,8 +5,9 @@ launch, interleaved::
     mpirun -n 2 python -m bench.ddp --steps 50 --warmup 10 --repeats 5
     mpirun -n 2 python -m bench.ddp --modes ddp-mpicoll,ddp-gloo --profile
 
-Every mode trains bench_torch's SmallCNN (412k parameters, ``--batch`` samples per rank,
-one torch thread per rank) with plain SGD on synthetic data. Modes:
+Every mode trains bench_torch's ``--model`` (``cnn``: SmallCNN, 412k parameters, compute-bound;
+``mlp``: 784-2048-1024-10, 3.7M parameters, communication-bound; ``--batch`` samples per
+rank, ``--threads`` torch threads per rank) with plain SGD on synthetic data. Modes:
 
 - ``ddp-mpicoll``: ``DistributedDataParallel`` on the default group, backend "mpicoll";
 - ``ddp-mpicoll-first``: the same on a group that agrees only on the first call of each
@@ -53,7 +54,7 @@ import torch.nn.functional as F  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench.bench_torch import (Timing, make_model, run_local, run_mpicoll,  # noqa: E402
+from bench.bench_torch import (MODELS, Timing, make_model, run_local, run_mpicoll,  # noqa: E402
                                time_sgd_steps)
 
 DEFAULT_MODES = ("ddp-mpicoll", "ddp-gloo", "hvd")
@@ -104,7 +105,7 @@ def run_ddp(args: argparse.Namespace, comm: Any, backend: str, hook: str | None 
     """Time DDP on ``backend``'s group (with mpicoll's ``hook`` codec, if any)."""
     from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
-    model = DDP(make_model(), process_group=_groups[backend],
+    model = DDP(make_model(args.model), process_group=_groups[backend],
                 bucket_cap_mb=args.bucket_cap_mb)
     if hook is not None:
         import mpicoll.torch.hooks as hooks  # noqa: PLC0415
@@ -156,6 +157,9 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated: ddp-mpicoll, ddp-mpicoll-first, ddp-mpicoll-native, "
                         "ddp-mpicoll-<codec>, ddp-gloo, hvd, local (default: %(default)s)")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    p.add_argument("--model", choices=sorted(MODELS), default="cnn",
+                   help="cnn: SmallCNN, 412k parameters (compute-bound); mlp: "
+                        "784-2048-1024-10, 3.7M (communication-bound)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
@@ -199,7 +203,7 @@ def summarize(mode: str, timings: list[Timing], profiles: list[dict], n: int,
 
 def format_table(rows: list[dict], meta: dict) -> str:
     base = {r["mode"]: r["wall"] for r in rows}
-    lines = [f"# DDP training throughput: SmallCNN, {meta['ranks']} ranks, batch "
+    lines = [f"# DDP training throughput: {meta.get('model', 'cnn')}, {meta['ranks']} ranks, batch "
              f"{meta['batch']}/rank, {meta['steps']} steps x {meta['repeats']} repeats "
              f"(interleaved), {meta['thread_level']}, "
              f"{meta.get('torch_threads', '?')} torch threads per rank",
@@ -236,7 +240,7 @@ def layer_times(args: argparse.Namespace, comm: Any) -> list[dict]:
     from mpicoll import compression  # noqa: PLC0415
 
     count = args.layers_bytes // 4 if args.layers_bytes else \
-        sum(p.numel() for p in make_model().parameters())
+        sum(p.numel() for p in make_model(args.model).parameters())
     gen = torch.Generator().manual_seed(comm.rank)
 
     def fresh() -> torch.Tensor:
@@ -414,8 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     if comm.rank == 0:
         meta = {**common.run_meta(MPI, comm.size, "ddp", args.argv), "ranks": comm.size,
                 "batch": args.batch, "steps": args.steps, "repeats": args.repeats,
-                "torch_threads": torch.get_num_threads(),
-                "params": sum(p.numel() for p in make_model().parameters()), "load": load}
+                "torch_threads": torch.get_num_threads(), "model": args.model,
+                "params": sum(p.numel() for p in make_model(args.model).parameters()), "load": load}
         write_or_print(args, {"meta": meta, "rows": rows}, format_table(rows, meta))
     return 0
 

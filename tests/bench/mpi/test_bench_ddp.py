@@ -25,12 +25,15 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120),
               pytest.mark.skipif(comm.Get_size() != 2, reason="bench.ddp smoke test at n=2")]
 
 
-def test_ddp_benchmark_runs_every_mode(tmp_path):
+@pytest.mark.parametrize("model,modes", [
+    ("cnn", "ddp-mpicoll,ddp-gloo,hvd,ddp-mpicoll-first,ddp-mpicoll-int8"),
+    ("mlp", "ddp-mpicoll,ddp-gloo,local")])
+def test_ddp_benchmark_runs_every_mode(tmp_path, model, modes):
     ddp = _ddp()
     out = comm.bcast(str(tmp_path / "ddp.json") if comm.rank == 0 else None, root=0)
-    modes = "ddp-mpicoll,ddp-gloo,hvd,ddp-mpicoll-first,ddp-mpicoll-int8"
     rc = ddp.main(["--modes", modes, "--steps", "2", "--warmup", "1", "--repeats", "2",
-                   "--batch", "4", "--profile", "--format", "json", "--output", out])
+                   "--batch", "4", "--profile", "--format", "json", "--output", out,
+                   "--model", model])
     assert rc == 0
     if comm.rank == 0:
         with open(out, encoding="utf-8") as fh:
@@ -41,6 +44,7 @@ def test_ddp_benchmark_runs_every_mode(tmp_path):
             if row["mode"].startswith("ddp-"):
                 assert set(row["profile_ms"]) >= {"backward_comm", "backward_compute"}
         assert result["meta"]["ranks"] == comm.size
+        assert result["meta"]["model"] == model
         assert result["meta"]["command"].startswith(f"mpirun -n {comm.size} python -m bench.ddp")
 
 
