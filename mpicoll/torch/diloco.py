@@ -200,6 +200,20 @@ class DiLoCo:
         except BaseException:
             comms.free(self.comm)
             raise
+        #: Whether DiLoCo follows the runtime's world (``comm=None``): after an elastic
+        #: reconfiguration it moves to the new world (:meth:`_follow_world`).
+        self._follows = comm is None
+        self._setup_world()
+        self._broadcast_initial()
+        #: The fragment whose all-reduce is in flight and its work (``None``: none).
+        self._pending: tuple[int, Work] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ construction
+    def _setup_world(self) -> None:
+        """What depends on the ranks of ``self.comm``: the node layout, the algorithm,
+        the lane (collective over ``self.comm``)."""
+        self.generation = runtime_world.generation()
         topology = get_context(self.comm).topology
         #: The all-reduce of uncompressed pseudo-gradients: hierarchical (intra-node
         #: reduce-scatter, inter-node all-reduce of the shards, intra-node all-gather)
@@ -209,13 +223,28 @@ class DiLoCo:
         self.num_nodes = topology.num_nodes
         self._topology = topology
         self._nodes = self.comm.allgather(topology.node_index)
-        self._broadcast_initial()
         self._lane = Lane("mpicoll.torch.diloco", self.comm) if self.settings.overlap else None
-        #: The fragment whose all-reduce is in flight and its work (``None``: none).
-        self._pending: tuple[int, Work] | None = None
-        self._closed = False
 
-    # ------------------------------------------------------------------ construction
+    def _follow_world(self) -> None:
+        """After an elastic reconfiguration (the runtime's world generation changed, see
+        :mod:`mpicoll.elastic`), move to the new world: the all-reduce in flight ran on the
+        old one and is dropped (the lost rank's pseudo-gradient with it: the next outer
+        step averages over the survivors), the old duplicate is freed and a new one made.
+        Collective over the new world; the elastic restore that follows sets ``θ_g`` and
+        the outer state from the last commit (:meth:`load_state_dict`)."""
+        if not self._follows or runtime_world.generation() == self.generation:
+            return
+        self._pending = None
+        old, lane = self.comm, self._lane
+        self._lane = None
+        try:
+            if lane is not None:
+                lane.close()
+        finally:
+            comms.free(old)
+        self.comm = comms.dup(runtime_world.comm(), "diloco")
+        self._setup_world()
+
     def _configure(self, model: Any, inner: Any, outer: Any, sync_every: Any,
                    fragments: Any, overlap: Any, alpha: Any, compression: Any) -> None:
         if not isinstance(model, torch.nn.Module):
@@ -325,6 +354,7 @@ class DiLoCo:
             mpicoll.CollectiveError (and its subclasses): the all-reduce failed.
         """
         self._check_open()
+        self._follow_world()
         loss = self.inner_optimizer.step() if closure is None else \
             self.inner_optimizer.step(closure)
         self.steps += 1
@@ -466,6 +496,7 @@ class DiLoCo:
         ``inner_optimizer.state_dict()``.
         """
         self._check_open()
+        self._follow_world()
         pending = None
         if self._pending is not None:
             index, work = self._pending
@@ -503,6 +534,7 @@ class DiLoCo:
         if _as_tuples(state["settings"]) != self._fingerprint():
             raise ValueError(f"the DiLoCo state was saved with other settings or "
                              f"parameters: {state['settings']} (now {list(self._fingerprint())})")
+        self._follow_world()
         if self._pending is not None:
             self._pending[1].wait()
             self._pending = None

@@ -113,18 +113,26 @@ def main() -> None:
     import mpicoll.torch as hvd  # noqa: PLC0415  (the module is also imported without MPI)
 
     epochs, kill_step, victim, min_np = map(int, sys.argv[1:5])
-    local = [int(v) for v in sys.argv[5].split(":")] if len(sys.argv) > 5 else []
+    extra = sys.argv[5] if len(sys.argv) > 5 else ""
+    diloco_h = int(extra.split(":")[1]) if extra.startswith("diloco:") else 0
+    local = [int(v) for v in extra.split(":")] if extra and not diloco_h else []
     local_sgd = dict(zip(("sync_every", "node_sync_every"), local))
     torch.set_num_threads(1)
     hvd.init()
     me = hvd.rank()                              # the original rank (for the kill)
     x_train, y_train = make_data(1536, 1)
     model = make_model()
-    optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
-        named_parameters=model.named_parameters(), **local_sgd)
+    inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    if diloco_h:       # DiLoCo: the inner optimizer local, an outer step every H steps
+        optimizer: Any = hvd.DiLoCo(model, inner, torch.optim.SGD(
+            model.parameters(), lr=0.7, momentum=0.5, nesterov=True), sync_every=diloco_h)
+    else:
+        optimizer = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                             **local_sgd)
     sampler = hvd.elastic.ElasticSampler(range(len(x_train)), shuffle=True, seed=5)
-    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0)
+    more = {"inner": inner} if diloco_h else {}
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0,
+                                   **more)
     after_reset = {"pending": False}
 
     def on_reset() -> None:
@@ -155,7 +163,13 @@ def main() -> None:
         import mpicoll.elastic  # noqa: PLC0415
         mpicoll.elastic.world().Barrier()   # every survivor prints before any exits
         sys.exit(3)
-    if optimizer.local_sgd is not None:
+    if diloco_h:
+        st = optimizer.stats()
+        digest = hashlib.sha256(b"".join(t.numpy().tobytes()
+                                         for t in optimizer.global_parameters()))
+        print(f"DILOCO {hvd.rank()} {st['steps']} {sum(st['outer_steps'])} "
+              f"{digest.hexdigest()[:16]}", flush=True)
+    elif optimizer.local_sgd is not None:
         st = optimizer.local_sgd.stats()
         print(f"LOCALSGD {hvd.rank()} {st['steps']} {st['identical']} {st['rebuilds']}",
               flush=True)

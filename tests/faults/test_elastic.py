@@ -15,7 +15,8 @@ Each case is one ``mpirun --with-ft ulfm`` job in which one rank SIGKILLs itself
   survivors, their parameters are bitwise identical, and the final accuracy is within
   0.5 points of the uninterrupted 4-rank training (computed here, in one process, by
   ``train_serially``, which reproduces an uninterrupted ``mpirun -n 4`` run's accuracy:
-  92.68 % both, checked by hand);
+  92.68 % both, checked by hand); also with local SGD and with DiLoCo at 3 ranks, whose
+  averager or communicator follows the world to the survivors;
 - below ``min_np`` (numpy at 3 ranks with min_np=3; with ``ULFM_ALL_CASES=1`` also torch
   at 2 with min_np=2): every survivor raises TooFewRanksError and the job ends at once
   with that status (Horovod #3494 deadlocks there).
@@ -52,6 +53,8 @@ JOBS: dict[str, tuple] = {
     # local SGD (every 4th step averages the parameters; nodes of 2 and 1, the node
     # averaging every step): its averager follows the world to the survivors
     "torch-n3-local-sgd": (TORCH, 3, (1,), 1, "4:1"),
+    # DiLoCo (an outer step every 4 inner steps): follows the world to the survivors
+    "torch-n3-diloco": (TORCH, 3, (1,), 1, "diloco:4"),
 }
 #: Also run with ``ULFM_ALL_CASES=1`` (a torch job costs 15-60 s of CI here).
 MORE_JOBS = {"torch-below-min-np": (TORCH, 2, (1,), 2)}
@@ -149,6 +152,30 @@ def test_local_sgd_training_survives_a_killed_rank(outputs) -> None:
     reference = elastic_torch_worker.train_serially(3, EPOCHS)
     got = float(next(iter(done.values()))[2])
     assert got >= reference - 2.0, f"accuracy {got:.2f} %, synchronous {reference:.2f} %"
+
+
+@pytest.mark.timeout(900)
+def test_diloco_training_survives_a_killed_rank(outputs) -> None:
+    """DiLoCo under hvd.elastic (TorchState holding it and its inner optimizer): the
+    survivors move DiLoCo to the shrunk world, go on from the last commit, and end with
+    the same θ_g, after as many inner and outer steps, and a trained model."""
+    import elastic_torch_worker  # noqa: PLC0415  (imports torch)
+
+    name = "torch-n3-diloco"
+    rc, out, secs = outputs[name]
+    tail = _show(name, outputs[name])
+    assert rc == 0, f"status {rc}\n{tail}"
+    done = _done(out)
+    assert sorted(done) == [0, 1] and {f[0] for f in done.values()} == {"2"}, tail
+    assert len(ulfm_jobs.lines(out, "RESET")) == 2, f"no reset\n{tail}"
+    diloco = {int(f[0]): f[1:] for f in ulfm_jobs.lines(out, "DILOCO")}
+    assert sorted(diloco) == [0, 1], tail
+    assert len({tuple(v) for v in diloco.values()}) == 1, f"θ_g or steps differ\n{tail}"
+    inner, outer = int(diloco[0][0]), int(diloco[0][1])
+    assert outer == inner // 4 > KILL_TRAIN_STEP // 4, tail
+    reference = elastic_torch_worker.train_serially(3, EPOCHS)
+    got = min(float(f[2]) for f in done.values())
+    assert got >= reference - 5.0, f"accuracy {got:.2f} %, synchronous {reference:.2f} %"
 
 
 @pytest.mark.timeout(900)

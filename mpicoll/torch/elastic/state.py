@@ -20,7 +20,7 @@ from ..state import rank
 from .sampler import ElasticSampler
 
 __all__ = ["TorchState", "snapshot", "StateHandler", "ModelStateHandler", "OptimizerStateHandler",
-           "SchedulerStateHandler", "SamplerStateHandler"]
+           "DiLoCoStateHandler", "SchedulerStateHandler", "SamplerStateHandler"]
 
 
 def snapshot(value: Any) -> Any:
@@ -78,6 +78,17 @@ class OptimizerStateHandler(StateHandler):
         broadcast_optimizer_state(self.value, root_rank=0)
 
 
+class DiLoCoStateHandler(StateHandler):
+    """A :class:`mpicoll.torch.DiLoCo`: sync takes rank 0's ``θ_g``, outer state and
+    step, and keeps this rank's error-feedback residuals and codec state (its own)."""
+
+    def sync(self) -> None:
+        mine = self.value.state_dict()
+        state = broadcast_object(mine, root_rank=0)
+        state.update(residuals=mine["residuals"], codec=mine["codec"])
+        self.value.load_state_dict(state)
+
+
 class SchedulerStateHandler(StateHandler):
     """An LR scheduler."""
 
@@ -94,7 +105,10 @@ def _scheduler_types() -> tuple[type, ...]:
 
 
 def _handler_for(value: Any) -> StateHandler | None:
+    from ..diloco import DiLoCo  # noqa: PLC0415  (it imports the runtime: only here)
+
     for kind, handler in ((torch.nn.Module, ModelStateHandler),
+                          (DiLoCo, DiLoCoStateHandler),
                           (torch.optim.Optimizer, OptimizerStateHandler),
                           (_scheduler_types(), SchedulerStateHandler),
                           (ElasticSampler, SamplerStateHandler)):
