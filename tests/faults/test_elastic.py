@@ -87,6 +87,17 @@ def _done(out: str) -> dict[int, list[str]]:
     return {int(fields[0]): fields[1:] for fields in ulfm_jobs.lines(out, "DONE")}
 
 
+def _two_of_three_finished(outputs: dict, name: str) -> tuple[str, str, dict]:
+    """Job ``name`` (3 ranks, one killed) ended well and its 2 survivors finished at
+    world size 2: (output, its tail, the DONE fields by rank)."""
+    rc, out, _ = outputs[name]
+    tail = _show(name, outputs[name])
+    assert rc == 0, f"status {rc}\n{tail}"
+    done = _done(out)
+    assert sorted(done) == [0, 1] and {f[0] for f in done.values()} == {"2"}, tail
+    return out, tail, done
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["numpy-n4", "numpy-n3-root", "numpy-n4-node",
                                   "numpy-n4-shm"])
@@ -135,12 +146,7 @@ def test_local_sgd_training_survives_a_killed_rank(outputs) -> None:
     schedule says the last step averaged them over every rank."""
     import elastic_torch_worker  # noqa: PLC0415  (imports torch)
 
-    name = "torch-n3-local-sgd"
-    rc, out, secs = outputs[name]
-    tail = _show(name, outputs[name])
-    assert rc == 0, f"status {rc}\n{tail}"
-    done = _done(out)
-    assert sorted(done) == [0, 1] and {f[0] for f in done.values()} == {"2"}, tail
+    out, tail, done = _two_of_three_finished(outputs, "torch-n3-local-sgd")
     local = {int(f[0]): f[1:] for f in ulfm_jobs.lines(out, "LOCALSGD")}
     assert sorted(local) == [0, 1], tail
     assert len({tuple(v[:2]) for v in local.values()}) == 1, f"schedules differ\n{tail}"
@@ -161,12 +167,7 @@ def test_diloco_training_survives_a_killed_rank(outputs) -> None:
     the same θ_g, after as many inner and outer steps, and a trained model."""
     import elastic_torch_worker  # noqa: PLC0415  (imports torch)
 
-    name = "torch-n3-diloco"
-    rc, out, secs = outputs[name]
-    tail = _show(name, outputs[name])
-    assert rc == 0, f"status {rc}\n{tail}"
-    done = _done(out)
-    assert sorted(done) == [0, 1] and {f[0] for f in done.values()} == {"2"}, tail
+    out, tail, done = _two_of_three_finished(outputs, "torch-n3-diloco")
     assert len(ulfm_jobs.lines(out, "RESET")) == 2, f"no reset\n{tail}"
     diloco = {int(f[0]): f[1:] for f in ulfm_jobs.lines(out, "DILOCO")}
     assert sorted(diloco) == [0, 1], tail

@@ -271,31 +271,24 @@ def test_type_errors(hvd):
 def test_state_dict_round_trip_in_flight(hvd):
     """Saved after a send step (fragment 2's all-reduce in flight), loaded into a fresh
     model, optimizers and DiLoCo: the next steps give the same bits."""
+    settings = {"sync_every": 8, "fragments": 4, "overlap": 1, "compression": "int4"}
     model = _model()
-    inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM,
-                            nesterov=True)
-    d = hvd.DiLoCo(model, inner, outer, sync_every=8, fragments=4, overlap=1,
-                   compression="int4")
+    d = _diloco(model, **settings)
     try:
         _train(d, 1, 13)                            # step 13 = 14 - 1 sends fragment 2
         assert d.in_flight() == 2
         saved = (d.state_dict(), {k: v.clone() for k, v in model.state_dict().items()},
-                 inner.state_dict())
+                 d.inner_optimizer.state_dict())
         saved = _deep_copy(saved)
         want = _train(d, 14, 22)
     finally:
         d.close()
     model2 = _model_with_seed(99)
-    inner2 = torch.optim.SGD(model2.parameters(), lr=LR, momentum=MOMENTUM)
-    outer2 = torch.optim.SGD(model2.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM,
-                             nesterov=True)
-    d2 = hvd.DiLoCo(model2, inner2, outer2, sync_every=8, fragments=4, overlap=1,
-                    compression="int4")
+    d2 = _diloco(model2, **settings)
     try:
         state, params, inner_state = saved
         model2.load_state_dict(params)
-        inner2.load_state_dict(inner_state)
+        d2.inner_optimizer.load_state_dict(inner_state)
         d2.load_state_dict(state)
         assert d2.in_flight() == 2 and d2.steps == 13
         got = _train(d2, 14, 22)
