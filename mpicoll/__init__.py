@@ -23,7 +23,8 @@ from .collectives import (allgather, allreduce, allreduce_init, broadcast, reduc
                           reduce_scatter)
 from .comm import Comm
 from .errors import (CollectiveError, CollectiveTimeoutError, HostsUpdatedInterrupt,
-                     MismatchError, ProcessFailedError, RemoteError, TooFewRanksError)
+                     MismatchError, ProcessFailedError, RemoteError, ResetLimitError,
+                     TooFewRanksError)
 from .grid import ProcessGrid, process_grid
 from .ops import OPS, Op
 
@@ -31,7 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = ["allreduce", "allreduce_init", "reduce_scatter", "allgather", "broadcast", "reduce", "algorithms",
            "Comm", "IN_PLACE", "Op", "OPS", "COLLECTIVES", "CollectiveError", "MismatchError",
-           "RemoteError", "ProcessFailedError", "TooFewRanksError", "CollectiveTimeoutError",
+           "RemoteError", "ProcessFailedError", "TooFewRanksError", "ResetLimitError", "CollectiveTimeoutError",
            "HostsUpdatedInterrupt",
            "__version__", "ProcessGrid", "process_grid"]
 

@@ -79,6 +79,12 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MPICOLL_ELASTIC_MAX_NP", "mpicoll.elastic", "the launch size",
              "the most ranks a growing elastic job grows to, when `run` is given no "
              "`max_np=`"),
+    Variable("MPICOLL_ELASTIC_MIN_NP", "mpicoll.elastic", "1",
+             "the least number of ranks an elastic job goes on with, when `run` is given "
+             "no `min_np=` (horovodrun's `--min-np`)"),
+    Variable("MPICOLL_ELASTIC_RESET_LIMIT", "mpicoll.elastic", "unset (no limit)",
+             "the most resets (shrinks and growths) an elastic job goes through, when `run` "
+             "is given no `reset_limit=` (horovodrun's `--reset-limit`)"),
     Variable("MPICOLL_CUDA_AWARE", "mpicoll.gpu", "detect",
              "`1`: the MPI library takes device pointers (device arrays go straight to "
              "MPI); `0`: stage them through pinned host memory; unset or `auto`: detect "

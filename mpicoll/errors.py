@@ -8,7 +8,8 @@ raises the same error.
 from __future__ import annotations
 
 __all__ = ["CollectiveError", "MismatchError", "RemoteError", "ProcessFailedError",
-           "TooFewRanksError", "CollectiveTimeoutError", "HostsUpdatedInterrupt"]
+           "TooFewRanksError", "ResetLimitError", "CollectiveTimeoutError",
+           "HostsUpdatedInterrupt"]
 
 
 class CollectiveError(RuntimeError):
@@ -69,6 +70,20 @@ class TooFewRanksError(CollectiveError):
         super().__init__(message)
         self.size, self.min_np = size, min_np
         self.failed_ranks = sorted(failed_ranks or [])
+
+
+class ResetLimitError(CollectiveError):
+    """An elastic job was reset more often than its ``reset_limit``
+    (:func:`mpicoll.elastic.run`): raised on every rank, which then ends (Horovod's
+    ``--reset-limit``).
+
+    Attributes:
+        resets: how many resets the job went through. limit: its ``reset_limit``.
+    """
+
+    def __init__(self, message: str, resets: int, limit: int) -> None:
+        super().__init__(message)
+        self.resets, self.limit = resets, limit
 
 
 class CollectiveTimeoutError(CollectiveError):

@@ -99,7 +99,7 @@ def _report(what: str, rc: int, out: str, secs: float) -> None:
 @pytest.mark.timeout(SUITE_TIMEOUT + 60)
 @pytest.mark.parametrize("suite,n,env", OPEN_MPI_CASES)
 def test_suite_under_open_mpi_with_ulfm(suite: str, n: int, env: dict[str, str]) -> None:
-    """Open MPI's mpi4py (tests/ompi_env.py; skips where it cannot be had) runs the suite."""
+    """Open MPI's mpi4py (tests/ompi_env.py; fails where it cannot be had) runs the suite."""
     python = ompi_env.ompi_python(need_torch=suite.startswith("tests/torch"))
     _report(f"{suite} on Open MPI at n={n}",
             *run_suite(n, suite, [], timeout=SUITE_TIMEOUT, env=env, python=str(python),

@@ -26,7 +26,8 @@ Horovod's ``hvd.elastic``.
 """
 from __future__ import annotations
 
-from ..errors import HostsUpdatedInterrupt, ProcessFailedError, TooFewRanksError
+from ..errors import (HostsUpdatedInterrupt, ProcessFailedError, ResetLimitError,
+                      TooFewRanksError)
 from . import grow as _grow
 from . import shrink as _shrink
 from .discovery import DiscoveryError, HostsAddedInterrupt
@@ -37,7 +38,7 @@ from .shrink import Recovery, shrink_world, world
 
 __all__ = ["run", "run_fn", "State", "ObjectState", "broadcast_object", "world",
            "shrink_world", "Recovery", "last_recovery", "ProcessFailedError",
-           "TooFewRanksError", "HostsUpdatedInterrupt", "HostsAddedInterrupt",
+           "TooFewRanksError", "ResetLimitError", "HostsUpdatedInterrupt", "HostsAddedInterrupt",
            "DiscoveryError", "grow_world", "Growth", "GrowthError", "last_growth", "joined"]
 
 

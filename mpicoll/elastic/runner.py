@@ -22,20 +22,39 @@ failure raises :class:`~mpicoll.elastic.DiscoveryError` on every rank), and stop
 when it returns. A process started by a growth enters the wrapper straight at the sync of
 step 2, where the running ranks are after their reset.
 
-Other exceptions propagate. Without ULFM (``mpirun --with-ft ulfm`` with Open MPI) a
-process failure ends the job as it would without this module.
+An exception raised while the world has failed (:mod:`mpicoll.runtime.world`) counts as
+the process failure itself, whatever its type: DDP's backward, say, reports a failed
+all-reduce as its own ``RuntimeError``.
+
+*A rank that raises is a lost rank* (Horovod's elastic driver drops such a worker): under
+ULFM, a rank whose function raises any other exception than mpicoll's own
+:class:`~mpicoll.CollectiveError` family (mismatches, too few ranks, the reset limit,
+timeouts: those end the job on every rank) prints its traceback and leaves the job (it
+kills itself: no exit handler runs, so it tells no other rank to stop; see
+:func:`_leave`); the others see a process failure and go on without it. An error raised
+on every rank so ends every rank, and the job's status is non-zero. ``reset_limit`` bounds how many resets (shrinks and
+growths) a job goes through: the next one raises :class:`~mpicoll.ResetLimitError` on
+every rank (Horovod's ``--reset-limit``).
+
+Without ULFM (``mpirun --with-ft ulfm`` with Open MPI) a process failure ends the job as it
+would without this module, and exceptions propagate.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import os
+import signal
+import sys
 import time
+import traceback
 from typing import Any, Callable
 
 from mpi4py import MPI
 
 from ..runtime import failures
-from ..errors import HostsUpdatedInterrupt, ProcessFailedError
+from ..runtime import world as runtime_world
+from ..errors import CollectiveError, HostsUpdatedInterrupt, ProcessFailedError, ResetLimitError
 from . import discovery as discovery_module
 from . import grow as grow_module
 from . import shrink as world_module
@@ -43,13 +62,109 @@ from .discovery import HostsAddedInterrupt
 from .grow import GrowthError
 from .state import State, load_from_disk
 
-__all__ = ["run_fn", "run", "MAX_RESETS_PER_FAILURE"]
+__all__ = ["run_fn", "run", "limits", "MAX_RESETS_PER_FAILURE", "LEFT_STATUS"]
 
 log = logging.getLogger("mpicoll.elastic")
 
 #: Longest chain of resets for one failure (each further one means another rank failed
 #: while the survivors were resetting).
 MAX_RESETS_PER_FAILURE = 16
+
+
+#: The exit status of the last rank of a job whose every rank raised in elastic mode.
+LEFT_STATUS = 1
+#: How long (seconds, per rank in rank order) a rank that raised waits to see whether it
+#: is the last one standing before it leaves (:func:`_leave`).
+LEAVE_WAIT_S = 0.15
+
+
+def _failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a process failure: a :class:`~mpicoll.ProcessFailedError`, or
+    any exception raised while the current world has failed (under ULFM)."""
+    if not failures.ENABLED:
+        return False
+    return isinstance(exc, ProcessFailedError) or (
+        isinstance(exc, Exception) and runtime_world.failed(runtime_world.generation()))
+
+
+def _leaves(exc: BaseException) -> bool:
+    """Whether a rank that raised ``exc`` leaves the job as a lost rank (under ULFM: any
+    exception but mpicoll's own errors, and a ``SystemExit`` with a non-zero status)."""
+    if not failures.ENABLED:
+        return False
+    if isinstance(exc, SystemExit):
+        return exc.code not in (0, None)
+    return isinstance(exc, Exception) and not isinstance(exc, CollectiveError)
+
+
+def _last_standing(wait_s: float) -> bool:
+    """Whether every other rank of the world is known to have failed, within ``wait_s``."""
+    world = runtime_world.comm()
+    deadline = time.monotonic() + wait_s
+    while len(failures.failed_ranks(world, 0.0, progress=True)) < world.Get_size() - 1:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _leave(exc: BaseException) -> None:
+    """Print ``exc``'s traceback and end this process at once, as a lost rank.
+
+    Open MPI's launcher under ULFM goes on after a rank that is killed (and reports status
+    0 for it) but stops the job, waiting, when a rank exits with an error status while
+    others run. So a rank that leaves kills itself (``SIGKILL``: no exit handler runs, no
+    other rank is told to stop), unless every other rank of the world has failed by then:
+    the last one ends with :data:`LEFT_STATUS`, so that a job whose every rank raised ends
+    with a non-zero status. Ranks wait for that in rank order (rank r at most
+    ``LEAVE_WAIT_S * (1 + r)`` seconds), so that when every rank raises, the last in that
+    order sees the others gone."""
+    world = runtime_world.comm()
+    rank = world.Get_rank()
+    print(f"mpicoll.elastic: rank {rank} of {world.Get_size()} raised "
+          f"{type(exc).__name__} in its elastic function; it leaves the job as a lost rank "
+          f"and the others go on without it. Its traceback:", file=sys.stderr)
+    traceback.print_exception(exc, file=sys.stderr)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001  (closed)
+            pass
+    if _last_standing(LEAVE_WAIT_S * (1 + rank)):
+        os._exit(LEFT_STATUS)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def limits(min_np: Any, reset_limit: Any) -> tuple[int, int | None]:
+    """:func:`run`'s ``min_np`` and ``reset_limit``, each from the environment when
+    ``None`` (``MPICOLL_ELASTIC_MIN_NP``, default 1; ``MPICOLL_ELASTIC_RESET_LIMIT``,
+    default no limit).
+
+    Raises:
+        ValueError: ``min_np`` is not an int of at least 1, or ``reset_limit`` neither
+            ``None`` nor an int of at least 0.
+    """
+    if min_np is None:
+        min_np = _env_int("MPICOLL_ELASTIC_MIN_NP", 1)
+    if reset_limit is None:
+        reset_limit = _env_int("MPICOLL_ELASTIC_RESET_LIMIT", None)
+    if not isinstance(min_np, int) or min_np < 1:
+        raise ValueError(f"min_np must be an int of at least 1, not {min_np!r}")
+    if reset_limit is not None and (not isinstance(reset_limit, int) or reset_limit < 0):
+        raise ValueError(f"reset_limit must be None or an int of at least 0, not "
+                         f"{reset_limit!r}")
+    return min_np, reset_limit
+
+
+def _env_int(name: str, default: int | None) -> Any:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        return raw           # refused by the caller's check, naming the value
 
 
 def _reset_until_stable(reset: Callable[[], Any]) -> None:
@@ -96,11 +211,12 @@ def _grow_or_reset(exc: HostsUpdatedInterrupt | None, reset: Callable[[], Any],
 
 def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
            grow: Callable[[int], Any] | None = None,
-           hosts: discovery_module.Discovery | None = None) -> Callable[..., Any]:
+           hosts: discovery_module.Discovery | None = None,
+           reset_limit: int | None = None) -> Callable[..., Any]:
     """``func(state, ...)`` made elastic, with ``reset()`` rebuilding the world after a
     failure, ``grow(new_size)`` growing it when ``hosts`` (a
-    :class:`~mpicoll.elastic.discovery.Discovery`) reports more slots (see the module's
-    docstring)."""
+    :class:`~mpicoll.elastic.discovery.Discovery`) reports more slots, at most
+    ``reset_limit`` resets (``None``: no limit; see the module's docstring)."""
     first_call = [True]
 
     @functools.wraps(func)
@@ -113,7 +229,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
         first_call[0] = False
         try:
             discovery_module.activate(hosts, first=not joining)
-            return _loop(func, reset, grow, state, args, kwargs)
+            return _loop(func, reset, grow, state, args, kwargs, reset_limit)
         finally:
             discovery_module.deactivate()
 
@@ -122,10 +238,11 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
 
 def _loop(func: Callable[..., Any], reset: Callable[[], Any],
           grow: Callable[[int], Any] | None, state: State, args: tuple,
-          kwargs: dict) -> Any:
+          kwargs: dict, reset_limit: int | None = None) -> Any:
     load_from_disk(state)
     skip_sync = False
     event = None
+    resets = 0
     while True:
         try:
             if not skip_sync:
@@ -134,23 +251,31 @@ def _loop(func: Callable[..., Any], reset: Callable[[], Any],
                 if event is not None:
                     event.phases["sync"] = time.perf_counter() - began
             return func(state, *args, **kwargs)
-        except ProcessFailedError as exc:
-            if not failures.ENABLED:
-                raise
-            detected_at = time.time()
-            failed_at = time.perf_counter()
-            log.warning("process failure (%s): restoring the last commit and "
-                        "shrinking", exc)
-            state.restore()
-            restored = time.perf_counter()
-            skip_sync = False
-            interrupt = None
         except HostsUpdatedInterrupt as exc:
             # from a commit: the state is the commit, nothing to restore (Horovod)
             skip_sync = exc.skip_sync
             detected_at = time.time()
             failed_at = restored = time.perf_counter()
             interrupt = exc
+        except BaseException as exc:
+            if not _failure(exc):
+                if _leaves(exc):
+                    _leave(exc)
+                raise
+            detected_at = time.time()
+            failed_at = time.perf_counter()
+            log.warning("process failure (%s: %s): restoring the last commit and "
+                        "shrinking (a rank that raised printed its traceback before "
+                        "leaving)", type(exc).__name__, exc)
+            state.restore()
+            restored = time.perf_counter()
+            skip_sync = False
+            interrupt = None
+        if reset_limit is not None and resets >= reset_limit:
+            raise ResetLimitError(
+                f"mpicoll.elastic: the job was to be reset again after {resets} reset(s), "
+                f"more than its reset_limit={reset_limit}: it stops", resets + 1, reset_limit)
+        resets += 1
         event = _grow_or_reset(interrupt, reset, grow)
         reset_done = time.perf_counter()
         state.on_reset()
@@ -161,9 +286,10 @@ def _loop(func: Callable[..., Any], reset: Callable[[], Any],
                                 callbacks=time.perf_counter() - reset_done)
 
 
-def run(func: Callable[..., Any] | None = None, *, min_np: int = 1,
+def run(func: Callable[..., Any] | None = None, *, min_np: int | None = None,
         max_np: int | None = None, discovery: discovery_module.Source | None = None,
-        discovery_interval: float = discovery_module.DEFAULT_INTERVAL_S) -> Callable[..., Any]:
+        discovery_interval: float = discovery_module.DEFAULT_INTERVAL_S,
+        reset_limit: int | None = None) -> Callable[..., Any]:
     """Decorator: ``func(state, ...)`` goes on after a process failure on the survivors
     (numpy programs: the reset shrinks the world that mpicoll's ``comm=None`` means), and
     grows when ``discovery`` reports room for more ranks.
@@ -174,8 +300,9 @@ def run(func: Callable[..., Any] | None = None, *, min_np: int = 1,
     Args:
         func: the training function; its first argument is a
             :class:`~mpicoll.elastic.State`.
-        min_np: the least number of ranks to go on with (default 1); below it every
-            survivor raises :class:`~mpicoll.TooFewRanksError`.
+        min_np: the least number of ranks to go on with (default
+            ``MPICOLL_ELASTIC_MIN_NP``, else 1); below it every survivor raises
+            :class:`~mpicoll.TooFewRanksError`.
         max_np: the most ranks to grow to (default ``MPICOLL_ELASTIC_MAX_NP``, else the
             size the job was launched with, as horovodrun's ``--max-np``).
         discovery: a host discovery command (horovodrun's ``--host-discovery-script``
@@ -184,15 +311,19 @@ def run(func: Callable[..., Any] | None = None, *, min_np: int = 1,
             :mod:`mpicoll.elastic.discovery`. The same on every rank.
         discovery_interval: seconds between two polls of ``discovery`` (on rank 0, off
             the training thread).
+        reset_limit: the most resets (shrinks and growths) the job goes through
+            (horovodrun's ``--reset-limit``; default ``MPICOLL_ELASTIC_RESET_LIMIT``,
+            else no limit); the next raises
+            :class:`~mpicoll.ResetLimitError` on every rank.
     Raises:
-        ValueError: ``min_np`` below 1, a bad ``max_np`` or ``discovery_interval``.
+        ValueError: ``min_np`` below 1, a bad ``max_np``, ``discovery_interval`` or
+            ``reset_limit``.
     """
-    if not isinstance(min_np, int) or min_np < 1:
-        raise ValueError(f"min_np must be an int of at least 1, not {min_np!r}")
+    min_np, reset_limit = limits(min_np, reset_limit)
     hosts = discovery_module.configure(discovery, max_np, discovery_interval)
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         return run_fn(fn, lambda: world_module.shrink_world(min_np), grow_module.grow_world,
-                      hosts)
+                      hosts, reset_limit)
 
     return decorate if func is None else decorate(func)

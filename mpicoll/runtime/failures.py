@@ -91,13 +91,25 @@ def _plain(comm: Any) -> MPI.Intracomm:
     return world.comm() if comm is None else comms.plain(comm)
 
 
-def failed_ranks(comm: Any, wait_s: float = FAILED_WAIT_S) -> list[int]:
+def _progress() -> None:
+    """Drive MPI's progress engine: it delivers failure notices."""
+    try:
+        MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def failed_ranks(comm: Any, wait_s: float = FAILED_WAIT_S, progress: bool = False) -> list[int]:
     """The ranks of ``comm`` (``None``: the world) this process knows to have failed,
-    waiting up to ``wait_s`` seconds for at least one to be known. ``[]`` without ULFM."""
+    waiting up to ``wait_s`` seconds for at least one to be known (``progress``: drive
+    MPI's progress once first, so that a caller polling with ``wait_s=0`` learns of new
+    failures). ``[]`` without ULFM."""
     if not ENABLED:
         return []
     comm = _plain(comm)
     deadline = time.monotonic() + wait_s
+    if progress:
+        _progress()
     while True:
         try:
             group = comm.Get_failed()
@@ -112,10 +124,7 @@ def failed_ranks(comm: Any, wait_s: float = FAILED_WAIT_S) -> list[int]:
         ranks = sorted(r for r in ranks if r is not None and r >= 0)
         if ranks or time.monotonic() >= deadline:
             return ranks
-        try:  # drive MPI's progress engine: it delivers the failure notice
-            MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
-        except Exception:  # noqa: BLE001
-            pass
+        _progress()
         time.sleep(0.001)
 
 

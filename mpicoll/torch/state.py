@@ -28,7 +28,7 @@ from . import threads
 from .engine.core import Engine
 from .engine.settings import from_environment
 
-__all__ = ["init", "shutdown", "abandon", "is_initialized", "engine", "start_timeline", "stop_timeline",
+__all__ = ["init", "shutdown", "abandon", "started", "is_initialized", "engine", "start_timeline", "stop_timeline",
            "size", "rank", "local_rank",
            "local_size", "cross_rank", "cross_size", "mpi_threads_supported", "mpi_enabled",
            "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
@@ -136,6 +136,12 @@ def abandon(reason: str) -> None:
     process_set_registry.abandon(reason)
     if engine is not None:
         engine.abandon(reason)
+
+
+def started() -> bool:
+    """Whether :func:`init` has run and no shutdown or abandon has followed (the engine
+    may have stopped on a failure since: elastic mode starts it again)."""
+    return _engine is not None
 
 
 def is_initialized() -> bool:

@@ -47,7 +47,7 @@ for r, (host, names) in enumerate(c.gather((MPI.Get_processor_name(), mine)) or 
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Path]]:
-    python = ompi_env.ompi_python()   # skips, with the reason, without Open MPI + ULFM
+    python = ompi_env.ompi_python()   # fails, with the reason, without Open MPI + ULFM
     with running_cluster(tmp_path_factory, "o", "--nodes", "2", "--bandwidth", "1gbit",
                          "--slots", "2") as (c, _):
         yield c, python

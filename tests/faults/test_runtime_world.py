@@ -21,7 +21,7 @@ OWNERS = {"context", "topology", "engine", "group", "ps"}
 
 @pytest.fixture(scope="module")
 def job():
-    python = ompi_env.ompi_python(need_torch=True, required=True)
+    python = ompi_env.ompi_python(need_torch=True)
     return run_job(python, (HERE / "runtime_world_worker.py", 3, [], {}, 150.0))
 
 

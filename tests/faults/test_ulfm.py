@@ -60,7 +60,7 @@ def _case_id(case: tuple[str, str, int, int]) -> str:
 
 @pytest.fixture(scope="module")
 def ompi_python() -> Path:
-    """An interpreter whose mpi4py is Open MPI's, with ULFM (skips when there is none)."""
+    """An interpreter whose mpi4py is Open MPI's, with ULFM (fails when there is none)."""
     return ompi_env.ompi_python()
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .groups import backend_of, monitored_barrier, split_group
 from .options import BACKEND, Options
+from .reconfigure import PARENT
 from .startup import install_env_handler, mpi_rendezvous, world
 from .tensors import op_name as _op_name  # noqa: F401  (kept for callers of the old module)
 
@@ -60,7 +61,7 @@ def _create(opts: Any, backend_options: Any = None) -> Any:
                                 made)
     except Exception as exc:  # noqa: BLE001  (a process failure, or what it left behind)
         if ranks and failures.ENABLED:
-            _parent.clear()   # maybe still in use by a creation stuck in MPI: later
+            PARENT.clear()   # maybe still in use by a creation stuck in MPI: later
                               # groups are made from the world
         failure = creation_failure(exc, world(), ranks, made[0] if made else None)
         if failure is None:
@@ -72,9 +73,6 @@ def _create(opts: Any, backend_options: Any = None) -> Any:
 #: that subgroups are made from, so that a creation left waiting in MPI after a member
 #: died (:func:`.failures.watched_creation`) does not share the user's world; later
 #: groups are then made from the world.
-_parent: list[Any] = []
-
-
 def _build(opts: Any, backend_options: Any, made: list[Any]) -> Any:
     """:func:`_create`'s work; the communicator, once made, is appended to ``made``."""
     from mpi4py import MPI  # noqa: PLC0415
@@ -97,9 +95,9 @@ def _build(opts: Any, backend_options: Any, made: list[Any]) -> Any:
         fit_threads(comm_world)
         comm = comms.dup(comm_world, "group")
         owned = (comms.dup(comm_world, "group"),)
-        _parent[:] = owned
+        PARENT[:] = owned
     else:
-        parent = _parent[0] if _parent else comm_world
+        parent = PARENT[0] if PARENT else comm_world
         group = parent.Get_group().Incl(ranks)
         comm = comms.create_group(parent, group, 0, "group")
         group.Free()

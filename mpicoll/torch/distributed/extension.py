@@ -30,7 +30,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["load", "build_directory", "ExtensionBuildError", "SOURCE"]
+__all__ = ["load", "loaded", "build_directory", "ExtensionBuildError", "SOURCE"]
 
 #: The C++ source.
 SOURCE = Path(__file__).resolve().parent / "csrc" / "c10d_backend.cpp"
@@ -38,6 +38,12 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "c10d_backend.cpp"
 CFLAGS = ("-O2",)
 
 _module: ModuleType | None = None
+
+
+def loaded() -> ModuleType | None:
+    """The extension if this process has loaded it (no mpicoll group exists before), else
+    ``None``: builds nothing."""
+    return _module
 
 
 class ExtensionBuildError(RuntimeError):

@@ -49,10 +49,11 @@ from ... import collectives, config, tracking
 from ...buffers import IN_PLACE
 from ...checked import agree
 from ...context import get_context
-from ...errors import CollectiveError, CollectiveTimeoutError
+from ...errors import CollectiveError, CollectiveTimeoutError, ProcessFailedError
 from ...runtime import Lane, comms, failures, progress
+from ...runtime import world as runtime_world
 from ..engine.settings import allreduce_algorithm
-from . import extension, p2p
+from . import backward, extension, p2p, reconfigure
 from .failures import GroupFailures
 from .options import BACKEND, Options
 from .staging import Staging
@@ -129,31 +130,66 @@ class MPIProcessGroup(_Backend):
         #: ``pg._get_backend(device).options`` gives).
         self.options = (options if isinstance(options, Options) else Options()).for_group(
             timeout, group_name, list(ranks))
+        self._algorithm = self.options.algorithm or allreduce_algorithm()
+        #: creation order (the order in which groups are rebuilt after a reconfiguration)
+        self.serial = next(_serial)
+        self._shut = False
+        #: made by ``dist.shrink_group``: torch's group of it is fixed at its first call
+        self._adopt = False
+        self._bind(comm, owned, seconds(timeout))
+        if self._lane.inline:
+            _warn_synchronous()
+        _live.add(self)
+
+    def _bind(self, comm: Any, owned: tuple[Any, ...], timeout: float | None) -> None:
+        """Make ``comm`` the group's communicator, with a point-to-point duplicate, its
+        context, lanes and failure state, for the runtime's current world generation (at
+        creation, and again when an elastic reconfiguration rebuilds the group)."""
+        self.comm = comm
+        #: the runtime's world generation the group's communicators belong to
+        self.generation = runtime_world.generation()
         self._p2p = comms.dup(comm, "group")
         self._owned = (self._p2p, comm, *owned)
         self._ctx = get_context(comm)
         self._checked: set[str] = set()
-        self._algorithm = self.options.algorithm or allreduce_algorithm()
         self._failures = GroupFailures(comm)
-        name = f"mpicoll-pg{next(_serial)}"
-        self._lane = Lane(name, comm, seconds(timeout), missing=self._missing)
-        if self._lane.inline:
-            _warn_synchronous()
+        name = f"mpicoll-pg{self.serial}" + (f".{self.generation}" if self.generation else "")
+        self._lane = Lane(name, comm, timeout, missing=self._missing)
         self._futures = p2p.Futures(f"{name}-p2p")
         self._monitored = 0
         #: monitored_barrier's sends not known complete (never freed while pending: Open
         #: MPI ends the job when a freed send to a dead rank fails)
         self._sends: list[Any] = []
-        self._shut = False
-        _live.add(self)
+
+    def rebind(self, comm: Any, owned: tuple[Any, ...], ranks: list[int]) -> None:
+        """After an elastic reconfiguration (:mod:`.reconfigure`): the group goes on over
+        ``comm`` (its surviving members, in group order; ``ranks``: their global ranks,
+        ``[]`` for the default group) with its rank and size. The old communicators are
+        forgotten (revoked: a free would wait for the dead), the old lanes' work fails
+        with :class:`~mpicoll.ProcessFailedError`, the options, timeout and algorithm stay."""
+        error = ProcessFailedError(f"mpicoll: process group {self._lane.name} was rebuilt "
+                                   f"on the survivors of a failure")
+        timeout = self._lane.timeout
+        for lane in (self._lane, self._futures.lane):
+            if lane.broken is None:
+                lane.abort(error)
+            lane.close(0.0)
+        comms.forget(self._owned)
+        self._bind(comm, owned, timeout)
+        self.options.global_ranks_in_group = list(ranks)
+        self._set_rank_size(comm.Get_rank(), comm.Get_size())
 
     # --- the call path ----------------------------------------------------------------
-    def submit(self, kind: str, run: Callable[[], Any]) -> MPIWork:
+    def submit(self, kind: str, run: Callable[[], Any], fallback: Any = None) -> MPIWork:
         """Run ``run`` (a function of no arguments) where the group runs its operations:
         on its lane, after the operations already queued, so that every rank runs it in
         the same order (a DDP communication hook's own collectives, say). On a group that
         failed it fails at once; a process failure it meets is reported like the group's
         own operations'.
+
+        Inside a backward pass (DDP's reducer, or a communication hook) the work's error
+        is raised from ``backward()`` after DDP's own callbacks, and its future completes
+        with ``fallback`` when it fails (:mod:`.backward`).
 
         Returns:
             The :class:`~.work.MPIWork` of ``run`` (its result is ``run``'s value).
@@ -172,7 +208,14 @@ class MPIProcessGroup(_Backend):
                     raise
                 raise error from exc
 
-        return MPIWork(self._lane.submit(kind, op))
+        if self._adopt:
+            self._adopt = False
+            reconfigure.adopt_wrapper(self)
+        if not backward.active():
+            return MPIWork(self._lane.submit(kind, op))
+        work = MPIWork(self._lane.submit(kind, op), fallback=fallback)
+        backward.watch(work)
+        return work
 
     def _check(self, kind: str) -> bool:
         """Whether this call is agreed on first (decided alike on every rank)."""
@@ -183,7 +226,8 @@ class MPIProcessGroup(_Backend):
         self._checked.add(kind)
         return True
 
-    def _call(self, kind: str, prepare: Callable[[Staging], Prepared]) -> MPIWork:
+    def _call(self, kind: str, prepare: Callable[[Staging], Prepared],
+              fallback: Any = None) -> MPIWork:
         """Check and stage the call's arguments here (``prepare``: its error is this
         rank's local error), then queue its operation on the group's lane, after the
         agreement step where the call is checked (a local error is raised at once where
@@ -210,7 +254,7 @@ class MPIProcessGroup(_Backend):
             stage.after()
             return result
 
-        return self.submit(kind, task)
+        return self.submit(kind, task, fallback)
 
     def _native(self, name: str, fn: Callable[[], Any], **info: Any) -> Any:
         """Run MPI's own collective ``fn``, recorded for the stall inspector/timeline."""
@@ -256,6 +300,26 @@ class MPIProcessGroup(_Backend):
         """No: ``batch_isend_irecv`` posts every operation at once without it."""
         return False
 
+    def supportsShrinking(self) -> bool:  # noqa: N802
+        """Yes: ``dist.shrink_group`` (after a failure through ULFM's shrink; see
+        :func:`.reconfigure.shrunk`)."""
+        return True
+
+    def shrink(self, ranks_to_exclude: list[int], shrink_flags: int = 0,
+               opts_override: Any = None) -> "MPIProcessGroup":
+        """torch's ``dist.shrink_group``: a new backend of this group's members but
+        ``ranks_to_exclude`` (:func:`.reconfigure.shrunk`). ``SHRINK_ABORT`` first aborts
+        the work in flight (failed with :class:`~mpicoll.CollectiveError`)."""
+        if shrink_flags:
+            self.abort()
+        comm, owned, ranks = reconfigure.shrunk(self, [int(r) for r in ranks_to_exclude])
+        options = opts_override if isinstance(opts_override, Options) else self.options
+        new = MPIProcessGroup(comm, comm.Get_rank(), comm.Get_size(), self.options._timeout,
+                              options, owned, group_name=f"{self.options.group_name}:shrunk",
+                              ranks=ranks)
+        new._adopt = True
+        return new
+
     def getBackendOptions(self) -> Options:  # noqa: N802
         """The group's :class:`Options` (``_get_backend(device).options``' source)."""
         return self.options
@@ -277,7 +341,7 @@ class MPIProcessGroup(_Backend):
             return run, dict(count=_count(tensors), dtype=_dtype_field(tensors),
                              op=op_label(opts.reduceOp))
 
-        return self._call("allreduce", prepare)
+        return self._call("allreduce", prepare, fallback=tensors)
 
     allreduce_coalesced = allreduce   # one all-reduce per tensor, same options
     allreduce_sparse = allreduce      # refused (a sparse tensor) on every rank

@@ -54,13 +54,17 @@ class MPIWork(dist.Work):
 
     Args:
         work: the runtime's work of the operation.
+        fallback: what the future completes with if the work fails (``None``: the
+            error); the work keeps the error (:mod:`.backward`: an operation DDP's
+            reducer started).
     """
 
-    def __init__(self, work: Work) -> None:
+    def __init__(self, work: Work, fallback: Any = None) -> None:
         super().__init__()
         self.work = work
         self.kind = work.kind
         self._future: Future = Future()
+        self._fallback = fallback
         #: The sender's rank for a receive from any source (``-1`` until known).
         self.source_rank = -1
         work.add_done_callback(self._complete_future)
@@ -69,6 +73,8 @@ class MPIWork(dist.Work):
         error = work.exception()
         if error is None:
             self._future.set_result(work.wait(0))
+        elif self._fallback is not None:
+            self._future.set_result(self._fallback)
         else:
             self._future.set_exception(error)
 

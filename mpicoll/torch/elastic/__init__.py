@@ -49,10 +49,11 @@ from ...elastic.discovery import DEFAULT_INTERVAL_S
 from ...elastic.discovery import configure as configure_discovery
 from ...elastic.grow import GrowthError
 from ...elastic.grow import grow_world as _grow_world
-from ...elastic.runner import run_fn
+from ...elastic.runner import limits, run_fn
 from ...elastic.state import ObjectState, State
 from ...errors import HostsUpdatedInterrupt, ProcessFailedError, TooFewRanksError
 from .. import state as _torch_state
+from ..distributed.reconfigure import follow_world
 from .sampler import ElasticSampler
 from .state import TorchState
 
@@ -68,14 +69,21 @@ HorovodInternalError = ProcessFailedError
 
 
 def _reset(min_np: int) -> None:
-    """Abandon the engine, shrink the world to the survivors, start the engine on it."""
+    """Abandon the engine, shrink the world to the survivors, start the engine on it (if
+    ``hvd.init()`` had started one: a torch.distributed program needs none) and rebuild
+    the "mpicoll" process groups on it."""
     began = time.perf_counter()
+    engine = _torch_state.started()
     _torch_state.abandon("a process failed; mpicoll.torch is resetting on the survivors")
     abandoned = time.perf_counter()
     recovery = _shrink.shrink_world(min_np)
     shrunk = time.perf_counter()
-    _torch_state.init()
-    recovery.phases.update(abandon=abandoned - began, init=time.perf_counter() - shrunk)
+    if engine:
+        _torch_state.init()
+    started = time.perf_counter()
+    follow_world()
+    recovery.phases.update(abandon=abandoned - began, init=started - shrunk,
+                           groups=time.perf_counter() - started)
 
 
 def _grow(new_size: int) -> None:
@@ -95,9 +103,10 @@ def _grow(new_size: int) -> None:
     growth.phases.update(shutdown=stopped - began, init=time.perf_counter() - grown)
 
 
-def run(func: Callable[..., Any] | None = None, *, min_np: int = 1,
+def run(func: Callable[..., Any] | None = None, *, min_np: int | None = None,
         max_np: int | None = None, discovery: Any = None,
-        discovery_interval: float = DEFAULT_INTERVAL_S) -> Callable[..., Any]:
+        discovery_interval: float = DEFAULT_INTERVAL_S,
+        reset_limit: int | None = None) -> Callable[..., Any]:
     """Decorator (Horovod's ``hvd.elastic.run``): ``func(state, ...)`` goes on after a
     process failure on the survivors, and grows when ``discovery`` reports room for more
     ranks (see the module's docstring).
@@ -108,21 +117,26 @@ def run(func: Callable[..., Any] | None = None, *, min_np: int = 1,
     Args:
         func: the training function; its first argument is a :class:`State`.
         min_np: the least number of ranks to go on with (horovodrun's ``--min-np``;
-            default 1); below it every survivor raises :class:`TooFewRanksError`.
+            default ``MPICOLL_ELASTIC_MIN_NP``, else 1); below it every survivor raises
+            :class:`TooFewRanksError`.
         max_np: the most ranks to grow to (horovodrun's ``--max-np``; default
             ``MPICOLL_ELASTIC_MAX_NP``, else the size the job was launched with).
         discovery: horovodrun's ``--host-discovery-script`` (a command), or a callable
             returning the slots (default ``MPICOLL_ELASTIC_DISCOVERY``; none: the job
             never grows). The same on every rank.
         discovery_interval: seconds between two polls of ``discovery`` (rank 0).
+        reset_limit: the most resets (shrinks and growths) the job goes through
+            (horovodrun's ``--reset-limit``; default ``MPICOLL_ELASTIC_RESET_LIMIT``,
+            else no limit); the next raises
+            :class:`~mpicoll.ResetLimitError` on every rank.
     Raises:
-        ValueError: ``min_np`` below 1, a bad ``max_np`` or ``discovery_interval``.
+        ValueError: ``min_np`` below 1, a bad ``max_np``, ``discovery_interval`` or
+            ``reset_limit``.
     """
-    if not isinstance(min_np, int) or min_np < 1:
-        raise ValueError(f"min_np must be an int of at least 1, not {min_np!r}")
+    min_np, reset_limit = limits(min_np, reset_limit)
     hosts = configure_discovery(discovery, max_np, discovery_interval)
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        return run_fn(fn, functools.partial(_reset, min_np), _grow, hosts)
+        return run_fn(fn, functools.partial(_reset, min_np), _grow, hosts, reset_limit)
 
     return decorate if func is None else decorate(func)

@@ -5,6 +5,12 @@ Each model, optimizer, LR scheduler and :class:`ElasticSampler` given as a keywo
 argument gets a handler that keeps a deep copy of its ``state_dict()`` at each commit
 (a memory copy), loads it back on restore, and broadcasts rank 0's on sync; every other
 keyword argument is a plain object (:class:`mpicoll.elastic.ObjectState`).
+
+Syncs go through ``mpicoll.torch`` when ``hvd.init()`` has run, else straight over the
+runtime's world (a program that only uses ``torch.distributed``, DDP say, needs no
+``hvd.init()``). After a reset, :meth:`TorchState.reset` rebuilds the "mpicoll" process
+groups on the new world (:func:`mpicoll.torch.distributed.reconfigure.follow_world`), so a
+DDP module built once goes on with the survivors.
 """
 from __future__ import annotations
 
@@ -14,13 +20,47 @@ from typing import Any
 
 import torch
 
+from ... import collectives
+from ...elastic import state as elastic_state
 from ...elastic.state import ObjectState
-from ..functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from ..state import rank
+from .. import functions
+from .. import state as torch_state
+from ..distributed.reconfigure import follow_world
 from .sampler import ElasticSampler
 
 __all__ = ["TorchState", "snapshot", "StateHandler", "ModelStateHandler", "OptimizerStateHandler",
            "DiLoCoStateHandler", "SchedulerStateHandler", "SamplerStateHandler"]
+
+
+def _hvd() -> bool:
+    """Whether syncs go through ``mpicoll.torch`` (``hvd.init()`` has run)."""
+    return torch_state.started()
+
+
+def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
+    """``obj`` of rank ``root_rank``, on every rank (``hvd.broadcast_object``, or over the
+    world without ``hvd.init()``)."""
+    if _hvd():
+        return functions.broadcast_object(obj, root_rank=root_rank)
+    return elastic_state.broadcast_object(obj, root_rank)
+
+
+def broadcast_tensors(tensors: dict[str, torch.Tensor], root_rank: int = 0) -> None:
+    """Every rank's ``tensors`` (a ``state_dict()``) become rank ``root_rank``'s, in place
+    (``hvd.broadcast_parameters``, or mpicoll's broadcast over the world)."""
+    if _hvd():
+        functions.broadcast_parameters(tensors, root_rank=root_rank)
+        return
+    for tensor in tensors.values():
+        host = tensor.detach().cpu().contiguous()
+        collectives.broadcast(host.view(-1).view(torch.uint8).numpy(), root=root_rank)
+        if host.data_ptr() != tensor.data_ptr():
+            tensor.detach().copy_(host)
+
+
+def rank() -> int:
+    """This rank (``hvd.rank()``, or the world's without ``hvd.init()``)."""
+    return torch_state.rank() if _hvd() else elastic_state._world_rank()
 
 
 def snapshot(value: Any) -> Any:
@@ -68,14 +108,17 @@ class ModelStateHandler(StateHandler):
     """A ``torch.nn.Module``: sync broadcasts rank 0's parameters and buffers."""
 
     def sync(self) -> None:
-        broadcast_parameters(self.value.state_dict(), root_rank=0)
+        broadcast_tensors(self.value.state_dict(), root_rank=0)
 
 
 class OptimizerStateHandler(StateHandler):
     """A ``torch.optim.Optimizer`` (or ``DistributedOptimizer``)."""
 
     def sync(self) -> None:
-        broadcast_optimizer_state(self.value, root_rank=0)
+        if _hvd():
+            functions.broadcast_optimizer_state(self.value, root_rank=0)
+        else:
+            super().sync()
 
 
 class DiLoCoStateHandler(StateHandler):
@@ -156,6 +199,10 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             handler.sync()
         super().sync()
+
+    def reset(self) -> None:
+        """After a reset: the "mpicoll" process groups go on over the new world."""
+        follow_world()
 
     def __setattr__(self, name: str, value: Any) -> None:
         handlers = self.__dict__.get("_handlers", {})

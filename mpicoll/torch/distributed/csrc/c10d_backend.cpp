@@ -20,6 +20,7 @@
 // mpicoll/torch/distributed/extension.py builds and loads it (torch's JIT, cached).
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -151,8 +152,26 @@ class Backend : public c10d::Backend {
     return name_;
   }
 
+  // See ProcessGroupAccess below.
+  void setRankSize(int rank, int size) {
+    const_cast<int&>(rank_) = rank;
+    const_cast<int&>(size_) = size;
+  }
+
  private:
   std::string name_;
+};
+
+// Rank and size after an elastic reconfiguration (mpicoll/torch/distributed/reconfigure.py):
+// c10d keeps both as members set at construction, which ProcessGroup::getRank/getSize (DDP's
+// reducer reads getSize at every backward) and torch's dist.get_rank/get_world_size return.
+// The objects are heap objects built non-const, so writing the members through a
+// derived-class pointer to member changes what every later call returns.
+struct ProcessGroupAccess : c10d::ProcessGroup {
+  static void setRankSize(c10d::ProcessGroup& pg, int rank, int size) {
+    const_cast<int&>(pg.*(&ProcessGroupAccess::rank_)) = rank;
+    const_cast<int&>(pg.*(&ProcessGroupAccess::size_)) = size;
+  }
 };
 
 // The trampoline: each virtual operation calls the Python subclass's method `pyname`.
@@ -446,7 +465,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("name"))
       .def_property_readonly(
           "group_uid", [](const mpicoll::Backend& self) { return self.getGroupUid(); },
-          "The name torch gave the group (ProcessGroup._set_group_name).");
+          "The name torch gave the group (ProcessGroup._set_group_name).")
+      .def("_set_rank_size", &mpicoll::Backend::setRankSize, py::arg("rank"),
+           py::arg("size"), "Make rank() and size() these (an elastic reconfiguration).");
+
+  m.def(
+      "set_process_group_rank_size",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int rank, int size) {
+        mpicoll::ProcessGroupAccess::setRankSize(*pg, rank, size);
+      },
+      py::arg("process_group"), py::arg("rank"), py::arg("size"),
+      "Make a torch ProcessGroup's rank() and size() these (an elastic reconfiguration).");
 
   auto handle =
       py::class_<mpicoll::WorkHandle, c10d::Work, c10::intrusive_ptr<mpicoll::WorkHandle>>(

@@ -1,0 +1,189 @@
+"""The "mpicoll" process groups after an elastic reconfiguration: rebuilt in place.
+
+When the runtime's world changes (:mod:`mpicoll.elastic` shrank it to the survivors of a
+failure), :func:`follow_world` rebuilds every live mpicoll group of this process on the new
+world, keeping the objects torch and the user hold: the default group (``dist.group.WORLD``)
+and every group made from it stay the same ``ProcessGroup`` objects, so a DDP module (whose
+reducer holds its group) or a group kept in a variable go on with the survivors.
+
+For each group, oldest first (every rank rebuilds the groups it belongs to in the same
+order, as it created them):
+
+- its members are its old members that survived, renumbered as ranks of the new world
+  (MPI keeps their order);
+- its communicators are made again on the new world (the default group's: duplicates of
+  the new world; another group's: ``MPI_Comm_create_group`` of its surviving members),
+  the old ones forgotten (revoked), its lanes replaced
+  (:meth:`~.process_group.MPIProcessGroup.rebind`);
+- its rank and size change where torch keeps them: the c10d ``ProcessGroup`` and
+  ``Backend`` objects (``dist.get_rank()``, ``dist.get_world_size()``, DDP's reducer, which
+  divides by the group's size at every backward), and torch's map of the group's global
+  ranks (``dist.get_rank(group)``, ``dist.get_process_group_ranks``).
+
+Collective over the new world (each group's rebuild over its surviving members). Idempotent:
+a group already on the current world is left alone. The elastic APIs call it after their
+reset (:mod:`mpicoll.torch.elastic`, ``TorchState.reset``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from ...runtime import comms
+from ...runtime import world as runtime_world
+
+__all__ = ["follow_world", "survivors", "shrunk", "adopt_wrapper", "PARENT"]
+
+log = logging.getLogger("mpicoll.torch")
+
+#: The communicator groups other than the default one are made from: a duplicate of the
+#: world the default mpicoll group owns (empty: the world itself).
+PARENT: list[Any] = []
+
+
+def survivors(old: Any, members: list[int], new: Any) -> list[int]:
+    """The ranks of ``new`` of those of ``members`` (ranks of ``old``) that are in it, in
+    order."""
+    old_group, new_group = old.Get_group(), new.Get_group()
+    try:
+        moved = MPI.Group.Translate_ranks(old_group, members, new_group)
+    finally:
+        old_group.Free()
+        new_group.Free()
+    return [r for r in moved if r != MPI.UNDEFINED]
+
+
+def _groups() -> list[tuple[Any, Any]]:
+    """(torch's ``ProcessGroup``, its mpicoll backend) of every live mpicoll group, oldest
+    first."""
+    from . import extension  # noqa: PLC0415
+
+    module = extension.loaded()      # None: no mpicoll group was ever made here
+    if module is None or not dist.is_initialized():
+        return []
+    base = module.Backend
+    found = []
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        try:
+            backend = pg._get_backend(torch.device("cpu"))
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(backend, base) and not backend._shut:
+            found.append((pg, backend))
+    return sorted(found, key=lambda pair: pair[1].serial)
+
+
+def adopt_wrapper(backend: Any) -> None:
+    """Make the torch ``ProcessGroup`` that holds ``backend`` name it as torch names every
+    custom backend's group: ``dist.shrink_group`` registers the new backend under gloo's
+    type on CPU, and DDP's logger then reads it as gloo's (a segmentation fault in
+    ``c10d::Logger::set_env_variables``). Run at the new group's first operation (torch
+    has registered the group by then)."""
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        try:
+            mine = pg._get_backend(torch.device("cpu")) is backend
+        except (AttributeError, RuntimeError):
+            continue
+        if mine:
+            custom = dist.ProcessGroup.BackendType.CUSTOM
+            pg._register_backend(torch.device("cpu"), custom, backend)
+            pg._set_default_backend(custom)
+            return
+
+
+def follow_world() -> int:
+    """Rebuild every mpicoll group built for an older world on the current one (see the
+    module's docstring). Returns how many were rebuilt."""
+    generation = runtime_world.generation()
+    stale = [(pg, b) for pg, b in _groups() if b.generation != generation]
+    if not stale:
+        return 0
+    new_world = runtime_world.comm()
+    if not any(not b.options.global_ranks_in_group for _, b in stale):
+        PARENT.clear()        # the default group is not mpicoll's: groups from the world
+    elif PARENT and comms.record_of(PARENT[0]) is None:
+        PARENT.clear()        # the old world's, released with it
+    group_ranks = dist.distributed_c10d._world.pg_group_ranks
+    from . import extension  # noqa: PLC0415
+
+    set_rank_size = extension.load().set_process_group_rank_size
+    for pg, backend in stale:
+        old_world = runtime_world.state_world(backend.generation).communicator
+        members = backend.options.global_ranks_in_group
+        owned: tuple[Any, ...] = ()
+        if not members:          # the default group: every rank of the new world
+            comm = comms.dup(new_world, "group")
+            owned = (comms.dup(new_world, "group"),)
+            PARENT[:] = owned
+            ranks: list[int] = []
+            mapping = {r: r for r in range(new_world.Get_size())}
+        else:
+            ranks = survivors(old_world, members, new_world)
+            parent = PARENT[0] if PARENT else new_world
+            group = parent.Get_group().Incl(ranks)
+            comm = comms.create_group(parent, group, 0, "group")
+            group.Free()
+            mapping = {g: i for i, g in enumerate(ranks)}
+        old_size = backend.size()
+        backend.rebind(comm, owned, ranks)
+        set_rank_size(pg, comm.Get_rank(), comm.Get_size())
+        group_ranks[pg] = mapping
+        log.info("process group %s rebuilt on the new world: %d -> %d ranks",
+                 backend.options.group_name, old_size, comm.Get_size())
+    return len(stale)
+
+
+def shrunk(backend: Any, excluded: list[int]) -> tuple[Any, tuple[Any, ...], list[int]]:
+    """torch's ``dist.shrink_group`` on an mpicoll group (``Backend.shrink``): the
+    communicator, owned communicators and global ranks of a new backend of ``backend``'s
+    members but the group ranks ``excluded``. Collective over the members kept (the
+    excluded ones do not call it).
+
+    After a process failure (ULFM: the group's communicator revoked, or MPI knows a member
+    dead) the survivors first agree on the dead (``MPI_Comm_shrink``), which must all be
+    in ``excluded`` (else ``RuntimeError`` on every survivor); live members may be
+    excluded too (``MPI_Comm_create_group`` of the rest). Shrinking the default group
+    makes the survivors the runtime's world (what ``comm=None`` and later groups' global
+    ranks mean), as torch makes the new group the default one.
+    """
+    from ... import context  # noqa: PLC0415
+    from ...runtime import failures  # noqa: PLC0415
+
+    size = backend.size()
+    keep = [r for r in range(size) if r not in set(excluded)]
+    base, base_members, made = comms.plain(backend.comm), list(range(size)), None
+    if failures.ENABLED and (failures.revoked(base) or failures.failed_ranks(base, 0.0)
+                             or backend._failures.ranks):
+        made = comms.shrink(base, "group")
+        base_members = [base_members[r] for r in
+                        MPI.Group.Translate_ranks(made.Get_group(), list(range(made.Get_size())),
+                                                  base.Get_group())]
+        dead = sorted(set(range(size)) - set(base_members))
+        if not set(dead) <= set(excluded):
+            comms.free(made)
+            raise RuntimeError(f"shrink_group: rank(s) {dead} of the group failed but "
+                               f"ranks_to_exclude is {sorted(excluded)}")
+        base = made
+    if len(keep) == base.Get_size() and made is not None:
+        comm = made
+    else:
+        group = base.Get_group().Incl([base_members.index(r) for r in keep])
+        comm = comms.create_group(base, group, 1, "group")
+        group.Free()
+        if made is not None:
+            comms.free(made)
+    members = backend.options.global_ranks_in_group
+    owned: tuple[Any, ...] = ()
+    if not members:                     # the default group: the survivors are the world
+        context.set_world(comm)
+        comm = comms.dup(comm, "group")
+        owned = (comms.dup(comm, "group"),)
+        PARENT[:] = owned
+        ranks: list[int] = []
+    else:
+        ranks = [members[r] for r in keep]
+    return comm, owned, ranks

@@ -1,0 +1,164 @@
+"""DDP over "mpicoll" under ULFM (issue 34), run by test_ddp_elastic.py.
+
+``ddp``: DDP built once, trained inside ``hvd.elastic.run`` with a ``TorchState`` and no
+``hvd.init()``; the last rank is killed at step ``KILL_AT`` of ``STEPS``. Each survivor
+prints its rank and size after the run, a digest of its parameters, what
+``dist.all_reduce`` of a one sums to, and (rank 0) how far the parameters are from a
+float64 single-process reference that restarts at the survivors' size from the commit the
+survivors went back to (the gradient of each rank's batch averaged over that many ranks).
+
+``shrink``: ``dist.shrink_group`` after a caught ``ProcessFailedError`` (the last rank
+killed during an all-reduce); the new default group's all-reduce and a DDP step on it.
+
+``raise``: rank 1 raises ``RuntimeError`` at step ``KILL_AT`` (a rank that raises is a
+lost rank); ``raise-all``: every rank raises there (the job ends, status non-zero);
+``raise-twice``: rank 1 raises at step ``KILL_AT`` and again (another process) at step
+``2 * KILL_AT`` (for ``MPICOLL_ELASTIC_RESET_LIMIT``).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import mpicoll
+import mpicoll.torch as hvd
+
+STEPS, KILL_AT, LR = 60, 20, 0.05
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank- and step-dependent data."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return (torch.randn(8, 6, generator=g, dtype=torch.float64),
+            torch.randn(8, 2, generator=g, dtype=torch.float64))
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 2)).double()
+
+
+def optimizer_of(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def digest(model: torch.nn.Module) -> str:
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+
+
+def reference(model_state: dict, opt_state: dict, first: int, size: int,
+              divisor: int | None = None) -> torch.nn.Module:
+    """Steps ``first..STEPS-1`` at ``size`` ranks, in one process: each step's gradient is
+    the sum over ranks 0..size-1 of their batches' gradients over ``divisor`` (default
+    ``size``: the mean)."""
+    model = make_model()
+    model.load_state_dict(model_state)
+    opt = optimizer_of(model.parameters())
+    opt.load_state_dict(opt_state)
+    for step in range(first, STEPS):
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for r in range(size):
+            model.zero_grad()
+            x, y = batch(r, step)
+            F.mse_loss(model(x), y).backward()
+            for g, p in zip(grads, model.parameters()):
+                g += p.grad
+        for g, p in zip(grads, model.parameters()):
+            p.grad = g / (divisor or size)
+        opt.step()
+    return model
+
+
+def train_ddp(mode: str) -> None:
+    dist.init_process_group("mpicoll")
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = optimizer_of(ddp.parameters())
+    state = hvd.elastic.TorchState(model=ddp, optimizer=opt, step=0)
+    at_reset: dict = {}
+
+    def on_reset() -> None:
+        at_reset.update(step=state.step, size=dist.get_world_size(),
+                        model={k: v.clone() for k, v in model.state_dict().items()},
+                        opt=opt.state_dict())
+
+    state.register_reset_callbacks([on_reset])
+
+    @hvd.elastic.run
+    def train(state) -> None:
+        while state.step < STEPS:
+            if state.step == KILL_AT and dist.get_world_size() == 4:
+                if mode == "ddp" and dist.get_rank() == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if mode == "raise-all" or (mode in ("raise", "raise-twice")
+                                           and dist.get_rank() == 1):
+                    raise RuntimeError(f"rank {dist.get_rank()} raises at step {state.step}")
+            if (mode == "raise-twice" and state.step == 2 * KILL_AT
+                    and dist.get_world_size() == 3 and dist.get_rank() == 1):
+                raise RuntimeError(f"rank 1 raises at step {state.step}")
+            opt.zero_grad()
+            x, y = batch(dist.get_rank(), state.step)
+            F.mse_loss(ddp(x), y).backward()
+            opt.step()
+            state.step += 1
+            state.commit()
+
+    train(state)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    print(f"DONE {dist.get_rank()} {dist.get_world_size()} {digest(model)} "
+          f"{int(total.item())} {at_reset.get('step', -1)}", flush=True)
+    if dist.get_rank() == 0 and at_reset:
+        diffs = []
+        # the reference from the commit, and one dividing by the old size (as a reducer
+        # that kept it would): that one must be far off, or the check could not fail
+        for divisor in (at_reset["size"], 4):
+            ref = reference(at_reset["model"], at_reset["opt"], at_reset["step"],
+                            at_reset["size"], divisor)
+            diffs.append(max((a - b).abs().max().item()
+                             for a, b in zip(model.parameters(), ref.parameters())))
+        print(f"REFDIFF {diffs[0]:.3e} {diffs[1]:.3e}", flush=True)
+    dist.destroy_process_group()
+
+
+def shrink() -> None:
+    dist.init_process_group("mpicoll")
+    size = dist.get_world_size()
+    if dist.get_rank() == size - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        print(f"NOFAIL {dist.get_rank()}", flush=True)
+        return
+    except mpicoll.ProcessFailedError as exc:
+        failed = exc.failed_ranks
+    new = dist.shrink_group(failed)
+    t = torch.full((3,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    ddp = torch.nn.parallel.DistributedDataParallel(make_model())
+    x, y = batch(dist.get_rank(), 0)
+    F.mse_loss(ddp(x), y).backward()
+    grads = torch.cat([p.grad.flatten() for p in ddp.parameters()])
+    check = grads.clone()
+    dist.all_reduce(check)
+    same = torch.allclose(check / dist.get_world_size(), grads)
+    print(f"SHRUNK {dist.get_rank()} {dist.get_world_size()} {failed} "
+          f"{int(t[0].item())} {new is dist.group.WORLD} {same}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    which = sys.argv[1]
+    if which == "shrink":
+        shrink()
+    else:
+        train_ddp(which)

@@ -1,0 +1,95 @@
+"""DDP over "mpicoll" under ULFM (issue 34): the process group reconfigures in place, a
+rank that raises is a lost rank, ``dist.shrink_group`` works on MPI.
+
+Each case is one ``mpirun --with-ft ulfm`` job of ddp_elastic_worker.py:
+
+- ``ddp`` (4 ranks, no ``hvd.init()``): DDP built once, trained 60 steps inside
+  ``hvd.elastic.run``; the last rank is SIGKILLed at step 20. The 3 survivors end at size
+  3 with bitwise identical parameters, ``dist.all_reduce`` of a one sums to 3, and the
+  parameters are within 1e-6 of a float64 reference restarted at size 3 from the step-20
+  commit, while a reference that divides by 4 (a reducer that kept the old size) is far
+  off (so the check can fail);
+- ``shrink`` (3 ranks): ``dist.shrink_group(exc.failed_ranks)`` after a caught
+  ``ProcessFailedError`` gives a default group of the 2 survivors whose all-reduce sums
+  over 2 and on which a new DDP module averages its gradients;
+- ``raise`` (4 ranks): rank 1 raises ``RuntimeError`` at step 20; it prints its traceback
+  and leaves, the others finish at size 3 as in ``ddp`` (status 0);
+- ``raise-all``: every rank raises at step 20: the job ends with a non-zero status;
+- ``reset-limit``: ``MPICOLL_ELASTIC_RESET_LIMIT=1`` and two ranks raising at steps 20
+  and 40: the second reset raises ``ResetLimitError`` on every survivor (status non-zero);
+- ``below-min-np`` (with ``ULFM_ALL_CASES=1``): ``MPICOLL_ELASTIC_MIN_NP=4`` and a rank
+  raising: ``TooFewRanksError`` on every survivor.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import ompi_env
+import ulfm_jobs
+
+WORKER = Path(__file__).parent / "ddp_elastic_worker.py"
+JOB_TIMEOUT_S = 120
+
+#: name -> (world size, worker mode, extra environment)
+JOBS = {"ddp": (4, "ddp", {}), "shrink": (3, "shrink", {}), "raise": (4, "raise", {}),
+        "raise-all": (4, "raise-all", {}),
+        "reset-limit": (4, "raise-twice", {"MPICOLL_ELASTIC_RESET_LIMIT": "1"})}
+MORE_JOBS = {"below-min-np": (4, "raise", {"MPICOLL_ELASTIC_MIN_NP": "4"})}
+SELECTED = dict(ulfm_jobs.selected(list(JOBS.items()), list(MORE_JOBS.items())))
+
+
+@pytest.fixture(scope="module")
+def outputs() -> dict:
+    python = ompi_env.ompi_python(need_torch=True)
+    return ulfm_jobs.run_jobs(python, {
+        name: (WORKER, n, [mode], env, JOB_TIMEOUT_S)
+        for name, (n, mode, env) in SELECTED.items()})
+
+
+def _result(outputs: dict, name: str) -> tuple[int, str, str]:
+    rc, out, secs = outputs[name]
+    tail = "\n".join(out.splitlines()[-30:])
+    print(f"{name}: status {rc}, {secs:.1f} s\n{tail}")
+    return rc, out, tail
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["ddp", "raise"])
+def test_ddp_goes_on_with_the_survivors(outputs, name) -> None:
+    rc, out, tail = _result(outputs, name)
+    assert rc == 0, tail
+    done = {int(f[0]): f[1:] for f in ulfm_jobs.lines(out, "DONE")}
+    assert sorted(done) == [0, 1, 2], tail                     # ranks of the new world
+    assert {tuple(f) for f in done.values()} == {(done[0][0], done[0][1], "3", "20")}, tail
+    assert done[0][0] == "3", tail                             # dist.get_world_size()
+    (ref, stale), = [(float(a), float(b)) for a, b in ulfm_jobs.lines(out, "REFDIFF")]
+    assert ref < 1e-6 and stale > 1e-3, tail
+    if name == "raise":
+        assert "rank 1 of 4 raised RuntimeError" in out and "rank 1 raises at step 20" in out
+
+
+@pytest.mark.timeout(900)
+def test_shrink_group_after_a_failure(outputs) -> None:
+    rc, out, tail = _result(outputs, "shrink")
+    assert rc == 0, tail
+    shrunk = {int(f[0]): f[1:] for f in ulfm_jobs.lines(out, "SHRUNK")}
+    assert sorted(shrunk) == [0, 1], tail
+    # size 2, rank 2 failed, all-reduce of rank+1 sums 1+2, new default group, DDP averages
+    assert all(f == ["2", "[2]", "3", "True", "True"] for f in shrunk.values()), tail
+
+
+#: job -> what its output must say
+ERRORS = {"raise-all": "rank 3 raises at step 20", "reset-limit": "ResetLimitError",
+          "below-min-np": "TooFewRanksError"}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", [name for name in ERRORS if name in SELECTED])
+def test_the_job_ends_with_an_error_status(outputs, name) -> None:
+    error = ERRORS[name]
+    rc, out, tail = _result(outputs, name)
+    assert rc not in (0, 124), tail
+    assert error in out, tail
+    assert not ulfm_jobs.lines(out, "DONE"), tail
