@@ -30,6 +30,14 @@ def _world_rank() -> int:
     return context.world().Get_rank()
 
 
+def _copy(value: Any) -> Any:
+    """A deep copy of ``value``, or ``value`` itself when it cannot be deep-copied."""
+    try:
+        return copy.deepcopy(value)
+    except (TypeError, copy.Error, pickle.PicklingError, AttributeError, ValueError):
+        return value
+
+
 class State:
     """The base of elastic states: commit / restore / sync and reset callbacks.
 
@@ -109,7 +117,9 @@ class ObjectState(State):
     written as attributes (``state.epoch += 1``).
 
     A commit deep-copies every attribute (so arrays changed in place after a commit are
-    restored too: a commit costs a memory copy of the state).
+    restored too: a commit costs a memory copy of the state); an object that cannot be
+    deep-copied (a lock, an open file, a generator) is kept by reference, as Horovod keeps
+    every attribute.
 
     Args:
         bcast_object, get_rank: see :class:`State` (default: the current world's).
@@ -118,12 +128,12 @@ class ObjectState(State):
 
     def __init__(self, bcast_object: Callable[[Any], Any] | None = None,
                  get_rank: Callable[[], int] | None = None, **kwargs: Any) -> None:
-        self._saved_state = copy.deepcopy(kwargs)
+        self._saved_state = {name: _copy(value) for name, value in kwargs.items()}
         self._set_attrs()
         super().__init__(bcast_object=bcast_object, get_rank=get_rank)
 
     def save(self) -> None:
-        self._saved_state = {name: copy.deepcopy(getattr(self, name))
+        self._saved_state = {name: _copy(getattr(self, name))
                              for name in self._saved_state}
 
     def restore(self) -> None:
@@ -136,7 +146,7 @@ class ObjectState(State):
 
     def _set_attrs(self) -> None:
         for name, value in self._saved_state.items():
-            setattr(self, name, copy.deepcopy(value))
+            setattr(self, name, _copy(value))
 
     def serialize(self) -> bytes:
         return pickle.dumps(self._saved_state, protocol=pickle.HIGHEST_PROTOCOL)

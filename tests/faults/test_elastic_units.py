@@ -129,3 +129,36 @@ def test_world_is_settable_and_comm_none_follows_it() -> None:
         context.set_world(None)
         dup.Free()
     assert context.resolve_comm(None) is MPI.COMM_WORLD
+
+
+def test_object_state_keeps_what_cannot_be_copied_by_reference() -> None:
+    import threading
+
+    lock = threading.Lock()                          # deepcopy raises TypeError on it
+    state = elastic.ObjectState(lock=lock, step=0, w=[1])
+    state.w.append(2)
+    state.commit()
+    state.w.append(3)
+    state.restore()
+    assert state.lock is lock and state.w == [1, 2]  # the list a copy, the lock itself
+
+
+@pytest.mark.parametrize("kwargs,bad", [({"min_np": 0}, "min_np"),
+                                        ({"reset_limit": -1}, "reset_limit"),
+                                        ({"reset_limit": 1.5}, "reset_limit")])
+def test_run_refuses_bad_limits(kwargs, bad) -> None:
+    for run in (elastic.run, hvd.elastic.run):
+        with pytest.raises(ValueError, match=bad):
+            run(**kwargs)
+
+
+def test_limits_come_from_the_environment(monkeypatch) -> None:
+    from mpicoll.elastic.runner import limits
+
+    assert limits(None, None) == (1, None)
+    monkeypatch.setenv("MPICOLL_ELASTIC_MIN_NP", "3")
+    monkeypatch.setenv("MPICOLL_ELASTIC_RESET_LIMIT", "2")
+    assert limits(None, None) == (3, 2) and limits(2, 0) == (2, 0)
+    monkeypatch.setenv("MPICOLL_ELASTIC_RESET_LIMIT", "many")
+    with pytest.raises(ValueError, match="reset_limit"):
+        limits(None, None)
