@@ -1,7 +1,8 @@
 """DDP over "mpicoll" under ULFM (issue 34), run by test_ddp_elastic.py.
 
 ``ddp``: DDP built once, trained inside ``hvd.elastic.run`` with a ``TorchState`` and no
-``hvd.init()``; the last rank is killed at step ``KILL_AT`` of ``STEPS``. Each survivor
+``hvd.init()``; the last rank is killed at step ``KILL_AT`` of ``STEPS``, at the size the
+job started with. Each survivor
 prints its rank and size after the run, a digest of its parameters, what
 ``dist.all_reduce`` of a one sums to, and (rank 0) how far the parameters are from a
 float64 single-process reference that restarts at the survivors' size from the commit the
@@ -79,6 +80,7 @@ def reference(model_state: dict, opt_state: dict, first: int, size: int,
 
 def train_ddp(mode: str) -> None:
     dist.init_process_group("mpicoll")
+    start = dist.get_world_size()
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = optimizer_of(ddp.parameters())
@@ -95,14 +97,14 @@ def train_ddp(mode: str) -> None:
     @hvd.elastic.run
     def train(state) -> None:
         while state.step < STEPS:
-            if state.step == KILL_AT and dist.get_world_size() == 4:
-                if mode == "ddp" and dist.get_rank() == 3:
+            if state.step == KILL_AT and dist.get_world_size() == start:
+                if mode == "ddp" and dist.get_rank() == start - 1:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if mode == "raise-all" or (mode in ("raise", "raise-twice")
                                            and dist.get_rank() == 1):
                     raise RuntimeError(f"rank {dist.get_rank()} raises at step {state.step}")
             if (mode == "raise-twice" and state.step == 2 * KILL_AT
-                    and dist.get_world_size() == 3 and dist.get_rank() == 1):
+                    and dist.get_world_size() == start - 1 and dist.get_rank() == 1):
                 raise RuntimeError(f"rank 1 raises at step {state.step}")
             opt.zero_grad()
             x, y = batch(dist.get_rank(), state.step)
@@ -120,7 +122,7 @@ def train_ddp(mode: str) -> None:
         diffs = []
         # the reference from the commit, and one dividing by the old size (as a reducer
         # that kept it would): that one must be far off, or the check could not fail
-        for divisor in (at_reset["size"], 4):
+        for divisor in (at_reset["size"], start):
             ref = reference(at_reset["model"], at_reset["opt"], at_reset["step"],
                             at_reset["size"], divisor)
             diffs.append(max((a - b).abs().max().item()

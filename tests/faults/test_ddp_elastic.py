@@ -12,13 +12,16 @@ Each case is one ``mpirun --with-ft ulfm`` job of ddp_elastic_worker.py:
 - ``shrink`` (3 ranks): ``dist.shrink_group(exc.failed_ranks)`` after a caught
   ``ProcessFailedError`` gives a default group of the 2 survivors whose all-reduce sums
   over 2 and on which a new DDP module averages its gradients;
-- ``raise`` (4 ranks): rank 1 raises ``RuntimeError`` at step 20; it prints its traceback
-  and leaves, the others finish at size 3 as in ``ddp`` (status 0);
 - ``raise-all``: every rank raises at step 20: the job ends with a non-zero status;
-- ``reset-limit``: ``MPICOLL_ELASTIC_RESET_LIMIT=1`` and two ranks raising at steps 20
-  and 40: the second reset raises ``ResetLimitError`` on every survivor (status non-zero);
-- ``below-min-np`` (with ``ULFM_ALL_CASES=1``): ``MPICOLL_ELASTIC_MIN_NP=4`` and a rank
-  raising: ``TooFewRanksError`` on every survivor.
+- ``reset-limit``: ``MPICOLL_ELASTIC_RESET_LIMIT=1``; rank 1 raises at step 20: it prints
+  its traceback and leaves, the two others shrink and train on to step 40 at size 2, where
+  rank 1 (another process) raises too: that second reset raises ``ResetLimitError`` on the
+  survivor (status non-zero);
+- with ``ULFM_ALL_CASES=1`` also ``raise`` (rank 1 raises at step 20, the others finish
+  at size 2 as in ``ddp``, status 0) and ``below-min-np`` (``MPICOLL_ELASTIC_MIN_NP=3``
+  and a rank raising: ``TooFewRanksError`` on every survivor).
+
+The 3-rank cases keep CI's time down (a 4-rank torch job costs about 15 s here).
 """
 from __future__ import annotations
 
@@ -33,10 +36,11 @@ WORKER = Path(__file__).parent / "ddp_elastic_worker.py"
 JOB_TIMEOUT_S = 120
 
 #: name -> (world size, worker mode, extra environment)
-JOBS = {"ddp": (4, "ddp", {}), "shrink": (3, "shrink", {}), "raise": (4, "raise", {}),
-        "raise-all": (4, "raise-all", {}),
-        "reset-limit": (4, "raise-twice", {"MPICOLL_ELASTIC_RESET_LIMIT": "1"})}
-MORE_JOBS = {"below-min-np": (4, "raise", {"MPICOLL_ELASTIC_MIN_NP": "4"})}
+JOBS = {"ddp": (4, "ddp", {}), "shrink": (3, "shrink", {}),
+        "raise-all": (3, "raise-all", {}),
+        "reset-limit": (3, "raise-twice", {"MPICOLL_ELASTIC_RESET_LIMIT": "1"})}
+MORE_JOBS = {"raise": (3, "raise", {}),
+             "below-min-np": (3, "raise", {"MPICOLL_ELASTIC_MIN_NP": "3"})}
 SELECTED = dict(ulfm_jobs.selected(list(JOBS.items()), list(MORE_JOBS.items())))
 
 
@@ -56,18 +60,19 @@ def _result(outputs: dict, name: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["ddp", "raise"])
+@pytest.mark.parametrize("name", [n for n in ("ddp", "raise") if n in SELECTED])
 def test_ddp_goes_on_with_the_survivors(outputs, name) -> None:
     rc, out, tail = _result(outputs, name)
     assert rc == 0, tail
+    left = str(JOBS[name][0] - 1)
     done = {int(f[0]): f[1:] for f in ulfm_jobs.lines(out, "DONE")}
-    assert sorted(done) == [0, 1, 2], tail                     # ranks of the new world
-    assert {tuple(f) for f in done.values()} == {(done[0][0], done[0][1], "3", "20")}, tail
-    assert done[0][0] == "3", tail                             # dist.get_world_size()
+    assert sorted(done) == list(range(int(left))), tail        # ranks of the new world
+    # dist.get_world_size(), one digest on every rank, all_reduce of ones, the commit's step
+    assert {tuple(f) for f in done.values()} == {(left, done[0][1], left, "20")}, tail
     (ref, stale), = [(float(a), float(b)) for a, b in ulfm_jobs.lines(out, "REFDIFF")]
     assert ref < 1e-6 and stale > 1e-3, tail
     if name == "raise":
-        assert "rank 1 of 4 raised RuntimeError" in out and "rank 1 raises at step 20" in out
+        assert "rank 1 of 3 raised RuntimeError" in out and "rank 1 raises at step 20" in out
 
 
 @pytest.mark.timeout(900)
@@ -81,7 +86,7 @@ def test_shrink_group_after_a_failure(outputs) -> None:
 
 
 #: job -> what its output must say
-ERRORS = {"raise-all": "rank 3 raises at step 20", "reset-limit": "ResetLimitError",
+ERRORS = {"raise-all": "rank 2 raises at step 20", "reset-limit": "ResetLimitError",
           "below-min-np": "TooFewRanksError"}
 
 
@@ -93,3 +98,6 @@ def test_the_job_ends_with_an_error_status(outputs, name) -> None:
     assert rc not in (0, 124), tail
     assert error in out, tail
     assert not ulfm_jobs.lines(out, "DONE"), tail
+    if name == "reset-limit":      # the first rank that raised left, the others went on
+        assert "rank 1 of 3 raised RuntimeError" in out, tail
+        assert "world shrank from 3 to 2" in out and "rank 1 raises at step 40" in out, tail
