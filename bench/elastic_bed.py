@@ -15,6 +15,8 @@ Workloads (``--workloads``):
 - ``train``: ``examples/train.py --elastic`` (hvd.elastic, the digits CNN). Rank 0's
   record gives when it caught the failure, each phase of the reset and when the first
   step after it completed; the figure is the failure to that step.
+- ``ddp``: the same with ``--ddp``: a DDP module over the "mpicoll" process group, no
+  ``hvd.init()``; the reset rebuilds the groups in place (issue 34).
 - ``ps``: the parameter server with ``replicas=1`` (this file's ``ps-worker``: the model,
   data and minibatches of ``examples/ps_train.py``, 2 servers, 2 workers, ``bsp``, Adam;
   ranks placed node by node, so that server 0 and its backup are on different nodes).
@@ -33,6 +35,10 @@ Faults (``--faults``):
   default failure detection (daemon connections) cannot see it.
 - ``link-hb``: the same with ULFM's heartbeat detector on (``--mca mpi_ft_detector true``,
   period/timeout ``--hb-period``/``--hb-timeout``).
+
+``--load-job`` runs a second training job on the machine meanwhile (``examples/train.py``
+at 2 ranks under the MPICH venv, outside the bed, restarted while the runs go on, bounded
+by ``--timeout`` per run): the "busy machine" case.
 
 A run that does not end within ``--timeout`` s (``--link-timeout`` for a cut link) is
 stopped and recorded as ``timed_out`` with whatever its survivors reported.
@@ -225,15 +231,16 @@ def inject(bed: Bed, fault: str, victim_node: str) -> dict:
     return {"failed_at": bed.link(victim_node, "down"), "victim": victim_node, "link": "down"}
 
 
-def run_train(bed: Bed, layout: str, fault: str, args: argparse.Namespace, out: Path) -> dict:
+def run_train(bed: Bed, layout: str, fault: str, args: argparse.Namespace, out: Path,
+              ddp: bool = False) -> dict:
     nodes, slots = LAYOUTS[layout]
     rec_file = out / "train.json"
     cmd = [*mca_for(fault, args), "-n", str(nodes * slots), ompi_python(), "-u",
            "examples/train.py", "--elastic", "--epochs", str(args.epochs), "--min-accuracy",
-           "0", "--json", str(rec_file)]
+           "0", "--json", str(rec_file)] + (["--ddp"] if ddp else [])
     if fault == "rank":
         cmd += ["--kill-rank", "2", "--kill-step", str(args.kill_step)]
-    run, job, began = start(bed, "train", layout, fault, cmd)
+    run, job, began = start(bed, "ddp" if ddp else "train", layout, fault, cmd)
     victim_node = f"n{nodes}"   # the last node: never rank 0's
 
     def trigger() -> None:
@@ -308,7 +315,7 @@ def train_phases(reset: dict, failed_at: float) -> dict:
     total = reset["first_step"] - failed_at
     return {"failed": reset["failed"], "detect": detect, "revoke": reset["revoke"],
             "shrink": reset["shrink"], "abandon": reset["abandon"], "init": reset["init"],
-            "restore": reset["restore"], "sync": reset["sync"],
+            "groups": reset.get("groups"), "restore": reset["restore"], "sync": reset["sync"],
             "first_step": total - detect - inside, "recovery": total}
 
 
@@ -467,21 +474,24 @@ def summarize(path: Path) -> str:
         vals = [r[key] for r in rs if r.get(key) is not None]
         return f"{min(vals):.3f}-{max(vals):.3f}" if vals else "-"
 
-    lines.append("### train (`examples/train.py --elastic`), rank 0's view, medians\n")
-    lines.append("| layout | fault | runs | recovered | load | detect (s) | shrink (ms) | "
-                 "new engine (ms) | restore (ms) | sync (ms) | first step (s) | "
-                 "**failure to first step (s)** (range) | ranks after | final accuracy | "
-                 "job ended (s after the failure) |")
-    lines.append("|" + "---|" * 15)
+    lines.append("### train (`examples/train.py --elastic`; ddp: `--ddp`), rank 0's view, "
+                 "medians\n")
+    lines.append("| workload | layout | fault | runs | recovered | load | detect (s) | "
+                 "shrink (ms) | new engine (ms) | groups (ms) | restore (ms) | sync (ms) | "
+                 "first step (s) | **failure to first step (s)** (range) | ranks after | "
+                 "final accuracy | job ended (s after the failure) |")
+    lines.append("|" + "---|" * 17)
     for (wl, layout, fault), rs in sorted(groups.items()):
-        if wl != "train":
+        if wl not in ("train", "ddp"):
             continue
         ended = sum(1 for r in rs if r.get("recovery") is not None)
         loads = [r["load"] for r in rs]
         lines.append(
-            f"| {layout} | {fault} | {len(rs)} | {ended if fault != 'none' else '-'} | {min(loads):.1f}-{max(loads):.1f} | "
+            f"| {wl} | {layout} | {fault} | {len(rs)} | {ended if fault != 'none' else '-'} | "
+            f"{min(loads):.1f}-{max(loads):.1f} | "
             f"{med(rs, 'detect')} | {med(rs, 'shrink', 1e3, '{:.1f}')} | "
-            f"{med(rs, 'init', 1e3, '{:.0f}')} | {med(rs, 'restore', 1e3, '{:.1f}')} | "
+            f"{med(rs, 'init', 1e3, '{:.0f}')} | {med(rs, 'groups', 1e3, '{:.0f}')} | "
+            f"{med(rs, 'restore', 1e3, '{:.1f}')} | "
             f"{med(rs, 'sync', 1e3, '{:.0f}')} | {med(rs, 'first_step')} | "
             f"**{med(rs, 'recovery')}** ({rng(rs, 'recovery')}) | "
             f"{'/'.join(sorted({str(r.get('ranks_after', '-')) for r in rs}))} | "
@@ -508,6 +518,35 @@ def summarize(path: Path) -> str:
     return "\n".join(lines)
 
 
+class LoadJob:
+    """A second training job on the machine (``--load-job``): ``examples/train.py`` at 2
+    ranks (the MPICH venv, outside the bed), started again whenever it ends, until
+    :meth:`stop` or ``limit_s`` seconds."""
+
+    def __init__(self, limit_s: float) -> None:
+        self._stop = threading.Event()
+        self._proc: subprocess.Popen | None = None
+        self._deadline = time.monotonic() + limit_s
+        threading.Thread(target=self._loop, daemon=True).start()
+        time.sleep(5)                          # running before the first measured job
+
+    def _loop(self) -> None:
+        venv = ROOT / ".venv" / "bin"
+        while not self._stop.is_set() and time.monotonic() < self._deadline:
+            self._proc = subprocess.Popen(
+                ["timeout", "600", str(venv / "mpiexec"), "-n", "2", str(venv / "python"),
+                 "examples/train.py", "--epochs", "20", "--min-accuracy", "0"],
+                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True)
+            self._proc.wait()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            self._proc.wait(30)
+
+
 # ------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -530,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=180)
     ap.add_argument("--link-timeout", type=float, default=90)
     ap.add_argument("--json", default=None, help="write (or extend) this record")
+    ap.add_argument("--load-job", action="store_true",
+                    help="run a second training job on the machine meanwhile")
     ap.add_argument("--markdown", metavar="JSON", help="print the summary of a record")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # bed down
@@ -543,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "runs": []}
     if args.json and Path(args.json).exists():
         record = json.loads(Path(args.json).read_text())
+    load = LoadJob(args.timeout * args.runs * 10) if args.load_job else None
     for layout in args.layouts.split(","):
         bed = Bed(*LAYOUTS[layout], args.bandwidth)
         bed.down()
@@ -552,8 +594,12 @@ def main(argv: list[str] | None = None) -> int:
                 for workload in args.workloads.split(","):
                     for fault in faults:
                         with tempfile.TemporaryDirectory(prefix="elastic-bed-") as tmp:
-                            fn = run_train if workload == "train" else run_ps
-                            r = fn(bed, layout, fault, args, Path(tmp))
+                            if workload == "ps":
+                                r = run_ps(bed, layout, fault, args, Path(tmp))
+                            else:
+                                r = run_train(bed, layout, fault, args, Path(tmp),
+                                              ddp=workload == "ddp")
+                            r["load_job"] = load is not None
                         r["run"] = i + 1
                         record["runs"].append(r)
                         print(json.dumps({k: v for k, v in r.items() if k not in
@@ -562,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
                             save(record, Path(args.json))
         finally:
             bed.down()
+    if load is not None:
+        load.stop()
     return 0
 
 

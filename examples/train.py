@@ -39,7 +39,9 @@ itself before step S, to try it::
         --kill-rank 2 --kill-step 30
 
 Rank 0 then prints when the first step after the failure completed, the recovery's
-phases, and the mean cost of a commit. The per-rank batch stays fixed (the global batch
+phases, and the mean cost of a commit. ``--elastic --ddp`` trains a
+``DistributedDataParallel`` module over the "mpicoll" ``torch.distributed`` backend
+instead, without ``hvd.init()``: the process group is rebuilt in place on the survivors. The per-rank batch stays fixed (the global batch
 shrinks with the world); compression, checkpoints and learning-rate schedules are not
 combined with ``--elastic``.
 
@@ -59,11 +61,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import mpicoll.torch as hvd  # noqa: E402  (the only line that differs from a Horovod script)
+from mpicoll.torch.elastic import world as layout  # noqa: E402  (hvd's, or the world's: --ddp)
 
 
 class DigitsCNN(nn.Module):
@@ -118,11 +122,14 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """Test accuracy over the whole test set (each rank scores its slice)."""
     model.eval()
     with torch.no_grad():
-        mine = slice(hvd.rank(), None, hvd.size())
+        mine = slice(layout.rank(), None, layout.size())
         correct = (model(x[mine]).argmax(1) == y[mine]).sum()
     model.train()
-    total = hvd.allreduce(torch.tensor([float(correct), float(len(y[mine]))]), op=hvd.Sum,
-                          name="eval.correct")
+    total = torch.tensor([float(correct), float(len(y[mine]))])
+    if layout.hvd_started():
+        total = hvd.allreduce(total, op=hvd.Sum, name="eval.correct")
+    else:                                  # --elastic --ddp: no hvd.init()
+        dist.all_reduce(total)
     return float(total[0] / total[1])
 
 
@@ -311,22 +318,27 @@ def restore_compression(optimizer: object, folder: str, saved_ranks: int) -> Non
 def train_elastic(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
                   xtr: torch.Tensor, ytr: torch.Tensor, xte: torch.Tensor,
                   yte: torch.Tensor) -> tuple[float, dict]:
-    """``--elastic``: train with ``hvd.elastic``; return (final accuracy, a record of the
+    """``--elastic``: train with ``hvd.elastic`` (``--ddp``: a DDP module over the "mpicoll"
+    process group, without ``hvd.init()``); return (final accuracy, a record of the
     commits and resets)."""
-    per_rank = max(1, args.batch // hvd.size())
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    per_rank = max(1, args.batch // layout.size())
+    if args.ddp:          # DDP over "mpicoll" (docs/elastic.md, DDP): no hvd.init()
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        optimizer = hvd.DistributedOptimizer(optimizer,
+                                             named_parameters=model.named_parameters())
     sampler = hvd.elastic.ElasticSampler(range(len(ytr)), shuffle=True, seed=args.seed)
     # per_rank is state: ranks that join a grown job take the running ranks' batch
     state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0,
                                    per_rank=per_rank)
-    me = hvd.rank()                              # the launch rank (for --kill-rank)
+    me = layout.rank()                              # the launch rank (for --kill-rank)
     record: dict = {"commit_seconds": [], "resets": []}
     pending = {"reset": False}
     seen = {"growth": hvd.elastic.last_growth()}   # a process that joined: its own join
 
     def on_reset() -> None:
         pending["reset"] = True
-        record["resets"].append({"size": hvd.size(), "time": time.time()})
+        record["resets"].append({"size": layout.size(), "time": time.time()})
 
     state.register_reset_callbacks([on_reset])
 
@@ -356,8 +368,8 @@ def train_elastic(args: argparse.Namespace, model: nn.Module, optimizer: torch.o
                     growth = seen["growth"] = hvd.elastic.last_growth()
                     record["resets"][-1].update(first_step=time.time(),
                                                 grew_from=growth.old_size, **growth.phases)
-                    if hvd.rank() == 0:
-                        print(f"{hvd.size()} ranks go on: grown from {growth.old_size}, "
+                    if layout.rank() == 0:
+                        print(f"{layout.size()} ranks go on: grown from {growth.old_size}, "
                               f"first step done at {time.time():.6f}; {growth.summary()}",
                               flush=True)
                 if pending["reset"] and hvd.elastic.last_recovery() is not None:
@@ -366,8 +378,8 @@ def train_elastic(args: argparse.Namespace, model: nn.Module, optimizer: torch.o
                     record["resets"][-1].update(
                         first_step=time.time(), detected=rec.detected_at, failed=rec.failed,
                         revoke=rec.revoke_s, shrink=rec.shrink_s, **rec.phases)
-                    if hvd.rank() == 0:
-                        print(f"{hvd.size()} ranks go on: failure caught at "
+                    if layout.rank() == 0:
+                        print(f"{layout.size()} ranks go on: failure caught at "
                               f"{rec.detected_at:.6f}, first step after it done at "
                               f"{time.time():.6f}; failed {rec.failed}; revoke "
                               f"{rec.revoke_s:.4f} s, shrink {rec.shrink_s:.4f} s, "
@@ -376,13 +388,13 @@ def train_elastic(args: argparse.Namespace, model: nn.Module, optimizer: torch.o
             state.sampler.set_epoch(state.epoch + 1)
             state.commit()
             accuracy = evaluate(state.model, xte, yte)
-            if hvd.rank() == 0:
+            if layout.rank() == 0:
                 print(f"epoch {state.epoch + 1:3d}/{args.epochs}  test accuracy "
-                      f"{accuracy:.4f}  ({hvd.size()} ranks)", flush=True)
+                      f"{accuracy:.4f}  ({layout.size()} ranks)", flush=True)
 
     train(state)
     commits = record["commit_seconds"]
-    if hvd.rank() == 0 and commits:
+    if layout.rank() == 0 and commits:
         print(f"commit: {len(commits)} x, mean {1e3 * sum(commits) / len(commits):.3f} ms "
               f"(deep copies of {sum(p.numel() for p in model.parameters())} parameters "
               f"and the optimizer state)", flush=True)
@@ -427,6 +439,9 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="rank 0 writes the run's record here")
     parser.add_argument("--elastic", action="store_true",
                         help="train with hvd.elastic (go on after a rank dies; ULFM)")
+    parser.add_argument("--ddp", action="store_true",
+                        help="--elastic: train a DDP module over the \"mpicoll\" "
+                             "torch.distributed backend (no hvd.init())")
     parser.add_argument("--min-np", type=int, default=1,
                         help="--elastic: the fewest ranks to go on with")
     parser.add_argument("--commit-every", type=int, default=1,
@@ -441,14 +456,19 @@ def main() -> int:
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    hvd.init()
-    per_rank = max(1, args.batch // hvd.size())
+    if args.ddp and not args.elastic:
+        parser.error("--ddp goes with --elastic")
+    if args.ddp:
+        dist.init_process_group("mpicoll")
+    else:
+        hvd.init()
+    per_rank = max(1, args.batch // layout.size())
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
     xtr, ytr, xte, yte, desc = (v.to(device) if isinstance(v, torch.Tensor) else v
                                 for v in load_data(args.dataset))
-    steps_per_epoch = math.ceil(math.ceil(len(ytr) / hvd.size()) / per_rank)
+    steps_per_epoch = math.ceil(math.ceil(len(ytr) / layout.size()) / per_rank)
     try:
         compress_momentum = args.momentum > 0 and args.compression.split(":")[0] in \
             CODEC_NAMES + ("topk", "randomk") and (
@@ -470,13 +490,17 @@ def main() -> int:
             parser.error("--elastic is not combined with --compression, --checkpoint-dir "
                          "or --lr-schedule")
         accuracy, record = train_elastic(args, model, optimizer, xtr, ytr, xte, yte)
-        if hvd.rank() == 0:
-            print(f"final test accuracy: {accuracy:.4f} ({hvd.size()} ranks)", flush=True)
+        if layout.rank() == 0:
+            print(f"final test accuracy: {accuracy:.4f} ({layout.size()} ranks)", flush=True)
             if args.json:
                 with open(args.json, "w") as f:
-                    json.dump({"elastic": True, "ranks": hvd.size(), "epochs": args.epochs,
+                    json.dump({"elastic": True, "ddp": args.ddp, "ranks": layout.size(),
+                               "epochs": args.epochs,
                                "final_accuracy": accuracy, **record}, f, indent=1)
-        hvd.shutdown()
+        if args.ddp:
+            dist.destroy_process_group()
+        else:
+            hvd.shutdown()
         return 0 if accuracy >= args.min_accuracy else 1
     start_epoch, saved_ranks = 0, None
     path = os.path.join(args.checkpoint_dir, "checkpoint.pt") if args.checkpoint_dir else None

@@ -27,9 +27,10 @@ the process failure itself, whatever its type: DDP's backward, say, reports a fa
 all-reduce as its own ``RuntimeError``.
 
 *A rank that raises is a lost rank* (Horovod's elastic driver drops such a worker): under
-ULFM, a rank whose function raises any other exception than mpicoll's own
-:class:`~mpicoll.CollectiveError` family (mismatches, too few ranks, the reset limit,
-timeouts: those end the job on every rank) prints its traceback and leaves the job (it
+ULFM, a rank whose function raises any other exception than mpicoll's own errors that
+every rank raises together (:data:`ENDS_THE_JOB`: the :class:`~mpicoll.CollectiveError`
+family, mismatches, too few ranks, the reset limit, timeouts; a discovery or growth
+failure: those end the job) prints its traceback and leaves the job (it
 kills itself: no exit handler runs, so it tells no other rank to stop; see
 :func:`_leave`); the others see a process failure and go on without it. An error raised
 on every rank so ends every rank, and the job's status is non-zero. ``reset_limit`` bounds how many resets (shrinks and
@@ -60,6 +61,7 @@ from . import grow as grow_module
 from . import shrink as world_module
 from .discovery import HostsAddedInterrupt
 from .grow import GrowthError
+from .launch_hosts import DiscoveryError
 from .state import State, load_from_disk
 
 __all__ = ["run_fn", "run", "limits", "MAX_RESETS_PER_FAILURE", "LEFT_STATUS"]
@@ -87,14 +89,18 @@ def _failure(exc: BaseException) -> bool:
         isinstance(exc, Exception) and runtime_world.failed(runtime_world.generation()))
 
 
+#: mpicoll's own errors that every rank raises together: they end the job, no rank leaves.
+ENDS_THE_JOB = (CollectiveError, DiscoveryError, GrowthError)
+
+
 def _leaves(exc: BaseException) -> bool:
     """Whether a rank that raised ``exc`` leaves the job as a lost rank (under ULFM: any
-    exception but mpicoll's own errors, and a ``SystemExit`` with a non-zero status)."""
+    exception but :data:`ENDS_THE_JOB`, and a ``SystemExit`` with a non-zero status)."""
     if not failures.ENABLED:
         return False
     if isinstance(exc, SystemExit):
         return exc.code not in (0, None)
-    return isinstance(exc, Exception) and not isinstance(exc, CollectiveError)
+    return isinstance(exc, Exception) and not isinstance(exc, ENDS_THE_JOB)
 
 
 def _last_standing(wait_s: float) -> bool:

@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import torch.utils.data
 
-from ..state import rank, size
+from .world import rank, size
 
 __all__ = ["ElasticSampler"]
 
@@ -68,7 +68,7 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def reset(self) -> None:
         """Split the epoch's unprocessed indices among the current ranks
-        (``hvd.size()``, ``hvd.rank()``)."""
+        (``hvd.size()``, ``hvd.rank()``; without ``hvd.init()``, the world's)."""
         self.split(size(), rank())
 
     def split(self, num_replicas: int, rank: int) -> None:

@@ -24,23 +24,18 @@ from ... import collectives
 from ...elastic import state as elastic_state
 from ...elastic.state import ObjectState
 from .. import functions
-from .. import state as torch_state
 from ..distributed.reconfigure import follow_world
 from .sampler import ElasticSampler
+from .world import hvd_started, rank
 
 __all__ = ["TorchState", "snapshot", "StateHandler", "ModelStateHandler", "OptimizerStateHandler",
            "DiLoCoStateHandler", "SchedulerStateHandler", "SamplerStateHandler"]
 
 
-def _hvd() -> bool:
-    """Whether syncs go through ``mpicoll.torch`` (``hvd.init()`` has run)."""
-    return torch_state.started()
-
-
 def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
     """``obj`` of rank ``root_rank``, on every rank (``hvd.broadcast_object``, or over the
     world without ``hvd.init()``)."""
-    if _hvd():
+    if hvd_started():
         return functions.broadcast_object(obj, root_rank=root_rank)
     return elastic_state.broadcast_object(obj, root_rank)
 
@@ -48,7 +43,7 @@ def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
 def broadcast_tensors(tensors: dict[str, torch.Tensor], root_rank: int = 0) -> None:
     """Every rank's ``tensors`` (a ``state_dict()``) become rank ``root_rank``'s, in place
     (``hvd.broadcast_parameters``, or mpicoll's broadcast over the world)."""
-    if _hvd():
+    if hvd_started():
         functions.broadcast_parameters(tensors, root_rank=root_rank)
         return
     for tensor in tensors.values():
@@ -56,11 +51,6 @@ def broadcast_tensors(tensors: dict[str, torch.Tensor], root_rank: int = 0) -> N
         collectives.broadcast(host.view(-1).view(torch.uint8).numpy(), root=root_rank)
         if host.data_ptr() != tensor.data_ptr():
             tensor.detach().copy_(host)
-
-
-def rank() -> int:
-    """This rank (``hvd.rank()``, or the world's without ``hvd.init()``)."""
-    return torch_state.rank() if _hvd() else elastic_state._world_rank()
 
 
 def snapshot(value: Any) -> Any:
@@ -115,7 +105,7 @@ class OptimizerStateHandler(StateHandler):
     """A ``torch.optim.Optimizer`` (or ``DistributedOptimizer``)."""
 
     def sync(self) -> None:
-        if _hvd():
+        if hvd_started():
             functions.broadcast_optimizer_state(self.value, root_rank=0)
         else:
             super().sync()
