@@ -8,8 +8,9 @@ prints its rank and size after the run, a digest of its parameters, what
 float64 single-process reference that restarts at the survivors' size from the commit the
 survivors went back to (the gradient of each rank's batch averaged over that many ranks).
 
-``shrink``: ``dist.shrink_group`` after a caught ``ProcessFailedError`` (the last rank
-killed during an all-reduce); the new default group's all-reduce and a DDP step on it.
+Then (``ddp``) the last survivor is killed too, and the others use
+``dist.shrink_group`` after a caught ``ProcessFailedError``: the new default group's
+all-reduce and a DDP step on it.
 
 ``raise``: rank 1 raises ``RuntimeError`` at step ``KILL_AT`` (a rank that raises is a
 lost rank); ``raise-all``: every rank raises there (the job ends, status non-zero);
@@ -128,11 +129,15 @@ def train_ddp(mode: str) -> None:
             diffs.append(max((a - b).abs().max().item()
                              for a, b in zip(model.parameters(), ref.parameters())))
         print(f"REFDIFF {diffs[0]:.3e} {diffs[1]:.3e}", flush=True)
+    if mode == "ddp":
+        shrink_after_failure(model)
     dist.destroy_process_group()
 
 
-def shrink() -> None:
-    dist.init_process_group("mpicoll")
+def shrink_after_failure(model: torch.nn.Module) -> None:
+    """The last rank dies; the others catch ``ProcessFailedError`` from an all-reduce,
+    ``dist.shrink_group`` its failed ranks and use the new default group: an all-reduce
+    and a new DDP module on it."""
     size = dist.get_world_size()
     if dist.get_rank() == size - 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -146,7 +151,7 @@ def shrink() -> None:
     new = dist.shrink_group(failed)
     t = torch.full((3,), float(dist.get_rank() + 1))
     dist.all_reduce(t)
-    ddp = torch.nn.parallel.DistributedDataParallel(make_model())
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
     x, y = batch(dist.get_rank(), 0)
     F.mse_loss(ddp(x), y).backward()
     grads = torch.cat([p.grad.flatten() for p in ddp.parameters()])
@@ -155,12 +160,7 @@ def shrink() -> None:
     same = torch.allclose(check / dist.get_world_size(), grads)
     print(f"SHRUNK {dist.get_rank()} {dist.get_world_size()} {failed} "
           f"{int(t[0].item())} {new is dist.group.WORLD} {same}", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    which = sys.argv[1]
-    if which == "shrink":
-        shrink()
-    else:
-        train_ddp(which)
+    train_ddp(sys.argv[1])
