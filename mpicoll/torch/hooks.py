@@ -166,12 +166,15 @@ def _mpicoll_group(process_group: Any) -> Any:
     return backend
 
 
-def _on_group_thread(group: Any, kind: str, run: Callable[[], torch.Tensor]) -> Future:
+def _on_group_thread(group: Any, kind: str, run: Callable[[], torch.Tensor],
+                     fallback: torch.Tensor | None = None) -> Future:
     """Run ``run`` where the group runs its operations (after what it has queued, so every
-    rank runs it in the same order); return a future of its result."""
+    rank runs it in the same order); return a future of its result (``fallback`` if it
+    fails inside a backward pass: the error is raised from ``backward()``, see
+    :mod:`mpicoll.torch.distributed.backward`)."""
     submit = getattr(group, "submit", None)   # MPIProcessGroup.submit
     if submit is not None:
-        return submit(kind, run).get_future()
+        return submit(kind, run, fallback).get_future()
     future: Future = Future()     # a synchronous backend: run it here
     try:
         future.set_result(run())
@@ -221,7 +224,7 @@ def _compressed(state: CompressionState, bucket: Any, codec: Codec) -> Future:
                               feedback=feedback, key=index, check=check)
         return buffer
 
-    return _on_group_thread(group, f"DDP {codec.name} bucket {index}", run)
+    return _on_group_thread(group, f"DDP {codec.name} bucket {index}", run, buffer)
 
 
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
