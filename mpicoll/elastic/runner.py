@@ -53,6 +53,8 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
+from .. import config
+from ..runtime import exit as runtime_exit
 from ..runtime import failures
 from ..runtime import world as runtime_world
 from ..errors import CollectiveError, HostsUpdatedInterrupt, ProcessFailedError, ResetLimitError
@@ -131,12 +133,7 @@ def _leave(exc: BaseException) -> None:
           f"{type(exc).__name__} in its elastic function; it leaves the job as a lost rank "
           f"and the others go on without it. Its traceback:", file=sys.stderr)
     traceback.print_exception(exc, file=sys.stderr)
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001  (closed)
-            pass
+    runtime_exit.flush()
     if _last_standing(LEAVE_WAIT_S * (1 + rank)):
         os._exit(LEFT_STATUS)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -149,28 +146,19 @@ def limits(min_np: Any, reset_limit: Any) -> tuple[int, int | None]:
 
     Raises:
         ValueError: ``min_np`` is not an int of at least 1, or ``reset_limit`` neither
-            ``None`` nor an int of at least 0.
+            ``None`` nor an int of at least 0 (also when read from the environment:
+            :func:`mpicoll.config.env_int` names the variable).
     """
     if min_np is None:
-        min_np = _env_int("MPICOLL_ELASTIC_MIN_NP", 1)
+        min_np = config.env_int("MPICOLL_ELASTIC_MIN_NP", 1)
     if reset_limit is None:
-        reset_limit = _env_int("MPICOLL_ELASTIC_RESET_LIMIT", None)
+        reset_limit = config.env_int("MPICOLL_ELASTIC_RESET_LIMIT", None)
     if not isinstance(min_np, int) or min_np < 1:
         raise ValueError(f"min_np must be an int of at least 1, not {min_np!r}")
     if reset_limit is not None and (not isinstance(reset_limit, int) or reset_limit < 0):
         raise ValueError(f"reset_limit must be None or an int of at least 0, not "
                          f"{reset_limit!r}")
     return min_np, reset_limit
-
-
-def _env_int(name: str, default: int | None) -> Any:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        return raw           # refused by the caller's check, naming the value
 
 
 def _reset_until_stable(reset: Callable[[], Any]) -> None:

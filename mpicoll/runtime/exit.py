@@ -47,7 +47,7 @@ from mpi4py import MPI
 from . import comms, failures, world
 
 __all__ = ["FINALIZE_WAIT_S", "LOST_RANK_STATUS", "finalize_bounded", "failure_seen",
-           "meet"]
+           "meet", "flush"]
 
 #: Longest wait, in seconds, for ``MPI_Finalize`` at exit under ULFM (after the meeting).
 FINALIZE_WAIT_S = 5.0
@@ -64,7 +64,8 @@ def _status() -> int:
     return 1 if getattr(sys, "last_value", None) is not None else 0
 
 
-def _flush() -> None:
+def flush() -> None:
+    """Shut logging down and flush stdout and stderr (before the process ends at once)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -75,7 +76,7 @@ def _flush() -> None:
 
 def _end(status: int, message: str) -> None:
     print(f"mpicoll: {message}; ending with status {status}", file=sys.stderr)
-    _flush()
+    flush()
     os._exit(status)
 
 
@@ -100,7 +101,7 @@ def finalize_bounded(wait_s: float | None = None) -> bool:
     says) by then."""
     if _finalized() or not MPI.Is_initialized():
         return True
-    _flush()
+    flush()
     finalizer = threading.Thread(target=_mpi_finalize, name="mpicoll-finalize", daemon=True)
     finalizer.start()
     finalizer.join(FINALIZE_WAIT_S if wait_s is None else wait_s)

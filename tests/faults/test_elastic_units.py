@@ -153,12 +153,20 @@ def test_run_refuses_bad_limits(kwargs, bad) -> None:
 
 
 def test_limits_come_from_the_environment(monkeypatch) -> None:
+    from mpicoll import config
     from mpicoll.elastic.runner import limits
 
-    assert limits(None, None) == (1, None)
-    monkeypatch.setenv("MPICOLL_ELASTIC_MIN_NP", "3")
-    monkeypatch.setenv("MPICOLL_ELASTIC_RESET_LIMIT", "2")
-    assert limits(None, None) == (3, 2) and limits(2, 0) == (2, 0)
-    monkeypatch.setenv("MPICOLL_ELASTIC_RESET_LIMIT", "many")
-    with pytest.raises(ValueError, match="reset_limit"):
-        limits(None, None)
+    try:
+        config.refresh()                    # config caches what it has read
+        assert limits(None, None) == (1, None)
+        monkeypatch.setenv("MPICOLL_ELASTIC_MIN_NP", "3")
+        monkeypatch.setenv("MPICOLL_ELASTIC_RESET_LIMIT", "2")
+        config.refresh()
+        assert limits(None, None) == (3, 2) and limits(2, 0) == (2, 0)
+        monkeypatch.setenv("MPICOLL_ELASTIC_RESET_LIMIT", "many")
+        config.refresh()
+        with pytest.raises(ValueError, match="MPICOLL_ELASTIC_RESET_LIMIT='many'"):
+            limits(None, None)
+    finally:
+        monkeypatch.undo()
+        config.refresh()

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .groups import backend_of, monitored_barrier, split_group
 from .options import BACKEND, Options
-from .reconfigure import PARENT
+from .reconfigure import PARENT, default_comms, member_comm
 from .startup import install_env_handler, mpi_rendezvous, world
 from .tensors import op_name as _op_name  # noqa: F401  (kept for callers of the old module)
 
@@ -77,7 +77,6 @@ def _build(opts: Any, backend_options: Any, made: list[Any]) -> Any:
     """:func:`_create`'s work; the communicator, once made, is appended to ``made``."""
     from mpi4py import MPI  # noqa: PLC0415
 
-    from ...runtime import comms  # noqa: PLC0415
     from ..threads import fit as fit_threads  # noqa: PLC0415
     from .process_group import MPIProcessGroup  # noqa: PLC0415  (builds the extension)
 
@@ -93,14 +92,9 @@ def _build(opts: Any, backend_options: Any, made: list[Any]) -> Any:
                 f"{comm_world.Get_size()}: start every process with mpirun, and where RANK "
                 f"and WORLD_SIZE are set they must equal MPI's")
         fit_threads(comm_world)
-        comm = comms.dup(comm_world, "group")
-        owned = (comms.dup(comm_world, "group"),)
-        PARENT[:] = owned
+        comm, owned = default_comms(comm_world)
     else:
-        parent = PARENT[0] if PARENT else comm_world
-        group = parent.Get_group().Incl(ranks)
-        comm = comms.create_group(parent, group, 0, "group")
-        group.Free()
+        comm = member_comm(PARENT[0] if PARENT else comm_world, ranks)
         if comm == MPI.COMM_NULL or comm.Get_rank() != opts.group_rank:
             raise RuntimeError(f"the mpicoll backend could not build group {ranks}: "
                                f"default group and MPI.COMM_WORLD differ")

@@ -36,13 +36,33 @@ from mpi4py import MPI
 from ...runtime import comms
 from ...runtime import world as runtime_world
 
-__all__ = ["follow_world", "survivors", "shrunk", "adopt_wrapper", "PARENT"]
+__all__ = ["follow_world", "survivors", "shrunk", "adopt_wrapper", "default_comms",
+           "member_comm", "PARENT"]
 
 log = logging.getLogger("mpicoll.torch")
 
 #: The communicator groups other than the default one are made from: a duplicate of the
 #: world the default mpicoll group owns (empty: the world itself).
 PARENT: list[Any] = []
+
+
+def default_comms(world: Any) -> tuple[Any, tuple[Any, ...]]:
+    """The default group's communicator over ``world`` and the communicators it owns (a
+    second duplicate: :data:`PARENT`, which later groups are made from)."""
+    comm = comms.dup(world, "group")
+    owned = (comms.dup(world, "group"),)
+    PARENT[:] = owned
+    return comm, owned
+
+
+def member_comm(parent: Any, ranks: list[int], tag: int = 0) -> Any:
+    """The communicator of the ranks ``ranks`` of ``parent`` (``MPI_Comm_create_group``:
+    collective over those ranks only; ``MPI.COMM_NULL`` elsewhere)."""
+    group = parent.Get_group().Incl(ranks)
+    try:
+        return comms.create_group(parent, group, tag, "group")
+    finally:
+        group.Free()
 
 
 def survivors(old: Any, members: list[int], new: Any) -> list[int]:
@@ -116,17 +136,12 @@ def follow_world() -> int:
         members = backend.options.global_ranks_in_group
         owned: tuple[Any, ...] = ()
         if not members:          # the default group: every rank of the new world
-            comm = comms.dup(new_world, "group")
-            owned = (comms.dup(new_world, "group"),)
-            PARENT[:] = owned
+            comm, owned = default_comms(new_world)
             ranks: list[int] = []
             mapping = {r: r for r in range(new_world.Get_size())}
         else:
             ranks = survivors(old_world, members, new_world)
-            parent = PARENT[0] if PARENT else new_world
-            group = parent.Get_group().Incl(ranks)
-            comm = comms.create_group(parent, group, 0, "group")
-            group.Free()
+            comm = member_comm(PARENT[0] if PARENT else new_world, ranks)
             mapping = {g: i for i, g in enumerate(ranks)}
         old_size = backend.size()
         backend.rebind(comm, owned, ranks)
@@ -171,18 +186,14 @@ def shrunk(backend: Any, excluded: list[int]) -> tuple[Any, tuple[Any, ...], lis
     if len(keep) == base.Get_size() and made is not None:
         comm = made
     else:
-        group = base.Get_group().Incl([base_members.index(r) for r in keep])
-        comm = comms.create_group(base, group, 1, "group")
-        group.Free()
+        comm = member_comm(base, [base_members.index(r) for r in keep], tag=1)
         if made is not None:
             comms.free(made)
     members = backend.options.global_ranks_in_group
     owned: tuple[Any, ...] = ()
     if not members:                     # the default group: the survivors are the world
         context.set_world(comm)
-        comm = comms.dup(comm, "group")
-        owned = (comms.dup(comm, "group"),)
-        PARENT[:] = owned
+        comm, owned = default_comms(comm)
         ranks: list[int] = []
     else:
         ranks = [members[r] for r in keep]
