@@ -33,10 +33,11 @@ from . import shrink as _shrink
 from .discovery import DiscoveryError, HostsAddedInterrupt
 from .grow import Growth, GrowthError, grow_world
 from .runner import run, run_fn
-from .state import ObjectState, State, broadcast_object
+from .state import HostUpdateResult, ObjectState, State, broadcast_object
 from .shrink import Recovery, shrink_world, world
 
-__all__ = ["run", "run_fn", "State", "ObjectState", "broadcast_object", "world",
+__all__ = ["run", "run_fn", "State", "ObjectState", "HostUpdateResult", "broadcast_object",
+           "world",
            "shrink_world", "Recovery", "last_recovery", "ProcessFailedError",
            "TooFewRanksError", "ResetLimitError", "HostsUpdatedInterrupt", "HostsAddedInterrupt",
            "DiscoveryError", "grow_world", "Growth", "GrowthError", "last_growth", "joined"]

@@ -13,7 +13,8 @@ world, restore the last commit and run it again (Horovod's ``run_fn``).
 4. on :class:`~mpicoll.HostsUpdatedInterrupt` (raised by a commit: the state is the
    commit, nothing is restored): when discovery found room for more ranks
    (:class:`~mpicoll.elastic.discovery.HostsAddedInterrupt`), ``grow(new_size)`` starts
-   them and merges them into the world (:mod:`mpicoll.elastic.grow`), else ``reset()``;
+   them and merges them into the world (:mod:`mpicoll.elastic.grow`); after a host update
+   message (:meth:`~mpicoll.elastic.State.on_hosts_updated`) the world stays as it is;
    then the reset callbacks, and back to 2 (synchronising unless the interrupt says it may
    be skipped: new ranks need the state).
 
@@ -178,8 +179,12 @@ def _grow_or_reset(exc: HostsUpdatedInterrupt | None, reset: Callable[[], Any],
                    grow: Callable[[int], Any] | None) -> Any:
     """The reset after ``exc`` (``None``: a process failure): grow the world when hosts
     were added (shrink instead if a process fails meanwhile; stay at the size when the new
-    processes cannot start), else ``reset()``. Returns the :class:`~mpicoll.elastic.grow.Growth` or
+    processes cannot start), else ``reset()``; after a host update message
+    (:meth:`~mpicoll.elastic.State.on_hosts_updated`: no process failed, none was added)
+    the world stays as it is. Returns the :class:`~mpicoll.elastic.grow.Growth` or
     :class:`~mpicoll.elastic.Recovery` made, if any."""
+    if exc is not None and not isinstance(exc, HostsAddedInterrupt):
+        return None
     if grow is None or not isinstance(exc, HostsAddedInterrupt):
         _reset_until_stable(reset)
         return world_module.last_recovery

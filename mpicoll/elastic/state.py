@@ -11,13 +11,25 @@
 from __future__ import annotations
 
 import copy
+import enum
 import pickle
+import queue
 from typing import Any, Callable
 
 from .. import context
+from ..errors import HostsUpdatedInterrupt
 from .discovery import check_host_updates
 
-__all__ = ["State", "ObjectState", "broadcast_object"]
+__all__ = ["State", "ObjectState", "broadcast_object", "HostUpdateResult"]
+
+
+class HostUpdateResult(enum.IntFlag):
+    """What a host update did (Horovod's ``horovod.runner.elastic.worker.HostUpdateResult``),
+    the second argument of :meth:`State.on_hosts_updated`."""
+    no_update = 0
+    removed = 1
+    added = 2
+    mixed = removed | added
 
 
 def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
@@ -54,6 +66,8 @@ class State:
         self._bcast_object = bcast_object or broadcast_object
         self._rank = get_rank or _world_rank
         self._reset_callbacks: list[Callable[[], None]] = []
+        self._host_messages: queue.Queue = queue.Queue()
+        self._last_updated_timestamp: float = 0
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Call each of ``callbacks`` (no arguments), in order, after every reset."""
@@ -61,10 +75,21 @@ class State:
 
     def on_reset(self) -> None:
         """Run by :func:`mpicoll.elastic.run` after a reset: :meth:`reset`, then the
-        callbacks."""
+        callbacks (host update messages not yet checked are dropped: the reset answered
+        them)."""
+        self._host_messages = queue.Queue()
         self.reset()
         for callback in self._reset_callbacks:
             callback()
+
+    def on_hosts_updated(self, timestamp: float, update_res: HostUpdateResult) -> None:
+        """A host update message (Horovod's listener call, from any thread): hosts were
+        ``update_res`` (:class:`HostUpdateResult`) at ``timestamp``. The next
+        :meth:`check_host_updates` (at the next commit) raises
+        :class:`~mpicoll.HostsUpdatedInterrupt` on every rank when rank 0 holds a message
+        newer than the last one acted on; its ``skip_sync`` is true when hosts were only
+        removed."""
+        self._host_messages.put((timestamp, update_res))
 
     def commit(self) -> None:
         """Save the state in memory (a copy: a failure later goes back to it); under the
@@ -77,15 +102,33 @@ class State:
 
     def check_host_updates(self) -> None:
         """Raise :class:`~mpicoll.HostsUpdatedInterrupt` on every rank when discovery
-        found room for more ranks (Horovod's check): inside :func:`mpicoll.elastic.run`
-        with a discovery, one small broadcast from rank 0 (collective: every rank calls
-        it, as often as the others); without a discovery, nothing.
+        found room for more ranks or a host update message came (Horovod's check).
+        Collective: every rank calls it, as often as the others. Inside
+        :func:`mpicoll.elastic.run` with a discovery, one small broadcast from rank 0 for
+        it; then, as Horovod does, rank 0's newest :meth:`on_hosts_updated` message and
+        the last one acted on are broadcast with ``bcast_object`` (rank 0 decides for
+        all).
 
         Raises:
-            HostsUpdatedInterrupt: the job is to grow (the state is not rolled back).
+            HostsUpdatedInterrupt: the job is to grow or to reset (the state is not rolled
+                back); ``HostsAddedInterrupt`` from a discovery.
             DiscoveryError: discovery failed (on every rank).
         """
         check_host_updates()
+        previous = newest = self._last_updated_timestamp
+        update = HostUpdateResult.no_update
+        while True:
+            try:
+                timestamp, result = self._host_messages.get_nowait()
+            except queue.Empty:
+                break
+            if timestamp > newest:
+                newest = timestamp
+                update |= result
+        previous, self._last_updated_timestamp, update = self._bcast_object(
+            (previous, newest, int(update)))
+        if self._last_updated_timestamp > previous:
+            raise HostsUpdatedInterrupt(skip_sync=update == HostUpdateResult.removed)
 
     def save(self) -> None:
         """Keep a copy of the state (the commit)."""

@@ -170,3 +170,49 @@ def test_limits_come_from_the_environment(monkeypatch) -> None:
     finally:
         monkeypatch.undo()
         config.refresh()
+
+
+def test_host_update_messages_interrupt_the_next_commit() -> None:
+    """Horovod's State.on_hosts_updated: a newer message interrupts the next commit
+    (skip_sync when hosts were only removed), once; an older one does nothing; a reset
+    drops what was not checked."""
+    result = elastic.HostUpdateResult
+    state = elastic.ObjectState(step=0)
+    state.commit()                                   # no message: nothing
+    state.on_hosts_updated(5.0, result.removed)
+    state.step = 1
+    with pytest.raises(elastic.HostsUpdatedInterrupt) as exc:
+        state.commit()
+    assert exc.value.skip_sync is True and state.step == 1
+    state.restore()
+    assert state.step == 1                           # the commit was taken before the check
+    state.commit()                                   # acted on: not again
+    state.on_hosts_updated(4.0, result.added)        # older than the last acted on
+    state.commit()
+    state.on_hosts_updated(6.0, result.removed)
+    state.on_hosts_updated(7.0, result.added)
+    with pytest.raises(elastic.HostsUpdatedInterrupt) as exc:
+        state.commit()
+    assert exc.value.skip_sync is False              # mixed: the state is synced again
+    state.on_hosts_updated(9.0, result.added)
+    state.on_reset()
+    state.commit()                                   # dropped by the reset
+    assert result.mixed == result.added | result.removed and int(result.no_update) == 0
+
+
+def test_run_resets_on_a_host_update_and_goes_on() -> None:
+    state = elastic.ObjectState(step=0)
+    resets, calls = [], []
+    state.register_reset_callbacks([lambda: resets.append(state.step)])
+
+    @elastic.run
+    def f(state: elastic.ObjectState) -> int:
+        calls.append(state.step)
+        while state.step < 4:
+            state.step += 1
+            if state.step == 2 and not resets:
+                state.on_hosts_updated(1.0, elastic.HostUpdateResult.added)
+            state.commit()
+        return state.step
+
+    assert f(state) == 4 and resets == [2] and calls == [0, 2]

@@ -50,14 +50,14 @@ from ...elastic.discovery import configure as configure_discovery
 from ...elastic.grow import GrowthError
 from ...elastic.grow import grow_world as _grow_world
 from ...elastic.runner import limits, run_fn
-from ...elastic.state import ObjectState, State
+from ...elastic.state import HostUpdateResult, ObjectState, State
 from ...errors import HostsUpdatedInterrupt, ProcessFailedError, TooFewRanksError
 from .. import state as _torch_state
 from ..distributed.reconfigure import follow_world
 from .sampler import ElasticSampler
 from .state import TorchState
 
-__all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler",
+__all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HostUpdateResult",
            "HorovodInternalError", "HostsUpdatedInterrupt", "TooFewRanksError", "DiscoveryError",
            "last_recovery", "last_growth", "joined"]
 
