@@ -11,6 +11,11 @@ runtime's world (a program that only uses ``torch.distributed``, DDP say, needs 
 ``hvd.init()``). After a reset, :meth:`TorchState.reset` rebuilds the "mpicoll" process
 groups on the new world (:func:`mpicoll.torch.distributed.reconfigure.follow_world`), so a
 DDP module built once goes on with the survivors.
+
+An FSDP2 model (DTensor parameters) and the optimizers over it get handlers that commit a
+full copy of their state on every rank, and after a reset shard it again over the
+survivors (:mod:`mpicoll.torch.elastic.sharded`); a ``DeviceMesh`` given as a keyword
+argument is renumbered over the survivors too.
 """
 from __future__ import annotations
 
@@ -25,11 +30,13 @@ from ...elastic import state as elastic_state
 from ...elastic.state import ObjectState
 from .. import functions
 from ..distributed.reconfigure import follow_world
+from . import sharded
 from .sampler import ElasticSampler
 from .world import hvd_started, rank
 
 __all__ = ["TorchState", "snapshot", "StateHandler", "ModelStateHandler", "OptimizerStateHandler",
-           "DiLoCoStateHandler", "SchedulerStateHandler", "SamplerStateHandler"]
+           "DiLoCoStateHandler", "SchedulerStateHandler", "SamplerStateHandler",
+           "ShardedModelStateHandler", "ShardedOptimizerStateHandler", "MeshStateHandler"]
 
 
 def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
@@ -122,6 +129,80 @@ class DiLoCoStateHandler(StateHandler):
         self.value.load_state_dict(state)
 
 
+class ShardedModelStateHandler(StateHandler):
+    """An FSDP2 model: the commit is a full copy of its state on every rank (an all-gather
+    of every parameter: collective); restore waits for the reset, which shards the copy
+    again over the survivors (:meth:`reshard`); sync loads rank 0's full state into every
+    rank's shards."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.optimizers: list[ShardedOptimizerStateHandler] = []
+        self.save()
+
+    def save(self) -> None:
+        self.saved = sharded.full_state(self.value)["model"]
+
+    def restore(self) -> None:
+        """Nothing yet: the world has lost ranks; :meth:`reshard` puts the commit back."""
+
+    def reshard(self) -> None:
+        """After the world changed: shard the commit over the renumbered mesh, point the
+        optimizers at the new parameters and give them their commit back."""
+        sharded.reshard(self.value, self.saved, [h.value for h in self.optimizers])
+        sharded.load_full_state(self.value, {"model": self.saved})
+        for handler in self.optimizers:
+            handler.load(handler.saved)
+
+    def sync(self) -> None:
+        full = sharded.full_state(self.value)["model"]
+        broadcast_tensors(full, root_rank=0)
+        sharded.load_full_state(self.value, {"model": full})
+
+
+class ShardedOptimizerStateHandler(StateHandler):
+    """An optimizer over an FSDP2 model's parameters: its commit is the full optimizer
+    state dict (collective); the model's handler restores it after resharding."""
+
+    def __init__(self, value: Any, model: ShardedModelStateHandler) -> None:
+        self.value, self.model = value, model
+        model.optimizers.append(self)
+        self.save()
+
+    def save(self) -> None:
+        self.saved = sharded.full_state(self.model.value, self.value)["optimizer"]
+
+    def load(self, state: dict) -> None:
+        """Load a full optimizer state dict into this rank's shards (local)."""
+        sharded.load_optimizer_state(self.model.value, self.value, snapshot(state))
+
+    def restore(self) -> None:
+        """Nothing yet: the model's :meth:`ShardedModelStateHandler.reshard` loads it."""
+
+    def sync(self) -> None:
+        mine = sharded.full_state(self.model.value, self.value)["optimizer"]
+        self.load(broadcast_object(mine, root_rank=0))
+
+
+class MeshStateHandler(StateHandler):
+    """A ``DeviceMesh``: no state; renumbered over the survivors after a reset."""
+
+    def __init__(self, value: Any) -> None:
+        self.value, self.saved = value, None
+
+    def save(self) -> None:
+        pass
+
+    def restore(self) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        sharded.follow_mesh(self.value)
+
+
 class SchedulerStateHandler(StateHandler):
     """An LR scheduler."""
 
@@ -137,9 +218,21 @@ def _scheduler_types() -> tuple[type, ...]:
                              getattr(scheduler, "_LRScheduler", None)) if t is not None)
 
 
-def _handler_for(value: Any) -> StateHandler | None:
+def _handler_for(value: Any, handlers: dict[str, StateHandler]) -> StateHandler | None:
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
+
     from ..diloco import DiLoCo  # noqa: PLC0415  (it imports the runtime: only here)
 
+    if isinstance(value, torch.nn.Module) and sharded.is_sharded(value):
+        return ShardedModelStateHandler(value)
+    if isinstance(value, torch.optim.Optimizer):
+        mine = {id(p) for group in value.param_groups for p in group["params"]}
+        for handler in handlers.values():
+            if isinstance(handler, ShardedModelStateHandler) and any(
+                    id(p) in mine for p in handler.value.parameters()):
+                return ShardedOptimizerStateHandler(value, handler)
+    if isinstance(value, DeviceMesh):
+        return MeshStateHandler(value)
     for kind, handler in ((torch.nn.Module, ModelStateHandler),
                           (DiLoCo, DiLoCoStateHandler),
                           (torch.optim.Optimizer, OptimizerStateHandler),
@@ -165,7 +258,7 @@ class TorchState(ObjectState):
         handlers: dict[str, StateHandler] = {}
         plain: dict[str, Any] = {}
         for name, value in kwargs.items():
-            handler = _handler_for(value) if value is not None else None
+            handler = _handler_for(value, handlers) if value is not None else None
             if handler is None:
                 plain[name] = value
             else:
@@ -191,8 +284,16 @@ class TorchState(ObjectState):
         super().sync()
 
     def reset(self) -> None:
-        """After a reset: the "mpicoll" process groups go on over the new world."""
+        """After a reset: the "mpicoll" process groups go on over the new world; so do
+        the DeviceMeshes held, and the FSDP2 models are sharded again over the
+        survivors from their commit."""
         follow_world()
+        for handler in self._handlers.values():
+            if isinstance(handler, MeshStateHandler):
+                handler.reset()
+        for handler in self._handlers.values():
+            if isinstance(handler, ShardedModelStateHandler):
+                handler.reshard()
 
     def __setattr__(self, name: str, value: Any) -> None:
         handlers = self.__dict__.get("_handlers", {})
