@@ -172,6 +172,52 @@ def train_to_target(train: Any, a: argparse.Namespace, seed: int, model: Any, op
     return train_seconds, steps, log, reached
 
 
+class WireBytes:
+    """Bytes that this rank's node sent on the network interface ``iface`` (its
+    ``/proc/net/dev`` transmit counter: frames as sent, IP and TCP headers included), all
+    nodes summed, counting only while not paused: on the test bed (``cluster/``) each node
+    is a network namespace whose ``eth0`` carries exactly what leaves the node (to the other
+    nodes, and to ``head``: the launcher's control traffic). One rank per node (local rank
+    0) contributes. ``iface=None``: nothing is measured (``total()`` is ``None``).
+    """
+
+    def __init__(self, hvd: Any, iface: str | None) -> None:
+        self.hvd, self.iface = hvd, iface
+        self.reader = iface is not None and hvd.local_rank() == 0
+        self.counted = 0
+        self.since = self._read() if self.reader else 0
+        self.running = True
+
+    def _read(self) -> int:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, sep, rest = line.partition(":")
+                if sep and name.strip() == self.iface:
+                    return int(rest.split()[8])      # transmit bytes
+        raise SystemExit(f"--wire-iface {self.iface}: no such interface in /proc/net/dev")
+
+    def pause(self) -> None:
+        """Stop counting (before an evaluation: its traffic is not training's)."""
+        if self.reader and self.running:
+            self.counted += self._read() - self.since
+        self.running = False
+
+    def resume(self) -> None:
+        """Count again from now."""
+        if self.reader and not self.running:
+            self.since = self._read()
+        self.running = True
+
+    def total(self, name: str) -> float | None:
+        """The bytes counted so far, all nodes (collective: every rank calls it, paused)."""
+        if self.iface is None:
+            return None
+        import torch  # noqa: PLC0415
+
+        mine = torch.tensor([float(self.counted if self.reader else 0)], dtype=torch.float64)
+        return float(self.hvd.allreduce(mine, op=self.hvd.Sum, name=name))
+
+
 def write_results(a: argparse.Namespace, module: str, argv: list[str] | None,
                   env: dict[str, str], summary: Any, records: list[dict]) -> str:
     """Write ``<a.out>/<a.name>.json`` (the command, the machine, the environment, the
