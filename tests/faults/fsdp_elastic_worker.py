@@ -9,6 +9,10 @@ size, mesh, a digest of the full parameters and (rank 0) how far they are from a
 single-process reference restarted at 3 ranks from the step-``KILL_AT`` commit, and from
 one dividing by 4 (which must be far off).
 
+``fsdp-backward``: the same, the last rank killed inside its backward pass at step
+``KILL_AT`` (the survivors fail in FSDP's backward collectives: FSDP's iteration state is
+reset before the reshard).
+
 ``mesh2d``: a 2 x 2 DeviceMesh held by the ``TorchState``; after the last rank's death the
 3 survivors cannot fill it: ``ValueError`` on every survivor, the job ends non-zero.
 """
@@ -52,7 +56,7 @@ def plain_optimizer_state(full_model_state: dict, full_optim_state: dict) -> dic
     return opt.state_dict()
 
 
-def train_fsdp() -> None:
+def train_fsdp(in_backward: bool = False) -> None:
     dist.init_process_group("mpicoll")
     start = dist.get_world_size()
     mesh = init_device_mesh("cpu", (start,))
@@ -77,12 +81,16 @@ def train_fsdp() -> None:
     @hvd.elastic.run
     def train(state) -> None:
         while state.step < STEPS:
-            if (state.step == KILL_AT and dist.get_world_size() == start
-                    and dist.get_rank() == start - 1):
+            dies = (state.step == KILL_AT and dist.get_world_size() == start
+                    and dist.get_rank() == start - 1)
+            if dies and not in_backward:
                 os.kill(os.getpid(), signal.SIGKILL)
             opt.zero_grad()
             x, y = batch(dist.get_rank(), state.step)
-            F.mse_loss(model(x), y).backward()
+            out = model(x)
+            if dies:            # half-way through the backward pass: the others are in it
+                out.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+            F.mse_loss(out, y).backward()
             opt.step()
             state.step += 1
             state.commit()
@@ -125,4 +133,5 @@ def mesh_2d() -> None:
 
 
 if __name__ == "__main__":
-    {"fsdp": train_fsdp, "mesh2d": mesh_2d}[sys.argv[1]]()
+    {"fsdp": train_fsdp, "fsdp-backward": lambda: train_fsdp(in_backward=True),
+     "mesh2d": mesh_2d}[sys.argv[1]]()

@@ -14,10 +14,12 @@ fsdp_elastic_worker.py:
   Then the last of the 3 is killed too: ``dist.shrink_group(exc.failed_ranks)`` after a
   caught ``ProcessFailedError`` gives a default group of the 2 others whose all-reduce
   sums over 2 and on which a new DDP module averages its gradients;
-- ``fsdp`` (4 ranks): an FSDP2 model (SGD with momentum) built once over a 1-D mesh, the
-  last rank killed at step 20 of 60: the 3 survivors' mesh is ``[0, 1, 2]``, their full
-  parameters are bitwise identical and within 1e-6 of the reference restarted at 3 ranks
-  from the step-20 commit (the one dividing by 4 is far off);
+- ``fsdp-backward`` (4 ranks): an FSDP2 model (SGD with momentum) built once over a 1-D
+  mesh, the last rank killed inside its backward pass at step 20 of 60 (the survivors
+  fail in FSDP's backward collectives): the 3 survivors' mesh is ``[0, 1, 2]``, their
+  full parameters are bitwise identical and within 1e-6 of the reference restarted at 3
+  ranks from the step-20 commit (the one dividing by 4 is far off); with
+  ``ULFM_ALL_CASES=1`` also ``fsdp``, the rank killed before its step;
 - ``mesh2d`` (4 ranks): a 2 x 2 DeviceMesh in the state; after the last rank's death the
   3 survivors cannot fill it: ``ValueError`` on every survivor, status non-zero;
 - ``reset-limit``: ``MPICOLL_ELASTIC_RESET_LIMIT=1``; rank 1 raises at step 20: it prints
@@ -47,8 +49,8 @@ JOB_TIMEOUT_S = 120
 #: name -> (world size, worker mode, extra environment)
 JOBS = {"ddp": (4, "ddp", {}),
         "reset-limit": (3, "raise-twice", {"MPICOLL_ELASTIC_RESET_LIMIT": "1"}),
-        "fsdp": (4, "fsdp", {}), "mesh2d": (4, "mesh2d", {})}
-MORE_JOBS = {"raise": (3, "raise", {}), "raise-all": (3, "raise-all", {}),
+        "fsdp-backward": (4, "fsdp-backward", {}), "mesh2d": (4, "mesh2d", {})}
+MORE_JOBS = {"fsdp": (4, "fsdp", {}), "raise": (3, "raise", {}), "raise-all": (3, "raise-all", {}),
              "below-min-np": (3, "raise", {"MPICOLL_ELASTIC_MIN_NP": "3"})}
 SELECTED = dict(ulfm_jobs.selected(list(JOBS.items()), list(MORE_JOBS.items())))
 
@@ -57,8 +59,8 @@ SELECTED = dict(ulfm_jobs.selected(list(JOBS.items()), list(MORE_JOBS.items())))
 def outputs() -> dict:
     python = ompi_env.ompi_python(need_torch=True)
     return ulfm_jobs.run_jobs(python, {
-        name: (FSDP_WORKER if mode in ("fsdp", "mesh2d") else WORKER, n, [mode], env,
-               JOB_TIMEOUT_S)
+        name: (FSDP_WORKER if mode in ("fsdp", "fsdp-backward", "mesh2d") else WORKER, n,
+               [mode], env, JOB_TIMEOUT_S)
         for name, (n, mode, env) in SELECTED.items()})
 
 
@@ -96,8 +98,9 @@ def test_shrink_group_after_a_failure(outputs) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_fsdp2_is_sharded_again_over_the_survivors(outputs) -> None:
-    rc, out, tail = _result(outputs, "fsdp")
+@pytest.mark.parametrize("name", [n for n in ("fsdp-backward", "fsdp") if n in SELECTED])
+def test_fsdp2_is_sharded_again_over_the_survivors(outputs, name) -> None:
+    rc, out, tail = _result(outputs, name)
     assert rc == 0, tail
     done = {int(f[0]): f[1:] for f in ulfm_jobs.lines(out, "DONE")}
     assert sorted(done) == [0, 1, 2], tail

@@ -147,6 +147,22 @@ def _fqn_of(model: torch.nn.Module) -> dict[tuple[int, str], str]:
             for name, _ in module.named_parameters(recurse=False)}
 
 
+def _end_iteration(model: torch.nn.Module, fsdp_module: type) -> None:
+    """FSDP's own recovery after a forward or backward that raised
+    (``FSDPModule.reset_iter_state``: per-iteration state cleared, parameters back to
+    their shards), on each root FSDP module of ``model``, without waiting for the
+    all-gather that failed (its Work raises)."""
+    for module in model.modules():
+        if not isinstance(module, fsdp_module):
+            continue
+        state = module._get_fsdp_state()
+        for group in getattr(state, "_fsdp_param_groups", ()):
+            group._all_gather_result = None
+        if getattr(state, "_is_root", None) is not False and hasattr(module,
+                                                                     "reset_iter_state"):
+            module.reset_iter_state()
+
+
 def reshard(model: torch.nn.Module, full: dict, optimizers: list[Any] = ()) -> int:
     """Shard every FSDP2 parameter of ``model`` again over its (renumbered) mesh, from
     ``full`` (a full model state dict: :func:`full_state`'s ``"model"``), and point
@@ -165,6 +181,7 @@ def reshard(model: torch.nn.Module, full: dict, optimizers: list[Any] = ()) -> i
     except ImportError as exc:
         raise RuntimeError(f"this torch's FSDP2 cannot be resharded: {exc}") from exc
     names = _fqn_of(model)
+    _end_iteration(model, FSDPModule)
     replaced: dict[int, torch.nn.Parameter] = {}
     seen_meshes: set[int] = set()
     for module in model.modules():
