@@ -85,6 +85,11 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MPICOLL_ELASTIC_RESET_LIMIT", "mpicoll.elastic", "unset (no limit)",
              "the most resets (shrinks and growths) an elastic job goes through, when `run` "
              "is given no `reset_limit=` (horovodrun's `--reset-limit`)"),
+    Variable("MPICOLL_ELASTIC_HOST_UPDATES", "mpicoll.elastic", "0",
+             "`1`: every commit checks rank 0's host update messages "
+             "(`State.on_hosts_updated`, Horovod's listener) with one small broadcast, also "
+             "without a discovery; `0`: only with a discovery active (the commit stays "
+             "local otherwise)"),
     Variable("MPICOLL_CUDA_AWARE", "mpicoll.gpu", "detect",
              "`1`: the MPI library takes device pointers (device arrays go straight to "
              "MPI); `0`: stage them through pinned host memory; unset or `auto`: detect "

@@ -52,3 +52,20 @@ def pytest_ignore_collect(collection_path, config):  # noqa: ANN001, ANN201
     if not _mpi_active(config) and (collection_path / "MPI_SUITE").exists():
         return True
     return None
+
+
+@pytest.fixture
+def mpicoll_env(monkeypatch):
+    """``mpicoll_env(NAME="value", ...)`` sets ``MPICOLL_*`` variables for one test;
+    mpicoll's cache of them (:func:`mpicoll.config.refresh`) is cleared after setting them
+    and again when the test ends."""
+    from mpicoll import config
+
+    def setenv(**values: str) -> None:
+        for name, value in values.items():
+            monkeypatch.setenv(name, value)
+        config.refresh()
+
+    yield setenv
+    monkeypatch.undo()
+    config.refresh()

@@ -14,10 +14,14 @@ import copy
 import enum
 import pickle
 import queue
+import warnings
 from typing import Any, Callable
 
-from .. import context
+import numpy as np
+
+from .. import config, context
 from ..errors import HostsUpdatedInterrupt
+from .discovery import active as discovery_active
 from .discovery import check_host_updates
 
 __all__ = ["State", "ObjectState", "broadcast_object", "HostUpdateResult"]
@@ -40,6 +44,13 @@ def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
 
 def _world_rank() -> int:
     return context.world().Get_rank()
+
+
+def checks_host_messages() -> bool:
+    """Whether commits check host update messages now: with a discovery active (every
+    rank knows it), or under ``MPICOLL_ELASTIC_HOST_UPDATES=1``. The same on every rank."""
+    return discovery_active() is not None or config.env_bool("MPICOLL_ELASTIC_HOST_UPDATES",
+                                                             False)
 
 
 def _copy(value: Any) -> Any:
@@ -88,7 +99,14 @@ class State:
         :meth:`check_host_updates` (at the next commit) raises
         :class:`~mpicoll.HostsUpdatedInterrupt` on every rank when rank 0 holds a message
         newer than the last one acted on; its ``skip_sync`` is true when hosts were only
-        removed."""
+        removed. Checked at commits while a discovery is active (``run(discovery=...)``),
+        or always under ``MPICOLL_ELASTIC_HOST_UPDATES=1`` (a broadcast per commit);
+        otherwise the message waits, with a warning."""
+        if not checks_host_messages():
+            warnings.warn("mpicoll.elastic: a host update message is checked at commits "
+                          "only while a discovery is active or under "
+                          "MPICOLL_ELASTIC_HOST_UPDATES=1; it waits until then",
+                          RuntimeWarning, stacklevel=2)
         self._host_messages.put((timestamp, update_res))
 
     def commit(self) -> None:
@@ -103,11 +121,14 @@ class State:
     def check_host_updates(self) -> None:
         """Raise :class:`~mpicoll.HostsUpdatedInterrupt` on every rank when discovery
         found room for more ranks or a host update message came (Horovod's check).
-        Collective: every rank calls it, as often as the others. Inside
-        :func:`mpicoll.elastic.run` with a discovery, one small broadcast from rank 0 for
-        it; then, as Horovod does, rank 0's newest :meth:`on_hosts_updated` message and
-        the last one acted on are broadcast with ``bcast_object`` (rank 0 decides for
-        all).
+        Collective (every rank calls it, as often as the others) while a discovery is
+        active (:func:`mpicoll.elastic.run` with ``discovery=``) or under
+        ``MPICOLL_ELASTIC_HOST_UPDATES=1``; local otherwise. With a discovery, one small
+        broadcast from rank 0 for it; then, as Horovod does, rank 0's newest
+        :meth:`on_hosts_updated` message and the last one acted on are broadcast (rank 0
+        decides for all): 24 bytes through mpicoll's broadcast over the current world, not
+        ``bcast_object`` (a pickled broadcast through the Horovod engine costs
+        milliseconds per commit).
 
         Raises:
             HostsUpdatedInterrupt: the job is to grow or to reset (the state is not rolled
@@ -115,6 +136,8 @@ class State:
             DiscoveryError: discovery failed (on every rank).
         """
         check_host_updates()
+        if not checks_host_messages():
+            return
         previous = newest = self._last_updated_timestamp
         update = HostUpdateResult.no_update
         while True:
@@ -125,10 +148,13 @@ class State:
             if timestamp > newest:
                 newest = timestamp
                 update |= result
-        previous, self._last_updated_timestamp, update = self._bcast_object(
-            (previous, newest, int(update)))
+        from .. import collectives  # noqa: PLC0415  (the guarded broadcast; imported late)
+
+        word = np.array([previous, newest, int(update)], dtype=np.float64)
+        collectives.broadcast(word, root=0, comm=context.world())
+        previous, self._last_updated_timestamp = float(word[0]), float(word[1])
         if self._last_updated_timestamp > previous:
-            raise HostsUpdatedInterrupt(skip_sync=update == HostUpdateResult.removed)
+            raise HostsUpdatedInterrupt(skip_sync=int(word[2]) == HostUpdateResult.removed)
 
     def save(self) -> None:
         """Keep a copy of the state (the commit)."""

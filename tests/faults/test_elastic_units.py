@@ -172,7 +172,21 @@ def test_limits_come_from_the_environment(monkeypatch) -> None:
         config.refresh()
 
 
-def test_host_update_messages_interrupt_the_next_commit() -> None:
+@pytest.fixture
+def host_updates(mpicoll_env) -> None:
+    """MPICOLL_ELASTIC_HOST_UPDATES=1 (no discovery here)."""
+    mpicoll_env(MPICOLL_ELASTIC_HOST_UPDATES="1")
+
+
+def test_host_update_messages_wait_without_a_discovery_or_the_variable() -> None:
+    state = elastic.ObjectState(step=0)
+    with pytest.warns(RuntimeWarning, match="MPICOLL_ELASTIC_HOST_UPDATES"):
+        state.on_hosts_updated(5.0, elastic.HostUpdateResult.added)
+    state.commit()                                   # local: not checked
+    assert state._host_messages.qsize() == 1
+
+
+def test_host_update_messages_interrupt_the_next_commit(host_updates) -> None:
     """Horovod's State.on_hosts_updated: a newer message interrupts the next commit
     (skip_sync when hosts were only removed), once; an older one does nothing; a reset
     drops what was not checked."""
@@ -200,7 +214,7 @@ def test_host_update_messages_interrupt_the_next_commit() -> None:
     assert result.mixed == result.added | result.removed and int(result.no_update) == 0
 
 
-def test_run_resets_on_a_host_update_and_goes_on() -> None:
+def test_run_resets_on_a_host_update_and_goes_on(host_updates) -> None:
     state = elastic.ObjectState(step=0)
     resets, calls = [], []
     state.register_reset_callbacks([lambda: resets.append(state.step)])

@@ -1,5 +1,6 @@
 """Elastic state on every rank (no failure, no ULFM): Horovod's host update messages
-(``State.on_hosts_updated``) are decided by rank 0 for all ranks at a commit."""
+(``State.on_hosts_updated``) are decided by rank 0 for all ranks at a commit (under
+``MPICOLL_ELASTIC_HOST_UPDATES=1``: there is no discovery here)."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,11 @@ import mpicoll.elastic as elastic
 from cases import RANK, SIZE
 
 pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(autouse=True)
+def host_updates(mpicoll_env) -> None:
+    mpicoll_env(MPICOLL_ELASTIC_HOST_UPDATES="1")
 
 
 def test_rank_0s_host_messages_decide_for_every_rank() -> None:
