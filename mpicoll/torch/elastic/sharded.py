@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["is_sharded", "full_state", "load_full_state", "load_optimizer_state",
-           "follow_mesh", "reshard", "meshes_of"]
+           "follow_mesh", "reshard"]
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -82,17 +82,6 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: Any, state: dict) ->
     from torch.distributed.checkpoint import state_dict as dcp  # noqa: PLC0415
 
     dcp.set_optimizer_state_dict(model, optimizer, state, options=_options())
-
-
-def meshes_of(model: torch.nn.Module) -> list[Any]:
-    """The distinct DeviceMeshes ``model``'s DTensor parameters live on."""
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-    found: dict[int, Any] = {}
-    for p in model.parameters():
-        if isinstance(p, DTensor):
-            found.setdefault(id(p.device_mesh), p.device_mesh)
-    return list(found.values())
 
 
 def follow_mesh(mesh: Any) -> bool:
