@@ -79,6 +79,20 @@ def reference(model_state: dict, opt_state: dict, first: int, size: int,
     return model
 
 
+def print_reference_diffs(model: torch.nn.Module, at_reset: dict, start: int) -> None:
+    """Print ``REFDIFF`` and how far ``model`` is from the reference restarted from the
+    commit ``at_reset`` (``step``, ``size``, ``model``, ``opt``) and from one dividing by
+    the old size ``start`` (as a reducer that kept it would): that one must be far off, or
+    the check could not fail."""
+    diffs = []
+    for divisor in (at_reset["size"], start):
+        ref = reference(at_reset["model"], at_reset["opt"], at_reset["step"],
+                        at_reset["size"], divisor)
+        diffs.append(max((a - b).abs().max().item()
+                         for a, b in zip(model.parameters(), ref.parameters())))
+    print(f"REFDIFF {diffs[0]:.3e} {diffs[1]:.3e}", flush=True)
+
+
 def train_ddp(mode: str) -> None:
     dist.init_process_group("mpicoll")
     start = dist.get_world_size()
@@ -120,15 +134,7 @@ def train_ddp(mode: str) -> None:
     print(f"DONE {dist.get_rank()} {dist.get_world_size()} {digest(model)} "
           f"{int(total.item())} {at_reset.get('step', -1)}", flush=True)
     if dist.get_rank() == 0 and at_reset:
-        diffs = []
-        # the reference from the commit, and one dividing by the old size (as a reducer
-        # that kept it would): that one must be far off, or the check could not fail
-        for divisor in (at_reset["size"], start):
-            ref = reference(at_reset["model"], at_reset["opt"], at_reset["step"],
-                            at_reset["size"], divisor)
-            diffs.append(max((a - b).abs().max().item()
-                             for a, b in zip(model.parameters(), ref.parameters())))
-        print(f"REFDIFF {diffs[0]:.3e} {diffs[1]:.3e}", flush=True)
+        print_reference_diffs(model, at_reset, start)
     if mode == "ddp":
         shrink_after_failure(model)
     dist.destroy_process_group()

@@ -29,7 +29,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import mpicoll.torch as hvd
-from ddp_elastic_worker import KILL_AT, STEPS, batch, digest, make_model, optimizer_of, reference
+from ddp_elastic_worker import (KILL_AT, STEPS, batch, digest, make_model, optimizer_of,
+                                print_reference_diffs)
+from mpicoll.torch.elastic import sharded
 
 
 def full_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -43,16 +45,10 @@ def full_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def plain_optimizer_state(full_model_state: dict, full_optim_state: dict) -> dict:
     """A full (DCP) optimizer state dict as a plain model's optimizer state_dict()."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                         get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
-
     plain = make_model()
     plain.load_state_dict(full_model_state)
     opt = optimizer_of(plain.parameters())
-    options = StateDictOptions(full_state_dict=True)
-    set_optimizer_state_dict(plain, opt, full_optim_state, options=options)
-    del get_optimizer_state_dict
+    sharded.load_optimizer_state(plain, opt, full_optim_state)
     return opt.state_dict()
 
 
@@ -100,13 +96,7 @@ def train_fsdp(in_backward: bool = False) -> None:
     print(f"DONE {dist.get_rank()} {dist.get_world_size()} {mesh.mesh.tolist()} "
           f"{digest(plain)} {at_reset.get('step', -1)}", flush=True)
     if dist.get_rank() == 0 and at_reset:
-        diffs = []
-        for divisor in (at_reset["size"], start):
-            ref = reference(at_reset["model"], at_reset["opt"], at_reset["step"],
-                            at_reset["size"], divisor)
-            diffs.append(max((a - b).abs().max().item()
-                             for a, b in zip(plain.parameters(), ref.parameters())))
-        print(f"REFDIFF {diffs[0]:.3e} {diffs[1]:.3e}", flush=True)
+        print_reference_diffs(plain, at_reset, start)
     dist.destroy_process_group()
 
 

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_sharded", "full_state", "load_full_state", "load_optimizer_state",
+__all__ = ["is_sharded", "full_model_state", "full_optimizer_state", "load_model_state",
+           "load_optimizer_state",
            "follow_mesh", "reshard"]
 
 
@@ -54,30 +55,33 @@ def _host_copy(value: Any) -> Any:
     return value
 
 
-def full_state(model: torch.nn.Module, optimizer: Any = None) -> dict:
-    """The full (unsharded) state of ``model`` and, if given, ``optimizer``, as host
-    tensors on every rank: ``{"model": ..., "optimizer": ...}`` (collective over the
-    model's mesh)."""
+def full_model_state(model: torch.nn.Module) -> dict:
+    """The full (unsharded) state dict of ``model``, as host tensors on every rank
+    (collective over the model's mesh: an all-gather per parameter)."""
     from torch.distributed.checkpoint import state_dict as dcp  # noqa: PLC0415
 
-    out = {"model": _host_copy(dcp.get_model_state_dict(model, options=_options()))}
-    if optimizer is not None:
-        out["optimizer"] = _host_copy(dcp.get_optimizer_state_dict(model, optimizer,
-                                                                   options=_options()))
-    return out
+    return _host_copy(dcp.get_model_state_dict(model, options=_options()))
 
 
-def load_full_state(model: torch.nn.Module, state: dict) -> None:
-    """Load a :func:`full_state`'s ``"model"`` into ``model``'s shards: each rank keeps
-    its own slices. ``state`` is left as it was (torch's loader replaces the values of
-    the dict it is given with DTensors)."""
+def full_optimizer_state(model: torch.nn.Module, optimizer: Any) -> dict:
+    """The full state dict of ``optimizer`` over ``model``'s parameters, as host tensors on
+    every rank (collective: an all-gather per state tensor)."""
     from torch.distributed.checkpoint import state_dict as dcp  # noqa: PLC0415
 
-    dcp.set_model_state_dict(model, dict(state["model"]), options=_options())
+    return _host_copy(dcp.get_optimizer_state_dict(model, optimizer, options=_options()))
+
+
+def load_model_state(model: torch.nn.Module, state: dict) -> None:
+    """Load a :func:`full_model_state` into ``model``'s shards: each rank keeps its own
+    slices. ``state`` is left as it was (torch's loader replaces the values of the dict it
+    is given with DTensors)."""
+    from torch.distributed.checkpoint import state_dict as dcp  # noqa: PLC0415
+
+    dcp.set_model_state_dict(model, dict(state), options=_options())
 
 
 def load_optimizer_state(model: torch.nn.Module, optimizer: Any, state: dict) -> None:
-    """Load a full optimizer state dict (:func:`full_state`'s ``"optimizer"``) into
+    """Load a :func:`full_optimizer_state` into
     ``optimizer``'s shards over ``model``'s parameters."""
     from torch.distributed.checkpoint import state_dict as dcp  # noqa: PLC0415
 
@@ -154,7 +158,7 @@ def _end_iteration(model: torch.nn.Module, fsdp_module: type) -> None:
 
 def reshard(model: torch.nn.Module, full: dict, optimizers: list[Any] = ()) -> int:
     """Shard every FSDP2 parameter of ``model`` again over its (renumbered) mesh, from
-    ``full`` (a full model state dict: :func:`full_state`'s ``"model"``), and point
+    ``full`` (a :func:`full_model_state`), and point
     ``optimizers`` at the new parameters (their state is dropped: load it after).
     Returns how many parameters were resharded.
 

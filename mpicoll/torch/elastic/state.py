@@ -141,7 +141,7 @@ class ShardedModelStateHandler(StateHandler):
         self.save()
 
     def save(self) -> None:
-        self.saved = sharded.full_state(self.value)["model"]
+        self.saved = sharded.full_model_state(self.value)
 
     def restore(self) -> None:
         """Nothing yet: the world has lost ranks; :meth:`reshard` puts the commit back."""
@@ -150,14 +150,16 @@ class ShardedModelStateHandler(StateHandler):
         """After the world changed: shard the commit over the renumbered mesh, point the
         optimizers at the new parameters and give them their commit back."""
         sharded.reshard(self.value, self.saved, [h.value for h in self.optimizers])
-        sharded.load_full_state(self.value, {"model": self.saved})
+        # the FSDP2 parameters hold the commit now; this puts back the rest (buffers,
+        # parameters FSDP does not manage)
+        sharded.load_model_state(self.value, self.saved)
         for handler in self.optimizers:
             handler.load(handler.saved)
 
     def sync(self) -> None:
-        full = sharded.full_state(self.value)["model"]
+        full = sharded.full_model_state(self.value)
         broadcast_tensors(full, root_rank=0)
-        sharded.load_full_state(self.value, {"model": full})
+        sharded.load_model_state(self.value, full)
 
 
 class ShardedOptimizerStateHandler(StateHandler):
@@ -170,7 +172,7 @@ class ShardedOptimizerStateHandler(StateHandler):
         self.save()
 
     def save(self) -> None:
-        self.saved = sharded.full_state(self.model.value, self.value)["optimizer"]
+        self.saved = sharded.full_optimizer_state(self.model.value, self.value)
 
     def load(self, state: dict) -> None:
         """Load a full optimizer state dict into this rank's shards (local)."""
@@ -180,7 +182,7 @@ class ShardedOptimizerStateHandler(StateHandler):
         """Nothing yet: the model's :meth:`ShardedModelStateHandler.reshard` loads it."""
 
     def sync(self) -> None:
-        mine = sharded.full_state(self.model.value, self.value)["optimizer"]
+        mine = sharded.full_optimizer_state(self.model.value, self.value)
         self.load(broadcast_object(mine, root_rank=0))
 
 
