@@ -85,6 +85,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MPICOLL_ELASTIC_RESET_LIMIT", "mpicoll.elastic", "unset (no limit)",
              "the most resets (shrinks and growths) an elastic job goes through, when `run` "
              "is given no `reset_limit=` (horovodrun's `--reset-limit`)"),
+    Variable("MPICOLL_ELASTIC_END_WAIT_S", "mpicoll.elastic", "300",
+             "under ULFM, seconds a rank whose elastic function ended waits for the others' "
+             "to end before it leaves as a lost rank when no peer asked it to (0: no bound; "
+             "a peer stuck on it asks within about a second)"),
     Variable("MPICOLL_ELASTIC_HOST_UPDATES", "mpicoll.elastic", "0",
              "`1`: every commit checks rank 0's host update messages "
              "(`State.on_hosts_updated`, Horovod's listener) with one small broadcast, also "

@@ -21,6 +21,12 @@ to its peers on a private duplicate of each communicator (so it needs
   about :data:`LEFT_GRACE_SECONDS`, with a message naming the rank that left. Ranks that
   end together receive each other's notices before they finalize MPI (a notice left
   unreceived at ``MPI_Finalize`` is an error; UCX warns about each one).
+- In elastic mode under ULFM a rank whose training function ended sends the same notice
+  while its process goes on (:func:`announce_end`: it waits for the others to end too). A
+  peer stuck in a call that rank never completed does not abort then: it asks the rank to
+  leave (``on_needed``: :mod:`mpicoll.elastic` ends it as a lost rank, so the peers see a
+  process failure and go on without it), and aborts only if it is still stuck
+  :data:`NEEDED_GRACE_SECONDS` later.
 
 ``MPICOLL_STALL_WARN_SECONDS=0`` turns all of it off. The calling thread only pays for the
 counting in :mod:`mpicoll.tracking`; everything else happens on the watchdog thread.
@@ -34,7 +40,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from mpi4py import MPI
 
@@ -42,8 +48,10 @@ from . import config, tracking
 from .runtime import comms, failures
 from .tracking import CallInfo, Tracker
 
-__all__ = ["enabled", "watch", "unwatch", "announce_exit", "Watched", "POLL_SECONDS",
-           "LEFT_GRACE_SECONDS", "ANSWER_SECONDS", "EXIT_WAIT_SECONDS", "EXIT_REPLY_SECONDS"]
+__all__ = ["enabled", "watch", "unwatch", "announce_exit", "announce_end", "ended_peers",
+           "ask_ended_to_leave", "end_over", "Watched", "POLL_SECONDS", "LEFT_GRACE_SECONDS",
+           "NEEDED_GRACE_SECONDS", "ANSWER_SECONDS", "EXIT_WAIT_SECONDS",
+           "EXIT_REPLY_SECONDS"]
 
 log = logging.getLogger("mpicoll.stall")
 
@@ -51,6 +59,9 @@ log = logging.getLogger("mpicoll.stall")
 POLL_SECONDS = 0.1
 #: How long a call may still run after a peer left without completing it.
 LEFT_GRACE_SECONDS = 1.0
+#: After asking a rank whose elastic function ended to leave, how long a peer stuck on it
+#: waits for it to go before aborting the job.
+NEEDED_GRACE_SECONDS = 10.0
 #: How long a stalled rank waits for its peers' answers before it logs the report.
 ANSWER_SECONDS = 2.0
 #: At exit, how long a rank waits for the exit notices of peers that have not left yet.
@@ -58,12 +69,15 @@ EXIT_WAIT_SECONDS = 2.0
 #: A peer whose exit notice came in less than this long ago still waits for this rank's.
 EXIT_REPLY_SECONDS = 1.0
 
-_QUERY, _REPLY, _LEFT = 31001, 31002, 31003
+_QUERY, _REPLY, _LEFT, _NEEDED = 31001, 31002, 31003, 31004
 _lock = threading.Lock()
 _watched: list["Watched"] = []
 _thread: threading.Thread | None = None
 _stop = threading.Event()
 _said_off = False
+#: While this rank's elastic function has ended and it waits for the others: called (on the
+#: watchdog thread) with a description when a peer is stuck on a call it never completed.
+_on_needed: Callable[[str], None] | None = None
 
 
 def warn_seconds() -> float:
@@ -101,6 +115,8 @@ class Watched:
         self.world = _world_ranks(comm)
         self.left: dict[int, int] = {}          # rank -> collectives it completed
         self.left_at: dict[int, float] = {}     # rank -> when its exit notice came in
+        self.ended: set[int] = set()            # of those, ranks whose process goes on
+        self.asked: dict[int, float] = {}       # rank -> when it was asked to leave
         self.sends: list[MPI.Request] = []
         self.seq = 0                             # the call in progress being timed
         self.since = 0.0
@@ -232,14 +248,20 @@ def _collect_left(w: Watched) -> None:
     try:
         while w.comm.iprobe(MPI.ANY_SOURCE, _LEFT, status):
             source = status.Get_source()
-            _note_left(w, source, w.comm.recv(source=source, tag=_LEFT)[0])
+            _note_left(w, source, w.comm.recv(source=source, tag=_LEFT))
     except MPI.Exception as exc:  # never fail an exit over a notice
         log.debug("watchdog: %s", exc)
 
 
-def _note_left(w: Watched, source: int, done: int) -> None:
-    w.left[source] = done
+def _note_left(w: Watched, source: int, notice: tuple) -> None:
+    """Record a peer's notice: ``(collectives completed,)``, or ``(completed, True)`` from
+    :func:`announce_end` (its process goes on)."""
+    w.left[source] = notice[0]
     w.left_at[source] = time.monotonic()
+    if len(notice) > 1 and notice[1]:
+        w.ended.add(source)
+    else:
+        w.ended.discard(source)
 
 
 def _loop() -> None:
@@ -268,7 +290,11 @@ def _poll(w: Watched, now: float) -> None:
         elif tag == _REPLY and w.query is not None and message[0] == w.query["seq"]:
             w.query["replies"][source] = message
         elif tag == _LEFT:
-            _note_left(w, source, message[0])
+            _note_left(w, source, message)
+        elif tag == _NEEDED and _on_needed is not None and \
+                (message[0] is None or w.tracker.entered < message[0]):
+            # (a call this rank has entered since its notice will complete: not needed)
+            _on_needed(f"{w.who(source)} waits for it in {message[1]} on {w.tracker.name}")
     _check(w, now)
 
 
@@ -305,10 +331,112 @@ def _check_left(w: Watched, seq: int, now: float, waited: float) -> None:
     if w.left_stuck_since is None:
         w.left_stuck_since = now
     elif now - w.left_stuck_since >= LEFT_GRACE_SECONDS:
+        if _ask_to_leave(w, seq, gone, now):
+            return
         names = ", ".join(f"{w.who(r)} (after completing {w.left[r]} collectives on it)"
                           for r in gone)
-        _abort(f"{_headline(w, seq, waited)}\n  {names} ended its process and will never "
-               f"take part in it: aborting the job")
+        how = ("ended its elastic function and did not leave when asked"
+               if all(r in w.asked for r in gone) else "ended its process")
+        _abort(f"{_headline(w, seq, waited)}\n  {names} {how} and will never take part in "
+               f"it: aborting the job")
+
+
+def _ask_to_leave(w: Watched, seq: int, gone: list[int], now: float) -> bool:
+    """Ranks of ``gone`` whose elastic function ended (their process goes on): ask each once
+    to leave the job as a lost rank. Returns whether to wait for them (every rank of
+    ``gone`` is such a rank, asked less than :data:`NEEDED_GRACE_SECONDS` ago)."""
+    if not all(r in w.ended for r in gone):
+        return False
+    info = w.tracker.info(seq)
+    what = f"{info.describe() if info else 'a collective'} #{seq}"
+    for r in gone:
+        if r not in w.asked:
+            w.asked[r] = now
+            log.warning("mpicoll stall inspector: %s ended its elastic function while %s "
+                        "waits for it in %s: asking it to leave the job as a lost rank",
+                        w.who(r), w.who(w.rank), what)
+            w.send((seq, what), r, _NEEDED)
+    return all(now - w.asked[r] < NEEDED_GRACE_SECONDS for r in gone)
+
+
+def announce_end(on_needed: Callable[[str], None]) -> bool:
+    """Elastic mode: this rank's training function has ended and its process waits for the
+    others' to end. Tell every peer how far this rank got (as at exit); until
+    :func:`end_over`, a peer stuck on a call this rank never completed makes the watchdog
+    call ``on_needed(description)``. Returns whether the peers were told (``False``: the
+    inspector is off or watches nothing)."""
+    global _on_needed
+    with _lock:
+        _on_needed = on_needed
+        if _thread is None or not _watched:
+            return False
+        for w in list(_watched):
+            for peer in range(w.size):
+                if peer != w.rank:
+                    w.send((w.tracker.done, True), peer, _LEFT)
+    return True
+
+
+def _into(group: MPI.Group) -> list[tuple[Watched, list[int]]]:
+    """Every watched communicator with its ranks' ranks in ``group`` (-1: not in it)."""
+    out = []
+    for w in _watched:
+        try:
+            ranks = MPI.Group.Translate_ranks(w.comm.Get_group(), list(range(w.size)), group)
+        except MPI.Exception:
+            continue
+        out.append((w, [r if r is not None and r >= 0 else -1 for r in ranks]))
+    return out
+
+
+def ended_peers(comm: MPI.Intracomm) -> tuple[set[int], set[int]]:
+    """Ranks of ``comm`` (other than this one) this rank watches a communicator with, and
+    those of them whose elastic function ended (their :func:`announce_end` notice came)."""
+    group = comm.Get_group()
+    covered: set[int] = set()
+    ended: set[int] = set()
+    try:
+        with _lock:
+            for w, ranks in _into(group):
+                for r, theirs in enumerate(ranks):
+                    if r != w.rank and theirs >= 0:
+                        covered.add(theirs)
+                        if r in w.ended:
+                            ended.add(theirs)
+    finally:
+        group.Free()
+    return covered, ended
+
+
+def ask_ended_to_leave(comm: MPI.Intracomm, what: str) -> bool:
+    """For a client stuck in an operation on ``comm`` that the inspector does not see (the
+    Horovod engine's negotiation): ask every rank of ``comm`` whose elastic function ended
+    to leave as a lost rank (once each). Returns whether any such rank is known."""
+    group = comm.Get_group()
+    now = time.monotonic()
+    found = False
+    try:
+        with _lock:
+            for w, ranks in _into(group):
+                for r in sorted(w.ended):
+                    if ranks[r] < 0:
+                        continue
+                    found = True
+                    if r not in w.asked:
+                        w.asked[r] = now
+                        log.warning("mpicoll stall inspector: %s ended its elastic function "
+                                    "while %s waits for it in %s: asking it to leave the "
+                                    "job as a lost rank", w.who(r), w.who(w.rank), what)
+                        w.send((None, what), r, _NEEDED)
+    finally:
+        group.Free()
+    return found
+
+
+def end_over() -> None:
+    """The wait that :func:`announce_end` began is over: peers' requests are ignored."""
+    global _on_needed
+    _on_needed = None
 
 
 def _headline(w: Watched, seq: int, waited: float) -> str:

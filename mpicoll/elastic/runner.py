@@ -38,6 +38,11 @@ on every rank so ends every rank, and the job's status is non-zero. ``reset_limi
 growths) a job goes through: the next one raises :class:`~mpicoll.ResetLimitError` on
 every rank (Horovod's ``--reset-limit``).
 
+*A rank that ends early is a lost rank too*: under ULFM a rank whose function returns (or
+calls ``sys.exit(0)``) waits for every other rank's to end (:mod:`mpicoll.elastic.ending`);
+when a peer is stuck in a collective it never completed, it leaves as a lost rank and the
+others go on without it.
+
 Without ULFM (``mpirun --with-ft ulfm`` with Open MPI) a process failure ends the job as it
 would without this module, and exceptions propagate.
 """
@@ -60,6 +65,7 @@ from ..runtime import failures
 from ..runtime import world as runtime_world
 from ..errors import CollectiveError, HostsUpdatedInterrupt, ProcessFailedError, ResetLimitError
 from . import discovery as discovery_module
+from . import ending
 from . import grow as grow_module
 from . import shrink as world_module
 from .discovery import HostsAddedInterrupt
@@ -137,7 +143,22 @@ def _leave(exc: BaseException) -> None:
     runtime_exit.flush()
     if _last_standing(LEAVE_WAIT_S * (1 + rank)):
         os._exit(LEFT_STATUS)
+    _kill_self()
+
+
+def _kill_self() -> None:
+    """End this process at once (``SIGKILL``: no exit handler runs, no other rank is told
+    to stop); Open MPI's launcher under ULFM goes on with the others."""
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _leave_ended(message: str) -> None:
+    """A rank whose function ended while the others still need it leaves as a lost rank
+    (:mod:`mpicoll.elastic.ending`): say why, and end the process."""
+    print(f"mpicoll.elastic: {message}: it leaves the job as a lost rank and the others "
+          f"go on without it", file=sys.stderr)
+    runtime_exit.flush()
+    _kill_self()
 
 
 def limits(min_np: Any, reset_limit: Any) -> tuple[int, int | None]:
@@ -249,7 +270,15 @@ def _loop(func: Callable[..., Any], reset: Callable[[], Any],
                 state.sync()
                 if event is not None:
                     event.phases["sync"] = time.perf_counter() - began
-            return func(state, *args, **kwargs)
+            ending.prepare()
+            try:
+                result = func(state, *args, **kwargs)
+            except SystemExit as exc:
+                if exc.code in (0, None):
+                    ending.finish(_leave_ended, "called sys.exit(0)")
+                raise
+            ending.finish(_leave_ended)
+            return result
         except HostsUpdatedInterrupt as exc:
             # from a commit: the state is the commit, nothing to restore (Horovod)
             skip_sync = exc.skip_sync
@@ -264,10 +293,11 @@ def _loop(func: Callable[..., Any], reset: Callable[[], Any],
             detected_at = time.time()
             failed_at = time.perf_counter()
             log.warning("process failure (%s: %s): restoring the last commit and "
-                        "shrinking (a rank that raised printed its traceback before "
+                        "shrinking (a rank that raised or ended early said why before "
                         "leaving)", type(exc).__name__, exc)
             state.restore()
             restored = time.perf_counter()
+            ending.join_reset()   # ranks whose function ended wait there: they reset too
             skip_sync = False
             interrupt = None
         if reset_limit is not None and resets >= reset_limit:

@@ -30,6 +30,7 @@ import os
 import time
 from typing import Any, Callable
 
+import numpy as np
 from mpi4py import MPI
 
 from ..errors import CollectiveError, ProcessFailedError
@@ -37,7 +38,8 @@ from . import comms, world
 
 __all__ = ["available", "turned_on", "ENABLED", "failed_by", "failed_ranks", "acknowledge",
            "revoke", "revoke_only", "revoked", "translate", "raise_translated", "keep_requests", "guard", "guard_call",
-           "fail_world", "peer_failed", "FAILED_WAIT_S", "OTHER_WAIT_S", "PROC_FAILED"]
+           "fail_world", "peer_failed", "start_agreement", "agreement_over", "FAILED_WAIT_S",
+           "OTHER_WAIT_S", "PROC_FAILED"]
 
 #: Longest wait, in seconds, for the failure detector to name a failed rank after a
 #: revocation (a rank woken by the revocation may not have noticed the death yet).
@@ -126,6 +128,27 @@ def failed_ranks(comm: Any, wait_s: float = FAILED_WAIT_S, progress: bool = Fals
             return ranks
         _progress()
         time.sleep(0.001)
+
+
+def start_agreement(comm: Any, flag: int) -> tuple[MPI.Request, Any]:
+    """Begin ULFM's fault-tolerant agreement (``MPIX_Comm_iagree``: the bitwise AND of
+    every live rank's ``flag``) over ``comm``, which may be revoked; every live rank of
+    ``comm`` must begin one. Returns the request and the buffer that holds the agreed
+    value once it completes (:func:`agreement_over`)."""
+    buf = np.full(1, flag, np.intc)
+    return _plain(comm).Iagree(buf), buf
+
+
+def agreement_over(request: MPI.Request) -> bool:
+    """Whether an agreement :func:`start_agreement` began has completed: every rank still
+    alive joined it. A rank that failed before joining does not count (MPI then completes
+    it with ``MPI_ERR_PROC_FAILED``, the same on every live rank: complete here)."""
+    try:
+        return bool(request.Test())
+    except MPI.Exception as exc:
+        if _error_class(exc) in _FAILURE_CLASSES:
+            return True
+        raise
 
 
 def peer_failed(comm: Any) -> bool:

@@ -57,7 +57,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ... import timeline
+from ... import timeline, watchdog
 from ...context import get_context
 from ...errors import CollectiveError, ProcessFailedError
 from ...runtime import comms, failures
@@ -752,6 +752,7 @@ class Engine:
         spins = 0
         delay = 20e-6
         start = warned = time.monotonic()
+        ask_at = start + watchdog.LEFT_GRACE_SECONDS
         while not request.Test():
             spins += 1
             if spins < 64 or time.monotonic() - start < _YIELD_SECONDS:
@@ -767,6 +768,10 @@ class Engine:
                 raise CollectiveError(
                     f"rank {self.rank} is shutting down, but the other ranks did not take "
                     f"part in a negotiation round within {SHUTDOWN_WAIT_SECONDS:.0f} s")
+            if now >= ask_at:
+                # a rank whose elastic function ended never joins: it must leave
+                ask_at = now + watchdog.POLL_SECONDS
+                watchdog.ask_ended_to_leave(self.comm, "a Horovod engine negotiation round")
             if stall_after > 0 and now - warned >= stall_after:
                 warned = now
                 stall_log.warning("stall: rank %d has waited %.0f s for the other ranks to "
