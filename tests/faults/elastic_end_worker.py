@@ -37,22 +37,40 @@ import mpicoll
 import mpicoll.elastic as elastic
 
 
-def hvd_main(steps: int, stop_step: int) -> None:
+def torch_main(mode: str, steps: int, stop_step: int) -> None:
+    """``hvd`` (Horovod's API) or ``ddp`` (DDP on the "mpicoll" process group)."""
     import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
 
     import mpicoll.torch as hvd  # noqa: PLC0415
-    hvd.init()
-    me, n = hvd.rank(), hvd.size()
     torch.manual_seed(0)
     model = torch.nn.Linear(10, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters())
+    if mode == "ddp":
+        dist.init_process_group("mpicoll")
+        me, n = dist.get_rank(), dist.get_world_size()
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    else:
+        hvd.init()
+        me, n = hvd.rank(), hvd.size()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters())
+
+    def size() -> int:
+        return dist.get_world_size() if mode == "ddp" else hvd.size()
+
+    def count() -> int:
+        ones = torch.ones(1)
+        if mode == "ddp":
+            dist.all_reduce(ones)
+            return int(ones.item())
+        return int(hvd.allreduce(ones, op=hvd.Sum).item())
     state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0, total=0)
     resets: list[int] = []
     first = [False]
 
     def on_reset() -> None:
-        resets.append(hvd.size())
+        resets.append(size())
         first[0] = True
 
     state.register_reset_callbacks([on_reset])
@@ -66,7 +84,7 @@ def hvd_main(steps: int, stop_step: int) -> None:
             opt.zero_grad()
             model(torch.ones(4, 10) * (me + 1)).sum().backward()
             opt.step()
-            state.total += int(hvd.allreduce(torch.ones(1), op=hvd.Sum).item())
+            state.total += count()
             if first[0]:
                 first[0] = False
                 print(f"FIRST {time.time():.6f}", flush=True)
@@ -76,13 +94,13 @@ def hvd_main(steps: int, stop_step: int) -> None:
         return "done"
 
     result = train(state)
-    print(f"DONE {me} {hvd.size()} {state.step} {state.total} {result} {resets}", flush=True)
+    print(f"DONE {me} {size()} {state.step} {state.total} {result} {resets}", flush=True)
 
 
 def main() -> None:
     mode, steps, stop_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    if mode == "hvd":
-        hvd_main(steps, stop_step)
+    if mode in ("hvd", "ddp"):
+        torch_main(mode, steps, stop_step)
         return
     me, n = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     state = elastic.ObjectState(step=0, total=0)

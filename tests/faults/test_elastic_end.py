@@ -8,7 +8,9 @@
   end bound (300 s) nor the job's timeout. On today's code before this change the
   inspector aborted the job (status 1).
 - ``hvd``: the same through ``hvd.elastic``, where the others wait inside the Horovod
-  engine's negotiation (not a collective the inspector sees).
+  engine's negotiation (not a collective the inspector sees); ``ddp``: DDP on the
+  "mpicoll" process group, where they wait in the group's agreement step (the inspector
+  did not see it before this change: the job hung until its timeout).
 - ``bound``: with the stall inspector off, the early rank leaves after
   ``MPICOLL_ELASTIC_END_WAIT_S=2`` seconds.
 - ``slow``: rank 0 works 3 s alone after the last collective: nobody leaves, all 3 end at
@@ -38,6 +40,7 @@ CASES = {
     "return": ("return", 3, {}),
     "exit": ("exit", 3, {}),
     "hvd": ("hvd", 3, {}),
+    "ddp": ("ddp", 3, {}),
     "bound": ("return", 3, {"MPICOLL_STALL_WARN_SECONDS": "0",
                             "MPICOLL_ELASTIC_END_WAIT_S": "2"}),
     "slow": ("slow", 3, {}),
@@ -62,7 +65,7 @@ def _finished(outputs: dict, name: str) -> tuple[str, dict[int, list[str]]]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["return", "exit", "hvd", "bound"])
+@pytest.mark.parametrize("name", ["return", "exit", "hvd", "ddp", "bound"])
 def test_a_rank_that_ends_early_leaves_and_the_others_finish(outputs, name) -> None:
     tail, done = _finished(outputs, name)
     out = outputs[name][1]

@@ -246,15 +246,25 @@ class MPIProcessGroup(_Backend):
 
         def task() -> Any:
             if check:
-                agree(self._ctx, error, collective=kind, **fields)
+                self._agree(kind, error, fields)
                 if splits is not None:
-                    agree(self._ctx, splits(), collective=f"{kind} (splits)")
+                    self._agree(f"{kind} (splits)", splits(), {})
             stage.before()
             result = run()
             stage.after()
             return result
 
         return self.submit(kind, task, fallback)
+
+    def _agree(self, kind: str, error: BaseException | None, fields: dict) -> None:
+        """The agreement step, recorded for the stall inspector as a call of its own (a
+        rank waiting in it for a rank that never comes is seen, as in the collective)."""
+        if tracking.wanted():
+            info = tracking.CallInfo(f"{kind} (agreement)")
+            tracking.recorded(self._ctx.tracker, info,
+                              lambda: agree(self._ctx, error, collective=kind, **fields))()
+        else:
+            agree(self._ctx, error, collective=kind, **fields)
 
     def _native(self, name: str, fn: Callable[[], Any], **info: Any) -> Any:
         """Run MPI's own collective ``fn``, recorded for the stall inspector/timeline."""
