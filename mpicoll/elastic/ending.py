@@ -81,6 +81,7 @@ def prepare() -> None:
             time.sleep(POLL_S)
         _resetting.pop(0)
     gen = runtime_world.generation()
+    _agreed.discard(gen)      # a function run again on the same world ends again
     if gen not in _ends:
         _ends.clear()
         _ends[gen] = comms.dup(runtime_world.comm(), "elastic.end", lifetime="world")
