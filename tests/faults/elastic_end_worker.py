@@ -10,6 +10,8 @@ over the current world (``total`` adds the world size: with a correct restore it
   rank, and the others finish at the smaller size;
 - ``slow``: every rank trains to the end; then rank 0 alone works 3 s more inside the
   function (no collective): nobody leaves, every rank ends at full size;
+- ``again``: the function runs once to step 2 (every rank ends it), then again, where the
+  last rank ends early as in ``return``: each run of the function ends on its own;
 - ``kill``: the same rank SIGKILLs itself instead (the recovery the end agreement must
   not slow down: measured, not a test case);
 - ``hvd``: ``return`` through ``hvd.elastic`` (``TorchState``, ``DistributedOptimizer``): the
@@ -113,10 +115,13 @@ def main() -> None:
 
     state.register_reset_callbacks([on_reset])
 
+    limit = [2 if mode == "again" else steps]
+
     @elastic.run
     def train(state: elastic.ObjectState) -> str:
-        while state.step < steps:
-            if mode in ("return", "exit", "kill") and me == n - 1 and state.step == stop_step:
+        while state.step < limit[0]:
+            if mode in ("return", "exit", "kill", "again") and me == n - 1 and \
+                    state.step == stop_step:
                 print(f"EARLY {me} {time.time():.6f}", flush=True)
                 if mode == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -145,6 +150,9 @@ def main() -> None:
         return "done"
 
     result = train(state)
+    if mode == "again":
+        limit[0] = steps
+        result = train(state)
     print(f"DONE {me} {elastic.world().Get_size()} {state.step} {state.total} {result} "
           f"{resets}", flush=True)
 

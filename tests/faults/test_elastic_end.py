@@ -11,6 +11,8 @@
   engine's negotiation (not a collective the inspector sees); ``ddp``: DDP on the
   "mpicoll" process group, where they wait in the group's agreement step (the inspector
   did not see it before this change: the job hung until its timeout).
+- ``again``: the same in a second run of the elastic function after a first that every
+  rank ended (the end agreement runs once per run).
 - ``bound``: with the stall inspector off, the early rank leaves after
   ``MPICOLL_ELASTIC_END_WAIT_S=2`` seconds.
 - ``slow``: rank 0 works 3 s alone after the last collective: nobody leaves, all 3 end at
@@ -40,6 +42,7 @@ CASES = {
     "return": ("return", 3, {}),
     "hvd": ("hvd", 3, {}),
     "ddp": ("ddp", 3, {}),
+    "again": ("again", 3, {}),
     "bound": ("return", 3, {"MPICOLL_STALL_WARN_SECONDS": "0",
                             "MPICOLL_ELASTIC_END_WAIT_S": "2"}),
     "slow": ("slow", 3, {}),
@@ -68,7 +71,7 @@ def _finished(outputs: dict, name: str) -> tuple[str, dict[int, list[str]]]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["return", "hvd", "ddp", "bound"]
+@pytest.mark.parametrize("name", ["return", "hvd", "ddp", "again", "bound"]
                          + (["exit"] if ulfm_jobs.ALL_CASES else []))
 def test_a_rank_that_ends_early_leaves_and_the_others_finish(outputs, name) -> None:
     tail, done = _finished(outputs, name)
