@@ -350,13 +350,21 @@ def _ask_to_leave(w: Watched, seq: int, gone: list[int], now: float) -> bool:
     info = w.tracker.info(seq)
     what = f"{info.describe() if info else 'a collective'} #{seq}"
     for r in gone:
-        if r not in w.asked:
-            w.asked[r] = now
-            log.warning("mpicoll stall inspector: %s ended its elastic function while %s "
-                        "waits for it in %s: asking it to leave the job as a lost rank",
-                        w.who(r), w.who(w.rank), what)
-            w.send((seq, what), r, _NEEDED)
+        _ask_once(w, r, seq, what, now)
     return all(now - w.asked[r] < NEEDED_GRACE_SECONDS for r in gone)
+
+
+def _ask_once(w: Watched, r: int, seq: int | None, what: str, now: float) -> None:
+    """Ask rank ``r`` of ``w``, whose elastic function ended, to leave (once): this rank
+    waits for it in ``what`` (call ``seq`` of ``w``; ``None``: a wait the tracker does not
+    number)."""
+    if r in w.asked:
+        return
+    w.asked[r] = now
+    log.warning("mpicoll stall inspector: %s ended its elastic function while %s waits for "
+                "it in %s: asking it to leave the job as a lost rank", w.who(r),
+                w.who(w.rank), what)
+    w.send((seq, what), r, _NEEDED)
 
 
 def announce_end(on_needed: Callable[[str], None]) -> bool:
@@ -408,29 +416,20 @@ def ended_peers(comm: MPI.Intracomm) -> tuple[set[int], set[int]]:
     return covered, ended
 
 
-def ask_ended_to_leave(comm: MPI.Intracomm, what: str) -> bool:
+def ask_ended_to_leave(comm: MPI.Intracomm, what: str) -> None:
     """For a client stuck in an operation on ``comm`` that the inspector does not see (the
     Horovod engine's negotiation): ask every rank of ``comm`` whose elastic function ended
-    to leave as a lost rank (once each). Returns whether any such rank is known."""
+    to leave as a lost rank (once each)."""
     group = comm.Get_group()
     now = time.monotonic()
-    found = False
     try:
         with _lock:
             for w, ranks in _into(group):
                 for r in sorted(w.ended):
-                    if ranks[r] < 0:
-                        continue
-                    found = True
-                    if r not in w.asked:
-                        w.asked[r] = now
-                        log.warning("mpicoll stall inspector: %s ended its elastic function "
-                                    "while %s waits for it in %s: asking it to leave the "
-                                    "job as a lost rank", w.who(r), w.who(w.rank), what)
-                        w.send((None, what), r, _NEEDED)
+                    if ranks[r] >= 0:
+                        _ask_once(w, r, None, what, now)
     finally:
         group.Free()
-    return found
 
 
 def end_over() -> None:
