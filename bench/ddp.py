@@ -17,6 +17,9 @@ rank, ``--threads`` torch threads per rank) with plain SGD on synthetic data. Mo
   with :mod:`mpicoll.torch.hooks`' codec hook;
 - ``ddp-gloo``: ``DistributedDataParallel`` on a gloo group of the same ranks
   (``dist.new_group(backend="gloo")``);
+- ``ddp-none``: DDP on the gloo group with a communication hook that returns each bucket
+  untouched at once: DDP's own cost (bucket copies, hooks, the reducer's bookkeeping)
+  without any communication, the ceiling of DDP on any backend;
 - ``hvd``: ``mpicoll.torch.DistributedOptimizer`` (``hvd.init()`` per run);
 - ``local``: no communication (the machine's ceiling).
 
@@ -100,14 +103,24 @@ def teardown(started: bool, modes: list[str]) -> None:
     _groups.clear()
 
 
+def _no_communication(_state, bucket):  # noqa: ANN001, ANN202  (DDP checks annotations)
+    """A DDP communication hook that communicates nothing (``ddp-none``)."""
+    fut: Any = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def run_ddp(args: argparse.Namespace, comm: Any, backend: str, hook: str | None = None
             ) -> tuple[Timing, dict]:
-    """Time DDP on ``backend``'s group (with mpicoll's ``hook`` codec, if any)."""
+    """Time DDP on ``backend``'s group (with mpicoll's ``hook`` codec, if any; ``"none"``:
+    the no-communication hook)."""
     from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
     model = DDP(make_model(args.model), process_group=_groups[backend],
                 bucket_cap_mb=args.bucket_cap_mb)
-    if hook is not None:
+    if hook == "none":
+        model.register_comm_hook(None, _no_communication)
+    elif hook is not None:
         import mpicoll.torch.hooks as hooks  # noqa: PLC0415
 
         model.register_comm_hook(hooks.CompressionState(), hooks.codec_hook(hook))
@@ -129,6 +142,8 @@ def runner(mode: str) -> Callable[[argparse.Namespace, Any], tuple[Timing, dict]
     """The function that times ``mode`` (``ValueError`` for an unknown one)."""
     if mode == "ddp-gloo":
         return lambda args, comm: run_ddp(args, comm, "gloo")
+    if mode == "ddp-none":
+        return lambda args, comm: run_ddp(args, comm, "gloo", "none")
     if mode in ("ddp-mpicoll", *(f"ddp-{g}" for g in GROUP_OPTIONS)):
         return lambda args, comm: run_ddp(args, comm, mode.removeprefix("ddp-"))
     if mode.startswith("ddp-mpicoll-"):
@@ -148,14 +163,15 @@ def runner(mode: str) -> Callable[[argparse.Namespace, Any], tuple[Timing, dict]
     if mode == "local":
         return lambda args, comm: (run_local(args, comm), {})
     raise ValueError(f"unknown mode {mode!r}: choose ddp-mpicoll, ddp-mpicoll-first, "
-                     f"ddp-mpicoll-<codec>, ddp-gloo, hvd or local")
+                     f"ddp-mpicoll-<codec>, ddp-gloo, ddp-none, hvd or local")
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.ddp", description=__doc__.splitlines()[0])
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help="comma-separated: ddp-mpicoll, ddp-mpicoll-first, ddp-mpicoll-native, "
-                        "ddp-mpicoll-<codec>, ddp-gloo, hvd, local (default: %(default)s)")
+                        "ddp-mpicoll-<codec>, ddp-gloo, ddp-none, hvd, local "
+                        "(default: %(default)s)")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     p.add_argument("--model", choices=sorted(MODELS), default="cnn",
                    help="cnn: SmallCNN, 412k parameters (compute-bound); mlp: "

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from . import waiting
 from .context import CommContext
 from .errors import MismatchError, RemoteError
 from .partition import rank_ranges
@@ -55,7 +56,7 @@ def agree(ctx: CommContext, error: BaseException | None, **fields: Any) -> None:
     row = np.array([1 if error is not None else 0] + [_code(fields.get(f)) for f in FIELDS],
                    dtype=np.int64)
     table = np.empty((ctx.size, row.size), dtype=np.int64)
-    ctx.p2p.Allgather(row, table)
+    waiting.allgather(ctx.p2p, row, table)
     if table[:, 0].any():
         messages = ctx.p2p.allgather(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:

@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple
 from . import fastpath
 
 __all__ = ["refresh", "env_bool", "env_int", "env_float", "env_str", "segment_bytes",
-           "check_enabled", "Variable", "VARIABLES", "markdown_table"]
+           "check_enabled", "lane_wait_sleeps", "Variable", "VARIABLES", "markdown_table"]
 
 
 class Variable(NamedTuple):
@@ -64,6 +64,13 @@ VARIABLES: tuple[Variable, ...] = (
              "write a Chrome-trace timeline of every collective (and of the PyTorch "
              "adapter's operations) to this file, merged across ranks at exit "
              "(`mpicoll.timeline`)"),
+    Variable("MPICOLL_LANE_WAIT", "mpicoll", "`auto`",
+             "how the runtime's communication threads wait for MPI: `sleep` polls, "
+             "yielding the core and then sleeping once a peer is late (`mpicoll.waiting`: "
+             "the core goes to computation); `spin` blocks inside MPI, which polls on the "
+             "core; `auto`: `sleep` for torch.distributed groups and the other lanes, "
+             "`spin` for the Horovod engine (measured faster so). The caller's thread "
+             "always blocks in MPI"),
     Variable("MPICOLL_ELASTIC_DIR", "mpicoll.elastic", "unset",
              "set by `python -m mpicoll.elastic.launch` for each launch of the job: the "
              "commit directory (`mpicoll.elastic.disk`); rank 0 writes each commit there "
@@ -215,6 +222,15 @@ def env_bool(name: str, default: bool) -> bool:
 def segment_bytes() -> int:
     """Segment size of segmented algorithms, in bytes (``MPICOLL_SEGMENT_BYTES``)."""
     return env_int("MPICOLL_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES, minimum=1)
+
+
+def lane_wait_sleeps(auto: bool) -> bool:
+    """Whether a runtime lane waits for MPI with sleeps (``MPICOLL_LANE_WAIT``; ``auto``:
+    the lane's own default)."""
+    value = (env_str("MPICOLL_LANE_WAIT", "auto") or "auto").strip().lower()
+    if value not in ("auto", "sleep", "spin"):
+        raise ValueError(f"MPICOLL_LANE_WAIT={value!r}: use 'auto', 'sleep' or 'spin'")
+    return auto if value == "auto" else value == "sleep"
 
 
 def check_enabled() -> bool:

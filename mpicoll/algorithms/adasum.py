@@ -38,6 +38,8 @@ from collections.abc import Sequence
 import numpy as np
 from mpi4py import MPI
 
+from .. import waiting
+
 __all__ = ["AdasumUnsupportedError", "check_adasum_size", "adasum_allreduce", "adasum_pair"]
 
 log = logging.getLogger("mpicoll.algorithms.adasum")
@@ -112,7 +114,8 @@ def _block_sum(comm: MPI.Intracomm, rank: int, level: int, sums: np.ndarray) -> 
     bit = 1
     while bit <= level:
         partner = rank ^ bit
-        comm.Sendrecv(_bytes(sums), partner, _TAG_SUMS, _bytes(incoming), partner, _TAG_SUMS)
+        waiting.sendrecv(comm, _bytes(sums), partner, _TAG_SUMS, _bytes(incoming), partner,
+                         _TAG_SUMS)
         sums = sums + incoming
         bit <<= 1
     return sums
@@ -153,8 +156,8 @@ def adasum_allreduce(buf: np.ndarray, counts: Sequence[int], comm: MPI.Intracomm
         left = not rank & level
         keep, give = ((lo, mid), (mid, hi)) if left else ((mid, hi), (lo, mid))
         theirs = scratch[:keep[1] - keep[0]]
-        comm.Sendrecv(_bytes(buf[give[0]:give[1]]), partner, _TAG_HALVES,
-                      _bytes(theirs), partner, _TAG_HALVES)
+        waiting.sendrecv(comm, _bytes(buf[give[0]:give[1]]), partner, _TAG_HALVES,
+                         _bytes(theirs), partner, _TAG_HALVES)
         ranges.append((lo, hi))
         lo, hi = keep
         mine = buf[lo:hi]
@@ -173,6 +176,6 @@ def adasum_allreduce(buf: np.ndarray, counts: Sequence[int], comm: MPI.Intracomm
         partner = rank ^ level
         plo, phi = ranges.pop()
         missing = (hi, phi) if not rank & level else (plo, lo)
-        comm.Sendrecv(_bytes(buf[lo:hi]), partner, _TAG_HALVES,
-                      _bytes(buf[missing[0]:missing[1]]), partner, _TAG_HALVES)
+        waiting.sendrecv(comm, _bytes(buf[lo:hi]), partner, _TAG_HALVES,
+                         _bytes(buf[missing[0]:missing[1]]), partner, _TAG_HALVES)
         lo, hi = plo, phi

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import buffers
+from .. import buffers, waiting
 from ..buffers import msg
 from ..context import CommContext
 from .halving_doubling_schedule import TAG_FOLD, doubling_allgather, fold_out
@@ -23,10 +23,10 @@ def recursive_doubling_allgather(ctx: CommContext, send: Any, recv: Any) -> None
         buffers.copy(mine, send)
     if f.folded:
         if f.newrank < 0:
-            ctx.p2p.Send(msg(mine), f.partner, TAG_FOLD)
+            waiting.send(ctx.p2p, msg(mine), f.partner, TAG_FOLD)
         else:
             other = recv[f.partner * block:(f.partner + 1) * block]
-            ctx.p2p.Recv(msg(other), f.partner, TAG_FOLD)
+            waiting.recv(ctx.p2p, msg(other), f.partner, TAG_FOLD)
     if f.newrank >= 0:
         doubling_allgather(ctx.p2p, f, recv, groups)
     fold_out(ctx.p2p, f, recv)

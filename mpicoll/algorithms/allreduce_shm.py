@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import buffers, config
+from .. import buffers, config, waiting
 from ..context import CommContext, get_context
 from ..partition import block_bounds
 from .registry import lookup, register
@@ -104,7 +104,7 @@ def _chunk(win: ShmWindow, send: Any, recv: Any, op: Any, cross: Any, inner: str
         buffers.copy(mine[:lo], send[:lo])
     if hi < count:
         buffers.copy(mine[hi:], send[hi:])
-    win.comm.Barrier()
+    waiting.barrier(win.comm)
     if hi > lo:
         out = mine[lo:hi]
         peers = [send[lo:hi] if r == me else _slot_view(win, r, half, dtype, count)[lo:hi]
@@ -119,7 +119,7 @@ def _chunk(win: ShmWindow, send: Any, recv: Any, op: Any, cross: Any, inner: str
             lookup("allreduce", inner)(cross, out, out, op)
         if scale:
             op.finalize(out, scale)
-    win.comm.Barrier()
+    waiting.barrier(win.comm)
     for r in range(n):
         if bounds[r + 1] > bounds[r]:
             buffers.copy(recv[bounds[r]:bounds[r + 1]],
@@ -135,10 +135,10 @@ def _node_broadcast(win: ShmWindow, buf: Any) -> None:
         slot0 = _slot_view(win, 0, half, buf.dtype, part.size)
         if win.rank == 0:
             buffers.copy(slot0, part)
-        win.comm.Barrier()
+        waiting.barrier(win.comm)
         if win.rank:
             buffers.copy(part, slot0)
-        win.comm.Barrier()
+        waiting.barrier(win.comm)
 
 
 def _chunks(win: ShmWindow, send: Any, recv: Any, op: Any, cross: Any,

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from mpi4py import MPI
 
+from .. import waiting
 from ..buffers import msg
 from ..partition import subtree_size, tree_children, tree_parent
 
@@ -55,13 +56,13 @@ def tree_reduce(p2p: MPI.Comm, rank: int, size: int, root: int, src: Any, acc: A
             pending = post(j + 1)
         part = src[lo:hi]
         for i, req in enumerate(current):
-            req.Wait()
+            waiting.wait(req)
             out = acc[lo:hi]
             op.combine(part, scratch[j % 2][i][:hi - lo], out)
             part = out
         if parent is not None:
             sreqs.append(p2p.Isend(msg(part), parent, TAG_REDUCE))
-    MPI.Request.Waitall(sreqs)
+    waiting.waitall(sreqs)
     return acc if children else src
 
 
@@ -79,9 +80,9 @@ def tree_bcast(p2p: MPI.Comm, rank: int, size: int, root: int, buf: Any,
     sreqs = []
     for j, seg in enumerate(segments):
         if rreqs:
-            rreqs[j].Wait()
+            waiting.wait(rreqs[j])
         sreqs.extend(p2p.Isend(msg(seg), c, TAG_BCAST) for c in children)
-    MPI.Request.Waitall(sreqs)
+    waiting.waitall(sreqs)
 
 
 def tree_scatter(p2p: MPI.Comm, rank: int, size: int, root: int, buf: Any,
@@ -95,10 +96,10 @@ def tree_scatter(p2p: MPI.Comm, rank: int, size: int, root: int, buf: Any,
     if v:
         parent = (tree_parent(v) + root) % size
         top = v + subtree_size(v, size)
-        p2p.Recv(msg(buf[bounds[v]:bounds[top]]), parent, TAG_SCATTER)
+        waiting.recv(p2p, msg(buf[bounds[v]:bounds[top]]), parent, TAG_SCATTER)
     sreqs = []
     for c in reversed(tree_children(v, size)):
         top = c + subtree_size(c, size)
         sreqs.append(p2p.Isend(msg(buf[bounds[c]:bounds[top]]), (c + root) % size,
                                TAG_SCATTER))
-    MPI.Request.Waitall(sreqs)
+    waiting.waitall(sreqs)

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 from mpi4py import MPI
 
+from .. import waiting
 from ..buffers import msg
 from ..partition import Fold
 
@@ -35,10 +36,10 @@ def fold_in(p2p: MPI.Comm, fold: Fold, src: Any, acc: Any, scratch: Any, op: Any
     if not fold.folded:
         return src
     if fold.newrank < 0:
-        p2p.Send(msg(src), fold.partner, TAG_FOLD)
+        waiting.send(p2p, msg(src), fold.partner, TAG_FOLD)
         return src
     tmp = scratch[:src.size]
-    p2p.Recv(msg(tmp), fold.partner, TAG_FOLD)
+    waiting.recv(p2p, msg(tmp), fold.partner, TAG_FOLD)
     op.combine(tmp, src, acc)
     return acc
 
@@ -48,9 +49,9 @@ def fold_out(p2p: MPI.Comm, fold: Fold, buf: Any) -> None:
     if not fold.folded:
         return
     if fold.newrank < 0:
-        p2p.Recv(msg(buf), fold.partner, TAG_FOLD)
+        waiting.recv(p2p, msg(buf), fold.partner, TAG_FOLD)
     else:
-        p2p.Send(msg(buf), fold.partner, TAG_FOLD)
+        waiting.send(p2p, msg(buf), fold.partner, TAG_FOLD)
 
 
 def halving_reduce_scatter(p2p: MPI.Comm, fold: Fold, cur: Any, dst: Any,
@@ -75,7 +76,7 @@ def halving_reduce_scatter(p2p: MPI.Comm, fold: Fold, cur: Any, dst: Any,
         a, b = gb[klo], gb[khi]
         tmp = scratch[:b - a]
         peer = fold.real(partner)
-        p2p.Sendrecv(msg(cur[gb[glo]:gb[ghi]]), peer, TAG_HALVE, msg(tmp), peer, TAG_HALVE)
+        waiting.sendrecv(p2p, msg(cur[gb[glo]:gb[ghi]]), peer, TAG_HALVE, msg(tmp), peer, TAG_HALVE)
         if me < partner:
             op.combine(cur[a:b], tmp, dst[a:b])
         else:
@@ -98,8 +99,8 @@ def doubling_allgather(p2p: MPI.Comm, fold: Fold, buf: Any, gb: Sequence[int]) -
         mine = me & ~(mask - 1)
         theirs = partner & ~(mask - 1)
         peer = fold.real(partner)
-        p2p.Sendrecv(msg(buf[gb[mine]:gb[mine + mask]]), peer, TAG_DOUBLE,
-                     msg(buf[gb[theirs]:gb[theirs + mask]]), peer, TAG_DOUBLE)
+        waiting.sendrecv(p2p, msg(buf[gb[mine]:gb[mine + mask]]), peer, TAG_DOUBLE,
+                         msg(buf[gb[theirs]:gb[theirs + mask]]), peer, TAG_DOUBLE)
         mask <<= 1
 
 
@@ -114,7 +115,7 @@ def doubling_allreduce(p2p: MPI.Comm, fold: Fold, cur: Any, dst: Any, scratch: A
     while mask < fold.p:
         partner = me ^ mask
         peer = fold.real(partner)
-        p2p.Sendrecv(msg(cur), peer, TAG_DOUBLE, msg(scratch), peer, TAG_DOUBLE)
+        waiting.sendrecv(p2p, msg(cur), peer, TAG_DOUBLE, msg(scratch), peer, TAG_DOUBLE)
         if me < partner:
             op.combine(cur, scratch, dst)
         else:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import buffers
+from .. import buffers, waiting
 from ..buffers import msg
 from ..context import CommContext
 from .halving_doubling_schedule import TAG_FOLD, fold_in, halving_reduce_scatter
@@ -23,10 +23,11 @@ def halving_reduce_scatter_blocks(ctx: CommContext, send: Any, recv: Any, op: An
     mine = slice(bounds[ctx.rank], bounds[ctx.rank + 1])
     if f.newrank < 0:
         fold_in(ctx.p2p, f, send, work, tmp, op)
-        ctx.p2p.Recv(msg(recv), f.partner, TAG_FOLD)
+        waiting.recv(ctx.p2p, msg(recv), f.partner, TAG_FOLD)
         return
     cur = fold_in(ctx.p2p, f, send, work, tmp, op)
     cur = halving_reduce_scatter(ctx.p2p, f, cur, work, groups, tmp, op)
     if f.folded:
-        ctx.p2p.Send(msg(cur[bounds[f.partner]:bounds[f.partner + 1]]), f.partner, TAG_FOLD)
+        waiting.send(ctx.p2p, msg(cur[bounds[f.partner]:bounds[f.partner + 1]]), f.partner,
+                     TAG_FOLD)
     buffers.copy(recv, cur[mine])

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from mpi4py import MPI
 
+from .. import waiting
 from ..buffers import msg
 
 __all__ = ["ring_reduce_scatter", "ring_allgather", "TAG_RS", "TAG_AG"]
@@ -60,7 +61,7 @@ def ring_reduce_scatter(p2p: MPI.Comm, rank: int, size: int, src: Any, dst: Any,
     rreqs = [post(u) for u in range(min(depth, units))]
     for u in range(units):
         slot = u % depth
-        rreqs[slot].Wait()
+        waiting.wait(rreqs[slot])
         s, lo, hi = seg_of(u)
         if final is not None and s == n - 2:
             out = final[lo - final_offset:hi - final_offset]
@@ -71,7 +72,7 @@ def ring_reduce_scatter(p2p: MPI.Comm, rank: int, size: int, src: Any, dst: Any,
             rreqs[slot] = post(u + depth)
         if s < n - 2:
             sreqs.append(isend(msg(out), right, TAG_RS))
-    MPI.Request.Waitall(sreqs)
+    waiting.waitall(sreqs)
 
 
 def ring_allgather(p2p: MPI.Comm, rank: int, size: int, buf: Any,
@@ -93,7 +94,7 @@ def ring_allgather(p2p: MPI.Comm, rank: int, size: int, buf: Any,
     sreqs = [isend(msg(buf[own[j]:own[j + 1]]), right, TAG_AG) for j in range(nseg)]
     forward = (n - 2) * nseg
     for u in range(len(regions)):
-        rreqs[u].Wait()
+        waiting.wait(rreqs[u])
         if u < forward:
             sreqs.append(isend(msg(regions[u]), right, TAG_AG))
-    MPI.Request.Waitall(sreqs)
+    waiting.waitall(sreqs)

@@ -54,7 +54,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from .. import buffers
+from .. import buffers, waiting
 from . import namespace
 from ..partition import block_bounds, segment_bounds, segment_count
 from .codecs import Codec, layout_nbytes, payload_views
@@ -225,7 +225,7 @@ def _reduce_scatter_phase(ctx: Any, codec: Codec, plan: _RingPlan, y: np.ndarray
         _keep_residual(codec, plan, payload, y[lo:hi], res, lo, hi)
     for u in range(units):
         slot = u % 2
-        rreqs[slot].Wait()
+        waiting.wait(rreqs[slot])
         s, b, j, lo, hi = unit(u)
         cnt = hi - lo
         acc = codec.decode(plan.views(plan.recv[slot], b, j), cnt, y.dtype,
@@ -275,7 +275,7 @@ def gather_phase(ctx: Any, region: Callable[[int, int], np.ndarray], own: int, n
         mine()
     forward = (n - 2) * nseg
     for i, (b, j) in enumerate(order):
-        rreqs[i].Wait()
+        waiting.wait(rreqs[i])
         if i < forward:
             r = region(b, j)
             sreqs.append(isend(buffers.msg(r), right, tag))
@@ -324,7 +324,7 @@ def dense_ring(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | None,
     agreqs, ag_bytes = gather_phase(ctx, plan.gather_region, (rank + 1) % n, nseg, TAG_AG,
                                     arrived=decode)
     sreqs += agreqs
-    MPI.Request.Waitall(sreqs)
+    waiting.waitall(sreqs)
     return Sent(rs_bytes + ag_bytes, len(sreqs), dense)
 
 
@@ -355,7 +355,7 @@ def dense_reduce_scatter(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray 
         finish(y, 0, 0, 0, y.size)
         return Sent()
     sreqs, sent_bytes = _reduce_scatter_phase(ctx, codec, plan, y, res, finish)
-    MPI.Request.Waitall(sreqs)
+    waiting.waitall(sreqs)
     dense = (y.size - out.size) * y.dtype.itemsize
     return Sent(sent_bytes, len(sreqs), dense)
 
@@ -395,7 +395,7 @@ def payload_allgather(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | N
 
     payload = encode_to_host(codec, y, layout, region(rank))
     sreqs, sent_bytes = gather_phase(ctx, region, rank, 1, TAG_GATHER, mine, arrived)
-    MPI.Request.Waitall(sreqs)
+    waiting.waitall(sreqs)
     return Sent(sent_bytes, len(sreqs), (n - 1) * m * dtype.itemsize)
 
 
@@ -436,7 +436,7 @@ def sparse_allgather(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | No
     out.fill(0)
     for q in range(n):
         add_pairs(codec, payload_views(layout, region(q)), out)
-    MPI.Request.Waitall(sreqs)
+    waiting.waitall(sreqs)
     return Sent(sent_bytes, len(sreqs), 2 * (n - 1) * y.size * dtype.itemsize // n)
 
 

@@ -21,7 +21,7 @@ from typing import Any, Container
 import numpy as np
 from mpi4py import MPI
 
-from .. import buffers
+from .. import buffers, waiting
 from ..partition import block_bounds
 from .codecs import Codec, layout_nbytes, payload_views
 from . import namespace
@@ -82,10 +82,10 @@ def sparse_reduce_scatter(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray
         if q == rank:
             xp.add(out, y[lo:hi], out=out)
             continue
-        rreqs[q].Wait()
+        waiting.wait(rreqs[q])
         add_pairs(codec, payload_views(layouts[rank], inbox(q)), out)
     if res is not None:
         res[lo:hi] = 0
-    MPI.Request.Waitall(sreqs)
+    waiting.waitall(sreqs)
     dense = (y.size - (hi - lo)) * dtype.itemsize  # (counted with the inter-node part)
     return Sent(*sent[True], 0), Sent(*sent[False], dense)

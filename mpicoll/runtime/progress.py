@@ -5,7 +5,10 @@ torch.distributed group, the Horovod engine, a parameter server's handles, an av
 operations run in submission order on the lane's own thread, started on first use, so one
 client's blocking collective never delays another client's (a single thread shared by
 clients that run blocking collectives in arrival order could deadlock: rank 0 running
-client A's collective while rank 1 runs client B's). Below ``MPI_THREAD_MULTIPLE`` (only
+client A's collective while rank 1 runs client B's). A lane's thread waits for MPI
+yielding the core and then sleeping once a peer is late (:mod:`mpicoll.waiting`,
+``MPICOLL_LANE_WAIT``), leaving it to the computation beside it; a lane made with
+``sleeps=False`` (the Horovod engine's) blocks in MPI. Below ``MPI_THREAD_MULTIPLE`` (only
 one thread may call MPI), and for an operation submitted from the lane's own thread (a
 callback that starts another operation), ``submit`` runs the operation inline.
 
@@ -39,6 +42,7 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
+from .. import config, waiting
 from ..errors import CollectiveTimeoutError
 from . import failures
 
@@ -155,16 +159,21 @@ class Lane:
             timeout messages (``None``: not known).
         inline: run every operation on the calling thread (default: below
             ``MPI_THREAD_MULTIPLE``).
+        sleeps: whether the lane's thread waits for MPI polling with yields and sleeps
+            (:mod:`mpicoll.waiting`) rather than blocking in MPI, where
+            ``MPICOLL_LANE_WAIT`` is ``auto`` (its default).
     """
 
     def __init__(self, name: str, comm: Any = None, timeout: float | None = None,
                  missing: Callable[[Work], list[int]] | None = None,
-                 inline: bool | None = None) -> None:
+                 inline: bool | None = None, sleeps: bool = True) -> None:
         self.name = name
         self.comm = comm
         self.timeout = timeout
         self.missing = missing
         self.inline = inline_only() if inline is None else inline
+        #: Whether the lane's thread waits for MPI with sleeps (:mod:`mpicoll.waiting`).
+        self.sleeps = config.lane_wait_sleeps(sleeps)
         #: The error that broke the lane (``None`` while it works).
         self.broken: BaseException | None = None
         self.completed = 0
@@ -236,6 +245,7 @@ class Lane:
             self.completed += 1
 
     def _loop(self) -> None:
+        waiting.set_sleeps(self.sleeps)
         while True:
             item = self._queue.get()
             if item is None:

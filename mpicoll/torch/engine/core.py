@@ -248,7 +248,9 @@ class Engine:
         self._cache = ResponseCache()
         self._header = np.zeros(2 + SLOT_BYTES // 8, dtype=np.int64)
         self._headers = np.zeros((self.size, self._header.size), dtype=np.int64)
-        self._lane = Lane("mpicoll.torch.engine", self.comm, inline=False)
+        # blocking waits: hvd training measured 5% slower with the lanes' sleeping ones
+        # (docs/results/ddp_threads.md)
+        self._lane = Lane("mpicoll.torch.engine", self.comm, inline=False, sleeps=False)
         self._lane.submit("the engine's loop", self._main)
 
     def _started(self) -> bool:

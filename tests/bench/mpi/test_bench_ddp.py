@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120),
 
 @pytest.mark.parametrize("model,modes", [
     ("cnn", "ddp-mpicoll,ddp-gloo,hvd,ddp-mpicoll-first,ddp-mpicoll-int8"),
-    ("mlp", "ddp-mpicoll,ddp-gloo,local")])
+    ("mlp", "ddp-mpicoll,ddp-gloo,ddp-none,local")])
 def test_ddp_benchmark_runs_every_mode(tmp_path, model, modes):
     ddp = _ddp()
     out = comm.bcast(str(tmp_path / "ddp.json") if comm.rank == 0 else None, root=0)
