@@ -45,12 +45,16 @@ SLEEP_MAX_S = 200e-6
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
-_local = threading.local()
+class _Thread(threading.local):
+    sleeps = False      # a class attribute: the blocking threads' lookup raises nothing
+
+
+_local = _Thread()
 
 
 def sleeps() -> bool:
     """Whether this thread waits for MPI by polling with sleeps."""
-    return getattr(_local, "sleeps", False)
+    return _local.sleeps
 
 
 def set_sleeps(on: bool) -> None:
