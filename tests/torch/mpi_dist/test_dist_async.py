@@ -10,11 +10,11 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from test_dist_collectives import GATHER_INTO, data, everyone
 
 import mpicoll
 from mpicoll.errors import CollectiveTimeoutError
 from mpicoll.torch.distributed import backend_of
-from test_dist_collectives import GATHER_INTO, data, everyone
 
 pytestmark = pytest.mark.mpi
 
@@ -157,10 +157,12 @@ def _stuck(group):
 
 
 def _finish(group, release) -> None:
-    """Let the stuck operation end (a broken group is then destroyed cleanly)."""
+    """Let the stuck operation end (a broken group is then destroyed cleanly): once
+    released, it returns at once, or never runs (aborted while still queued)."""
     release.set()
+    lane = backend_of(group)._lane
     for _ in range(1000):
-        if backend_of(group)._lane.completed:
+        if lane._running is None and lane._queue.empty():
             return
         time.sleep(0.01)
 
