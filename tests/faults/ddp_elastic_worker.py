@@ -12,6 +12,16 @@ Then (``ddp``) the last survivor is killed too, and the others use
 ``dist.shrink_group`` after a caught ``ProcessFailedError``: the new default group's
 all-reduce and a DDP step on it.
 
+``grow`` (any MPI with ``MPI_Comm_spawn``; no failure): a job of 2 whose discovery (a
+callable polled by rank 0) reports 3 slots once rank 0 reaches step ``KILL_AT`` grows to
+3: the new process runs this program from its start (its DDP module built there, before
+the elastic function), every rank trains to ``STEPS`` at size 3. Each rank prints
+``DONE`` (with its parameters' digest and what ``dist.all_reduce`` of a one sums to), the
+new one ``JOINED``; rank 0 prints ``GROWREF``: how far its parameters are from a float64
+single-process reference of 2 ranks' mean gradient up to the commit that grew and 3
+ranks' after it, and from one that kept averaging over 2 (far off, or the check could
+not fail).
+
 ``raise``: rank 1 raises ``RuntimeError`` at step ``KILL_AT`` (a rank that raises is a
 lost rank); ``raise-all``: every rank raises there (the job ends, status non-zero);
 ``raise-twice``: rank 1 raises at step ``KILL_AT`` and again (another process) at step
@@ -57,15 +67,16 @@ def digest(model: torch.nn.Module) -> str:
 
 
 def reference(model_state: dict, opt_state: dict, first: int, size: int,
-              divisor: int | None = None) -> torch.nn.Module:
-    """Steps ``first..STEPS-1`` at ``size`` ranks, in one process: each step's gradient is
+              divisor: int | None = None, stop: int = STEPS) -> torch.nn.Module:
+    """Steps ``first..stop-1`` at ``size`` ranks, in one process: each step's gradient is
     the sum over ranks 0..size-1 of their batches' gradients over ``divisor`` (default
-    ``size``: the mean)."""
+    ``size``: the mean). The model's ``optimizer`` attribute is its optimizer."""
     model = make_model()
     model.load_state_dict(model_state)
     opt = optimizer_of(model.parameters())
     opt.load_state_dict(opt_state)
-    for step in range(first, STEPS):
+    model.optimizer = opt
+    for step in range(first, stop):
         grads = [torch.zeros_like(p) for p in model.parameters()]
         for r in range(size):
             model.zero_grad()
@@ -91,6 +102,24 @@ def print_reference_diffs(model: torch.nn.Module, at_reset: dict, start: int) ->
         diffs.append(max((a - b).abs().max().item()
                          for a, b in zip(model.parameters(), ref.parameters())))
     print(f"REFDIFF {diffs[0]:.3e} {diffs[1]:.3e}", flush=True)
+
+
+def train_step(ddp: torch.nn.Module, opt: torch.optim.Optimizer, state) -> None:
+    """One DDP step on this rank's batch of ``state.step``, then a commit."""
+    opt.zero_grad()
+    x, y = batch(dist.get_rank(), state.step)
+    F.mse_loss(ddp(x), y).backward()
+    opt.step()
+    state.step += 1
+    state.commit()
+
+
+def print_done(model: torch.nn.Module, reset_step: int) -> None:
+    """``DONE <rank> <size> <digest> <sum of ones over the group> <reset_step>``."""
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    print(f"DONE {dist.get_rank()} {dist.get_world_size()} {digest(model)} "
+          f"{int(total.item())} {reset_step}", flush=True)
 
 
 def train_ddp(mode: str) -> None:
@@ -121,22 +150,54 @@ def train_ddp(mode: str) -> None:
             if (mode == "raise-twice" and state.step == 2 * KILL_AT
                     and dist.get_world_size() == start - 1 and dist.get_rank() == 1):
                 raise RuntimeError(f"rank 1 raises at step {state.step}")
-            opt.zero_grad()
-            x, y = batch(dist.get_rank(), state.step)
-            F.mse_loss(ddp(x), y).backward()
-            opt.step()
-            state.step += 1
-            state.commit()
+            train_step(ddp, opt, state)
 
     train(state)
-    total = torch.ones(1)
-    dist.all_reduce(total)
-    print(f"DONE {dist.get_rank()} {dist.get_world_size()} {digest(model)} "
-          f"{int(total.item())} {at_reset.get('step', -1)}", flush=True)
+    print_done(model, at_reset.get("step", -1))
     if dist.get_rank() == 0 and at_reset:
         print_reference_diffs(model, at_reset, start)
     if mode == "ddp":
         shrink_after_failure(model)
+    dist.destroy_process_group()
+
+
+def grow_ddp() -> None:
+    joined = hvd.elastic.joined()
+    dist.init_process_group("mpicoll")
+    model = make_model()
+    initial = ({k: v.clone() for k, v in model.state_dict().items()},
+               optimizer_of(make_model().parameters()).state_dict())
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = optimizer_of(ddp.parameters())
+    state = hvd.elastic.TorchState(model=ddp, optimizer=opt, step=0)
+    slots = {"n": 2}
+    grew_at: list[int] = []
+
+    def on_reset() -> None:
+        grew_at.append(state.step)
+
+    state.register_reset_callbacks([on_reset])
+
+    @hvd.elastic.run(discovery=lambda: slots["n"], max_np=3, discovery_interval=0.05)
+    def train(state) -> None:
+        while state.step < STEPS:
+            if state.step == KILL_AT and dist.get_rank() == 0 and slots["n"] == 2:
+                slots["n"] = 3            # rank 0's poll reports it within 0.05 s
+            train_step(ddp, opt, state)
+
+    train(state)
+    if joined:
+        print(f"JOINED {dist.get_rank()}", flush=True)
+    print_done(model, grew_at[0] if grew_at else -1)
+    if dist.get_rank() == 0 and grew_at:
+        diffs = []
+        for late_size in (3, 2):
+            ref = reference(*initial, 0, 2, stop=grew_at[0])
+            ref = reference(ref.state_dict(), ref.optimizer.state_dict(), grew_at[0], 3,
+                            late_size)
+            diffs.append(max((a - b).abs().max().item()
+                             for a, b in zip(model.parameters(), ref.parameters())))
+        print(f"GROWREF {diffs[0]:.3e} {diffs[1]:.3e}", flush=True)
     dist.destroy_process_group()
 
 
@@ -169,4 +230,4 @@ def shrink_after_failure(model: torch.nn.Module) -> None:
 
 
 if __name__ == "__main__":
-    train_ddp(sys.argv[1])
+    grow_ddp() if sys.argv[1] == "grow" else train_ddp(sys.argv[1])

@@ -17,6 +17,17 @@ Under ``mpirun --with-ft ulfm`` (elastic_grow_worker.py, numpy):
   raises DiscoveryError at the same commit ``s``, with the same state, and the job ends
   (status 4): no hang.
 
+Under this venv's MPICH (no ULFM; its ``MPI_Comm_spawn`` starts processes faster), as well
+as ``mpich-grow`` (the numpy growth):
+
+- ``ddp-grow``: a DDP module over the "mpicoll" process group, built once before
+  ``hvd.elastic.run`` with a ``TorchState`` and no ``hvd.init()``, grows from 2 to 3 at a
+  commit (ddp_elastic_worker.py ``grow``): the new process builds its DDP module in the
+  program as the first ranks did, every rank ends at size 3 with the same parameters,
+  ``dist.all_reduce`` sums over 3, and rank 0's parameters equal a float64 single-process
+  reference (2 ranks' mean gradient up to that commit, 3 ranks' after it) within 1e-9,
+  while one that kept dividing by 2 is far off.
+
 With ``ULFM_ALL_CASES=1`` (slower: a torch job here costs one to two minutes under load):
 
 - ``numpy-shrink-grow``: 3 ranks, one SIGKILLed, the 2 survivors shrink, then grow back
@@ -31,6 +42,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Callable
@@ -48,6 +60,7 @@ from mpicoll.elastic.joiner import run_program
 HERE = Path(__file__).parent
 NUMPY = HERE / "elastic_grow_worker.py"
 TORCH = HERE / "elastic_grow_torch_worker.py"
+DDP = HERE / "ddp_elastic_worker.py"
 JOB_TIMEOUT_S = 180
 STEPS, GROW_STEP, GARBAGE_STEP = 30, 10, 20
 EPOCHS, TORCH_GROW_STEP = 2, 10
@@ -214,12 +227,16 @@ def _jobs(tmp: Path) -> dict:
     return out
 
 
-def _mpich_job(tmp: Path) -> tuple[int, str, float]:
-    """The numpy growth from 2 to 3 under this venv's MPI (the MPICH wheel: no ULFM)."""
-    hostfile = tmp / "mpich.hosts"
-    hostfile.write_text("localhost:2\n")
-    cmd = mpirun_command(2) + [sys.executable, "-u", str(NUMPY), str(STEPS), str(GROW_STEP),
-                               "3", "3", str(hostfile), "-1"]
+def _mpich_job(tmp: Path, script: Path = NUMPY) -> tuple[int, str, float]:
+    """A growth from 2 to 3 under this venv's MPI (the MPICH wheel: no ULFM): the numpy
+    worker's, or (``script`` DDP) a DDP module over "mpicoll" in ``hvd.elastic.run``."""
+    if script == DDP:
+        args = ["grow"]
+    else:
+        hostfile = tmp / "mpich.hosts"
+        hostfile.write_text("localhost:2\n")
+        args = [str(STEPS), str(GROW_STEP), "3", "3", str(hostfile), "-1"]
+    cmd = mpirun_command(2) + [sys.executable, "-u", str(script), *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MPICOLL_")}
     env["PYTHONPATH"] = str(ompi_env.ROOT)
     rc, out, secs = run_command(cmd, env, JOB_TIMEOUT_S)
@@ -231,9 +248,11 @@ def outputs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("grow")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         mpich = pool.submit(_mpich_job, tmp)
+        ddp = pool.submit(_mpich_job, tmp, DDP)
         python = ompi_env.ompi_python(need_torch=ALL)
         results = ulfm_jobs.run_jobs(python, _jobs(tmp), parallel=1)
         results["mpich-grow"] = mpich.result()
+        results["ddp-grow"] = ddp.result()
     return results
 
 
@@ -331,3 +350,23 @@ def test_torch_job_grows_from_2_to_3(outputs) -> None:
     reference = elastic_torch_worker.train_serially(3, EPOCHS)
     got = float(done[0][2])
     assert abs(got - reference) <= 2.0, f"accuracy {got:.2f} %, uninterrupted {reference:.2f} %"
+
+
+@pytest.mark.timeout(900)
+def test_ddp_module_grows_from_2_to_3_under_mpich(outputs) -> None:
+    rc, out, _ = outputs["ddp-grow"]
+    tail = _show("ddp-grow", outputs["ddp-grow"])
+    assert rc == 0, f"status {rc}\n{tail}"
+    # hydra may join two ranks' lines: the records are found anywhere in the output
+    done = {int(m[0]): m[1:] for m in re.findall(
+        r"DONE (\d+) (\d+) ([0-9a-f]+) (\d+) (-?\d+)", out)}
+    assert sorted(done) == [0, 1, 2], tail
+    assert {f[0] for f in done.values()} == {"3"}, f"a rank is not at size 3\n{tail}"
+    assert len({f[1] for f in done.values()}) == 1, f"parameters differ\n{tail}"
+    assert {f[2] for f in done.values()} == {"3"}, f"all_reduce did not sum over 3\n{tail}"
+    grew = {f[3] for r, f in done.items() if r < 2}
+    assert len(grew) == 1 and int(grew.pop()) > 0, f"the old ranks did not grow\n{tail}"
+    assert re.findall(r"JOINED (\d+)", out) == ["2"], tail
+    (right, wrong), = [(float(a), float(b)) for a, b in re.findall(
+        r"GROWREF (\S+) (\S+)", out)]
+    assert right <= 1e-9 and wrong > 1e-3, f"reference differences {right}, {wrong}\n{tail}"

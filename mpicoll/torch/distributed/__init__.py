@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .groups import backend_of, monitored_barrier, split_group
 from .options import BACKEND, Options
-from .reconfigure import PARENT, default_comms, member_comm
+from .reconfigure import PARENT, default_comms, joining, member_comm, start_joining
 from .startup import install_env_handler, mpi_rendezvous, world
 from .tensors import op_name as _op_name  # noqa: F401  (kept for callers of the old module)
 
@@ -91,7 +91,7 @@ def _build(opts: Any, backend_options: Any, made: list[Any]) -> Any:
                 f"torch's rendezvous, but MPI says rank {comm_world.Get_rank()} of "
                 f"{comm_world.Get_size()}: start every process with mpirun, and where RANK "
                 f"and WORLD_SIZE are set they must equal MPI's")
-        fit_threads(comm_world)
+        fit_threads(None if joining() else comm_world)   # a new process: no collective
         comm, owned = default_comms(comm_world)
     else:
         comm = member_comm(PARENT[0] if PARENT else comm_world, ranks)
@@ -104,11 +104,17 @@ def _build(opts: Any, backend_options: Any, made: list[Any]) -> Any:
 
 
 def register() -> None:
-    """Register ``"mpicoll"`` with torch and the MPI fallback of ``env://`` (idempotent)."""
+    """Register ``"mpicoll"`` with torch and the MPI fallback of ``env://`` (idempotent);
+    in a process that joined a running job, hold DDP's start-up synchronisation for the
+    elastic state's first sync (:func:`.reconfigure.start_joining`)."""
+    from ...elastic import grow  # noqa: PLC0415
+
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True,
                                       devices=["cpu", "cuda"])
     install_env_handler()
+    if grow.joined is not None:
+        start_joining()
 
 
 register()

@@ -23,10 +23,28 @@ order, as it created them):
 Collective over the new world (each group's rebuild over its surviving members). Idempotent:
 a group already on the current world is left alone. The elastic APIs call it after their
 reset (:mod:`mpicoll.torch.elastic`, ``TorchState.reset``).
+
+When the world grew (:mod:`mpicoll.elastic.grow`: new processes joined), the new processes
+run the program from its start while the running ranks are in their reset; the two sides
+make the same collectives in the same order:
+
+- the running ranks answer the new processes' rendezvous (rank 0's store address, one
+  broadcast: :func:`~.startup.answer_joiners`), then rebuild the default group over the
+  grown world (its new members are the new processes, whose ``init_process_group`` makes
+  the same communicators); a group of explicit ranks keeps its members;
+- a DDP module built by a new process does not synchronise at its construction (DDP's
+  shape check and broadcast of rank 0's parameters, which the running ranks do not make):
+  the elastic state's first sync gives it rank 0's state, as it gives the optimizer's
+  (:func:`end_joining`); a DDP module that the state does not hold raises at its first
+  forward in the new process, rather than training from other parameters;
+- every running DDP module over a grown group rebuilds its buckets at its next steps, as
+  the new processes' DDP modules do (torch's ``DistributedDataParallel._update_process_group``,
+  so both sides broadcast the bucket order at the same step).
 """
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -35,9 +53,11 @@ from mpi4py import MPI
 
 from ...runtime import comms
 from ...runtime import world as runtime_world
+from . import startup
 
 __all__ = ["follow_world", "survivors", "shrunk", "adopt_wrapper", "default_comms",
-           "member_comm", "PARENT"]
+           "member_comm", "PARENT", "start_joining", "end_joining", "joining",
+           "align_ddp_buckets"]
 
 log = logging.getLogger("mpicoll.torch")
 
@@ -123,6 +143,10 @@ def follow_world() -> int:
     if not stale:
         return 0
     new_world = runtime_world.comm()
+    grew = any(not b.options.global_ranks_in_group and b.size() < new_world.Get_size()
+               for _, b in stale)
+    if grew:
+        startup.answer_joiners(new_world)
     if not any(not b.options.global_ranks_in_group for _, b in stale):
         PARENT.clear()        # the default group is not mpicoll's: groups from the world
     elif PARENT and comms.record_of(PARENT[0]) is None:
@@ -149,7 +173,119 @@ def follow_world() -> int:
         group_ranks[pg] = mapping
         log.info("process group %s rebuilt on the new world: %d -> %d ranks",
                  backend.options.group_name, old_size, comm.Get_size())
+    if grew:
+        _rebuild_ddp_buckets([pg for pg, _ in stale])
     return len(stale)
+
+
+def _ddp_modules() -> list[Any]:
+    """Every live ``DistributedDataParallel`` module of this process."""
+    import gc  # noqa: PLC0415
+
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    return [obj for obj in gc.get_objects() if isinstance(obj, DistributedDataParallel)]
+
+
+#: DDP modules whose buckets the elastic state's next sync lays out again on every rank
+#: (:func:`align_ddp_buckets`): a running rank's over a grown group, a new process's.
+_to_align: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _rebuild_ddp_buckets(groups: list[Any]) -> None:
+    """Make the DDP modules over ``groups`` forget their bucket layout (torch's
+    ``_update_process_group``), for :func:`align_ddp_buckets`."""
+    for module in _ddp_modules():
+        if any(module.process_group is pg for pg in groups):
+            module._update_process_group(module.process_group)
+            _to_align.add(module)
+
+
+def align_ddp_buckets(values: list[Any]) -> None:
+    """The elastic state's sync after the world grew, on the running ranks and the new
+    processes alike: each DDP module among ``values`` (in their order, the same on every
+    rank) marked for it lays its buckets out as rank 0 says (DDP's own bucket rebuild,
+    from the parameters' order: two broadcasts), so the first backward after the growth
+    reduces the same layout everywhere (a running rank's buckets follow its earlier
+    backward passes' order, a new process's the parameters' reversed order)."""
+    for value in values:
+        if value in _to_align:
+            _to_align.discard(value)
+            value.reducer._push_all_rebuilt_params()
+            value.reducer._rebuild_buckets()
+            value._has_rebuilt_buckets = True
+
+
+#: In a process that joined a running job, until its elastic state's first sync: the
+#: modules of the DDP modules built meanwhile (their start-up synchronisation is left to
+#: that sync), with the hooks that refuse a forward before it. ``None``: not joining.
+_held: dict[int, tuple[Any, Any]] | None = None
+
+
+def joining() -> bool:
+    """Whether this process joined a running job and has not had its first sync yet."""
+    return _held is not None
+
+
+def _is_mpicoll(group: Any) -> bool:
+    from . import extension  # noqa: PLC0415
+
+    module = extension.loaded()
+    if module is None:
+        return False
+    try:
+        return isinstance(group._get_backend(torch.device("cpu")), module.Backend)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def start_joining() -> None:
+    """In a process that joined a running job (before its program runs): DDP modules over
+    an "mpicoll" group skip the collectives DDP makes at construction (the running ranks
+    do not make them); :func:`end_joining` is the elastic state's first sync."""
+    global _held
+    import torch.nn.parallel.distributed as ddp  # noqa: PLC0415
+
+    if _held is not None:
+        return
+    _held = {}
+    verify, sync = ddp._verify_param_shape_across_processes, ddp._sync_module_states
+
+    def verify_held(process_group: Any, tensors: Any, logger: Any = None) -> Any:
+        if _held is not None and _is_mpicoll(process_group):
+            return None
+        return verify(process_group, tensors, logger)
+
+    def sync_held(module: Any, process_group: Any, *args: Any, **kwargs: Any) -> Any:
+        if _held is not None and _is_mpicoll(process_group):
+            def refuse(*_: Any) -> None:
+                raise RuntimeError(
+                    "mpicoll: this process joined a running job, and a DDP module it "
+                    "built is not in the elastic state, whose first sync gives the new "
+                    "processes rank 0's parameters: give it to the state "
+                    "(TorchState(model=ddp_model)) and build it before the elastic function")
+            _held[id(module)] = (module, module.register_forward_pre_hook(refuse))
+            return None
+        return sync(module, process_group, *args, **kwargs)
+
+    ddp._verify_param_shape_across_processes = verify_held
+    ddp._sync_module_states = sync_held
+
+
+def end_joining(synced: list[Any]) -> None:
+    """The elastic state's first sync in a process that joined: the DDP modules among
+    ``synced`` (or whose modules are) got rank 0's state; a held module not among them
+    keeps refusing its forward."""
+    global _held
+    if _held is None:
+        return
+    for value in synced:
+        held = _held.pop(id(getattr(value, "module", value)), None)
+        if held is not None:
+            held[1].remove()
+            if value is not held[0]:
+                _to_align.add(value)      # the DDP module: its buckets as the others'
+    _held = None
 
 
 def shrunk(backend: Any, excluded: list[int]) -> tuple[Any, tuple[Any, ...], list[int]]:

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["mpi_rendezvous", "install_env_handler", "world"]
+__all__ = ["mpi_rendezvous", "answer_joiners", "install_env_handler", "world"]
 
 #: Environment variables that say a process was started by an MPI launcher.
 _LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
@@ -56,7 +56,29 @@ def mpi_rendezvous(timeout: timedelta = timedelta(minutes=30)) -> tuple[Any, int
     host, port = comm.bcast(address, root=0)
     if rank != 0:
         store = dist.TCPStore(host, port, size, False, timeout=timeout)
+    _served[:] = [host, port]
     return store, rank, size
+
+
+#: Where the store of the last :func:`mpi_rendezvous` is served (empty: there was none).
+_served: list[Any] = []
+
+
+def answer_joiners(comm: Any) -> None:
+    """After the world grew (:mod:`mpicoll.elastic.grow`): the running ranks' half of the
+    new processes' :func:`mpi_rendezvous`, whose broadcast over the grown world ``comm``
+    tells them where rank 0 serves the store (collective over ``comm``).
+
+    Raises:
+        RuntimeError: the default group was not started by the MPI rendezvous (torchrun's
+            or the user's own store, which the new processes cannot reach).
+    """
+    if not _served:
+        raise RuntimeError(
+            "mpicoll: the world grew, but the default process group was not started "
+            "through mpicoll's MPI rendezvous (init_process_group('mpicoll') under mpirun "
+            "without RANK set): the new processes cannot reach its store")
+    comm.bcast(tuple(_served) if comm.Get_rank() == 0 else None, root=0)
 
 
 _torch_env_handler = None

@@ -89,17 +89,23 @@ def _reset(min_np: int) -> None:
 def _grow(new_size: int) -> None:
     """Stop the engine (a shutdown round of the running ranks), grow the world, start
     the engine on it (the new ranks start theirs in their own ``hvd.init()``); when the
-    new processes cannot start, the engine starts again on the unchanged world."""
+    new processes cannot start, the engine starts again on the unchanged world. Without
+    ``hvd.init()`` (a torch.distributed program) there is no engine: the state's reset
+    rebuilds the "mpicoll" process groups on the grown world."""
     began = time.perf_counter()
-    _torch_state.shutdown()
+    engine = _torch_state.started()
+    if engine:
+        _torch_state.shutdown()
     stopped = time.perf_counter()
     try:
         growth = _grow_world(new_size)
     except GrowthError:
-        _torch_state.init()              # the world is unchanged: the engine again on it
+        if engine:
+            _torch_state.init()          # the world is unchanged: the engine again on it
         raise
     grown = time.perf_counter()
-    _torch_state.init()
+    if engine:
+        _torch_state.init()
     growth.phases.update(shutdown=stopped - began, init=time.perf_counter() - grown)
 
 

@@ -29,7 +29,7 @@ from ... import collectives
 from ...elastic import state as elastic_state
 from ...elastic.state import ObjectState
 from .. import functions
-from ..distributed.reconfigure import follow_world
+from ..distributed.reconfigure import align_ddp_buckets, end_joining, follow_world
 from . import sharded
 from .sampler import ElasticSampler
 from .world import hvd_started, rank
@@ -284,6 +284,9 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             handler.sync()
         super().sync()
+        values = [handler.value for handler in self._handlers.values()]
+        end_joining(values)
+        align_ddp_buckets(values)
 
     def reset(self) -> None:
         """After a reset: the "mpicoll" process groups go on over the new world; so do
