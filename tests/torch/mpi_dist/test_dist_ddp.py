@@ -206,3 +206,38 @@ def test_ddp_join_uneven_inputs():
             loss_of(ddp, x[shard(rank)], y[shard(rank)]).backward()
             opt.step()
     assert_same_model(ddp.module, reference)
+
+
+def test_a_joining_process_leaves_ddp_start_up_to_the_state_sync(monkeypatch):
+    """A process that joined a growing job (reconfigure.start_joining): its DDP modules do
+    not synchronise at construction (the running ranks would not join in); the elastic
+    state's first sync gives the module in the state rank 0's parameters and lays its
+    buckets out as rank 0's, after which it trains as DDP; a module outside the state
+    refuses its forward instead of training from its own parameters."""
+    from mpicoll.torch.distributed import reconfigure  # noqa: PLC0415
+    from mpicoll.torch.elastic import TorchState  # noqa: PLC0415
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    monkeypatch.setattr(reconfigure, "_held", None)
+    reconfigure.start_joining()
+    assert reconfigure.joining()
+    kept = ddp_of(model(), bucket_cap_mb=0.0001)
+    outside = ddp_of(model())
+    # nothing was broadcast: rank r's parameters are still rank 0's + r (agreed, so that
+    # a rank that finds otherwise fails the test on every rank, not in the sync below)
+    unsynced = all(torch.equal(a, b) for a, b in zip(
+        kept.module.parameters(), perturbed(model(), rank).parameters(), strict=True))
+    everywhere = torch.tensor([float(unsynced)])
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    assert everywhere.item() == 1.0, "a DDP module built while joining synchronised"
+    TorchState(model=kept).sync()
+    assert not reconfigure.joining()
+    reference = model()
+    assert_same_model(kept.module, reference)
+    train(reference, None, n)
+    train(kept, shard(rank), n)
+    assert_same_model(kept.module, reference)
+    with pytest.raises(RuntimeError, match="not in the elastic state"):
+        outside(batch(0, n)[0])
+    # after the first sync a new DDP module synchronises as usual
+    assert_same_model(ddp_of(model()).module, model())
