@@ -372,9 +372,10 @@ def relative(word: str) -> str:
 
 def save(record: dict, path: Path) -> None:
     """The record as JSON, without this machine's paths (the checkout, the temporary
-    directories)."""
+    directories, the installed packages in the runs' tracebacks)."""
     text = relative(json.dumps(record, indent=1))
     text = re.sub(re.escape(tempfile.gettempdir()) + r"/elastic-bed-\w+", "<tmp>", text)
+    text = re.sub(r'[^\s"]*/(?:site|dist)-packages/', "<site-packages>/", text)  # tracebacks
     path.write_text(text + "\n")
 
 
