@@ -256,22 +256,22 @@ class MPIProcessGroup(_Backend):
 
         return self.submit(kind, task, fallback)
 
+    def _tracked(self, name: str, fn: Callable[[], Any], **info: Any) -> Any:
+        """``fn()``, recorded as the call ``name`` for the stall inspector and timeline
+        when they are on."""
+        if tracking.wanted():
+            return tracking.recorded(self._ctx.tracker, tracking.CallInfo(name, **info), fn)()
+        return fn()
+
     def _agree(self, kind: str, error: BaseException | None, fields: dict) -> None:
         """The agreement step, recorded for the stall inspector as a call of its own (a
         rank waiting in it for a rank that never comes is seen, as in the collective)."""
-        if tracking.wanted():
-            info = tracking.CallInfo(f"{kind} (agreement)")
-            tracking.recorded(self._ctx.tracker, info,
-                              lambda: agree(self._ctx, error, collective=kind, **fields))()
-        else:
-            agree(self._ctx, error, collective=kind, **fields)
+        self._tracked(f"{kind} (agreement)",
+                      lambda: agree(self._ctx, error, collective=kind, **fields))
 
     def _native(self, name: str, fn: Callable[[], Any], **info: Any) -> Any:
         """Run MPI's own collective ``fn``, recorded for the stall inspector/timeline."""
-        if tracking.wanted():
-            return tracking.recorded(self._ctx.tracker,
-                                     tracking.CallInfo(name, algorithm="native", **info), fn)()
-        return fn()
+        return self._tracked(name, fn, algorithm="native", **info)
 
     def _allreduce_host(self, tensor: torch.Tensor, op: str, factor: Any) -> None:
         host = Host(tensor, True, factor)
