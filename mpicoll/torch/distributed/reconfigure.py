@@ -37,9 +37,11 @@ make the same collectives in the same order:
   the elastic state's first sync gives it rank 0's state, as it gives the optimizer's
   (:func:`end_joining`); a DDP module that the state does not hold raises at its first
   forward in the new process, rather than training from other parameters;
-- every running DDP module over a grown group rebuilds its buckets at its next steps, as
-  the new processes' DDP modules do (torch's ``DistributedDataParallel._update_process_group``,
-  so both sides broadcast the bucket order at the same step).
+- every running DDP module over a grown group forgets its bucket layout (torch's
+  ``DistributedDataParallel._update_process_group``), and at the state's first sync after
+  the growth the DDP modules in the state, on the running ranks and the new processes
+  alike, lay their buckets out as rank 0 says (:func:`align_ddp_buckets`): a running
+  rank's layout followed its earlier backward passes, a new process's does not.
 """
 from __future__ import annotations
 
@@ -143,11 +145,11 @@ def follow_world() -> int:
     if not stale:
         return 0
     new_world = runtime_world.comm()
-    grew = any(not b.options.global_ranks_in_group and b.size() < new_world.Get_size()
-               for _, b in stale)
+    default = next((b for _, b in stale if not b.options.global_ranks_in_group), None)
+    grew = default is not None and default.size() < new_world.Get_size()
     if grew:
         startup.answer_joiners(new_world)
-    if not any(not b.options.global_ranks_in_group for _, b in stale):
+    if default is None:
         PARENT.clear()        # the default group is not mpicoll's: groups from the world
     elif PARENT and comms.record_of(PARENT[0]) is None:
         PARENT.clear()        # the old world's, released with it
