@@ -12,7 +12,8 @@ Then (``ddp``) the last survivor is killed too, and the others use
 ``dist.shrink_group`` after a caught ``ProcessFailedError``: the new default group's
 all-reduce and a DDP step on it.
 
-``grow`` (any MPI with ``MPI_Comm_spawn``; no failure): a job of 2 whose discovery (a
+``grow ddp|module`` (any MPI with ``MPI_Comm_spawn``; no failure; the state holds the DDP
+module or the module it wraps): a job of 2 whose discovery (a
 callable polled by rank 0) reports 3 slots once rank 0 reaches step ``KILL_AT`` grows to
 3: the new process runs this program from its start (its DDP module built there, before
 the elastic function), every rank trains to ``STEPS`` at size 3. Each rank prints
@@ -161,7 +162,9 @@ def train_ddp(mode: str) -> None:
     dist.destroy_process_group()
 
 
-def grow_ddp() -> None:
+def grow_ddp(hold: str) -> None:
+    """``hold``: what the state holds, ``ddp`` (the DDP module) or ``module`` (the module
+    it wraps)."""
     joined = hvd.elastic.joined()
     dist.init_process_group("mpicoll")
     model = make_model()
@@ -169,7 +172,8 @@ def grow_ddp() -> None:
                optimizer_of(make_model().parameters()).state_dict())
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = optimizer_of(ddp.parameters())
-    state = hvd.elastic.TorchState(model=ddp, optimizer=opt, step=0)
+    state = hvd.elastic.TorchState(model=ddp if hold == "ddp" else model, optimizer=opt,
+                                   step=0)
     slots = {"n": 2}
     grew_at: list[int] = []
 
@@ -230,4 +234,7 @@ def shrink_after_failure(model: torch.nn.Module) -> None:
 
 
 if __name__ == "__main__":
-    grow_ddp() if sys.argv[1] == "grow" else train_ddp(sys.argv[1])
+    if sys.argv[1] == "grow":
+        grow_ddp(sys.argv[2])
+    else:
+        train_ddp(sys.argv[1])

@@ -20,8 +20,9 @@ Under ``mpirun --with-ft ulfm`` (elastic_grow_worker.py, numpy):
 Under this venv's MPICH (no ULFM; its ``MPI_Comm_spawn`` starts processes faster), as well
 as ``mpich-grow`` (the numpy growth):
 
-- ``ddp-grow``: a DDP module over the "mpicoll" process group, built once before
-  ``hvd.elastic.run`` with a ``TorchState`` and no ``hvd.init()``, grows from 2 to 3 at a
+- ``ddp-grow-ddp``, ``ddp-grow-module``: a DDP module over the "mpicoll" process group,
+  built once before ``hvd.elastic.run`` with a ``TorchState`` holding it (or the module
+  it wraps) and no ``hvd.init()``, grows from 2 to 3 at a
   commit (ddp_elastic_worker.py ``grow``): the new process builds its DDP module in the
   program as the first ranks did, every rank ends at size 3 with the same parameters,
   ``dist.all_reduce`` sums over 3, and rank 0's parameters equal a float64 single-process
@@ -61,6 +62,8 @@ HERE = Path(__file__).parent
 NUMPY = HERE / "elastic_grow_worker.py"
 TORCH = HERE / "elastic_grow_torch_worker.py"
 DDP = HERE / "ddp_elastic_worker.py"
+#: What the DDP growth jobs' state holds: the DDP module, or the module it wraps.
+HOLDS = ("ddp", "module")
 JOB_TIMEOUT_S = 180
 STEPS, GROW_STEP, GARBAGE_STEP = 30, 10, 20
 EPOCHS, TORCH_GROW_STEP = 2, 10
@@ -227,11 +230,12 @@ def _jobs(tmp: Path) -> dict:
     return out
 
 
-def _mpich_job(tmp: Path, script: Path = NUMPY) -> tuple[int, str, float]:
+def _mpich_job(tmp: Path, script: Path = NUMPY, hold: str = "") -> tuple[int, str, float]:
     """A growth from 2 to 3 under this venv's MPI (the MPICH wheel: no ULFM): the numpy
-    worker's, or (``script`` DDP) a DDP module over "mpicoll" in ``hvd.elastic.run``."""
+    worker's, or (``script`` DDP) a DDP module over "mpicoll" in ``hvd.elastic.run``, the
+    state holding ``hold`` (``ddp`` or ``module``)."""
     if script == DDP:
-        args = ["grow"]
+        args = ["grow", hold]
     else:
         hostfile = tmp / "mpich.hosts"
         hostfile.write_text("localhost:2\n")
@@ -248,11 +252,11 @@ def outputs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("grow")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         mpich = pool.submit(_mpich_job, tmp)
-        ddp = pool.submit(_mpich_job, tmp, DDP)
+        ddp = {hold: pool.submit(_mpich_job, tmp, DDP, hold) for hold in HOLDS}
         python = ompi_env.ompi_python(need_torch=ALL)
         results = ulfm_jobs.run_jobs(python, _jobs(tmp), parallel=1)
         results["mpich-grow"] = mpich.result()
-        results["ddp-grow"] = ddp.result()
+        results.update({f"ddp-grow-{hold}": job.result() for hold, job in ddp.items()})
     return results
 
 
@@ -353,9 +357,11 @@ def test_torch_job_grows_from_2_to_3(outputs) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_ddp_module_grows_from_2_to_3_under_mpich(outputs) -> None:
-    rc, out, _ = outputs["ddp-grow"]
-    tail = _show("ddp-grow", outputs["ddp-grow"])
+@pytest.mark.parametrize("hold", HOLDS)
+def test_ddp_module_grows_from_2_to_3_under_mpich(outputs, hold) -> None:
+    name = f"ddp-grow-{hold}"
+    rc, out, _ = outputs[name]
+    tail = _show(name, outputs[name])
     assert rc == 0, f"status {rc}\n{tail}"
     # hydra may join two ranks' lines: the records are found anywhere in the output
     done = {int(m[0]): m[1:] for m in re.findall(

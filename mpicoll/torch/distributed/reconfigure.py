@@ -205,17 +205,18 @@ def _rebuild_ddp_buckets(groups: list[Any]) -> None:
 
 def align_ddp_buckets(values: list[Any]) -> None:
     """The elastic state's sync after the world grew, on the running ranks and the new
-    processes alike: each DDP module among ``values`` (in their order, the same on every
-    rank) marked for it lays its buckets out as rank 0 says (DDP's own bucket rebuild,
+    processes alike: each DDP module among ``values`` (or wrapping one of them; in their
+    order, the same on every rank) marked for it lays its buckets out as rank 0 says (DDP's own bucket rebuild,
     from the parameters' order: two broadcasts), so the first backward after the growth
     reduces the same layout everywhere (a running rank's buckets follow its earlier
     backward passes' order, a new process's the parameters' reversed order)."""
     for value in values:
-        if value in _to_align:
-            _to_align.discard(value)
-            value.reducer._push_all_rebuilt_params()
-            value.reducer._rebuild_buckets()
-            value._has_rebuilt_buckets = True
+        ddp = next((d for d in _to_align if value is d or value is d.module), None)
+        if ddp is not None:       # the state holds the DDP module, or the module it wraps
+            _to_align.discard(ddp)
+            ddp.reducer._push_all_rebuilt_params()
+            ddp.reducer._rebuild_buckets()
+            ddp._has_rebuilt_buckets = True
 
 
 #: In a process that joined a running job, until its elastic state's first sync: the
@@ -285,8 +286,9 @@ def end_joining(synced: list[Any]) -> None:
         held = _held.pop(id(getattr(value, "module", value)), None)
         if held is not None:
             held[1].remove()
-            if value is not held[0]:
-                _to_align.add(value)      # the DDP module: its buckets as the others'
+            # the DDP module (the state may hold the module it wraps): its buckets as the
+            # running ranks' (align_ddp_buckets)
+            _to_align.update(d for d in _ddp_modules() if d.module is held[0])
     _held = None
 
 
