@@ -55,8 +55,8 @@ END_WAIT_S = 300.0
 #: How often the wait looks at the agreement and for failures.
 POLL_S = 0.005
 
-#: generation -> the end communicator of that world (only the current one is kept).
-_ends: dict[int, Any] = {}
+#: [generation, the end communicator of that world]: only the current world's is kept.
+_end: list[Any] = [None, None]
 #: Generations whose end agreement this rank has begun (it runs once per world).
 _agreed: set[int] = set()
 #: (request, buffer) of the end agreements :func:`join_reset` began, until completed.
@@ -82,9 +82,8 @@ def prepare() -> None:
         _resetting.pop(0)
     gen = runtime_world.generation()
     _agreed.discard(gen)      # a function run again on the same world ends again
-    if gen not in _ends:
-        _ends.clear()
-        _ends[gen] = comms.dup(runtime_world.comm(), "elastic.end", lifetime="world")
+    if _end[0] != gen:
+        _end[:] = [gen, comms.dup(runtime_world.comm(), "elastic.end", lifetime="world")]
 
 
 def finish(leave: Callable[[str], None], how: str = "returned") -> None:
@@ -97,7 +96,7 @@ def finish(leave: Callable[[str], None], how: str = "returned") -> None:
             reset: so does this one, and runs the function again from the last commit).
     """
     gen = runtime_world.generation()
-    if gen not in _ends or gen in _agreed:
+    if _end[0] != gen or gen in _agreed:
         return
     world = runtime_world.comm()
     rank = world.Get_rank()
@@ -143,9 +142,9 @@ def join_reset() -> None:
     runs while the survivors shrink (the waiting ranks join the shrink once it completes);
     :func:`prepare` completes it."""
     gen = runtime_world.generation()
-    if gen in _ends and gen not in _agreed:
+    if _end[0] == gen and gen not in _agreed:
         _agreed.add(gen)
-        _resetting.append(failures.start_agreement(_ends[gen], 0))
+        _resetting.append(failures.start_agreement(_end[1], 0))
 
 
 def _agree(gen: int, flag: int, wait: Callable[[], None]) -> bool:
@@ -154,8 +153,7 @@ def _agree(gen: int, flag: int, wait: Callable[[], None]) -> bool:
     rank that failed before joining does not count (ULFM's agreement completes without
     it, with the same value and error on every live rank)."""
     _agreed.add(gen)
-    end = _ends[gen]
-    request, buf = failures.start_agreement(end, flag)
+    request, buf = failures.start_agreement(_end[1], flag)
     while not failures.agreement_over(request):
         wait()
     return bool(buf[0])

@@ -65,10 +65,8 @@ def outputs() -> dict:
 
 
 def _result(outputs: dict, name: str) -> tuple[int, str, str]:
-    rc, out, secs = outputs[name]
-    tail = "\n".join(out.splitlines()[-30:])
-    print(f"{name}: status {rc}, {secs:.1f} s\n{tail}")
-    return rc, out, tail
+    rc, out, _ = outputs[name]
+    return rc, out, ulfm_jobs.show(name, outputs[name], last=30)
 
 
 @pytest.mark.timeout(900)
@@ -77,7 +75,7 @@ def test_ddp_goes_on_with_the_survivors(outputs, name) -> None:
     rc, out, tail = _result(outputs, name)
     assert rc == 0, tail
     left = str(SELECTED[name][0] - 1)
-    done = {int(f[0]): f[1:] for f in ulfm_jobs.lines(out, "DONE")}
+    done = ulfm_jobs.done(out)
     assert sorted(done) == list(range(int(left))), tail        # ranks of the new world
     # dist.get_world_size(), one digest on every rank, all_reduce of ones, the commit's step
     assert {tuple(f) for f in done.values()} == {(left, done[0][1], left, "20")}, tail
@@ -102,7 +100,7 @@ def test_shrink_group_after_a_failure(outputs) -> None:
 def test_fsdp2_is_sharded_again_over_the_survivors(outputs, name) -> None:
     rc, out, tail = _result(outputs, name)
     assert rc == 0, tail
-    done = {int(f[0]): f[1:] for f in ulfm_jobs.lines(out, "DONE")}
+    done = ulfm_jobs.done(out)
     assert sorted(done) == [0, 1, 2], tail
     # size 3, the renumbered mesh, one digest of the full parameters, the commit's step
     assert {" ".join(f[1:-2]) for f in done.values()} == {"[0, 1, 2]"}, tail

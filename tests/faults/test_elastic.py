@@ -76,24 +76,13 @@ def outputs() -> dict:
     return ulfm_jobs.run_jobs(python, jobs)
 
 
-def _show(name: str, result: tuple[int, str, float]) -> str:
-    rc, out, secs = result
-    tail = "\n".join(line for line in out.splitlines()[-25:])
-    print(f"{name}: status {rc}, {secs:.1f} s\n{tail}")
-    return tail
-
-
-def _done(out: str) -> dict[int, list[str]]:
-    return {int(fields[0]): fields[1:] for fields in ulfm_jobs.lines(out, "DONE")}
-
-
 def _two_of_three_finished(outputs: dict, name: str) -> tuple[str, str, dict]:
     """Job ``name`` (3 ranks, one killed) ended well and its 2 survivors finished at
     world size 2: (output, its tail, the DONE fields by rank)."""
     rc, out, _ = outputs[name]
-    tail = _show(name, outputs[name])
+    tail = ulfm_jobs.show(name, outputs[name])
     assert rc == 0, f"status {rc}\n{tail}"
-    done = _done(out)
+    done = ulfm_jobs.done(out)
     assert sorted(done) == [0, 1] and {f[0] for f in done.values()} == {"2"}, tail
     return out, tail, done
 
@@ -104,9 +93,9 @@ def _two_of_three_finished(outputs: dict, name: str) -> tuple[str, str, dict]:
 def test_numpy_survivors_shrink_restore_and_finish(outputs, name) -> None:
     _, n, victims, *_ = JOBS[name]
     rc, out, secs = outputs[name]
-    tail = _show(name, outputs[name])
+    tail = ulfm_jobs.show(name, outputs[name])
     assert rc == 0, f"{name}: status {rc}\n{tail}"
-    done = _done(out)
+    done = ulfm_jobs.done(out)
     assert sorted(done) == sorted(set(range(n)) - set(victims)), tail
     left = n - len(victims)
     expected_total = KILL_STEP * n + (STEPS - KILL_STEP) * left
@@ -125,9 +114,9 @@ def test_torch_training_survives_a_killed_rank(outputs) -> None:
     import elastic_torch_worker  # noqa: PLC0415  (imports torch)
 
     rc, out, secs = outputs["torch-n4"]
-    tail = _show("torch-n4", outputs["torch-n4"])
+    tail = ulfm_jobs.show("torch-n4", outputs["torch-n4"])
     assert rc == 0, f"status {rc}\n{tail}"
-    done = _done(out)
+    done = ulfm_jobs.done(out)
     assert sorted(done) == [0, 1, 2], tail
     assert {fields[0] for fields in done.values()} == {"3"}, f"hvd.size() after\n{tail}"
     hashes = {fields[3] for fields in done.values()}
@@ -184,7 +173,7 @@ def test_diloco_training_survives_a_killed_rank(outputs) -> None:
 def test_below_min_np_every_survivor_stops_at_once(outputs, name) -> None:
     _, n, (victim,), min_np, *_ = JOBS[name]
     rc, out, secs = outputs[name]
-    tail = _show(name, outputs[name])
+    tail = ulfm_jobs.show(name, outputs[name])
     kill = [float(fields[0]) for fields in ulfm_jobs.lines(out, "KILL")]
     stopped = {int(f[0]): f for f in ulfm_jobs.lines(out, "TOOFEW")}
     assert len(kill) == 1, tail

@@ -63,11 +63,10 @@ def outputs() -> dict:
 
 
 def _finished(outputs: dict, name: str) -> tuple[str, dict[int, list[str]]]:
-    rc, out, secs = outputs[name]
-    tail = "\n".join(out.splitlines()[-25:])
-    print(f"{name}: status {rc}, {secs:.1f} s\n{tail}")
+    rc, out, _ = outputs[name]
+    tail = ulfm_jobs.show(name, outputs[name])
     assert rc == 0, f"{name}: status {rc}\n{tail}"
-    return tail, {int(f[0]): f[1:] for f in ulfm_jobs.lines(out, "DONE")}
+    return tail, ulfm_jobs.done(out)
 
 
 @pytest.mark.timeout(600)

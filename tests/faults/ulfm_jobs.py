@@ -62,3 +62,17 @@ def run_jobs(python: Path, jobs: dict[Hashable, Job],
 def lines(out: str, tag: str) -> list[list[str]]:
     """The fields after ``tag`` of every output line that starts with it."""
     return [line.split()[1:] for line in out.splitlines() if line.startswith(tag + " ")]
+
+
+def done(out: str) -> dict[int, list[str]]:
+    """The fields after ``DONE <rank>`` of every such line, by rank."""
+    return {int(fields[0]): fields[1:] for fields in lines(out, "DONE")}
+
+
+def show(name: Hashable, result: tuple[int, str, float], last: int = 25) -> str:
+    """Print job ``name``'s status, seconds and last ``last`` output lines; return those
+    lines (for assertion messages)."""
+    rc, out, secs = result
+    tail = "\n".join(out.splitlines()[-last:])
+    print(f"{name}: status {rc}, {secs:.1f} s\n{tail}")
+    return tail
