@@ -66,8 +66,9 @@ __all__ = ["MPIProcessGroup", "Options", "BACKEND", "SHUTDOWN_STALL_S"]
 #: How long :meth:`MPIProcessGroup.shutdown` waits for a group whose queued operations
 #: make no progress (an operation the other ranks never joined) before it aborts it.
 SHUTDOWN_STALL_S = progress.EXIT_STALL_S
-#: How long a timed-out wait waits for the stall inspector's answers naming late ranks.
-MISSING_WAIT_S = 0.4
+#: How long a timed-out wait waits for the stall inspector's answers naming late ranks
+#: (when its question is due or asked; on a loaded machine its thread can be late).
+MISSING_WAIT_S = 1.0
 
 #: What monitored_barrier's messages carry (kept alive while sends are pending).
 _TOKEN = np.zeros(1, dtype=np.uint8)
@@ -287,11 +288,15 @@ class MPIProcessGroup(_Backend):
     def _missing(self, work: Any) -> list[int]:
         """The ranks the stall inspector found outside the call in progress (those that
         had not entered it, or had ended), for timeout messages; ``[]``: not known. Waits
-        up to :data:`MISSING_WAIT_S` for the answers to its latest question."""
+        up to :data:`MISSING_WAIT_S` for every answer to its question about the call, or
+        for the question itself where the inspector watches a call and asks by then."""
         w = self._ctx.watched
         deadline = time.monotonic() + MISSING_WAIT_S
-        while w is not None and w.query and len(w.query["replies"]) < self.size() - 1 \
-                and time.monotonic() < deadline:
+        while w is not None and time.monotonic() < deadline:
+            query = w.query
+            if (len(query["replies"]) >= self.size() - 1 if query
+                    else not w.seq or w.next_query > deadline):
+                break
             time.sleep(0.01)
         query = w.query if w is not None else None
         if not query:
