@@ -10,7 +10,10 @@ yielding the core and then sleeping once a peer is late (:mod:`mpicoll.waiting`,
 ``MPICOLL_LANE_WAIT``), leaving it to the computation beside it; a lane made with
 ``sleeps=False`` (the Horovod engine's) blocks in MPI. Below ``MPI_THREAD_MULTIPLE`` (only
 one thread may call MPI), and for an operation submitted from the lane's own thread (a
-callback that starts another operation), ``submit`` runs the operation inline.
+callback that starts another operation), ``submit`` runs the operation inline. A caller
+that would wait for its operation at once may ask for it to run on its own thread
+(``submit(..., here=True)``) once the operations before it have completed: no hand-over
+to the lane's thread and back, which on oversubscribed cores costs wake-ups.
 
 A :class:`Work` is the operation's handle: ``wait(timeout)``, ``done()``, ``result()``,
 ``exception()`` and ``add_done_callback(fn)`` (callbacks run on the thread that
@@ -182,12 +185,18 @@ class Lane:
         self._running: Work | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        #: notified when an operation ends (a caller waiting to run one ``here``)
+        self._idle = threading.Condition(self._lock)
+        #: a caller runs an operation on its own thread: the lane's thread starts none
+        self._here = False
         self._closed = False
 
     # --- submission -------------------------------------------------------------------
-    def submit(self, kind: str, op: Callable[[], Any]) -> Work:
+    def submit(self, kind: str, op: Callable[[], Any], here: bool = False) -> Work:
         """Run ``op()`` after the operations submitted before it; its return value is the
-        work's result, its error (translated) the work's error.
+        work's result, its error (translated) the work's error. ``here``: on the calling
+        thread, once the operations before it have completed (the call returns then; on
+        a broken lane it is refused as on the lane).
 
         Raises:
             RuntimeError: the lane was closed.
@@ -200,6 +209,8 @@ class Lane:
             return work
         if self.inline or threading.current_thread() is self._thread:
             self._execute(work, op)
+            return work
+        if here and self._run_here(work, op):
             return work
         with self._lock:
             self._pending.append(work)
@@ -225,11 +236,37 @@ class Lane:
                 self._thread = thread
                 _lanes.add(self)
 
+    def _run_here(self, work: Work, op: Callable[[], Any]) -> bool:
+        """Run ``work`` on this thread once the lane is idle, the lane's thread held back
+        meanwhile, waiting for MPI as the lane's thread does (the peers may run the same
+        operation on their lanes: a blocking collective never matches a non-blocking
+        one); ``False`` (nothing run) if the lane broke while this waited."""
+        with self._lock:
+            while (self._pending or self._running is not None) and self.broken is None:
+                self._idle.wait()
+            if self.broken is not None:
+                return False
+            self._here = True
+            self._running = work
+        sleeps = waiting.sleeps()
+        waiting.set_sleeps(self.sleeps)
+        try:
+            self._execute(work, op)
+        finally:
+            waiting.set_sleeps(sleeps)
+            with self._lock:
+                self._here = False
+                self._idle.notify_all()
+        return True
+
     def _execute(self, work: Work, op: Callable[[], Any]) -> None:
-        if work.done():        # aborted while queued
-            return
-        if self.broken is not None:
-            work.finish(None, self.broken)
+        if work.done() or self.broken is not None:    # aborted while queued; or broken
+            if not work.done():
+                work.finish(None, self.broken)
+            with self._lock:
+                if self._running is work:
+                    self._running = None
+                self._idle.notify_all()
             return
         self._running = work
         try:
@@ -241,8 +278,10 @@ class Lane:
         else:
             work.finish(result)
         finally:
-            self._running = None
-            self.completed += 1
+            with self._lock:
+                self._running = None
+                self.completed += 1
+                self._idle.notify_all()
 
     def _loop(self) -> None:
         waiting.set_sleeps(self.sleeps)
@@ -251,8 +290,11 @@ class Lane:
             if item is None:
                 return
             with self._lock:
+                while self._here:
+                    self._idle.wait()
                 if item[0] in self._pending:
                     self._pending.remove(item[0])
+                    self._running = item[0]
             self._execute(*item)
 
     # --- failure, timeout, abort ------------------------------------------------------
@@ -284,6 +326,7 @@ class Lane:
                 self.broken = error
             pending, self._pending = self._pending, []
             running = self._running
+            self._idle.notify_all()
         for work in ([running] if running is not None else []) + pending:
             work.finish(None, error)
         if failures.ENABLED and self.comm is not None:

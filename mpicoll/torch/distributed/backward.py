@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-__all__ = ["active", "watch"]
+__all__ = ["active", "task", "watch"]
 
 _lock = threading.Lock()
 #: graph task id -> the works started during it
@@ -31,6 +31,11 @@ _works: dict[int, list[Any]] = {}
 def active() -> bool:
     """Whether the calling thread runs a backward pass."""
     return torch._C._current_graph_task_id() != -1
+
+
+def task() -> int:
+    """The backward pass the calling thread runs (torch's graph task id; -1: none)."""
+    return torch._C._current_graph_task_id()
 
 
 def watch(work: Any) -> None:

@@ -158,6 +158,10 @@ class MPIProcessGroup(_Backend):
         self._lane = Lane(name, comm, timeout, missing=self._missing)
         self._futures = p2p.Futures(f"{name}-p2p")
         self._monitored = 0
+        #: (autograd graph task, operations submitted during it so far); and how many the
+        #: last backward pass submitted: its last one runs on the caller's thread
+        self._backward: tuple[int, int] = (-1, 0)
+        self._per_backward = 0
         #: monitored_barrier's sends not known complete (never freed while pending: Open
         #: MPI ends the job when a freed send to a dead rank fails)
         self._sends: list[Any] = []
@@ -214,9 +218,25 @@ class MPIProcessGroup(_Backend):
             reconfigure.adopt_wrapper(self)
         if not backward.active():
             return MPIWork(self._lane.submit(kind, op))
-        work = MPIWork(self._lane.submit(kind, op), fallback=fallback)
+        work = MPIWork(self._lane.submit(kind, op, here=self._last_of_backward()),
+                       fallback=fallback)
         backward.watch(work)
         return work
+
+    def _last_of_backward(self) -> bool:
+        """Whether an operation submitted now, during a backward pass, is that pass's last
+        (as many operations as the previous pass submitted: DDP's buckets): DDP's reducer
+        waits for it at once, so it runs on the caller's thread, without the hand-over to
+        the lane's thread and back (on oversubscribed cores: two wake-ups per step). A
+        pass that submits more or fewer only moves where that happens."""
+        task = backward.task()
+        last_task, count = self._backward
+        if task != last_task:
+            if last_task != -1:
+                self._per_backward = count
+            count = 0
+        self._backward = (task, count + 1)
+        return count + 1 == self._per_backward
 
     def _check(self, kind: str) -> bool:
         """Whether this call is agreed on first (decided alike on every rank)."""
