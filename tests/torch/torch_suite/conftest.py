@@ -76,11 +76,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # noqa: ANN201
     """A ``SystemExit`` with one of torch's skip codes is that skip."""
-    from torch.testing._internal.common_distributed import TEST_SKIPS  # noqa: PLC0415
-
     report = yield
     if call.excinfo is not None and call.excinfo.type is SystemExit:
-        messages = {skip.exit_code: skip.message for skip in TEST_SKIPS.values()}
+        messages = torch_bridge.skip_messages()
         code = call.excinfo.value.code
         if code in messages:
             report.outcome = "skipped"

@@ -56,6 +56,13 @@ def pytest_configure(config: Any) -> None:  # noqa: ARG001
     MultiProcessTestCase._join_processes = _run_here
 
 
+def skip_messages() -> dict[int, str]:
+    """torch's skip exit codes (``TEST_SKIPS``) and their messages."""
+    from torch.testing._internal.common_distributed import TEST_SKIPS  # noqa: PLC0415
+
+    return {skip.exit_code: skip.message for skip in TEST_SKIPS.values()}
+
+
 def _no_children(self: Any) -> None:  # noqa: ARG001
     """The ranks are MPI's: nothing to start."""
 
@@ -64,7 +71,6 @@ def _run_here(self: Any, fn: Callable[[], None]) -> None:  # noqa: ARG001
     """Run this test as rank ``MPI.COMM_WORLD.Get_rank()`` of its world, then judge every
     rank's outcome as torch's parent process judges its children's."""
     import torch  # noqa: PLC0415
-    from torch.testing._internal.common_distributed import TEST_SKIPS  # noqa: PLC0415
 
     comm = MPI.COMM_WORLD
     wanted = int(self.world_size)
@@ -86,12 +92,11 @@ def _run_here(self: Any, fn: Callable[[], None]) -> None:  # noqa: ARG001
         except EOFError:
             break
     outcomes = comm.allgather((code, "\n".join(errors)))
-    failed = {r: (c, e) for r, (c, e) in enumerate(outcomes)
-              if c not in (0, *(s.exit_code for s in TEST_SKIPS.values()))}
+    skips = skip_messages()
+    failed = {r: (c, e) for r, (c, e) in enumerate(outcomes) if c != 0 and c not in skips}
     if failed:
         raise AssertionError("\n".join(f"rank {r} (exit code {c}):\n{e}"
                                        for r, (c, e) in failed.items()))
-    skips = {s.exit_code: s.message for s in TEST_SKIPS.values()}
     skipped = [c for c, _ in outcomes if c in skips]
     if skipped:
         raise unittest.SkipTest(skips[skipped[0]])
