@@ -4,8 +4,9 @@ Each rank contributes a row of integers (its local verdict on its own arguments,
 collective, count, dtype, op, root and algorithm it asked for, the algorithm ``auto``
 resolved to, and its segment size: settings that come from each rank's environment or
 tuning file must agree too); one ``MPI_Allgather`` of
-those rows on mpicoll's private communicator gives every rank the same table, so every rank
-reaches the same verdict:
+those rows on mpicoll's private communicator (on one node, an exchange through the node's
+shared window, :func:`mpicoll.node_window.node_table`, whose waits sleep in the kernel)
+gives every rank the same table, so every rank reaches the same verdict:
 
 - a rank whose own arguments were bad raises its ``ValueError``/``TypeError``; every other
   rank raises :class:`~mpicoll.errors.RemoteError` naming that rank and its message;
@@ -25,6 +26,7 @@ import numpy as np
 from . import waiting
 from .context import CommContext
 from .errors import MismatchError, RemoteError
+from .node_window import node_table
 from .partition import rank_ranges
 
 __all__ = ["agree", "FIELDS"]
@@ -55,8 +57,12 @@ def agree(ctx: CommContext, error: BaseException | None, **fields: Any) -> None:
     """
     row = np.array([1 if error is not None else 0] + [_code(fields.get(f)) for f in FIELDS],
                    dtype=np.int64)
-    table = np.empty((ctx.size, row.size), dtype=np.int64)
-    waiting.allgather(ctx.p2p, row, table)
+    window = node_table(ctx)
+    if window is not None:
+        table = window.exchange(row)
+    else:
+        table = np.empty((ctx.size, row.size), dtype=np.int64)
+        waiting.allgather(ctx.p2p, row, table)
     if table[:, 0].any():
         messages = ctx.p2p.allgather(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:

@@ -43,6 +43,11 @@ VARIABLES: tuple[Variable, ...] = (
              "bytes per rank of the shared-memory window of `algorithm=\"shm\"` (a message "
              "goes through in chunks of this size; read when a communicator first uses shm, "
              "the largest value on a node wins)"),
+    Variable("MPICOLL_NODE_WAIT", "mpicoll", "`kernel`",
+             "how a node's ranks wait for each other in the shared-memory window (the `shm` "
+             "all-reduce's barriers, the agreement step on one node): `kernel` sleeps in "
+             "the kernel until the peer arrives (Linux on x86-64, not under ULFM), `mpi` "
+             "waits in `MPI_Barrier` and agrees by `MPI_Allgather`"),
     Variable("MPICOLL_RANKS_PER_NODE", "mpicoll", "real nodes",
              "emulate nodes of this many consecutive ranks (the last may hold fewer) instead "
              "of the shared-memory nodes"),

@@ -1,12 +1,12 @@
 """Shared-memory all-reduce: the ranks of a node reduce through one MPI-3 shared window.
 
-Every rank of a node owns a slot of ``MPICOLL_SHM_CHUNK_BYTES`` in a window made by
-``MPI.Win.Allocate_shared`` on the node communicator (twice: chunk ``k`` uses half
-``k % 2``), and maps every peer's slot. A message goes through in chunks of at most one
+Every rank of a node owns a slot of ``MPICOLL_SHM_CHUNK_BYTES`` in the node's window
+(:mod:`mpicoll.node_window`; twice: chunk ``k`` uses half ``k % 2``), and maps every
+peer's slot. A message goes through in chunks of at most one
 slot; for each chunk, with ``n`` ranks on the node and the chunk cut into ``n`` slices:
 
 1. every rank copies its input into its own slot, except its own slice (it reads that one
-   from its own buffer), and the node synchronises (``MPI_Barrier``);
+   from its own buffer), and the node synchronises (the window's barrier);
 2. rank ``r`` reduces slice ``r`` over all ranks' inputs in rank order (its own input from
    its buffer, the others from their slots) into slice ``r`` of its own slot (the place no
    peer reads from), and the node synchronises;
@@ -28,70 +28,21 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
-from .. import buffers, config, waiting
+from .. import buffers
 from ..context import CommContext, get_context
+from ..node_window import NodeWindow, node_window
 from ..partition import block_bounds
 from .registry import lookup, register
 
-__all__ = ["shm_allreduce", "ShmWindow", "DEFAULT_CHUNK_BYTES"]
-
-#: Default slot size per rank (``MPICOLL_SHM_CHUNK_BYTES``).
-DEFAULT_CHUNK_BYTES = 1 << 20
-_ALIGN = 64
+__all__ = ["shm_allreduce"]
 
 
-class ShmWindow:
-    """Two slots per rank of a node in one shared window, each peer's slots mapped here.
-
-    Collective over ``node_comm`` (allocation); kept on the communicator's context (never
-    evicted) and freed with it. The slot size is the largest any rank of the node asked
-    for, so ranks whose settings differ still share one layout.
-    """
-
-    def __init__(self, node_comm: MPI.Comm, slot_bytes: int) -> None:
-        self.comm = node_comm
-        self.rank = node_comm.Get_rank()
-        self.size = node_comm.Get_size()
-        slot_bytes = node_comm.allreduce(slot_bytes, op=MPI.MAX)
-        self.slot_bytes = -(-slot_bytes // _ALIGN) * _ALIGN
-        self.win = MPI.Win.Allocate_shared(2 * self.slot_bytes, 1, comm=node_comm)
-        self.slots = []
-        for r in range(self.size):
-            buf, _ = self.win.Shared_query(r)
-            mem = np.frombuffer(buf, dtype=np.uint8)
-            self.slots.append((mem[:self.slot_bytes], mem[self.slot_bytes:2 * self.slot_bytes]))
-        self.half = 0
-
-    def next_half(self) -> int:
-        """The half the next chunk uses (they alternate, across calls too)."""
-        half = self.half
-        self.half ^= 1
-        return half
-
-    def free(self) -> None:
-        """Free the window (the node communicator's owner frees that)."""
-        self.slots = []
-        if not MPI.Is_finalized():
-            self.win.Free()
-
-
-def _window(ctx: CommContext) -> ShmWindow:
-    """The node's window of ``ctx``, made on the first shm call (``MPICOLL_SHM_CHUNK_BYTES``
-    is read then)."""
-    def build() -> ShmWindow:
-        slot = config.env_int("MPICOLL_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, minimum=_ALIGN)
-        return ShmWindow(ctx.topology.node_comm, slot)
-
-    return ctx.resource("shm_window", build)
-
-
-def _slot_view(win: ShmWindow, rank: int, half: int, dtype: np.dtype, count: int) -> Any:
+def _slot_view(win: NodeWindow, rank: int, half: int, dtype: np.dtype, count: int) -> Any:
     return win.slots[rank][half][:count * dtype.itemsize].view(dtype)
 
 
-def _chunk(win: ShmWindow, send: Any, recv: Any, op: Any, cross: Any, inner: str | None,
+def _chunk(win: NodeWindow, send: Any, recv: Any, op: Any, cross: Any, inner: str | None,
            scale: int) -> None:
     """One chunk through the window (steps 1-3 of the module docstring)."""
     n, me = win.size, win.rank
@@ -104,7 +55,7 @@ def _chunk(win: ShmWindow, send: Any, recv: Any, op: Any, cross: Any, inner: str
         buffers.copy(mine[:lo], send[:lo])
     if hi < count:
         buffers.copy(mine[hi:], send[hi:])
-    waiting.barrier(win.comm)
+    win.barrier()
     if hi > lo:
         out = mine[lo:hi]
         peers = [send[lo:hi] if r == me else _slot_view(win, r, half, dtype, count)[lo:hi]
@@ -119,14 +70,14 @@ def _chunk(win: ShmWindow, send: Any, recv: Any, op: Any, cross: Any, inner: str
             lookup("allreduce", inner)(cross, out, out, op)
         if scale:
             op.finalize(out, scale)
-    waiting.barrier(win.comm)
+    win.barrier()
     for r in range(n):
         if bounds[r + 1] > bounds[r]:
             buffers.copy(recv[bounds[r]:bounds[r + 1]],
                          _slot_view(win, r, half, dtype, count)[bounds[r]:bounds[r + 1]])
 
 
-def _node_broadcast(win: ShmWindow, buf: Any) -> None:
+def _node_broadcast(win: NodeWindow, buf: Any) -> None:
     """Copy ``buf`` of local rank 0 to every rank of the node, through the window."""
     step = win.slot_bytes // buf.dtype.itemsize
     for start in range(0, buf.size, step):
@@ -135,13 +86,13 @@ def _node_broadcast(win: ShmWindow, buf: Any) -> None:
         slot0 = _slot_view(win, 0, half, buf.dtype, part.size)
         if win.rank == 0:
             buffers.copy(slot0, part)
-        waiting.barrier(win.comm)
+        win.barrier()
         if win.rank:
             buffers.copy(part, slot0)
-        waiting.barrier(win.comm)
+        win.barrier()
 
 
-def _chunks(win: ShmWindow, send: Any, recv: Any, op: Any, cross: Any,
+def _chunks(win: NodeWindow, send: Any, recv: Any, op: Any, cross: Any,
             inner: str | None, scale: int = 0) -> None:
     """The message in chunks of one slot; ``scale``: ranks to ``op.finalize`` over (0: no)."""
     step = win.slot_bytes // recv.dtype.itemsize
@@ -165,7 +116,7 @@ def shm_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any, *,
     if not isinstance(recv, np.ndarray) or not isinstance(send, np.ndarray):
         raise TypeError("algorithm='shm' works on host (numpy) buffers only")
     topo = ctx.topology
-    win = _window(ctx)
+    win = node_window(ctx)
     scale = ctx.size if finalize else 0
     if topo.num_nodes == 1:
         _chunks(win, send, recv, op, None, None, scale)

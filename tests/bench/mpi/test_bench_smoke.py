@@ -113,6 +113,14 @@ def test_point_to_point_benchmarks(test, tmp_path, capsys):
             assert "needs at least two ranks" in text
 
 
+def test_node_wait_benchmark(capsys):
+    from bench import node_wait
+
+    assert node_wait.main(["--count", "1001", "--skew-ms", "0.5", "--iters", "6"]) == 0
+    if RANK == 0:
+        assert "results right" in capsys.readouterr().out
+
+
 def test_overhead_benchmark(tmp_path, capsys):
     out = _shared_path(tmp_path, "overhead.json")
     rc = overhead.main(["--calls", "20", "--repeats", "1", "--memcpy-bytes", "1M",

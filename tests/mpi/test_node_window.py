@@ -1,0 +1,150 @@
+"""The node's shared window (mpicoll.node_window) on the real node layout: the barrier that
+sleeps in the kernel under skewed arrivals on polling threads, the agreement through the
+mailboxes, the MPI fallback agreed by every rank, counters that wrap, and groups freed in a
+different order on each rank."""
+from __future__ import annotations
+
+import platform
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from cases import (
+    COMM,
+    RANK,
+    SIZE,
+    all_inputs,
+    make_data,
+    reference_reduce,
+    same_on_all_ranks,
+)
+
+import mpicoll
+from mpicoll import config, node_window, waiting
+from mpicoll.context import get_context
+from mpicoll.runtime import failures
+
+pytestmark = pytest.mark.mpi
+
+#: Where the barrier must sleep in the kernel: a silent fallback to MPI fails the tests.
+KERNEL_HERE = (sys.platform.startswith("linux") and platform.machine() == "x86_64"
+               and not failures.ENABLED)
+
+
+@pytest.fixture
+def real_node(monkeypatch):
+    """A fresh communicator on the real node layout, with windows of 1 KiB slots (many
+    chunks); freed afterwards."""
+    monkeypatch.delenv("MPICOLL_RANKS_PER_NODE", raising=False)
+    monkeypatch.setenv("MPICOLL_SHM_CHUNK_BYTES", "1024")
+    config.refresh()
+    comm = COMM.Dup()
+    yield comm
+    comm.Free()
+    monkeypatch.undo()
+    config.refresh()
+
+
+def on_polling_thread(fn):
+    """Run ``fn`` on a thread that waits as a runtime lane does; re-raise its error."""
+    box = {}
+
+    def run():
+        waiting.set_sleeps(True)
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001
+            box["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+def test_kernel_waits_where_the_platform_has_them(real_node):
+    mpicoll.allreduce(np.ones(3), comm=real_node, algorithm="shm")
+    window = node_window.node_window(get_context(real_node))
+    assert window.kernel is KERNEL_HERE
+    table = node_window.node_table(get_context(real_node))
+    assert (table is not None) is (KERNEL_HERE and SIZE > 1)
+
+
+@pytest.mark.parametrize("count", [1, 13, 1000, 4099])
+def test_late_ranks_on_polling_threads(real_node, count):
+    """Each repetition another rank arrives 3 ms late (in turn), on threads that sleep
+    between polls; shm in many chunks gives every rank the reference, bit for bit."""
+    def run():
+        for rep in range(2 * SIZE):
+            data = make_data(RANK, count, rep, np.int64)
+            expected = reference_reduce(all_inputs(count, rep, np.int64), "sum")
+            if rep % SIZE == RANK:
+                time.sleep(0.003)
+            got = mpicoll.allreduce(data, op="sum", comm=real_node, algorithm="shm")
+            assert np.array_equal(got, expected), (count, rep)
+            assert same_on_all_ranks(got)
+    on_polling_thread(run)
+
+
+def test_agreement_through_the_window(real_node):
+    """Checked calls on one node agree through the mailboxes: a mismatch and a bad argument
+    on one rank raise on every rank, and a good call after them goes through."""
+    last = SIZE - 1
+    x = np.arange(5 + (RANK == last and SIZE > 1), dtype=np.float64)
+    if SIZE > 1:
+        with pytest.raises(mpicoll.MismatchError, match="count"):
+            on_polling_thread(lambda: mpicoll.allreduce(x, comm=real_node, check=True))
+        bad = "nosuchop" if RANK == last else "sum"
+        expected = ValueError if RANK == last else mpicoll.RemoteError
+        with pytest.raises(expected):
+            on_polling_thread(lambda: mpicoll.allreduce(np.ones(5), op=bad, comm=real_node,
+                                                        check=True))
+    for rep in range(3):
+        got = on_polling_thread(lambda rep=rep: mpicoll.allreduce(np.full(5, RANK + rep),
+                                                                  comm=real_node, check=True))
+        assert np.array_equal(got, np.full(5, sum(range(SIZE)) + SIZE * rep))
+
+
+def test_mpi_on_one_rank_is_mpi_on_all(real_node, monkeypatch):
+    """MPICOLL_NODE_WAIT=mpi on the last rank only: every rank's window waits in MPI and
+    agrees by MPI_Allgather, and the results stay right."""
+    if RANK == SIZE - 1:
+        monkeypatch.setenv("MPICOLL_NODE_WAIT", "mpi")
+        config.refresh()
+    data = make_data(RANK, 211, 0, np.int64)
+    got = mpicoll.allreduce(data, op="sum", comm=real_node, algorithm="shm", check=True)
+    assert np.array_equal(got, reference_reduce(all_inputs(211, 0, np.int64), "sum"))
+    assert node_window.node_window(get_context(real_node)).kernel is False
+    assert node_window.node_table(get_context(real_node)) is None
+
+
+def test_counters_wrap(real_node):
+    """Barriers go on across the counters' 2**32 wrap (every rank's counter set just below
+    it between two MPI barriers)."""
+    window = node_window.node_window(get_context(real_node))
+    real_node.Barrier()
+    window.bells[window.rank][0] = 2**32 - 2
+    real_node.Barrier()
+    data = make_data(RANK, 4099, 1, np.int64)
+    for _ in range(3):      # 5 chunks of 2 barriers each: through the wrap
+        got = on_polling_thread(lambda: mpicoll.allreduce(data, op="sum", comm=real_node,
+                                                          algorithm="shm"))
+        assert np.array_equal(got, reference_reduce(all_inputs(4099, 1, np.int64), "sum"))
+    if SIZE > 1:        # one rank copies without the window
+        assert int(window.bells[window.rank][0]) < 2**31
+
+
+def test_windows_freed_in_any_order(real_node):
+    """Two communicators with windows, freed in the opposite order on odd ranks: a window's
+    free is local (an MPI window's free is collective, and torch destroys a rank's groups in
+    its own order)."""
+    comms = [real_node.Dup(), real_node.Dup()]
+    for comm in comms:
+        mpicoll.allreduce(np.ones(7), comm=comm, algorithm="shm", check=True)
+    for comm in comms if RANK % 2 == 0 else comms[::-1]:
+        comm.Free()
+    real_node.Barrier()
