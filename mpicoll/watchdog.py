@@ -46,6 +46,7 @@ from mpi4py import MPI
 
 from . import config, tracking
 from .runtime import comms, failures
+from .runtime import exit as runtime_exit
 from .tracking import CallInfo, Tracker
 
 __all__ = ["enabled", "watch", "unwatch", "announce_exit", "announce_end", "ended_peers",
@@ -542,7 +543,7 @@ def _abort(message: str) -> None:
     if log.hasHandlers():
         log.error(message)
     _print_uncaptured(message)
-    MPI.COMM_WORLD.Abort(1)
+    runtime_exit.abort(1)
 
 
 def _print_uncaptured(message: str) -> None:

@@ -86,3 +86,23 @@ def test_launcher_retries_only_a_launch_that_never_started(tmp_path):
     counter.unlink()
     rc, out, _ = run_command(launch[:-1] + ["rank 1 raised"], dict(os.environ), 30)
     assert (rc, counter.read_text()) == (213, "1")
+
+
+def test_an_abort_that_does_not_end_the_process_is_ended_by_the_kernel():
+    """runtime.exit.abort: should MPI_Abort neither return nor end the process (here a
+    stand-in that sleeps), the alarm it set ends the process with SIGALRM."""
+    import signal
+
+    script = textwrap.dedent("""
+        import time, types
+        from mpicoll.runtime import exit as runtime_exit
+        runtime_exit.ABORT_WAIT_S = 1
+        stuck = types.SimpleNamespace(Abort=lambda status: time.sleep(60))
+        runtime_exit.MPI = types.SimpleNamespace(COMM_WORLD=stuck)
+        runtime_exit.abort(3)
+    """)
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,  # noqa: PLW1510
+                         timeout=50)
+    assert out.returncode == -signal.SIGALRM, (out.returncode, out.stderr)
+    assert time.monotonic() - start < 20

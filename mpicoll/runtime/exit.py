@@ -38,6 +38,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -46,7 +47,7 @@ from mpi4py import MPI
 
 from . import comms, failures, world
 
-__all__ = ["FINALIZE_WAIT_S", "LOST_RANK_STATUS", "finalize_bounded", "failure_seen",
+__all__ = ["ABORT_WAIT_S", "abort", "FINALIZE_WAIT_S", "LOST_RANK_STATUS", "finalize_bounded", "failure_seen",
            "meet", "flush"]
 
 #: Longest wait, in seconds, for ``MPI_Finalize`` at exit under ULFM (after the meeting).
@@ -78,6 +79,23 @@ def _end(status: int, message: str) -> None:
     print(f"mpicoll: {message}; ending with status {status}", file=sys.stderr)
     flush()
     os._exit(status)
+
+
+#: The longest ``MPI_Abort`` may take to end this process before the kernel does (seconds).
+ABORT_WAIT_S = 10
+
+
+def abort(status: int = 1) -> None:
+    """End the job: ``MPI_Abort`` on the world, bounded. An alarm (``SIGALRM``, whose
+    default action ends the process in the kernel, without the interpreter) ends this
+    process after :data:`ABORT_WAIT_S` should ``MPI_Abort`` neither return nor end it: in
+    one CI run a rank whose stall inspector had called it (its message was in the job's
+    output, and the launcher had ended) was found alive 20 minutes later, its main thread
+    spinning in a blocking ``MPI_Allreduce``."""
+    flush()
+    if hasattr(signal, "alarm"):
+        signal.alarm(ABORT_WAIT_S)
+    MPI.COMM_WORLD.Abort(status)
 
 
 def _mpi_finalize() -> None:

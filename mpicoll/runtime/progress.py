@@ -47,6 +47,7 @@ from mpi4py import MPI
 
 from .. import config, waiting
 from ..errors import CollectiveTimeoutError
+from . import exit as runtime_exit
 from . import failures
 
 __all__ = ["Work", "Lane", "inline_only", "completed", "EXIT_STALL_S"]
@@ -361,7 +362,7 @@ def _end_job(message: str) -> None:
     log.error("mpicoll: %s; ending the job", message)
     print(f"mpicoll: {message}; ending the job", file=sys.stderr, flush=True)
     time.sleep(0.2)     # the launcher forwards the message before MPI_Abort ends the job
-    MPI.COMM_WORLD.Abort(1)
+    runtime_exit.abort(1)
 
 
 _exit_registered = False
