@@ -83,13 +83,19 @@ def _libc() -> Any:
 
 
 _LIBC = _libc()
+#: How long a barrier sleeps at most before it looks at the counters again.
+_NAP = _Timespec(0, int(NAP_S * 1e9))
+
+
+def _futex_here() -> bool:
+    """Linux on x86-64, and not under ULFM (where MPI must stay the barrier)."""
+    return _LIBC is not None and not failures.ENABLED
 
 
 def kernel_waits() -> bool:
     """Whether node barriers can sleep in the kernel here: Linux on x86-64, not under ULFM,
     ``MPICOLL_NODE_WAIT`` not ``mpi``."""
-    return (_LIBC is not None and not failures.ENABLED
-            and config.env_str("MPICOLL_NODE_WAIT", "kernel") != "mpi")
+    return _futex_here() and config.env_str("MPICOLL_NODE_WAIT", "kernel") != "mpi"
 
 
 def _map_shared(node_comm: MPI.Comm, nbytes: int) -> mmap.mmap:
@@ -179,7 +185,6 @@ class NodeWindow:
         missing = [r for r in range(self.size) if r != self.rank]
         clock = time.perf_counter
         start = clock()
-        nap = _Timespec(0, int(NAP_S * 1e9))
         while missing:
             peer = missing[0]
             seen = int(self.bells[peer][0])
@@ -189,7 +194,7 @@ class NodeWindow:
             if clock() - start < waiting.SPIN_S:
                 continue
             _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(self.addresses[peer]), _FUTEX_WAIT,
-                          ctypes.c_uint32(seen), ctypes.byref(nap), None, 0)
+                          ctypes.c_uint32(seen), ctypes.byref(_NAP), None, 0)
 
     def exchange(self, row: np.ndarray) -> np.ndarray:
         """Every rank's ``row`` (int64, at most :data:`BOX_WORDS`), as a table in rank order:
@@ -226,7 +231,7 @@ def node_table(ctx: CommContext) -> NodeWindow | None:
     """A window without slots for :meth:`NodeWindow.exchange` over ``ctx``, when every rank
     of ``ctx`` shares one node and its barriers sleep in the kernel; else ``None``. Decided
     alike on every rank; collective over ``ctx`` on its first use."""
-    if ctx.size == 1 or _LIBC is None or failures.ENABLED or ctx.topology.num_nodes != 1:
+    if ctx.size == 1 or not _futex_here() or ctx.topology.num_nodes != 1:
         return None
     window = ctx.resource("node_table", lambda: NodeWindow(ctx.topology.node_comm, 0))
     return window if window.kernel else None

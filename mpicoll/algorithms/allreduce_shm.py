@@ -1,4 +1,4 @@
-"""Shared-memory all-reduce: the ranks of a node reduce through one MPI-3 shared window.
+"""Shared-memory all-reduce: the ranks of a node reduce through the node's shared window.
 
 Every rank of a node owns a slot of ``MPICOLL_SHM_CHUNK_BYTES`` in the node's window
 (:mod:`mpicoll.node_window`; twice: chunk ``k`` uses half ``k % 2``), and maps every

@@ -47,8 +47,8 @@ from mpi4py import MPI
 
 from . import comms, failures, world
 
-__all__ = ["ABORT_WAIT_S", "abort", "FINALIZE_WAIT_S", "LOST_RANK_STATUS", "finalize_bounded", "failure_seen",
-           "meet", "flush"]
+__all__ = ["ABORT_WAIT_S", "abort", "FINALIZE_WAIT_S", "LOST_RANK_STATUS", "finalize_bounded",
+           "failure_seen", "meet", "flush"]
 
 #: Longest wait, in seconds, for ``MPI_Finalize`` at exit under ULFM (after the meeting).
 FINALIZE_WAIT_S = 5.0
