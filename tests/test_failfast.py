@@ -106,3 +106,32 @@ def test_an_abort_that_does_not_end_the_process_is_ended_by_the_kernel():
                          timeout=50)
     assert out.returncode == -signal.SIGALRM, (out.returncode, out.stderr)
     assert time.monotonic() - start < 20
+
+
+def test_abort_waits_for_the_launcher_to_read_the_pipes():
+    """runtime.exit.forwarded, which abort calls before MPI_Abort: it returns once the
+    reader of stdout has read what was written (not before), and gives up after its bound
+    when nobody reads."""
+    script = textwrap.dedent("""
+        import sys, time
+        from mpicoll.runtime import exit as runtime_exit
+        sys.stdout.write("x" * 5000)
+        start = time.monotonic()
+        done = runtime_exit.forwarded(float(sys.argv[1]))
+        sys.stderr.write(f"{done} {time.monotonic() - start:.2f}\\n")
+    """)
+    # the reader reads stdout only after 1 s: forwarded waits for it
+    proc = subprocess.Popen([sys.executable, "-c", script, "20"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0 + 2.0)   # the import takes up to ~1 s; the write is then 2 s unread
+    assert proc.stdout.read() == "x" * 5000
+    done, waited = proc.stderr.read().split()
+    assert proc.wait(30) == 0
+    assert done == "True" and 0.5 < float(waited) < 19, (done, waited)
+    # nobody reads: it gives up after its bound
+    proc = subprocess.Popen([sys.executable, "-c", script, "0.5"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    done, waited = proc.stderr.read().split()
+    assert done == "False" and 0.5 <= float(waited) < 5, (done, waited)
+    assert proc.stdout.read() == "x" * 5000
+    assert proc.wait(30) == 0

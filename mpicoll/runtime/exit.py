@@ -36,10 +36,14 @@ waited for, as by ``MPI_Finalize``).
 from __future__ import annotations
 
 import atexit
+import fcntl
 import logging
 import os
 import signal
+import stat
+import struct
 import sys
+import termios
 import threading
 import time
 
@@ -47,8 +51,8 @@ from mpi4py import MPI
 
 from . import comms, failures, world
 
-__all__ = ["ABORT_WAIT_S", "abort", "FINALIZE_WAIT_S", "LOST_RANK_STATUS", "finalize_bounded",
-           "failure_seen", "meet", "flush"]
+__all__ = ["ABORT_WAIT_S", "abort", "FORWARD_WAIT_S", "forwarded", "FINALIZE_WAIT_S",
+           "LOST_RANK_STATUS", "finalize_bounded", "failure_seen", "meet", "flush"]
 
 #: Longest wait, in seconds, for ``MPI_Finalize`` at exit under ULFM (after the meeting).
 FINALIZE_WAIT_S = 5.0
@@ -83,16 +87,45 @@ def _end(status: int, message: str) -> None:
 
 #: The longest ``MPI_Abort`` may take to end this process before the kernel does (seconds).
 ABORT_WAIT_S = 10
+#: The longest :func:`abort` waits for the launcher to read what this process wrote.
+FORWARD_WAIT_S = 2.0
+
+
+def _unread(fd: int) -> int:
+    """Bytes written to ``fd`` and not yet read by the other end, where ``fd`` is a pipe
+    (as the launchers give a rank's stdout and stderr); 0 for anything else."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return 0
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+    except (OSError, ValueError):
+        return 0
+
+
+def forwarded(wait_s: float | None = None) -> bool:
+    """Flush, then wait (at most ``wait_s`` seconds, :data:`FORWARD_WAIT_S`) until the
+    launcher has read everything this process wrote to stdout and stderr. ``MPI_Abort``
+    tells the launcher to end the job, and a launcher that ends it before reading the
+    rank's pipes loses the message that says why (seen in CI on a busy machine: the job
+    failed with no word from the aborting rank, neither mpicoll's nor MPICH's)."""
+    flush()
+    deadline = time.monotonic() + (FORWARD_WAIT_S if wait_s is None else wait_s)
+    while any(_unread(fd) for fd in (1, 2)):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def abort(status: int = 1) -> None:
-    """End the job: ``MPI_Abort`` on the world, bounded. An alarm (``SIGALRM``, whose
-    default action ends the process in the kernel, without the interpreter) ends this
-    process after :data:`ABORT_WAIT_S` should ``MPI_Abort`` neither return nor end it: in
-    one CI run a rank whose stall inspector had called it (its message was in the job's
-    output, and the launcher had ended) was found alive 20 minutes later, its main thread
-    spinning in a blocking ``MPI_Allreduce``."""
-    flush()
+    """End the job: ``MPI_Abort`` on the world, bounded, once the launcher has what this
+    process wrote (:func:`forwarded`). An alarm (``SIGALRM``, whose default action ends
+    the process in the kernel, without the interpreter) ends this process after
+    :data:`ABORT_WAIT_S` should ``MPI_Abort`` neither return nor end it: in one CI run a
+    rank whose stall inspector had called it (its message was in the job's output, and the
+    launcher had ended) was found alive 20 minutes later, its main thread spinning in a
+    blocking ``MPI_Allreduce``."""
+    forwarded()
     if hasattr(signal, "alarm"):
         signal.alarm(ABORT_WAIT_S)
     MPI.COMM_WORLD.Abort(status)

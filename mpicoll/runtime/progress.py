@@ -39,7 +39,6 @@ import logging
 import queue
 import sys
 import threading
-import time
 import weakref
 from typing import Any, Callable
 
@@ -361,7 +360,6 @@ def _end_job(message: str) -> None:
     """End the job with ``message``: an MPI call that cannot be cancelled is stuck."""
     log.error("mpicoll: %s; ending the job", message)
     print(f"mpicoll: {message}; ending the job", file=sys.stderr, flush=True)
-    time.sleep(0.2)     # the launcher forwards the message before MPI_Abort ends the job
     runtime_exit.abort(1)
 
 
