@@ -118,8 +118,7 @@ class ColocatedEngine(CodedExchange, CollectiveGroup):
             sh.ident: ShardState(sh, optimizer, hyper, self.ranks)
             for sh in placement.shards_on(self.rank)}
         #: every shard in the order all ranks post their messages
-        self.order: list[Shard] = [sh for name in sorted(placement.specs)
-                                   for sh in placement.shards[name]]
+        self.order: list[Shard] = placement.all_shards
         self.active = [True] * self.size
         #: every rank's clock at the last control step (checkpoints record them)
         self.clocks = [0] * self.size
@@ -328,15 +327,6 @@ class ColocatedEngine(CodedExchange, CollectiveGroup):
         return sends
 
     # ------------------------------------------------------------------ operations
-    def _flat_grads(self, grads: dict[str, Any]) -> dict[str, np.ndarray]:
-        out = {}
-        for name in self.placement.specs:
-            arr = np.asarray(grads[name])
-            if not arr.flags.c_contiguous:
-                arr = arr.copy(order="C")
-            out[name] = arr.reshape(-1)
-        return out
-
     def step(self, op: CollOp, grads: dict[str, Any] | None = None,
              out: dict[str, Any] | None = None) -> Steps:
         """One collective push, pull or push_pull (a generator of request lists to wait on).
@@ -367,7 +357,8 @@ class ColocatedEngine(CodedExchange, CollectiveGroup):
         pushing = kind in (CollOp.PUSH, CollOp.PUSH_PULL)
         pulling = kind in (CollOp.PULL, CollOp.PUSH_PULL)
         out_flat = None if result is None else {n: a.reshape(-1) for n, a in result.items()}
-        grads_flat = self._flat_grads(grads) if grads is not None else {}
+        grads_flat = {} if grads is None else {n: np.ascontiguousarray(grads[n]).reshape(-1)
+                                               for n in self.placement.specs}
         if self.rank in busy and pushing:
             self.aggregate_dropped = pulling and not self.keep_aggregate
         if self.codec is not None:

@@ -30,7 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import protocol as P
-from .compressed import Coders, decode_into
+from .compressed import Coders
 from .server import ShardState
 
 __all__ = ["CodedExchange"]
@@ -138,7 +138,7 @@ class CodedExchange(Coders):
                 parts.append(mine[sh.ident][1])
             else:
                 raw = self._bytes(("grad", sh.ident, src), nbytes)
-                parts.append(decode_into(self.codec, raw, sh.count, self._scratch_for(sh, src)))
+                parts.append(self.codec.decode_into(raw, sh.count, self._scratch_for(sh, src)))
                 P.count_bytes(self.counters, "bytes_in", nbytes if sh.count else 0, sh.nbytes)
         acc = self._acc_for(sh)
         if sh.count and parts:
@@ -168,7 +168,7 @@ class CodedExchange(Coders):
                     if enc.delta:
                         np.copyto(dest, enc.value_of(dst))
                     else:
-                        decode_into(self.codec, data, sh.count, dest)
+                        self.codec.decode_into(data, sh.count, dest)
             elif sh.count:
                 sends += self._messages(data, dst, P.TAG_GATHER, True)
                 P.count_bytes(self.counters, "bytes_out", data.nbytes, sh.nbytes)

@@ -50,7 +50,7 @@ from .placement import ParamSpec
 from .protocol import scratch
 
 __all__ = ["resolve_codec", "check_compressible", "PushEncoder", "PullEncoder",
-           "PullDecoder", "decode_into", "State", "coder_parts", "load_coder_parts", "Coders"]
+           "PullDecoder", "State", "Coders"]
 
 #: a coder's checkpointed state: JSON-able metadata and named arrays
 State = tuple[dict, dict[str, np.ndarray]]
@@ -84,12 +84,6 @@ def check_compressible(specs: list[ParamSpec], codec: Codec | None) -> None:
         return
     for spec in specs:
         codec.check_dtype(spec.dtype, f"parameter {spec.name!r}")
-
-
-def decode_into(codec: Codec, raw: np.ndarray, count: int, out: np.ndarray) -> np.ndarray:
-    """Decode the payload bytes ``raw`` of ``count`` elements into flat array ``out``
-    (:meth:`~mpicoll.compression.Codec.decode_into`)."""
-    return codec.decode_into(raw, count, out)
 
 
 def _encode_with_feedback(codec: Codec, residual: np.ndarray | None, x: np.ndarray,
@@ -197,10 +191,6 @@ class PullEncoder:
         self._moves: dict[tuple[int | None, int], tuple[int, np.ndarray, bool]] = {}
         self._next_id = 0
 
-    def wire_bytes(self) -> int:
-        """Bytes of a compressed pull of this shard."""
-        return self.codec.wire_bytes(self.count, self.dtype)
-
     def payload(self, puller: int, value: np.ndarray, version: int) -> tuple[np.ndarray, bool]:
         """What to send ``puller`` for ``value`` (the shard at ``version``).
 
@@ -268,9 +258,7 @@ class PullEncoder:
             return rid, new, False
         old = self.replicas[src]
         delta = np.subtract(value, old)
-        raw, parts = new_payload(self.codec, self.count, self.dtype)
-        self.codec.encode(delta, out=parts)
-        self.codec.decode(parts, self.count, self.dtype, out=delta)
+        raw = _encode_with_feedback(self.codec, None, delta, delta)
         self.replicas[rid] = np.add(old, delta, out=delta)
         return rid, raw, True
 
@@ -327,51 +315,15 @@ class PullDecoder:
                 self.replica = dest.copy()
             return
         if not self.delta:
-            decode_into(self.codec, data, self.count, dest)
+            self.codec.decode_into(data, self.count, dest)
             return
         if self.replica is None:
             raise ValueError("a compressed pull arrived before the uncompressed first one")
         if self._tmp is None:
             self._tmp = np.empty(self.count, dtype=self.dtype)
-        decode_into(self.codec, data, self.count, self._tmp)
+        self.codec.decode_into(data, self.count, self._tmp)
         np.add(self.replica, self._tmp, out=self.replica)
         np.copyto(dest, self.replica)
-
-
-def _ident_name(kind: str, ident: tuple[int, int]) -> str:
-    return f"{kind}:{ident[0]},{ident[1]}"
-
-
-def coder_parts(push: PushEncoder | None, encoders: dict[tuple[int, int], PullEncoder],
-                decoders: dict[tuple[int, int], PullDecoder]) -> dict[str, State]:
-    """One rank's compression state (its push encoder, the pull encoders of the shards it
-    serves, the pull decoders of the shards it pulls), as checkpoint parts."""
-    parts = {} if push is None else {"push": push.state()}
-    parts.update({_ident_name("enc", i): e.state() for i, e in encoders.items()})
-    parts.update({_ident_name("dec", i): d.state() for i, d in decoders.items()})
-    return parts
-
-
-def load_coder_parts(parts: dict[str, State], push: PushEncoder | None,
-                     encoder_for: Any, decoder_for: Any) -> None:
-    """Load what :func:`coder_parts` saved on the same rank of the same layout.
-
-    Args:
-        encoder_for, decoder_for: ``ident -> PullEncoder`` / ``PullDecoder`` (made on
-            first use by the caller).
-    Raises:
-        ValueError: a part this rank has no use for (another layout).
-    """
-    for name, (meta, arrays) in parts.items():
-        if name == "push":
-            if push is None:
-                raise ValueError("the checkpoint holds push state for a rank that pushes none")
-            push.load_state(meta, arrays)
-            continue
-        kind, _, ident = name.partition(":")
-        a, b = (int(v) for v in ident.split(","))
-        coder = encoder_for((a, b)) if kind == "enc" else decoder_for((a, b))
-        coder.load_state(meta, arrays)
 
 
 class Coders:
@@ -417,16 +369,33 @@ class Coders:
                                                          self.pull_deltas)
         return dec
 
-    def codec_state(self) -> dict:
+    def codec_state(self) -> dict[str, State]:
         """This rank's compression state (push residuals, the pull encoders' replicas and
-        residuals, the pull decoders' replicas), for checkpoints."""
-        return coder_parts(self.push_encoder, self._encoders, self._decoders)
+        residuals of the shards it serves, the pull decoders' replicas of the shards it
+        pulls), as checkpoint parts."""
+        parts = {} if self.push_encoder is None else {"push": self.push_encoder.state()}
+        for kind, coders in (("enc", self._encoders), ("dec", self._decoders)):
+            parts.update({f"{kind}:{a},{b}": c.state() for (a, b), c in coders.items()})
+        return parts
 
-    def load_codec_state(self, parts: dict) -> None:
-        """Take back what :meth:`codec_state` returned (same rank, same layout)."""
-        load_coder_parts(parts, self.push_encoder,
-                         lambda i: self._pull_encoder(self.states[i]),
-                         lambda i: self._pull_decoder(self.placement.by_ident[i]))
+    def load_codec_state(self, parts: dict[str, State]) -> None:
+        """Take back what :meth:`codec_state` returned (same rank, same layout); the pull
+        encoders and decoders are made on first use.
+
+        Raises:
+            ValueError: a part this rank has no use for (another layout).
+        """
+        for name, (meta, arrays) in parts.items():
+            if name == "push" and self.push_encoder is None:
+                raise ValueError("the checkpoint holds push state for a rank that pushes none")
+            if name == "push":
+                coder = self.push_encoder
+            else:
+                kind, _, ident = name.partition(":")
+                a, b = (int(v) for v in ident.split(","))
+                coder = self._pull_encoder(self.states[(a, b)]) if kind == "enc" else \
+                    self._pull_decoder(self.placement.by_ident[(a, b)])
+            coder.load_state(meta, arrays)
 
     def forget_pullers(self, ranks: list[int]) -> None:
         """Closed ranks pull no more: drop their replicas."""

@@ -14,6 +14,7 @@ as its number of workers (its *weight*).
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -36,15 +37,7 @@ def grouped_order(contributors: Sequence[int], node_of: dict[int, int] | Sequenc
         order = sorted(contributors)
         return order, [1] * len(order)
     order = sorted(contributors, key=lambda r: (node_of[r], r))
-    sizes: list[int] = []
-    last = None
-    for r in order:
-        if sizes and node_of[r] == last:
-            sizes[-1] += 1
-        else:
-            sizes.append(1)
-            last = node_of[r]
-    return order, sizes
+    return order, [len(list(g)) for _, g in itertools.groupby(order, lambda r: node_of[r])]
 
 
 def fold_sum(out: np.ndarray, parts: Sequence[np.ndarray], sizes: Sequence[int],

@@ -135,8 +135,9 @@ class Placement:
                 parts = [(spec.key % self.num_servers, 0, spec.size)]
             self.shards[spec.name] = [Shard(spec, i, srv, lo, hi)
                                       for i, (srv, lo, hi) in enumerate(parts)]
-        self.by_ident: dict[tuple[int, int], Shard] = {
-            sh.ident: sh for shards in self.shards.values() for sh in shards}
+        #: every shard, in (name, index) order
+        self.all_shards = [sh for shards in self.shards.values() for sh in shards]
+        self.by_ident: dict[tuple[int, int], Shard] = {sh.ident: sh for sh in self.all_shards}
 
     def server_of_unknown(self, name: str) -> int:
         """The server a name that is not a parameter is sent to (so it can say so)."""
@@ -144,14 +145,13 @@ class Placement:
 
     def shards_on(self, server: int) -> list[Shard]:
         """The shards stored on ``server``, in (name, index) order."""
-        return [sh for shards in self.shards.values() for sh in shards if sh.server == server]
+        return [sh for sh in self.all_shards if sh.server == server]
 
     def bytes_per_server(self) -> list[int]:
         """Bytes of parameters stored on each server (skew shows here)."""
         out = [0] * self.num_servers
-        for shards in self.shards.values():
-            for sh in shards:
-                out[sh.server] += sh.nbytes
+        for sh in self.all_shards:
+            out[sh.server] += sh.nbytes
         return out
 
     def describe(self) -> dict:
@@ -159,4 +159,4 @@ class Placement:
         return {"num_servers": self.num_servers, "split_bytes": self.split_bytes,
                 "params": [s.as_plain() for s in self.specs.values()],
                 "shards": [[sh.spec.name, sh.index, sh.server, sh.lo, sh.hi]
-                           for shards in self.shards.values() for sh in shards]}
+                           for sh in self.all_shards]}

@@ -178,29 +178,27 @@ def chunk_count(nbytes: int, chunk_bytes: int) -> int:
     return -(-int(nbytes) // int(chunk_bytes)) if nbytes > 0 else 0
 
 
-def _chunks(raw: np.ndarray, chunk_bytes: int) -> list[np.ndarray]:
+def _chunks(data: np.ndarray, chunk_bytes: int) -> list[np.ndarray]:
+    raw = data.view(np.uint8) if data.size else np.empty(0, np.uint8)
     return [raw[i:i + chunk_bytes] for i in range(0, raw.size, chunk_bytes)]
 
 
 def send_payload(comm: MPI.Comm, data: np.ndarray, dest: int, tag: int,
                  chunk_bytes: int) -> list[MPI.Request]:
     """Start sending flat array ``data`` in chunks; returns the requests (keep ``data`` alive)."""
-    raw = data.view(np.uint8) if data.size else np.empty(0, np.uint8)
-    return [comm.Isend([c, MPI.BYTE], dest, tag) for c in _chunks(raw, chunk_bytes)]
+    return [comm.Isend([c, MPI.BYTE], dest, tag) for c in _chunks(data, chunk_bytes)]
 
 
 def post_recv_payload(comm: MPI.Comm, out: np.ndarray, source: int, tag: int,
                       chunk_bytes: int) -> list[MPI.Request]:
     """Start receiving a chunked payload into flat array ``out``; returns the requests."""
-    raw = out.view(np.uint8) if out.size else np.empty(0, np.uint8)
-    return [comm.Irecv([c, MPI.BYTE], source, tag) for c in _chunks(raw, chunk_bytes)]
+    return [comm.Irecv([c, MPI.BYTE], source, tag) for c in _chunks(out, chunk_bytes)]
 
 
 def recv_payload(comm: MPI.Comm, out: np.ndarray, source: int, tag: int,
                  chunk_bytes: int) -> None:
     """Receive a chunked payload into flat array ``out`` (blocking: it is already in flight)."""
-    raw = out.view(np.uint8) if out.size else np.empty(0, np.uint8)
-    chunks = _chunks(raw, chunk_bytes)
+    chunks = _chunks(out, chunk_bytes)
     if len(chunks) == 1:
         comm.Recv([chunks[0], MPI.BYTE], source, tag)
     elif chunks:

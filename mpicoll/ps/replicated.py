@@ -322,6 +322,3 @@ class ReplicatedServer:
         """The counters of the first slot this rank serves."""
         groups = self.primary_groups() or list(self.groups.values())
         return groups[0].stats() if groups else {}
-
-    def load_codec_state(self, parts: dict) -> None:
-        """Compression is refused with replicas: nothing to load."""

@@ -41,7 +41,7 @@ from ..compression import Codec
 from ..runtime import failures
 from . import protocol as P
 from .checkpoint import write_codec_file, write_server_file
-from .compressed import Coders, decode_into
+from .compressed import Coders
 from .failures import guarded
 from .node_order import fold_sum, grouped_order, total_weight
 from .optimizers import ShardOptimizer, make_optimizer
@@ -288,8 +288,7 @@ class Server(Coders):
 
     def _error(self, src: int, h: np.ndarray, code: int, reason: str) -> None:
         """Drain the request's payload and answer with an error."""
-        if h[P.NBYTES] > 0:
-            self._drain_data(src, int(h[P.NBYTES]))
+        self._drain_data(src, int(h[P.NBYTES]))
         self.counters["errors"] += 1
         log.info("server %d rejects a request from rank %d: %s", self.index, src, reason)
         self._reply(src, h, status=code, payload=f"server rank {self.comm.Get_rank()}: {reason}")
@@ -342,8 +341,7 @@ class Server(Coders):
         else:
             return False
         if dup:
-            if h[P.NBYTES] > 0:
-                self._drain_data(src, int(h[P.NBYTES]))
+            self._drain_data(src, int(h[P.NBYTES]))
             self._ack(src, h, clock=clock)
         return dup
 
@@ -442,7 +440,7 @@ class Server(Coders):
             return
         raw = P.scratch(self._coded_in, sh.ident, nbytes)
         self._recv_data(src, raw)
-        decode_into(self.codec, raw, sh.count, buf)
+        self.codec.decode_into(raw, sh.count, buf)
 
     def _push(self, src: int, h: np.ndarray, state: ShardState) -> None:
         sh = state.shard

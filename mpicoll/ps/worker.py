@@ -261,9 +261,7 @@ class WorkerClient(Coders):
         if device:
             arrays = host_arrays(arrays)
         for name in sorted(arrays):
-            arr = np.asarray(arrays[name])
-            if not arr.flags.c_contiguous:      # (ascontiguousarray would make 0-d 1-d)
-                arr = arr.copy(order="C")
+            arr = np.asarray(arrays[name], order="C")   # (ascontiguousarray would make 0-d 1-d)
             flat = arr.reshape(-1)
             code = P.dtype_code(arr.dtype)
             spec = self.placement.specs.get(name)
