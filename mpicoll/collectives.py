@@ -66,8 +66,8 @@ class Plan(NamedTuple):
     shaped: fastpath.Shaped | None = None
 
 
-def _noop() -> None:
-    return None
+def _noop(*_: Any) -> None:
+    """Nothing to run: a step of no arguments, or a ``run(a, out)`` with nothing to move."""
 
 
 def _chain(*steps: Callable[[], Any] | None) -> Callable[[], Any]:
@@ -235,7 +235,7 @@ def _run_on(ctx: CommContext, collective: str, name: str, args: tuple, options: 
     ``finalize`` (the division of ``average``) follows the algorithm.
     """
     if trivial:
-        run = _copy_flat if ctx.size == 1 else _nothing
+        run = _copy_flat if ctx.size == 1 else _noop
     else:
         fn = lookup(collective, name)
         binder = getattr(fn, "bind_buffers", None)
@@ -263,10 +263,6 @@ def _run_on(ctx: CommContext, collective: str, name: str, args: tuple, options: 
 def _copy_flat(a: Any, out: Any) -> None:
     if out is not None:
         buffers.copy(out.reshape(-1), a.reshape(-1))
-
-
-def _nothing(a: Any, out: Any) -> None:
-    return None
 
 
 def _with_shape(plan: Plan, run_on: Callable[[Any, Any], None], send: Any, like: Any,
@@ -372,7 +368,7 @@ def allreduce_init(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
         run()
         return result
 
-    return failures.guard_call(call, comm) if failures.ENABLED else call
+    return failures.guard(call, comm=comm) if failures.ENABLED else call
 
 
 def _reduce_scatter_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
@@ -521,7 +517,7 @@ def _broadcast_plan(ctx: CommContext, buf: Any, root: Any, algorithm: Any) -> Pl
     name = _resolve(ctx, "broadcast", algorithm, flat.nbytes)
     trivial = ctx.size == 1 or not flat.size
     run = None if trivial else bind("broadcast", name, ctx, flat, r)
-    run_on = _nothing if trivial else _run_on(ctx, "broadcast", name, (flat, r), {}, False)
+    run_on = _noop if trivial else _run_on(ctx, "broadcast", name, (flat, r), {}, False)
     return Plan(_chain(run), buf, buf if ctx.rank != r else None, False, flat.size,
                 flat.dtype.str, algorithm, name, root=r,
                 shaped=fastpath.Shaped(run_on, flat.dtype, mode=fastpath.INOUT,

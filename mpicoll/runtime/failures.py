@@ -37,7 +37,7 @@ from ..errors import CollectiveError, ProcessFailedError
 from . import comms, world
 
 __all__ = ["available", "turned_on", "ENABLED", "failed_by", "failed_ranks", "acknowledge",
-           "revoke", "revoke_only", "revoked", "translate", "raise_translated", "keep_requests", "guard", "guard_call",
+           "revoke", "revoke_only", "revoked", "translate", "raise_translated", "keep_requests", "guard",
            "fail_world", "peer_failed", "start_agreement", "agreement_over", "FAILED_WAIT_S",
            "OTHER_WAIT_S", "PROC_FAILED"]
 
@@ -314,32 +314,20 @@ def raise_translated(exc: BaseException, comm: Any, what: str = "the collective"
         raise error from exc
 
 
-def guard(fn: Callable[..., Any], comm_arg: str = "comm") -> Callable[..., Any]:
+def guard(fn: Callable[..., Any], comm_arg: str = "comm", comm: Any = None) -> Callable[..., Any]:
     """``fn`` with process failures translated; the communicator is the argument
-    ``comm_arg`` (``"self"``: a :class:`mpicoll.Comm` method)."""
-    index = list(inspect.signature(fn).parameters).index(comm_arg)
+    ``comm_arg`` (``"self"``: a :class:`mpicoll.Comm` method), or ``comm`` where ``fn``
+    takes no arguments (a planned collective of no arguments on ``comm``)."""
+    names = list(inspect.signature(fn).parameters)
+    index = names.index(comm_arg) if names else None
 
     @functools.wraps(fn)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except MPI.Exception as exc:
-            raise_translated(exc, args[index] if len(args) > index else kwargs.get(comm_arg))
-            raise
-
-    return guarded
-
-
-def guard_call(call: Callable[[], Any], comm: Any) -> Callable[[], Any]:
-    """``call`` (a planned collective of no arguments on ``comm``) with process failures
-    translated."""
-
-    @functools.wraps(call)
-    def guarded() -> Any:
-        try:
-            return call()
-        except MPI.Exception as exc:
-            raise_translated(exc, comm)
+            raise_translated(exc, comm if index is None else
+                             args[index] if len(args) > index else kwargs.get(comm_arg))
             raise
 
     return guarded

@@ -21,7 +21,7 @@ from typing import Any
 from mpi4py import MPI
 
 __all__ = ["State", "World", "current", "comm", "generation", "world_of", "failed",
-           "mark_failed", "reconfigure", "state_of"]
+           "mark_failed", "reconfigure"]
 
 
 class State(enum.Enum):
@@ -97,11 +97,6 @@ def world_of(comm: Any) -> int:
 def state_world(gen: int) -> World:
     """World generation ``gen``."""
     return _worlds[gen]
-
-
-def state_of(gen: int) -> State:
-    """The state of world generation ``gen``."""
-    return _worlds[gen].state
 
 
 def failed(gen: int) -> bool:
