@@ -32,21 +32,6 @@ from .stats import CollectiveStats, fill, record
 __all__ = ["allgather"]
 
 
-def _validate(sendbuf: Any, recvbuf: Any, compression: Any, feedback: Any, n: int,
-              rank: int) -> tuple:
-    codec = named_codec(compression)
-    x, out, in_place = validation.allgather(sendbuf, recvbuf, rank, n, array_view,
-                                            check_input=codec.check_dtype,
-                                            check_pair=check_side)
-    result = recvbuf
-    if out is None:
-        result = namespace.array_module(x).empty(
-            validation.gathered_shape(np.shape(sendbuf), n), dtype=x.dtype)
-        out = result.reshape(-1)
-    check_feedback(feedback)
-    return codec, x, out, result, recvbuf if in_place else sendbuf
-
-
 def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, compression: Any = "fp16",
               feedback: Any = None, key: Hashable = None, check: bool = True) -> Any:
     """All-gather float32/float64 blocks (the same size on every rank) with a codec on the
@@ -73,8 +58,17 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, compression: 
     ctx = get_context(resolve_comm(comm))
 
     def validate() -> tuple[tuple, dict]:
-        codec, x, out, result, owner = _validate(sendbuf, recvbuf, compression, feedback,
-                                                 ctx.size, ctx.rank)
+        codec = named_codec(compression)
+        x, out, in_place = validation.allgather(sendbuf, recvbuf, ctx.rank, ctx.size,
+                                                array_view, check_input=codec.check_dtype,
+                                                check_pair=check_side)
+        result = recvbuf
+        if out is None:
+            result = namespace.array_module(x).empty(
+                validation.gathered_shape(np.shape(sendbuf), ctx.size), dtype=x.dtype)
+            out = result.reshape(-1)
+        check_feedback(feedback)
+        owner = recvbuf if in_place else sendbuf
         store, fb_key = feedback_store(codec, feedback, key, owner, x, default=False)
         return ((codec, x, out, result, store, fb_key, owner),
                 dict(count=x.size, dtype=str(x.dtype), algorithm=codec.name))

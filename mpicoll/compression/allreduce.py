@@ -39,25 +39,6 @@ __all__ = ["allreduce", "AllreduceStats", "last_stats", "TAG_RS", "TAG_AG", "TAG
 
 
 # ---------------------------------------------------------------------------------------
-# validation
-
-def _validate(sendbuf: Any, recvbuf: Any, op: Any, compression: Any, feedback: Any,
-              segment_bytes: Any, layout: Any) -> tuple:
-    codec = named_codec(compression)
-    opname = resolve_op(op, "all-reduce")
-    check_layout(layout)
-    x, out, in_place = validation.elementwise(sendbuf, recvbuf, array_view,
-                                              check_input=codec.check_dtype,
-                                              check_pair=check_side)
-    if out is None:
-        out = namespace.array_module(x).empty(x.size, dtype=x.dtype)
-        recvbuf = out.reshape(np.shape(sendbuf))
-    check_feedback(feedback)
-    seg = segment_size(segment_bytes)
-    return codec, opname, x, out, recvbuf, recvbuf if in_place else sendbuf, seg
-
-
-# ---------------------------------------------------------------------------------------
 # public entry point
 
 def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
@@ -111,8 +92,19 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
     ctx = get_context(comm)
 
     def validate() -> tuple[tuple, dict]:
-        codec, opname, x, out, result, owner, seg = _validate(
-            sendbuf, recvbuf, op, compression, feedback, segment_bytes, layout)
+        codec = named_codec(compression)
+        opname = resolve_op(op, "all-reduce")
+        check_layout(layout)
+        x, out, in_place = validation.elementwise(sendbuf, recvbuf, array_view,
+                                                  check_input=codec.check_dtype,
+                                                  check_pair=check_side)
+        result = recvbuf
+        if out is None:
+            out = namespace.array_module(x).empty(x.size, dtype=x.dtype)
+            result = out.reshape(np.shape(sendbuf))
+        check_feedback(feedback)
+        seg = segment_size(segment_bytes)
+        owner = result if in_place else sendbuf
         store, fb_key = feedback_store(codec, feedback, key, owner, x)
         shape = resolve_layout(ctx, layout, device=not namespace.is_host_module(
             namespace.array_module(x)))

@@ -48,8 +48,7 @@ from ..partition import tree_children
 from .codecs import Codec
 from .ring import Sent, flat_allreduce
 
-__all__ = ["LAYOUTS", "resolve_layout", "node_allreduce", "flat_crosses_nodes", "flat_split",
-           "node_peers"]
+__all__ = ["LAYOUTS", "resolve_layout", "node_allreduce", "flat_split", "node_peers"]
 
 #: Values of ``layout=``.
 LAYOUTS = ("auto", "flat", "node")
@@ -107,16 +106,11 @@ def node_peers(ctx: CommContext) -> frozenset[int]:
     return ctx.plan(("compression.node_peers",), peers)
 
 
-def flat_crosses_nodes(ctx: CommContext) -> bool:
-    """Whether this rank's right neighbour in the flat ring, ``rank + 1``, is on another
-    node (the flat schedules send only to it)."""
-    return (ctx.rank + 1) % ctx.size not in node_peers(ctx)
-
-
 def flat_split(ctx: CommContext, sent: Sent) -> tuple[Sent, Sent]:
     """``(intra-node, inter-node)`` of what a flat ring schedule sent (all to the right
-    neighbour: on this node or not)."""
-    return (Sent(), sent) if flat_crosses_nodes(ctx) else (sent, Sent())
+    neighbour, ``rank + 1``: on this node or not; the flat schedules send only to it)."""
+    crosses = (ctx.rank + 1) % ctx.size not in node_peers(ctx)
+    return (Sent(), sent) if crosses else (sent, Sent())
 
 
 def node_allreduce(ctx: CommContext, codec: Codec, y: np.ndarray, res: np.ndarray | None,

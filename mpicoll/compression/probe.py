@@ -76,8 +76,8 @@ def _waiter(like: Any) -> Callable[[], None]:
     """A function that waits for the work queued on ``like``'s side (nothing on the host)."""
     if namespace.is_host_module(namespace.array_module(like)):
         return lambda: None
-    from ..gpu.route import synchronise  # noqa: PLC0415  (device arrays only)
-    return lambda: synchronise(like)
+    from ..gpu.backends import require  # noqa: PLC0415  (device arrays only)
+    return lambda: require(like).synchronise(like)
 
 
 def _timed(fn: Callable[[], Any], wait: Callable[[], None], cpu: bool

@@ -30,22 +30,6 @@ from .stats import CollectiveStats, fill, record
 __all__ = ["reduce_scatter"]
 
 
-def _validate(sendbuf: Any, recvbuf: Any, op: Any, compression: Any, feedback: Any,
-              segment_bytes: Any, n: int, rank: int) -> tuple:
-    codec = named_codec(compression)
-    opname = resolve_op(op, "reduce-scatter")
-    x, out, in_place = validation.reduce_scatter(sendbuf, recvbuf, rank, n, array_view,
-                                                 check_input=codec.check_dtype,
-                                                 check_pair=check_side)
-    result = out if in_place else recvbuf
-    if out is None:
-        out = result = namespace.array_module(x).empty(validation.own_block(x.size, rank, n),
-                                                       dtype=x.dtype)
-    check_feedback(feedback)
-    return (codec, opname, x, out, result, recvbuf if in_place else sendbuf,
-            segment_size(segment_bytes))
-
-
 def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = None,
                    compression: Any = "int8", feedback: Any = None, key: Hashable = None,
                    segment_bytes: int | None = None, check: bool = True) -> Any:
@@ -75,8 +59,18 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
     ctx = get_context(resolve_comm(comm))
 
     def validate() -> tuple[tuple, dict]:
-        codec, opname, x, out, result, owner, seg = _validate(
-            sendbuf, recvbuf, op, compression, feedback, segment_bytes, ctx.size, ctx.rank)
+        codec = named_codec(compression)
+        opname = resolve_op(op, "reduce-scatter")
+        x, out, in_place = validation.reduce_scatter(sendbuf, recvbuf, ctx.rank, ctx.size,
+                                                     array_view, check_input=codec.check_dtype,
+                                                     check_pair=check_side)
+        result = out if in_place else recvbuf
+        if out is None:
+            out = result = namespace.array_module(x).empty(
+                validation.own_block(x.size, ctx.rank, ctx.size), dtype=x.dtype)
+        check_feedback(feedback)
+        seg = segment_size(segment_bytes)
+        owner = recvbuf if in_place else sendbuf
         store, fb_key = feedback_store(codec, feedback, key, owner, x)
         return ((codec, opname, x, out, result, store, fb_key, seg, owner),
                 dict(count=x.size, dtype=str(x.dtype), op=opname, algorithm=codec.name,

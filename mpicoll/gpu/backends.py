@@ -118,6 +118,9 @@ class CudaBackend(DeviceBackend):
         return cupy.from_dlpack(obj), _same
 
     def synchronise(self, obj: Any) -> None:
+        """Wait for ``obj``'s producer stream (:func:`mpicoll.gpu.arrays.producer_stream`:
+        CuPy's current stream, the ``stream`` of ``__cuda_array_interface__`` v3, torch's
+        current stream); the whole device for objects that name none."""
         import cupy  # noqa: PLC0415
 
         stream = arrays.producer_stream(obj)

@@ -116,16 +116,15 @@ class CupyCopies:
         return event
 
     def wait(self, event: Any) -> None:
-        """Block the host until ``event`` completes."""
+        """Block the host until ``event`` completes (as ``finish``: until the last h2d
+        copy has completed)."""
         event.synchronize()
+
+    finish = wait
 
     def stream_wait(self, stream: str, event: Any) -> None:
         """``stream`` waits for ``event`` on the device (the host does not block)."""
         self.streams[stream].wait_event(event)
-
-    def finish(self, event: Any) -> None:
-        """Block until the last h2d copy has completed."""
-        event.synchronize()
 
     def drain(self) -> None:
         """Block until both copy streams are idle."""

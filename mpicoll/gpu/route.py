@@ -27,7 +27,7 @@ from .. import config
 from . import arrays, backends
 from .array_transfer import device_view
 
-__all__ = ["device_call", "prepare_aware", "reporter", "as_device_array", "synchronise"]
+__all__ = ["device_call", "prepare_aware", "reporter"]
 
 
 def reporter(collective: str, comm: Any, check: Any) -> Callable[[Exception], Any] | None:
@@ -49,20 +49,6 @@ def reporter(collective: str, comm: Any, check: Any) -> Callable[[Exception], An
         raise exc  # agree raises it already; never return normally
 
     return report
-
-
-def synchronise(obj: Any) -> None:
-    """Wait until the work producing device object ``obj`` has finished (its backend's
-    :meth:`~mpicoll.gpu.backends.DeviceBackend.synchronise`; for CUDA: CuPy's current
-    stream, the ``stream`` of ``__cuda_array_interface__`` v3, torch's current stream; the
-    whole device for objects that name none)."""
-    backends.require(obj).synchronise(obj)
-
-
-def as_device_array(obj: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """An array view of device object ``obj`` (CuPy for CUDA) and the function that turns
-    a view of it back into a device argument (its backend's ``view``)."""
-    return backends.require(obj).view(obj)
 
 
 def prepare_aware(collective: str, args: tuple) -> tuple:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .. import buffers
-from . import route
+from . import backends
 
 __all__ = ["device_buffer"]
 
@@ -45,7 +45,7 @@ def device_buffer(spec: Any, argname: str) -> Any:
         return spec
     buf, count, displ, datatype = buffers.spec_parts(spec, argname, TypeError)
     dtype = _dtype(datatype, argname)
-    array, wrap = route.as_device_array(buf)
+    array, wrap = backends.require(buf).view(buf)
     if count is None and not displ and np.dtype(array.dtype) == dtype:
         return buf
     raw = array.reshape(-1, order="A").view(np.uint8)

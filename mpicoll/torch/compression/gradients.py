@@ -49,7 +49,6 @@ made for them on first use (never the engine's own, which the engine thread uses
 """
 from __future__ import annotations
 
-import logging
 import zlib
 from typing import Any, NamedTuple
 
@@ -69,8 +68,6 @@ from ..ops import Average, ReduceOp, Sum
 from ..process_sets import scoped
 
 __all__ = ["CompressedGradients", "PRESENCE_NAME"]
-
-log = logging.getLogger("mpicoll.torch.compression.gradients")
 
 #: Name of the engine all-reduce that starts every compressed reduction.
 PRESENCE_NAME = "allreduce.__compressed__"
