@@ -28,6 +28,7 @@ from torch.futures import Future
 
 from .. import compression
 from ..compression import Codec, get_codec
+from .distributed.groups import backend_of
 from .engine.dtypes import numpy_view
 
 __all__ = ["CompressionState", "compression_hook", "int8_hook", "onebit_hook", "bf16_hook",
@@ -154,16 +155,12 @@ def _mpicoll_group(process_group: Any) -> Any:
     if group is None:
         raise RuntimeError("the mpicoll DDP hooks need dist.init_process_group('mpicoll') "
                            "first")
-    if hasattr(group, "comm"):
-        return group
     try:
-        backend = group._get_backend(torch.device("cpu"))
-    except (RuntimeError, AttributeError):
-        backend = None
-    if backend is None or not hasattr(backend, "comm"):
+        return backend_of(group, "the mpicoll DDP hooks")
+    except ValueError:
         raise TypeError(f"the mpicoll DDP hooks average over an 'mpicoll' process group, "
-                        f"not {dist.get_backend(group)!r} (use torch's own hooks there)")
-    return backend
+                        f"not {dist.get_backend(group)!r} (use torch's own hooks "
+                        f"there)") from None
 
 
 def _on_group_thread(group: Any, kind: str, run: Callable[[], torch.Tensor],
@@ -172,15 +169,7 @@ def _on_group_thread(group: Any, kind: str, run: Callable[[], torch.Tensor],
     rank runs it in the same order); return a future of its result (``fallback`` if it
     fails inside a backward pass: the error is raised from ``backward()``, see
     :mod:`mpicoll.torch.distributed.backward`)."""
-    submit = getattr(group, "submit", None)   # MPIProcessGroup.submit
-    if submit is not None:
-        return submit(kind, run, fallback).get_future()
-    future: Future = Future()     # a synchronous backend: run it here
-    try:
-        future.set_result(run())
-    except BaseException as exc:  # noqa: BLE001  (handed to DDP through the future)
-        future.set_exception(exc)
-    return future
+    return group.submit(kind, run, fallback).get_future()   # MPIProcessGroup.submit
 
 
 def _uncompressed(state: CompressionState, bucket: Any) -> Future:

@@ -4,7 +4,9 @@ user's optimizer Horovod style.
 :func:`check_named_parameters` validates ``named_parameters`` against an optimizer's
 ``param_groups``; :func:`wrap_optimizer` returns an instance of a new subclass of the user's
 optimizer class that shares the user's optimizer state (``param_groups``, ``state``,
-hooks), so ``isinstance``, ``state_dict`` and learning-rate schedulers keep working.
+hooks), so ``isinstance``, ``state_dict`` and learning-rate schedulers keep working;
+:class:`FrontEnd` holds the methods both wrapped classes have (local SGD's set-up,
+``local_sgd``, ``skip_synchronize``).
 
 Used by :mod:`mpicoll.torch.optimizer` (all-reduce backend) and
 :mod:`mpicoll.torch.ps_optimizer` (parameter-server backend); imports neither.
@@ -12,11 +14,16 @@ Used by :mod:`mpicoll.torch.optimizer` (all-reduce backend) and
 from __future__ import annotations
 
 import collections
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from mpi4py import MPI
 
-__all__ = ["check_named_parameters", "wrap_optimizer"]
+from . import local_sgd as lsgd
+
+__all__ = ["FrontEnd", "check_named_parameters", "wrap_optimizer"]
 
 #: Class attributes of a mixin that are not copied into the dynamic subclass.
 _NOT_COPIED = ("__dict__", "__weakref__", "__annotations__")
@@ -85,3 +92,70 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, *mixins: type,
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     return wrapped
+
+
+class FrontEnd:
+    """The methods both distributed optimizers' wrapped classes share (a mixin of
+    :func:`wrap_optimizer`): local SGD (:mod:`mpicoll.torch.local_sgd`) and
+    :meth:`skip_synchronize`."""
+
+    _local_sgd: lsgd.LocalSGD | None
+    #: ``False`` inside :meth:`skip_synchronize`.
+    _should_synchronize = True
+
+    def _setup_local_sgd(self, settings: tuple, params: list[torch.Tensor], refusal: str | None,
+                         comm: Callable[[], MPI.Intracomm | None],
+                         on_error: Callable[[], Any] = lambda: None, **driver: Any) -> None:
+        """Validate the local SGD ``settings`` (:func:`~.local_sgd.check_settings`'s
+        arguments, in order); when they differ from ordinary training (on this rank),
+        agree on them and on the ``params``' layout with every rank of ``comm()``
+        (collective) and build the driver (``driver``: :class:`~.local_sgd.LocalSGD`'s
+        optional arguments).
+
+        ``refusal``: why this front end does not support enabled settings (a
+        ``ValueError`` on every rank), or ``None``. ``comm()`` returns ``None`` on ranks
+        that do not train (the parameter server's separate servers just serve): no driver
+        there. ``on_error`` runs before an error of the agreement is raised."""
+        self._local_sgd = None
+        error = None
+        checked = None
+        try:
+            checked = lsgd.check_settings(*settings)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        if error is None and not checked.enabled:
+            return
+        if error is None and refusal is not None:
+            error = ValueError(refusal)
+        group = comm()
+        if group is None:
+            return
+        try:
+            lsgd.agree_settings(group, error, checked, lsgd.layout_of(params))
+        except Exception:
+            on_error()
+            raise
+        self._local_sgd = lsgd.LocalSGD(self, params, checked, lsgd.Averager(group), **driver)
+
+    @property
+    def local_sgd(self) -> lsgd.LocalSGD | None:
+        """The :class:`~mpicoll.torch.local_sgd.LocalSGD` driver (``None`` without
+        ``sync_every``/``node_sync_every``, and on the parameter server's separate server
+        ranks): ``local_sgd.stats()``, ``local_sgd.schedule.steps``."""
+        return self._local_sgd
+
+    def _reduces_world(self) -> bool:
+        """Whether the coming step averages the gradients over every rank (all-reduce, or
+        the parameter server's push and pull): always, unless local SGD makes it a local
+        or node-level step."""
+        return self._local_sgd is None or self._local_sgd.peek().grads == lsgd.WORLD
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within this block ``step()`` does not synchronize: it does not communicate
+        (call :meth:`synchronize` first)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True

@@ -35,10 +35,9 @@ it lives outside ``state_dict()``: ``compression_state_dict()`` and
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 import zlib
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -48,10 +47,9 @@ from .compression.compressors import CodecCompressor, Compression
 from .device.tensors import device_of
 from .engine.dtypes import dtype_name
 from .engine.negotiation import Meta
-from .local_sgd import NODE, WORLD, Averager, LocalSGD, agree_settings, check_settings, \
-    layout_of
+from .local_sgd import Averager
 from .ops import Average, resolve_reduce_op
-from .optim_wrapping import check_named_parameters, wrap_optimizer
+from .optim_wrapping import FrontEnd, check_named_parameters, wrap_optimizer
 from .process_sets import check_usable, outside, scoped
 from .sparse import SparseGradients
 from .state import engine
@@ -102,7 +100,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._metas: dict[str, Meta] = {}  # bulk requests, validated once
         self._bulk = False
         self._synchronized = False
-        self._should_synchronize = True
         self._codec_grads = None
         #: Parameters whose gradients arrive sparse (.sparse): reduced as sparse tensors,
         #: or with sparse_as_dense=True as dense ones and handed back sparse (Horovod's).
@@ -345,15 +342,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._delay[p] = self.backward_passes_per_step
         self._accumulated = 0
 
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Within this block ``step()`` does not synchronize (call ``synchronize()`` first)."""
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
     def step(self, closure: Any = None) -> Any:
         """Synchronize (unless inside :meth:`skip_synchronize`), then the wrapped step."""
         if self._should_synchronize:
@@ -369,49 +357,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return result
 
     # ------------------------------------------------------------------ local SGD
-    def _setup_local_sgd(self, sync_every: Any, node_sync_every: Any, warmup_steps: Any,
-                         average_state: Any) -> None:
-        """Validate the local SGD settings; when they differ from ordinary training (on
-        this rank), agree on them with every rank (collective) and build the averager."""
-        self._local_sgd = None
-        error = None
-        settings = None
-        try:
-            settings = check_settings(sync_every, node_sync_every, warmup_steps,
-                                      average_state)
-        except (TypeError, ValueError) as exc:
-            error = exc
-        if error is None and not settings.enabled:
-            return
-        if error is None and (self._local_only or self._process_set is not None):
-            error = ValueError("sync_every/node_sync_every average over every rank; they "
-                               "are not supported with process_set")
-        comm = engine().side_comm()
-        agree_settings(comm, error, settings, layout_of(self._params))
-        # a new world (hvd.elastic) has a new engine: the averager moves to its side comm
-        self._local_sgd = LocalSGD(self, self._params, settings, Averager(comm),
-                                   regroup=lambda: Averager(engine().side_comm()))
-
-    def _reduces_world(self) -> bool:
-        """Whether the coming step all-reduces the gradients over every rank (always,
-        unless local SGD makes it a local or node-level step)."""
-        return self._local_sgd is None or self._local_sgd.peek().grads == WORLD
-
     def _synchronize_locally(self) -> None:
         """A local SGD step's ``synchronize()``: gradients stay this rank's own, or are
         averaged within the node."""
         self._reset_accumulation()
-        plan = self._local_sgd.peek()
-        if plan.grads == NODE:
-            self._local_sgd.local_gradients(NODE)
+        self._local_sgd.local_gradients(self._local_sgd.peek().grads)
         self._synchronized = True
-
-    @property
-    def local_sgd(self) -> Any:
-        """The :class:`~mpicoll.torch.local_sgd.LocalSGD` driver (``None`` without
-        ``sync_every``/``node_sync_every``): ``local_sgd.stats()``,
-        ``local_sgd.schedule.steps``."""
-        return self._local_sgd
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients; refused while gradient all-reduces are in flight.
@@ -599,11 +550,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     if ps_options:
         raise TypeError(f"unexpected keyword arguments {sorted(ps_options)} "
                         f"(parameter-server options need backend='ps')")
-    dist = wrap_optimizer(optimizer, _DistributedOptimizer)
+    dist = wrap_optimizer(optimizer, FrontEnd, _DistributedOptimizer)
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
         raise ValueError(f"num_groups must be an int >= 0, not {num_groups!r}")
     dist._sparse_as_dense = bool(sparse_as_dense)
     dist._dist_setup(named_parameters, compression, backward_passes_per_step, op,
                      gradient_predivide_factor, groups, process_set)
-    dist._setup_local_sgd(sync_every, node_sync_every, warmup_steps, average_state)
+    dist._setup_local_sgd(
+        (sync_every, node_sync_every, warmup_steps, average_state), dist._params,
+        "sync_every/node_sync_every average over every rank; they are not supported with "
+        "process_set" if dist._local_only or dist._process_set is not None else None,
+        lambda: engine().side_comm(),
+        # a new world (hvd.elastic) has a new engine: the averager moves to its side comm
+        regroup=lambda: Averager(engine().side_comm()))
     return dist

@@ -62,15 +62,12 @@ optimizer's ``state_dict()`` as usual too), and training continues bit for bit.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
 
-from .local_sgd import NODE, WORLD, Averager, LocalSGD, agree_settings, \
-    check_settings, layout_of
-from .optim_wrapping import check_named_parameters, wrap_optimizer
+from .optim_wrapping import FrontEnd, check_named_parameters, wrap_optimizer
 from ..ps.core import ParameterServer
 from ..ps.errors import PSError
 
@@ -296,11 +293,10 @@ class PSOptimizer(_PSTraining):
 
 
 class _PSDistributedOptimizer(_PSTraining):
-    """Methods of the dynamic subclass of the user's optimizer class (with _PSTraining's)."""
+    """Methods of the dynamic subclass of the user's optimizer class (with _PSTraining's and
+    FrontEnd's)."""
 
     _ps_base: type
-    _ps_skip: bool
-    _local_sgd: LocalSGD | None
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Re-evaluate ``closure`` (if given), push the gradients and pull (unless inside
@@ -314,7 +310,7 @@ class _PSDistributedOptimizer(_PSTraining):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._ps_skip:
+        if self._should_synchronize:
             self.synchronize()
         if self._local_update:
             self._ps_base.step(self)
@@ -327,14 +323,10 @@ class _PSDistributedOptimizer(_PSTraining):
         (with local SGD: only on the steps that average gradients over every worker;
         node-level steps average them within the node, local steps keep them).
         Follow it with ``with opt.skip_synchronize(): opt.step()``."""
-        if self._local_sgd is None:
+        if self._reduces_world():
             self.ps_step()
-            return
-        grads = self._local_sgd.peek().grads
-        if grads == WORLD:
-            self.ps_step()
-        elif grads == NODE:
-            self._local_sgd.local_gradients(NODE)
+        else:
+            self._local_sgd.local_gradients(self._local_sgd.peek().grads)
 
     def _push_parameters(self) -> None:
         """Local SGD's average over every worker: push the parameters through the servers
@@ -345,56 +337,6 @@ class _PSDistributedOptimizer(_PSTraining):
         with torch.no_grad():
             result = self.ps.push_pull(values, out=out)
         self._copy_back(result, out, grads=False)
-
-    @property
-    def local_sgd(self) -> LocalSGD | None:
-        """The local SGD driver (``None`` without ``sync_every``/``node_sync_every``, and
-        on separate server ranks)."""
-        return self._local_sgd
-
-    def _setup_local_sgd(self, settings: dict, server_optimizer: str,
-                         ps_options: dict) -> None:
-        """Validate the local SGD settings; when enabled, agree on them over the workers
-        and build the driver (workers only; separate servers just serve)."""
-        self._local_sgd = None
-        error = None
-        checked = None
-        try:
-            checked = check_settings(**settings)
-        except (TypeError, ValueError) as exc:
-            error = exc
-        if error is None and not checked.enabled:
-            return
-        if error is None and server_optimizer != "sum":
-            error = ValueError(
-                f"sync_every/node_sync_every need server_optimizer='sum': with "
-                f"server_optimizer={server_optimizer!r} the servers own the weights and "
-                f"workers hold no model of their own to step locally")
-        if error is None and ps_options.get("compression") not in (None, "none"):
-            error = ValueError(
-                "sync_every/node_sync_every with backend='ps' push parameters as well as "
-                "gradients; a codec's error feedback would mix the two: use no compression")
-        if not self.ps.is_worker:
-            return    # a separate server serves; the workers raise and close it
-        params = list(self._named.values())
-        try:
-            agree_settings(self.ps.worker_comm, error, checked, layout_of(params))
-        except Exception:
-            self.ps.close()    # every worker gets here: release the servers
-            self.ps.free()
-            raise
-        self._local_sgd = LocalSGD(self, params, checked, Averager(self.ps.worker_comm),
-                                   average_world_params=self._push_parameters)
-
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Context manager: ``step()`` inside it does not communicate (after
-        :meth:`synchronize`)."""
-        self._ps_skip = True
-        try:
-            yield
-        finally:
-            self._ps_skip = False
 
 
 def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,
@@ -444,11 +386,22 @@ def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: An
     local = server_optimizer == "sum"
     if local:
         options.setdefault("average", True)
-    dist = wrap_optimizer(optimizer, _PSTraining, _PSDistributedOptimizer,
+    dist = wrap_optimizer(optimizer, _PSTraining, FrontEnd, _PSDistributedOptimizer,
                           _ps_base=optimizer.__class__)
-    dist._ps_skip = False
     dist._ps_setup(named, local_update=local, ps_options=options)
-    dist._setup_local_sgd(dict(sync_every=sync_every, node_sync_every=node_sync_every,
-                               warmup_steps=warmup_steps, average_state=average_state),
-                          server_optimizer, ps_options)
+    refusal = None
+    if not local:
+        refusal = (f"sync_every/node_sync_every need server_optimizer='sum': with "
+                   f"server_optimizer={server_optimizer!r} the servers own the weights and "
+                   f"workers hold no model of their own to step locally")
+    elif ps_options.get("compression") not in (None, "none"):
+        refusal = ("sync_every/node_sync_every with backend='ps' push parameters as well as "
+                   "gradients; a codec's error feedback would mix the two: use no compression")
+    dist._setup_local_sgd(
+        (sync_every, node_sync_every, warmup_steps, average_state), list(named.values()), refusal,
+        # a separate server serves; the workers raise and close it
+        lambda: dist.ps.worker_comm if dist.ps.is_worker else None,
+        # every worker gets here: release the servers
+        on_error=lambda: (dist.ps.close(), dist.ps.free()),
+        average_world_params=dist._push_parameters)
     return dist

@@ -34,6 +34,7 @@ destroyed or left at exit with an operation in flight ends the job.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 import warnings
@@ -97,10 +98,6 @@ def _dtype_field(tensors: list[torch.Tensor]) -> str:
 
 def _count(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() for t in tensors)
-
-
-def _numbers(values: Any) -> list[int]:
-    return [int(v) for v in values]
 
 
 class MPIProcessGroup(_Backend):
@@ -451,11 +448,6 @@ class MPIProcessGroup(_Backend):
                              f"elements of {block.dtype}, not {whole.numel()} of "
                              f"{whole.dtype}")
 
-    def _check_gather_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        check_tensor(output, "output_tensor")
-        check_tensor(input, "input_tensor")
-        self._check_blocks(output, input, "output")
-
     @staticmethod
     def _staged_pairs(stage: Staging, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                       check: Callable[[torch.Tensor, torch.Tensor], None]
@@ -472,7 +464,8 @@ class MPIProcessGroup(_Backend):
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any = None) -> Any:
         def prepare(stage: Staging) -> Prepared:
-            pairs = self._staged_pairs(stage, outputs, inputs, self._check_gather_sizes)
+            pairs = self._staged_pairs(stage, outputs, inputs, lambda o, i: self._check_blocks(
+                check_tensor(o, "output_tensor"), check_tensor(i, "input_tensor"), "output"))
 
             def run() -> list[torch.Tensor]:
                 for output, input in pairs:
@@ -747,8 +740,8 @@ class MPIProcessGroup(_Backend):
             self._ctx.p2p.Alltoall(sc, theirs)
             if (theirs != rc).any():
                 return ValueError(f"{kind}: rank {self.rank()} expects "
-                                  f"{_numbers(rc // itemsize)} elements from ranks 0..; they "
-                                  f"send it {_numbers(theirs // itemsize)}")
+                                  f"{(rc // itemsize).tolist()} elements from ranks 0..; they "
+                                  f"send it {(theirs // itemsize).tolist()}")
             return None
 
         def run() -> Any:
@@ -828,7 +821,7 @@ class MPIProcessGroup(_Backend):
                 raise ValueError(f"all_to_all_single: {name}'s {rows} rows do not split "
                                  f"evenly over {self.size()} ranks; pass split sizes")
             return [rows // self.size()] * self.size()
-        sizes = _numbers(sizes)
+        sizes = list(map(int, sizes))
         if len(sizes) != self.size() or min(sizes) < 0 or sum(sizes) != rows:
             raise ValueError(f"all_to_all_single: {name} split sizes {sizes} must be "
                              f"{self.size()} counts summing to its {rows} rows")
@@ -939,18 +932,13 @@ class MPIProcessGroup(_Backend):
         self._futures.lane.abort(error)
 
 
+@functools.cache
 def _warn_synchronous() -> None:
     """Say once that operations run on the calling thread (MPI below THREAD_MULTIPLE)."""
-    global _said_synchronous
-    if not _said_synchronous:
-        _said_synchronous = True
-        warnings.warn("MPI is initialised below MPI_THREAD_MULTIPLE: the mpicoll "
-                      "torch.distributed backend runs every operation synchronously on the "
-                      "calling thread (async_op=True overlaps nothing)", RuntimeWarning,
-                      stacklevel=4)
-
-
-_said_synchronous = False
+    warnings.warn("MPI is initialised below MPI_THREAD_MULTIPLE: the mpicoll "
+                  "torch.distributed backend runs every operation synchronously on the "
+                  "calling thread (async_op=True overlaps nothing)", RuntimeWarning,
+                  stacklevel=4)
 
 
 def _pending(requests: list[Any]) -> list[Any]:
