@@ -145,11 +145,14 @@ def time_sgd_steps(model: nn.Module, opt: torch.optim.Optimizer, args: argparse.
 
 
 class Timing(NamedTuple):
-    """One timed run: per-step seconds (the slowest rank's, step by step) and the wall
-    time of the whole loop (the slowest rank's), after ``--warmup`` steps."""
+    """One timed run: per-step seconds (the slowest rank's, step by step), the wall
+    time of the whole loop (the slowest rank's), after ``--warmup`` steps, and the CPU
+    time the ranks' processes spent in it (every thread, summed over the ranks: on a
+    machine shared with another job, throughput follows it rather than the wall)."""
 
     steps: list[float]
     wall: float
+    cpu: float = 0.0
 
 
 def timed(step, args: argparse.Namespace, comm: MPI.Intracomm) -> Timing:
@@ -158,14 +161,17 @@ def timed(step, args: argparse.Namespace, comm: MPI.Intracomm) -> Timing:
         step()
     comm.Barrier()
     times = []
+    cpu = time.process_time()
     begin = time.perf_counter()
     for _ in range(args.steps):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
     wall = time.perf_counter() - begin
-    gathered = comm.allgather((times, wall))
-    return Timing(list(map(max, zip(*(t for t, _ in gathered)))), max(w for _, w in gathered))
+    cpu = time.process_time() - cpu
+    gathered = comm.allgather((times, wall, cpu))
+    return Timing(list(map(max, zip(*(t for t, _, _ in gathered)))),
+                  max(w for _, w, _ in gathered), sum(c for _, _, c in gathered))
 
 
 def run_local(args: argparse.Namespace, comm: MPI.Intracomm) -> Timing:

@@ -209,7 +209,9 @@ def summarize(mode: str, timings: list[Timing], profiles: list[dict], n: int,
     samples = [n * batch * len(t.steps) for t in timings]
     rates = [s / t.wall for s, t in zip(samples, timings)]
     row = {"mode": mode, "wall": sum(samples) / sum(t.wall for t in timings),
-           "median": statistics.median(rates), "runs": rates}
+           "median": statistics.median(rates), "runs": rates,
+           "cpu_ms_per_step": 1e3 * sum(t.cpu for t in timings) / sum(len(t.steps)
+                                                                 for t in timings)}
     if any(profiles):
         keys = [k for k in profiles[0] if k != "bucket_sizes"]
         row["profile_ms"] = {k: statistics.median(p[k] for p in profiles) for k in keys}
@@ -225,11 +227,13 @@ def format_table(rows: list[dict], meta: dict) -> str:
              f"{meta.get('torch_threads', '?')} torch threads per rank",
              f"# {meta['mpi_library']}; {meta['machine']}; load {meta['load'][0]:.1f} -> "
              f"{meta['load'][1]:.1f}",
-             "# samples/s: wall = total samples / total time; median of the repeats' rates",
-             f"{'# mode':<22}{'wall':>10}{'median':>10}{'vs gloo':>9}"]
+             "# samples/s: wall = total samples / total time; median of the repeats' rates;"
+             " cpu: CPU ms per step, all ranks' processes together",
+             f"{'# mode':<22}{'wall':>10}{'median':>10}{'vs gloo':>9}{'cpu':>9}"]
     for r in rows:
         ratio = r["wall"] / base["ddp-gloo"] if "ddp-gloo" in base else float("nan")
-        lines.append(f"{r['mode']:<22}{r['wall']:>10.1f}{r['median']:>10.1f}{ratio:>9.2f}")
+        lines.append(f"{r['mode']:<22}{r['wall']:>10.1f}{r['median']:>10.1f}{ratio:>9.2f}"
+                     f"{r.get('cpu_ms_per_step', float('nan')):>9.1f}")
     profiled = [r for r in rows if "profile_ms" in r]
     if profiled:
         lines.append("# DDP's timers, ms per step (median over repeats): forward, backward "
