@@ -26,7 +26,9 @@ rank, ``--threads`` torch threads per rank) with plain SGD on synthetic data. Mo
 Each repeat runs every mode once, in order (``--repeats`` rounds, interleaved); a run is
 ``--warmup`` steps then ``--steps`` timed ones. The headline is **wall**: total samples /
 total wall time of the timed loops (the slowest rank's), over all repeats; the median of
-the repeats' rates is shown beside it. ``--profile`` adds, per DDP mode, DDP's own
+the repeats' rates is shown beside it, and the CPU time all ranks' processes spent per
+timed step (every thread: what throughput follows on a machine shared with another job).
+``--profile`` adds, per DDP mode, DDP's own
 timers (average forward, backward compute, backward communication, their overlap) and
 its bucket sizes. Rank 0 prints a table or writes ``--format json`` to ``--output``.
 
