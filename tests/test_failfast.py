@@ -116,14 +116,19 @@ def test_abort_waits_for_the_launcher_to_read_the_pipes():
         import sys, time
         from mpicoll.runtime import exit as runtime_exit
         sys.stdout.write("x" * 5000)
+        sys.stdout.flush()
+        sys.stderr.write("written\\n")
+        sys.stderr.flush()
         start = time.monotonic()
         done = runtime_exit.forwarded(float(sys.argv[1]))
         sys.stderr.write(f"{done} {time.monotonic() - start:.2f}\\n")
     """)
-    # the reader reads stdout only after 1 s: forwarded waits for it
+    # the reader reads stdout 1 s after the child says it has written (whatever its
+    # import took): forwarded waits for it
     proc = subprocess.Popen([sys.executable, "-c", script, "20"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0 + 2.0)   # the import takes up to ~1 s; the write is then 2 s unread
+    assert proc.stderr.readline() == "written\n"
+    time.sleep(1.0)
     assert proc.stdout.read() == "x" * 5000
     done, waited = proc.stderr.read().split()
     assert proc.wait(30) == 0
@@ -131,7 +136,8 @@ def test_abort_waits_for_the_launcher_to_read_the_pipes():
     # nobody reads: it gives up after its bound
     proc = subprocess.Popen([sys.executable, "-c", script, "0.5"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    done, waited = proc.stderr.read().split()
+    written, done, waited = proc.stderr.read().split()
+    assert written == "written"
     assert done == "False" and 0.5 <= float(waited) < 5, (done, waited)
     assert proc.stdout.read() == "x" * 5000
     assert proc.wait(30) == 0
