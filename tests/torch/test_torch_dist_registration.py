@@ -279,3 +279,38 @@ def test_device_id_on_a_cpu_only_torch(backend):
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     device_id=device_id)
         assert not dist.is_initialized()
+
+
+def test_mpicoll_hook_on_a_gloo_group_is_refused_without_loading_the_backend():
+    """An mpicoll DDP hook given a gloo group raises TypeError (use torch's own hooks), and
+    finding that out does not import the backend's module (which loads, or builds, its C++
+    extension); groups.backend_of says the same of a gloo group. A fresh process: others
+    in this session may have imported it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys
+        import torch.distributed as dist
+        import mpicoll.torch.hooks as hooks
+        from mpicoll.torch.distributed import backend_of
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            hooks._mpicoll_group(dist.group.WORLD)
+        except TypeError as exc:
+            print("hook:", exc)
+        try:
+            backend_of(dist.group.WORLD, "split_group")
+        except ValueError as exc:
+            print("backend_of:", exc)
+        print("imported:", "mpicoll.torch.distributed.process_group" in sys.modules)
+        dist.destroy_process_group()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert ("hook: the mpicoll DDP hooks average over an 'mpicoll' process group, not "
+            "'gloo'") in proc.stdout, proc.stdout
+    assert "backend_of: split_group takes an mpicoll process group, not" in proc.stdout
+    assert "imported: False" in proc.stdout, proc.stdout

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -33,16 +34,17 @@ def backend_of(group: Any = None, what: str = "backend_of") -> Any:
     Raises:
         ValueError: ``group`` is not an mpicoll group (or there is no default group).
     """
-    from .process_group import MPIProcessGroup  # noqa: PLC0415
-
+    # no mpicoll group exists before its module is imported: not importing it here keeps a
+    # wrong group's error from loading (or building) the backend's C++ extension
+    module = sys.modules.get(f"{__package__}.process_group")
     pg = dist.group.WORLD if group is None else group
-    if isinstance(pg, MPIProcessGroup):
+    if module is not None and isinstance(pg, module.MPIProcessGroup):
         return pg
     try:
         backend = pg._get_backend(torch.device("cpu"))
     except (AttributeError, RuntimeError):
         backend = None
-    if not isinstance(backend, MPIProcessGroup):
+    if module is None or not isinstance(backend, module.MPIProcessGroup):
         raise ValueError(f"{what} takes an mpicoll process group, not "
                          f"{type(pg).__name__} with backend {type(backend).__name__}")
     return backend
