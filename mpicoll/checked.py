@@ -55,15 +55,15 @@ def agree(ctx: CommContext, error: BaseException | None, **fields: Any) -> None:
         The local ``error`` on the rank that had it; ``RemoteError`` on the others;
         ``MismatchError`` on every rank when ranks disagree.
     """
-    row = np.array([1 if error is not None else 0] + [_code(fields.get(f)) for f in FIELDS],
-                   dtype=np.int64)
+    row = [1 if error is not None else 0] + [_code(fields.get(f)) for f in FIELDS]
     window = node_table(ctx)
     if window is not None:
         table = window.exchange(row)
     else:
-        table = np.empty((ctx.size, row.size), dtype=np.int64)
-        waiting.allgather(ctx.p2p, row, table)
-    if table[:, 0].any():
+        gathered = np.empty((ctx.size, len(row)), dtype=np.int64)
+        waiting.allgather(ctx.p2p, np.array(row, dtype=np.int64), gathered)
+        table = gathered.tolist()
+    if any(r[0] for r in table):
         messages = ctx.p2p.allgather(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
             raise error
@@ -71,11 +71,12 @@ def agree(ctx: CommContext, error: BaseException | None, **fields: Any) -> None:
         listing = "; ".join(f"rank {r}: {m}" for r, m in bad.items())
         raise RemoteError(f"{fields.get('collective')}: other ranks rejected their arguments "
                           f"({listing})", bad)
+    if all(r == row for r in table):
+        return
     details = []
     shown = [str(fields.get(f)) for f in FIELDS]
     for col, name in enumerate(FIELDS, start=1):
-        column = table[:, col]
-        if (column != column[0]).any():
+        if any(r[col] != table[0][col] for r in table):
             values = ctx.p2p.allgather(shown[col - 1])
             groups: dict[str, list[int]] = {}
             for r, v in enumerate(values):

@@ -160,6 +160,10 @@ class NodeWindow:
             self.bells.append(mem[2 * slot:2 * slot + 4].view(np.uint32))
             boxes = mem[2 * slot + _BELL_BYTES:].view(np.int64)
             self.boxes.append((boxes[:BOX_WORDS], boxes[BOX_WORDS:]))
+        #: per mailbox, every rank's box as the rows of one (strided) table
+        self.tables = tuple(np.ndarray((self.size, BOX_WORDS), np.int64, self.memory,
+                                       2 * slot + _BELL_BYTES + 8 * BOX_WORDS * box,
+                                       (part, 8)) for box in (0, 1))
         self.addresses = [bell.ctypes.data for bell in self.bells]
         self.half = 0
         self.exchanges = 0
@@ -196,21 +200,22 @@ class NodeWindow:
             _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(self.addresses[peer]), _FUTEX_WAIT,
                           ctypes.c_uint32(seen), ctypes.byref(_NAP), None, 0)
 
-    def exchange(self, row: np.ndarray) -> np.ndarray:
-        """Every rank's ``row`` (int64, at most :data:`BOX_WORDS`), as a table in rank order:
-        an all-gather through the mailboxes and one :meth:`barrier`. Collective over the node.
+    def exchange(self, row: list[int]) -> list[list[int]]:
+        """Every rank's ``row`` (64-bit integers, at most :data:`BOX_WORDS`), as a table (a
+        list of rows) in rank order: an all-gather through the mailboxes and one
+        :meth:`barrier`. Collective over the node.
         The mailboxes alternate, so a rank that goes on to the next exchange never
         overwrites a row a slower peer is still reading: that one waits at the barrier."""
         box = self.exchanges & 1
         self.exchanges += 1
-        self.boxes[self.rank][box][:row.size] = row
+        self.boxes[self.rank][box][:len(row)] = row
         self.barrier()
-        return np.stack([self.boxes[r][box][:row.size] for r in range(self.size)])
+        return self.tables[box][:, :len(row)].tolist()
 
     def free(self) -> None:
         """Unmap the window: local, so ranks may free their groups in any order (the
         node communicator's owner frees that)."""
-        self.slots, self.bells, self.boxes = [], [], []
+        self.slots, self.bells, self.boxes, self.tables = [], [], [], ()
         try:
             self.memory.close()
         except BufferError:     # a view still held: the mapping goes with it
