@@ -199,6 +199,7 @@ class NodeWindow:
                 continue
             _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(self.addresses[peer]), _FUTEX_WAIT,
                           ctypes.c_uint32(seen), ctypes.byref(_NAP), None, 0)
+            waiting.check_deadline()
 
     def exchange(self, row: list[int]) -> list[list[int]]:
         """Every rank's ``row`` (64-bit integers, at most :data:`BOX_WORDS`), as a table (a

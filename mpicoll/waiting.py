@@ -20,9 +20,16 @@ multi-round operation whose peers all sleep goes slowly; sleeping from the start
 DDP's 1.6 MB all-reduce at n = 4 take 10-11 ms instead of 3). Other threads call the
 blocking forms, unchanged. Errors are MPI's either way (a process failure raises from the
 test as from the wait).
+
+A thread may also carry a *deadline* (:func:`set_deadline`; a runtime lane sets its
+timeout around each operation it runs): a sleeping wait still polling when the deadline
+passes raises :class:`Expired`, which carries the requests it leaves pending (never to be
+freed: their peers may still come), as do the node window's barriers
+(:func:`check_deadline`). A wait that blocks inside MPI cannot notice it.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -30,8 +37,9 @@ from typing import Any, Callable, Sequence
 
 from mpi4py import MPI
 
-__all__ = ["sleeps", "set_sleeps", "wait", "waitall", "barrier", "sendrecv", "send", "recv",
-           "allgather", "SPIN_S", "YIELD_S", "SLEEP_MIN_S", "SLEEP_MAX_S"]
+__all__ = ["Expired", "sleeps", "set_sleeps", "set_deadline", "check_deadline", "wait",
+           "waitall", "barrier", "sendrecv", "send", "recv", "allgather", "SPIN_S", "YIELD_S",
+           "SLEEP_MIN_S", "SLEEP_MAX_S"]
 
 #: Seconds a sleeping wait polls without giving up the core first.
 SPIN_S = 50e-6
@@ -45,8 +53,20 @@ SLEEP_MAX_S = 200e-6
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
+class Expired(BaseException):
+    """A wait passed its thread's deadline (:func:`set_deadline`); ``requests``: the MPI
+    requests it left pending. A ``BaseException``, so that no ``except Exception`` on the
+    way mistakes it for the operation's own error; the runtime lane that set the deadline
+    turns it into the operation's :class:`~mpicoll.CollectiveTimeoutError`."""
+
+    def __init__(self, requests: Sequence[MPI.Request] = ()) -> None:
+        super().__init__("the wait passed its deadline")
+        self.requests = list(requests)
+
+
 class _Thread(threading.local):
-    sleeps = False      # a class attribute: the blocking threads' lookup raises nothing
+    sleeps = False      # class attributes: the other threads' lookups raise nothing
+    deadline = math.inf
 
 
 _local = _Thread()
@@ -62,7 +82,21 @@ def set_sleeps(on: bool) -> None:
     _local.sleeps = bool(on)
 
 
-def _poll(test: Callable[[], bool]) -> None:
+def set_deadline(when: float) -> float:
+    """Make this thread's sleeping waits raise :class:`Expired` once ``time.perf_counter()``
+    passes ``when`` (``math.inf``: never); returns the deadline it replaces."""
+    before = _local.deadline
+    _local.deadline = when
+    return before
+
+
+def check_deadline() -> None:
+    """Raise :class:`Expired` when this thread's deadline has passed."""
+    if time.perf_counter() > _local.deadline:
+        raise Expired()
+
+
+def _poll(test: Callable[[], bool], requests: Sequence[MPI.Request] = ()) -> None:
     if test():
         return
     clock = time.perf_counter
@@ -78,6 +112,8 @@ def _poll(test: Callable[[], bool]) -> None:
         _yield()
     pause = SLEEP_MIN_S
     while not test():
+        if clock() > _local.deadline:
+            raise Expired(requests)
         time.sleep(pause)
         pause = min(pause * 2, SLEEP_MAX_S)
 
@@ -85,7 +121,7 @@ def _poll(test: Callable[[], bool]) -> None:
 def wait(request: MPI.Request) -> None:
     """``request.Wait()``."""
     if sleeps():
-        _poll(request.Test)
+        _poll(request.Test, (request,))
     else:
         request.Wait()
 
@@ -93,7 +129,7 @@ def wait(request: MPI.Request) -> None:
 def waitall(requests: Sequence[MPI.Request]) -> None:
     """``MPI.Request.Waitall(requests)``."""
     if sleeps():
-        _poll(lambda: MPI.Request.Testall(requests))
+        _poll(lambda: MPI.Request.Testall(requests), requests)
     else:
         MPI.Request.Waitall(requests)
 

@@ -26,6 +26,11 @@ Timeouts and abort:
 - a ``wait(timeout)`` that expires raises :class:`~mpicoll.CollectiveTimeoutError` at
   once, naming the operation (and the ranks that did not arrive, where the lane's client
   can tell), and *breaks* the lane (:meth:`Lane.abort`);
+- so does an operation that is still waiting for MPI when the lane's timeout has passed
+  since it started, whether or not anyone waits for it (DDP's reducer waits on the
+  future; gloo times its operations out the same way): its waits that sleep
+  (:mod:`mpicoll.waiting`, the lanes' default, and the node window's barriers) raise at
+  the deadline and the work fails with that error;
 - :meth:`Lane.abort` fails the work in flight and every queued work with the error. Under
   ULFM the lane's communicators are revoked, so the MPI call in flight really ends and
   the client can be rebuilt. Without ULFM an MPI call cannot be cancelled: using a broken
@@ -39,6 +44,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -157,7 +163,8 @@ class Lane:
         name: the thread's name (and the client's, in messages).
         comm: the communicator the lane's operations run on (revoked on abort under
             ULFM; errors are translated against it). ``None``: the world.
-        timeout: seconds :meth:`Work.wait` waits by default (``None``: forever).
+        timeout: seconds :meth:`Work.wait` waits by default, and the longest an operation
+            may wait for MPI (``None``: forever).
         missing: a callable naming the ranks that did not arrive at an operation, for
             timeout messages (``None``: not known).
         inline: run every operation on the calling thread (default: below
@@ -190,6 +197,9 @@ class Lane:
         #: a caller runs an operation on its own thread: the lane's thread starts none
         self._here = False
         self._closed = False
+        #: an operation was left in MPI when its wait passed the lane's timeout (its
+        #: requests pending: without ULFM, closing the lane or exiting ends the job)
+        self.abandoned = False
 
     # --- submission -------------------------------------------------------------------
     def submit(self, kind: str, op: Callable[[], Any], here: bool = False) -> Work:
@@ -269,8 +279,14 @@ class Lane:
                 self._idle.notify_all()
             return
         self._running = work
+        timeout = self.timeout
+        before = waiting.set_deadline(time.perf_counter() + timeout) if timeout else None
         try:
             result = op()
+        except waiting.Expired as expired:   # a wait passed the lane's timeout
+            failures.keep_requests(expired.requests)
+            self.abandoned = True
+            work.finish(None, self.timed_out(work, timeout))
         except BaseException as exc:  # noqa: BLE001  (handed to the waiter)
             broken = self.broken   # the lane's own revocation ended it: no process failure
             work.finish(None, broken if broken is not None else
@@ -278,6 +294,8 @@ class Lane:
         else:
             work.finish(result)
         finally:
+            if before is not None:
+                waiting.set_deadline(before)
             with self._lock:
                 self._running = None
                 self.completed += 1
@@ -332,6 +350,11 @@ class Lane:
         if failures.ENABLED and self.comm is not None:
             failures.revoke_only(self.comm)
 
+    def in_mpi(self) -> bool:
+        """Whether an operation of the lane is in MPI: running, or abandoned by a wait
+        that passed the lane's timeout."""
+        return self._running is not None or self.abandoned
+
     def close(self, stall_s: float | None = None) -> bool:
         """Finish what is queued and stop the thread (idempotent). Returns ``False`` when
         the thread made no progress for ``stall_s`` seconds (it is left running). A broken
@@ -339,7 +362,7 @@ class Lane:
         its thread is not waited for (its work was failed and its communicators revoked:
         an MPI call that a revocation does not end is abandoned)."""
         self._closed = True
-        if self.broken is not None and not failures.ENABLED and self._running is not None:
+        if self.broken is not None and not failures.ENABLED and self.in_mpi():
             _end_job(f"{self.name} closed while broken: {self.broken}")
         thread = self._thread
         if thread is None or thread is threading.current_thread() or \
@@ -358,7 +381,8 @@ class Lane:
 
 def _end_job(message: str) -> None:
     """End the job with ``message``: an MPI call that cannot be cancelled is stuck."""
-    log.error("mpicoll: %s; ending the job", message)
+    if log.hasHandlers():     # else logging's last resort would print it a second time
+        log.error("mpicoll: %s; ending the job", message)
     print(f"mpicoll: {message}; ending the job", file=sys.stderr, flush=True)
     runtime_exit.abort(1)
 
@@ -378,7 +402,7 @@ def _register_exit() -> None:
 def _close_all_at_exit() -> None:
     lanes = list(_lanes)
     for lane in lanes:
-        if lane.broken is not None and not failures.ENABLED and lane._running is not None:
+        if lane.broken is not None and not failures.ENABLED and lane.in_mpi():
             _end_job(f"at exit, {lane.name} is broken: {lane.broken}")
     stuck = [lane for lane in lanes if not lane.close(EXIT_STALL_S)]
     if stuck:

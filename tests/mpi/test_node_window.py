@@ -122,6 +122,33 @@ def test_mpi_on_one_rank_is_mpi_on_all(real_node, monkeypatch):
     assert node_window.node_table(get_context(real_node)) is None
 
 
+def test_a_barrier_that_waits_past_its_deadline_raises(real_node):
+    """A rank whose thread carries a deadline (a runtime lane's timeout) stops waiting in
+    the kernel barrier for a peer that comes too late, with ``waiting.Expired``; the peer,
+    arriving later, finds its part done, and the window goes on working."""
+    if SIZE == 1 or not KERNEL_HERE:
+        pytest.skip("needs peers and the kernel's waits")
+    window = node_window.node_window(get_context(real_node))
+    real_node.Barrier()
+    if RANK == 0:
+        before = waiting.set_deadline(time.perf_counter() + 0.2)
+        start = time.monotonic()
+        try:
+            with pytest.raises(waiting.Expired):
+                window.barrier()
+        finally:
+            waiting.set_deadline(before)
+        assert 0.15 < time.monotonic() - start < 2.0
+        real_node.Barrier()      # the others come to the window's barrier after this
+    else:
+        real_node.Barrier()
+        window.barrier()         # rank 0 has arrived already: passes at once
+    data = make_data(RANK, 4099, 2, np.int64)
+    got = on_polling_thread(lambda: mpicoll.allreduce(data, op="sum", comm=real_node,
+                                                      algorithm="shm"))
+    assert np.array_equal(got, reference_reduce(all_inputs(4099, 2, np.int64), "sum"))
+
+
 def test_counters_wrap(real_node):
     """Barriers go on across the counters' 2**32 wrap (every rank's counter set just below
     it between two MPI barriers)."""

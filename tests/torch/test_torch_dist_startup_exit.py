@@ -7,7 +7,9 @@
 - a rank whose asynchronous all-reduce the other rank never joins does not hang the job
   in ``MPI_Finalize``: the exit handler aborts it and says why;
 - a group broken by an expired ``Work.wait(timeout)`` and used again, or destroyed while
-  an operation makes no progress, ends the job with the message (MPICH, no ULFM).
+  an operation makes no progress, ends the job with the message (MPICH, no ULFM);
+- an operation nobody calls ``wait`` on (a future's, DDP's bucket) that a peer never joins
+  fails after the group's timeout, as gloo's does.
 """
 from __future__ import annotations
 
@@ -190,3 +192,59 @@ def test_init_options_timeout_and_device_id(tmp_path, device):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert out.count(f"init {device} ok") == 2, out
+
+
+TIMED = textwrap.dedent("""
+    import time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import mpicoll.torch  # noqa: F401
+    from mpicoll.errors import CollectiveTimeoutError
+    dist.init_process_group("mpicoll")
+    rank = dist.get_rank()
+    futures_group, ddp_group = (dist.new_group([0, 1], timeout=timedelta(seconds=1))
+                                for _ in range(2))
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2),
+                                                      process_group=ddp_group)
+    x = torch.randn(4, 8)
+    for _ in range(2):                   # DDP's first pass, and one after its rebuild
+        model(x).sum().backward()
+    if rank == 1:
+        time.sleep(60)                   # joins nothing more; ended by rank 0's exit
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(3), group=futures_group, async_op=True).get_future().wait()
+        print("FUTURE COMPLETED", flush=True)
+    except Exception as exc:
+        print(f"FUTURE {time.monotonic() - start:.2f} {type(exc).__name__} {exc}", flush=True)
+    start = time.monotonic()
+    try:
+        model(x).sum().backward()
+        print("BACKWARD COMPLETED", flush=True)
+    except CollectiveTimeoutError as exc:
+        print(f"BACKWARD {time.monotonic() - start:.2f} {exc}", flush=True)
+    print("EXITING", flush=True)
+""")
+
+
+def test_unwaited_operation_a_peer_never_joins_fails_after_the_groups_timeout(tmp_path):
+    """Nobody calls ``Work.wait`` on an asynchronous all-reduce awaited through its
+    future, nor on DDP's bucket (the reducer waits on the future; the last bucket runs on
+    the caller's thread): when rank 1 never joins, each fails after the group's 1 s
+    timeout (the future raises, ``backward()`` raises CollectiveTimeoutError), as gloo's
+    operations time out, instead of waiting for as long as rank 1 lives; rank 0's exit
+    then ends the job with the message (the abandoned operations are still in MPI)."""
+    start = time.monotonic()
+    proc = _run(TIMED, tmp_path, timeout=120)
+    took = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    for what in ("FUTURE", "BACKWARD"):
+        line = next((x for x in out.splitlines() if x.startswith(what + " ")), None)
+        assert line is not None, out
+        secs = float(line.split()[1])
+        assert 0.9 < secs < 4.0, line
+        assert "allreduce on mpicoll-pg" in line and "timed out after 1 s" in line, line
+    assert "CollectiveTimeoutError" in out and "EXITING" in out, out
+    assert proc.returncode != 0 and "is broken" in out and "ending the job" in out, out
+    assert took < 50, f"the job took {took:.0f} s"

@@ -155,9 +155,11 @@ class MPIProcessGroup(_Backend):
         #: lane's waits are then the kernel's, not MPI's polling (DDP's 6-8 MB buckets at
         #: n = 4: 1.32-1.37x gloo, 1.24-1.34x with auto's ring; docs/results/ddp_threads.md)
         self._allreduce = self._algorithm
+        # the agreement's table on one node, made here where every rank is: a first call
+        # that a peer never joins then waits in its barrier, which notices the timeout
+        table = node_table(self._ctx)
         if (self._algorithm == "auto" and comm.Get_size() >= 3
-                and not config.env_str("MPICOLL_ALGORITHM")
-                and node_table(self._ctx) is not None):
+                and not config.env_str("MPICOLL_ALGORITHM") and table is not None):
             self._allreduce = "shm"
         self._checked: set[str] = set()
         self._failures = GroupFailures(comm)
