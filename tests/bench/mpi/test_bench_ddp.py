@@ -54,3 +54,21 @@ def test_ddp_benchmark_rejects_unknown_mode():
         ddp.runner("ddp-nccl")
     with pytest.raises(ValueError):
         ddp.runner("ddp-mpicoll-lz4")
+
+
+def test_ddp_inside_times_every_layer_of_the_backends_path():
+    """bench.ddp_inside wraps each layer of the backend's path (a renamed layer fails it
+    here), finds each called once per step (the model's one bucket) and puts the
+    originals back."""
+    pytest.importorskip("torch")
+    from bench import ddp_inside  # noqa: PLC0415
+    from mpicoll.torch.distributed import process_group  # noqa: PLC0415
+
+    before = process_group.MPIProcessGroup.allreduce
+    rows = ddp_inside.main(["--steps", "3", "--warmup", "2", "--batch", "4"])
+    assert process_group.MPIProcessGroup.allreduce is before
+    for label in ("backend allreduce", "lane submit", "agreement", "mpicoll allreduce",
+                  "step: forward", "step: backward", "step: optimizer", "step"):
+        assert rows[label][2] == 1, (label, rows)
+        assert rows[label][0] > 0
+    assert rows["backend allreduce"][0] >= rows["mpicoll allreduce"][0]
