@@ -34,6 +34,7 @@ import hashlib
 import os
 import signal
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -176,17 +177,25 @@ def grow_ddp(hold: str) -> None:
                                    step=0)
     slots = {"n": 2}
     grew_at: list[int] = []
+    reported = threading.Event()
+
+    def discovery() -> int:
+        if slots["n"] == 3:
+            reported.set()
+        return slots["n"]
 
     def on_reset() -> None:
         grew_at.append(state.step)
 
     state.register_reset_callbacks([on_reset])
 
-    @hvd.elastic.run(discovery=lambda: slots["n"], max_np=3, discovery_interval=0.05)
+    @hvd.elastic.run(discovery=discovery, max_np=3, discovery_interval=0.05)
     def train(state) -> None:
         while state.step < STEPS:
             if state.step == KILL_AT and dist.get_rank() == 0 and slots["n"] == 2:
-                slots["n"] = 3            # rank 0's poll reports it within 0.05 s
+                slots["n"] = 3            # rank 0's poll reports it within 0.05 s, or
+                reported.wait(60)         # later on a loaded machine: the steps left
+                                          # must not run out before it has
             train_step(ddp, opt, state)
 
     train(state)
