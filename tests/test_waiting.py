@@ -53,19 +53,20 @@ def test_a_bad_setting_is_refused_with_its_name(lane_wait):
         Lane("test-waiting", inline=False)
 
 
-def test_an_operation_whose_wait_passes_the_lanes_timeout_fails_and_breaks_the_lane():
+@pytest.mark.parametrize("naps", [True, False])
+def test_an_operation_whose_wait_passes_the_lanes_timeout_fails_and_breaks_the_lane(naps):
     """A lane's timeout bounds each operation, not only ``Work.wait``: a sleeping wait
     still polling at the deadline raises, the work fails with CollectiveTimeoutError
     (nobody waited with a timeout), the lane is broken and knows an operation was left in
     MPI, and the request is kept, never freed. On the lane's thread and on the caller's
-    (``here``). The test cancels the abandoned receive itself (else the exit handler would
+    (``here``); with and without the wait's sleeps. The test cancels the abandoned receive itself (else the exit handler would
     end the job, as it must)."""
     buf = bytearray(1)
     for here in (False, True):
         lane = Lane("test-deadline", inline=False, timeout=0.3)
         request = MPI.COMM_WORLD.Irecv(buf, source=MPI.COMM_WORLD.Get_rank(), tag=4242)
         start = time.monotonic()
-        work = lane.submit("never matched", lambda r=request: waiting.wait(r), here=here)
+        work = lane.submit("never matched", lambda r=request: waiting.wait(r, naps), here=here)
         with pytest.raises(CollectiveTimeoutError, match="never matched on test-deadline "
                                                          "timed out after 0.3 s"):
             work.wait(30)

@@ -200,10 +200,16 @@ TIMED = textwrap.dedent("""
     import torch, torch.distributed as dist
     import mpicoll.torch  # noqa: F401
     from mpicoll.errors import CollectiveTimeoutError
+    from mpicoll.torch.distributed import Options
     dist.init_process_group("mpicoll")
     rank = dist.get_rank()
     futures_group, ddp_group = (dist.new_group([0, 1], timeout=timedelta(seconds=1))
                                 for _ in range(2))
+    # unchecked after its first gather: MPI's own gather, waited for by polling
+    first_group = dist.new_group([0, 1], timeout=timedelta(seconds=1),
+                                 pg_options=Options(check="first"))
+    parts = [torch.zeros(2), torch.zeros(2)] if rank == 0 else None
+    dist.gather(torch.ones(2), parts, dst=0, group=first_group)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2),
                                                       process_group=ddp_group)
@@ -224,6 +230,12 @@ TIMED = textwrap.dedent("""
         print("BACKWARD COMPLETED", flush=True)
     except CollectiveTimeoutError as exc:
         print(f"BACKWARD {time.monotonic() - start:.2f} {exc}", flush=True)
+    start = time.monotonic()
+    try:
+        dist.gather(torch.ones(2), parts, dst=0, group=first_group)
+        print("GATHER COMPLETED", flush=True)
+    except CollectiveTimeoutError as exc:
+        print(f"GATHER {time.monotonic() - start:.2f} {exc}", flush=True)
     print("EXITING", flush=True)
 """)
 
@@ -233,18 +245,21 @@ def test_unwaited_operation_a_peer_never_joins_fails_after_the_groups_timeout(tm
     future, nor on DDP's bucket (the reducer waits on the future; the last bucket runs on
     the caller's thread): when rank 1 never joins, each fails after the group's 1 s
     timeout (the future raises, ``backward()`` raises CollectiveTimeoutError), as gloo's
-    operations time out, instead of waiting for as long as rank 1 lives; rank 0's exit
-    then ends the job with the message (the abandoned operations are still in MPI)."""
+    operations time out, instead of waiting for as long as rank 1 lives; so does a gather
+    on a group that agrees on the first call only (MPI's own gather, no agreement step
+    before it). Rank 0's exit then ends the job with the message (the abandoned
+    operations are still in MPI)."""
     start = time.monotonic()
     proc = _run(TIMED, tmp_path, timeout=120)
     took = time.monotonic() - start
     out = proc.stdout + proc.stderr
-    for what in ("FUTURE", "BACKWARD"):
+    for what, kind in (("FUTURE", "allreduce"), ("BACKWARD", "allreduce"),
+                       ("GATHER", "gather")):
         line = next((x for x in out.splitlines() if x.startswith(what + " ")), None)
         assert line is not None, out
         secs = float(line.split()[1])
         assert 0.9 < secs < 4.0, line
-        assert "allreduce on mpicoll-pg" in line and "timed out after 1 s" in line, line
+        assert f"{kind} on mpicoll-pg" in line and "timed out after 1 s" in line, line
     assert "CollectiveTimeoutError" in out and "EXITING" in out, out
     assert proc.returncode != 0 and "is broken" in out and "ending the job" in out, out
     assert took < 50, f"the job took {took:.0f} s"

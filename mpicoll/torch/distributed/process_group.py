@@ -14,8 +14,10 @@ call returns a :class:`~.work.MPIWork` at once (``async_op=False`` is torch wait
 Reductions, broadcast, all-gather and reduce-scatter run mpicoll's collectives
 (``algorithm="auto"``; :class:`Options` or ``MPICOLL_ALLREDUCE_ALGORITHM`` force the
 all-reduce's, ``MPICOLL_ALGORITHM`` every collective's); gather, scatter, the all-to-alls
-and barriers run MPI's own (``MPI_Gather``, ``MPI_Scatter``, ``MPI_Alltoallv``,
-``MPI_Barrier``), recorded for the stall inspector and timeline like mpicoll's.
+and barriers run MPI's own (``MPI_Igather``, ``MPI_Iscatter``, ``MPI_Ialltoallv``,
+``MPI_Ibarrier``: the non-blocking forms waited for as the lane waits,
+:mod:`mpicoll.waiting`, so that they notice the group's timeout), recorded for the stall
+inspector and timeline like mpicoll's.
 
 Checking (:class:`Options` ``check``): each call's arguments are checked on the calling
 rank (any error there, a ``ValueError``/``TypeError`` or another, is the rank's local
@@ -46,7 +48,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from ... import collectives, config, tracking
+from ... import collectives, config, tracking, waiting
 from ...buffers import IN_PLACE
 from ...checked import agree
 from ...context import get_context
@@ -548,13 +550,13 @@ class MPIProcessGroup(_Backend):
 
     def _gather_uneven(self, input: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         """Every rank's ``input`` (rank ``r``'s has ``sizes[r]`` elements), by
-        ``MPI_Allgatherv``; returns one flat tensor per rank."""
+        ``MPI_Iallgatherv``; returns one flat tensor per rank."""
         src = Host(input)
         recv = torch.empty(sum(sizes), dtype=input.dtype)
         counts = np.array(sizes, dtype=np.int64) * recv.element_size()
         displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        self._native("allgather", lambda: self.comm.Allgatherv(
-            byte_view(src.work), [byte_view(recv), (counts, displs)]),
+        self._native("allgather", lambda: waiting.wait(self.comm.Iallgatherv(
+            byte_view(src.work), [byte_view(recv), (counts, displs)]), naps=False),
             count=None, dtype=str(input.dtype))
         return list(recv.split(sizes))
 
@@ -689,8 +691,8 @@ class MPIProcessGroup(_Backend):
                 whole = (torch.empty((self.size(), src.numel()), dtype=src.dtype)
                          if self.rank() == root else None)
                 recv = byte_view(whole) if whole is not None else None
-                self._native("gather", lambda: self.comm.Gather(send.array.view(np.uint8),
-                                                                recv, root=root),
+                self._native("gather", lambda: waiting.wait(self.comm.Igather(
+                    send.array.view(np.uint8), recv, root=root), naps=False),
                              count=src.numel(), dtype=str(src.dtype), root=root)
                 if whole is not None:
                     with torch.no_grad():
@@ -717,8 +719,8 @@ class MPIProcessGroup(_Backend):
                          if self.rank() == root else None)
                 send = byte_view(whole) if whole is not None else None
                 recv = Host(dst)
-                self._native("scatter", lambda: self.comm.Scatter(
-                    send, recv.array.view(np.uint8), root=root),
+                self._native("scatter", lambda: waiting.wait(self.comm.Iscatter(
+                    send, recv.array.view(np.uint8), root=root), naps=False),
                     count=dst.numel(), dtype=str(dst.dtype), root=root)
                 recv.finish()
                 return output_tensors
@@ -731,7 +733,7 @@ class MPIProcessGroup(_Backend):
     def _alltoallv(self, kind: str, send: Callable[[], torch.Tensor], recv: torch.Tensor,
                    send_counts: list[int], recv_counts: list[int], itemsize: int,
                    finish: Callable[[], Any], dtype: str) -> Prepared:
-        """``MPI_Alltoallv`` of flat contiguous host buffers (counts in elements)."""
+        """``MPI_Ialltoallv`` of flat contiguous host buffers (counts in elements)."""
         sc = np.array(send_counts, dtype=np.int64) * itemsize
         rc = np.array(recv_counts, dtype=np.int64) * itemsize
         sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
@@ -748,8 +750,8 @@ class MPIProcessGroup(_Backend):
 
         def run() -> Any:
             buf = send()
-            self._native(kind, lambda: self.comm.Alltoallv(
-                [byte_view(buf), (sc, sd)], [byte_view(recv), (rc, rd)]),
+            self._native(kind, lambda: waiting.wait(self.comm.Ialltoallv(
+                [byte_view(buf), (sc, sd)], [byte_view(recv), (rc, rd)]), naps=False),
                 count=None, dtype=dtype)
             return finish()
 
@@ -832,7 +834,8 @@ class MPIProcessGroup(_Backend):
     # barriers ---------------------------------------------------------------------------------
     def barrier(self, opts: Any = None) -> Any:
         def prepare(stage: Staging) -> Prepared:
-            return lambda: self._native("barrier", self.comm.Barrier), {}
+            return lambda: self._native("barrier",
+                                        lambda: waiting.wait(self.comm.Ibarrier())), {}
 
         return self._call("barrier", prepare)
 

@@ -1,4 +1,5 @@
-"""Smoke test of bench/ddp.py (DDP on "mpicoll" vs gloo vs DistributedOptimizer), at n=2
+"""Smoke tests of bench/ddp.py (DDP on "mpicoll" vs gloo vs DistributedOptimizer),
+bench/ddp_inside.py and bench/dist_ops.py, at n=2
 only: every mode runs a few steps, and the JSON holds one positive rate per mode and
 repeat, and DDP's timers with ``--profile``. Never how fast anything is.
 """
@@ -72,3 +73,15 @@ def test_ddp_inside_times_every_layer_of_the_backends_path():
         assert rows[label][2] == 1, (label, rows)
         assert rows[label][0] > 0
     assert rows["backend allreduce"][0] >= rows["mpicoll allreduce"][0]
+
+
+def test_dist_ops_times_every_operation_on_both_backends():
+    """bench.dist_ops runs each operation on "mpicoll" and gloo (a smoke test)."""
+    pytest.importorskip("torch")
+    from bench import dist_ops  # noqa: PLC0415
+
+    rows = dist_ops.main(["--sizes", "3,1000", "--steps", "2", "--repeats", "1"])
+    assert {(r["operation"], r["bytes"], r["backend"]) for r in rows} == {
+        (op, b, name) for op in ("gather", "scatter", "all_to_all_single", "barrier")
+        for b in (12, 4000) for name in ("mpicoll", "gloo")}
+    assert all(r["median_ms"] > 0 for r in rows)

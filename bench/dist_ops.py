@@ -1,0 +1,83 @@
+"""torch.distributed operations on "mpicoll" against gloo, per call: ``gather``,
+``scatter``, ``all_to_all_single`` and ``barrier`` (the ones the backend hands to MPI's
+own collectives), synchronous, on the default "mpicoll" group and on a gloo group of the
+same ranks, interleaved over ``--repeats`` rounds of ``--steps`` calls; rank 0 prints the
+median per call (the slowest rank's) for each size in ``--sizes`` (float32 elements per
+rank and peer).
+
+    mpirun -n 4 python -m bench.dist_ops --sizes 256,262144
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+
+def operations(count: int, group: Any) -> dict[str, Callable[[], Any]]:
+    """The timed calls for ``count`` elements per rank (and per peer) on ``group``."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = torch.ones(count)
+    parts = [torch.zeros(count) for _ in range(n)] if rank == 0 else None
+    send, recv = torch.ones(count * n), torch.empty(count * n)
+    return {"gather": lambda: dist.gather(x, parts, dst=0, group=group),
+            "scatter": lambda: dist.scatter(x, parts, src=0, group=group),
+            "all_to_all_single": lambda: dist.all_to_all_single(recv, send, group=group),
+            "barrier": lambda: dist.barrier(group=group)}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run it; returns the rows (on every rank): operation, bytes, backend, median ms."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="256,262144",
+                   help="float32 elements per rank and peer, comma-separated")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    import mpicoll.torch  # noqa: F401  (registers "mpicoll")
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("mpicoll")
+    groups = {"mpicoll": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    comm = MPI.COMM_WORLD
+    rows = []
+    for count in (int(s) for s in args.sizes.split(",")):
+        calls = {(op, name): fn for name, group in groups.items()
+                 for op, fn in operations(count, group).items()}
+        times: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
+        for _ in range(args.repeats):
+            for key, fn in calls.items():
+                fn()
+                comm.Barrier()
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    fn()
+                times[key].append(comm.allreduce((time.perf_counter() - start) / args.steps,
+                                                 op=MPI.MAX))
+        rows += [{"operation": op, "bytes": 4 * count, "backend": name,
+                  "median_ms": 1e3 * statistics.median(v)} for (op, name), v in times.items()]
+    if comm.rank == 0:
+        print(f"# {comm.size} ranks, median ms per call over {args.repeats} rounds of "
+              f"{args.steps} calls (bytes: per rank and peer)")
+        for op in ("gather", "scatter", "all_to_all_single", "barrier"):
+            for count in {r["bytes"] for r in rows}:
+                cells = {r["backend"]: r["median_ms"] for r in rows
+                         if r["operation"] == op and r["bytes"] == count}
+                if cells:
+                    print(f"{op:18s} {count:9d} B  mpicoll {cells['mpicoll']:8.3f}  "
+                          f"gloo {cells['gloo']:8.3f}")
+    dist.destroy_process_group(groups["gloo"])
+    if started:
+        dist.destroy_process_group()
+    return rows
+
+
+if __name__ == "__main__":
+    main()
