@@ -174,6 +174,43 @@ def timed(step, args: argparse.Namespace, comm: MPI.Intracomm) -> Timing:
                   max(w for _, w, _ in gathered), sum(c for _, _, c in gathered))
 
 
+def interleaved_times(calls: dict, steps: int, repeats: int, comm: MPI.Intracomm,
+                      before_round=None) -> dict:
+    """Seconds per call of each of ``calls`` (key -> function of no arguments), the
+    slowest rank's mean over ``steps`` calls after one untimed call, in ``repeats`` rounds
+    that interleave the calls; ``before_round`` (if given) runs before each round."""
+    times: dict = {key: [] for key in calls}
+    for _ in range(repeats):
+        if before_round is not None:
+            before_round()
+        for key, fn in calls.items():
+            fn()
+            comm.Barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            times[key].append(comm.allreduce((time.perf_counter() - start) / steps,
+                                             op=MPI.MAX))
+    return times
+
+
+def mpicoll_default_group(tool: str) -> bool:
+    """Start the default torch.distributed group on "mpicoll" unless a group is there
+    (which must then be "mpicoll"; else ``SystemExit`` naming ``tool``); returns whether
+    this call started it."""
+    import torch.distributed as dist
+
+    import mpicoll.torch  # noqa: F401  (registers "mpicoll")
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("mpicoll")
+    if dist.get_backend() != "mpicoll":
+        raise SystemExit(f"{tool} needs the default group on 'mpicoll', not "
+                         f"{dist.get_backend()!r}")
+    return started
+
+
 def run_local(args: argparse.Namespace, comm: MPI.Intracomm) -> Timing:
     """Every rank trains alone, no communication: the ceiling for ``comm.size`` ranks
     sharing this machine (what scaling efficiency cannot exceed here)."""

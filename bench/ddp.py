@@ -59,7 +59,8 @@ import torch.nn.functional as F  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench.bench_torch import (MODELS, Timing, make_model, run_local, run_mpicoll,  # noqa: E402
+from bench.bench_torch import (MODELS, Timing, interleaved_times,  # noqa: E402
+                               make_model, mpicoll_default_group, run_local, run_mpicoll,
                                time_sgd_steps)
 
 DEFAULT_MODES = ("ddp-mpicoll", "ddp-gloo", "hvd")
@@ -73,14 +74,7 @@ GROUP_OPTIONS = {"mpicoll-first": {"check": "first"},
 def setup_groups() -> bool:
     """The "mpicoll" default group (rank and size from MPI) and a gloo group beside it;
     returns whether this call started the default group."""
-    import mpicoll.torch  # noqa: F401, PLC0415  (registers "mpicoll")
-
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("mpicoll")
-    if dist.get_backend() != "mpicoll":
-        raise SystemExit(f"bench.ddp needs the default group on 'mpicoll', not "
-                         f"{dist.get_backend()!r}")
+    started = mpicoll_default_group("bench.ddp")
     _groups["mpicoll"] = dist.group.WORLD
     _groups["gloo"] = dist.new_group(backend="gloo")
     from mpicoll.torch.distributed import Options  # noqa: PLC0415
@@ -256,8 +250,6 @@ def layer_times(args: argparse.Namespace, comm: Any) -> list[dict]:
     all-reduce of the int8 and bf16 hooks (without error feedback), ``dist.all_reduce`` on
     the "mpicoll" groups (every call agreed on / first only: the call, its agreement and
     the hand-over to the group's thread) and on gloo, and ``async_op=True`` then ``wait``."""
-    import time  # noqa: PLC0415
-
     import mpicoll  # noqa: PLC0415
     from mpicoll import compression  # noqa: PLC0415
 
@@ -297,18 +289,11 @@ def layer_times(args: argparse.Namespace, comm: Any) -> list[dict]:
         **{f"async {g} + wait": on_tensor(lambda t, g=g: dist.all_reduce(
             t, group=_groups[g], async_op=True).wait()) for g in ("mpicoll", "gloo")},
     }
-    times: dict[str, list[float]] = {k: [] for k in layers}
-    for _ in range(args.repeats):
+    def refill() -> None:
         for buf in buffers:
             buf.copy_(start_values)
-        for name, fn in layers.items():
-            fn()
-            comm.Barrier()
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                fn()
-            elapsed = comm.allreduce((time.perf_counter() - start) / args.steps, op=MPI.MAX)
-            times[name].append(elapsed)
+
+    times = interleaved_times(layers, args.steps, args.repeats, comm, refill)
     return [{"layer": k, "bytes": 4 * count, "median_ms": 1e3 * statistics.median(v),
              "runs_ms": [1e3 * x for x in v]} for k, v in times.items()]
 

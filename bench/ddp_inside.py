@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from mpi4py import MPI
 
-from bench.bench_torch import MODELS, data, make_model
+from bench.bench_torch import MODELS, data, make_model, mpicoll_default_group
 
 
 def _layers() -> list[tuple[Any, str, str]]:
@@ -96,15 +96,8 @@ def main(argv: list[str] | None = None) -> dict[str, tuple]:
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     args = p.parse_args(argv)
-    import mpicoll.torch  # noqa: F401  (registers "mpicoll")
-
     torch.set_num_threads(1)
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("mpicoll")
-    if dist.get_backend() != "mpicoll":
-        raise SystemExit(f"bench.ddp_inside needs the default group on 'mpicoll', not "
-                         f"{dist.get_backend()!r}")
+    started = mpicoll_default_group("bench.ddp_inside")
     record: dict[str, list] = {}
     layers = _layers()
     restore = [wrap(owner, name, label, record) for owner, name, label in layers]

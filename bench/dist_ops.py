@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
+
+from bench.bench_torch import interleaved_times, mpicoll_default_group
 
 
 def operations(count: int, group: Any) -> dict[str, Callable[[], Any]]:
@@ -40,27 +41,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
-    import mpicoll.torch  # noqa: F401  (registers "mpicoll")
-
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("mpicoll")
+    started = mpicoll_default_group("bench.dist_ops")
     groups = {"mpicoll": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     comm = MPI.COMM_WORLD
     rows = []
     for count in (int(s) for s in args.sizes.split(",")):
         calls = {(op, name): fn for name, group in groups.items()
                  for op, fn in operations(count, group).items()}
-        times: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
-        for _ in range(args.repeats):
-            for key, fn in calls.items():
-                fn()
-                comm.Barrier()
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    fn()
-                times[key].append(comm.allreduce((time.perf_counter() - start) / args.steps,
-                                                 op=MPI.MAX))
+        times = interleaved_times(calls, args.steps, args.repeats, comm)
         rows += [{"operation": op, "bytes": 4 * count, "backend": name,
                   "median_ms": 1e3 * statistics.median(v)} for (op, name), v in times.items()]
     if comm.rank == 0:

@@ -90,10 +90,11 @@ def set_deadline(when: float) -> float:
     return before
 
 
-def check_deadline() -> None:
-    """Raise :class:`Expired` when this thread's deadline has passed."""
+def check_deadline(requests: Sequence[MPI.Request] = ()) -> None:
+    """Raise :class:`Expired` (carrying ``requests``, left pending) when this thread's
+    deadline has passed."""
     if time.perf_counter() > _local.deadline:
-        raise Expired()
+        raise Expired(requests)
 
 
 def _poll(test: Callable[[], bool], requests: Sequence[MPI.Request] = (),
@@ -110,13 +111,11 @@ def _poll(test: Callable[[], bool], requests: Sequence[MPI.Request] = (),
     while clock() < deadline:
         if test():
             return
-        if not naps and clock() > _local.deadline:
-            raise Expired(requests)
+        check_deadline(requests)
         _yield()
     pause = SLEEP_MIN_S
     while not test():
-        if clock() > _local.deadline:
-            raise Expired(requests)
+        check_deadline(requests)
         time.sleep(pause)
         pause = min(pause * 2, SLEEP_MAX_S)
 
@@ -124,8 +123,8 @@ def _poll(test: Callable[[], bool], requests: Sequence[MPI.Request] = (),
 def wait(request: MPI.Request, naps: bool = True) -> None:
     """``request.Wait()``. ``naps=False``: a sleeping thread polls yielding the core but
     never sleeps (for one MPI call that moves much data in many steps, each of which
-    needs a poll: MPI's own gather or all-to-all of megabytes took 20x longer with the
-    sleeps, on 4 ranks of 2 cores)."""
+    needs a poll: MPI's own gather or all-to-all of megabytes; measured in
+    docs/results/ddp_threads.md, "MPI's own gather, scatter and all-to-all on a lane")."""
     if sleeps():
         _poll(request.Test, (request,), naps)
     else:
