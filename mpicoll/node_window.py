@@ -153,14 +153,12 @@ class NodeWindow:
         part = 2 * slot + _BELL_BYTES + 16 * BOX_WORDS
         self.memory = _map_shared(node_comm, part * self.size)
         whole = np.frombuffer(self.memory, dtype=np.uint8)
-        self.slots, self.bells, self.boxes = [], [], []
+        self.slots, self.bells = [], []
         for r in range(self.size):
             mem = whole[r * part:(r + 1) * part]
             self.slots.append((mem[:slot], mem[slot:2 * slot]))
             self.bells.append(mem[2 * slot:2 * slot + 4].view(np.uint32))
-            boxes = mem[2 * slot + _BELL_BYTES:].view(np.int64)
-            self.boxes.append((boxes[:BOX_WORDS], boxes[BOX_WORDS:]))
-        #: per mailbox, every rank's box as the rows of one (strided) table
+        #: per mailbox, every rank's box (row ``r``: rank ``r``'s) as one strided table
         self.tables = tuple(np.ndarray((self.size, BOX_WORDS), np.int64, self.memory,
                                        2 * slot + _BELL_BYTES + 8 * BOX_WORDS * box,
                                        (part, 8)) for box in (0, 1))
@@ -209,14 +207,14 @@ class NodeWindow:
         overwrites a row a slower peer is still reading: that one waits at the barrier."""
         box = self.exchanges & 1
         self.exchanges += 1
-        self.boxes[self.rank][box][:len(row)] = row
+        self.tables[box][self.rank, :len(row)] = row
         self.barrier()
         return self.tables[box][:, :len(row)].tolist()
 
     def free(self) -> None:
         """Unmap the window: local, so ranks may free their groups in any order (the
         node communicator's owner frees that)."""
-        self.slots, self.bells, self.boxes, self.tables = [], [], [], ()
+        self.slots, self.bells, self.tables = [], [], ()
         try:
             self.memory.close()
         except BufferError:     # a view still held: the mapping goes with it
