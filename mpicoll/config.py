@@ -73,9 +73,10 @@ VARIABLES: tuple[Variable, ...] = (
              "how the runtime's communication threads wait for MPI: `sleep` polls, "
              "yielding the core and then sleeping once a peer is late (`mpicoll.waiting`: "
              "the core goes to computation); `spin` blocks inside MPI, which polls on the "
-             "core; `auto`: `sleep` for torch.distributed groups and the other lanes, "
-             "`spin` for the Horovod engine (measured faster so). The caller's thread "
-             "always blocks in MPI"),
+             "core (a lane with a timeout, such as a torch.distributed group's, polls on "
+             "the core itself, to notice its deadline); `auto`: `sleep` for "
+             "torch.distributed groups and the other lanes, `spin` for the Horovod engine "
+             "(measured faster so). The caller's thread always blocks in MPI"),
     Variable("MPICOLL_ELASTIC_DIR", "mpicoll.elastic", "unset",
              "set by `python -m mpicoll.elastic.launch` for each launch of the job: the "
              "commit directory (`mpicoll.elastic.disk`); rank 0 writes each commit there "

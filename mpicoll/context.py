@@ -75,6 +75,10 @@ class CommContext:
         self._topology: Any = None
         #: Set when the context was dropped (its world was replaced, or a peer failed).
         self.abandoned = False
+        #: MPI's own collectives here start their non-blocking forms, waited for through
+        #: :func:`mpicoll.waiting.wait` (set by a client whose operations run on a lane
+        #: with a timeout, before its first call: :mod:`mpicoll.algorithms.native`).
+        self.nonblocking = False
         #: Ranks on each node when every node has as many, else 0 (unknown): what
         #: ``algorithm="auto"`` looks up. The layout is computed here, where every rank is
         #: (creating a context is collective), never later inside one rank's call.

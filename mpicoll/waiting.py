@@ -22,10 +22,12 @@ blocking forms, unchanged. Errors are MPI's either way (a process failure raises
 test as from the wait).
 
 A thread may also carry a *deadline* (:func:`set_deadline`; a runtime lane sets its
-timeout around each operation it runs): a sleeping wait still polling when the deadline
-passes raises :class:`Expired`, which carries the requests it leaves pending (never to be
-freed: their peers may still come), as do the node window's barriers
-(:func:`check_deadline`). A wait that blocks inside MPI cannot notice it.
+timeout around each operation it runs): a wait still polling when the deadline passes
+raises :class:`Expired`, which carries the requests it leaves pending (never to be freed:
+their peers may still come), as do the node window's barriers (:func:`check_deadline`).
+A blocking MPI call cannot notice a deadline, so a thread that carries one :func:`polls`
+even where it does not sleep (a lane with ``MPICOLL_LANE_WAIT=spin``): on the core,
+without yields or sleeps, the deadline checked between tests.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from typing import Any, Callable, Sequence
 
 from mpi4py import MPI
 
-__all__ = ["Expired", "sleeps", "set_sleeps", "set_deadline", "check_deadline", "wait",
+__all__ = ["Expired", "sleeps", "polls", "set_sleeps", "set_deadline", "check_deadline", "wait",
            "waitall", "barrier", "sendrecv", "send", "recv", "allgather", "SPIN_S", "YIELD_S",
            "SLEEP_MIN_S", "SLEEP_MAX_S"]
 
@@ -67,9 +69,12 @@ class Expired(BaseException):
 class _Thread(threading.local):
     sleeps = False      # class attributes: the other threads' lookups raise nothing
     deadline = math.inf
+    polls = False       # sleeps, or a deadline
 
 
-_local = _Thread()
+#: This thread's state; ``local.polls`` is :func:`polls` without the call (the fast path
+#: of MPI's own collectives reads it on every call: :mod:`mpicoll.algorithms.native`).
+local = _local = _Thread()
 
 
 def sleeps() -> bool:
@@ -77,16 +82,25 @@ def sleeps() -> bool:
     return _local.sleeps
 
 
+def polls() -> bool:
+    """Whether this thread waits for MPI by polling (it sleeps, or carries a deadline)
+    rather than blocking in MPI."""
+    return _local.polls
+
+
 def set_sleeps(on: bool) -> None:
     """Make this thread's waits for MPI poll with sleeps (``True``) or block in MPI."""
     _local.sleeps = bool(on)
+    _local.polls = _local.sleeps or _local.deadline != math.inf
 
 
 def set_deadline(when: float) -> float:
-    """Make this thread's sleeping waits raise :class:`Expired` once ``time.perf_counter()``
-    passes ``when`` (``math.inf``: never); returns the deadline it replaces."""
+    """Make this thread's waits raise :class:`Expired` once ``time.perf_counter()`` passes
+    ``when`` (``math.inf``: never; until then they poll, :func:`polls`); returns the
+    deadline it replaces."""
     before = _local.deadline
     _local.deadline = when
+    _local.polls = _local.sleeps or when != math.inf
     return before
 
 
@@ -100,6 +114,10 @@ def check_deadline(requests: Sequence[MPI.Request] = ()) -> None:
 def _poll(test: Callable[[], bool], requests: Sequence[MPI.Request] = (),
           naps: bool = True) -> None:
     if test():
+        return
+    if not _local.sleeps:       # a deadline only: on the core
+        while not test():
+            check_deadline(requests)
         return
     clock = time.perf_counter
     start = clock()
@@ -125,7 +143,7 @@ def wait(request: MPI.Request, naps: bool = True) -> None:
     never sleeps (for one MPI call that moves much data in many steps, each of which
     needs a poll: MPI's own gather or all-to-all of megabytes; measured in
     docs/results/ddp_threads.md, "MPI's own gather, scatter and all-to-all on a lane")."""
-    if sleeps():
+    if polls():
         _poll(request.Test, (request,), naps)
     else:
         request.Wait()
@@ -133,7 +151,7 @@ def wait(request: MPI.Request, naps: bool = True) -> None:
 
 def waitall(requests: Sequence[MPI.Request]) -> None:
     """``MPI.Request.Waitall(requests)``."""
-    if sleeps():
+    if polls():
         _poll(lambda: MPI.Request.Testall(requests), requests)
     else:
         MPI.Request.Waitall(requests)
@@ -141,7 +159,7 @@ def waitall(requests: Sequence[MPI.Request]) -> None:
 
 def barrier(comm: MPI.Comm) -> None:
     """``comm.Barrier()``."""
-    if sleeps():
+    if polls():
         wait(comm.Ibarrier())
     else:
         comm.Barrier()
@@ -150,7 +168,7 @@ def barrier(comm: MPI.Comm) -> None:
 def sendrecv(comm: MPI.Comm, sendbuf: Any, dest: int, sendtag: int, recvbuf: Any,
              source: int, recvtag: int) -> None:
     """``comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag)``."""
-    if sleeps():
+    if polls():
         waitall([comm.Irecv(recvbuf, source, recvtag), comm.Isend(sendbuf, dest, sendtag)])
     else:
         comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag)
@@ -158,7 +176,7 @@ def sendrecv(comm: MPI.Comm, sendbuf: Any, dest: int, sendtag: int, recvbuf: Any
 
 def send(comm: MPI.Comm, buf: Any, dest: int, tag: int) -> None:
     """``comm.Send(buf, dest, tag)``."""
-    if sleeps():
+    if polls():
         wait(comm.Isend(buf, dest, tag))
     else:
         comm.Send(buf, dest, tag)
@@ -166,7 +184,7 @@ def send(comm: MPI.Comm, buf: Any, dest: int, tag: int) -> None:
 
 def recv(comm: MPI.Comm, buf: Any, source: int, tag: int) -> None:
     """``comm.Recv(buf, source, tag)``."""
-    if sleeps():
+    if polls():
         wait(comm.Irecv(buf, source, tag))
     else:
         comm.Recv(buf, source, tag)
@@ -174,7 +192,7 @@ def recv(comm: MPI.Comm, buf: Any, source: int, tag: int) -> None:
 
 def allgather(comm: MPI.Comm, sendbuf: Any, recvbuf: Any) -> None:
     """``comm.Allgather(sendbuf, recvbuf)``."""
-    if sleeps():
+    if polls():
         wait(comm.Iallgather(sendbuf, recvbuf))
     else:
         comm.Allgather(sendbuf, recvbuf)

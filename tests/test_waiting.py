@@ -1,7 +1,7 @@
 """Which threads wait for MPI with sleeps (mpicoll.waiting): a runtime lane's thread by
 default, the Horovod engine's lane and the caller's thread never; MPICOLL_LANE_WAIT
 overrides, and a bad value is refused with its name; a lane's timeout bounds each of its
-operations' sleeping waits. One process (the MPI suites run the
+operations' waits, which poll then even where they do not sleep. One process (the MPI suites run the
 collectives on sleeping threads: tests/mpi/test_waiting.py)."""
 from __future__ import annotations
 
@@ -53,17 +53,20 @@ def test_a_bad_setting_is_refused_with_its_name(lane_wait):
         Lane("test-waiting", inline=False)
 
 
-@pytest.mark.parametrize("naps", [True, False])
-def test_an_operation_whose_wait_passes_the_lanes_timeout_fails_and_breaks_the_lane(naps):
+@pytest.mark.parametrize("naps,sleeps", [(True, True), (False, True), (True, False)])
+def test_an_operation_whose_wait_passes_the_lanes_timeout_fails_and_breaks_the_lane(naps,
+                                                                                     sleeps):
     """A lane's timeout bounds each operation, not only ``Work.wait``: a sleeping wait
     still polling at the deadline raises, the work fails with CollectiveTimeoutError
     (nobody waited with a timeout), the lane is broken and knows an operation was left in
     MPI, and the request is kept, never freed. On the lane's thread and on the caller's
-    (``here``); with and without the wait's sleeps. The test cancels the abandoned receive itself (else the exit handler would
-    end the job, as it must)."""
+    (``here``); with and without the wait's sleeps, and on a lane that waits on the core
+    (``sleeps=False``: its deadline makes it poll rather than block in MPI). The test
+    cancels the abandoned receive itself (else the exit handler would end the job, as it
+    must)."""
     buf = bytearray(1)
     for here in (False, True):
-        lane = Lane("test-deadline", inline=False, timeout=0.3)
+        lane = Lane("test-deadline", inline=False, timeout=0.3, sleeps=sleeps)
         request = MPI.COMM_WORLD.Irecv(buf, source=MPI.COMM_WORLD.Get_rank(), tag=4242)
         start = time.monotonic()
         work = lane.submit("never matched", lambda r=request: waiting.wait(r, naps), here=here)

@@ -8,6 +8,16 @@ takes depends only on dtype and op, so it is the same on every rank.
 Each spec finds the datatype, count and op once and returns a ``build(*buffers)`` of the
 MPI method's arguments, so a planned call (``bind``) has them ready and a call by shape
 (``bind_buffers``, :mod:`mpicoll.fastpath`) only puts the new arrays in.
+
+On a communicator whose context is ``nonblocking`` (a torch.distributed group's, whose
+operations run on a runtime lane with the group's timeout as the deadline), the calls
+start the non-blocking forms (``MPI_Iallreduce``, ...) and wait through
+:func:`mpicoll.waiting.wait`: on a thread that polls (yielding, never sleeping: one MPI
+call that moves data in many steps needs a poll for each) a peer that never joins ends
+in the lane's timeout instead of a wait as long as the peer lives. Chosen per
+communicator, not per thread: every rank then calls the same form (a non-blocking
+collective never matches a blocking one), and the caller's fast path on other
+communicators calls the blocking method directly, as before.
 """
 from __future__ import annotations
 
@@ -19,6 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..context import CommContext
+from ..waiting import wait
 from .registry import register
 
 __all__ = ["native_types"]
@@ -58,6 +69,17 @@ def native_types(dtype: np.dtype, op: Any) -> tuple[MPI.Datatype, MPI.Op]:
     return _user_op(dtype, op)
 
 
+def _form(ctx: CommContext, method: Callable) -> Callable[..., None]:
+    """``method`` (a blocking collective of ``mpi4py.MPI.Comm``), or where ``ctx`` is
+    ``nonblocking`` its non-blocking form (``Allreduce`` -> ``Iallreduce``) waited for
+    through :func:`mpicoll.waiting.wait`."""
+    if not ctx.nonblocking:
+        return method
+    name = method.__name__
+    start = getattr(method.__self__, "I" + name[0].lower() + name[1:])
+    return lambda *args: wait(start(*args), naps=False)
+
+
 def _native(collective: str, buffers: int = 2) -> Callable[[Callable], Callable]:
     """Register ``spec`` as ``"native"``: ``spec(ctx, *args)`` returns the MPI method and
     ``build(*buffers)``, which makes the method's arguments for those buffers (the
@@ -72,17 +94,18 @@ def _native(collective: str, buffers: int = 2) -> Callable[[Callable], Callable]
     def deco(spec: Callable) -> Callable:
         def run(ctx: CommContext, *args: Any) -> None:
             method, build = spec(ctx, *args)
-            method(*build(*args[:buffers]))
+            _form(ctx, method)(*build(*args[:buffers]))
 
         def bind(ctx: CommContext, *args: Any) -> Callable[[], Any]:
             method, build = spec(ctx, *args)
-            return functools.partial(method, *build(*args[:buffers]))
+            return functools.partial(_form(ctx, method), *build(*args[:buffers]))
 
         def bind_buffers(ctx: CommContext, *args: Any) -> Callable[[Any, Any], None]:
             method, build = spec(ctx, *args)
+            call = _form(ctx, method)
             if buffers == 1:
-                return lambda a, _b: method(*build(a))
-            return lambda a, b: method(*build(a, b))
+                return lambda a, _b: call(*build(a))
+            return lambda a, b: call(*build(a, b))
 
         run.__name__ = run.__qualname__ = spec.__name__
         run.__doc__ = spec.__doc__

@@ -199,7 +199,6 @@ TIMED = textwrap.dedent("""
     from datetime import timedelta
     import torch, torch.distributed as dist
     import mpicoll.torch  # noqa: F401
-    from mpicoll.errors import CollectiveTimeoutError
     from mpicoll.torch.distributed import Options
     dist.init_process_group("mpicoll")
     rank = dist.get_rank()
@@ -210,6 +209,10 @@ TIMED = textwrap.dedent("""
                                  pg_options=Options(check="first"))
     parts = [torch.zeros(2), torch.zeros(2)] if rank == 0 else None
     dist.gather(torch.ones(2), parts, dst=0, group=first_group)
+    # unchecked after its first all-reduce: a small one is MPI's own (``auto``'s native)
+    native_group = dist.new_group([0, 1], timeout=timedelta(seconds=1),
+                                  pg_options=Options(check="first"))
+    dist.all_reduce(torch.ones(3), group=native_group)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2),
                                                       process_group=ddp_group)
@@ -218,48 +221,50 @@ TIMED = textwrap.dedent("""
         model(x).sum().backward()
     if rank == 1:
         time.sleep(60)                   # joins nothing more; ended by rank 0's exit
-    start = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(3), group=futures_group, async_op=True).get_future().wait()
-        print("FUTURE COMPLETED", flush=True)
-    except Exception as exc:
-        print(f"FUTURE {time.monotonic() - start:.2f} {type(exc).__name__} {exc}", flush=True)
-    start = time.monotonic()
-    try:
-        model(x).sum().backward()
-        print("BACKWARD COMPLETED", flush=True)
-    except CollectiveTimeoutError as exc:
-        print(f"BACKWARD {time.monotonic() - start:.2f} {exc}", flush=True)
-    start = time.monotonic()
-    try:
-        dist.gather(torch.ones(2), parts, dst=0, group=first_group)
-        print("GATHER COMPLETED", flush=True)
-    except CollectiveTimeoutError as exc:
-        print(f"GATHER {time.monotonic() - start:.2f} {exc}", flush=True)
+
+    def timed(what, call):
+        start = time.monotonic()
+        try:
+            call()
+            print(f"{what} COMPLETED", flush=True)
+        except Exception as exc:
+            print(f"{what} {time.monotonic() - start:.2f} {type(exc).__name__} {exc}",
+                  flush=True)
+
+    timed("FUTURE", lambda: dist.all_reduce(torch.ones(3), group=futures_group,
+                                            async_op=True).get_future().wait())
+    timed("BACKWARD", lambda: model(x).sum().backward())
+    timed("GATHER", lambda: dist.gather(torch.ones(2), parts, dst=0, group=first_group))
+    timed("NATIVE", lambda: dist.all_reduce(torch.ones(3), group=native_group,
+                                            async_op=True).get_future().wait())
     print("EXITING", flush=True)
 """)
 
 
-def test_unwaited_operation_a_peer_never_joins_fails_after_the_groups_timeout(tmp_path):
+@pytest.mark.parametrize("lane_wait", ["auto", "spin"])
+def test_unwaited_operation_a_peer_never_joins_fails_after_the_groups_timeout(tmp_path,
+                                                                               lane_wait):
     """Nobody calls ``Work.wait`` on an asynchronous all-reduce awaited through its
     future, nor on DDP's bucket (the reducer waits on the future; the last bucket runs on
     the caller's thread): when rank 1 never joins, each fails after the group's 1 s
     timeout (the future raises, ``backward()`` raises CollectiveTimeoutError), as gloo's
-    operations time out, instead of waiting for as long as rank 1 lives; so does a gather
-    on a group that agrees on the first call only (MPI's own gather, no agreement step
-    before it). Rank 0's exit then ends the job with the message (the abandoned
-    operations are still in MPI)."""
+    operations time out, instead of waiting for as long as rank 1 lives; so do a gather
+    and a small all-reduce on groups that agree on the first call only (MPI's own gather
+    and all-reduce, no agreement step before them). Also with lanes that wait on the core
+    (``MPICOLL_LANE_WAIT=spin``). Rank 0's exit then ends the job with the message (the
+    abandoned operations are still in MPI)."""
     start = time.monotonic()
-    proc = _run(TIMED, tmp_path, timeout=120)
+    proc = _run(TIMED, tmp_path, env={"MPICOLL_LANE_WAIT": lane_wait}, timeout=120)
     took = time.monotonic() - start
     out = proc.stdout + proc.stderr
     for what, kind in (("FUTURE", "allreduce"), ("BACKWARD", "allreduce"),
-                       ("GATHER", "gather")):
+                       ("GATHER", "gather"), ("NATIVE", "allreduce")):
         line = next((x for x in out.splitlines() if x.startswith(what + " ")), None)
         assert line is not None, out
         secs = float(line.split()[1])
         assert 0.9 < secs < 4.0, line
-        assert f"{kind} on mpicoll-pg" in line and "timed out after 1 s" in line, line
-    assert "CollectiveTimeoutError" in out and "EXITING" in out, out
+        assert f"CollectiveTimeoutError mpicoll: {kind} on mpicoll-pg" in line, line
+        assert "timed out after 1 s" in line, line
+    assert "EXITING" in out, out
     assert proc.returncode != 0 and "is broken" in out and "ending the job" in out, out
     assert took < 50, f"the job took {took:.0f} s"

@@ -152,6 +152,9 @@ class MPIProcessGroup(_Backend):
         self._p2p = comms.dup(comm, "group")
         self._owned = (self._p2p, comm, *owned)
         self._ctx = get_context(comm)
+        # MPI's own collectives in their non-blocking forms: the lane's waits poll them,
+        # so the group's timeout bounds them too (mpicoll.algorithms.native)
+        self._ctx.nonblocking = True
         #: the all-reduce's algorithm: ``auto`` is ``shm`` on a group of three or more ranks
         #: of one node whose barriers sleep in the kernel (:mod:`mpicoll.node_window`): the
         #: lane's waits are then the kernel's, not MPI's polling (DDP's 6-8 MB buckets at
