@@ -45,8 +45,9 @@ SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
     "tests/torch/mpi_dist": [(1, {}), (2, {}), (3, {"MPICOLL_RANKS_PER_NODE": "2"}),
                              (4, {"MPICOLL_RANKS_PER_NODE": "2"})],
     # torch's own DistributedTest._DistTestBase on "mpicoll" (issue 33), and the CPU tests
-    # torch runs only when its test module is imported with BACKEND=mpi
-    "tests/torch/torch_suite": [(3, {}), (3, {"TORCH_SUITE_BACKEND": "mpi"})],
+    # torch runs only when its test module is imported with BACKEND=mpi or gloo
+    "tests/torch/torch_suite": [(3, {}), (3, {"TORCH_SUITE_BACKEND": "mpi"}),
+                                (3, {"TORCH_SUITE_BACKEND": "gloo"})],
     # gradient compression (codecs, error feedback, compressed all-reduce): emulated nodes
     # make layout="auto" the node layout at 4 (2 + 2), 5 (2 + 2 + 1: uneven) and 8 (4 + 4);
     # it is the flat ring at 1-3 (each layout also runs explicitly at every size)

@@ -179,6 +179,8 @@ class MPIProcessGroup(_Backend):
         #: monitored_barrier's sends not known complete (never freed while pending: Open
         #: MPI ends the job when a freed send to a dead rank fails)
         self._sends: list[Any] = []
+        #: collectives submitted so far (torch's sequence number for the group)
+        self._sequence = 0
 
     def rebind(self, comm: Any, owned: tuple[Any, ...], ranks: list[int]) -> None:
         """After an elastic reconfiguration (:mod:`.reconfigure`): the group goes on over
@@ -268,6 +270,7 @@ class MPIProcessGroup(_Backend):
         agreement step where the call is checked (a local error is raised at once where
         it is not). ``prepare``'s fields may hold ``splits``, a second agreement step's
         check (the all-to-alls')."""
+        self._sequence += 1
         stage = Staging()
         try:
             run, fields = prepare(stage)
@@ -290,6 +293,17 @@ class MPIProcessGroup(_Backend):
             return result
 
         return self.submit(kind, task, fallback)
+
+    def _set_sequence_number_for_group(self) -> None:
+        """Start counting the group's collectives (c10d's ``setSequenceNumberForGroup``:
+        torch's ``ProcessGroupWrapper``, which ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` puts
+        around every group, compares the count across ranks before each collective)."""
+        self._sequence = 0
+
+    def _get_sequence_number_for_group(self) -> int:
+        """The number of collectives this rank has submitted on the group (since it was
+        made or rebuilt); the same on every rank that has made the same calls."""
+        return self._sequence
 
     def _tracked(self, name: str, fn: Callable[[], Any], **info: Any) -> Any:
         """``fn()``, recorded as the call ``name`` for the stall inspector and timeline

@@ -120,3 +120,29 @@ def test_monitored_barrier():
         with pytest.raises(RuntimeError, match="not released by rank 0"):
             mdist.monitored_barrier(timeout=timedelta(seconds=1))
     mdist.monitored_barrier(timeout=timedelta(seconds=30), wait_all_ranks=True)
+
+
+def test_a_group_under_torch_distributed_debug_detail():
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (here set in the process): torch wraps each new
+    group in its ``ProcessGroupWrapper``, which asks the backend for its sequence number
+    before every collective (a backend without one is refused when the group is made) and
+    compares the collectives across ranks: the group works, and a shape that differs on
+    one rank is caught on every rank by torch's check."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    before = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        group = dist.new_group(list(range(n)))
+    finally:
+        dist.set_debug_level(before)
+    backend = group._get_backend(torch.device("cpu"))
+    for rep in range(2):
+        tensor = data(rank, 7, rep)
+        dist.all_reduce(tensor, group=group)
+        assert torch.equal(tensor, sum(data(r, 7, rep) for r in range(n)))
+    dist.barrier(group=group)
+    assert backend._get_sequence_number_for_group() >= 3
+    if n > 1:
+        with pytest.raises(RuntimeError, match="mismatch between collectives"):
+            dist.all_reduce(torch.ones(3 + rank), group=group)
+    dist.destroy_process_group(group)

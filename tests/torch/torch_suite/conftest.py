@@ -20,12 +20,17 @@ Settings are made before torch's test module is imported (it reads them at impor
 ``BACKEND`` (``"mpicoll"``: tests gated on gloo/nccl names skip), ``TEMP_DIR`` and
 ``WORLD_SIZE``. torch runs some CPU tests (the all-to-alls, ``get_future``) only when
 ``BACKEND`` is ``"mpi"`` at import: with ``TORCH_SUITE_BACKEND=mpi`` (a second run of the
-suite, tests/test_mpi_suites.py) it is, and only those tests run.
+suite, tests/test_mpi_suites.py) it is, and only those tests run. Others it runs only
+when ``BACKEND`` is ``"gloo"`` (``require_backend_is_available({"gloo"})``: the coalesced
+all-reduces, ``scatter_object_list``, DDP's ``no_sync``): with
+``TORCH_SUITE_BACKEND=gloo`` (a third run) only those run, still on "mpicoll" (not the
+``monitored_barrier`` ones: torch's ``monitored_barrier`` refuses every backend but gloo).
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import tempfile
 
 import pytest
@@ -44,11 +49,15 @@ KNOWN_FAILURES = {
 
 _tmp = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="mpicoll-torch-suite-")
                             if MPI.COMM_WORLD.Get_rank() == 0 else None)
-#: ``BACKEND`` when torch's test module is imported: "mpicoll", or "mpi" for the tests
-#: torch gates on that name (:data:`MPI_GATED`, the only ones that run then).
+#: ``BACKEND`` when torch's test module is imported: "mpicoll", or "mpi" or "gloo" for
+#: the tests torch gates on that name (:data:`GATED`, the only ones that run then).
 IMPORT_BACKEND = os.environ.get("TORCH_SUITE_BACKEND", "mpicoll")
-#: Name parts of the CPU tests torch runs only when ``BACKEND`` is "mpi" at import.
-MPI_GATED = ("all_to_all", "get_future")
+#: The CPU tests torch runs only when ``BACKEND`` is this name at import: patterns
+#: searched in the test's name.
+GATED = {"mpi": ("all_to_all", "get_future"),
+         "gloo": (r"all_reduce_coalesced_(full_group_|group_)?(sum|product|min|max)$",
+                  "scatter_object_list", "grads_same_across_ranks_with_no_sync",
+                  "batch_isend_irecv_gloo")}
 os.environ["BACKEND"] = IMPORT_BACKEND
 os.environ["TEMP_DIR"] = _tmp
 os.environ["WORLD_SIZE"] = str(MPI.COMM_WORLD.Get_size())
@@ -62,8 +71,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if IMPORT_BACKEND == "mpi":
-        keep = [i for i in items if any(part in i.name for part in MPI_GATED)]
+    if IMPORT_BACKEND in GATED:
+        keep = [i for i in items
+                if any(re.search(part, i.name) for part in GATED[IMPORT_BACKEND])]
         config.hook.pytest_deselected(items=[i for i in items if i not in keep])
         items[:] = keep
     for item in items:

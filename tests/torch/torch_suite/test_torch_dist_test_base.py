@@ -5,10 +5,11 @@ ran its own MPI backend.
 
 Three settings make torch's suite treat "mpicoll" as it treats its MPI backend: the
 backend name when the module is imported (conftest.py); "mpicoll" declared in
-``DistTestCases.backend_feature`` for ``ddp``, ``subgroup`` and ``plugin`` (where torch
-records what each backend implements); ``BACKEND=mpi`` after the import, which exempts a
-fixed MPI world from torch's small- and odd-world-size skips, so that the group tests
-run at n = 3. Which tests skip and why: docs/results/torch_distributed_torch_tests.md.
+``DistTestCases.backend_feature`` for ``ddp``, ``subgroup``, ``plugin`` and ``gpu``
+(where torch records what each backend implements; "mpicoll" takes CUDA tensors too, and
+the ``gpu`` tests that run on the CPU, the object all-gathers, then run); ``BACKEND=mpi``
+after the import, which exempts a fixed MPI world from torch's small- and odd-world-size
+skips, so that the group tests run at n = 3. Which tests skip and why: docs/results/torch_distributed_torch_tests.md.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from torch.testing._internal.common_utils import TestCase
 
 import mpicoll.torch  # noqa: F401  registers "mpicoll"
 
-for _feature in ("ddp", "subgroup", "plugin"):
+for _feature in ("ddp", "subgroup", "plugin", "gpu"):
     DistTestCases.backend_feature[_feature].add("mpicoll")
 
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
