@@ -314,3 +314,27 @@ def test_mpicoll_hook_on_a_gloo_group_is_refused_without_loading_the_backend():
             "'gloo'") in proc.stdout, proc.stdout
     assert "backend_of: split_group takes an mpicoll process group, not" in proc.stdout
     assert "imported: False" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("rank,size,refused", [
+    ("0", "1", False), (None, "1", False), (None, None, False),
+    ("1", "1", True), ("0", "4", True), (None, "4", True)])
+def test_rank_and_world_size_in_the_environment_must_be_mpis(monkeypatch, rank, size,
+                                                              refused):
+    """Under an MPI launcher (here a 1-process MPI world, the launcher's variable set), a
+    ``RANK`` or ``WORLD_SIZE`` that is set and differs from MPI's is refused before any
+    rendezvous, ``WORLD_SIZE`` also without ``RANK`` (it was ignored: the job ran at
+    MPI's size); matching or unset ones pass the check."""
+    from mpicoll.torch.distributed import startup
+
+    monkeypatch.setenv("PMI_RANK", "0")
+    for name, value in (("RANK", rank), ("WORLD_SIZE", size)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    if refused:
+        with pytest.raises(RuntimeError, match="but MPI says rank 0 of 1"):
+            next(startup._env_handler("env://"))
+    else:
+        startup._check_env_matches_mpi()

@@ -5,8 +5,8 @@ Where ``RANK`` is not set but an MPI launcher's variables are (MPICH/hydra's
 are ``MPI.COMM_WORLD``'s, and the store torch requires is a
 :class:`torch.distributed.TCPStore` served by rank 0 on a free port, whose host name and
 port rank 0 broadcasts over MPI (no ``MASTER_ADDR``/``MASTER_PORT``). Where ``RANK`` is
-set (torchrun, or the user's own variables), torch's own ``env://`` runs unchanged, after
-a check that ``RANK``/``WORLD_SIZE`` equal MPI's.
+set (torchrun, or the user's own variables), torch's own ``env://`` runs unchanged. Either
+way, under an MPI launcher a ``RANK`` or ``WORLD_SIZE`` that is set must equal MPI's.
 """
 from __future__ import annotations
 
@@ -85,27 +85,28 @@ _torch_env_handler = None
 
 
 def _check_env_matches_mpi() -> None:
-    """Under an MPI launcher with ``RANK`` set: raise before torch's rendezvous (which would
-    wait for ranks that never come) unless ``RANK``/``WORLD_SIZE`` equal MPI's."""
+    """Under an MPI launcher: raise before the rendezvous (torch's would wait for ranks
+    that never come; MPI's would silently run another world size than the one asked
+    for) unless ``RANK`` and ``WORLD_SIZE``, where set, equal MPI's."""
     comm = world()
     env_rank, env_size = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-    if env_rank != str(comm.Get_rank()) or (env_size is not None
-                                            and env_size != str(comm.Get_size())):
+    if (env_rank not in (None, str(comm.Get_rank()))
+            or env_size not in (None, str(comm.Get_size()))):
         raise RuntimeError(
             f"RANK={env_rank} WORLD_SIZE={env_size} in the environment, but MPI says rank "
-            f"{comm.Get_rank()} of {comm.Get_size()}: unset RANK to take both from MPI, "
-            f"or set them to MPI's")
+            f"{comm.Get_rank()} of {comm.Get_size()}: unset RANK and WORLD_SIZE to take "
+            f"both from MPI, or set them to MPI's")
 
 
 def _env_handler(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
     """torch's ``env://``, answered from MPI where the process runs under an MPI launcher and
     ``RANK`` is not set."""
     if in_mpi_launch():
+        _check_env_matches_mpi()
         if "RANK" not in os.environ:
             timeout = kwargs.get("timeout", timedelta(minutes=30))
             yield mpi_rendezvous(timeout)
             raise RuntimeError("unable to perform re-rendezvous using the MPI store")
-        _check_env_matches_mpi()
     yield from _torch_env_handler(url, **kwargs)  # type: ignore[misc]
 
 
