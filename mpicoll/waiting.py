@@ -39,9 +39,9 @@ from typing import Any, Callable, Sequence
 
 from mpi4py import MPI
 
-__all__ = ["Expired", "sleeps", "polls", "set_sleeps", "set_deadline", "check_deadline", "wait",
-           "waitall", "barrier", "sendrecv", "send", "recv", "allgather", "SPIN_S", "YIELD_S",
-           "SLEEP_MIN_S", "SLEEP_MAX_S"]
+__all__ = ["Expired", "sleeps", "polls", "set_sleeps", "set_deadline", "check_deadline",
+           "wait", "waitall", "barrier", "sendrecv", "send", "recv", "allgather", "SPIN_S",
+           "YIELD_S", "SLEEP_MIN_S", "SLEEP_MAX_S"]
 
 #: Seconds a sleeping wait polls without giving up the core first.
 SPIN_S = 50e-6
@@ -72,9 +72,7 @@ class _Thread(threading.local):
     polls = False       # sleeps, or a deadline
 
 
-#: This thread's state; ``local.polls`` is :func:`polls` without the call (the fast path
-#: of MPI's own collectives reads it on every call: :mod:`mpicoll.algorithms.native`).
-local = _local = _Thread()
+_local = _Thread()
 
 
 def sleeps() -> bool:

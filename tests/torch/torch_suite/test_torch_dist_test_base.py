@@ -9,7 +9,8 @@ backend name when the module is imported (conftest.py); "mpicoll" declared in
 (where torch records what each backend implements; "mpicoll" takes CUDA tensors too, and
 the ``gpu`` tests that run on the CPU, the object all-gathers, then run); ``BACKEND=mpi``
 after the import, which exempts a fixed MPI world from torch's small- and odd-world-size
-skips, so that the group tests run at n = 3. Which tests skip and why: docs/results/torch_distributed_torch_tests.md.
+skips, so that the group tests run at n = 3. Which tests skip and why:
+docs/results/torch_distributed_torch_tests.md.
 """
 from __future__ import annotations
 
