@@ -69,7 +69,6 @@ class Expired(BaseException):
 class _Thread(threading.local):
     sleeps = False      # class attributes: the other threads' lookups raise nothing
     deadline = math.inf
-    polls = False       # sleeps, or a deadline
 
 
 _local = _Thread()
@@ -83,13 +82,12 @@ def sleeps() -> bool:
 def polls() -> bool:
     """Whether this thread waits for MPI by polling (it sleeps, or carries a deadline)
     rather than blocking in MPI."""
-    return _local.polls
+    return _local.sleeps or _local.deadline != math.inf
 
 
 def set_sleeps(on: bool) -> None:
     """Make this thread's waits for MPI poll with sleeps (``True``) or block in MPI."""
     _local.sleeps = bool(on)
-    _local.polls = _local.sleeps or _local.deadline != math.inf
 
 
 def set_deadline(when: float) -> float:
@@ -98,7 +96,6 @@ def set_deadline(when: float) -> float:
     deadline it replaces."""
     before = _local.deadline
     _local.deadline = when
-    _local.polls = _local.sleeps or when != math.inf
     return before
 
 

@@ -318,9 +318,13 @@ class MPIProcessGroup(_Backend):
         self._tracked(f"{kind} (agreement)",
                       lambda: agree(self._ctx, error, collective=kind, **fields))
 
-    def _native(self, name: str, fn: Callable[[], Any], **info: Any) -> Any:
-        """Run MPI's own collective ``fn``, recorded for the stall inspector/timeline."""
-        return self._tracked(name, fn, algorithm="native", **info)
+    def _native(self, name: str, start: Callable[[], MPI.Request], naps: bool = False,
+                **info: Any) -> None:
+        """Run MPI's own collective: ``start()`` starts its non-blocking form, waited for
+        as the lane waits (:func:`mpicoll.waiting.wait`, so that it notices the group's
+        timeout; ``naps``: see there), recorded for the stall inspector/timeline."""
+        self._tracked(name, lambda: waiting.wait(start(), naps=naps), algorithm="native",
+                      **info)
 
     def _allreduce_host(self, tensor: torch.Tensor, op: str, factor: Any) -> None:
         host = Host(tensor, True, factor)
@@ -572,8 +576,8 @@ class MPIProcessGroup(_Backend):
         recv = torch.empty(sum(sizes), dtype=input.dtype)
         counts = np.array(sizes, dtype=np.int64) * recv.element_size()
         displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        self._native("allgather", lambda: waiting.wait(self.comm.Iallgatherv(
-            byte_view(src.work), [byte_view(recv), (counts, displs)]), naps=False),
+        self._native("allgather", lambda: self.comm.Iallgatherv(
+            byte_view(src.work), [byte_view(recv), (counts, displs)]),
             count=None, dtype=str(input.dtype))
         return list(recv.split(sizes))
 
@@ -708,8 +712,8 @@ class MPIProcessGroup(_Backend):
                 whole = (torch.empty((self.size(), src.numel()), dtype=src.dtype)
                          if self.rank() == root else None)
                 recv = byte_view(whole) if whole is not None else None
-                self._native("gather", lambda: waiting.wait(self.comm.Igather(
-                    send.array.view(np.uint8), recv, root=root), naps=False),
+                self._native("gather", lambda: self.comm.Igather(
+                    send.array.view(np.uint8), recv, root=root),
                              count=src.numel(), dtype=str(src.dtype), root=root)
                 if whole is not None:
                     with torch.no_grad():
@@ -736,8 +740,8 @@ class MPIProcessGroup(_Backend):
                          if self.rank() == root else None)
                 send = byte_view(whole) if whole is not None else None
                 recv = Host(dst)
-                self._native("scatter", lambda: waiting.wait(self.comm.Iscatter(
-                    send, recv.array.view(np.uint8), root=root), naps=False),
+                self._native("scatter", lambda: self.comm.Iscatter(
+                    send, recv.array.view(np.uint8), root=root),
                     count=dst.numel(), dtype=str(dst.dtype), root=root)
                 recv.finish()
                 return output_tensors
@@ -767,8 +771,8 @@ class MPIProcessGroup(_Backend):
 
         def run() -> Any:
             buf = send()
-            self._native(kind, lambda: waiting.wait(self.comm.Ialltoallv(
-                [byte_view(buf), (sc, sd)], [byte_view(recv), (rc, rd)]), naps=False),
+            self._native(kind, lambda: self.comm.Ialltoallv(
+                [byte_view(buf), (sc, sd)], [byte_view(recv), (rc, rd)]),
                 count=None, dtype=dtype)
             return finish()
 
@@ -851,8 +855,7 @@ class MPIProcessGroup(_Backend):
     # barriers ---------------------------------------------------------------------------------
     def barrier(self, opts: Any = None) -> Any:
         def prepare(stage: Staging) -> Prepared:
-            return lambda: self._native("barrier",
-                                        lambda: waiting.wait(self.comm.Ibarrier())), {}
+            return lambda: self._native("barrier", lambda: self.comm.Ibarrier(), naps=True), {}
 
         return self._call("barrier", prepare)
 
