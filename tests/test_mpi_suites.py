@@ -44,10 +44,13 @@ SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
     # the "mpicoll" torch.distributed backend: collectives, subgroups, DDP (issue 25)
     "tests/torch/mpi_dist": [(1, {}), (2, {}), (3, {"MPICOLL_RANKS_PER_NODE": "2"}),
                              (4, {"MPICOLL_RANKS_PER_NODE": "2"})],
-    # torch's own DistributedTest._DistTestBase on "mpicoll" (issue 33), and the CPU tests
-    # torch runs only when its test module is imported with BACKEND=mpi or gloo
+    # torch's own DistributedTest._DistTestBase on "mpicoll" (issue 33), the CPU tests
+    # torch runs only when its test module is imported with BACKEND=mpi or gloo, and the
+    # CPU tests that need exactly 4 ranks
     "tests/torch/torch_suite": [(3, {}), (3, {"TORCH_SUITE_BACKEND": "mpi"}),
-                                (3, {"TORCH_SUITE_BACKEND": "gloo"})],
+                                (3, {"TORCH_SUITE_BACKEND": "gloo"}),
+                                (4, {"PYTEST_ADDOPTS": "-k 'test_gather_object or "
+                                                       "new_subgroups_with_group_param'"})],
     # gradient compression (codecs, error feedback, compressed all-reduce): emulated nodes
     # make layout="auto" the node layout at 4 (2 + 2), 5 (2 + 2 + 1: uneven) and 8 (4 + 4);
     # it is the flat ring at 1-3 (each layout also runs explicitly at every size)

@@ -18,7 +18,9 @@ finalizing). There the handler
    ends the wait on every survivor at once;
 2. *finalizes*: ``MPI_Finalize`` on a thread of its own, waited for at most
    :data:`FINALIZE_WAIT_S` seconds (every live rank is at its exit by then); past that
-   the process ends without it;
+   the process ends without it. Not while a thread of an aborted client is still in an
+   MPI call (:data:`LEFT_WAIT_S`): finalizing under it is erroneous (it crashed Open
+   MPI's progress loop on that thread), so the process ends without finalizing;
 3. keeps the *status*: the interpreter ends as usual, with the program's own status, and
    mpi4py does not finalize again. Two exceptions, where the process ends at once
    (``os._exit``, after flushing): a rank of the world lost during the exit (a failure the
@@ -26,7 +28,8 @@ finalizing). There the handler
    ends it with :data:`LOST_RANK_STATUS`, so that the job's status says a rank failed
    (``prterun`` reports 0 for a rank killed under ULFM); a finalize that never returned
    after a failure the program saw ends it with 1 after an uncaught exception, else 0 (a
-   ``SystemExit(n)`` cannot be seen from an exit handler without patching the interpreter).
+   ``SystemExit(n)`` cannot be seen from an exit handler without patching the interpreter);
+   a thread left in MPI ends it the same way.
 
 Nothing in the interpreter is patched. Under ULFM, exit handlers registered before mpicoll
 was imported run after MPI is finalized (and not at all when the process ends at once),
@@ -52,10 +55,14 @@ from mpi4py import MPI
 from . import comms, failures, world
 
 __all__ = ["ABORT_WAIT_S", "abort", "FORWARD_WAIT_S", "forwarded", "FINALIZE_WAIT_S",
-           "LOST_RANK_STATUS", "finalize_bounded", "failure_seen", "meet", "flush"]
+           "LEFT_WAIT_S", "LOST_RANK_STATUS", "finalize_bounded", "failure_seen", "meet",
+           "flush"]
 
 #: Longest wait, in seconds, for ``MPI_Finalize`` at exit under ULFM (after the meeting).
 FINALIZE_WAIT_S = 5.0
+#: Longest wait, in seconds, at exit under ULFM for the threads of aborted clients to
+#: leave the MPI calls they were in (:func:`~mpicoll.runtime.failures.left_in_mpi`).
+LEFT_WAIT_S = 1.0
 #: The status of a process whose world lost a rank while it was exiting.
 LOST_RANK_STATUS = 1
 
@@ -196,6 +203,11 @@ def _at_exit() -> None:
         met = meet(current.communicator)
     comms.release_all()
     seen = failure_seen()
+    left = failures.left_in_mpi(LEFT_WAIT_S)
+    if left:
+        _end(LOST_RANK_STATUS if met else _status(),
+             f"MPI_Finalize skipped: thread(s) {', '.join(left)} still in an MPI call that "
+             f"a process failure left unfinished")
     done = finalize_bounded()
     if met:
         who = "a rank" if met == [-1] else f"rank(s) {met}"

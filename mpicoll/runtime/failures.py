@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -39,7 +40,7 @@ from . import comms, world
 __all__ = ["available", "turned_on", "ENABLED", "failed_by", "failed_ranks", "acknowledge",
            "revoke", "revoke_only", "revoked", "translate", "raise_translated", "keep_requests", "guard",
            "fail_world", "peer_failed", "start_agreement", "agreement_over", "FAILED_WAIT_S",
-           "OTHER_WAIT_S", "PROC_FAILED"]
+           "OTHER_WAIT_S", "PROC_FAILED", "leave_in_mpi", "left_in_mpi"]
 
 #: Longest wait, in seconds, for the failure detector to name a failed rank after a
 #: revocation (a rank woken by the revocation may not have noticed the death yet).
@@ -266,6 +267,27 @@ def _keep_frames(exc: BaseException) -> None:
 def keep_requests(requests: list[Any]) -> None:
     """Never free ``requests`` (pending operations on a communicator with a dead peer)."""
     _orphans.extend(r for r in requests if isinstance(r, MPI.Request))
+
+
+#: Threads left in an MPI call when their client was aborted (:func:`leave_in_mpi`).
+_left: list[threading.Thread] = []
+
+
+def leave_in_mpi(thread: threading.Thread) -> None:
+    """``thread`` is left in an MPI call that its client gave up on (a revocation ends
+    most; Open MPI 5.0.11's ``MPI_Comm_create_group`` waits on for a dead member).
+    :func:`left_in_mpi` names it at exit while it is still there."""
+    _left.append(thread)
+
+
+def left_in_mpi(wait_s: float) -> list[str]:
+    """The names of the threads :func:`leave_in_mpi` recorded that are still in MPI after
+    waiting at most ``wait_s`` seconds for them all (``MPI_Finalize`` must not run while
+    a thread is in an MPI call: with one left in its progress loop it crashed)."""
+    deadline = time.monotonic() + wait_s
+    for thread in _left:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [t.name for t in _left if t.is_alive()]
 
 
 def translate(exc: BaseException, comm: Any, what: str = "the collective",

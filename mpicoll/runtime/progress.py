@@ -303,7 +303,7 @@ class Lane:
 
     def _loop(self) -> None:
         waiting.set_sleeps(self.sleeps)
-        while True:
+        while self.broken is None:     # a broken lane runs nothing more: its thread ends
             item = self._queue.get()
             if item is None:
                 return
@@ -344,11 +344,15 @@ class Lane:
                 self.broken = error
             pending, self._pending = self._pending, []
             running = self._running
+            left = self._thread if running is not None and not self._here else None
             self._idle.notify_all()
         for work in ([running] if running is not None else []) + pending:
             work.finish(None, error)
-        if failures.ENABLED and self.comm is not None:
-            failures.revoke_only(self.comm)
+        if failures.ENABLED:
+            if left is not None:     # its MPI call may outlive the revocation
+                failures.leave_in_mpi(left)
+            if self.comm is not None:
+                failures.revoke_only(self.comm)
 
     def in_mpi(self) -> bool:
         """Whether an operation of the lane is in MPI: running, or abandoned by a wait

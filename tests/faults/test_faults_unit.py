@@ -2,12 +2,15 @@
 the classification of MPI errors, and that nothing is wrapped when ULFM is off."""
 from __future__ import annotations
 
+import threading
+import time
+
 from mpi4py import MPI
 
 import mpicoll
 from mpicoll import collectives, compression
 from mpicoll.comm import Comm
-from mpicoll.runtime import failures
+from mpicoll.runtime import Lane, failures
 
 
 def test_process_failed_error_is_a_collective_error_naming_the_ranks() -> None:
@@ -56,3 +59,35 @@ def test_only_process_failures_are_translated(monkeypatch) -> None:
     for name in ("ERR_PROC_FAILED", "ERR_REVOKED"):
         if hasattr(MPI, name):
             assert failures.failed_by(MPI.Exception(getattr(MPI, name)), None) == [], name
+
+
+def test_left_in_mpi_names_the_threads_still_running_after_the_wait(monkeypatch) -> None:
+    monkeypatch.setattr(failures, "_left", [])
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, name="stuck-lane", daemon=True)
+    ends = threading.Thread(target=time.sleep, args=(0.05,), name="ending-lane", daemon=True)
+    for thread in (stuck, ends):
+        thread.start()
+        failures.leave_in_mpi(thread)
+    start = time.monotonic()
+    assert failures.left_in_mpi(0.3) == ["stuck-lane"]
+    assert 0.25 <= time.monotonic() - start < 2.0      # one shared deadline, not one each
+    release.set()
+    assert failures.left_in_mpi(1.0) == []
+
+
+def test_an_aborted_lane_under_ulfm_leaves_its_running_thread_to_the_exit(monkeypatch) -> None:
+    """The exit must not finalize MPI under a lane's thread still in the call it was
+    aborted in (only the thread that runs an operation is recorded)."""
+    monkeypatch.setattr(failures, "_left", [])
+    monkeypatch.setattr(failures, "ENABLED", True)
+    idle = Lane("idle-lane", inline=False)
+    idle.abort(RuntimeError("aborted"))
+    release, started = threading.Event(), threading.Event()
+    busy = Lane("busy-lane", inline=False)
+    busy.submit("create", lambda: (started.set(), release.wait(30)))
+    assert started.wait(10)
+    busy.abort(RuntimeError("aborted"))
+    assert failures.left_in_mpi(0.1) == ["busy-lane"]
+    release.set()
+    assert failures.left_in_mpi(5.0) == []

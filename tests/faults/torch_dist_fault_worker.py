@@ -118,6 +118,11 @@ def make_call(op: str, rank: int, n: int, victim: int):
                         dist.broadcast_object_list(objs, src=0))
     if op == "new_group":
         return lambda: dist.new_group(list(range(n)))
+    if op == "new_subgroup":     # only the victim and the lowest other rank are members
+        members = sorted({victim, min(set(range(n)) - {victim})})
+        if rank in members:
+            return lambda: dist.new_group(members, use_local_synchronization=True)
+        return lambda: dist.all_reduce(t)
     if op == "split_group":
         return lambda: split_group(split_ranks=[list(range(n))])
     if op == "async_future":   # the error through Work.get_future() of an async call
