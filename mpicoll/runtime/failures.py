@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import threading
 import time
 from typing import Any, Callable
 
@@ -269,25 +268,29 @@ def keep_requests(requests: list[Any]) -> None:
     _orphans.extend(r for r in requests if isinstance(r, MPI.Request))
 
 
-#: Threads left in an MPI call when their client was aborted (:func:`leave_in_mpi`).
-_left: list[threading.Thread] = []
+#: Operations left in an MPI call when their client was aborted (:func:`leave_in_mpi`):
+#: (the client's name, whether the operation still runs).
+_left: list[tuple[str, Callable[[], bool]]] = []
 
 
-def leave_in_mpi(thread: threading.Thread) -> None:
-    """``thread`` is left in an MPI call that its client gave up on (a revocation ends
-    most; Open MPI 5.0.11's ``MPI_Comm_create_group`` waits on for a dead member).
-    :func:`left_in_mpi` names it at exit while it is still there."""
-    _left.append(thread)
+def leave_in_mpi(name: str, running: Callable[[], bool]) -> None:
+    """Client ``name`` gave up on an operation its thread runs, in an MPI call that a
+    revocation ends in most cases (Open MPI 5.0.11's ``MPI_Comm_create_group`` waits on
+    for a dead member); ``running()`` says whether it still runs. :func:`left_in_mpi`
+    names it at exit while it does."""
+    _left.append((name, running))
 
 
 def left_in_mpi(wait_s: float) -> list[str]:
-    """The names of the threads :func:`leave_in_mpi` recorded that are still in MPI after
-    waiting at most ``wait_s`` seconds for them all (``MPI_Finalize`` must not run while
-    a thread is in an MPI call: with one left in its progress loop it crashed)."""
+    """The clients whose operations :func:`leave_in_mpi` recorded that still run after
+    waiting at most ``wait_s`` seconds for them all to end (``MPI_Finalize`` must not run
+    while a thread is in an MPI call: with one left in its progress loop it crashed)."""
     deadline = time.monotonic() + wait_s
-    for thread in _left:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return [t.name for t in _left if t.is_alive()]
+    while True:
+        names = [name for name, running in _left if running()]
+        if not names or time.monotonic() >= deadline:
+            return names
+        time.sleep(0.01)
 
 
 def translate(exc: BaseException, comm: Any, what: str = "the collective",

@@ -303,7 +303,7 @@ class Lane:
 
     def _loop(self) -> None:
         waiting.set_sleeps(self.sleeps)
-        while self.broken is None:     # a broken lane runs nothing more: its thread ends
+        while True:
             item = self._queue.get()
             if item is None:
                 return
@@ -344,13 +344,13 @@ class Lane:
                 self.broken = error
             pending, self._pending = self._pending, []
             running = self._running
-            left = self._thread if running is not None and not self._here else None
+            on_thread = running is not None and not self._here
             self._idle.notify_all()
         for work in ([running] if running is not None else []) + pending:
             work.finish(None, error)
         if failures.ENABLED:
-            if left is not None:     # its MPI call may outlive the revocation
-                failures.leave_in_mpi(left)
+            if on_thread:     # its MPI call may outlive the revocation
+                failures.leave_in_mpi(self.name, lambda: self._running is running)
             if self.comm is not None:
                 failures.revoke_only(self.comm)
 

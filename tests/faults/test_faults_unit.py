@@ -61,24 +61,22 @@ def test_only_process_failures_are_translated(monkeypatch) -> None:
             assert failures.failed_by(MPI.Exception(getattr(MPI, name)), None) == [], name
 
 
-def test_left_in_mpi_names_the_threads_still_running_after_the_wait(monkeypatch) -> None:
+def test_left_in_mpi_names_the_operations_still_running_after_the_wait(monkeypatch) -> None:
     monkeypatch.setattr(failures, "_left", [])
     release = threading.Event()
-    stuck = threading.Thread(target=release.wait, name="stuck-lane", daemon=True)
-    ends = threading.Thread(target=time.sleep, args=(0.05,), name="ending-lane", daemon=True)
-    for thread in (stuck, ends):
-        thread.start()
-        failures.leave_in_mpi(thread)
+    ends_at = time.monotonic() + 0.05
+    failures.leave_in_mpi("stuck-lane", lambda: not release.is_set())
+    failures.leave_in_mpi("ending-lane", lambda: time.monotonic() < ends_at)
     start = time.monotonic()
     assert failures.left_in_mpi(0.3) == ["stuck-lane"]
-    assert 0.25 <= time.monotonic() - start < 2.0      # one shared deadline, not one each
+    assert 0.25 <= time.monotonic() - start < 2.0
     release.set()
     assert failures.left_in_mpi(1.0) == []
 
 
-def test_an_aborted_lane_under_ulfm_leaves_its_running_thread_to_the_exit(monkeypatch) -> None:
+def test_an_aborted_lane_under_ulfm_leaves_its_running_operation_to_the_exit(monkeypatch) -> None:
     """The exit must not finalize MPI under a lane's thread still in the call it was
-    aborted in (only the thread that runs an operation is recorded)."""
+    aborted in (only a lane whose thread runs an operation is recorded)."""
     monkeypatch.setattr(failures, "_left", [])
     monkeypatch.setattr(failures, "ENABLED", True)
     idle = Lane("idle-lane", inline=False)
