@@ -278,7 +278,7 @@ def leave_in_mpi(name: str, running: Callable[[], bool]) -> None:
     revocation ends in most cases (Open MPI 5.0.11's ``MPI_Comm_create_group`` waits on
     for a dead member); ``running()`` says whether it still runs. :func:`left_in_mpi`
     names it at exit while it does."""
-    _left.append((name, running))
+    _left[:] = [entry for entry in _left if entry[1]()] + [(name, running)]
 
 
 def left_in_mpi(wait_s: float) -> list[str]:
