@@ -119,8 +119,14 @@ def split_shared(parent: Any, key: int, owner: str,
 
 def create_group(parent: Any, group: MPI.Group, tag: int, owner: str,
                  lifetime: str = "owner") -> MPI.Intracomm:
-    """``MPI_Comm_create_group`` over the members of ``group`` (collective over them)."""
-    return _register(plain(parent).Create_group(group, tag), owner, parent, lifetime)
+    """``MPI_Comm_create_group`` over the members of ``group`` (collective over them).
+    Where they are every rank of ``parent``, ``MPI_Comm_split`` makes the same
+    communicator: under ULFM a member that dies meanwhile fails that call on every
+    survivor, where Open MPI 5.0.11's ``MPI_Comm_create_group`` can wait for it forever."""
+    view = plain(parent)
+    if group.Get_size() == view.Get_size():
+        return _register(view.Split(0, group.Get_rank()), owner, parent, lifetime)
+    return _register(view.Create_group(group, tag), owner, parent, lifetime)
 
 
 def shrink(parent: Any, owner: str = "world") -> MPI.Intracomm:

@@ -177,3 +177,32 @@ def test_checked_comm_as_first_call_on_a_communicator(root):
                     root=root)
     finally:
         comm.Free()
+
+
+@pytest.mark.parametrize("order", ["reversed", "subset"])
+def test_runtime_create_group_ranks_follow_the_group(order):
+    """``runtime.comms.create_group``: a group of every rank (made by ``MPI_Comm_split``)
+    and a subset (``MPI_Comm_create_group``) give each member its rank in the group, and a
+    collective over the result sums exactly the members' values."""
+    from mpicoll.runtime import comms
+
+    members = (list(range(SIZE))[::-1] if order == "reversed"
+               else [r for r in range(SIZE) if r != SIZE - 1] or [0])
+    world_group = MPI.COMM_WORLD.Get_group()
+    group = world_group.Incl(members)
+    world_group.Free()
+    try:
+        comm = (comms.create_group(MPI.COMM_WORLD, group, 7, "test") if RANK in members
+                else MPI.COMM_NULL)
+    finally:
+        group.Free()
+    if RANK not in members:
+        return
+    try:
+        assert comm.Get_size() == len(members)
+        assert comm.Get_rank() == members.index(RANK)
+        got = comm.allreduce(RANK + 1)
+        assert got == sum(m + 1 for m in members)
+        assert comm.allgather(RANK) == members
+    finally:
+        comms.free(comm)

@@ -79,12 +79,7 @@ def default_comms(world: Any) -> tuple[Any, tuple[Any, ...]]:
 
 def member_comm(parent: Any, ranks: list[int], tag: int = 0) -> Any:
     """The communicator of the ranks ``ranks`` of ``parent`` (``MPI_Comm_create_group``:
-    collective over those ranks only; ``MPI.COMM_NULL`` elsewhere). Where they are all of
-    ``parent``'s ranks, ``MPI_Comm_split`` makes it: under ULFM a member that dies meanwhile
-    fails that call on every survivor, where Open MPI 5.0.11's ``MPI_Comm_create_group``
-    can wait for it forever."""
-    if sorted(ranks) == list(range(parent.Get_size())):
-        return comms.split(parent, 0, ranks.index(parent.Get_rank()), "group")
+    collective over those ranks only; ``MPI.COMM_NULL`` elsewhere)."""
     group = parent.Get_group().Incl(ranks)
     try:
         return comms.create_group(parent, group, tag, "group")
