@@ -248,6 +248,29 @@ def fail_world(comm: Any, ranks: list[int]) -> None:
     revoke(comm)
 
 
+def creation_failure(exc: BaseException, parent: Any, members: list[int],
+                     created: Any = None) -> ProcessFailedError | None:
+    """The :class:`~mpicoll.ProcessFailedError` of a communicator whose creation over the
+    ranks ``members`` of ``parent`` (``[]``: all) failed with ``exc`` (a process failure,
+    or any error while MPI knows a member to have failed), naming the failed members as
+    ranks of the new communicator; ``created`` (a communicator made before the failure)
+    is revoked, so members still creating wake. ``None``: no process failure (or no
+    ULFM)."""
+    if not ENABLED:
+        return None
+    members = members or list(range(parent.Get_size()))
+    failure = failed_by(exc, parent) is not None
+    dead = failed_ranks(parent, FAILED_WAIT_S if failure else OTHER_WAIT_S)
+    ranks = [members.index(r) for r in dead if r in members]
+    if not failure and not ranks:
+        return None
+    fail_world(parent if created is None or created == MPI.COMM_NULL else created, dead)
+    error = ProcessFailedError(
+        f"mpicoll: creating the communicator of ranks {members} failed: rank(s) {ranks} "
+        f"of it failed (ranks {dead} of its parent)", ranks)
+    error.__cause__ = exc
+    return error
+
 #: Requests left pending by failed collectives, never freed: Open MPI ends the job when a
 #: freed send to a dead process fails ("Send error after request freed"), which is what
 #: mpi4py's garbage collection of the failed call's request objects would do.

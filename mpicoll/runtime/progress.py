@@ -51,17 +51,23 @@ from typing import Any, Callable
 from mpi4py import MPI
 
 from .. import config, waiting
-from ..errors import CollectiveTimeoutError
+from ..errors import CollectiveTimeoutError, ProcessFailedError
 from . import exit as runtime_exit
 from . import failures
 
-__all__ = ["Work", "Lane", "inline_only", "completed", "EXIT_STALL_S"]
+__all__ = ["Work", "Lane", "inline_only", "completed", "create", "EXIT_STALL_S",
+           "CREATE_GRACE_S"]
 
 log = logging.getLogger("mpicoll.runtime")
 
 #: At exit, how long a lane's thread may go without finishing an operation before the job
 #: is aborted (an operation that other ranks never joined).
 EXIT_STALL_S = 10.0
+#: How long (seconds) a communicator's creation may go on once a member is known to have
+#: failed (:func:`create`).
+CREATE_GRACE_S = 1.0
+#: How often (seconds) :func:`create` asks MPI whether a member has failed.
+_CREATE_POLL_S = 0.02
 
 
 def inline_only() -> bool:
@@ -381,6 +387,49 @@ class Lane:
                 return True
             if self.completed == before:
                 return False
+
+
+def create(build: Callable[[list[Any]], Any], parent: Any, members: list[int],
+           name: str) -> Any:
+    """``build(made)``, which makes a communicator of the ranks ``members`` of ``parent``
+    (``[]``: all) and appends each communicator it makes to ``made``. Under ULFM, with
+    ``members`` given, it runs on a lane of its own: Open MPI 5.0.11's
+    ``MPI_Comm_create_group`` can wait forever for a member that died, and a revocation does
+    not end it. When MPI knows a member to have failed and ``build`` has not ended
+    :data:`CREATE_GRACE_S` seconds later, the lane is aborted (its thread left in MPI, which
+    the process's exit then does not finalize under), and the communicators made so far are
+    revoked. A process failure, or any error while a member is known to have failed, is
+    raised as :class:`~mpicoll.ProcessFailedError` naming the failed members
+    (:func:`~mpicoll.runtime.failures.creation_failure`). Without ULFM, ``build`` runs here
+    and its errors pass unchanged.
+
+    ``name`` names the creation in errors (``"new_group"``)."""
+    made: list[Any] = []
+    if not failures.ENABLED:
+        return build(made)
+    try:
+        if not members:        # every rank of parent: no MPI_Comm_create_group
+            return build(made)
+        work = Lane(f"mpicoll-create-{name}").submit(name, lambda: build(made))
+        deadline = None
+        while not work.done():
+            time.sleep(_CREATE_POLL_S)
+            if deadline is None:
+                dead = set(members) & set(failures.failed_ranks(parent, 0.0))
+                if dead:
+                    deadline = time.monotonic() + CREATE_GRACE_S
+            elif time.monotonic() >= deadline:
+                for comm in made:
+                    failures.revoke(comm)
+                work.lane.abort(ProcessFailedError(
+                    f"{name}: creation stuck on failed member(s)", sorted(dead)))
+        return work.result()
+    except Exception as exc:   # a process failure, or what it left behind
+        failure = failures.creation_failure(exc, parent, list(members),
+                                            made[0] if made else None)
+        if failure is None:
+            raise
+        raise failure from exc
 
 
 def _end_job(message: str) -> None:

@@ -49,30 +49,21 @@ def __getattr__(name: str) -> Any:
 def _create(opts: Any, backend_options: Any = None) -> Any:
     """torch's backend constructor (extended API): the group's communicator from MPI.
     Under ULFM, a member that dies meanwhile is a :class:`mpicoll.ProcessFailedError`
-    on every other member (:func:`.failures.creation_failure`)."""
-    from ...runtime import failures  # noqa: PLC0415
+    on every other member (:func:`mpicoll.runtime.progress.create`)."""
+    from ...runtime import failures, progress  # noqa: PLC0415
     from . import process_group  # noqa: F401, PLC0415  (builds the extension: not watched)
-    from .failures import creation_failure, watched_creation  # noqa: PLC0415
 
-    made: list[Any] = []
     ranks = list(opts.global_ranks_in_group)
     try:
-        return watched_creation(lambda: _build(opts, backend_options, made), world(), ranks,
-                                made)
-    except Exception as exc:  # noqa: BLE001  (a process failure, or what it left behind)
+        return progress.create(lambda made: _build(opts, backend_options, made), world(),
+                               ranks, "new_group")
+    except Exception:
         if ranks and failures.ENABLED:
             PARENT.clear()   # maybe still in use by a creation stuck in MPI: later
                               # groups are made from the world
-        failure = creation_failure(exc, world(), ranks, made[0] if made else None)
-        if failure is None:
-            raise
-        raise failure from exc
+        raise
 
 
-#: A duplicate of the world (same ranks), made with the default group and freed with it,
-#: that subgroups are made from, so that a creation left waiting in MPI after a member
-#: died (:func:`.failures.watched_creation`) does not share the user's world; later
-#: groups are then made from the world.
 def _build(opts: Any, backend_options: Any, made: list[Any]) -> Any:
     """:func:`_create`'s work; the communicator, once made, is appended to ``made``."""
     from mpi4py import MPI  # noqa: PLC0415

@@ -14,20 +14,17 @@ here does anything: a failure ends the job.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 from mpi4py import MPI
 
 from ...errors import ProcessFailedError
-from ...runtime import Lane, failures
+from ...runtime import failures
 
-__all__ = ["GroupFailures", "watched_creation", "creation_failure", "POLL_S",
-           "CREATE_GRACE_S"]
+__all__ = ["GroupFailures", "POLL_S"]
 
 #: How often (seconds) a polling wait asks MPI whether a rank of the group has failed.
 POLL_S = 0.02
-#: How long (seconds) a group's creation may go on once a member is known to have failed.
-CREATE_GRACE_S = 1.0
 
 
 class GroupFailures:
@@ -91,55 +88,3 @@ class GroupFailures:
         error.__cause__ = cause
         return error
 
-
-def watched_creation(build: Callable[[], Any], world: Any, members: list[int],
-                     made: list[Any]) -> Any:
-    """``build()`` (which makes a group of the ``members`` of ``world``, appending the
-    communicators it makes to ``made``), on a runtime lane of its own under ULFM: Open MPI
-    5.0.11's ``MPI_Comm_create_group`` can wait forever for a member that died, and a
-    revocation does not end it. When MPI knows a member to have failed and ``build`` has
-    not ended :data:`CREATE_GRACE_S` seconds later, the lane is aborted (its thread left
-    waiting in MPI), the communicators made so far are revoked and
-    :class:`~mpicoll.ProcessFailedError` is raised here. Without ULFM, ``build()`` here."""
-    if not (failures.ENABLED and members):
-        return build()
-    work = Lane("mpicoll-create-group").submit("new_group", build)
-    deadline = None
-    while not work.done():
-        time.sleep(POLL_S)
-        if deadline is None:
-            dead = set(members) & set(failures.failed_ranks(world, 0.0))
-            if dead:
-                deadline = time.monotonic() + CREATE_GRACE_S
-        elif time.monotonic() >= deadline:
-            error = ProcessFailedError("group creation stuck on a failed member",
-                                       sorted(dead))
-            for comm in made:
-                failures.revoke(comm)
-            work.lane.abort(error)
-    return work.result()
-
-
-def creation_failure(exc: BaseException, world: Any, members: list[int],
-                     created: Any = None) -> ProcessFailedError | None:
-    """The :class:`~mpicoll.ProcessFailedError` of a group whose creation over the ranks
-    ``members`` of ``world`` (``[]``: all) failed with ``exc`` (a process failure, or any
-    error while MPI knows a member to have failed), naming the failed members as group
-    ranks; ``created`` (a communicator made before the failure) is revoked, so members
-    still creating wake. ``None``: no process failure (or no ULFM)."""
-    if not failures.ENABLED:
-        return None
-    members = members or list(range(world.Get_size()))
-    failure = failures.failed_by(exc, world) is not None
-    dead = failures.failed_ranks(world, failures.FAILED_WAIT_S if failure
-                                 else failures.OTHER_WAIT_S)
-    ranks = [members.index(r) for r in dead if r in members]
-    if not failure and not ranks:
-        return None
-    failures.fail_world(world if created is None or created == MPI.COMM_NULL else created,
-                        dead)
-    error = ProcessFailedError(
-        f"mpicoll: creating the process group of ranks {members} failed: rank(s) {ranks} "
-        f"of it failed (world ranks {dead})", ranks)
-    error.__cause__ = exc
-    return error

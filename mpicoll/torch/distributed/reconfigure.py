@@ -64,7 +64,9 @@ __all__ = ["follow_world", "survivors", "shrunk", "adopt_wrapper", "default_comm
 log = logging.getLogger("mpicoll.torch")
 
 #: The communicator groups other than the default one are made from: a duplicate of the
-#: world the default mpicoll group owns (empty: the world itself).
+#: world the default mpicoll group owns (empty: the world itself), so that a creation
+#: left in MPI after a member died (:func:`mpicoll.runtime.progress.create`) does not
+#: share the user's world.
 PARENT: list[Any] = []
 
 

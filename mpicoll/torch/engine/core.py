@@ -60,7 +60,7 @@ from mpi4py import MPI
 from ... import timeline, watchdog
 from ...context import get_context
 from ...errors import CollectiveError, ProcessFailedError
-from ...runtime import comms, failures
+from ...runtime import comms, failures, progress
 from ...runtime import world as runtime_world
 from ...runtime.progress import Lane
 from . import trace
@@ -271,21 +271,33 @@ class Engine:
         """The communicator of this engine's ranks for work outside the engine, on the
         callers' threads in one order on every rank: compressed all-reduces and local
         SGD's averages. Made on first use by ``MPI_Comm_create_group`` over the runtime's
-        world (not collective over the engine's busy communicator); freed with the engine.
+        world (not collective over the engine's busy communicator), watched for a member
+        that dies meanwhile (:func:`mpicoll.runtime.progress.create`); freed with the
+        engine.
 
         Raises:
+            ProcessFailedError: the engine failed, or a member failed during the creation.
             CollectiveError: the engine has stopped.
         """
         with self._side_lock:
             if self._side is None:
-                if not self._started():
-                    raise CollectiveError("mpicoll.torch has been shut down")
-                group = self.comm.Get_group()          # local
+                self._check_running()
+                parent = runtime_world.comm()
+                group, everyone = self.comm.Get_group(), parent.Get_group()   # local
                 try:
-                    self._side = comms.create_group(runtime_world.comm(), group, _SIDE_TAG,
-                                                    "engine.side")
+                    members = [] if group.Get_size() == everyone.Get_size() else \
+                        MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                                  everyone)
+
+                    def build(made: list[Any]) -> MPI.Intracomm:
+                        made.append(comms.create_group(parent, group, _SIDE_TAG,
+                                                       "engine.side"))
+                        return made[-1]
+
+                    self._side = progress.create(build, parent, members, "engine.side")
                 finally:
                     group.Free()
+                    everyone.Free()
             return self._side
 
     def submit(self, meta: Meta, tensor: Any = None, output: Any = None,
