@@ -196,11 +196,7 @@ class ParameterServer:
                  compression: Any = None, feedback: bool = True, replicas: int = 0,
                  local_aggregation: Any = "auto", **hyperparameters: Any) -> None:
         user = MPI.COMM_WORLD if comm is None else comm
-        try:
-            self.comm = comms.dup(user, "ps")
-        except MPI.Exception as exc:     # under ULFM: a rank died before or during Dup
-            failures.raise_translated(exc, user, "the ParameterServer constructor")
-            raise
+        self.comm = comms.dup(user, "ps")
         self.rank = self.comm.Get_rank()
         self.worker_comm = MPI.COMM_NULL
         self._node_comm = MPI.COMM_NULL

@@ -13,14 +13,15 @@ No other module of mpicoll calls ``Dup``, ``Split``, ``Split_type``, ``Create_gr
 ``Shrink``, ``Spawn`` or ``Merge`` (a repository test checks). On a process failure
 :mod:`mpicoll.runtime.failures` revokes every communicator of the failed world
 (:func:`of_world`); a communicator of a world that failed is never freed (a collective free
-would wait for the dead), only forgotten.
+would wait for the dead), only forgotten. A process failure during a creation is raised as
+:class:`~mpicoll.ProcessFailedError` (the translation of :mod:`mpicoll.runtime.failures`).
 """
 from __future__ import annotations
 
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from mpi4py import MPI
 
@@ -98,23 +99,45 @@ def _register(comm: Any, owner: str, parent: Any, lifetime: str = "owner",
     return comm
 
 
+#: The error a failed creation from ``parent`` raises for MPI's ``exc``: ``exc`` itself
+#: until :mod:`mpicoll.runtime.failures` (which imports this module) puts its translation
+#: here.
+failure_of: Callable[[BaseException, Any], BaseException] = lambda exc, parent: exc
+
+
+def _translated(parent: Any, make: Callable[[], Any]) -> Any:
+    """``make()``, an MPI call that creates a communicator from ``parent``; its MPI error
+    passes through :data:`failure_of` (a process failure is raised as
+    :class:`~mpicoll.ProcessFailedError`)."""
+    try:
+        return make()
+    except MPI.Exception as exc:
+        error = failure_of(exc, parent)
+        if error is exc:
+            raise
+        raise error from exc
+
+
 def dup(parent: Any, owner: str, lifetime: str = "owner", info: Any = None) -> MPI.Intracomm:
     """A duplicate of ``parent`` (collective over it)."""
     view = plain(parent)
-    return _register(view.Dup() if info is None else view.Dup(info), owner, parent, lifetime)
+    return _register(_translated(parent, view.Dup if info is None else
+                                 lambda: view.Dup(info)), owner, parent, lifetime)
 
 
 def split(parent: Any, color: int, key: int, owner: str,
           lifetime: str = "owner") -> MPI.Intracomm:
     """``parent.Split(color, key)`` (``MPI.UNDEFINED``: ``MPI.COMM_NULL``, not recorded)."""
-    return _register(plain(parent).Split(color, key), owner, parent, lifetime)
+    return _register(_translated(parent, lambda: plain(parent).Split(color, key)), owner,
+                     parent, lifetime)
 
 
 def split_shared(parent: Any, key: int, owner: str,
                  lifetime: str = "owner") -> MPI.Intracomm:
     """The ranks of ``parent`` that share memory with this one (``COMM_TYPE_SHARED``)."""
-    return _register(plain(parent).Split_type(MPI.COMM_TYPE_SHARED, key=key), owner,
-                     parent, lifetime)
+    return _register(_translated(
+        parent, lambda: plain(parent).Split_type(MPI.COMM_TYPE_SHARED, key=key)), owner,
+        parent, lifetime)
 
 
 def create_group(parent: Any, group: MPI.Group, tag: int, owner: str,
@@ -125,8 +148,9 @@ def create_group(parent: Any, group: MPI.Group, tag: int, owner: str,
     survivor, where Open MPI 5.0.11's ``MPI_Comm_create_group`` can wait for it forever."""
     view = plain(parent)
     if group.Get_size() == view.Get_size():
-        return _register(view.Split(0, group.Get_rank()), owner, parent, lifetime)
-    return _register(view.Create_group(group, tag), owner, parent, lifetime)
+        return split(parent, 0, group.Get_rank(), owner, lifetime)
+    return _register(_translated(parent, lambda: view.Create_group(group, tag)), owner,
+                     parent, lifetime)
 
 
 def shrink(parent: Any, owner: str = "world") -> MPI.Intracomm:

@@ -354,6 +354,8 @@ def translate(exc: BaseException, comm: Any, what: str = "the collective",
     return error
 
 
+comms.failure_of = lambda exc, parent: translate(exc, parent, "the creation of a communicator")
+
 def raise_translated(exc: BaseException, comm: Any, what: str = "the collective") -> None:
     """Raise :func:`translate`'s error when it is a process failure; return otherwise
     (the caller re-raises ``exc``)."""

@@ -81,33 +81,35 @@ def test_killed_rank_fails_every_survivors_torch_operation(job_outputs, case) ->
     assert not problems, f"{_case_id(case)} ({secs:.1f} s): {problems}\n{tail}"
 
 
-SIDE_WORKER = Path(__file__).with_name("hvd_side_worker.py")
-#: How the survivors of ``hvd.init(comm=<ranks 0-2 of 4>)`` ask for the engine's side
-#: communicator when rank 1 dies (hvd_side_worker.py).
-SIDE_CASES = ["race", "optimizer"]
+CREATE_WORKER = Path(__file__).with_name("hvd_create_worker.py")
+#: When rank 1 of ``hvd.init(comm=<ranks 0-2 of 4>)`` dies (hvd_create_worker.py): while
+#: the others make the engine's side communicator, before they build a local-SGD
+#: optimizer on it, before ``hvd.init``.
+CREATE_CASES = ["race", "optimizer", "init"]
 
 
 @pytest.fixture(scope="module")
-def side_outputs() -> dict:
+def create_outputs() -> dict:
     python = ompi_env.ompi_python(need_torch=True)
     return ulfm_jobs.run_jobs(python, {
-        when: (SIDE_WORKER, 4, [when], {}, JOB_TIMEOUT_S) for when in SIDE_CASES})
+        when: (CREATE_WORKER, 4, [when], {}, JOB_TIMEOUT_S) for when in CREATE_CASES})
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("when", SIDE_CASES)
-def test_side_communicator_of_a_subset_engine_fails_on_a_dead_member(side_outputs,
-                                                                      when) -> None:
+@pytest.mark.parametrize("when", CREATE_CASES)
+def test_a_member_dead_while_communicators_are_made_is_a_process_failure(create_outputs,
+                                                                          when) -> None:
     """The side communicator of an engine over some of the world's ranks is made by
     ``MPI_Comm_create_group``, which in Open MPI waits forever for a member that died:
     made through the runtime, it raises ProcessFailedError (and HorovodInternalError)
     naming the dead rank on every survivor within the bound, also once the engine has
-    already failed; the survivors then exit, and the job's status says a rank failed."""
-    rc, out, secs = side_outputs[when]
-    tail = ulfm_jobs.show(when, side_outputs[when])
+    already failed; so does ``hvd.init``'s duplicate (not MPI's raw error). The survivors
+    then exit, and the job's status says a rank failed."""
+    rc, out, secs = create_outputs[when]
+    tail = ulfm_jobs.show(when, create_outputs[when])
     if ulfm_jobs.OPEN_MPI_ABORT in out:
         pytest.xfail(f"Open MPI aborted the job twice ({ulfm_jobs.OPEN_MPI_ABORT!r})")
-    problems = survivors_report(("side_comm", "-", 3, 1), out)   # rank 3 is not a member
+    problems = survivors_report((when, "-", 3, 1), out)   # rank 3 is not a member
     exited = {int(fields[0]) for fields in ulfm_jobs.lines(out, "EXITING")}
     if exited != {0, 2, 3}:
         problems.append(f"ranks {sorted({0, 2, 3} - exited)} never reached their exit")

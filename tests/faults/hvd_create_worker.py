@@ -1,4 +1,4 @@
-"""The Horovod engine's side communicator when a member dies (run by test_torch_faults.py
+"""mpicoll.torch's communicators made while a member dies (run by test_torch_faults.py
 under ``mpirun --with-ft ulfm -n 4``, not by pytest).
 
 Usage: ``python hvd_side_worker.py WHEN``. Ranks 0-2 start ``mpicoll.torch`` on a
@@ -8,7 +8,8 @@ over the world); rank 3 stays out. Rank 1 SIGKILLs itself, and at once ranks 0 a
 ask for the side communicator: ``WHEN=race`` directly (the creation meets the death,
 where Open MPI's ``MPI_Comm_create_group`` waits for the dead member forever);
 ``WHEN=optimizer`` by building a local-SGD ``DistributedOptimizer`` :data:`AFTER_S`
-seconds later, once the engine has failed. Output: ``KILL <time>``, ``RESULT <rank>
+seconds later, once the engine has failed. ``WHEN=init``: rank 1 dies before
+``hvd.init``, whose duplicate of the communicator then fails on the others. Output: ``KILL <time>``, ``RESULT <rank>
 ...`` (fault_report.py; ``pfe`` needs both ``ProcessFailedError`` and
 ``HorovodInternalError``), ``EXITING <rank>``.
 """
@@ -39,14 +40,17 @@ def main() -> None:
     if rank == 3:
         print("EXITING 3", flush=True)
         return
-    hvd.init(comm=sub)
     model = torch.nn.Linear(10, 2)
     torch.optim.SGD(model.parameters(), lr=0.1)   # torch's first optimizer imports, ~1 s
+    if when != "init":
+        hvd.init(comm=sub)
     if rank == VICTIM:
         print(f"KILL {time.time():.6f}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     try:
-        if when == "race":
+        if when == "init":
+            hvd.init(comm=sub)
+        elif when == "race":
             engine().side_comm()
         else:
             time.sleep(AFTER_S)
