@@ -1,7 +1,7 @@
 """mpicoll.torch's communicators made while a member dies (run by test_torch_faults.py
 under ``mpirun --with-ft ulfm -n 4``, not by pytest).
 
-Usage: ``python hvd_side_worker.py WHEN``. Ranks 0-2 start ``mpicoll.torch`` on a
+Usage: ``python hvd_create_worker.py WHEN``. Ranks 0-2 start ``mpicoll.torch`` on a
 communicator of their own (``hvd.init(comm=...)``: the engine's side communicator, which
 compressed all-reduces and local SGD use, is then made by ``MPI_Comm_create_group``
 over the world); rank 3 stays out. Rank 1 SIGKILLs itself, and at once ranks 0 and 2
@@ -9,9 +9,9 @@ ask for the side communicator: ``WHEN=race`` directly (the creation meets the de
 where Open MPI's ``MPI_Comm_create_group`` waits for the dead member forever);
 ``WHEN=optimizer`` by building a local-SGD ``DistributedOptimizer`` :data:`AFTER_S`
 seconds later, once the engine has failed. ``WHEN=init``: rank 1 dies before
-``hvd.init``, whose duplicate of the communicator then fails on the others. Output: ``KILL <time>``, ``RESULT <rank>
-...`` (fault_report.py; ``pfe`` needs both ``ProcessFailedError`` and
-``HorovodInternalError``), ``EXITING <rank>``.
+``hvd.init``, whose duplicate of the communicator then fails on the others. Output:
+``KILL <time>``, ``RESULT <rank> ...`` (fault_report.py; ``pfe`` needs both
+``ProcessFailedError`` and ``HorovodInternalError``), ``EXITING <rank>``.
 """
 from __future__ import annotations
 
