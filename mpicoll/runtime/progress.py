@@ -410,7 +410,8 @@ def create(build: Callable[[list[Any]], Any], parent: Any, members: list[int],
     try:
         if not members:        # every rank of parent: no MPI_Comm_create_group
             return build(made)
-        work = Lane(f"mpicoll-create-{name}").submit(name, lambda: build(made))
+        lane = Lane(f"mpicoll-create-{name}")
+        work = lane.submit(name, lambda: build(made))
         deadline = None
         while not work.done():
             time.sleep(_CREATE_POLL_S)
@@ -421,8 +422,9 @@ def create(build: Callable[[list[Any]], Any], parent: Any, members: list[int],
             elif time.monotonic() >= deadline:
                 for comm in made:
                     failures.revoke(comm)
-                work.lane.abort(ProcessFailedError(
+                lane.abort(ProcessFailedError(
                     f"{name}: creation stuck on failed member(s)", sorted(dead)))
+        lane.close()          # its thread ends (one left in MPI by the abort stays there)
         return work.result()
     except Exception as exc:   # a process failure, or what it left behind
         failure = failures.creation_failure(exc, parent, list(members),
