@@ -1,5 +1,5 @@
 """Subgroups made and destroyed under ULFM leave no thread behind (run by
-test_torch_dist_faults.py under ``mpirun --with-ft ulfm -n 3``, not by pytest).
+test_torch_faults.py under ``mpirun --with-ft ulfm -n 3``, not by pytest).
 
 Each subgroup's creation runs on a runtime lane of its own under ULFM
 (:func:`mpicoll.runtime.progress.create`); its thread must end with the creation. Prints

@@ -135,17 +135,3 @@ def test_timeout_or_abort_revokes_so_the_call_in_flight_ends(broken_outputs, cas
     assert 0.9 < float(raised) < BOUND_S and float(free) < float(raised) + BOUND_S, tail
     assert rc == 0, f"{op}: the job ended with status {rc} (124: it hung)\n{tail}"
 
-
-@pytest.mark.timeout(300)
-def test_subgroups_made_under_ulfm_leave_no_thread() -> None:
-    """Each subgroup's creation runs on a lane of its own under ULFM; ten subgroups made
-    and destroyed leave the process with the threads it had before (it grew by one per
-    subgroup on the members before the lane was closed after its creation)."""
-    python = ompi_env.ompi_python(need_torch=True)
-    result = ulfm_jobs.run_job(python, (Path(__file__).with_name("group_threads_worker.py"),
-                                        3, [], {}, JOB_TIMEOUT_S))
-    tail = ulfm_jobs.show("group_threads", result)
-    rc, out, _ = result
-    counts = {int(f[0]): (int(f[1]), int(f[2])) for f in ulfm_jobs.lines(out, "THREADS")}
-    assert rc == 0 and sorted(counts) == [0, 1, 2], tail
-    assert all(after == before for before, after in counts.values()), tail

@@ -90,9 +90,11 @@ CREATE_CASES = ["race", "optimizer", "init"]
 
 @pytest.fixture(scope="module")
 def create_outputs() -> dict:
+    """The jobs of :data:`CREATE_CASES` and (``"threads"``) group_threads_worker.py's."""
     python = ompi_env.ompi_python(need_torch=True)
-    return ulfm_jobs.run_jobs(python, {
-        when: (CREATE_WORKER, 4, [when], {}, JOB_TIMEOUT_S) for when in CREATE_CASES})
+    jobs = {when: (CREATE_WORKER, 4, [when], {}, JOB_TIMEOUT_S) for when in CREATE_CASES}
+    jobs["threads"] = (WORKER.with_name("group_threads_worker.py"), 3, [], {}, JOB_TIMEOUT_S)
+    return ulfm_jobs.run_jobs(python, jobs)
 
 
 @pytest.mark.timeout(300)
@@ -119,3 +121,16 @@ def test_a_member_dead_while_communicators_are_made_is_a_process_failure(create_
         problems.append(f"the job ended with status {rc} (124: it hung; 0 hides the "
                         f"failed rank)")
     assert not problems, f"{when} ({secs:.1f} s): {problems}\n{tail}"
+
+
+@pytest.mark.timeout(300)
+def test_subgroups_made_under_ulfm_leave_no_thread(create_outputs) -> None:
+    """Each torch.distributed subgroup's creation runs on a lane of its own under ULFM;
+    ten subgroups made and destroyed leave the process with the threads it had before (it
+    grew by one per subgroup on the members before the lane was closed after its
+    creation)."""
+    tail = ulfm_jobs.show("threads", create_outputs["threads"])
+    rc, out, _ = create_outputs["threads"]
+    counts = {int(f[0]): (int(f[1]), int(f[2])) for f in ulfm_jobs.lines(out, "THREADS")}
+    assert rc == 0 and sorted(counts) == [0, 1, 2], tail
+    assert all(after == before for before, after in counts.values()), tail
