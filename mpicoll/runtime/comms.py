@@ -118,9 +118,18 @@ def _translated(parent: Any, make: Callable[[], Any]) -> Any:
         raise error from exc
 
 
+#: Whether :func:`dup` makes its duplicates with ``MPI_Comm_split`` (set by
+#: :mod:`mpicoll.runtime.failures` under ULFM: Open MPI 5.0.11's ``MPI_Comm_dup`` crashed
+#: the survivors when a member died during it, where its ``MPI_Comm_split`` raises
+#: ``MPI_ERR_PROC_FAILED``).
+dup_by_split = False
+
+
 def dup(parent: Any, owner: str, lifetime: str = "owner", info: Any = None) -> MPI.Intracomm:
-    """A duplicate of ``parent`` (collective over it)."""
+    """A duplicate of ``parent`` (collective over it): the same ranks in the same order."""
     view = plain(parent)
+    if info is None and dup_by_split and not view.Is_inter():
+        return split(parent, 0, view.Get_rank(), owner, lifetime)
     return _register(_translated(parent, view.Dup if info is None else
                                  lambda: view.Dup(info)), owner, parent, lifetime)
 

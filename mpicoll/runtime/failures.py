@@ -355,6 +355,7 @@ def translate(exc: BaseException, comm: Any, what: str = "the collective",
 
 
 comms.failure_of = lambda exc, parent: translate(exc, parent, "the creation of a communicator")
+comms.dup_by_split = ENABLED
 
 def raise_translated(exc: BaseException, comm: Any, what: str = "the collective") -> None:
     """Raise :func:`translate`'s error when it is a process failure; return otherwise

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import ompi_env
-from ulfm_jobs import lines, run_job
+from test_ulfm import survivors_report
+from ulfm_jobs import lines, run_job, run_jobs
 
 HERE = Path(__file__).resolve().parent
 #: The runtime's communicator owners every client must have used.
@@ -49,3 +50,27 @@ def test_no_communicator_is_alive_at_exit(job):
     alive = lines(out, "ALIVE")
     assert sorted(f[0] for f in alive) == ["0", "1"], out[-3000:]
     assert all(f[1] == "-" for f in alive), (alive, out[-2000:])
+
+
+#: Jobs of dup_kill_worker.py (Open MPI's MPI_Comm_dup crashed in about half of them).
+DUP_JOBS = 3
+
+
+@pytest.fixture(scope="module")
+def dup_jobs():
+    python = ompi_env.ompi_python()
+    return run_jobs(python, {i: (HERE / "dup_kill_worker.py", 3, [], {}, 60.0)
+                             for i in range(DUP_JOBS)})
+
+
+@pytest.mark.parametrize("i", range(DUP_JOBS))
+def test_a_member_dead_during_duplicates_is_a_process_failure(dup_jobs, i):
+    """Under ULFM the runtime's duplicates are MPI_Comm_split(0, rank): the same ranks in
+    the same order, and a member that dies meanwhile is ProcessFailedError on every
+    survivor, where Open MPI's MPI_Comm_dup crashed them (8 of 14 jobs)."""
+    rc, out, _ = dup_jobs[i]
+    order = {int(f[0]): f[1:] for f in lines(out, "ORDER")}
+    assert order == {r: ["1", "1"] for r in range(3)}, out[-3000:]
+    assert "Segmentation fault" not in out, out[-3000:]
+    assert not survivors_report(("dup", "-", 3, 1), out), out[-3000:]
+    assert rc != 124, out[-3000:]
