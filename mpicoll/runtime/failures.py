@@ -271,6 +271,7 @@ def creation_failure(exc: BaseException, parent: Any, members: list[int],
     error.__cause__ = exc
     return error
 
+
 #: Requests left pending by failed collectives, never freed: Open MPI ends the job when a
 #: freed send to a dead process fails ("Send error after request freed"), which is what
 #: mpi4py's garbage collection of the failed call's request objects would do.
@@ -356,6 +357,7 @@ def translate(exc: BaseException, comm: Any, what: str = "the collective",
 
 comms.failure_of = lambda exc, parent: translate(exc, parent, "the creation of a communicator")
 comms.dup_by_split = ENABLED
+
 
 def raise_translated(exc: BaseException, comm: Any, what: str = "the collective") -> None:
     """Raise :func:`translate`'s error when it is a process failure; return otherwise

@@ -87,4 +87,3 @@ class GroupFailures:
             f"communicators are revoked and it cannot be used any more", self.ranks)
         error.__cause__ = cause
         return error
-
