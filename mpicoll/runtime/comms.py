@@ -86,7 +86,6 @@ def world_of(comm: Any) -> int:
     return _world.world_of(comm)
 
 
-
 def _register(comm: Any, owner: str, parent: Any, lifetime: str = "owner",
               world: int | None = None) -> Any:
     if comm == MPI.COMM_NULL:
