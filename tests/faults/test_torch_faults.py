@@ -82,6 +82,7 @@ def test_killed_rank_fails_every_survivors_torch_operation(job_outputs, case) ->
 
 
 CREATE_WORKER = Path(__file__).with_name("hvd_create_worker.py")
+THREADS_WORKER = Path(__file__).with_name("group_threads_worker.py")
 #: When rank 1 of ``hvd.init(comm=<ranks 0-2 of 4>)`` dies (hvd_create_worker.py): while
 #: the others make the engine's side communicator, before they build a local-SGD
 #: optimizer on it, before ``hvd.init``.
@@ -93,7 +94,7 @@ def create_outputs() -> dict:
     """The jobs of :data:`CREATE_CASES` and (``"threads"``) group_threads_worker.py's."""
     python = ompi_env.ompi_python(need_torch=True)
     jobs = {when: (CREATE_WORKER, 4, [when], {}, JOB_TIMEOUT_S) for when in CREATE_CASES}
-    jobs["threads"] = (WORKER.with_name("group_threads_worker.py"), 3, [], {}, JOB_TIMEOUT_S)
+    jobs["threads"] = (THREADS_WORKER, 3, [], {}, JOB_TIMEOUT_S)
     return ulfm_jobs.run_jobs(python, jobs)
 
 
