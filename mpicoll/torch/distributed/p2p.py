@@ -78,8 +78,8 @@ class P2PWork(MPIWork):
                     return True
                 try:
                     done = self._request.Test(self._status)
-                except BaseException as exc:  # noqa: BLE001
-                    self._fail(exc)
+                except BaseException as exc:  # noqa: BLE001  (revoked by an abort: its error)
+                    self._fail(self._pg._lane.broken or exc)
                     return True
                 if done:
                     self._complete()

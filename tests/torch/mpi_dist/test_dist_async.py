@@ -14,6 +14,7 @@ from test_dist_collectives import GATHER_INTO, data, everyone
 
 import mpicoll
 from mpicoll.errors import CollectiveTimeoutError
+from mpicoll.runtime import failures
 from mpicoll.torch.distributed import backend_of
 
 pytestmark = pytest.mark.mpi
@@ -220,8 +221,8 @@ def test_abort_fails_the_work_in_flight_and_the_queued_work():
         with pytest.raises(mpicoll.CollectiveError, match="was aborted"):
             fut.wait()
     assert time.monotonic() - start < 1.0
-    if dist.get_world_size() > 1:
-        queued[-1]._request.Cancel()   # the receive nobody sends
+    if dist.get_world_size() > 1 and not failures.ENABLED:
+        queued[-1]._request.Cancel()   # the receive nobody sends (ULFM: revoked, ended)
     _finish(group, release)
 
 
