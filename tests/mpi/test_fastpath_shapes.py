@@ -9,11 +9,13 @@ import pytest
 from mpi4py import MPI
 
 import mpicoll
-from mpicoll import collectives, fastpath
+from mpicoll import collectives, config, fastpath
 
 from cases import COMM, RANK, SIZE, gather_inputs, make_data, reference_reduce
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi,
+              pytest.mark.skipif(config.check_enabled(), reason="MPICOLL_CHECK=1: every "
+                                 "call is agreed on and planned, none cached")]
 
 #: Shapes of the per-rank data: one element (empty blocks for most ranks), n + 1, 2-D.
 SHAPES = [(1,), (SIZE + 1,), (2, 7)]
