@@ -5,6 +5,7 @@ size."""
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import numpy as np
@@ -191,6 +192,9 @@ def _example():  # noqa: ANN202
 def test_hybrid_example_matches_single_process_model():
     example = _example()
     args = example.make_parser().parse_args(["--check", "--steps", "3"])
+    batch, hidden = args.batch, args.hidden
     for dp, tp in _grids(hvd.size()):
+        # the batch splits over dp, the hidden layer over tp (n = 5, 7: not the defaults)
+        args.batch, args.hidden = math.lcm(batch, dp), math.lcm(hidden, tp)
         worst = example.train(dp, tp, args)
         assert worst <= 1e-5, f"grid {dp}x{tp}: largest difference {worst:.2e}"
