@@ -93,7 +93,7 @@ def test_checked_mode_mismatch_raises_everywhere(what):
     ctx = get_context(COMM)
     saved = ctx.segment_bytes
     if what == "segment_bytes" and odd:
-        ctx.segment_bytes = 64
+        ctx.segment_bytes = saved + 64   # differs from any MPICOLL_SEGMENT_BYTES
     if what == "count" and odd:
         x = np.arange(9, dtype=np.float32)
     if what == "dtype" and odd:
