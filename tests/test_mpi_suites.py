@@ -77,15 +77,15 @@ CASES = [pytest.param(suite, n, env, id=f"{suite}-n{n}" + (
 OPEN_MPI_SUITES: dict[str, list[tuple[int, dict[str, str]]]] = {
     "tests/mpi": [(3, {"MPICOLL_RANKS_PER_NODE": "2", "MPICOLL_SHM_CHUNK_BYTES": "256"})],
     "tests/ps/mpi": [(3, {})],
-    "tests/torch/mpi_dist/test_dist_async.py": [(3, {})],
 }
 if os.environ.get("OPEN_MPI_ALL") == "1":
-    del OPEN_MPI_SUITES["tests/torch/mpi_dist/test_dist_async.py"]   # in the whole suite
     OPEN_MPI_SUITES.update({
         "tests/torch/mpi": [(2, {"MPICOLL_OVERLAP": "1"})],
         "tests/torch/mpi_dist": [(3, {"MPICOLL_RANKS_PER_NODE": "2"})],
         "tests/compression/mpi": [(4, {"MPICOLL_RANKS_PER_NODE": "2"})],
     })
+else:   # the whole torch.distributed suite holds it
+    OPEN_MPI_SUITES["tests/torch/mpi_dist/test_dist_async.py"] = [(3, {})]
 
 OPEN_MPI_CASES = [pytest.param(suite, n, env, id=f"openmpi-{suite}-n{n}")
                   for suite, runs in OPEN_MPI_SUITES.items() for n, env in runs]
