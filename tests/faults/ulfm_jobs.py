@@ -22,6 +22,11 @@ PARALLEL = 2
 #: completed, and freed, fails after the peer died: the job ends, as without ULFM,
 #: rather than raising. A job that ends so is run once more.
 OPEN_MPI_ABORT = "Send error after request freed"
+#: Open MPI 5.0.11 sometimes crashes (a segmentation fault in its failure handler,
+#: ``ompi_comm_revoke_local``, during ``ompi_comm_activate`` of ``MPI_Comm_split``,
+#: ``MPI_Comm_create_group`` or ``MPI_Comm_dup``) when a member dies while a communicator
+#: is being made: a defect of Open MPI's, not of the program it runs.
+OPEN_MPI_CREATE_CRASH = "ompi_comm_revoke_local"
 
 Job = tuple[Path, int, list[str], dict[str, str], float]
 """(script, world size, arguments, extra environment, timeout in seconds)."""
