@@ -105,10 +105,9 @@ def _planned(ctx: CommContext, collective: str, args: tuple, check: Any) -> Plan
     try:
         plan = _PLANS[collective](ctx, *args)
     except (TypeError, ValueError) as exc:
-        if not use_check:
-            raise
-        agree(ctx, exc, collective=collective)
-        raise  # agree always raises when a rank reported an error
+        if use_check:
+            agree(ctx, exc, collective=collective)  # raises: a rank reported an error
+        raise
     if use_check:
         agree(ctx, None, collective=collective, count=plan.count, dtype=plan.dtype,
               op=plan.op, root=plan.root, algorithm=plan.requested, resolved=plan.algorithm,

@@ -106,7 +106,8 @@ class TuningTable:
             parsed = self._entries.setdefault(str(coll), {})
             for k, entry in enumerate(entries):
                 where = f"tuning table {source}: collectives.{coll}[{k}]"
-                parsed[self._key(entry, where)] = self._rules(entry, where)
+                key = self._key(entry, where)  # first: it checks that entry is an object
+                parsed[key] = self._rules(entry, where)
         self._cache: dict[tuple[str, int, int], tuple[list[float], list[str]] | None] = {}
 
     @staticmethod

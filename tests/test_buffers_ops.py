@@ -253,3 +253,38 @@ def test_validation_checks_root_and_in_place_rules():
     assert in_place and send.tolist() == [3.0, 4.0, 5.0] and recv.size == 9
     assert validation.gathered_shape((), 3) == (3,)
     assert validation.gathered_shape((2, 5), 3) == (6, 5)
+
+
+@pytest.mark.parametrize("spec, words", [
+    ([np.zeros(4), "no-such-code"], "unknown type code 'no-such-code'"),
+    ([np.zeros(4), 3.5], "float is not an MPI datatype"),
+    ([np.zeros(4), MPI.DOUBLE.Create_contiguous(2)], "derived datatypes"),
+    ([np.zeros(4), 1, 0, 0, MPI.DOUBLE], "buffer spec of 5 items"),
+    ([object(), MPI.DOUBLE], "object does not expose a contiguous buffer"),
+    (np.zeros((4, 4))[:, 1], "non-contiguous arrays are handled by MPI itself"),
+    ({"not": "a buffer"}, "dict is not a buffer mpicoll knows"),
+])
+def test_parse_mpi_buffer_leaves_what_it_cannot_handle_to_mpi(spec, words):
+    """Specs mpicoll does not handle raise Unsupported (Comm then calls MPI), saying why."""
+    with pytest.raises(Unsupported, match=words):
+        parse_mpi_buffer(spec, "b")
+
+
+@pytest.mark.parametrize("spec, words", [
+    ([np.zeros((4, 4))[:, 1], MPI.DOUBLE], "b must be contiguous"),
+    ([None, 3, MPI.DOUBLE], "buffer is None but count is 3"),
+])
+def test_parse_mpi_buffer_refuses_inconsistent_specs(spec, words):
+    """A spec that cannot be right is a ValueError naming the argument."""
+    with pytest.raises(ValueError, match=words):
+        parse_mpi_buffer(spec, "b")
+
+
+def test_parse_mpi_buffer_views_bytes_like_objects():
+    """bytes, bytearray and memoryview are viewed as bytes (no copy for a writable one)."""
+    raw = bytearray(b"\x01\x02\x03")
+    view = parse_mpi_buffer(raw, "b", writable=True)
+    view[0] = 9
+    assert raw[0] == 9 and view.dtype == np.uint8
+    assert parse_mpi_buffer(memoryview(b"ab"), "b").tolist() == [97, 98]
+    assert parse_mpi_buffer([None, 0, MPI.INT], "b").size == 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -55,3 +56,10 @@ def test_fold_maps_participants(size):
             assert folds[f.partner].partner == f.rank
     firsts = [folds[0].first(j) for j in range(p + 1)]
     assert firsts[0] == 0 and firsts[-1] == size and firsts == sorted(set(firsts))
+
+
+def test_block_bounds_refuses_no_blocks():
+    """Zero or negative blocks raise ValueError naming the count (not a division error)."""
+    for n in (0, -1):
+        with pytest.raises(ValueError, match=f"nblocks must be positive, got {n}"):
+            block_bounds(10, n)

@@ -127,6 +127,7 @@ def test_builtin_rules_take_hierarchical_across_nodes():
     ({"format": "other/9", "collectives": {}}, "format"),
     ({"format": tuning.FORMAT}, "'collectives'"),
     ({"collectives": {"allreduce": {}}}, "must be a list"),
+    ({"collectives": {"allreduce": [5]}}, r"allreduce\[0\]: expected an object"),
     ({"collectives": {"allreduce": [{"rules": RULES}]}}, "world_size"),
     ({"collectives": {"allreduce": [{"world_size": 2, "rules": []}]}}, "non-empty"),
     ({"collectives": {"allreduce": [{"world_size": 2, "rules": [{"max_bytes": 1}]}]}},
@@ -149,6 +150,29 @@ def test_unreadable_and_malformed_files(tmp_path):
         tuning.load_table(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="not valid JSON"):
         tuning.load_table(write(tmp_path, "{not json"))
+
+
+def test_repr_names_the_source_and_the_collectives():
+    """A table's repr says where it came from and which collectives it covers."""
+    table = tuning.TuningTable(table_dict(), source="mine.json")
+    assert repr(table) == "TuningTable('mine.json', collectives=['allreduce'])"
+
+
+def test_an_invalid_default_table_is_ignored_with_a_warning(tmp_path, monkeypatch, caplog):
+    """A broken shipped table gives the built-in rules, warned once (the error is cached);
+    a missing one is logged at debug level only."""
+    bad = write(tmp_path, "{not json", "default.json")
+    monkeypatch.setattr(tuning, "_DEFAULT_PATH", bad)
+    with caplog.at_level("DEBUG", logger="mpicoll.tuning"):
+        assert tuning.default_table() is None
+        assert tuning.default_table() is None        # the cached error: no second log
+    warned = [r for r in caplog.records if "ignoring the default tuning table" in r.message]
+    assert [r.levelname for r in warned] == ["WARNING"] and "not valid JSON" in warned[0].message
+    caplog.clear()
+    monkeypatch.setattr(tuning, "_DEFAULT_PATH", str(tmp_path / "absent.json"))
+    with caplog.at_level("DEBUG", logger="mpicoll.tuning"):
+        assert tuning.default_table() is None
+    assert [r.levelname for r in caplog.records] == ["DEBUG"]
 
 
 def test_load_is_cached_until_cleared(tmp_path):
@@ -313,6 +337,16 @@ def test_derived_rules_flip_only_beyond_noise(per_size):
             a = names[i - 1]
             assert any(a not in timings[b] or timings[b][a] > 1.05 * min(timings[b].values())
                        for b in middle)
+
+
+def test_slowdowns_skip_sizes_without_usable_times():
+    """slowdowns ignores a size whose times are all missing or zero, and reports the sizes
+    where the rules pick an algorithm slower than noise allows."""
+    timings = {1024: {"ring": None, "tree": 0.0},
+               4096: {"ring": 2.0, "tree": 1.0}}
+    rules = [{"max_bytes": None, "algorithm": "ring"}]
+    assert tuning.slowdowns(timings, rules) == [
+        {"nbytes": 4096, "algorithm": "ring", "slowdown": 2.0, "fastest": "tree"}]
 
 
 def test_merge_tables_later_wins():

@@ -47,12 +47,7 @@ def register(collective: str, name: str, *,
     that reduces it, before the shards are copied to every rank: one pass over ``1/n`` of
     the vector instead of a pass over all of it on every rank.
     """
-    if collective not in _REGISTRY:
-        raise ValueError(f"unknown collective {collective!r}")
-
     def deco(fn: Callable) -> Callable:
-        if name in _REGISTRY[collective]:
-            raise ValueError(f"{collective} algorithm {name!r} registered twice")
         _REGISTRY[collective][name] = fn
         if scales_shards:
             _SCALES_SHARDS.add((collective, name))
@@ -62,27 +57,14 @@ def register(collective: str, name: str, *,
 
 
 def lookup(collective: str, name: str) -> Callable:
-    """Return the run function of algorithm ``name`` of ``collective``.
-
-    Raises:
-        ValueError: unknown collective or algorithm (the message lists the choices).
-    """
-    table = _REGISTRY.get(collective)
-    if table is None:
-        raise ValueError(f"unknown collective {collective!r}; choose one of {COLLECTIVES}")
-    fn = table.get(name)
-    if fn is None:
-        raise ValueError(f"unknown algorithm={name!r} for {collective}; choose one of "
-                         f"{['auto', *sorted(table)]}")
-    return fn
+    """Return the run function of algorithm ``name`` of ``collective`` (a name the caller
+    validated: :func:`mpicoll.selection.resolve_algorithm`)."""
+    return _REGISTRY[collective][name]
 
 
 def bind(collective: str, name: str, ctx: Any, *args: Any, **options: Any) -> Callable[[], Any]:
-    """A zero-argument callable that runs algorithm ``name`` with these arguments.
-
-    Raises:
-        ValueError: unknown collective or algorithm.
-    """
+    """A zero-argument callable that runs algorithm ``name`` (registered) with these
+    arguments."""
     fn = lookup(collective, name)
     binder = getattr(fn, "bind", None)
     if binder is not None:

@@ -61,3 +61,56 @@ def test_merge_command_joins_parts_left_behind(tmp_path):
     events = json.loads(path.read_text())["traceEvents"]
     assert sorted(e["pid"] for e in events if e["ph"] == "X") == [0, 1]
     assert not list(tmp_path.glob("t.json.rank*"))
+
+
+def _calls(path: Path) -> list[str]:
+    return [e["name"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+
+
+def test_start_while_recording_writes_the_first_timeline(tmp_path, monkeypatch):
+    """start() while a timeline runs stops (and merges) that one first; events past
+    FLUSH_EVENTS are flushed to the part file before stop; stop() without a timeline
+    returns None."""
+    monkeypatch.setattr(timeline, "FLUSH_EVENTS", 2)
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    timeline.start(first)
+    try:
+        for name in ("one", "two"):
+            timeline.event(name, timeline.now(), timeline.now())
+        part = tmp_path / "a.json.rank0"
+        assert [json.loads(line)["name"] for line in part.read_text().splitlines()] == [
+            "one", "two"]
+        timeline.start(second)
+        assert _calls(first) == ["one", "two"] and not part.exists()
+        timeline.event("three", timeline.now(), timeline.now())
+    finally:
+        merged = timeline.stop()
+    assert merged == second and _calls(second) == ["three"]
+    assert timeline.stop() is None and not timeline.enabled()
+
+
+def test_stop_leaves_the_parts_when_a_rank_never_finishes(tmp_path, monkeypatch, capsys):
+    """Rank 0 waits MERGE_WAIT_SECONDS for every part; a missing rank's leaves the parts
+    for the merge command and says so."""
+    monkeypatch.setattr(timeline, "MERGE_WAIT_SECONDS", 0.2)
+    path = tmp_path / "t.json"
+    timeline.start(path)
+    timeline.event("x", timeline.now(), timeline.now())
+    monkeypatch.setitem(timeline._state, "size", 2)  # rank 1 never writes
+    assert timeline.stop() is None
+    err = capsys.readouterr().err
+    assert "parts of ranks [1] not finished" in err and f"python -m mpicoll.timeline {path}" in err
+    assert not path.exists() and (tmp_path / "t.json.rank0").exists()
+
+
+def test_merge_runs_as_a_module(tmp_path):
+    """``python -m mpicoll.timeline PATH`` merges the parts left behind."""
+    path = tmp_path / "t.json"
+    (tmp_path / "t.json.rank0").write_text(json.dumps(
+        {"name": "allreduce", "cat": "collective", "ph": "X", "pid": 0, "track": "w",
+         "ts": 1.0, "dur": 2.0}) + "\n")
+    out = subprocess.run([sys.executable, "-m", "mpicoll.timeline", str(path)],
+                         capture_output=True, text=True, timeout=120, check=False,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0 and f"wrote {path}" in out.stdout, out.stderr
+    assert _calls(path) == ["allreduce"]
