@@ -37,7 +37,7 @@ from .codecs import get_codec, new_payload
 from .cost_model import ModelInputs, Speed
 
 __all__ = ["codec_speeds", "cpu_share", "measure_link", "agree_inputs", "SMALL_BYTES",
-           "LARGE_BYTES", "PROBE_SMALL", "PROBE_LARGE", "TAG_PROBE", "clear"]
+           "LARGE_BYTES", "PROBE_SMALL", "PROBE_LARGE", "TAG_PROBE"]
 
 #: Sizes of the codec timings (bytes of float32 input).
 SMALL_BYTES = 16 << 10
@@ -57,13 +57,6 @@ _lock = threading.Lock()
 _speeds: dict[tuple[str, str], tuple[Speed, Speed]] = {}
 #: array module name -> the CPU share of the latest measurement.
 _shares: dict[str, float] = {}
-
-
-def clear() -> None:
-    """Forget the measured codec speeds (the next use measures again)."""
-    with _lock:
-        _speeds.clear()
-        _shares.clear()
 
 
 def cpu_share(module: str = "numpy") -> float | None:

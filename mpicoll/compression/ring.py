@@ -82,10 +82,6 @@ class Sent(NamedTuple):
     messages: int = 0
     dense: int = 0
 
-    def __add__(self, other: "Sent") -> "Sent":  # type: ignore[override]
-        return Sent(self.bytes + other.bytes, self.messages + other.messages,
-                    self.dense + other.dense)
-
 
 # ---------------------------------------------------------------------------------------
 # dense codecs: ring reduce-scatter with re-encoding + all-gather of encoded shards

@@ -125,6 +125,15 @@ def test_spec_and_options():
      "compression='auto' needs float32 or float64"),
     (lambda: Auto().encode(np.ones(3, np.float32)), TypeError, "is resolved to a codec"),
     (lambda: choose(inputs(), (), 10, np.float32, Layout(2)), ValueError, "at least one"),
+    (lambda: choose(inputs(), ("none",), 10, np.float32, Layout(2), margin=1.0), ValueError,
+     "margin must be in [0, 1), got 1.0"),
+    (lambda: predict(ModelInputs(5e-6, 10 * GB, {}, {}, Speed(1e-6, GB), "given"), "int8", 10,
+                     np.float32, Layout(2)), ValueError, "no encode speed for codec 'int8'"),
+    (lambda: Auto().layout(10), TypeError, "is resolved to a codec"),
+    (lambda: Auto(("none", "int8")).decode((), 10), TypeError,
+     "here pass a codec (none, int8)"),
+    (lambda: Auto().load_state_dict({"lz4": {}}), ValueError, "does not belong to"),
+    (lambda: Auto().load_state_dict([]), ValueError, "does not belong to"),
 ])
 def test_bad_inputs(make, exc, words):
     with pytest.raises(exc) as info:
@@ -230,3 +239,22 @@ def test_distributed_optimizer_with_auto_equals_the_chosen_codec(monkeypatch):
         assert si[0].choice is None
     finally:
         hvd.shutdown()
+
+
+def test_state_dict_round_trip_and_a_bad_state_changes_nothing():
+    """``Auto.load_state_dict`` restores each candidate's state (random-k's step), after
+    checking all of them on fresh codecs: a bad one leaves every candidate as it was."""
+    names = ("none", "randomk:0.5", "randomk:0.25")
+    a = Auto(names)
+    x = np.linspace(-1.0, 1.0, 16, dtype=np.float32)
+    a.codec("randomk:0.5").encode(x)
+    saved = a.state_dict()
+    assert saved == {"randomk:0.5": {"step": 1}, "randomk:0.25": {"step": 0}}
+    b = Auto(names)
+    b.load_state_dict(saved)
+    assert b.state_dict() == saved
+    assert all(np.array_equal(p, q) for p, q in zip(a.codec("randomk:0.5").encode(x),
+                                                     b.codec("randomk:0.5").encode(x)))
+    with pytest.raises(ValueError):
+        b.load_state_dict({"randomk:0.5": {"step": 7}, "randomk:0.25": {"step": -1}})
+    assert b.state_dict() == {"randomk:0.5": {"step": 2}, "randomk:0.25": {"step": 0}}

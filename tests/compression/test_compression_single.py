@@ -1,6 +1,8 @@
 """The compressed all-reduce in a one-rank world (no mpirun): API, stats, errors."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -87,6 +89,10 @@ def test_default_feedback_is_kept_with_the_array():
      "feedback must be"),
     (lambda: allreduce(np.zeros(4, np.float32), comm=SELF, segment_bytes=0), ValueError,
      "segment_bytes must be positive"),
+    (lambda: allreduce(np.zeros(4, np.float32), comm=SELF, segment_bytes="4096"), TypeError,
+     "segment_bytes must be an int, not str"),
+    (lambda: allreduce(np.zeros(4, np.float32), comm=SELF, op=3), TypeError,
+     "op must be 'sum' or 'average', not int"),
     (lambda: allreduce([1.0, 2.0], comm=SELF), TypeError, "sendbuf must be a numpy"),
     (lambda: allreduce(np.zeros(4, np.float32), comm="world"), TypeError, "comm must be"),
     (lambda: allreduce(np.zeros(4, np.float32), comm=SELF, layout="hierarchical"), ValueError,
@@ -95,7 +101,28 @@ def test_default_feedback_is_kept_with_the_array():
      "layout must be 'auto', 'flat' or 'node', not int"),
 ])
 @pytest.mark.parametrize("check", [True, False])
-def test_bad_arguments(call, exc, words, check):
+def test_bad_arguments(call, exc, words, check, monkeypatch):
+    """Each bad argument raises its error naming it, with the ranks' agreement on the call
+    (``check=True``) and without it: the cases call the module's ``allreduce``, which here
+    passes ``check``."""
+    monkeypatch.setitem(globals(), "allreduce", functools.partial(allreduce, check=check))
     with pytest.raises(exc) as info:
-        call() if check else call.__call__()
+        call()
     assert words in str(info.value), str(info.value)
+
+
+def test_mpi_sum_is_sum_and_stats_and_reprs_say_what_they_hold():
+    """``op=MPI.SUM`` reduces as ``op="sum"``; the stats' ratio is dense over sent bytes
+    (1.0 when nothing was sent, as at one rank); codecs and stores show their names."""
+    x = np.linspace(-1.0, 1.0, 64, dtype=np.float32)
+    by_name = allreduce(x, comm=SELF, compression="fp16", op="sum", feedback=False)
+    assert np.array_equal(allreduce(x, comm=SELF, compression="fp16", op=MPI.SUM,
+                                    feedback=False), by_name)
+    stats = last_stats()
+    assert stats.bytes_sent == 0 and stats.ratio == 1.0
+    stats.bytes_sent, stats.dense_bytes = 64, 256
+    assert stats.ratio == 4.0
+    store = ErrorFeedback()
+    allreduce(x, comm=SELF, compression="int8", feedback=store, key="w")
+    assert repr(store) == "<ErrorFeedback: 1 residuals>"
+    assert repr(get_codec("topk:0.5")) == "<codec topk:0.5>"

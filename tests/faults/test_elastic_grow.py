@@ -45,6 +45,7 @@ import concurrent.futures
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -175,6 +176,60 @@ def test_commits_check_only_while_the_function_runs() -> None:
     assert discovery.active() is None and polls == [1]
 
 
+def test_more_bad_sources_are_refused() -> None:
+    """An empty command; a callable answering neither a number nor lines, or raising a
+    DiscoveryError of its own (kept as it is)."""
+    with pytest.raises(ValueError, match="not an empty string"):
+        discovery.Discovery("  ")
+    with pytest.raises(elastic.DiscoveryError, match="returned a float, not a number"):
+        discovery.Discovery(lambda: 2.5).poll()
+    own = elastic.DiscoveryError("the cluster API is down")
+
+    def failing() -> int:
+        raise own
+
+    with pytest.raises(elastic.DiscoveryError) as exc:
+        discovery.Discovery(failing).poll()
+    assert exc.value is own
+
+
+def test_a_poll_that_ends_after_stop_is_not_recorded() -> None:
+    """The poller drops the answer of a poll during which it was stopped."""
+    stop = threading.Event()
+
+    def source() -> int:
+        stop.set()
+        return 5
+
+    poller = discovery.Discovery(source, interval=0)
+    poller._loop(stop)
+    assert poller._poll.latest()[0] is None
+
+
+def test_growth_and_joining_refuse_what_cannot_work(monkeypatch) -> None:
+    """No program to start (interactive or stdin), a size that does not grow, a joiner
+    not spawned by a job, an empty program: each a clear error."""
+    from mpicoll.elastic import grow
+
+    monkeypatch.setattr(grow, "_program", ([], ["-"]))
+    with pytest.raises(grow.GrowthError, match="runs no script or module"):
+        grow.spawn_command()
+    with pytest.raises(ValueError, match="new_size 1 must exceed the world's size 1"):
+        grow.grow_world(1)
+    with pytest.raises(RuntimeError, match="this one has no parent job"):
+        grow.join([], ["train.py"])
+    with pytest.raises(ValueError, match="no program to run"):
+        run_program([])
+
+
+def test_shrinking_needs_ulfm() -> None:
+    """``shrink_world`` without ULFM: RuntimeError naming how to launch with it."""
+    from mpicoll.elastic import shrink
+
+    with pytest.raises(RuntimeError, match="needs ULFM.*--with-ft ulfm"):
+        shrink.shrink_world(1)
+
+
 @pytest.mark.parametrize("argv, options, program", [
     (["train.py", "-x", "1"], [], ["train.py", "-x", "1"]),
     (["-u", "-X", "dev", "-W", "error", "t.py"], ["-u", "-X", "dev", "-W", "error"], ["t.py"]),
@@ -185,6 +240,7 @@ def test_commits_check_only_while_the_function_runs() -> None:
     (["--check-hash-based-pycs", "never", "-B", "t.py"],
      ["--check-hash-based-pycs", "never", "-B"], ["t.py"]),
     (["-i"], ["-i"], []),
+    (["--unknown-long", "t.py"], ["--unknown-long"], ["t.py"]),
 ])
 def test_command_lines_split_into_options_and_program(argv, options, program) -> None:
     assert split_command_line(argv) == (options, program)

@@ -230,3 +230,199 @@ def test_run_resets_on_a_host_update_and_goes_on(host_updates) -> None:
         return state.step
 
     assert f(state) == 4 and resets == [2] and calls == [0, 2]
+
+
+# ----- the run loop's failure paths, in one process (no ULFM here) ----------------------
+def test_without_ulfm_an_exception_propagates_and_the_function_is_not_rerun() -> None:
+    """Without ULFM, what the function raises (sys.exit(0) included) reaches the caller
+    unchanged and nothing is restored or reset."""
+    from mpicoll.runtime import failures
+
+    assert not failures.ENABLED
+    calls = []
+    state = elastic.ObjectState(step=0)
+
+    @elastic.run
+    def f(state: elastic.ObjectState, how: str) -> None:
+        calls.append(how)
+        state.step += 1
+        if how == "raise":
+            raise KeyError("boom")
+        raise SystemExit(0)
+
+    with pytest.raises(KeyError, match="boom"):
+        f(state, "raise")
+    assert state.step == 1                       # not restored
+    with pytest.raises(SystemExit) as ended:
+        f(state, "exit")
+    assert ended.value.code == 0 and calls == ["raise", "exit"]
+
+
+def test_under_ulfm_which_exceptions_make_a_rank_leave(monkeypatch) -> None:
+    """Under ULFM a rank leaves on any exception but mpicoll's job-ending errors, and on
+    sys.exit with a non-zero status; a ProcessFailedError is a failure, a ValueError not."""
+    from mpicoll import errors
+    from mpicoll.elastic import runner
+
+    monkeypatch.setattr(runner.failures, "ENABLED", True)
+    assert runner._leaves(ValueError("x")) and runner._leaves(SystemExit(3))
+    assert not runner._leaves(SystemExit(0)) and not runner._leaves(SystemExit(None))
+    for exc in (errors.CollectiveError("x"), elastic.DiscoveryError("x"),
+                runner.GrowthError("x"), KeyboardInterrupt()):
+        assert not runner._leaves(exc), type(exc).__name__
+    assert runner._failure(errors.ProcessFailedError("rank 2 failed", [2]))
+    assert not runner._failure(ValueError("x"))
+
+
+def test_a_rank_that_raises_under_ulfm_leaves_through_leave(monkeypatch) -> None:
+    """The loop hands an exception that makes the rank leave to ``_leave`` (which never
+    returns), and restores nothing."""
+    from mpicoll.elastic import runner
+
+    left = []
+
+    def leave(exc: BaseException) -> None:
+        left.append(exc)
+        raise SystemExit(9)                       # as the real one, it does not return
+
+    monkeypatch.setattr(runner, "_leaves", lambda exc: True)
+    monkeypatch.setattr(runner, "_leave", leave)
+    state = elastic.ObjectState(step=0)
+
+    @elastic.run
+    def f(state: elastic.ObjectState) -> None:
+        raise RuntimeError("bad batch")
+
+    with pytest.raises(SystemExit):
+        f(state)
+    assert [str(e) for e in left] == ["bad batch"]
+
+
+class _Ended(Exception):
+    """What the stand-ins for os._exit and SIGKILL raise, with the status."""
+
+
+class _FakeWorld:
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def Get_rank(self) -> int:
+        return self.rank
+
+    def Get_size(self) -> int:
+        return self.size
+
+
+def _fake_exits(monkeypatch, runner, failed: list[int]) -> None:
+    """``runner``'s world: rank 1 of 3, ``failed`` known failed; os._exit and the SIGKILL
+    raise :class:`_Ended` (``"kill"`` for the kill)."""
+    import types
+
+    def exit_(status: int) -> None:
+        raise _Ended(status)
+
+    def kill() -> None:
+        raise _Ended("kill")
+
+    monkeypatch.setattr(runner.runtime_world, "comm", lambda: _FakeWorld(1, 3))
+    monkeypatch.setattr(runner.failures, "failed_ranks", lambda *a, **k: list(failed))
+    monkeypatch.setattr(runner, "os", types.SimpleNamespace(_exit=exit_))
+    monkeypatch.setattr(runner, "_kill_self", kill)
+    monkeypatch.setattr(runner, "LEAVE_WAIT_S", 0.01)
+
+
+@pytest.mark.parametrize("failed, status", [([0], "kill"), ([0, 2], 1)])
+def test_a_leaving_rank_says_why_and_kills_itself_unless_last(monkeypatch, capsys, failed,
+                                                              status) -> None:
+    """``_leave`` prints the traceback, then kills itself while another rank lives, or
+    exits with LEFT_STATUS (1) when every other rank has failed."""
+    from mpicoll.elastic import runner
+
+    _fake_exits(monkeypatch, runner, failed)
+    try:
+        raise ValueError("bad input on this rank")
+    except ValueError as exc:
+        with pytest.raises(_Ended) as ended:
+            runner._leave(exc)
+    assert ended.value.args == (status,)
+    err = capsys.readouterr().err
+    assert "rank 1 of 3 raised ValueError" in err and "lost rank" in err
+    assert "bad input on this rank" in err and "Traceback" in err
+
+
+def test_a_rank_whose_function_ended_leaves_saying_why(monkeypatch, capsys) -> None:
+    """``_leave_ended`` (the ending's ``leave``) prints the reason and kills the process."""
+    from mpicoll.elastic import runner
+
+    _fake_exits(monkeypatch, runner, [])
+    with pytest.raises(_Ended, match="kill"):
+        runner._leave_ended("rank 1's elastic function returned while rank 0 waits")
+    err = capsys.readouterr().err
+    assert "rank 1's elastic function returned while rank 0 waits: it leaves the job as " \
+           "a lost rank" in err
+
+
+def test_a_reset_is_retried_while_ranks_fail_and_other_errors_propagate() -> None:
+    """``_reset_until_stable``: a ProcessFailedError during the reset means reset again
+    (at most MAX_RESETS_PER_FAILURE times, then RuntimeError); any other MPI error is
+    raised as it is."""
+    from mpi4py import MPI
+
+    from mpicoll import errors
+    from mpicoll.elastic import runner
+
+    calls = []
+
+    def reset(fail_times: int) -> None:
+        calls.append(1)
+        if len(calls) <= fail_times:
+            raise errors.ProcessFailedError("rank 1 failed", [1])
+
+    runner._reset_until_stable(lambda: reset(2))
+    assert len(calls) == 3
+    calls.clear()
+    with pytest.raises(RuntimeError, match="kept failing: 16 resets in a row"):
+        runner._reset_until_stable(lambda: reset(100))
+    assert len(calls) == runner.MAX_RESETS_PER_FAILURE
+
+    def broken() -> None:
+        raise MPI.Exception(MPI.ERR_OTHER)
+
+    with pytest.raises(MPI.Exception):
+        runner._reset_until_stable(broken)
+
+
+def test_a_growth_that_fails_keeps_the_size_or_shrinks(monkeypatch, caplog) -> None:
+    """``_grow_or_reset``: a GrowthError keeps the world (logged, and discovery does not
+    retry that target); a process failure while growing shrinks instead; another MPI
+    error is raised."""
+    from mpi4py import MPI
+
+    from mpicoll import errors
+    from mpicoll.elastic import discovery, runner, shrink
+
+    source = discovery.Discovery(lambda: 3)
+    monkeypatch.setattr(discovery, "_active", source)
+    interrupt = discovery.HostsAddedInterrupt(2, 3)
+    resets = []
+
+    def grow_with(exc: BaseException):
+        def grow(new_size: int) -> None:
+            assert new_size == 3
+            raise exc
+        return grow
+
+    with caplog.at_level("ERROR", logger="mpicoll.elastic"):
+        event = runner._grow_or_reset(interrupt, lambda: resets.append(1),
+                                      grow_with(runner.GrowthError("no free slots")))
+    assert event is None and resets == [] and source.failed_target == 3
+    assert "no free slots; the job goes on at 2 ranks" in caplog.text
+    recovery = object()
+    monkeypatch.setattr(shrink, "last_recovery", recovery)
+    event = runner._grow_or_reset(interrupt, lambda: resets.append(1),
+                                  grow_with(errors.ProcessFailedError("rank 1", [1])))
+    assert event is recovery and resets == [1]
+    with pytest.raises(MPI.Exception):
+        runner._grow_or_reset(interrupt, lambda: resets.append(1),
+                              grow_with(MPI.Exception(MPI.ERR_OTHER)))
+    assert resets == [1]

@@ -213,3 +213,118 @@ def test_stopped_supervisor_leaves_no_process(tmp_path, signum):
         except ProcessLookupError:
             pass
     assert not left, f"processes of the job left alive: {left}"
+
+
+def _supervisor(tmp_path: Path, *options: str) -> launch.Supervisor:
+    """A supervisor (not started) for ``true``, discovering ``localhost:4``."""
+    args = launch.parse_args(["--min-np", "1", "--max-np", "3", "--host-discovery-script",
+                              "echo localhost:4", *options, "--", "true"])
+    return launch.Supervisor(args, tmp_path)
+
+
+def test_bad_counts_are_refused(capsys):
+    """--max-restarts below 0 or --slots below 1: argparse's error, status 2."""
+    for bad in (["--max-restarts", "-1"], ["--slots", "0"], ["--elastic-timeout", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            launch.parse_args(["--min-np", "1", "--max-np", "2", *bad, "--", "true"])
+        assert exc.value.code == 2
+        assert "--max-restarts and --elastic-timeout must be >= 0, --slots >= 1" in \
+            capsys.readouterr().err
+
+
+def test_np_sizes_only_the_first_launch(tmp_path):
+    """-np sets the first launch's size (within the slots); relaunches take as many slots
+    as --max-np allows."""
+    supervisor = _supervisor(tmp_path, "-np", "2")
+    assert supervisor.hosts_for_launch()[1] == 2
+    supervisor.launches = 1
+    assert supervisor.hosts_for_launch()[1] == 3
+
+
+def test_an_unwritable_event_log_only_warns(tmp_path, caplog):
+    """The event log cannot be appended to (its directory is gone): a warning, the event
+    is still kept in memory."""
+    supervisor = _supervisor(tmp_path / "missing")
+    with caplog.at_level("WARNING", logger="mpicoll.elastic.launch"):
+        supervisor.event("discovered", slots=4)
+    assert "cannot append to the event log" in caplog.text
+    assert supervisor.events[-1]["event"] == "discovered"
+
+
+def test_jobs_get_the_users_mpi4py_setting_back(tmp_path, monkeypatch):
+    """After the supervisor's re-exec the jobs see the user's MPI4PY_RC_INITIALIZE again
+    (removed when the user had none), and the commit directory and restart count."""
+    supervisor = _supervisor(tmp_path)
+    monkeypatch.setenv(launch._REEXEC_MARK, "1")
+    monkeypatch.setenv("MPI4PY_RC_INITIALIZE", "0")
+    env = supervisor.job_env(2)
+    assert env["MPI4PY_RC_INITIALIZE"] == "1" and launch._REEXEC_MARK not in env
+    assert env[disk.ENV_DIR] == str(tmp_path) and env[disk.ENV_RESTART] == "2"
+    monkeypatch.setenv(launch._REEXEC_MARK, launch._UNSET)
+    assert "MPI4PY_RC_INITIALIZE" not in supervisor.job_env(0)
+
+
+def test_a_signal_before_or_during_a_failing_launch_stops(tmp_path, monkeypatch):
+    """A stop signal seen before a launch, or while a job failed, ends the supervisor
+    with 128 + the signal and no relaunch."""
+    supervisor = _supervisor(tmp_path)
+    supervisor.stop_signal = signal.SIGTERM
+    assert supervisor.run() == 128 + signal.SIGTERM and supervisor.launches == 0
+
+    def failed_while_stopping(proc, stopping):
+        proc.wait()
+        supervisor.stop_signal = signal.SIGINT
+        return 1
+
+    supervisor.stop_signal = None
+    monkeypatch.setattr(launch, "wait_job", failed_while_stopping)
+    assert supervisor.run() == 128 + signal.SIGINT and supervisor.launches == 1
+
+
+def test_a_launcher_that_cannot_start_is_an_error(tmp_path, monkeypatch, capsys):
+    """mpiexec found but failing to start (OSError): status 1, naming it."""
+    def start_job(argv, env):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(launch, "start_job", start_job)
+    rc = launch.main(["--min-np", "1", "--max-np", "1", "--commit-dir", str(tmp_path),
+                      "--", "true"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "error: cannot start" in err and "Permission denied" in err, err
+
+
+def test_a_signal_while_discovering_stops_the_supervisor(tmp_path, capsys):
+    """SIGTERM while the discovery runs (here: sent by the script, which then fails):
+    'stopped by signal 15', status 143, not the discovery's error."""
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\nkill -TERM $PPID\nexit 3\n")
+    script.chmod(0o755)
+    rc = launch.main(["--min-np", "1", "--max-np", "1", "--host-discovery-script",
+                      str(script), "--commit-dir", str(tmp_path / "c"), "--", "true"])
+    err = capsys.readouterr().err
+    assert rc == 128 + signal.SIGTERM and "stopped by signal 15" in err, err
+
+
+def test_the_supervisor_restarts_itself_without_mpi(monkeypatch):
+    """Where importing mpicoll initialised MPI, ``python -m mpicoll.elastic.launch``
+    execs itself again with MPI4PY_RC_INITIALIZE=0, keeping the user's value for the
+    jobs; once re-executed it does not again."""
+    seen = []
+
+    def execve(path, argv, env):
+        seen.append((path, argv, env))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(launch.os, "execve", execve)
+    monkeypatch.setattr(sys, "argv", ["launch.py", "--min-np", "1"])
+    monkeypatch.setenv("MPI4PY_RC_INITIALIZE", "1")
+    monkeypatch.delenv(launch._REEXEC_MARK, raising=False)
+    with pytest.raises(SystemExit):
+        launch._reexec_without_mpi()
+    (path, argv, env), = seen
+    assert path == sys.executable and argv[1:] == ["-m", "mpicoll.elastic.launch",
+                                                   "--min-np", "1"]
+    assert env["MPI4PY_RC_INITIALIZE"] == "0" and env[launch._REEXEC_MARK] == "1"
+    monkeypatch.setenv(launch._REEXEC_MARK, "1")
+    launch._reexec_without_mpi()                 # returns: already re-executed
+    assert len(seen) == 1

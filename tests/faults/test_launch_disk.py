@@ -91,3 +91,25 @@ def test_light_import():
     modules |= {node.module.split(".")[0] for node in ast.walk(tree)
                 if isinstance(node, ast.ImportFrom) and node.module and not node.level}
     assert modules <= set(sys.stdlib_module_names), modules
+
+
+def test_a_commit_that_cannot_be_written_leaves_nothing_behind(commit_env):
+    """The last commit's place is taken by a directory: no previous copy can be linked,
+    the new commit cannot replace it: CommitError, and no temporary file is left."""
+    (commit_env / disk.COMMIT_NAME).mkdir(parents=True)
+    with pytest.raises(disk.CommitError, match="cannot write the commit"):
+        disk.save(b"state")
+    assert sorted(p.name for p in commit_env.iterdir()) == [disk.COMMIT_NAME]
+
+
+def test_a_first_launch_under_the_supervisor_starts_from_the_state_given(commit_env):
+    """Under the supervisor with no commit on disk yet, ``load_from_disk`` leaves the state
+    alone; after a commit it loads that commit."""
+    from mpicoll import elastic
+    from mpicoll.elastic.state import load_from_disk
+
+    state = elastic.ObjectState(step=5)
+    assert not load_from_disk(state) and state.step == 5
+    state.commit()                                # rank 0 writes it to disk
+    fresh = elastic.ObjectState(step=0)
+    assert load_from_disk(fresh) and fresh.step == 5

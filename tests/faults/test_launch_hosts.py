@@ -3,6 +3,9 @@ horovodrun's discovery format, Slurm's allocation (fake scontrol/sinfo on PATH),
 mpiexec/srun lines for MPICH, Open MPI and Slurm."""
 from __future__ import annotations
 
+import shutil
+import sys
+
 import pytest
 
 from mpicoll.elastic import launch_hosts as lh
@@ -65,3 +68,48 @@ def test_placement_and_command_lines():
     assert srun_argv(hosts, 5, [], ["x"]) == [
         "srun", "--nodelist=a,b,c", "--nodes=3", "--ntasks=5", "--kill-on-bad-exit=1",
         "--mpi=pmi2", "x"]
+
+
+def test_discovery_scripts_that_cannot_run_or_answer(tmp_path, monkeypatch):
+    """An empty command, a script without the execute bit, and one that does not answer
+    in time: a DiscoveryError saying which."""
+    with pytest.raises(lh.DiscoveryError, match="script is empty"):
+        lh.run_discovery_script("  ")
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:2\n")
+    script.chmod(0o644)
+    with pytest.raises(lh.DiscoveryError, match="is not executable"):
+        lh.run_discovery_script(str(script))
+    monkeypatch.setattr(lh, "DISCOVERY_TIMEOUT_S", 0.2)
+    with pytest.raises(lh.DiscoveryError, match="sleep 5 did not answer within 0 s"):
+        lh.run_discovery_script("sleep 5")
+
+
+def test_slurm_hosts_skip_sinfo_lines_without_a_state(tmp_path, monkeypatch):
+    """A sinfo line without a state column says nothing: the node is not dropped."""
+    _fake_slurm(tmp_path, monkeypatch, ["n1", "n2 down", "n3 idle"])
+    env = {"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "1(x3)"}
+    assert lh.slurm_hosts(env) == [Host("n1", 1), Host("n3", 1)]
+
+
+def test_find_mpiexec_explicit_beside_python_or_on_path(tmp_path, monkeypatch):
+    """--mpiexec by name or path (refused when absent), else PATH's mpiexec or mpirun when
+    none is beside this Python; a launcher that cannot run is taken for MPICH's."""
+    from mpicoll.elastic import launch_command as lc
+
+    assert lc.find_mpiexec("sh") == shutil.which("sh")
+    with pytest.raises(lc.LaunchError, match="'no-such-mpiexec': not found"):
+        lc.find_mpiexec("no-such-mpiexec")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    mpirun = bin_dir / "mpirun"
+    mpirun.write_text("#!/bin/sh\necho 'mpirun (Open MPI) 5.0.3'\n")
+    mpirun.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert lc.find_mpiexec() == str(mpirun)
+    assert lc.mpiexec_flavour(str(mpirun)) == "openmpi"
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(lc.LaunchError, match="no mpiexec next to this Python nor on PATH"):
+        lc.find_mpiexec()
+    assert lc.mpiexec_flavour(str(tmp_path / "absent-mpiexec")) == "mpich"

@@ -53,6 +53,10 @@ def test_count_displacement_and_reinterpreting_specs(comm) -> None:
     as_bytes = FakeDevice(np.zeros(40, np.uint8))
     c.Bcast([as_bytes, MPI.INT], root=0)                 # bytes seen as 10 ints
     assert as_bytes.array.sum() == 0
+    floats = np.arange(6, dtype=np.float32)
+    raw_out = FakeDevice(np.zeros(24, np.uint8))
+    c.Allreduce([FakeDevice(floats.copy()), "f"], [raw_out, "f"])   # typechar datatypes
+    np.testing.assert_array_equal(raw_out.array.view(np.float32), floats)
 
 
 def test_device_specs_mpi_alone_could_take_are_refused(comm) -> None:

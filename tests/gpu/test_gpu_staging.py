@@ -335,3 +335,17 @@ def test_an_error_in_a_host_call_drains_the_streams() -> None:
         staging.staged("allreduce", (x, None, "sum"), host, comm=SimulatedWorld(1).comm(0),
                        copies=copies, chunk_bytes=400)
     assert copies.log[-1][0] == "drain" and copies.pending() == 0
+
+
+def test_numpy_copies_take_numpy_arrays_and_allocate_host_arrays() -> None:
+    """NumpyCopies (host ranks' side of the staged path) refuses other objects, and
+    allocates plain C-ordered numpy arrays."""
+    copies = NumpyCopies(HostSlots(lambda n: np.empty(n, np.uint8)))
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert copies.as_array(x) is x
+    with pytest.raises(TypeError, match="NumpyCopies handles numpy arrays, not list"):
+        copies.as_array([1.0])
+    like = copies.empty_like(x)
+    assert type(like) is np.ndarray and like.shape == (2, 3) and like.dtype == np.float32
+    new = copies.empty((4,), np.int16, x)
+    assert new.shape == (4,) and new.dtype == np.int16 and new.flags.c_contiguous

@@ -299,3 +299,35 @@ def test_single_process_warmup_is_uncompressed_then_continues_the_momentum():
             assert not np.allclose(got, grad, rtol=1e-3, atol=1e-3)   # it compressed
     finally:
         hvd.shutdown()
+
+
+def test_compressed_allreduce_refuses_bad_tensors_and_factors():
+    """hvd.allreduce with a codec: a scaling factor that is no number (a bool neither), an
+    input that is no tensor (alone or in a group), a sparse tensor: TypeError naming it."""
+    hvd = _one_process()
+    int8 = Compression.int8
+    cases = [
+        (lambda: hvd.allreduce(torch.ones(3), compression=int8, prescale_factor="2"),
+         "prescale_factor must be a number, not str"),
+        (lambda: hvd.allreduce(torch.ones(3), compression=int8, postscale_factor=True),
+         "postscale_factor must be a number, not bool"),
+        (lambda: hvd.allreduce(np.ones(3, np.float32), compression=int8),
+         "tensor must be a torch.Tensor, not ndarray"),
+        (lambda: hvd.grouped_allreduce([torch.ones(3), [1.0]], compression=int8),
+         "tensor 1 must be a torch.Tensor, not list"),
+        (lambda: hvd.allreduce(torch.ones(3).to_sparse(), compression=int8),
+         "tensor is a torch.sparse_coo tensor on cpu; compression='int8' reduces dense CPU"),
+    ]
+    for call, words in cases:
+        with pytest.raises(TypeError) as info:
+            call()
+        assert words in str(info.value), str(info.value)
+
+
+def test_fp16_decompress_keeps_what_was_not_converted():
+    """Compression.fp16 leaves float16 tensors and a missing context as they are."""
+    half = torch.tensor([1.5, -2.0], dtype=torch.float16)
+    sent, ctx = Compression.fp16.compress(half)
+    assert sent is half and ctx is torch.float16
+    assert Compression.fp16.decompress(sent, ctx) is half
+    assert Compression.fp16.decompress(half, None) is half
