@@ -256,8 +256,6 @@ def creation_failure(exc: BaseException, parent: Any, members: list[int],
     ranks of the new communicator; ``created`` (a communicator made before the failure)
     is revoked, so members still creating wake. ``None``: no process failure (or no
     ULFM)."""
-    if not ENABLED:
-        return None
     members = members or list(range(parent.Get_size()))
     failure = failed_by(exc, parent) is not None
     dead = failed_ranks(parent, FAILED_WAIT_S if failure else OTHER_WAIT_S)
