@@ -118,8 +118,6 @@ global_process_set.process_set_id = 0
 
 
 def _registered(process_set: ProcessSet) -> tuple[ProcessSet, Engine | None]:
-    if process_set.process_set_id == 0:
-        return process_set, None
     entry = _registry.get(process_set.process_set_id)   # type: ignore[arg-type]
     if entry is None:
         raise ValueError("Process set does not exist or has not been registered.")

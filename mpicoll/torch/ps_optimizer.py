@@ -380,8 +380,6 @@ def distributed_optimizer(optimizer: torch.optim.Optimizer, named_parameters: An
     pairs = check_named_parameters(named_parameters, optimizer.param_groups, "param")
     by_id = {id(p) for p in params}
     named = {n: p for n, p in pairs if id(p) in by_id}
-    if "optimizer" in ps_options:
-        raise ValueError("pass the server-side optimizer as server_optimizer=...")
     options = dict(ps_options, optimizer=server_optimizer)
     local = server_optimizer == "sum"
     if local:

@@ -324,3 +324,36 @@ def test_state_dict_round_trip_and_close():
     with _make(_model(), sync_every=4) as d3:
         with pytest.raises(ValueError, match="other settings"):
             d3.load_state_dict(saved[0])
+
+
+def test_model_and_optimizer_type_errors():
+    """What is not a module, an optimizer, or as many outer optimizers as fragments (or
+    one), and a model without parameters, are refused naming the argument."""
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7)
+    with pytest.raises(TypeError, match="model must be an nn.Module, not list"):
+        DiLoCo([model], inner, outer, sync_every=4)
+    with pytest.raises(TypeError, match="inner_optimizer must be a torch.optim.Optimizer, "
+                                        "not dict"):
+        DiLoCo(model, {}, outer, sync_every=4)
+    with pytest.raises(ValueError, match="a list of 2 optimizers for 3 fragments"):
+        DiLoCo(model, inner, [outer, outer], sync_every=3, fragments=3)
+    with pytest.raises(ValueError, match="the model has no parameters"):
+        DiLoCo(torch.nn.Tanh(), inner, outer, sync_every=4)
+
+
+def test_load_state_dict_while_an_exchange_is_in_flight():
+    """Loading a state while a fragment's exchange is in flight waits for it first; the
+    state saved at that very point, loaded there, changes nothing: training goes on as
+    without the load."""
+    with _make(_model(), sync_every=4, fragments=2, overlap=1) as ref:
+        _run(ref, 1, 11)
+        want = _flat(ref.global_parameters()).clone()
+    with _make(_model(), sync_every=4, fragments=2, overlap=1) as d:
+        _run(d, 1, 5)
+        assert d.in_flight() == 0
+        import copy
+        d.load_state_dict(copy.deepcopy(d.state_dict()))
+        _run(d, 6, 11)
+        assert torch.equal(_flat(d.global_parameters()), want)

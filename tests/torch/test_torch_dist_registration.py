@@ -338,3 +338,28 @@ def test_rank_and_world_size_in_the_environment_must_be_mpis(monkeypatch, rank, 
             next(startup._env_handler("env://"))
     else:
         startup._check_env_matches_mpi()
+
+
+def test_a_users_store_giving_another_rank_than_mpis_is_refused():
+    """``init_process_group("mpicoll", store=..., rank=1, world_size=2)`` in a one-process
+    MPI world: the backend refuses the rendezvous' rank and size, naming both and MPI's
+    (a fresh process: the failed default group is not left behind in this session)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch.distributed as dist
+        import mpicoll.torch  # noqa: F401
+        try:
+            dist.init_process_group("mpicoll", store=dist.HashStore(), rank=1, world_size=2)
+        except RuntimeError as exc:
+            print("refused:", exc)
+        print("initialized:", dist.is_initialized())
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert ("the mpicoll backend got rank 1 of 2 from torch's rendezvous, but MPI says rank 0 "
+            "of 1") in proc.stdout, proc.stdout + proc.stderr
+    assert "initialized: False" in proc.stdout, proc.stdout

@@ -81,6 +81,31 @@ def test_deadlock_fails_every_incomplete_entry():
     assert "not by ranks 1" in out[0].error and not neg.busy()
 
 
+
+def test_a_deadlock_with_joined_ranks_fails_their_join_too():
+    """Rank 0 joined, ranks 1 and 2 wait on different names: both entries and the join
+    fail, the join's error naming the joined rank."""
+    neg = Negotiator(3)
+    out = neg.process([[Meta(JOIN, "join")], [ar("a")], [ar("b")]], [True, True, True])
+    assert [r.name for r in out[1:3]] == ["a", "b"]
+    assert "submitted by ranks 1 but not by ranks 2" in out[1].error
+    assert out[-1].kind == "join" and out[-1].error.startswith(
+        "join() can never complete: ranks 0 joined") and not neg.busy()
+
+
+def test_a_name_submitted_twice_by_one_rank_is_an_error_naming_it():
+    neg = Negotiator(2)
+    out = neg.process([[ar("a")], [ar("a"), ar("a")]], [False, False])
+    assert [(r.name, r.error) for r in out] == [
+        ("a", "allreduce 'a': rank 1 submitted this name twice"), ("a", None)]
+
+
+def test_an_allgather_of_scalars_is_refused_on_every_rank():
+    neg = Negotiator(2)
+    scalar = Meta("g", "allgather", "float32", ())
+    out = neg.process([[scalar], [scalar]], [False, False])
+    assert out[0].error == "allgather 'g': tensors must have at least one dimension"
+
 def test_deadlock_of_diverged_unnamed_numbering_says_so_and_realigns_first():
     # rank 0 skipped allreduce.noname.4: ranks 0 and 1 wait on different numbers
     neg = Negotiator(3)
@@ -334,3 +359,101 @@ def test_horovod_internal_error_catches_only_what_elastic_recovers_from():
                   errors.CollectiveError("mpicoll.torch has been shut down by rank 1"),
                   ValueError("bad argument")):
         assert not caught(error), type(error).__name__
+
+
+def test_a_failing_shutdown_at_exit_is_logged_not_raised(monkeypatch, caplog):
+    """The exit handler has nobody to raise to: a failing shutdown becomes a warning."""
+    from mpicoll.torch import state
+
+    def broken(reason: str) -> None:
+        raise RuntimeError(f"cannot stop ({reason[:10]})")
+
+    monkeypatch.setattr(state, "_stop", broken)
+    with caplog.at_level("WARNING", logger="mpicoll.torch"):
+        state._shutdown_at_exit()
+    assert "shutdown at exit failed: cannot stop (its proces)" in caplog.text
+
+
+def test_env_handler_falls_back_to_torchs_and_refuses_a_re_rendezvous(monkeypatch):
+    """torch's ``env://`` handler answers where no MPI launcher started the process, or
+    ``RANK`` is set; under one without ``RANK`` the MPI rendezvous answers once and a
+    second rendezvous is refused (as torch's handlers refuse one)."""
+    from mpicoll.torch.distributed import startup
+
+    def torchs(url, **kwargs):
+        yield ("torch's store", url, kwargs["timeout"])
+
+    monkeypatch.setattr(startup, "_torch_env_handler", torchs)
+    monkeypatch.setattr(startup, "mpi_rendezvous", lambda timeout: ("mpi store", 0, 1))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(startup, "in_mpi_launch", lambda: False)
+    assert list(startup._env_handler("env://", timeout=5)) == [("torch's store", "env://", 5)]
+    monkeypatch.setattr(startup, "in_mpi_launch", lambda: True)
+    handler = startup._env_handler("env://")
+    assert next(handler) == ("mpi store", 0, 1)
+    with pytest.raises(RuntimeError, match="unable to perform re-rendezvous using the MPI"):
+        next(handler)
+    monkeypatch.setenv("RANK", "0")
+    assert next(startup._env_handler("env://", timeout=7)) == ("torch's store", "env://", 7)
+
+
+def test_answer_joiners_refuses_a_group_started_without_the_mpi_rendezvous(monkeypatch):
+    """A grown world's new processes reach the default group's store only through the MPI
+    rendezvous: with torchrun's or the user's own store, the running ranks refuse."""
+    from mpicoll.torch.distributed import startup
+
+    monkeypatch.setattr(startup, "_served", [])
+    with pytest.raises(RuntimeError, match="not started through mpicoll's MPI rendezvous"):
+        startup.answer_joiners(object())
+
+
+def _elastic_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(3, 2)
+
+
+def test_torch_state_serialize_round_trips_the_last_commit():
+    """TorchState's bytes (the relaunching supervisor's disk copy) carry the last commit of
+    the model, the optimizer and the plain objects, not what changed since; deserialize
+    then restore brings them into another state's objects."""
+    from mpicoll.torch.elastic import TorchState
+
+    model = _elastic_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()                                           # momentum buffers in the state
+    state = TorchState(model=model, optimizer=opt, epoch=3)
+    state.save()
+    committed = {k: v.clone() for k, v in model.state_dict().items()}
+    momentum = opt.state_dict()["state"][0]["momentum_buffer"].clone()
+    with torch.no_grad():
+        model.weight.add_(5.0)                           # after the commit: not in it
+    state.epoch = 9
+    payload = state.serialize()
+
+    other_model = _elastic_model(1)
+    other_opt = torch.optim.SGD(other_model.parameters(), lr=0.1, momentum=0.9)
+    other = TorchState(model=other_model, optimizer=other_opt, epoch=0)
+    other.deserialize(payload)
+    other.restore()
+    for name, tensor in other_model.state_dict().items():
+        assert torch.equal(tensor, committed[name]), name
+    assert torch.equal(other_opt.state_dict()["state"][0]["momentum_buffer"], momentum)
+    assert other.epoch == 3
+
+
+def test_torch_state_assigning_a_new_model_commits_it():
+    """``state.model = other`` (Horovod's): the handler holds ``other`` and commits it at
+    once, so a restore goes back to ``other`` as it was assigned."""
+    from mpicoll.torch.elastic import TorchState
+
+    state = TorchState(model=_elastic_model(0), epoch=0)
+    other = _elastic_model(1)
+    assigned = other.weight.detach().clone()
+    state.model = other
+    assert state.model is other
+    with torch.no_grad():
+        other.weight.zero_()
+    state.restore()
+    assert torch.equal(other.weight, assigned)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..engine.dtypes import numpy_view, reduce_dtype
 
 __all__ = ["op_name", "op_label", "premul_factor", "check_tensor", "check_reduce_dtype", "Host",
-           "byte_view", "describe"]
+           "byte_view"]
 
 _BITWISE = {"BAND": "band", "BOR": "bor", "BXOR": "bxor"}
 _OPS = {"SUM": "sum", "AVG": "average", "PRODUCT": "prod", "MIN": "min", "MAX": "max",
@@ -77,11 +77,6 @@ def check_reduce_dtype(tensor: torch.Tensor, op: str, argname: str = "tensor") -
         raise TypeError(f"reduce op {op} needs an integer or bool tensor, not {tensor.dtype}")
     if tensor.is_complex() and op in ("min", "max"):
         raise TypeError(f"reduce op {op} is not defined for complex {argname}")
-
-
-def describe(tensor: torch.Tensor) -> str:
-    """``"7 x torch.int64"``, for messages."""
-    return f"{tensor.numel()} x {tensor.dtype}"
 
 
 class Host:

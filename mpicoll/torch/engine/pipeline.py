@@ -111,9 +111,7 @@ def _args(collective: str, inputs: Sequence[Any], outputs: Sequence[Any], root: 
         return ((inputs or outputs)[0], root), lambda fn: lambda a: fn(a[0])
     if collective == "allgather":
         return (inputs[0], outputs[0]), lambda fn: lambda a: fn(*a)
-    if collective == "reduce_scatter":
-        return (inputs[0], outputs[0], None), lambda fn: lambda a: fn(a[0], a[1])
-    raise ValueError(f"{collective!r} is not chunked; chunked: {', '.join(CHUNKABLE)}")
+    return (inputs[0], outputs[0], None), lambda fn: lambda a: fn(a[0], a[1])  # reduce_scatter
 
 
 def run(engine: Any, dev: Any, collective: str, inputs: Sequence[torch.Tensor],

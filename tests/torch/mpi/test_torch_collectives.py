@@ -166,6 +166,18 @@ def test_broadcast_from_every_root(dtype):
         assert torch.equal(x, rank_data(root, 9, torch.int64).to(dtype))
 
 
+def test_broadcast_into_a_non_contiguous_view():
+    """``broadcast_`` of a strided view writes the root's values into the view (through a
+    contiguous copy) and leaves the rest of its base alone."""
+    root = hvd.size() - 1
+    base = torch.zeros(5, 3)
+    view = base[:, 2]
+    view.copy_(rank_data(hvd.rank(), 5, torch.float32))
+    hvd.broadcast_(view, root_rank=root)
+    assert torch.equal(base[:, 2], rank_data(root, 5, torch.float32))
+    assert torch.equal(base[:, :2], torch.zeros(5, 2))
+
+
 def test_objects_and_barrier():
     gathered = hvd.allgather_object({"rank": hvd.rank(), "pad": "x" * hvd.rank()})
     assert gathered == [{"rank": r, "pad": "x" * r} for r in range(hvd.size())]

@@ -2,6 +2,8 @@
 gradients, backward_passes_per_step, skip_synchronize, compression, state broadcast."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -139,6 +141,56 @@ def test_gradients_set_to_none_or_replaced_by_the_user(mode):
             assert torch.allclose(first.grad, list(ref.parameters())[0].grad, atol=1e-6)
     opt.zero_grad()
     assert all(p.grad is opt._views[p] for p in model.parameters())
+
+
+def test_unused_parameter_after_model_zero_grad_is_reduced_as_zeros(mode):
+    """After ``model.zero_grad()`` (gradients None) a parameter that only some ranks use
+    has no gradient on the others: it is reduced as zeros there (the average counts
+    them) and gets a zero-filled gradient."""
+    n = hvd.size()
+    torch.manual_seed(2)
+    a, b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    named = [("a." + k, v) for k, v in a.named_parameters()]
+    named += [("b." + k, v) for k, v in b.named_parameters()]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([v for _, v in named], lr=0.0),
+                                   named_parameters=named)
+    users = [r for r in range(n) if r % 2 == 0]
+    for rep in range(2):
+        a.zero_grad()
+        b.zero_grad()
+        out = a(torch.ones(1, 2))
+        if hvd.rank() in users:
+            out = out + (hvd.rank() + 1) * b(torch.ones(1, 2))
+        out.sum().backward()
+        opt.step()
+        mean = sum(r + 1 for r in users) / n
+        assert torch.allclose(a.weight.grad, torch.ones(1, 2))
+        assert torch.allclose(b.weight.grad, torch.full((1, 2), mean)), rep
+        assert torch.allclose(b.bias.grad, torch.full((1,), mean)), rep
+
+
+def test_step_after_synchronize_without_skip_synchronize_warns(mode):
+    """``synchronize()`` then ``step()`` outside ``skip_synchronize()`` reduces the
+    gradients twice: Horovod's warning (an average of equal gradients is unchanged)."""
+    n = hvd.size()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    ref = make_model()
+    x, y = full_batch(0, n)
+    loss_fn(model, *my_shard(x, y)).backward()
+    opt.synchronize()
+    with pytest.warns(UserWarning, match="without optimizer.skip_synchronize.* reduces "
+                                         "gradients twice"):
+        opt.step()
+    loss_fn(ref, x, y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6)
+    opt.zero_grad()
+    loss_fn(model, *my_shard(x, y)).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                  # a plain step: no warning
+        opt.step()
 
 
 def test_layout_mismatch_raises_on_every_rank(mode):

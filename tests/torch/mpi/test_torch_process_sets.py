@@ -2,6 +2,8 @@
 hybrid data x tensor parallelism), registration rules, errors, shutdown."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from mpi4py import MPI
@@ -164,11 +166,15 @@ def test_registration_errors_raise_on_every_rank():
     if n == 1:
         return                                            # [0] is the global set
     ps = hvd.add_process_set([0])
+    twin = copy.copy(ps)                                  # a copy keeps the set's id
     with pytest.raises(ValueError, match="duplicate"):
         hvd.add_process_set([0])
     assert hvd.remove_process_set(ps) and ps.process_set_id is None
     assert hvd.remove_process_set(ps) is False
     assert ps.size() is None
+    with pytest.raises(ValueError, match="does not exist or has not been registered"):
+        twin.size()                                       # removed through the original
+    assert hvd.remove_process_set(twin) is False
 
 
 def test_init_with_process_sets_and_shutdown_forgets_them():

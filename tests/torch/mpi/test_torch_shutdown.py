@@ -89,6 +89,24 @@ def test_pending_handles_fail_on_every_rank_with_their_names(fresh):
         hvd.synchronize(handle)
 
 
+def test_init_after_another_ranks_shutdown_starts_again(fresh):
+    """``hvd.init()`` on a rank whose adapter another rank's shutdown stopped (without a
+    ``hvd.shutdown()`` of its own) starts it afresh, as after a shutdown."""
+    last = fresh
+    if hvd.rank() == last:
+        hvd.shutdown()
+    else:
+        deadline = time.monotonic() + BOUND
+        while hvd.is_initialized() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not hvd.is_initialized()
+    MPI.COMM_WORLD.Barrier()
+    hvd.init()
+    assert hvd.is_initialized()
+    out = hvd.allreduce(torch.full((2,), float(hvd.rank())), op=hvd.Sum, name="restarted")
+    assert torch.equal(out, torch.full((2,), float(sum(range(hvd.size())))))
+
+
 def test_shutdown_on_every_rank_then_init_again():
     for stagger in (0.0, 0.2):
         time.sleep(stagger * hvd.rank())

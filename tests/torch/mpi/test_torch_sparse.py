@@ -183,9 +183,11 @@ def _counts(step: int, n: int) -> list[int]:
 
 
 def _train(ranks: list[int], steps: int, passes: int = 1, process_set=None,
-           **options) -> EmbeddingModel:
+           model_zero_grad: bool = False, **options) -> EmbeddingModel:
     """Train on this rank's shards with DistributedOptimizer(SGD); loss scaled so that
-    the average over members is the global batch's summed error / N_GLOBAL."""
+    the average over members is the global batch's summed error / N_GLOBAL. With
+    ``model_zero_grad`` each step starts with ``model.zero_grad()`` (gradients None)
+    instead of the optimizer's."""
     n, me = len(ranks), ranks.index(hvd.rank())
     model = EmbeddingModel()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
@@ -193,7 +195,7 @@ def _train(ranks: list[int], steps: int, passes: int = 1, process_set=None,
                                    backward_passes_per_step=passes, process_set=process_set,
                                    **options)
     for step in range(steps):
-        opt.zero_grad()
+        (model if model_zero_grad else opt).zero_grad()
         idx, y = _batch(step, _counts(step, n))[me]
         for part_idx, part_y in zip(idx.tensor_split(passes), y.tensor_split(passes)):
             model.loss(part_idx, part_y, n / N_GLOBAL).backward()
@@ -291,3 +293,47 @@ def test_optimizer_op_sum_sums_sparse_gradients():
     assert torch.allclose(model.emb.weight.grad.to_dense(), expected, atol=1e-12)
     with opt.skip_synchronize():
         opt.step()
+
+
+def test_sparse_as_dense_after_model_zero_grad(mode):
+    """``model.zero_grad()`` leaves the gradients None, so backward stores the embedding's
+    gradient sparse (and none on a rank whose shard is empty): ``sparse_as_dense=True``
+    reduces it dense all the same (zeros for none) and hands it back sparse."""
+    ranks = list(range(hvd.size()))
+    model = _train(ranks, steps=3, sparse_as_dense=True, model_zero_grad=True)
+    assert model.emb.weight.grad.is_sparse
+    _assert_same(model, _reference(len(ranks), steps=3))
+
+
+def test_a_codec_compressor_refuses_a_sparse_gradient():
+    """A codec compressor reduces dense flat buffers: a sparse gradient (stored after
+    ``model.zero_grad()``) is refused with TypeError on every rank, before anything is
+    sent, naming ``sparse_as_dense=True``."""
+    model = EmbeddingModel()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.int8)
+    model.zero_grad()
+    model.loss(torch.tensor([1, 2]), torch.ones(2, 2, dtype=torch.float64), 1.0).backward()
+    assert model.emb.weight.grad.is_sparse
+    with pytest.raises(TypeError, match=r"sparse gradient is reduced only with "
+                                        r"DistributedOptimizer\(..., sparse_as_dense=True\)"):
+        opt.step()
+    assert torch.equal(hvd.allreduce(torch.ones(2), name="after.codec.sparse"), torch.ones(2))
+
+
+def test_zero_grad_keeps_or_drops_a_sparse_gradient():
+    """``zero_grad(set_to_none=False)`` zeros a sparse parameter's reduced gradient in
+    place (torch's semantics); the default ``set_to_none=True`` drops it."""
+    model = EmbeddingModel()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    model.loss(torch.tensor([hvd.rank() % VOCAB, 1]),
+               torch.ones(2, 2, dtype=torch.float64), 1.0).backward()
+    opt.step()
+    grad = model.emb.weight.grad
+    assert grad.is_sparse and bool(grad.to_dense().any())
+    opt.zero_grad(set_to_none=False)
+    assert model.emb.weight.grad is grad and not bool(grad.to_dense().any())
+    opt.zero_grad()
+    assert model.emb.weight.grad is None

@@ -93,3 +93,29 @@ def test_timeline_of_a_tiny_training_has_every_rank_and_horovods_activities():
         assert {e["name"] for e in tracks["tl.gather"]} >= {"NEGOTIATE_ALLGATHER", "ALLGATHER"}
         assert any(t.startswith("broadcast.") for t in tracks), sorted(tracks)
         assert [e["name"] for e in tracks["cycles"]].count("CYCLE") >= 3 or hvd.size() == 1
+
+
+def test_a_failed_operation_is_recorded_with_its_error(monkeypatch):
+    """An operation that fails while it runs (here a broadcast whose run raises on every
+    rank) is recorded on its tensor's track with the error in its arguments."""
+    from mpicoll.torch.engine import execute
+
+    def failing(engine_, bucket):
+        raise RuntimeError("injected broadcast failure")
+
+    monkeypatch.setitem(execute._RUNNERS, "broadcast", failing)
+    directory = MPI.COMM_WORLD.bcast(tempfile.mkdtemp() if hvd.rank() == 0 else None)
+    path = Path(directory) / "failed.json"
+    hvd.start_timeline(str(path))
+    try:
+        with pytest.raises(Exception, match="injected broadcast failure"):
+            hvd.broadcast(torch.ones(2), root_rank=0, name="tl.failed")
+    finally:
+        monkeypatch.undo()
+        hvd.stop_timeline()
+    hvd.barrier()
+    if hvd.rank() != 0:
+        return
+    for rank, tracks in _by_rank(json.loads(path.read_text())).items():
+        op = next(e for e in tracks["tl.failed"] if e["name"] == "BROADCAST")
+        assert "injected broadcast failure" in op["args"]["error"], (rank, op)

@@ -160,13 +160,94 @@ def all_to_all_single_rows(g, n, bad):
     dist.all_to_all_single(output, _ones(2 * n), group=g)
 
 
+def all_reduce_not_a_tensor(g, n, bad):
+    backend_of(g).allreduce([[1, 1, 1] if bad else _ones(3)], dist.AllreduceOptions()).wait()
+
+
+def all_reduce_sparse(g, n, bad):
+    backend_of(g).allreduce([_ones(3).to_sparse() if bad else _ones(3)]).wait()
+
+
+def all_reduce_max_complex(g, n, bad):
+    """torch's ``dist.all_reduce`` refuses it itself; DTensor-like callers reach the group."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    tensor = torch.ones(3, dtype=torch.complex64) if bad else _ones(3)
+    backend_of(g).allreduce([tensor], opts).wait()
+
+
+def all_gather_lists_count(g, n, bad):
+    """More output lists than input tensors."""
+    outs = [[_ones(3) for _ in range(n)] for _ in range(1 + bad)]
+    backend_of(g).allgather(outs, [_ones(3)]).wait()
+
+
+def all_gather_into_coalesced_count(g, n, bad):
+    backend_of(g).allgather_into_tensor_coalesced([_ones(3 * n)],
+                                                  [_ones(3)] * (1 + bad)).wait()
+
+
+def reduce_scatter_coalesced_count(g, n, bad):
+    backend_of(g).reduce_scatter_tensor_coalesced([_ones(3)], [_ones(3 * n)] * (1 + bad)).wait()
+
+
+def reduce_scatter_lists_count(g, n, bad):
+    """More input lists than output tensors."""
+    ins = [[_ones(3) for _ in range(n)] for _ in range(1 + bad)]
+    backend_of(g).reduce_scatter([_ones(3)], ins).wait()
+
+
+def reduce_scatter_uneven_dtype(g, n, bad):
+    """Uneven inputs (rank 0's block is longer) and an output of another dtype."""
+    ins = [_ones(3 + (i == 0)) for i in range(n)]
+    out = _ones(ins[dist.get_rank(g)].numel(), torch.int32 if bad else I64)
+    backend_of(g).reduce_scatter([out], [ins]).wait()
+
+
+def gather_two_inputs(g, n, bad):
+    outs = [[_ones(3) for _ in range(n)]] if dist.get_rank(g) == 0 else []
+    g.gather(outs, [_ones(3)] * (1 + bad), _opts("GatherOptions", 0)).wait()
+
+
+def gather_list_off_the_root(g, n, bad):
+    """A rank other than the root passes an output list."""
+    if n == 1:
+        pytest.skip("needs a rank other than the root")
+    me = dist.get_rank(g)
+    outs = [[_ones(3) for _ in range(n)]] if me == 0 or bad else []
+    g.gather(outs, [_ones(3)], _opts("GatherOptions", 0)).wait()
+
+
+def all_to_all_mixed_dtypes(g, n, bad):
+    outs = [_ones(2) for _ in range(n)]
+    if bad:
+        outs[0] = _ones(2, torch.int32)
+    backend_of(g).alltoall(outs, [_ones(2) for _ in range(n)]).wait()
+
+
+def all_to_all_single_dtype(g, n, bad):
+    output = _ones(2 * n, torch.int32 if bad else I64)
+    backend_of(g).alltoall_base(output, _ones(2 * n), [], []).wait()
+
+
+def all_to_all_single_uneven(g, n, bad):
+    """Rows that do not split evenly over the ranks, without split sizes."""
+    if n == 1:
+        pytest.skip("every row count splits over one rank")
+    backend_of(g).alltoall_base(_ones(2 * n + bad), _ones(2 * n + bad), [], []).wait()
+
+
 CASES = [all_reduce_bitwise_float, all_reduce_meta, broadcast_meta, broadcast_bad_root,
          reduce_bitwise_float, reduce_bad_root, all_gather_list_length, all_gather_output_size,
          all_gather_mixed_dtypes, all_gather_coalesced_list_length,
          all_gather_into_tensor_size, gather_list_length, gather_element_size,
          scatter_list_length, reduce_scatter_list_length, reduce_scatter_list_size,
          reduce_scatter_tensor_size, all_to_all_list_length, all_to_all_single_splits,
-         all_to_all_single_rows]
+         all_to_all_single_rows, all_reduce_not_a_tensor, all_reduce_sparse,
+         all_reduce_max_complex, all_gather_lists_count, all_gather_into_coalesced_count,
+         reduce_scatter_coalesced_count, reduce_scatter_lists_count, reduce_scatter_uneven_dtype,
+         gather_two_inputs, gather_list_off_the_root, all_to_all_mixed_dtypes,
+         all_to_all_single_dtype, all_to_all_single_uneven]
 
 
 def _expect_everywhere(call, g, bad_rank: int) -> None:
@@ -231,3 +312,33 @@ def test_bad_input_from_a_ddp_hook_after_the_bucket_rebuild(group):
     tensor = _ones(2)
     dist.all_reduce(tensor, group=group)
     assert torch.equal(tensor, torch.full((2,), n, dtype=I64))
+
+
+def test_point_to_point_bad_arguments_raise_at_the_call(group):
+    """A send or receive of two tensors, to a rank outside the group or with a tag MPI
+    cannot carry raises ``ValueError`` on the calling rank (no other rank is involved)."""
+    backend = backend_of(group)
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    with pytest.raises(ValueError, match="take one tensor, not 2"):
+        backend.send([_ones(2), _ones(2)], me, 0)
+    with pytest.raises(ValueError, match=f"dst={n} is not a rank of the group"):
+        backend.send([_ones(2)], n, 0)
+    with pytest.raises(ValueError, match="src=-3 is not a rank of the group"):
+        backend.recv([_ones(2)], -3, 0)
+    with pytest.raises(ValueError, match="tag -1 is outside MPI's range"):
+        backend.recv([_ones(2)], me, -1)
+
+
+def test_a_receive_nobody_sends_times_out_then_completes(group):
+    """``wait(timeout)`` on a receive without a matching send raises
+    ``CollectiveTimeoutError``; the receive stays posted and takes the send made later."""
+    backend = backend_of(group)
+    me = dist.get_rank(group)
+    got = torch.zeros(2, dtype=I64)
+    work = backend.recv([got], me, 77)
+    with pytest.raises(mpicoll.CollectiveTimeoutError, match="recv timed out"):
+        work.wait(timedelta(seconds=0.2))
+    sent = torch.tensor([me, 5], dtype=I64)
+    backend.send([sent], me, 77).synchronize()      # c10d Work.synchronize: waits
+    work.wait()
+    assert torch.equal(got, sent)

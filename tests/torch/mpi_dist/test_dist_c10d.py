@@ -108,6 +108,7 @@ def test_group_timeout_and_options():
     assert backend._lane.timeout == 3.0 and opts._timeout == timedelta(seconds=3)
     backend._set_default_timeout(timedelta(seconds=4))
     assert backend._lane.timeout == 4.0
+    assert backend.getBackendOptions() is opts         # c10d's Backend.getBackendOptions
     copied = copy.deepcopy(opts)                       # dist.split_group copies options
     assert copied.check == "first" and copied._timeout == timedelta(seconds=4)
     world = backend_of(None).options

@@ -241,3 +241,22 @@ def test_a_joining_process_leaves_ddp_start_up_to_the_state_sync(monkeypatch):
         outside(batch(0, n)[0])
     # after the first sync a new DDP module synchronises as usual
     assert_same_model(ddp_of(model()).module, model())
+
+
+def test_elastic_state_broadcast_without_hvd_reaches_non_contiguous_tensors():
+    """Without ``hvd.init()`` the elastic state's syncs broadcast over the world; a tensor
+    whose host copy is not its own memory (a non-contiguous one: a transposed buffer)
+    gets rank 0's values copied back into it."""
+    from mpicoll.torch.elastic.state import broadcast_tensors
+    from mpicoll.torch.elastic.world import hvd_started
+
+    if hvd_started():
+        pytest.skip("hvd.init() has run in this process")
+    rank = dist.get_rank()
+    base = torch.arange(6, dtype=torch.float64).reshape(2, 3) + 10 * rank
+    plain = torch.full((4,), float(rank))
+    transposed = base.t()
+    assert not transposed.is_contiguous()
+    broadcast_tensors({"t": transposed, "plain": plain}, root_rank=0)
+    assert torch.equal(base, torch.arange(6, dtype=torch.float64).reshape(2, 3))
+    assert torch.equal(plain, torch.zeros(4))

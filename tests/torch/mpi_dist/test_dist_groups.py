@@ -76,6 +76,19 @@ def test_split_group():
     dist.barrier()
 
 
+@pytest.mark.parametrize("parts, message", [
+    ([], "cannot be None or empty"), ([[0, 0]], "empty or repeats a rank"),
+    ([[0], [0]], "overlap: \\[0\\]"), ([[0, 99]], "outside the parent group")])
+def test_split_group_refuses_bad_split_ranks(parts, message):
+    """Every rank passes the same bad ``split_ranks``: each raises ``ValueError`` naming
+    the fault, and no group is made (the world works afterwards)."""
+    with pytest.raises(ValueError, match=message):
+        mdist.split_group(split_ranks=parts)
+    tensor = torch.ones(2)
+    dist.all_reduce(tensor)
+    assert torch.equal(tensor, torch.full((2,), float(dist.get_world_size())))
+
+
 def test_device_mesh_and_dtensor():
     n = dist.get_world_size()
     if n != 4:
@@ -120,6 +133,16 @@ def test_monitored_barrier():
         with pytest.raises(RuntimeError, match="not released by rank 0"):
             mdist.monitored_barrier(timeout=timedelta(seconds=1))
     mdist.monitored_barrier(timeout=timedelta(seconds=30), wait_all_ranks=True)
+
+
+def test_monitored_barrier_on_a_group_this_rank_is_not_in():
+    """On the ranks outside a subgroup (``new_group`` gives them ``NON_GROUP_MEMBER``)
+    the barrier returns at once; its members pass it."""
+    group = dist.new_group([0])
+    mdist.monitored_barrier(group, timeout=timedelta(seconds=30))
+    if dist.get_rank() != 0:
+        assert group == dist.GroupMember.NON_GROUP_MEMBER
+    dist.barrier()
 
 
 def test_a_group_under_torch_distributed_debug_detail():

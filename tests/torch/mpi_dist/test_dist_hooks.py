@@ -162,6 +162,34 @@ def test_residuals_follow_parameters_across_bucket_rebuilds():
     assert state.feedback.residual(0).tolist() == [4., 4., 4., 5., 5.]
 
 
+class _Bucket(FakeBucket):
+    """A bucket the hooks run on (DDP's ``GradBucket`` methods they call)."""
+
+    def index(self):
+        return self.i
+
+    def is_last(self):
+        return True
+
+
+def test_codec_hook_without_error_feedback_keeps_no_residual():
+    """``CompressionState(error_feedback=False)``: the bucket is averaged with the codec
+    alone (bit for bit the codec's all-reduce without feedback) and nothing is kept."""
+    rank = dist.get_rank()
+    p = torch.zeros(300, dtype=torch.float64)
+    bucket = _Bucket([p], 0)
+    torch.manual_seed(7 + rank)
+    bucket.buf.copy_(torch.randn(300, dtype=torch.float64) * (rank + 1))
+    x = bucket.buf.numpy().copy()
+    state = hooks.CompressionState(error_feedback=False)
+    out = hooks.int8_hook(state, bucket).wait()
+    assert out is bucket.buf and state.iteration == 1
+    assert len(state.feedback) == 0 and state._layouts == {}
+    expected = compression.allreduce(x, op="average", comm=backend_of(dist.group.WORLD).comm,
+                                     compression="int8", feedback=False)
+    assert np.array_equal(out.numpy(), expected)
+
+
 def test_codec_hook_refuses_other_codec_and_no_codec():
     state = hooks.CompressionState()
     with pytest.raises(ValueError, match="needs CompressionState"):
