@@ -258,3 +258,84 @@ def test_state_dict_round_trip_and_a_bad_state_changes_nothing():
     with pytest.raises(ValueError):
         b.load_state_dict({"randomk:0.5": {"step": 7}, "randomk:0.25": {"step": -1}})
     assert b.state_dict() == {"randomk:0.5": {"step": 2}, "randomk:0.25": {"step": 0}}
+
+
+@pytest.mark.parametrize("link", [
+    {"bandwidth_bytes_per_s": 1e9},                               # no latency
+    {"latency_s": 1e-5},                                          # no bandwidth
+    {"latency_s": "fast", "bandwidth_bytes_per_s": 1e9},          # not a number
+    {"latency_s": 1e-5, "bandwidth_bytes_per_s": None},
+    {"latency_s": -1e-6, "bandwidth_bytes_per_s": 1e9},           # negative latency
+    {"latency_s": 1e-5, "bandwidth_bytes_per_s": 0},              # no bandwidth at all
+    {"latency_s": 1e-5, "bandwidth_bytes_per_s": -1e9},
+    {"latency_s": 1e-5, "bandwidth_bytes_per_s": float("nan")},
+    [1e-5, 1e9],                                                  # not an object
+])
+def test_a_table_link_that_is_not_usable_is_ignored(link):
+    """A tuning table's ``meta.link`` lacking a key, holding a non-number, a negative
+    latency or a bandwidth that is not positive gives no link (the link is then measured);
+    a valid one from the same table gives its figures and names the table."""
+    from mpicoll import tuning
+
+    table = {"format": tuning.FORMAT, "meta": {"link": link}, "collectives": {}}
+    try:
+        tuning.use_table(table)
+        assert auto._table_link() is None
+        tuning.use_table({**table, "meta": {"link": {"latency_s": 2e-5,
+                                                     "bandwidth_bytes_per_s": 3e8}}})
+        latency, bandwidth, source = auto._table_link()
+        assert (latency, bandwidth) == (2e-5, 3e8) and source.startswith("tuning table")
+    finally:
+        tuning.use_table(None)
+
+
+class _FakeContext:
+    """What :func:`auto.model_layout` reads of a context: its size and node sizes."""
+
+    def __init__(self, node_sizes):
+        self.size = sum(node_sizes)
+        self.topology = type("Topology", (), {"node_sizes": tuple(node_sizes)})()
+
+
+@pytest.mark.parametrize("nodes,shape,expected", [
+    ((2, 2, 2), "flat", Layout(6)),
+    ((2, 2, 2), "node", Layout(6, 3, 2)),
+    ((4,), "node", Layout(4, 1, 4)),
+    # uneven nodes: the model's time is that of the leaders' ring on the whole vector
+    ((2, 2, 1), "node", Layout(3)),
+    ((3, 1), "node", Layout(2)),
+    ((3, 1), "flat", Layout(4)),
+])
+def test_model_layout(nodes, shape, expected):
+    assert auto.model_layout(_FakeContext(nodes), shape) == expected
+
+
+def test_resolve_bounds_its_cache_of_choices(synthetic):
+    """The choices of a communicator are cached per call shape; past 1024 of them the
+    cache starts again (holding the new choice only), and up to 1024 it keeps them all."""
+    from mpi4py import MPI
+
+    from mpicoll.context import get_context
+
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        ctx = get_context(comm)
+        x = np.ones(100, np.float32)
+        state = auto._state(ctx, synthetic, x[:0])
+        codec, choice = auto.resolve(ctx, synthetic, x, "flat", 0, None)
+        assert codec is synthetic.codec(choice.codec) and len(state.choices) == 1
+        (key, cached), = state.choices.items()
+        assert cached is choice
+        assert auto.resolve(ctx, synthetic, x, "flat", 0, None)[1] is choice   # cached
+        state.choices.update({("other", i): choice for i in range(1023)})       # 1024 now
+        y = np.ones(101, np.float32)
+        first = auto.resolve(ctx, synthetic, y, "flat", 0, None)[1]
+        assert len(state.choices) == 1025 and state.choices[key] is choice  # all kept
+        z = np.ones(102, np.float32)
+        codec, new = auto.resolve(ctx, synthetic, z, "flat", 0, None)
+        assert list(state.choices.values()) == [new] and key not in state.choices
+        assert codec is synthetic.codec(new.codec)
+        assert auto.resolve(ctx, synthetic, y, "flat", 0, None)[1] is not first  # chosen anew
+        assert len(state.choices) == 2
+    finally:
+        comm.Free()

@@ -349,3 +349,59 @@ def test_numpy_copies_take_numpy_arrays_and_allocate_host_arrays() -> None:
     assert type(like) is np.ndarray and like.shape == (2, 3) and like.dtype == np.float32
     new = copies.empty((4,), np.int16, x)
     assert new.shape == (4,) and new.dtype == np.int16 and new.flags.c_contiguous
+
+
+def _counting_slots() -> tuple[HostSlots, list[int]]:
+    """HostSlots over numpy memory, and the sizes of its allocations in order."""
+    sizes: list[int] = []
+
+    def alloc(n: int) -> np.ndarray:
+        sizes.append(n)
+        return np.zeros(n, np.uint8)
+    return HostSlots(alloc), sizes
+
+
+def test_slots_above_the_limit_are_temporary() -> None:
+    """A request above the limit gets fresh buffers each call, none kept or memoised; the
+    slots kept before it stay as they were."""
+    slots, sizes = _counting_slots()
+    kept = slots.get(2, 100, 300)
+    assert [s.nbytes for s in kept] == [100, 100] and slots.held_bytes == 200
+    first = slots.get(2, 200, 300)
+    second = slots.get(2, 200, 300)
+    assert [s.nbytes for s in first + second] == [200] * 4 and sizes == [100, 100] + [200] * 4
+    assert not any(a is b for a in first for b in second + kept)
+    assert slots.held_bytes == 200
+    assert all(a is b for a, b in zip(slots.get(2, 100, 300), kept, strict=True))
+    view = slots.view(first[0], np.dtype(np.float32), 0, 10)
+    assert view.shape == (10,) and slots.view(first[0], np.dtype(np.float32), 0, 10) is not view
+
+
+def test_slots_grow_to_the_request_when_keeping_the_largest_would_pass_the_limit() -> None:
+    """Growing slots keeps the largest size held so far unless that many of them would
+    pass the limit; then they are just the size asked for."""
+    slots, sizes = _counting_slots()
+    slots.get(1, 250, 300)
+    three = slots.get(3, 100, 300)            # 3 x 250 > 300: 3 x 100
+    assert [s.nbytes for s in three] == [100] * 3 and slots.held_bytes == 300
+    assert sizes == [250, 100, 100, 100]
+    slots, sizes = _counting_slots()
+    slots.get(1, 120, 300)
+    two = slots.get(2, 50, 300)               # 2 x 120 <= 300: the largest size kept
+    assert [s.nbytes for s in two] == [120, 120] and sizes == [120, 120, 120]
+
+
+def test_memoised_views_are_bounded() -> None:
+    """Views of a kept slot are memoised (the same object each call) up to 513 of them;
+    the next new one starts the memo again, so older views are made anew."""
+    slots, _ = _counting_slots()
+    (slot,) = slots.get(1, 1024, 4096)
+    u8 = np.dtype(np.uint8)
+    first = slots.view(slot, u8, 0, 1)
+    for start in range(1, 513):               # 513 views memoised
+        slots.view(slot, u8, start, 1)
+    assert slots.view(slot, u8, 0, 1) is first
+    last = slots.view(slot, u8, 513, 1)       # the 514th: the memo starts again
+    again = slots.view(slot, u8, 0, 1)
+    assert again is not first and np.shares_memory(again, first) and again.shape == (1,)
+    assert slots.view(slot, u8, 513, 1) is last and slots.view(slot, u8, 0, 1) is again

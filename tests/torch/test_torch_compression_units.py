@@ -301,6 +301,49 @@ def test_single_process_warmup_is_uncompressed_then_continues_the_momentum():
         hvd.shutdown()
 
 
+def test_an_engine_error_in_a_warmup_step_is_raised_and_the_step_not_counted(monkeypatch):
+    """A warm-up step whose engine all-reduces fail (here both flat buffers, float64's
+    first): both are submitted, the first one's error is raised from ``step()``, the
+    step is not counted, the reduced momentum not advanced and the parameters unchanged;
+    the next step, the engine working again, is a warm-up step that goes through."""
+    from mpicoll.torch.engine import execute
+
+    real = execute._allreduce_bucket
+    failed: list[list[str]] = []
+
+    def failing(engine, bucket):
+        names = [r.name for r in bucket]
+        if not any("__gradients__" in n for n in names):
+            return real(engine, bucket)          # the presence all-reduce goes through
+        failed.append(names)
+        raise RuntimeError(f"link down under {names}")
+
+    hvd = _one_process()
+    try:
+        w = torch.nn.Parameter(torch.zeros(5, 3))
+        b = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD([w, b], lr=0.1, momentum=0.9), named_parameters=[("w", w), ("b", b)],
+            compression=Compression.onebit.with_momentum(0.9).with_warmup(2))
+        monkeypatch.setattr(execute, "_allreduce_bucket", failing)
+        with pytest.raises(RuntimeError, match="link down") as info:
+            _step(opt, w, b, 0)
+        assert failed == [["allreduce.__gradients__.float64"],
+                          ["allreduce.__gradients__.float32"]]
+        assert "float64" in str(info.value) and "float32" not in str(info.value)
+        state = opt.compression_state_dict()
+        assert state["steps"] == 0 and opt.compression_stats == []
+        assert all(not m.any() for m in state["reduced_momentum"].values())
+        assert not w.detach().any() and not b.detach().any()
+        monkeypatch.setattr(execute, "_allreduce_bucket", real)
+        gw, gb = _step(opt, w, b, 1)
+        assert opt.compression_state_dict()["steps"] == 1
+        assert torch.equal(w.grad, gw) and torch.equal(b.grad, gb.double())
+        assert opt.compression_stats == []                     # still a warm-up step
+    finally:
+        hvd.shutdown()
+
+
 def test_compressed_allreduce_refuses_bad_tensors_and_factors():
     """hvd.allreduce with a codec: a scaling factor that is no number (a bool neither), an
     input that is no tensor (alone or in a group), a sparse tensor: TypeError naming it."""
