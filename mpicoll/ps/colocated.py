@@ -350,9 +350,7 @@ class ColocatedEngine(CodedExchange, CollectiveGroup):
     def _data(self, busy: list[int], grads: dict[str, Any] | None,
               result: dict[str, np.ndarray] | None) -> Steps:
         """The data part of a step, for the ranks in ``busy`` (this rank may be one of
-        them, or a closed rank that only serves its shards)."""
-        if not busy:
-            return None
+        them, or a closed rank that only serves its shards; never empty)."""
         kind = CollOp(int(self._ctrl_in[busy[0], 0]))
         pushing = kind in (CollOp.PUSH, CollOp.PUSH_PULL)
         pulling = kind in (CollOp.PULL, CollOp.PUSH_PULL)

@@ -760,16 +760,13 @@ class ParameterServer:
             error = self._layout_mismatch(manifest, reshard)
         if error:
             raise PSError(error)   # same on every rank: decided from broadcast values
-        same_workers = manifest["num_workers"] == self.num_workers
-        clocks = manifest["worker_clocks"]
-        common = max(clocks) if clocks else 0
+        clocks = self._restored_clocks(manifest)
         error = None
         holder = self._server or self._engine
         if holder is not None:
             # servers keep clocks by worker rank, the manifest by worker index: with another
             # number of servers the same workers have other ranks
-            worker_clock = {key: clocks[i] if same_workers else common
-                            for key, i in self._clock_keys}
+            worker_clock = {key: clocks[i] for key, i in self._clock_keys}
             loader = ckpt.ShardLoader(path, manifest)
             try:
                 for state in holder.states.values():
@@ -779,12 +776,29 @@ class ParameterServer:
             finally:
                 loader.close()
         if self.is_worker:
-            clock = clocks[self.worker_index] if same_workers else common
+            clock = clocks[self.worker_index]
             for part in (self._engine, self._client, self._node):
                 if part is not None:
                     part.clock = clock
         _collective_check(self.comm, error)
         self._restore_codec_state(path, manifest, reshard)
+
+    def _restored_clocks(self, manifest: dict) -> list[int]:
+        """Every worker's clock after a restore, by worker index: the saved ones, but the
+        largest saved one for every worker when the number of workers changed or in the
+        co-located layout (``bsp``: every rank pushes at the same clock), and with local
+        aggregation the largest of a node's for all its workers (they share one clock).
+        An ``asp``/``ssp`` checkpoint may hold different clocks for any of them."""
+        saved = [int(c) for c in manifest["worker_clocks"]]
+        if manifest["num_workers"] != self.num_workers or self.colocated:
+            return [max(saved, default=0)] * self.num_workers
+        if self.local_aggregation:
+            for g in self.node_groups:
+                idx = [self.worker_ranks.index(w) for w in g]
+                top = max(saved[i] for i in idx)
+                for i in idx:
+                    saved[i] = top
+        return saved
 
     def _restore_codec_state(self, path: str, manifest: dict, reshard: bool) -> None:
         """Load every rank's compression state when the checkpoint has it for this very

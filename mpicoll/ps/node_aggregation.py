@@ -164,9 +164,7 @@ class NodeGroup(CollectiveGroup):
             try:
                 handle = self.leader_call(kind, sums, call.result)
                 yield handle                # a handle: the node's handle waits on it
-                got = handle.wait()
-                if call.pulling:
-                    _into(call.result, got)
+                handle.wait()               # a pull filled call.result (its ``out``)
             except PSError as exc:
                 status = str(exc)
         status = yield from self.share(status)
@@ -227,11 +225,3 @@ class NodeGroup(CollectiveGroup):
 
 def _raw(arr: np.ndarray) -> list:
     return [arr.reshape(-1).view(np.uint8), MPI.BYTE]
-
-
-def _into(result: dict[str, np.ndarray], got: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The leader's pulled values in ``result`` (where the pull did not fill them)."""
-    for name, arr in got.items():
-        if arr is not result[name]:
-            np.copyto(result[name], np.asarray(arr).reshape(result[name].shape))
-    return result

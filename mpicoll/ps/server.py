@@ -308,7 +308,7 @@ class Server(Coders):
             self._reply(src, h, payload=self.stats_vector())
         elif op == P.Op.SAVE:
             self._save_request(src, h)
-        elif op in (P.Op.INIT, P.Op.PUSH, P.Op.PULL):
+        else:   # INIT, PUSH or PULL: the other ops (REPLICATE, NOTICE) never come here
             state = self._validate(src, h)
             if state is None:
                 return
@@ -319,8 +319,6 @@ class Server(Coders):
             else:
                 self.counters["pulls"] += 1
                 self._answer_or_defer(src, h, state)
-        else:
-            self._error(src, h, P.Status.BAD_REQUEST, f"unknown operation {op}")
 
     def _duplicate(self, src: int, h: np.ndarray) -> bool:
         """With replicas: whether ``h`` repeats a request this slot already holds (a

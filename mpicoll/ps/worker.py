@@ -191,6 +191,9 @@ class WorkerClient(Coders):
         self.max_sleep = max_sleep
         self.adopt_version = adopt_version
         self.clock = 0
+        #: why this worker's clocks on the servers are out of step (a push accepted by some
+        #: shards and rejected by others), after which pushes and pulls are refused
+        self.out_of_step: str | None = None
         self._seq = 0
         self._setup_coders(codec, feedback, pull_deltas, pushes=True)
         self._raw: dict[tuple[int, int], np.ndarray] = {}     # compressed replies land here
@@ -294,6 +297,7 @@ class WorkerClient(Coders):
 
     def push_async(self, grads: dict[str, Any], check: bool = True) -> Handle:
         """Push gradients at the current clock, then advance the clock."""
+        self._check_in_step()
         h = Handle(self, "push")
         h.push_clock = self.clock
         self._tensor_requests(h, P.Op.PUSH, grads, check, clock=self.clock)
@@ -301,30 +305,27 @@ class WorkerClient(Coders):
         self.counters["pushes"] += 1
         return self._opened(h)
 
-    def pull_async(self, out: dict[str, Any] | None = None, names: list[str] | None = None,
-                   handle: Handle | None = None, like: Any = None) -> Handle:
+    def pull_async(self, out: dict[str, Any] | None = None, handle: Handle | None = None,
+                   like: Any = None) -> Handle:
         """Ask for the values the consistency model allows at the current clock.
 
         Args:
             out: arrays to receive into (name -> array of the parameter's shape and dtype),
                 host or device arrays (not both); missing names get new arrays (on the
                 device when ``out`` holds device arrays or ``like`` is given).
-            names: which parameters (default all).
             handle: add the requests to this handle instead of a new one.
             like: a device array: pull into device arrays on its device.
         Raises:
-            PSError: unknown names, bad ``out`` arrays, device and host arrays mixed.
+            PSError: bad ``out`` arrays, device and host arrays mixed.
         """
+        self._check_in_step()
         call_side(out=out)
         like = first_device(out) if like is None else like
         device = None if like is None else DevicePull(out, like)
         h = handle or Handle(self, "pull")
         result = {} if h.result is None else h.result
         specs = self.placement.specs
-        for name in (sorted(specs) if names is None else names):
-            spec = specs.get(name)
-            if spec is None:
-                raise PSError(f"cannot pull unknown key {name!r}")
+        for name, spec in sorted(specs.items()):
             if device is None:
                 dest = result[name] = pull_destination(spec, out)
             else:
@@ -376,6 +377,20 @@ class WorkerClient(Coders):
             self._open.remove(h)
         if h.errors and h.push_clock is not None and not h.ok and self.clock == h.push_clock + 1:
             self.clock -= 1   # the push did not happen
+        elif h.errors and h.push_clock is not None and self.out_of_step is None:
+            # some shards took the push (and count this worker's clock on), others did not:
+            # no later push can be accepted everywhere, and a pull might wait for a round
+            # that never closes
+            self.out_of_step = (f"the push at clock {h.push_clock} was accepted for some "
+                                f"shards and rejected for others, so the servers' clocks for "
+                                f"this worker are out of step: later pushes and pulls are "
+                                f"refused (close() works; restore from a checkpoint)")
+            h.errors.append(self.out_of_step)
+
+    def _check_in_step(self) -> None:
+        """Raise :class:`PSError` once a partly rejected push put the clocks out of step."""
+        if self.out_of_step is not None:
+            raise PSError(self.out_of_step)
 
     def wait_all(self) -> None:
         """Complete every outstanding handle (errors are raised by their own wait())."""

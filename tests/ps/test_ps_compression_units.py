@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from mpicoll.compression import Int8Codec, NoneCodec, get_codec
-from mpicoll.ps.compressed import (PullDecoder, PullEncoder, PushEncoder, check_compressible,
-                                   resolve_codec)
+from mpicoll.ps.compressed import (Coders, PullDecoder, PullEncoder, PushEncoder,
+                                   check_compressible, resolve_codec)
 from mpicoll.ps.placement import ParamSpec
 from mpicoll.ps.settings import check_settings
 
@@ -136,6 +136,20 @@ def test_pull_values_feedback_identity():
         delivered += out
         total += value
     np.testing.assert_allclose(delivered + enc.residual, total, rtol=1e-12, atol=1e-12)
+
+
+def test_pull_and_checkpoint_state_out_of_order_are_refused():
+    """A compressed (delta) pull before the uncompressed first one, and a checkpoint with
+    push state for a rank that pushes none, raise ValueError."""
+    codec = get_codec("int8")
+    dec = PullDecoder(codec, 8, np.float32, delta=True)
+    raw = np.zeros(dec.wire_bytes(), dtype=np.uint8)
+    with pytest.raises(ValueError, match="before the uncompressed first one"):
+        dec.apply(raw, True, np.empty(8, np.float32))
+    coders = Coders()
+    coders._setup_coders(codec, True, True, pushes=False)
+    with pytest.raises(ValueError, match="push state for a rank that pushes none"):
+        coders.load_codec_state({"push": ({}, {})})
 
 
 def test_one_rank_colocated_run():

@@ -11,7 +11,12 @@ import pytest
 from mpicoll.ps import checkpoint as ckpt
 from mpicoll.ps import protocol as P
 from mpicoll.ps.errors import PSError
-from mpicoll.ps.optimizers import OPTIMIZERS, check_hyperparameters, make_optimizer
+from mpicoll.ps.optimizers import (
+    OPTIMIZERS,
+    ShardOptimizer,
+    check_hyperparameters,
+    make_optimizer,
+)
 from mpicoll.ps.placement import ParamSpec, Placement, specs_from_params
 from mpicoll.ps.server import ShardState
 from mpicoll.ps.settings import COLOCATED, check_settings
@@ -46,6 +51,8 @@ def test_specs_reject_bad_params():
         specs_from_params({"x": np.zeros(3, dtype="U3")})
     with pytest.raises(TypeError, match="array"):
         specs_from_params({"x": [1, 2]})
+    with pytest.raises(TypeError, match="parameter names must be str, got 3"):
+        specs_from_params({3: np.zeros(3)})
 
 
 def test_placement_detects_key_collisions(monkeypatch):
@@ -115,6 +122,8 @@ def test_settings_defaults_and_layout():
     ({"backup_workers": 1, "num_servers": COLOCATED}, "needs separate servers"),
     ({"backup_workers": 1, "consistency": "asp"}, "needs consistency='bsp'"),
     ({"backup_workers": 1, "optimizer": "sum"}, "not optimizer='sum'"),
+    ({"local_aggregation": True, "num_servers": 2, "replicas": 1},
+     "local_aggregation=True does not work with replicas=1 (failover replays"),
 ])
 def test_settings_errors_name_the_argument(change, fragment):
     with pytest.raises(ValueError) as info:
@@ -162,6 +171,69 @@ def test_optimizer_applied_in_parts_equals_whole(name):
             parts.apply_part(w2[lo:hi], g[lo:hi], lo, hi)
         np.testing.assert_array_equal(w2, w1)
     assert parts.steps == whole.steps == 3
+
+
+def test_shard_optimizer_base_has_no_rule():
+    """The base class is an interface: applying it raises NotImplementedError."""
+    with pytest.raises(NotImplementedError):
+        ShardOptimizer(3, np.dtype(np.float32), {}).apply(np.zeros(3), np.ones(3))
+
+
+def test_atomic_write_failure_leaves_the_old_file(tmp_path, monkeypatch):
+    """A write that fails midway raises its own error, removes its temporary file (even
+    when that is already gone) and leaves the previous file in place."""
+    target = tmp_path / "f"
+    target.write_bytes(b"old")
+
+    def broken(f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        ckpt._atomic_write(str(target), broken)
+    assert sorted(os.listdir(tmp_path)) == ["f"] and target.read_bytes() == b"old"
+
+    def gone(path):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(ckpt.os, "unlink", gone)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt._atomic_write(str(target), broken)
+    assert target.read_bytes() == b"old"
+
+
+def test_remove_stale_ignores_files_already_gone(tmp_path, monkeypatch):
+    """Another process may delete a stale file first: remove_stale goes on."""
+    (tmp_path / "ckpt-a.server0.npz").write_bytes(b"x")
+    tried = []
+
+    def gone(path):
+        tried.append(os.path.basename(path))
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(ckpt.os, "unlink", gone)
+    ckpt.remove_stale(str(tmp_path), "ckpt-b")
+    assert tried == ["ckpt-a.server0.npz"]
+
+
+def test_checkpoint_loader_refuses_incomplete_checkpoints(tmp_path):
+    """A shard saved before it was initialized, or a checkpoint that does not cover a
+    shard's range, raises ValueError saying which."""
+    spec = ParamSpec("w", (4,), np.dtype(np.float64))
+    hyper = check_hyperparameters("sgd", {})
+    place = Placement([spec], 1)
+    sh = place.shards["w"][0]
+    ckpt.write_server_file(str(tmp_path), "c", 0, [ShardState(sh, "sgd", hyper, [1])])
+    manifest = {"format": ckpt.FORMAT, "id": "c", "layout": place.describe()}
+    loader = ckpt.ShardLoader(str(tmp_path), manifest)
+    with pytest.raises(ValueError, match="'w' was not initialized when the checkpoint"):
+        loader.load(ShardState(sh, "sgd", hyper, [1]), None)
+    loader.close()
+    manifest["layout"] = {**manifest["layout"], "shards": []}
+    loader = ckpt.ShardLoader(str(tmp_path), manifest)
+    with pytest.raises(ValueError, match="checkpoint covers 0 of 4 elements"):
+        loader.load(ShardState(sh, "sgd", hyper, [1]), None)
+    loader.close()
 
 
 def test_checkpoint_files_roundtrip_and_reshard(tmp_path):

@@ -6,12 +6,15 @@ import os
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
-from mpicoll.ps import PSError
+from mpicoll.ps import COLOCATED, ParameterServer, PSError
+from mpicoll.ps import checkpoint as ckpt
 from mpicoll.ps.protocol import wait_all
 
-from ps_cases import (COMM, SIZE, SMALL, assert_params_equal, make_grads, make_params,
-                      need_servers, remove_shared, run_ps, shared_tmpdir)
+from ps_cases import (COMM, RANK, SIZE, SMALL, assert_params_equal, expect_ps_error,
+                      make_grads, make_params, need_servers, reference_bsp, remove_shared,
+                      run_ps, sgd_update, shared_tmpdir)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(90)]
 
@@ -116,5 +119,97 @@ def test_restore_refuses_other_parameters_and_missing_checkpoint():
             with open(os.path.join(path, "manifest.json")) as f:
                 manifest = json.load(f)
             assert manifest["optimizer"] == "adam" and manifest["num_workers"] == SIZE - 1
+    finally:
+        remove_shared(path)
+
+
+def test_failed_saves_raise_on_every_worker(monkeypatch):
+    """A save the servers cannot write (the path is a file), workers naming other
+    directories, workers saving at different bsp steps, and a worker whose compression
+    state cannot be written: every worker raises the same PSError with the reason, and
+    training goes on with the right values."""
+    need_servers(1)
+    params = make_params()
+    ones = {k: np.ones_like(v) for k, v in params.items()}
+    path = shared_tmpdir()
+    blocked = os.path.join(path, "file")
+    if COMM.Get_rank() == 0:
+        with open(blocked, "w") as f:
+            f.write("x")
+    try:
+        def worker(ps):
+            expect_ps_error(lambda: ps.save(blocked), f"save({blocked!r}) failed",
+                            "writing the checkpoint failed")
+            if ps.num_workers > 1:
+                mine = os.path.join(path, f"w{ps.worker_index}")
+                expect_ps_error(lambda: ps.save(mine), "asked for different checkpoints")
+                if ps.worker_index == 0:       # its push opens a round the others join later
+                    ps.push(ones)
+                expect_ps_error(lambda: ps.save(path), "a bsp round is incomplete")
+                if ps.worker_index != 0:
+                    ps.push(ones)
+            else:
+                ps.push(ones)
+            return ps.pull()
+
+        _, w = run_ps(params, worker, 1, lr=0.5, **SMALL)
+        if w is not None and "server" not in w:
+            assert_params_equal(w, {k: v - np.asarray(0.5, v.dtype) for k, v in params.items()})
+
+        def codec_worker(ps):
+            if ps.worker_index == ps.num_workers - 1:
+                def broken(*args):
+                    raise OSError("disk full")
+                monkeypatch.setattr(ckpt, "write_codec_file", broken)
+            expect_ps_error(lambda: ps.save(path), "writing the compression state failed",
+                            "disk full")
+            return ps.push_pull(ones)
+
+        run_ps(params, codec_worker, 1, compression="bf16", **SMALL)
+    finally:
+        remove_shared(path)
+
+
+def test_asp_checkpoint_with_uneven_clocks_restores_colocated():
+    """An asp checkpoint whose workers pushed different numbers of times (clocks 1, 2, ...)
+    restored with reshard=True into the co-located layout with the same number of workers
+    (a sub-communicator of as many ranks): every rank starts at the same clock (the
+    largest saved), the restored values are the saved ones and the next push_pull is the
+    bsp step on them (not 'ranks push at different clocks')."""
+    need_servers(1)
+    if SIZE < 3:
+        pytest.skip("needs two workers to save different clocks")
+    params = make_params()
+    path = shared_tmpdir()
+    try:
+        def worker(ps):
+            for t in range(1 + ps.worker_index):
+                ps.push(make_grads(params, ps.worker_index, t))
+            wait_all([ps.worker_comm.Ibarrier()])    # every push applied before the pull
+            saved = ps.pull()
+            ps.save(path)
+            return saved, ps.clock
+
+        _, res = run_ps(params, worker, 1, consistency="asp", optimizer="sgd", lr=0.25, **SMALL)
+        saved = COMM.bcast(res[0] if RANK == 1 else None, root=1)
+        clocks = COMM.allgather(res[1] if RANK > 0 else None)[1:]
+        assert clocks == list(range(1, SIZE)), clocks
+        sub = COMM.Split(0 if RANK < SIZE - 1 else MPI.UNDEFINED, RANK)
+        if sub != MPI.COMM_NULL:
+            ps = ParameterServer(params, comm=sub, num_servers=COLOCATED, optimizer="sgd",
+                                 lr=0.25, restore=path, reshard=True, **SMALL)
+            try:
+                assert ps.clock == SIZE - 1, ps.clock
+                restored = ps.pull()
+                grads = [make_grads(params, r, 9) for r in range(SIZE - 1)]
+                nxt = ps.push_pull(grads[RANK])
+                assert ps.clock == SIZE
+            finally:
+                ps.close()
+                ps.free()
+                sub.Free()
+            assert_params_equal(restored, saved, "restored:")
+            want = reference_bsp(saved, [grads], sgd_update(0.25))[0]
+            assert_params_equal(nxt, want, "next step after the co-located restore:")
     finally:
         remove_shared(path)

@@ -121,6 +121,37 @@ def test_early_finish_does_not_block_others():
     assert_params_equal(final, history[steps[RANK] - 1], f"after {steps[RANK]} steps:")
 
 
+def test_closed_rank_serves_refused_steps_stats_and_saves():
+    """Rank 0 closes at once; the others' refused step (bad arguments), stats(), save()
+    and a push_pull still go through it: it serves its shards and writes its file."""
+    if SIZE < 2:
+        pytest.skip("needs a rank that stays after rank 0 closed")
+    params = make_params()
+    ones = {k: np.ones_like(v) for k, v in params.items()}
+    path = shared_tmpdir()
+    try:
+        def worker(ps):
+            if RANK == 0:
+                return None
+            bad = dict(ones, b=np.ones(4)) if RANK == SIZE - 1 else ones
+            expect_ps_error(lambda: ps.push_pull(bad), f"rank(s) [{SIZE - 1}]")
+            stats = ps.stats()
+            ps.save(path)
+            return stats, ps.push_pull(ones)
+
+        _, res = run_ps(params, worker, COLOCATED, lr=0.5, average=False, **SMALL)
+        if RANK > 0:
+            stats, w = res
+            assert [s["rank"] for s in stats["servers"]] == list(range(SIZE))
+            assert stats["servers"][0]["active_workers"] == SIZE - 1
+            for k in params:
+                np.testing.assert_array_equal(w[k], params[k] - 0.5 * (SIZE - 1))
+        files = sorted(f for f in os.listdir(path) if f.endswith(".npz"))
+        assert len(files) == SIZE and os.path.exists(os.path.join(path, "manifest.json"))
+    finally:
+        remove_shared(path)
+
+
 def test_restore_gives_identical_next_step_and_layout_checks():
     params = make_params()
     hyper = dict(optimizer="adam", lr=0.05, beta1=0.8, beta2=0.95)

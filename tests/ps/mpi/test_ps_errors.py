@@ -58,6 +58,43 @@ def test_bad_pushes_rejected_by_server_others_continue(num_servers, consistency)
         assert sum(s["errors"] for s in stats["servers"]) >= 4
 
 
+@pytest.mark.parametrize("consistency", ["asp", "bsp"])
+@pytest.mark.parametrize("num_servers", [1, 2])
+def test_partly_rejected_push_refuses_later_calls(num_servers, consistency):
+    """push(check=False) with one tensor of the wrong shape: the other tensors' shards
+    accept it, the bad one's refuse it, so the servers' clocks for this worker are out of
+    step (no later push could be accepted everywhere). The push raises with the server's
+    reason; every later push and pull raises a PSError saying so and sends nothing (no
+    partial update, no pull waiting forever for a round that cannot close); close()
+    still works; another worker then pulls what the servers hold."""
+    need_servers(num_servers)
+    params = make_params()
+    ones = {k: np.ones_like(v) for k, v in params.items()}
+
+    def worker(ps):
+        if ps.worker_index == 0:
+            try:
+                expect_ps_error(lambda: ps.push({**ones, "w": ones["w"].reshape(5, 37)},
+                                                check=False), "shape", "out of step")
+                for call in (lambda: ps.push(ones), ps.pull, lambda: ps.push_pull(ones)):
+                    expect_ps_error(call, "out of step")
+            finally:
+                wait_all([ps.worker_comm.Ibarrier()])
+            return None
+        wait_all([ps.worker_comm.Ibarrier()])
+        return ps.pull() if ps.worker_index == 1 else None
+
+    _, res = run_ps(params, worker, num_servers, consistency=consistency, lr=0.5,
+                    average=False, **SMALL)
+    if res is not None and "w" in res:
+        # asp applied the first push's accepted shards once (bsp: its round is still
+        # open), later pushes nothing
+        moved = 0.5 if consistency == "asp" else 0.0
+        for k, v in res.items():
+            want = params[k] if k == "w" else params[k] - np.asarray(moved, params[k].dtype)
+            np.testing.assert_array_equal(v, want, err_msg=k)
+
+
 @pytest.mark.parametrize("num_servers", [1, 2])
 def test_push_before_init_and_duplicate_init(num_servers):
     need_servers(num_servers)

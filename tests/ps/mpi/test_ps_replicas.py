@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from mpicoll.ps import ParameterServer
+from mpicoll.ps import ParameterServer, PSError
 from ps_cases import (COMM, RANK, SIZE, SMALL, assert_params_equal, make_grads, make_params,
                       remove_shared, run_ps, shared_tmpdir)
 
@@ -167,3 +167,22 @@ def test_unsupported_combinations_fail_on_every_rank(kw, fragment):
         ParameterServer(make_params(), comm=COMM, **kw)
     assert fragment in str(info.value), str(info.value)
     assert np.all(np.array(COMM.allgather(1)) == 1)   # every rank got here
+
+
+def test_bad_push_rejected_by_the_primary_training_goes_on():
+    """A push of an unknown key (``check=False``: only the servers check) reaches a
+    replicated server, which answers with the reason; the worker's next pushes apply."""
+    need(2)
+    params = make_params()
+    ones = {k: np.ones_like(v) for k, v in params.items()}
+
+    def worker(ps):
+        if ps.worker_index == 0:
+            with pytest.raises(PSError, match="unknown key"):
+                ps.push({"nope": np.ones(3)}, check=False)
+            assert ps.clock == 0
+        return ps.push_pull(ones)
+
+    _, w = run_ps(params, worker, 2, replicas=1, lr=0.5, **SMALL)
+    if RANK >= 2:
+        assert_params_equal(w, {k: v - np.asarray(0.5, v.dtype) for k, v in params.items()})
