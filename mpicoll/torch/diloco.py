@@ -430,7 +430,10 @@ class DiLoCo:
     def _arrive(self, index: int) -> None:
         """Wait for fragment ``index``'s all-reduce; take its outer step from ``θ_g``;
         ``θ_g`` := the result; the parameters := it (or, with overlap, its lerp toward
-        this rank's parameters)."""
+        this rank's parameters). Nothing when a new world dropped it (:meth:`_follow_world`,
+        with no elastic restore since): the fragment's next exchange carries its progress."""
+        if self._pending is None:
+            return
         pending, work = self._pending
         assert pending == index, f"fragment {index} arrives but {pending} was sent"
         total, inter = work.wait()

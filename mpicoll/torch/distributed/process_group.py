@@ -934,7 +934,8 @@ class MPIProcessGroup(_Backend):
         communicators (``destroy_process_group``). Lanes that make no progress for
         :data:`SHUTDOWN_STALL_S` seconds (an operation the other ranks never joined) are
         aborted: under ULFM the communicators are revoked; without ULFM the job ends
-        with that message (an MPI call cannot be cancelled). Idempotent."""
+        with that message (an MPI call cannot be cancelled). The default group's
+        :data:`.reconfigure.PARENT` goes with it. Idempotent."""
         if self._shut:
             return
         self._shut = True
@@ -944,6 +945,8 @@ class MPIProcessGroup(_Backend):
                     f"mpicoll: {lane.name} made no progress for {SHUTDOWN_STALL_S:g} s "
                     f"while shutting down (an operation the other ranks never joined)"))
                 lane.close(0.0)
+        if any(c is parent for c in self._owned for parent in reconfigure.PARENT):
+            reconfigure.PARENT.clear()   # later groups (another default group's) from the world
         for comm in self._owned:
             comms.free(comm)
         _live.discard(self)

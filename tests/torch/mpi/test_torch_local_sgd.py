@@ -250,6 +250,88 @@ def test_parameter_server_sync_every_1_is_ordinary(hvd):
     assert torch.equal(run(), run(sync_every=4, warmup_steps=3))
 
 
+def test_parameter_server_separate_server_steps_nothing_locally(hvd):
+    """``num_servers=1``: rank 0 serves (no local SGD driver there); the workers train on
+    their own data and average their parameters through it every ``sync_every`` steps,
+    as an in-process reference of the workers (plain SGD: no state to average)."""
+    if SIZE == 1:
+        pytest.skip("needs a server and a worker")
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                   named_parameters=model.named_parameters(),
+                                   backend="ps", num_servers=1, sync_every=2)
+    got = None
+    if opt.is_server:
+        assert opt.local_sgd is None
+        opt.serve()
+    else:
+        assert opt.local_sgd is not None
+        try:
+            for step in range(1, 6):
+                _train_step(model, opt, step)
+        finally:
+            opt.close()
+        got = _flat(model)
+        assert opt.local_sgd.stats()["params.world"] == 2
+    opt.free()
+    workers = list(range(1, SIZE))
+    models = [_model() for _ in workers]
+    opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in models]
+    for step in range(1, 6):
+        for r, m, o in zip(workers, models, opts):
+            o.zero_grad()
+            _loss(m, r, step).backward()
+            o.step()
+        if step % 2 == 0:
+            with torch.no_grad():
+                for same in zip(*(m.parameters() for m in models)):
+                    mean = torch.stack(list(same)).mean(0)
+                    for t in same:
+                        t.copy_(mean)
+    if got is not None:
+        torch.testing.assert_close(got, _flat(models[RANK - 1]), rtol=0, atol=1e-12)
+
+
+def test_node_step_averages_missing_and_sparse_gradients(hvd):
+    """A node-level step (``node_sync_every``) averages the gradients within the node: a
+    parameter without one gets zeros, a sparse one is made dense (against the node's
+    ranks' gradients computed here)."""
+    def build() -> torch.nn.ModuleDict:
+        torch.manual_seed(5)
+        return torch.nn.ModuleDict({"emb": torch.nn.Embedding(6, 3, sparse=True),
+                                    "lin": torch.nn.Linear(3, 2),
+                                    "unused": torch.nn.Linear(2, 2)}).double()
+
+    def loss(m: torch.nn.ModuleDict, rank: int) -> torch.Tensor:
+        idx = torch.tensor([rank % 6, (2 * rank + 1) % 6])
+        return (m["lin"](m["emb"](idx)) ** 2).sum() * (rank + 1)
+
+    model = build()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                   named_parameters=model.named_parameters(),
+                                   sync_every=3, node_sync_every=1)
+    assert opt.local_sgd.peek().grads == NODE
+    model.zero_grad()                     # the module's: every gradient None
+    loss(model, RANK).backward()
+    assert model["emb"].weight.grad.is_sparse and model["unused"].weight.grad is None
+    opt.synchronize()
+    nodes = _node_of_every_rank()
+    refs = []
+    for r in [r for r in range(SIZE) if nodes[r] == nodes[RANK]]:
+        m = build()
+        loss(m, r).backward()
+        refs.append({n: torch.zeros_like(p) if p.grad is None else p.grad.to_dense()
+                     for n, p in m.named_parameters()})
+    for name, p in model.named_parameters():
+        assert not p.grad.is_sparse, name
+        torch.testing.assert_close(p.grad, sum(ref[name] for ref in refs) / len(refs),
+                                   rtol=0, atol=1e-14, msg=name)
+    assert not model["unused"].weight.grad.any()
+    with opt.skip_synchronize():
+        opt.step()
+    assert opt.local_sgd.stats()["grads.node"] == 1
+
+
 def test_bad_settings_raise_on_every_rank(hvd):
     model = _model()
     for bad, kind, match in ((dict(sync_every=0), ValueError, "sync_every must be"),

@@ -226,6 +226,33 @@ def test_abort_fails_the_work_in_flight_and_the_queued_work():
     _finish(group, release)
 
 
+def test_shrink_with_the_abort_flag_fails_the_work_in_flight():
+    """``Backend.shrink(ranks_to_exclude, shrink_flags=SHRINK_ABORT)`` (torch's
+    ``dist.shrink_group``'s call): the old group's work in flight and queued fails with
+    "was aborted" before the new group of the other members is made; the new group
+    reduces over them (its global ranks: the old group's but the last)."""
+    needs_two()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = _fresh_group()
+    if rank == n - 1:            # excluded: makes no call (the shrink is the others')
+        dist.destroy_process_group(group)
+        return
+    work, release = _stuck(group)
+    queued = dist.all_reduce(torch.ones(2), group=group, async_op=True)
+    new = backend_of(group).shrink([n - 1], shrink_flags=1)
+    for w in (work, queued):
+        with pytest.raises(mpicoll.CollectiveError, match="was aborted"):
+            w.wait()
+    _finish(group, release)
+    assert (new.rank(), new.size()) == (rank, n - 1)
+    assert new.options.global_ranks_in_group == list(range(n - 1))
+    tensor = data(rank, 5, 1)
+    new.allreduce([tensor], dist.AllreduceOptions()).wait()
+    assert torch.equal(tensor, sum(everyone(5, 1)[:n - 1]))
+    new.shutdown()
+    dist.destroy_process_group(group)
+
+
 def test_shutdown_finishes_queued_work_and_frees_the_communicators():
     from mpicoll.runtime import comms
 

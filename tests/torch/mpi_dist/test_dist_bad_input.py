@@ -329,6 +329,40 @@ def test_point_to_point_bad_arguments_raise_at_the_call(group):
         backend.recv([_ones(2)], me, -1)
 
 
+def test_unchecked_call_with_a_bad_argument_raises_at_the_call_on_its_rank_only():
+    """``Options(check="first")``: the second all-reduce is not agreed on, so a bad
+    argument raises this rank's own error at the call (not a ``RemoteError``, not at
+    ``wait``), nothing is sent, and the group works afterwards. Every rank passes a bad
+    argument (an unchecked good call would wait for the others): a meta tensor on even
+    ranks, a bitwise op on floats on odd ones."""
+    from mpicoll import config
+    from mpicoll.torch.distributed import Options
+
+    if config.check_enabled():
+        pytest.skip("MPICOLL_CHECK agrees on every call")
+    g = dist.new_group(list(range(dist.get_world_size())),
+                       pg_options=Options(check="first"))
+    backend, me, n = backend_of(g), dist.get_rank(g), dist.get_world_size(g)
+    first = torch.full((3,), float(me + 1))
+    backend.allreduce([first], dist.AllreduceOptions()).wait()     # the agreed first call
+    assert torch.equal(first, torch.full((3,), n * (n + 1) / 2))
+    opts = dist.AllreduceOptions()
+    if me % 2:
+        opts.reduceOp = dist.ReduceOp.BAND
+        bad, kind, match = torch.ones(3), TypeError, "needs an integer or bool tensor"
+    else:
+        bad, kind, match = _meta(3), TypeError, "is on meta"
+    sequence = backend._get_sequence_number_for_group()
+    with pytest.raises(kind, match=match) as info:
+        backend.allreduce([bad], opts)
+    assert not isinstance(info.value, mpicoll.RemoteError)
+    assert backend._get_sequence_number_for_group() == sequence + 1
+    tensor = torch.arange(4, dtype=I64) * (me + 1)
+    dist.all_reduce(tensor, group=g)
+    assert torch.equal(tensor, torch.arange(4, dtype=I64) * (n * (n + 1) // 2))
+    dist.destroy_process_group(g)
+
+
 def test_a_receive_nobody_sends_times_out_then_completes(group):
     """``wait(timeout)`` on a receive without a matching send raises
     ``CollectiveTimeoutError``; the receive stays posted and takes the send made later."""
