@@ -396,7 +396,24 @@ class Server(Coders):
             return (P.Status.BAD_REQUEST,
                     f"push of {sh.label()} at clock {int(h[P.CLOCK])}, but this worker's "
                     f"next clock here is {state.clocks[src]}")
+        if op == P.Op.PULL and self._waits_for_itself(state, src, int(h[P.CLOCK])):
+            return (P.Status.BAD_REQUEST,
+                    (f"pull of {sh.label()} at clock {int(h[P.CLOCK])} cannot be answered: "
+                     f"this server has this worker's pushes of it for {state.clocks[src]} "
+                     f"clocks only (a push of it was rejected), so the pull would wait "
+                     f"forever for this worker's own push"))
         return None
+
+    def _waits_for_itself(self, state: ShardState, src: int, clock: int) -> bool:
+        """Whether a pull at ``clock`` from active worker ``src`` waits for a push of
+        ``src``'s own that ``state``'s shard never got (rejected, so never to come: its
+        pushes and pulls arrive here in order): ``bsp`` without backup workers (the round
+        needs ``src``) and ``ssp`` (the bound needs ``src``'s clock) would defer it forever."""
+        if self.consistency == "bsp" and not self.backup_workers:
+            return state.clocks[src] < clock
+        if self.consistency == "ssp":
+            return state.clocks[src] < clock - self.staleness
+        return False
 
     def _clock_fits(self, clock: int, expected: int) -> bool:
         """Whether a push at ``clock`` may follow this worker's pushes so far: the next

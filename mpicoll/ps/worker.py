@@ -55,9 +55,10 @@ def pull_destination(spec: ParamSpec, out: dict[str, Any] | None) -> np.ndarray:
 
 
 def check_arrays(specs: dict[str, ParamSpec], arrays: dict[str, Any], complete: bool,
-                 what: str) -> None:
+                 what: str, names_only: bool = False) -> None:
     """Raise :class:`PSError` unless names, shapes and dtypes match the parameters ``specs``
-    (``complete``: every parameter must be there)."""
+    (``complete``: every parameter must be there; ``names_only``: shapes and dtypes are
+    left to the servers)."""
     if not isinstance(arrays, dict):
         raise PSError(f"expected a dict name -> array, got {type(arrays).__name__}")
     problems = []
@@ -66,6 +67,8 @@ def check_arrays(specs: dict[str, ParamSpec], arrays: dict[str, Any], complete: 
         spec = specs.get(name)
         if spec is None:
             problems.append(f"unknown key {name!r}")
+        elif names_only:
+            continue
         elif not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
             problems.append(f"{name!r}: {type(arr).__name__} is not an array")
         elif tuple(arr.shape) != spec.shape:
@@ -94,6 +97,8 @@ class Handle:
         self.result = result
         self.remaining = 0
         self.ok = 0
+        #: shard pushes the servers accepted (``ok`` also counts a push_pull's pulls)
+        self.pushed = 0
         self.errors: list[str] = []
         self.push_clock: int | None = None
         self._sends: list[MPI.Request] = []
@@ -258,9 +263,11 @@ class WorkerClient(Coders):
         are copied to host arrays first."""
         what = "gradient" if op == P.Op.PUSH else "value"
         device = call_side(**{"grads" if op == P.Op.PUSH else "params": arrays})
-        if check:
+        if check or op == P.Op.PUSH:
+            # a push's names are checked even unchecked: a parameter left out would never
+            # see this push on its shards, whose clocks for this worker would fall behind
             check_arrays(self.placement.specs, device_views(arrays) if device else arrays,
-                         complete=(op == P.Op.PUSH), what=what)
+                         complete=(op == P.Op.PUSH), what=what, names_only=not check)
         if device:
             arrays = host_arrays(arrays)
         for name in sorted(arrays):
@@ -375,7 +382,8 @@ class WorkerClient(Coders):
         a push that every server rejected (nothing was applied anywhere)."""
         if h in self._open:
             self._open.remove(h)
-        if h.errors and h.push_clock is not None and not h.ok and self.clock == h.push_clock + 1:
+        if h.errors and h.push_clock is not None and not h.pushed and \
+                self.clock == h.push_clock + 1:
             self.clock -= 1   # the push did not happen
         elif h.errors and h.push_clock is not None and self.out_of_step is None:
             # some shards took the push (and count this worker's clock on), others did not:
@@ -484,6 +492,8 @@ class WorkerClient(Coders):
                 handle.ok += 1
             if hdr[P.STATUS] == 0:
                 self._note_reply(hdr)
+                if hdr[P.OP] == P.Op.PUSH:
+                    handle.pushed += 1
             del self._pending[seq]
             handle.remaining -= 1
         return got

@@ -21,12 +21,15 @@ def test_bad_pushes_rejected_by_server_others_continue(num_servers, consistency)
 
     def worker(ps):
         if ps.worker_index == 0:
-            # the server's own checks (check=False skips the local ones)
-            expect_ps_error(lambda: ps.push({"nope": np.ones(3)}, check=False), "unknown key")
-            expect_ps_error(lambda: ps.push({"w": np.ones((5, 37))}, check=False), "shape")
-            expect_ps_error(lambda: ps.push({"w": np.ones(4)}, check=False), "elements")
-            expect_ps_error(lambda: ps.push({"v": np.ones(29, dtype=np.float64)}, check=False),
-                    "dtype")
+            # the server's own checks (check=False skips the local ones of shapes and
+            # dtypes, not of names): every tensor bad, so every shard rejects the push
+            other = {np.dtype(np.float64): np.float32, np.dtype(np.float32): np.float64}
+            for bad, reason in (({k: v.reshape(-1, 1) for k, v in ones.items()}, "shape"),
+                                ({k: np.ones(4, v.dtype) for k, v in ones.items()},
+                                 "elements"),
+                                ({k: v.astype(other[v.dtype]) for k, v in ones.items()},
+                                 "dtype")):
+                expect_ps_error(lambda bad=bad: ps.push(bad, check=False), reason)
             assert ps.clock == 0     # nothing was applied, so the clock did not move
             # the same caught locally, before anything is sent
             expect_ps_error(lambda: ps.push({**ones, "nope": np.ones(3)}), "unknown key 'nope'")
@@ -93,6 +96,127 @@ def test_partly_rejected_push_refuses_later_calls(num_servers, consistency):
         for k, v in res.items():
             want = params[k] if k == "w" else params[k] - np.asarray(moved, params[k].dtype)
             np.testing.assert_array_equal(v, want, err_msg=k)
+
+
+def sgd_steps(params: dict[str, np.ndarray], steps: list[float]) -> dict[str, np.ndarray]:
+    """``params`` after sgd updates moving every element down by each of ``steps`` in
+    turn, in each tensor's dtype (as the servers apply them)."""
+    out = {}
+    for k, v in params.items():
+        out[k] = v.copy()
+        for step in steps:
+            out[k] -= np.asarray(step, v.dtype)
+    return out
+
+
+def pushes_of_ones(params: dict[str, np.ndarray], consistency: str,
+                   nworkers: int) -> dict[str, np.ndarray]:
+    """``params`` after every worker pushed ones once (lr 0.5, summed): one update of the
+    round (bsp) or one update per push (asp, ssp)."""
+    steps = [0.5 * nworkers] if consistency == "bsp" else [0.5] * nworkers
+    return sgd_steps(params, steps)
+
+
+@pytest.mark.parametrize("consistency", ["asp", "bsp", "ssp"])
+@pytest.mark.parametrize("num_servers", [1, 2])
+def test_partly_rejected_push_pull_raises_instead_of_waiting(num_servers, consistency):
+    """push_pull(check=False) with one tensor of the wrong shape: that tensor's shards
+    reject the push, so under bsp (and ssp with staleness 0) the pull of the same call
+    waits there for a round that never closes for this worker (it hung). The servers
+    answer such a pull with an error at once: the call raises PSError with the shape error
+    and the out-of-step reason, and later calls are refused. Another worker's push_pull
+    completes once the first has closed (the bad tensor's round then closes without it)."""
+    need_servers(num_servers)
+    params = make_params()
+    ones = {k: np.ones_like(v) for k, v in params.items()}
+
+    def worker(ps):
+        if ps.worker_index == 0:
+            expect_ps_error(lambda: ps.push_pull({**ones, "w": ones["w"].reshape(5, 37)},
+                                                 check=False), "shape", "out of step")
+            expect_ps_error(ps.pull, "out of step")
+            return None
+        return ps.push_pull(ones) if ps.worker_index == 1 else None
+
+    _, res = run_ps(params, worker, num_servers, consistency=consistency, staleness=0,
+                    lr=0.5, average=False, **SMALL)
+    if res is not None and "w" in res:
+        # w: the second worker's push alone; the others: both pushes (asp: perhaps not
+        # the first worker's yet), one update (bsp) or one each (ssp)
+        np.testing.assert_array_equal(res["w"], params["w"] - 0.5)
+        if consistency != "asp":
+            want = sgd_steps(params, [1.0] if consistency == "bsp" else [0.5, 0.5])
+            for k in sorted(set(params) - {"w"}):
+                np.testing.assert_array_equal(res[k], want[k], err_msg=k)
+
+
+@pytest.mark.parametrize("consistency", ["asp", "bsp"])
+@pytest.mark.parametrize("num_servers", [1, 2])
+def test_fully_rejected_push_pull_keeps_the_clock(num_servers, consistency):
+    """push_pull(check=False) whose every tensor has the wrong dtype: every shard rejects
+    the push, so nothing happened anywhere: the call raises the servers' reasons (bsp: its
+    pull is answered with an error at once instead of waiting for a round this worker
+    never pushed), the clock stays and is not out of step, and training goes on."""
+    need_servers(num_servers)
+    params = make_params()
+    ones = {k: np.ones_like(v) for k, v in params.items()}
+    other = {np.dtype(np.float64): np.float32, np.dtype(np.float32): np.float64}
+    bad = {k: v.astype(other[v.dtype]) for k, v in ones.items()}
+
+    def worker(ps):
+        if ps.worker_index == 0:
+            error = expect_ps_error(lambda: ps.push_pull(bad, check=False), "dtype")
+            assert "out of step" not in str(error) and ps.clock == 0, str(error)
+        ps.push(ones)
+        wait_all([ps.worker_comm.Ibarrier()])
+        return ps.pull()
+
+    _, res = run_ps(params, worker, num_servers, consistency=consistency, lr=0.5,
+                    average=False, **SMALL)
+    if res is not None and "w" in res:
+        want = pushes_of_ones(params, consistency, SIZE - num_servers)
+        for k in params:
+            np.testing.assert_array_equal(res[k], want[k], err_msg=k)
+
+
+@pytest.mark.parametrize("consistency", ["asp", "bsp"])
+@pytest.mark.parametrize("num_servers", [1, 2])
+def test_unchecked_push_still_needs_every_parameter(num_servers, consistency):
+    """check=False leaves shapes and dtypes to the servers, not names: gradients missing
+    some parameters (whose shards would never see this push: the clocks out of step,
+    silently) or naming unknown ones raise PSError naming them before anything is sent;
+    the clock stays and every worker trains on."""
+    need_servers(num_servers)
+    params = make_params()
+    ones = {k: np.ones_like(v) for k, v in params.items()}
+
+    def worker(ps):
+        try:
+            if ps.worker_index == 0:
+                expect_ps_error(lambda: ps.push({"w": ones["w"]}, check=False),
+                                "missing", "'b'", "'v'")
+                partial = {k: v for k, v in ones.items() if k != "s"}
+                expect_ps_error(lambda: ps.push_pull(partial, check=False),
+                                "missing", "['s']")
+                expect_ps_error(lambda: ps.push({**ones, "nope": ones["b"]}, check=False),
+                                "unknown key 'nope'")
+                expect_ps_error(lambda: ps.push(["not", "a", "dict"], check=False), "dict")
+                assert ps.clock == 0
+            ps.push(ones)
+        finally:
+            wait_all([ps.worker_comm.Ibarrier()])
+        return ps.pull(), ps.stats()
+
+    _, res = run_ps(params, worker, num_servers, consistency=consistency, lr=0.5,
+                    average=False, **SMALL)
+    if isinstance(res, tuple):
+        final, stats = res
+        nworkers = SIZE - num_servers
+        want = pushes_of_ones(params, consistency, nworkers)
+        for k in params:
+            np.testing.assert_array_equal(final[k], want[k], err_msg=k)
+        # nothing of the refused calls reached a server
+        assert sum(s["errors"] for s in stats["servers"]) == 0
 
 
 @pytest.mark.parametrize("num_servers", [1, 2])

@@ -170,16 +170,17 @@ def test_unsupported_combinations_fail_on_every_rank(kw, fragment):
 
 
 def test_bad_push_rejected_by_the_primary_training_goes_on():
-    """A push of an unknown key (``check=False``: only the servers check) reaches a
-    replicated server, which answers with the reason; the worker's next pushes apply."""
+    """A push of the wrong dtypes (``check=False``: only the servers check them) reaches
+    a replicated server, which answers with the reason; the worker's next pushes apply."""
     need(2)
     params = make_params()
     ones = {k: np.ones_like(v) for k, v in params.items()}
+    other = {np.dtype(np.float64): np.float32, np.dtype(np.float32): np.float64}
 
     def worker(ps):
         if ps.worker_index == 0:
-            with pytest.raises(PSError, match="unknown key"):
-                ps.push({"nope": np.ones(3)}, check=False)
+            with pytest.raises(PSError, match="dtype"):
+                ps.push({k: v.astype(other[v.dtype]) for k, v in ones.items()}, check=False)
             assert ps.clock == 0
         return ps.push_pull(ones)
 
