@@ -313,8 +313,16 @@ def shrunk(backend: Any, excluded: list[int]) -> tuple[Any, tuple[Any, ...], lis
     size = backend.size()
     keep = [r for r in range(size) if r not in set(excluded)]
     base, base_members, made = comms.plain(backend.comm), list(range(size)), None
-    if failures.ENABLED and (failures.revoked(base) or failures.failed_ranks(base, 0.0)
-                             or backend._failures.ranks):
+    picks: list[int] | None = None       # the kept members' ranks in ``base``, where known
+    failed = failures.ENABLED and bool(failures.failed_ranks(base, 0.0)
+                                       or backend._failures.ranks)
+    if failures.ENABLED and failures.revoked(base) and not failed:
+        # revoked by the group's own abort, nobody dead: MPI_Comm_shrink would wait for the
+        # excluded members, which do not call it; the kept ones make theirs from the world's
+        world = comms.plain(runtime_world.comm())
+        picks = MPI.Group.Translate_ranks(base.Get_group(), keep, world.Get_group())
+        base = world
+    elif failed or (failures.ENABLED and failures.revoked(base)):
         made = comms.shrink(base, "group")
         base_members = [base_members[r] for r in
                         MPI.Group.Translate_ranks(made.Get_group(), list(range(made.Get_size())),
@@ -328,7 +336,8 @@ def shrunk(backend: Any, excluded: list[int]) -> tuple[Any, tuple[Any, ...], lis
     if len(keep) == base.Get_size() and made is not None:
         comm = made
     else:
-        comm = member_comm(base, [base_members.index(r) for r in keep], tag=1)
+        comm = member_comm(base, picks if picks is not None else
+                           [base_members.index(r) for r in keep], tag=1)
         if made is not None:
             comms.free(made)
     members = backend.options.global_ranks_in_group
