@@ -26,24 +26,24 @@ from mpicoll.topology import Topology
                                            ("false", False), ("YES", True)])
 def test_env_bool_reads_each_spelling(monkeypatch, raw, expected):
     """env_bool accepts 1/0, true/false, yes/no, on/off in any case and spacing."""
-    monkeypatch.setenv("MPICOLL_TEST_FLAG", raw)
+    monkeypatch.setenv("MPICOLL_CHECK", raw)
     config.refresh()
     try:
-        assert config.env_bool("MPICOLL_TEST_FLAG", not expected) is expected
+        assert config.env_bool("MPICOLL_CHECK", not expected) is expected
     finally:
-        monkeypatch.delenv("MPICOLL_TEST_FLAG")
+        monkeypatch.delenv("MPICOLL_CHECK")
         config.refresh()
 
 
 def test_env_bool_refuses_other_values_naming_the_variable(monkeypatch):
     """A value that is no boolean raises ValueError naming the variable and the value."""
-    monkeypatch.setenv("MPICOLL_TEST_FLAG", "maybe")
+    monkeypatch.setenv("MPICOLL_CHECK", "maybe")
     config.refresh()
     try:
-        with pytest.raises(ValueError, match=r"MPICOLL_TEST_FLAG='maybe' is not a boolean"):
-            config.env_bool("MPICOLL_TEST_FLAG", True)
+        with pytest.raises(ValueError, match=r"MPICOLL_CHECK='maybe' is not a boolean"):
+            config.env_bool("MPICOLL_CHECK", True)
     finally:
-        monkeypatch.delenv("MPICOLL_TEST_FLAG")
+        monkeypatch.delenv("MPICOLL_CHECK")
         config.refresh()
 
 
