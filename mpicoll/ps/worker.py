@@ -96,8 +96,7 @@ class Handle:
         self.kind = kind
         self.result = result
         self.remaining = 0
-        self.ok = 0
-        #: shard pushes the servers accepted (``ok`` also counts a push_pull's pulls)
+        #: shard pushes the servers accepted
         self.pushed = 0
         self.errors: list[str] = []
         self.push_clock: int | None = None
@@ -487,9 +486,6 @@ class WorkerClient(Coders):
                     handle.errors.append(f"{what}: reply of {nbytes} bytes does not fit")
                 else:
                     self._receive_reply(src, nbytes, dest, coded, decoder)
-                    handle.ok += 1
-            else:
-                handle.ok += 1
             if hdr[P.STATUS] == 0:
                 self._note_reply(hdr)
                 if hdr[P.OP] == P.Op.PUSH:
