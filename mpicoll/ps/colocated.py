@@ -60,8 +60,6 @@ from .stepped import CollectiveGroup
 
 __all__ = ["CollOp", "ColocatedEngine"]
 
-TAG_SCATTER, TAG_GATHER = P.TAG_SCATTER, P.TAG_GATHER
-
 Steps = Generator[list, None, Any]
 
 
@@ -127,7 +125,7 @@ class ColocatedEngine(CodedExchange, CollectiveGroup):
         self.spin = self.size <= (os.cpu_count() or 1)
         self._scratch: dict[tuple[int, int], np.ndarray] = {}   # (ident, src) -> buffer
         self._acc: dict[tuple[int, int], np.ndarray] = {}       # ident -> aggregate
-        self._coded_bufs: dict[tuple[Any, ...], np.ndarray] = {}
+        self._coded_bufs: dict[tuple[Any, ...], np.ndarray] = {}   # bytes per shard, peer
         self.counters = dict.fromkeys(P.SERVER_COUNTERS, 0)
         self.worker_counters = dict.fromkeys(P.WORKER_COUNTERS, 0)
         self._setup_coders(codec, feedback, pull_deltas=optimizer != "sum", pushes=True)
@@ -183,15 +181,12 @@ class ColocatedEngine(CodedExchange, CollectiveGroup):
     def _scratch_for(self, sh: Shard, src: int) -> np.ndarray:
         return P.scratch(self._scratch, (sh.ident, src), sh.count, sh.spec.dtype)
 
-    def _acc_for(self, sh: Shard) -> np.ndarray:
-        return P.scratch(self._acc, sh.ident, sh.count, sh.spec.dtype)
-
     def _post_with_owners(self, flat: dict[str, np.ndarray], send: bool) -> list[MPI.Request]:
         """The segments of every shard this rank does not own: sends of this rank's
         gradient ``flat`` to their owners (``send``), or receives of the owners' values
         straight into ``out`` (``flat``)."""
-        post, tag, counter = (self.comm.Isend, TAG_SCATTER, "bytes_sent") if send else \
-            (self.comm.Irecv, TAG_GATHER, "bytes_received")
+        post, tag, counter = (self.comm.Isend, P.TAG_SCATTER, "bytes_sent") if send else \
+            (self.comm.Irecv, P.TAG_GATHER, "bytes_received")
         reqs: list[MPI.Request] = []
         for sh in self.order:
             if sh.server != self.rank and sh.count:
@@ -216,9 +211,12 @@ class ColocatedEngine(CodedExchange, CollectiveGroup):
         sends = self._post_with_owners(grads_flat, True) if self.rank in contributors else []
         others = [r for r in pullers if r != self.rank]
         for state in self.states.values():
-            sends += yield from self._update_shard(state, grads_flat, contributors, others,
-                                                   recvs, out_flat, into_out)
-            self._count_update(state.shard, contributors, len(pullers), len(others))
+            sh = state.shard
+            parts = [grads_flat[sh.spec.name][sh.lo:sh.hi] if src == self.rank
+                     else self._scratch_for(sh, src) for src in contributors]
+            sends += yield from self._update_shard(state, parts, contributors, others, recvs,
+                                                   out_flat, into_out)
+            self._count_update(sh, contributors, len(pullers), len(others))
         return sends
 
     def _post_scatter_recvs(self, contributors: list[int]
@@ -233,25 +231,24 @@ class ColocatedEngine(CodedExchange, CollectiveGroup):
                     view = _raw(self._scratch_for(sh, src))
                     for k, (lo, hi) in enumerate(self._segments(sh)):
                         recvs.setdefault((sh.ident, k), []).append(
-                            self.comm.Irecv(view(lo, hi), src, TAG_SCATTER))
+                            self.comm.Irecv(view(lo, hi), src, P.TAG_SCATTER))
         return recvs
 
-    def _update_shard(self, state: ShardState, grads_flat: dict[str, np.ndarray],
+    def _update_shard(self, state: ShardState, parts: list[np.ndarray],
                       contributors: list[int], others: list[int],
                       recvs: dict[tuple[tuple[int, int], int], list[MPI.Request]],
                       out_flat: dict[str, np.ndarray] | None, into_out: bool
                       ) -> Iterator[list]:
-        """One owned shard, segment by segment: wait for its gradients, reduce, apply the
-        optimizer, start sending the new value to ``others`` and copy it into ``out``.
+        """One owned shard, segment by segment: wait for its gradients (``parts``, in the
+        order of ``contributors``; ``recvs`` fill them), reduce, apply the optimizer, start
+        sending the new value to ``others`` and copy it into ``out``.
         Yields request lists to wait on; returns the value sends."""
         sh = state.shard
-        parts = [grads_flat[sh.spec.name][sh.lo:sh.hi] if src == self.rank
-                 else self._scratch_for(sh, src) for src in contributors]
         adopt = state.opt.name == "sum"
         state.opt.begin_update()
         out = None if out_flat is None else out_flat[sh.spec.name][sh.lo:sh.hi]
         direct = into_out and adopt and out is not None
-        acc = out if direct else self._acc_for(sh)
+        acc = out if direct else P.scratch(self._acc, sh.ident, sh.count, sh.spec.dtype)
         value = acc if adopt else state.param
         raw = _raw(value)
         sends: list[MPI.Request] = []
@@ -261,7 +258,7 @@ class ColocatedEngine(CodedExchange, CollectiveGroup):
             self._reduce(acc[lo:hi], [p[lo:hi] for p in parts], contributors, sh, lo, hi)
             if not adopt:
                 state.opt.apply_part(state.param[lo:hi], acc[lo:hi], lo, hi)
-            sends += [self.comm.Isend(raw(lo, hi), dst, TAG_GATHER) for dst in others]
+            sends += [self.comm.Isend(raw(lo, hi), dst, P.TAG_GATHER) for dst in others]
             if out is not None and not direct:
                 np.copyto(out[lo:hi], value[lo:hi])
         if adopt and not direct:
@@ -320,7 +317,7 @@ class ColocatedEngine(CodedExchange, CollectiveGroup):
             raw = _raw(state.param)
             for dst in pullers:
                 if dst != me and sh.count:
-                    sends += [self.comm.Isend(raw(lo, hi), dst, TAG_GATHER)
+                    sends += [self.comm.Isend(raw(lo, hi), dst, P.TAG_GATHER)
                               for lo, hi in self._segments(sh)]
                     P.count_bytes(self.counters, "bytes_out", sh.nbytes, sh.nbytes)
             self.counters["pulls"] += len(pullers)

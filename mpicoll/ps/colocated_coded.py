@@ -19,8 +19,9 @@ One step, for the ranks taking part (``busy``), every message size known on both
    same values;
 4. the pulled payloads are decoded into ``out`` (through this rank's replicas).
 
-The owner's value stays exact; unlike the uncompressed path, a shard is reduced whole (not
-segment by segment), since an encoded payload cannot be decoded in parts.
+The owner's value stays exact; unlike the uncompressed path, a shard's payloads are decoded
+whole before it is reduced (not as its segments arrive), since an encoded payload cannot be
+decoded in parts.
 """
 from __future__ import annotations
 
@@ -42,18 +43,9 @@ class CodedExchange(Coders):
     """Compressed push/pull steps of a :class:`~mpicoll.ps.colocated.ColocatedEngine`.
 
     Uses the engine's ``comm``, ``rank``, ``order``, ``states``, ``chunk_bytes``,
-    ``counters``, ``worker_counters``, ``_scratch_for``, ``_acc_for``, ``_reduce`` and
-    ``_acc``, and the codec state of :class:`~mpicoll.ps.compressed.Coders`.
+    ``counters``, ``worker_counters``, ``_coded_bufs``, ``_scratch_for`` and
+    ``_update_shard``, and the codec state of :class:`~mpicoll.ps.compressed.Coders`.
     """
-
-    def _bytes(self, key: tuple[Any, ...], nbytes: int) -> np.ndarray:
-        """A reusable byte buffer (one per shard and peer: used once per step)."""
-        return P.scratch(self._coded_bufs, key, nbytes)
-
-    def _messages(self, data: np.ndarray, peer: int, tag: int, send: bool) -> list[MPI.Request]:
-        """Post the ``chunk_bytes`` messages of a payload (bytes or values)."""
-        post = P.send_payload if send else P.post_recv_payload
-        return post(self.comm, data, peer, tag, self.chunk_bytes)
 
     def _coded_step(self, busy: list[int], pushing: bool, pulling: bool,
                     grads_flat: dict[str, np.ndarray],
@@ -62,38 +54,37 @@ class CodedExchange(Coders):
         me = self.rank
         contributors = busy if pushing else []
         pullers = busy if pulling else []
-        mine = self._encode_mine(grads_flat) if me in contributors else {}
-        recvs = self._post_coded_gradient_recvs(contributors)
+        recvs = self._post_coded_gradient_recvs(contributors)     # receives first
         pending, pull_recvs = self._post_coded_pull_recvs(out_flat) if me in pullers \
             else ([], [])
-        sends: list[MPI.Request] = []
-        for sh in self.order:
-            if sh.server != me and sh.count and me in contributors:
-                sends += self._messages(mine[sh.ident][0], sh.server, P.TAG_SCATTER, True)
+        mine, sends = self._send_mine(grads_flat) if me in contributors else ({}, [])
         for state in self.states.values():
             ident = state.shard.ident
             if pushing:
                 if recvs.get(ident):
                     yield recvs[ident]
-                self._coded_update(state, contributors, mine)
+                yield from self._coded_update(state, contributors, mine)
             if pulling:
                 sends += self._send_coded_pulls(state, pullers, out_flat)
         yield pull_recvs + sends
         for sh, buf, coded, dec in pending:
             dec.apply(buf, coded, out_flat[sh.spec.name][sh.lo:sh.hi])
 
-    def _encode_mine(self, grads_flat: dict[str, np.ndarray]
-                     ) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
-        """This rank's gradient, every shard encoded with its residual:
-        ident -> (payload bytes, decoded)."""
-        mine = {}
+    def _send_mine(self, grads_flat: dict[str, np.ndarray]
+                   ) -> tuple[dict[tuple[int, int], tuple[np.ndarray, np.ndarray]],
+                              list[MPI.Request]]:
+        """This rank's gradient, every shard encoded with its residual (ident -> (payload
+        bytes, decoded)), and the sends of the payloads of the shards other ranks own."""
+        mine, sends = {}, []
         for sh in self.order:
             part = grads_flat[sh.spec.name][sh.lo:sh.hi]
             mine[sh.ident] = self.push_encoder.encode((sh.spec.name, sh.index), part)
             if sh.server != self.rank and sh.count:
+                sends += P.send_payload(self.comm, mine[sh.ident][0], sh.server,
+                                        P.TAG_SCATTER, self.chunk_bytes)
                 P.count_bytes(self.worker_counters, "bytes_sent", mine[sh.ident][0].nbytes,
                               sh.nbytes)
-        return mine
+        return mine, sends
 
     def _post_coded_gradient_recvs(self, contributors: list[int]
                                    ) -> dict[tuple[int, int], list[MPI.Request]]:
@@ -104,9 +95,9 @@ class CodedExchange(Coders):
             nbytes = self.codec.wire_bytes(sh.count, sh.spec.dtype)
             for src in contributors:
                 if src != self.rank and sh.count:
-                    buf = self._bytes(("grad", sh.ident, src), nbytes)
+                    buf = P.scratch(self._coded_bufs, ("grad", sh.ident, src), nbytes)
                     recvs.setdefault(sh.ident, []).extend(
-                        self._messages(buf, src, P.TAG_SCATTER, False))
+                        P.post_recv_payload(self.comm, buf, src, P.TAG_SCATTER, self.chunk_bytes))
         return recvs
 
     def _post_coded_pull_recvs(self, out_flat: dict[str, np.ndarray]
@@ -119,17 +110,17 @@ class CodedExchange(Coders):
                 continue
             dec = self._pull_decoder(sh)
             coded = not dec.delta or dec.replica is not None
-            buf = self._bytes(("pull", sh.ident), dec.wire_bytes()) if coded \
+            buf = P.scratch(self._coded_bufs, ("pull", sh.ident), dec.wire_bytes()) if coded \
                 else out_flat[sh.spec.name][sh.lo:sh.hi]
-            reqs += self._messages(buf, sh.server, P.TAG_GATHER, False)
+            reqs += P.post_recv_payload(self.comm, buf, sh.server, P.TAG_GATHER, self.chunk_bytes)
             pending.append((sh, buf, coded, dec))
             P.count_bytes(self.worker_counters, "bytes_received", buf.nbytes, sh.nbytes)
         return pending, reqs
 
     def _coded_update(self, state: ShardState, contributors: list[int],
-                      mine: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]) -> None:
-        """Decode an owned shard's contributions, sum them in rank order, apply the
-        optimizer (the whole shard at once)."""
+                      mine: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]) -> Steps:
+        """Decode an owned shard's contributions (each whole), then sum them in rank order
+        and apply the optimizer as the uncompressed path does (``_update_shard``)."""
         sh = state.shard
         nbytes = self.codec.wire_bytes(sh.count, sh.spec.dtype)
         parts = []
@@ -137,18 +128,10 @@ class CodedExchange(Coders):
             if src == self.rank:
                 parts.append(mine[sh.ident][1])
             else:
-                raw = self._bytes(("grad", sh.ident, src), nbytes)
+                raw = P.scratch(self._coded_bufs, ("grad", sh.ident, src), nbytes)
                 parts.append(self.codec.decode_into(raw, sh.count, self._scratch_for(sh, src)))
                 P.count_bytes(self.counters, "bytes_in", nbytes if sh.count else 0, sh.nbytes)
-        acc = self._acc_for(sh)
-        if sh.count and parts:
-            self._reduce(acc, parts, contributors, sh)
-        if state.opt.name == "sum":
-            state.opt.steps += 1
-            state.param, self._acc[sh.ident] = acc, state.param
-        else:
-            state.opt.apply(state.param, acc)
-        state.version += 1
+        yield from self._update_shard(state, parts, contributors, [], {}, None, False)
         self.counters["updates"] += 1
         self.counters["pushes"] += len(contributors)
 
@@ -170,6 +153,6 @@ class CodedExchange(Coders):
                     else:
                         self.codec.decode_into(data, sh.count, dest)
             elif sh.count:
-                sends += self._messages(data, dst, P.TAG_GATHER, True)
+                sends += P.send_payload(self.comm, data, dst, P.TAG_GATHER, self.chunk_bytes)
                 P.count_bytes(self.counters, "bytes_out", data.nbytes, sh.nbytes)
         return sends

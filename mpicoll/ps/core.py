@@ -288,7 +288,6 @@ class ParameterServer:
                      "hyperparameters", "average", "chunk_bytes", "compression", "feedback",
                      "replicas"):
             setattr(self, name, getattr(settings, name))
-        self.server_ranks = list(range(self.num_servers))
         self.worker_ranks = list(range(first_worker, size))
         self.is_server = settings.is_server(rank)
         self.is_worker = not self.is_server
@@ -313,7 +312,7 @@ class ParameterServer:
         weights = {g[0]: len(g) for g in self.node_groups} if self.local_aggregation else None
         if settings.colocated and self.local_aggregation:
             self.num_servers = len(leaders)          # one shard owner per node: its leader
-            self.server_ranks = list(range(self.num_servers))
+        self.server_ranks = list(range(self.num_servers))
         self.placement = Placement(specs, self.num_servers, settings.split_bytes)
         #: (key the server side keeps a worker's clock under, that worker's index)
         self._clock_keys = [(w, self.worker_ranks.index(w)) for w in counted]
@@ -739,8 +738,7 @@ class ParameterServer:
         leaders' engines save (one shard owner per node) and every worker of a node gets
         their verdict."""
         def lead() -> Any:
-            eng = self._engine
-            eng.wait_current()
+            eng = self._engine      # its operations are complete (see save())
             eng.check_aggregate_kept("save()")
             ckpt_id = "ckpt-" + uuid.uuid4().hex[:12]    # the first saving rank's id is used
             return eng.start("save", eng.save_steps((path, ckpt_id), self._commit_checkpoint))
@@ -792,12 +790,10 @@ class ParameterServer:
         saved = [int(c) for c in manifest["worker_clocks"]]
         if manifest["num_workers"] != self.num_workers or self.colocated:
             return [max(saved, default=0)] * self.num_workers
-        if self.local_aggregation:
-            for g in self.node_groups:
-                idx = [self.worker_ranks.index(w) for w in g]
-                top = max(saved[i] for i in idx)
-                for i in idx:
-                    saved[i] = top
+        for idx in self._node_groups_by_index() or []:
+            top = max(saved[i] for i in idx)
+            for i in idx:
+                saved[i] = top
         return saved
 
     def _restore_codec_state(self, path: str, manifest: dict, reshard: bool) -> None:

@@ -548,21 +548,17 @@ class Server(Coders):
             state.deferred.append((src, h))
 
     def _answer_pull(self, src: int, h: np.ndarray, state: ShardState) -> None:
-        if self.consistency == "bsp":
-            stale = 0
-        else:
-            stale = max(0, int(h[P.CLOCK]) - self._min_clock(state))
+        stale = 0 if self.consistency == "bsp" else \
+            max(0, int(h[P.CLOCK]) - self._min_clock(state))
         self.staleness_max = max(self.staleness_max, stale)
         self.staleness_sum += stale
         self.staleness_count += 1
         self.staleness_hist[min(stale, P.STALENESS_BINS - 1)] += 1
-        if self.codec is None:
-            self._reply(src, h, payload=state.param, clock=state.version, aux=stale,
-                        state=state)
-            return
-        data, coded = self._pull_encoder(state).payload(src, state.param, state.version)
+        data, coded = (state.param, False) if self.codec is None else \
+            self._pull_encoder(state).payload(src, state.param, state.version)
+        # (an uncoded compressed pull, a first one, sends a copy: never the value)
         self._reply(src, h, payload=data, clock=state.version, aux=stale,
-                    state=state if coded else None, coded=coded)   # data never is the value
+                    state=state if coded or data is state.param else None, coded=coded)
 
     def _answer_deferred(self, state: ShardState) -> None:
         waiting, state.deferred = state.deferred, []

@@ -100,43 +100,32 @@ class Handle:
         self.pushed = 0
         self.errors: list[str] = []
         self.push_clock: int | None = None
-        self._sends: list[MPI.Request] = []
-        self._send_ranks: list[int] = []
+        self._sends: list[tuple[MPI.Request, int]] = []     # (request, rank it sends to)
         self._keep: list[Any] = []
-        self._device_pulls: list[DevicePull] = []
+        #: device arrays to pull into: its staging arrays are copied there on completion
+        self.device_pull: DevicePull | None = None
         self._done = False
 
     def track(self, sends: list[MPI.Request], keep: Any, rank: int = -1) -> None:
         """Complete ``sends`` (to ``rank``) before this handle completes, keeping ``keep``
         (the buffer they read) alive until then."""
-        self._sends += sends
-        self._send_ranks += [rank] * len(sends)
+        self._sends += [(r, rank) for r in sends]
         self._keep.append(keep)
 
     def forget_sends_to(self, dead: set[int]) -> None:
         """Never wait for sends to failed ranks (their requests are kept, not freed)."""
-        lost = [r for r, d in zip(self._sends, self._send_ranks) if d in dead]
+        lost = [r for r, d in self._sends if d in dead]
         if lost:
             failures.keep_requests(lost)
-            kept = [(r, d) for r, d in zip(self._sends, self._send_ranks) if d not in dead]
-            self._sends = [r for r, _ in kept]
-            self._send_ranks = [d for _, d in kept]
-
-    def add_device_pull(self, pull: DevicePull) -> None:
-        """Copy ``pull``'s staging arrays to the device when this handle completes."""
-        self._device_pulls.append(pull)
-
-    def _finish_device(self) -> None:
-        for pull in self._device_pulls:
-            pull.finish()
+            self._sends = [(r, d) for r, d in self._sends if d not in dead]
 
     def test(self) -> bool:
         """Make progress; return whether the operation is complete (without raising); once
         it is, pulled device arrays hold their values."""
         if self.remaining:
             self._client.progress()
-        if self.remaining == 0:
-            self._finish_device()
+        if self.remaining == 0 and self.device_pull is not None:
+            self.device_pull.finish()
         return self.remaining == 0
 
     def wait(self) -> Any:
@@ -158,8 +147,9 @@ class Handle:
                     backoff.pause(busy=sending)
             while not client.sends_done(self):
                 backoff.pause()
-            self._sends, self._send_ranks, self._keep = [], [], []
-            self._finish_device()
+            self._sends, self._keep = [], []
+            if self.device_pull is not None:
+                self.device_pull.finish()
             self._done = True
             self._client.finished(self)
         if self.errors:
@@ -343,9 +333,7 @@ class WorkerClient(Coders):
                                    offset=sh.lo, count=sh.count, shape=P.shape_code(spec.shape))
                 self._send(h, sh.server, hdr, dest=flat[sh.lo:sh.hi], what=sh.label(),
                            decoder=self._pull_decoder(sh))
-        h.result = result
-        if device is not None:
-            h.add_device_pull(device)
+        h.result, h.device_pull = result, device
         self.counters["pulls"] += 1
         return h if handle else self._opened(h)
 
@@ -410,8 +398,8 @@ class WorkerClient(Coders):
     # ------------------------------------------------------------------ receiving
     def sends_done(self, handle: Handle) -> bool:
         """Whether every send of ``handle`` completed (a failure counts as not yet)."""
-        return bool(guarded(self.watch, lambda: MPI.Request.Testall(handle._sends),
-                            self.on_failure))
+        return bool(guarded(self.watch, lambda: MPI.Request.Testall(
+            [r for r, _ in handle._sends]), self.on_failure))
 
     def progress(self) -> bool:
         """Receive every reply that has arrived; return whether any did (under the failure

@@ -130,10 +130,6 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().contiguous().numpy()
 
 
-def _numpy_dtype(p: torch.Tensor) -> np.dtype:
-    return torch.empty(0, dtype=p.dtype).numpy().dtype
-
-
 def _direct(t: torch.Tensor) -> bool:
     """Whether ``t.numpy()`` is a view we can send from and receive into."""
     return t.device.type == "cpu" and t.is_contiguous()
@@ -217,13 +213,11 @@ class _PSTraining:
         the pulled value is a gradient)."""
         grads, out = {}, {}
         for name, p in self._named.items():
-            if p.grad is None:
-                if self._local_update:
-                    p.grad = torch.zeros_like(p)
-                else:
-                    grads[name] = np.zeros(tuple(p.shape), dtype=_numpy_dtype(p))
-                    continue
             g = p.grad
+            if g is None:
+                g = torch.zeros_like(p)
+                if self._local_update:
+                    p.grad = g
             grads[name] = g.numpy() if _direct(g) else _as_numpy(g)
             if self._local_update and _direct(g):
                 out[name] = grads[name]        # averaged in place (see ps_step)

@@ -389,6 +389,7 @@ def test_asp_checkpoint_with_uneven_clocks_restores_node_aware():
         def restore(ps):
             clock = ps.clock
             restored = ps.pull()
+            ps.worker_comm.Barrier()          # every restore pull answered before a push
             group = next(g for g in groups if RANK in g)
             for g in groups:                  # one node after the other
                 if g is group:
