@@ -11,7 +11,6 @@ here on all four, with the same rules): only the set's ranks call it (another ra
 """
 from __future__ import annotations
 
-import io
 import pickle
 from typing import Any, Callable, Iterable, NamedTuple
 
@@ -65,9 +64,8 @@ def broadcast_parameters(params: Any, root_rank: int, process_set: Any = None) -
 
 
 def _to_bytes_tensor(obj: Any) -> torch.Tensor:
-    buf = io.BytesIO()
-    pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
-    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+    data = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,

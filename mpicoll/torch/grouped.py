@@ -26,7 +26,7 @@ from .compression.allreduce import codec_allreduce
 from .compression.compressors import CodecCompressor, Compression
 from .engine.dtypes import dtype_name
 from .engine.handles import GroupFuture
-from .mpi_ops import (allreduce_meta, check_gather, gathered_rows, reducescatter_meta,
+from .mpi_ops import (allreduce_meta, check_rows, gathered_rows, reducescatter_meta,
                       request_name, resolve_scatter_op, scatter_gradient, synchronize)
 from .engine.negotiation import Meta
 from .ops import Average, ReduceOp, resolve_reduce_op
@@ -155,17 +155,15 @@ class GroupedAllreduceFn(torch.autograd.Function):
     @forward_in_scope
     def forward(ctx: Any, name: str, op: ReduceOp, prescale: float, postscale: float,
                 *tensors: torch.Tensor) -> tuple:
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
-        return tuple(synchronize(grouped_allreduce_async(
-            list(tensors), name=name, op=op, prescale_factor=prescale,
-            postscale_factor=postscale)))
+        ctx.scaling = {"op": op, "prescale_factor": prescale, "postscale_factor": postscale}
+        return tuple(synchronize(grouped_allreduce_async(list(tensors), name=name,
+                                                         **ctx.scaling)))
 
     @staticmethod
     @backward_in_scope
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        reduced = synchronize(grouped_allreduce_async(
-            [g.contiguous() for g in grads], op=ctx.op, prescale_factor=ctx.prescale,
-            postscale_factor=ctx.postscale))
+        reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads],
+                                                      **ctx.scaling))
         return (None, None, None, None, *reduced)
 
 
@@ -179,7 +177,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
         TypeError, ValueError: bad arguments (this rank, before anything is sent).
     """
     def describe(tensor: Any, member: str) -> Meta:
-        check_gather(tensor)
+        check_rows(tensor, "allgather")
         return Meta(member, "allgather", dtype_name(tensor.dtype), tuple(tensor.shape))
 
     return _submit_group("grouped_allgather", _tensor_list(tensors), name, process_set,
@@ -276,14 +274,13 @@ class GroupedReducescatterFn(torch.autograd.Function):
     @forward_in_scope
     def forward(ctx: Any, name: str, op: ReduceOp, prescale: float, postscale: float,
                 *tensors: torch.Tensor) -> tuple:
-        ctx.scaling = (op, prescale, postscale)
-        return tuple(synchronize(grouped_reducescatter_async(
-            list(tensors), name=name, op=op, prescale_factor=prescale,
-            postscale_factor=postscale)))
+        ctx.scaling = {"op": op, "prescale_factor": prescale, "postscale_factor": postscale}
+        return tuple(synchronize(grouped_reducescatter_async(list(tensors), name=name,
+                                                             **ctx.scaling)))
 
     @staticmethod
     @backward_in_scope
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         gathered = synchronize(grouped_allgather_async(
-            [scatter_gradient(grad, *ctx.scaling) for grad in grads]))
+            [scatter_gradient(grad, **ctx.scaling) for grad in grads]))
         return (None, None, None, None, *gathered)

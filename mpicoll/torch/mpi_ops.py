@@ -46,7 +46,7 @@ __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "al
            "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
            "poll", "synchronize", "barrier", "join", "allreduce_meta", "submit_allreduce",
            "alltoall_meta", "reducescatter_meta", "request_name",
-           "check_gather", "resolve_scatter_op", "SplitsTypeError", "gathered_rows",
+           "check_rows", "resolve_scatter_op", "SplitsTypeError", "gathered_rows",
            "scatter_gradient",
            "AllreduceFn", "AllgatherFn", "BroadcastFn", "AlltoallFn", "ReducescatterFn"]
 
@@ -197,10 +197,11 @@ def allreduce_(tensor: torch.Tensor, average: Any = None, name: str | None = Non
                                         postscale_factor, process_set))
 
 
-def check_gather(tensor: Any) -> None:
+def check_rows(tensor: Any, kind: str) -> None:
+    """Raise unless ``tensor`` is supported and has a dimension 0 for ``kind`` to split."""
     check_supported(tensor)
     if tensor.dim() == 0:
-        raise ValueError("allgather needs a tensor with at least one dimension")
+        raise ValueError(f"{kind} needs a tensor with at least one dimension")
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
@@ -209,7 +210,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 
     The other dimensions and the dtype must agree across ranks.
     """
-    check_gather(tensor)
+    check_rows(tensor, "allgather")
     with scoped(process_set):
         meta = Meta(request_name("allgather", name), "allgather", dtype_name(tensor.dtype),
                     tuple(tensor.shape))
@@ -224,7 +225,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
         TypeError, ValueError: bad arguments. mpicoll.MismatchError: ranks disagree on the
             dtype or on the dimensions after the first.
     """
-    check_gather(tensor)
+    check_rows(tensor, "allgather")
     with scoped(process_set):
         return AllgatherFn.apply(tensor, request_name("allgather", name))
 
@@ -336,9 +337,7 @@ def alltoall_meta(tensor: Any, splits: Any, name: str | None) -> Meta:
     Raises:
         TypeError, ValueError: a bad tensor, or splits that are not integers (this rank).
     """
-    check_supported(tensor)
-    if tensor.dim() == 0:
-        raise ValueError("alltoall needs a tensor with at least one dimension")
+    check_rows(tensor, "alltoall")
     values, error = _alltoall_splits(splits, int(tensor.shape[0]), engine().size)
     return Meta(request_name("alltoall", name), "alltoall", dtype_name(tensor.dtype),
                 tuple(tensor.shape), splits=values, error=error)
@@ -397,11 +396,8 @@ def reducescatter_meta(tensor: Any, name: str | None, op: ReduceOp,
     Raises:
         TypeError, ValueError: a bad tensor, an op other than Average/Sum, bad scaling.
     """
-    check_supported(tensor)
-    if tensor.dim() == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension")
-    if int(op) not in (int(Average), int(Sum)):
-        raise UnsupportedOpError(f"reducescatter supports op=Average or op=Sum, not {op!r}")
+    check_rows(tensor, "reducescatter")
+    op = resolve_scatter_op(op)
     check_op_dtype(op, tensor.dtype, prescale_factor, postscale_factor)
     return Meta(request_name("reducescatter", name), "reducescatter", dtype_name(tensor.dtype),
                 tuple(tensor.shape), int(op), -1, float(prescale_factor),
@@ -541,16 +537,13 @@ class AllreduceFn(torch.autograd.Function):
     @forward_in_scope
     def forward(ctx: Any, tensor: torch.Tensor, name: str, op: ReduceOp, prescale: float,
                 postscale: float) -> torch.Tensor:
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
-        return synchronize(allreduce_async(tensor, name=name, op=op, prescale_factor=prescale,
-                                           postscale_factor=postscale))
+        ctx.scaling = {"op": op, "prescale_factor": prescale, "postscale_factor": postscale}
+        return synchronize(allreduce_async(tensor, name=name, **ctx.scaling))
 
     @staticmethod
     @backward_in_scope
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        reduced = synchronize(allreduce_async(grad.contiguous(), op=ctx.op,
-                                              prescale_factor=ctx.prescale,
-                                              postscale_factor=ctx.postscale))
+        reduced = synchronize(allreduce_async(grad.contiguous(), **ctx.scaling))
         return reduced, None, None, None, None
 
 
@@ -561,16 +554,16 @@ def gathered_rows(grad: torch.Tensor, dims: list[int], rank: int) -> torch.Tenso
     return grad[start:start + dims[rank]].clone()
 
 
-def scatter_gradient(grad: torch.Tensor, op: ReduceOp, prescale: float,
-                     postscale: float) -> torch.Tensor:
+def scatter_gradient(grad: torch.Tensor, op: ReduceOp, prescale_factor: float,
+                     postscale_factor: float) -> torch.Tensor:
     """Horovod's reduce-scatter gradient before its all-gather: ``grad`` times ``size()``
-    for Sum (not for Average), then times ``prescale``, then ``postscale``."""
+    for Sum (not for Average), then times ``prescale_factor``, then ``postscale_factor``."""
     if int(op) == int(Sum):
         grad = grad * engine().size
-    if prescale != 1.0:
-        grad = grad * prescale
-    if postscale != 1.0:
-        grad = grad * postscale
+    if prescale_factor != 1.0:
+        grad = grad * prescale_factor
+    if postscale_factor != 1.0:
+        grad = grad * postscale_factor
     return grad.contiguous()
 
 
@@ -646,13 +639,11 @@ class ReducescatterFn(torch.autograd.Function):
     @forward_in_scope
     def forward(ctx: Any, tensor: torch.Tensor, name: str, op: ReduceOp, prescale: float,
                 postscale: float) -> torch.Tensor:
-        ctx.scaling = (op, prescale, postscale)
-        return synchronize(reducescatter_async(tensor, name=name, op=op,
-                                               prescale_factor=prescale,
-                                               postscale_factor=postscale))
+        ctx.scaling = {"op": op, "prescale_factor": prescale, "postscale_factor": postscale}
+        return synchronize(reducescatter_async(tensor, name=name, **ctx.scaling))
 
     @staticmethod
     @backward_in_scope
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        gathered = synchronize(allgather_async(scatter_gradient(grad, *ctx.scaling)))
+        gathered = synchronize(allgather_async(scatter_gradient(grad, **ctx.scaling)))
         return gathered, None, None, None, None

@@ -45,6 +45,7 @@ from . import mpi_ops
 from .compression.gradients import CompressedGradients
 from .compression.compressors import CodecCompressor, Compression
 from .device.tensors import device_of
+from .engine import handles
 from .engine.dtypes import dtype_name
 from .engine.negotiation import Meta
 from .local_sgd import Averager
@@ -89,7 +90,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._parameter_names = {p: (name if named_parameters is not None
                                      else f"allreduce.{name}") for name, p in named}
         self._params = [p for p in all_params if p.requires_grad]
-        self._names = {p: f"allreduce.{by_id[id(p)]}" for p in self._params}
+        names = {p: by_id[id(p)] for p in self._params}
+        self._names = {p: f"allreduce.{name}" for p, name in names.items()}
         self._flat = [] if self._local_only else _flat_gradients(self._params, self._names)
         self._views = {p: view for flat in self._flat for p, view in zip(flat.params,
                                                                           flat.views)}
@@ -108,14 +110,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._hook_handles = []
             return
         if self._sparse_as_dense or not isinstance(compression, CodecCompressor):
-            self._sparse = SparseGradients(self._params, self._views,
-                                           {p: by_id[id(p)] for p in self._params},
-                                           process_set, densify=self._sparse_as_dense)
+            self._sparse = SparseGradients(self._params, self._views, names, process_set,
+                                           densify=self._sparse_as_dense)
         if isinstance(compression, CodecCompressor):
             self._codec_grads = CompressedGradients(      # codecs encode host buffers
                 compression, [f for f in self._flat if device_of(f.buffer) is None],
-                self._params, {p: by_id[id(p)] for p in self._params},
-                self.op, self.gradient_predivide_factor, process_set)
+                self._params, names, self.op, self.gradient_predivide_factor, process_set)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
                               for p in self._params]
 
@@ -241,7 +241,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     or meta.postscale != post:
                 meta = self._metas[flat.name] = mpi_ops.allreduce_meta(
                     flat.buffer, flat.name, self.op, pre, post, flat.layout)
-            return engine().submit(meta, flat.buffer, flat.buffer, waiting=True), (ctx, compressed)
+            future = engine().submit(meta, flat.buffer, flat.buffer, waiting=True)
+            return handles.register(future), (ctx, compressed)
 
     def _fill_flat(self, flat: "_FlatGradients") -> None:
         """Make every parameter's gradient its view of ``flat`` again (zeros for none)."""
@@ -287,7 +288,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._reset_accumulation()
             for target, (handle, (ctx, _)) in pending:   # every handle, even after an error
                 try:
-                    output = _wait(handle)
+                    output = mpi_ops.synchronize(handle)
                 except Exception as exc:  # noqa: BLE001  (the first is raised below)
                     errors.append(exc)
                     continue
@@ -387,16 +388,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = None
                 else:
                     p.grad.detach_().zero_()
-
-
-def _wait(handle: Any) -> Any:
-    """The result of a handle (an ``int``) or of a future submitted to the engine directly."""
-    if isinstance(handle, int) or callable(handle):   # callable: a sparse handle
-        return mpi_ops.synchronize(handle)
-    handle.owner.wait(handle)
-    if handle.error is not None:
-        raise handle.error
-    return handle.result
 
 
 class _FlatGradients(NamedTuple):

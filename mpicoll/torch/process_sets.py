@@ -268,8 +268,9 @@ def abandon(reason: str) -> None:
     _forget_all("abandon", reason)
 
 
-def _engine_of(process_set: ProcessSet | None) -> Engine | None:
-    """The engine ``process_set``'s operations go to (``None``: the global one).
+def check_usable(process_set: ProcessSet | None) -> Engine | None:
+    """Raise unless this rank may run operations on ``process_set``; return the engine its
+    operations go to (``None``: the global one).
 
     Raises:
         ValueError: not registered, or this rank is not in it.
@@ -294,12 +295,6 @@ def outside(process_set: ProcessSet | None) -> bool:
             and process_set.process_set_id != 0 and not process_set.included())
 
 
-def check_usable(process_set: ProcessSet | None) -> None:
-    """Raise unless this rank may run operations on ``process_set`` (see
-    :func:`_engine_of`)."""
-    _engine_of(process_set)
-
-
 def current_engine() -> Engine | None:
     """The engine of the process set in scope (``None``: the global one)."""
     return _current.get()
@@ -321,9 +316,9 @@ def scoped(process_set: ProcessSet | None) -> contextlib.AbstractContextManager:
     function is running).
 
     Raises:
-        ValueError, TypeError: as :func:`_engine_of`.
+        ValueError, TypeError: as :func:`check_usable`.
     """
-    engine = _engine_of(process_set)
+    engine = check_usable(process_set)
     return contextlib.nullcontext() if engine is None else scoped_engine(engine)
 
 

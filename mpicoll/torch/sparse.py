@@ -229,9 +229,8 @@ class SparseGradients:
 
     def routes(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s gradient goes through :meth:`submit`."""
-        if self.densify:
-            return False
-        return p in self.sparse or (p.grad is not None and p.grad.is_sparse)
+        return not self.densify and (p in self.sparse or
+                                     (p.grad is not None and p.grad.is_sparse))
 
     def submit(self, p: torch.Tensor, op: ReduceOp) -> SparseHandle:
         """Start the reduction of ``p``'s sparse gradient (an empty one if it has none)."""

@@ -77,22 +77,19 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected {self.num_features} channels (dimension 1), got "
                              f"input of shape {tuple(input.shape)}")
         factor = 0.0 if self.momentum is None else float(self.momentum)
-        if self.training and self.track_running_stats:
+        running = self.training and self.track_running_stats
+        if running:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
         if not self.training and self.track_running_stats:
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
                                 self.bias, False, 0.0, self.eps)
-        running = self.training and self.track_running_stats
+        stats = (self.running_mean, self.running_var) if running else (None, None)
         if _set_size(self.process_set) == 1:
-            return F.batch_norm(input, self.running_mean if running else None,
-                                self.running_var if running else None, self.weight,
-                                self.bias, True, factor, self.eps)
-        return _SyncBatchNormFn.apply(input, self.weight, self.bias,
-                                      self.running_mean if running else None,
-                                      self.running_var if running else None,
-                                      self.eps, factor, self.process_set)
+            return F.batch_norm(input, *stats, self.weight, self.bias, True, factor, self.eps)
+        return _SyncBatchNormFn.apply(input, self.weight, self.bias, *stats, self.eps, factor,
+                                      self.process_set)
 
 
 def _set_size(process_set: Any) -> int:

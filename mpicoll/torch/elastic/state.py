@@ -195,11 +195,7 @@ class MeshStateHandler(StateHandler):
     def save(self) -> None:
         pass
 
-    def restore(self) -> None:
-        pass
-
-    def sync(self) -> None:
-        pass
+    restore = sync = save
 
     def reset(self) -> None:
         sharded.follow_mesh(self.value)

@@ -96,11 +96,8 @@ def run_responses(engine: EngineInterface, responses: list[Response]) -> None:
     for kind, run in (("allreduce", _allreduce_bucket),
                       ("reducescatter", _reducescatter_bucket)):
         for bucket in plan_buckets(fused[kind], max(threshold, 1)):
-            if threshold == 0 and len(bucket) > 1:
-                for response in bucket:
-                    _guarded(engine, [response], run)
-            else:
-                _guarded(engine, bucket, run)
+            for part in ([r] for r in bucket) if threshold == 0 else [bucket]:
+                _guarded(engine, part, run)     # fusion off: one request at a time
     for response in others:
         _guarded(engine, [response], _RUNNERS[response.kind])
 

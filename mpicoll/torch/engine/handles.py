@@ -41,13 +41,12 @@ class Future:
 
 class GroupFuture:
     """The futures of a grouped operation as one: done when all are; the result is the
-    list of their results (``combine`` may reshape it), the error the first member's."""
+    list of their results, the error the first member's."""
 
-    __slots__ = ("members", "_combine")
+    __slots__ = ("members",)
 
-    def __init__(self, members: list[Future], combine: Any = None) -> None:
+    def __init__(self, members: list[Future]) -> None:
         self.members = members
-        self._combine = combine
 
     def done(self) -> bool:
         """Whether every member is done."""
@@ -68,10 +67,9 @@ class GroupFuture:
         return next((f.error for f in self.members if f.error is not None), None)
 
     @property
-    def result(self) -> Any:
-        """The members' results, in order (through ``combine`` if given)."""
-        results = [f.result for f in self.members]
-        return self._combine(results) if self._combine is not None else results
+    def result(self) -> list[Any]:
+        """The members' results, in order."""
+        return [f.result for f in self.members]
 
     @property
     def extra(self) -> list[Any]:

@@ -75,11 +75,10 @@ class Notices:
         requests = list(self._sends)
         if self._recv is not None:
             if expected > 0:
-                requests.append(self._recv)
                 received += 1
             else:
                 self._recv.Cancel()
-                requests.append(self._recv)
+            requests.append(self._recv)
             self._recv = None
         scratch = np.zeros(max(expected - received, 0), dtype=np.int64)
         requests += [self.comm.Irecv(scratch[i:i + 1], source=MPI.ANY_SOURCE, tag=_TAG)
