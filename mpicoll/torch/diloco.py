@@ -91,10 +91,8 @@ class _Fragment:
     def __init__(self, index: int, params: list[torch.Tensor]) -> None:
         self.index = index
         self.params = params
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        self.groups = [_Group(index, by_dtype[d]) for d in sorted(by_dtype, key=str)]
+        self.groups = [_Group(index, [p for p in params if p.dtype == d])
+                       for d in sorted({p.dtype for p in params}, key=str)]
         self.numel = sum(p.numel() for p in params)
 
 
@@ -469,11 +467,8 @@ class DiLoCo:
     def global_parameters(self) -> list[torch.Tensor]:
         """``θ_g`` of every parameter (model order), as views of DiLoCo's own buffers:
         read them, do not write them."""
-        views: dict[int, torch.Tensor] = {}
-        for fragment in self.fragments:
-            for g in fragment.groups:
-                for p, view in zip(g.params, g.views(g.global_)):
-                    views[id(p)] = view
+        views = {id(p): view for fragment in self.fragments for g in fragment.groups
+                 for p, view in zip(g.params, g.views(g.global_))}
         return [views[id(p)] for p in self.params]
 
     def in_flight(self) -> int | None:
@@ -507,10 +502,8 @@ class DiLoCo:
             self._pending = (index, completed(work.kind, (total, inter)))
             pending = {"fragment": index, "bytes": [total, inter],
                        "delta": [g.delta.clone() for g in self.fragments[index].groups]}
-        residuals = {}
-        if self.feedback is not None:
-            for key in self.feedback.keys():
-                residuals[key] = torch.from_numpy(np.array(self.feedback.residual(key)))
+        residuals = {key: torch.from_numpy(np.array(self.feedback.residual(key)))
+                     for key in (() if self.feedback is None else self.feedback.keys())}
         return {
             "format": STATE_FORMAT,
             "settings": list(self._fingerprint()),

@@ -28,6 +28,7 @@ from torch.futures import Future
 
 from .. import compression
 from ..compression import Codec, get_codec
+from .compression.compressors import CODEC_DTYPES
 from .distributed.groups import backend_of
 from .engine.dtypes import numpy_view
 
@@ -35,9 +36,6 @@ __all__ = ["CompressionState", "compression_hook", "int8_hook", "onebit_hook", "
            "fp16_hook", "codec_hook"]
 
 log = logging.getLogger("mpicoll.torch.hooks")
-
-#: Bucket dtypes the codecs encode.
-_CODEC_DTYPES = (torch.float32, torch.float64)
 
 
 class CompressionState:
@@ -163,22 +161,6 @@ def _mpicoll_group(process_group: Any) -> Any:
                         f"there)") from None
 
 
-def _on_group_thread(group: Any, kind: str, run: Callable[[], torch.Tensor],
-                     fallback: torch.Tensor | None = None) -> Future:
-    """Run ``run`` where the group runs its operations (after what it has queued, so every
-    rank runs it in the same order); return a future of its result (``fallback`` if it
-    fails inside a backward pass: the error is raised from ``backward()``, see
-    :mod:`mpicoll.torch.distributed.backward`)."""
-    return group.submit(kind, run, fallback).get_future()   # MPIProcessGroup.submit
-
-
-def _uncompressed(state: CompressionState, bucket: Any) -> Future:
-    """torch's default averaging of ``bucket`` (all-reduce, then divide)."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    return allreduce_hook(state.process_group, bucket)
-
-
 def _compressed(state: CompressionState, bucket: Any, codec: Codec) -> Future:
     if state.codec is None:
         state.codec = codec
@@ -189,9 +171,12 @@ def _compressed(state: CompressionState, bucket: Any, codec: Codec) -> Future:
     if state.iteration < state.start_iter:
         if last:
             state.iteration += 1
-        return _uncompressed(state, bucket)
+        # torch's default averaging of the bucket (all-reduce, then divide)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        return default_hooks.allreduce_hook(state.process_group, bucket)
     buffer = bucket.buffer()
-    if buffer.dtype not in _CODEC_DTYPES:
+    if buffer.dtype not in CODEC_DTYPES:
         raise TypeError(f"DDP bucket {bucket.index()} holds {buffer.dtype} gradients; "
                         f"compression={codec.name!r} encodes float32 or float64 (use torch's "
                         f"default hooks for other dtypes)")
@@ -213,7 +198,10 @@ def _compressed(state: CompressionState, bucket: Any, codec: Codec) -> Future:
                               feedback=feedback, key=index, check=check)
         return buffer
 
-    return _on_group_thread(group, f"DDP {codec.name} bucket {index}", run, buffer)
+    # run where the group runs its operations (after what it has queued, so every rank runs
+    # it in the same order); the future completes with the buffer if it fails inside a
+    # backward pass: the error is raised from backward() (mpicoll.torch.distributed.backward)
+    return group.submit(f"DDP {codec.name} bucket {index}", run, buffer).get_future()
 
 
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[torch.Tensor]:

@@ -241,12 +241,9 @@ class Averager:
         comm = self.group(level)
         if comm is None or comm.Get_size() == 1 or not tensors:
             return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
         n = comm.Get_size()
-        for dtype in sorted(by_dtype, key=str):
-            group = by_dtype[dtype]
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            group = [t for t in tensors if t.dtype == dtype]
             with torch.no_grad():
                 flat = torch.cat([t.detach().reshape(-1).cpu() for t in group])
                 buf = flat.numpy()

@@ -186,11 +186,9 @@ class CompressedGradients:
             meta = allreduce_meta(flat.buffer, flat.name, ReduceOp(self._op), pre, post,
                                   flat.layout)
             futures.append(eng.submit(meta, flat.buffer, flat.buffer, waiting=True))
-        errors = []
         for future in futures:                # every future, even after an error
             eng.wait(future)
-            if future.error is not None:
-                errors.append(future.error)
+        errors = [future.error for future in futures if future.error is not None]
         if errors:
             raise errors[0]
         if self._beta:                                        # M = beta M + reduced g

@@ -223,10 +223,9 @@ def device_of(tensor: Any) -> TensorDevice | None:
         return None
     if tensor.is_cuda:
         return _cuda_device(tensor.get_device())
-    if _registered:
-        for dev in _registered:
-            if dev.claims(tensor):
-                return dev
+    for dev in _registered:
+        if dev.claims(tensor):
+            return dev
     return None
 
 
@@ -251,13 +250,10 @@ def request_device(works: Sequence[Any]) -> TensorDevice | None:
     on the host). Host tensors fused with device ones are copied in and out (ranks fuse
     what they negotiated, whatever device each rank's tensors are on)."""
     for work in works:
-        if work is None:
-            continue
-        for t in (work.tensor, work.output):
-            if t is not None and (t.is_cuda or _registered):
-                dev = device_of(t)
-                if dev is not None:
-                    return dev
+        for t in () if work is None else (work.tensor, work.output):
+            dev = device_of(t)
+            if dev is not None:
+                return dev
     return None
 
 

@@ -118,9 +118,8 @@ def _build(name: str, directory: Path) -> ModuleType:
             f"({SOURCE.name}), which cannot be built here: missing " + "; ".join(missing))
     from torch.utils import cpp_extension  # noqa: PLC0415
 
-    stale = directory / "lock"        # torch's own lock, left by a build that was killed
-    if stale.exists():
-        stale.unlink()
+    # torch's own lock, left by a build that was killed
+    (directory / "lock").unlink(missing_ok=True)
     try:
         return cpp_extension.load(name=name, sources=[str(SOURCE)],
                                   build_directory=str(directory), extra_cflags=list(CFLAGS),

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["backend_of", "monitored_barrier", "split_group"]
+__all__ = ["backend_of", "cpu_backend", "monitored_barrier", "split_group"]
 
 
 def backend_of(group: Any = None, what: str = "backend_of") -> Any:
@@ -40,14 +40,20 @@ def backend_of(group: Any = None, what: str = "backend_of") -> Any:
     pg = dist.group.WORLD if group is None else group
     if module is not None and isinstance(pg, module.MPIProcessGroup):
         return pg
-    try:
-        backend = pg._get_backend(torch.device("cpu"))
-    except (AttributeError, RuntimeError):
-        backend = None
+    backend = cpu_backend(pg)
     if module is None or not isinstance(backend, module.MPIProcessGroup):
         raise ValueError(f"{what} takes an mpicoll process group, not "
                          f"{type(pg).__name__} with backend {type(backend).__name__}")
     return backend
+
+
+def cpu_backend(pg: Any) -> Any:
+    """The backend torch registered for ``"cpu"`` in process group ``pg`` (``None``: none,
+    or ``pg`` is not a process group)."""
+    try:
+        return pg._get_backend(torch.device("cpu"))
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def monitored_barrier(group: Any = None, timeout: timedelta | None = None,

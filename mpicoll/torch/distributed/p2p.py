@@ -28,7 +28,7 @@ from .staging import Staging
 from .tensors import Host, check_tensor
 from .work import MPIWork, completed, seconds
 
-__all__ = ["P2PWork", "Futures", "isend", "irecv", "check_tag"]
+__all__ = ["P2PWork", "Futures", "post", "check_tag"]
 
 _tag_ub: int | None = None
 
@@ -102,9 +102,7 @@ class P2PWork(MPIWork):
         self.work.finish(None, exc)
 
     def wait(self, timeout: Any = None) -> bool:  # noqa: D102 (MPIWork's)
-        limit = seconds(timeout)
-        if limit is None:
-            limit = self._pg._lane.timeout
+        limit = seconds(timeout) or self._pg._lane.timeout
         if not self.poll(limit):
             raise CollectiveTimeoutError(f"mpicoll: {self.kind} timed out after {limit:g} s "
                                          f"waiting for its peer", self.kind)
@@ -154,51 +152,34 @@ class Futures:
             pause = min(pause * 2 or 1e-5, 2e-3)
 
 
-def isend(pg: Any, tensors: list[torch.Tensor], dst: int, tag: int) -> MPIWork:
-    """Post a send of ``tensors[0]`` to rank ``dst`` of group ``pg`` (a failed group's
-    work fails at once)."""
-    tensor, stage = _one(tensors, pg._p2p, dst, "dst")
-    refused = pg._failures.refuse("send")
-    if refused is not None:
-        return completed("send", None, refused)
-    host = Host(stage.host(tensor))
-    stage.before()
-    try:
-        request = pg._p2p.Isend(host.array, dest=dst, tag=check_tag(tag))
-    except MPI.Exception as exc:
-        return completed("send", None, _posting_error(pg, "send", exc))
-    return P2PWork("send", request, host, stage, tensors, pg)
-
-
-def irecv(pg: Any, tensors: list[torch.Tensor], src: int, tag: int) -> MPIWork:
-    """Post a receive into ``tensors[0]`` from rank ``src`` of group ``pg``
-    (``MPI.ANY_SOURCE``: any)."""
-    kind = "recv_anysource" if src == MPI.ANY_SOURCE else "recv"
-    tensor, stage = _one(tensors, pg._p2p, src, "src")
+def post(pg: Any, tensors: list[torch.Tensor], peer: int, tag: int, send: bool) -> MPIWork:
+    """Post a send of ``tensors[0]`` to rank ``peer`` of group ``pg`` (``send``), else a
+    receive into it from rank ``peer`` (``MPI.ANY_SOURCE``: any). On a group that failed
+    or is broken the work fails at once (without ULFM a broken group used again ends the
+    job: the runtime's lane does it); a request that MPI refuses to post fails with the
+    group's process failure, else its error is raised at once."""
+    kind = "send" if send else "recv_anysource" if peer == MPI.ANY_SOURCE else "recv"
     refused = pg._failures.refuse(kind)
     if refused is not None:
         return completed(kind, None, refused)
-    host = Host(stage.host(tensor, load=False, store=True))
-    try:
-        request = pg._p2p.Irecv(host.array, source=src, tag=check_tag(tag))
-    except MPI.Exception as exc:
-        return completed(kind, None, _posting_error(pg, kind, exc))
-    return P2PWork(kind, request, host, stage, tensors, pg)
-
-
-def _posting_error(pg: Any, kind: str, exc: BaseException) -> Any:
-    """The error of a send or receive that MPI refused to post: the group's process
-    failure, else ``exc`` itself (raised at once)."""
-    error = pg._failures.error(kind, exc)
-    if error is exc:
-        raise exc
-    return error
-
-
-def _one(tensors: list[torch.Tensor], comm: Any, peer: int, argname: str) -> tuple:
+    if pg._lane.broken is not None:
+        return MPIWork(pg._lane.submit(kind, lambda: None))
     if len(tensors) != 1:
         raise ValueError(f"point-to-point operations take one tensor, not {len(tensors)}")
-    if peer != MPI.ANY_SOURCE and not 0 <= peer < comm.Get_size():
-        raise ValueError(f"{argname}={peer} is not a rank of the group (size "
-                         f"{comm.Get_size()})")
-    return check_tensor(tensors[0], "tensor"), Staging()
+    size = pg._p2p.Get_size()
+    if peer != MPI.ANY_SOURCE and not 0 <= peer < size:
+        raise ValueError(f"{'dst' if send else 'src'}={peer} is not a rank of the group "
+                         f"(size {size})")
+    stage = Staging()
+    host = Host(stage.host(check_tensor(tensors[0], "tensor"), load=send, store=not send))
+    if send:
+        stage.before()
+    try:
+        start = pg._p2p.Isend if send else pg._p2p.Irecv
+        request = start(host.array, peer, check_tag(tag))
+    except MPI.Exception as exc:
+        error = pg._failures.error(kind, exc)
+        if error is exc:
+            raise
+        return completed(kind, None, error)
+    return P2PWork(kind, request, host, stage, tensors, pg)

@@ -63,7 +63,7 @@ from .options import BACKEND, Options
 from .staging import Staging
 from .tensors import (Host, byte_view, check_reduce_dtype, check_tensor, op_label, op_name,
                       premul_factor)
-from .work import MPIWork, completed, seconds
+from .work import MPIWork, seconds
 
 __all__ = ["MPIProcessGroup", "Options", "BACKEND", "SHUTDOWN_STALL_S"]
 
@@ -392,23 +392,7 @@ class MPIProcessGroup(_Backend):
         return self.options
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = opts or dist.AllreduceOptions()
-
-        def prepare(stage: Staging) -> Prepared:
-            op, factor = op_name(opts.reduceOp), premul_factor(opts.reduceOp)
-            for t in tensors:
-                check_reduce_dtype(check_tensor(t, "tensor"), op)
-            hosts = [stage.host(t, load=True, store=True) for t in tensors]
-
-            def run() -> list[torch.Tensor]:
-                for host in hosts:
-                    self._allreduce_host(host, op, factor)
-                return tensors
-
-            return run, dict(count=_count(tensors), dtype=_dtype_field(tensors),
-                             op=op_label(opts.reduceOp))
-
-        return self._call("allreduce", prepare, fallback=tensors)
+        return self._reduce("allreduce", tensors, opts or dist.AllreduceOptions(), None)
 
     allreduce_coalesced = allreduce   # one all-reduce per tensor, same options
     allreduce_sparse = allreduce      # refused (a sparse tensor) on every rank
@@ -434,30 +418,37 @@ class MPIProcessGroup(_Backend):
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or dist.ReduceOptions()
+        return self._reduce("reduce", tensors, opts, opts.rootRank)
 
+    def _reduce(self, kind: str, tensors: list[torch.Tensor], opts: Any,
+                root: int | None) -> MPIWork:
+        """All-reduce ``tensors`` (``root`` ``None``), else reduce them to rank ``root``."""
         def prepare(stage: Staging) -> Prepared:
             op, factor = op_name(opts.reduceOp), premul_factor(opts.reduceOp)
-            root = self._root("reduce", opts.rootRank)
+            if root is not None:
+                self._root(kind, root)
             for t in tensors:
                 check_reduce_dtype(check_tensor(t, "tensor"), op)
-            hosts = [stage.host(t, load=True, store=self.rank() == root) for t in tensors]
+            mine = root is None or self.rank() == root
+            hosts = [stage.host(t, load=True, store=mine) for t in tensors]
 
             def run() -> list[torch.Tensor]:
                 for tensor in hosts:
+                    if root is None:
+                        self._allreduce_host(tensor, op, factor)
+                        continue
                     host = Host(tensor, True, factor)
-                    if self.rank() == root:
-                        collectives.reduce(IN_PLACE, host.array, op=op, root=root,
-                                           comm=self.comm, check=False)
+                    collectives.reduce(IN_PLACE if mine else host.array,
+                                       host.array if mine else None, op=op, root=root,
+                                       comm=self.comm, check=False)
+                    if mine:
                         host.finish()
-                    else:
-                        collectives.reduce(host.array, None, op=op, root=root,
-                                           comm=self.comm, check=False)
                 return tensors
 
             return run, dict(count=_count(tensors), dtype=_dtype_field(tensors),
                              op=op_label(opts.reduceOp), root=root)
 
-        return self._call("reduce", prepare)
+        return self._call(kind, prepare, fallback=tensors if root is None else None)
 
     # all-gather ---------------------------------------------------------------------------
     def _gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -665,12 +656,10 @@ class MPIProcessGroup(_Backend):
                                sizes: list[int], op: str, factor: Any) -> None:
         """Rank ``r`` gets block ``r`` (``sizes[r]`` elements) of the reduction of every
         rank's ``input``: an all-reduce of ``input`` (a copy: the concatenated list)."""
-        whole = Host(input, True, factor)
-        collectives.allreduce(IN_PLACE, whole.array, op=op, comm=self.comm,
-                              algorithm=self._allreduce, check=False)
+        self._allreduce_host(input, op, factor)
         start = sum(sizes[:self.rank()])
         with torch.no_grad():
-            output.copy_(whole.work[start:start + sizes[self.rank()]].view(output.shape))
+            output.copy_(input[start:start + sizes[self.rank()]].view(output.shape))
 
     # gather, scatter ----------------------------------------------------------------------
     def _rooted_lists(self, kind: str, lists: list[list[torch.Tensor]], one: torch.Tensor,
@@ -900,24 +889,13 @@ class MPIProcessGroup(_Backend):
 
     # point-to-point ---------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> Any:  # noqa: N803
-        return self._refused("send") or p2p.isend(self, tensors, dstRank, tag)
+        return p2p.post(self, tensors, dstRank, tag, send=True)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> Any:  # noqa: N803
-        return self._refused("recv") or p2p.irecv(self, tensors, srcRank, tag)
+        return p2p.post(self, tensors, srcRank, tag, send=False)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
-        return (self._refused("recv_anysource")
-                or p2p.irecv(self, tensors, MPI.ANY_SOURCE, tag))
-
-    def _refused(self, kind: str) -> MPIWork | None:
-        """The work of an operation on a group that failed or is broken (without ULFM a
-        broken group used again ends the job: the runtime's lane does it), else ``None``."""
-        refused = self._failures.refuse(kind)
-        if refused is not None:
-            return completed(kind, None, refused)
-        if self._lane.broken is not None:
-            return MPIWork(self._lane.submit(kind, lambda: None))
-        return None
+        return p2p.post(self, tensors, MPI.ANY_SOURCE, tag, send=False)
 
     # life cycle -------------------------------------------------------------------------------
     def set_timeout(self, timeout: timedelta) -> None:
@@ -992,9 +970,7 @@ def _wait_all(requests: list[Any], limit: float, missing: bool = False,
         if error is not None:
             failures.keep_requests(requests)
             raise error
-        for i, req in enumerate(requests):
-            if not done[i]:
-                done[i] = req.Test()
+        done = [d or req.Test() for d, req in zip(done, requests)]
         if all(done) or time.monotonic() >= deadline:
             break
         time.sleep(pause)

@@ -56,6 +56,7 @@ from mpi4py import MPI
 from ...runtime import comms
 from ...runtime import world as runtime_world
 from . import startup
+from .groups import cpu_backend
 
 __all__ = ["follow_world", "survivors", "shrunk", "adopt_wrapper", "default_comms",
            "member_comm", "PARENT", "start_joining", "end_joining", "joining",
@@ -112,10 +113,7 @@ def _groups() -> list[tuple[Any, Any]]:
     base = module.Backend
     found = []
     for pg in list(dist.distributed_c10d._world.pg_map):
-        try:
-            backend = pg._get_backend(torch.device("cpu"))
-        except (AttributeError, RuntimeError):
-            continue
+        backend = cpu_backend(pg)
         if isinstance(backend, base) and not backend._shut:
             found.append((pg, backend))
     return sorted(found, key=lambda pair: pair[1].serial)
@@ -128,11 +126,7 @@ def adopt_wrapper(backend: Any) -> None:
     ``c10d::Logger::set_env_variables``). Run at the new group's first operation (torch
     has registered the group by then)."""
     for pg in list(dist.distributed_c10d._world.pg_map):
-        try:
-            mine = pg._get_backend(torch.device("cpu")) is backend
-        except (AttributeError, RuntimeError):
-            continue
-        if mine:
+        if cpu_backend(pg) is backend:
             custom = dist.ProcessGroup.BackendType.CUSTOM
             pg._register_backend(torch.device("cpu"), custom, backend)
             pg._set_default_backend(custom)
@@ -236,12 +230,7 @@ def _is_mpicoll(group: Any) -> bool:
     from . import extension  # noqa: PLC0415
 
     module = extension.loaded()
-    if module is None:
-        return False
-    try:
-        return isinstance(group._get_backend(torch.device("cpu")), module.Backend)
-    except (AttributeError, RuntimeError):
-        return False
+    return module is not None and isinstance(cpu_backend(group), module.Backend)
 
 
 def start_joining() -> None:

@@ -73,10 +73,8 @@ class Staging:
             for tensor, copy in self._stores:
                 if not tensor.numel():
                     continue
-                if tensor.is_contiguous():
-                    dev.to_device(_flat(tensor), _flat(copy))
-                else:
-                    dense = tensor.contiguous()
-                    dev.to_device(_flat(dense), _flat(copy))
+                dense = tensor.contiguous()   # tensor itself where it is contiguous
+                dev.to_device(_flat(dense), _flat(copy))
+                if dense is not tensor:
                     tensor.copy_(dense)
         dev.synchronize()

@@ -50,10 +50,7 @@ def mpi_rendezvous(timeout: timedelta = timedelta(minutes=30)) -> tuple[Any, int
     store = None
     if rank == 0:
         store = dist.TCPStore("0.0.0.0", 0, size, True, timeout=timeout, wait_for_workers=False)
-        address = (socket.gethostname(), store.port)
-    else:
-        address = None
-    host, port = comm.bcast(address, root=0)
+    host, port = comm.bcast((socket.gethostname(), store.port) if rank == 0 else None, root=0)
     if rank != 0:
         store = dist.TCPStore(host, port, size, False, timeout=timeout)
     _served[:] = [host, port]

@@ -46,16 +46,12 @@ def op_name(reduce_op: Any) -> str:
 
 def op_label(reduce_op: Any) -> str:
     """The op's name for agreement and messages (``"premul_sum"`` for PREMUL_SUM)."""
-    if _is_premul(reduce_op):
-        return "premul_sum"
-    return op_name(reduce_op)
+    return "premul_sum" if _is_premul(reduce_op) else op_name(reduce_op)
 
 
 def premul_factor(reduce_op: Any) -> Any:
     """The factor of a PREMUL_SUM op (a number or a one-element tensor), else ``None``."""
-    if not _is_premul(reduce_op):
-        return None
-    return getattr(reduce_op, "factor", None)
+    return getattr(reduce_op, "factor", None) if _is_premul(reduce_op) else None
 
 
 def check_tensor(tensor: Any, argname: str) -> torch.Tensor:

@@ -25,7 +25,7 @@ from torch._C._distributed_c10d import WorkResult
 from torch.futures import Future
 
 from ...errors import CollectiveTimeoutError
-from ...runtime import Work
+from ...runtime import Work, progress
 
 __all__ = ["MPIWork", "completed", "seconds", "outcome"]
 
@@ -121,6 +121,4 @@ class MPIWork(dist.Work):
 
 def completed(kind: str, result: Any = None, error: BaseException | None = None) -> MPIWork:
     """A work that is already done (with ``error``: failed)."""
-    work = Work(kind)
-    work.finish(result, error)
-    return MPIWork(work)
+    return MPIWork(progress.completed(kind, result, error))
