@@ -322,13 +322,10 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
         mpicoll.CollectiveError: in checked mode, another rank's bad arguments, or ranks
             that disagree.
     """
-    if compression is not None:
-        return _compressed("allreduce", algorithm, compression,
-                           lambda: allreduce(sendbuf, recvbuf, op, comm, algorithm,
-                                             check=check),
-                           sendbuf, recvbuf, op=op, comm=comm, feedback=feedback,
-                           layout=layout, check=check)
-    if layout != "auto":
+    if compression not in (None, "none"):
+        return _compressed("allreduce", algorithm, compression, sendbuf, recvbuf, op=op,
+                           comm=comm, feedback=feedback, layout=layout, check=check)
+    if layout != "auto" and compression is None:  # ("none": layout is not looked at)
         raise ValueError(f"layout={layout!r} applies only with compression=; the "
                          f"uncompressed all-reduce chooses its algorithm with algorithm=")
     result = run_fast(check, "allreduce", sendbuf, recvbuf, op, algorithm, comm)
@@ -426,12 +423,9 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
-    if compression is not None:
-        return _compressed("reduce_scatter", algorithm, compression,
-                           lambda: reduce_scatter(sendbuf, recvbuf, op, comm, algorithm,
-                                                  check=check),
-                           sendbuf, recvbuf, op=op, comm=comm, feedback=feedback,
-                           check=check)
+    if compression not in (None, "none"):
+        return _compressed("reduce_scatter", algorithm, compression, sendbuf, recvbuf,
+                           op=op, comm=comm, feedback=feedback, check=check)
     result = run_fast(check, "reduce_scatter", sendbuf, recvbuf, op, algorithm, comm)
     if result is not MISS:
         return result
@@ -483,24 +477,20 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: st
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
-    if compression is not None:
-        return _compressed("allgather", algorithm, compression,
-                           lambda: allgather(sendbuf, recvbuf, comm, algorithm, check=check),
-                           sendbuf, recvbuf, comm=comm, feedback=feedback,
-                           check=check)
+    if compression not in (None, "none"):
+        return _compressed("allgather", algorithm, compression, sendbuf, recvbuf,
+                           comm=comm, feedback=feedback, check=check)
     result = run_fast(check, "allgather", sendbuf, recvbuf, algorithm, comm)
     if result is not MISS:
         return result
     return dispatch("allgather", (sendbuf, recvbuf, algorithm), comm, check)
 
 
-def _compressed(name: str, algorithm: Any, compression: Any, uncompressed: Callable[[], Any],
-                *args: Any, **kwargs: Any) -> Any:
-    """The call of a collective given ``compression=``: ``"none"`` runs ``uncompressed()``,
-    anything else :mod:`mpicoll.compression`'s collective ``name`` on ``args``/``kwargs``
-    (``check=None`` there means on: the compressed collectives agree by default)."""
-    if compression == "none":
-        return uncompressed()
+def _compressed(name: str, algorithm: Any, compression: Any, *args: Any, **kwargs: Any) -> Any:
+    """The call of a collective given ``compression=`` other than ``None`` or ``"none"``
+    (those run the uncompressed collective): :mod:`mpicoll.compression`'s collective
+    ``name`` on ``args``/``kwargs`` (``check=None`` there means on: the compressed
+    collectives agree by default)."""
     if algorithm != "auto":
         raise ValueError(f"algorithm={algorithm!r} does not apply with compression=; the "
                          f"compressed {name} runs its own schedule")

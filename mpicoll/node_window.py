@@ -33,6 +33,7 @@ The measured effect is in docs/results/ddp_threads.md ("The node's barrier in th
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -215,10 +216,8 @@ class NodeWindow:
         """Unmap the window: local, so ranks may free their groups in any order (the
         node communicator's owner frees that)."""
         self.slots, self.bells, self.tables = [], [], ()
-        try:
+        with contextlib.suppress(BufferError):  # a view still held: the mapping goes with it
             self.memory.close()
-        except BufferError:     # a view still held: the mapping goes with it
-            pass
 
 
 def node_window(ctx: CommContext) -> NodeWindow:

@@ -112,11 +112,6 @@ _ALIASES = {"mean": "average", "avg": "average", "product": "prod", "minimum": "
             "maximum": "max"}
 
 
-def _mpi_lookup() -> list[tuple[MPI.Op, Op]]:
-    return [(MPI.SUM, SUM), (MPI.PROD, PROD), (MPI.MIN, MIN), (MPI.MAX, MAX),
-            (MPI.BAND, BAND), (MPI.BOR, BOR), (MPI.BXOR, BXOR)]
-
-
 def resolve_op(op: Any, argname: str = "op") -> Op:
     """Return the :class:`Op` for a name, an mpi4py predefined op, or an :class:`Op`.
 
@@ -134,8 +129,8 @@ def resolve_op(op: Any, argname: str = "op") -> Op:
             return OPS[key]
         raise ValueError(f"unknown {argname}={op!r}; choose one of {sorted(OPS)}")
     if isinstance(op, MPI.Op):
-        for mpi_op, ours in _mpi_lookup():
-            if op == mpi_op:
+        for ours in OPS.values():  # (SUM before AVERAGE, whose MPI op is MPI.SUM too)
+            if op == ours.mpi_op:
                 return ours
         raise ValueError(f"{argname}: this MPI op is not one mpicoll implements "
                          f"(supported: SUM, PROD, MIN, MAX, BAND, BOR, BXOR)")

@@ -92,13 +92,12 @@ def _native(collective: str, buffers: int = 2) -> Callable[[Callable], Callable]
     any shape; ``b`` ignored where the collective has one buffer): the calls by shape.
     """
     def deco(spec: Callable) -> Callable:
-        def run(ctx: CommContext, *args: Any) -> None:
-            method, build = spec(ctx, *args)
-            _form(ctx, method)(*build(*args[:buffers]))
-
         def bind(ctx: CommContext, *args: Any) -> Callable[[], Any]:
             method, build = spec(ctx, *args)
             return functools.partial(_form(ctx, method), *build(*args[:buffers]))
+
+        def run(ctx: CommContext, *args: Any) -> None:
+            bind(ctx, *args)()
 
         def bind_buffers(ctx: CommContext, *args: Any) -> Callable[[Any, Any], None]:
             method, build = spec(ctx, *args)

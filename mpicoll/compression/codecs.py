@@ -267,7 +267,7 @@ class Codec:
         raise NotImplementedError
 
     def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
-        raise NotImplementedError
+        xp.copyto(out, payload[0], casting="unsafe")   # (a payload of the values, cast)
 
     def _check_state(self, state: Any, keys: tuple) -> None:
         """Raise ``ValueError`` unless ``state`` is a dict with exactly ``keys``."""
@@ -291,9 +291,6 @@ class NoneCodec(Codec):
     def _encode(self, xp: Any, x: Any, out: tuple) -> None:
         xp.copyto(out[0], x)
 
-    def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
-        xp.copyto(out, payload[0], casting="unsafe")
-
 
 class FP16Codec(Codec):
     """IEEE half precision (``astype(float16)``: round to nearest even, overflow to inf)."""
@@ -307,9 +304,6 @@ class FP16Codec(Codec):
         if x.dtype == np.float64 and xp is not np:
             x = _round_to_odd_float32(xp, x)
         xp.copyto(out[0], x, casting="unsafe")
-
-    def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
-        xp.copyto(out, payload[0], casting="unsafe")
 
 
 def _round_to_odd_float32(xp: Any, x: Any) -> Any:

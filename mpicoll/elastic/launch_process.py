@@ -26,12 +26,11 @@ _POLL_S = 0.05
 def _die_with_parent() -> None:
     """In the launcher's child before exec: SIGTERM it when the supervisor dies, even by
     SIGKILL (Linux ``PR_SET_PDEATHSIG``; hydra and srun end their ranks on SIGTERM)."""
-    try:
+    # not Linux (OSError, AttributeError): the signal handlers still end the job
+    with contextlib.suppress(OSError, AttributeError):
         import ctypes  # noqa: PLC0415
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the signal handlers still end the job
-        pass
 
 
 def start_job(argv: list[str], env: dict[str, str]) -> subprocess.Popen:

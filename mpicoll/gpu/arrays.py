@@ -13,6 +13,7 @@ are tested) on machines without a GPU, with fake objects exposing the interfaces
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -126,12 +127,10 @@ def device_id(a: Any) -> int | None:
             return value
     fn = getattr(a, "__dlpack_device__", None)
     if fn is not None:
-        try:
+        with contextlib.suppress(Exception):
             kind, ordinal = fn()
             if int(kind) in _CUDA_DLPACK:
                 return int(ordinal)
-        except Exception:  # noqa: BLE001
-            pass
     return None
 
 

@@ -14,6 +14,7 @@ The local rank comes from splitting the communicator by ``MPI.COMM_TYPE_SHARED``
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from .. import config
@@ -85,12 +86,10 @@ def local_rank(comm: Any = None) -> int:
 
 def visible_device_count() -> int:
     """GPUs visible to the process, through CuPy, else torch; 0 when neither works."""
-    try:
+    with contextlib.suppress(Exception):  # (no CuPy, no driver, no device)
         import cupy  # noqa: PLC0415
 
         return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:  # noqa: BLE001  (no CuPy, no driver, no device)
-        pass
     try:
         import torch  # noqa: PLC0415
 
@@ -118,12 +117,10 @@ def select_device(local: int | None = None, *, comm: Any = None,
     count = visible_device_count() if device_count is None else device_count
     ordinal = choose_device(local, count, config.env_str(VARIABLE))
     if ordinal is not None and activate:
-        try:
+        with contextlib.suppress(ImportError):
             import cupy  # noqa: PLC0415
 
             cupy.cuda.Device(ordinal).use()
-        except ImportError:
-            pass
         import sys  # noqa: PLC0415
 
         torch = sys.modules.get("torch")

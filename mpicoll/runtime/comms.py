@@ -18,6 +18,7 @@ would wait for the dead), only forgotten. A process failure during a creation is
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -209,10 +210,8 @@ def free(comm: Any) -> None:
         _forgotten[comm.handle] = rec.world
         return
     history.append((rec, "freed"))
-    try:
+    with contextlib.suppress(MPI.Exception):   # revoked meanwhile: nothing left to free
         plain(comm).Free()
-    except MPI.Exception:   # revoked meanwhile: nothing left to free
-        pass
 
 
 def forget(comms: Iterable[Any]) -> None:

@@ -39,6 +39,7 @@ waited for, as by ``MPI_Finalize``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import logging
 import os
@@ -80,10 +81,8 @@ def flush() -> None:
     """Shut logging down and flush stdout and stderr (before the process ends at once)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # (closed: nothing to flush)
             stream.flush()
-        except Exception:  # noqa: BLE001  (closed: nothing to flush)
-            pass
 
 
 def _end(status: int, message: str) -> None:

@@ -24,6 +24,7 @@ failure ends the job, as MPI does.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -95,10 +96,8 @@ def _plain(comm: Any) -> MPI.Intracomm:
 
 def _progress() -> None:
     """Drive MPI's progress engine: it delivers failure notices."""
-    try:
+    with contextlib.suppress(Exception):
         MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
-    except Exception:  # noqa: BLE001
-        pass
 
 
 def failed_ranks(comm: Any, wait_s: float = FAILED_WAIT_S, progress: bool = False) -> list[int]:
@@ -187,10 +186,8 @@ def acknowledge(comm: Any) -> None:
     """Acknowledge the failures MPI reported on ``comm`` (``MPI_Comm_ack_failed``), so that
     ``MPI_ANY_SOURCE`` receives work again between live ranks (the replicated parameter
     server goes on this way, on the same communicator)."""
-    try:
+    with contextlib.suppress(MPI.Exception):  # revoked: the next call raises ERR_REVOKED anyway
         _plain(comm).Ack_failed()
-    except MPI.Exception:  # revoked: the next call raises ERR_REVOKED anyway
-        pass
 
 
 def revoke(comm: Any) -> None:
@@ -208,10 +205,8 @@ def revoke(comm: Any) -> None:
         if not isinstance(c, MPI.Comm) or c == MPI.COMM_NULL or c.handle in seen:
             continue
         seen.add(c.handle)
-        try:
+        with contextlib.suppress(Exception):
             _plain(c).Revoke()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def revoke_only(comm: Any) -> None:
@@ -223,10 +218,8 @@ def revoke_only(comm: Any) -> None:
     for r in records + ([rec] if rec is not None else []):
         r.revoked = True
     for c in [comm] + [r.comm for r in records]:
-        try:
+        with contextlib.suppress(Exception):  # (already revoked or freed)
             _plain(c).Revoke()
-        except Exception:  # noqa: BLE001  (already revoked or freed)
-            pass
 
 
 def _world_ranks(comm: Any, ranks: list[int], gen: int) -> list[int]:
