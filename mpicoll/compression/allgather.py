@@ -21,8 +21,8 @@ import numpy as np
 
 from .. import validation
 from ..context import get_context, resolve_comm
-from .arguments import (agreed, array_view, check_feedback, check_side, compensated,
-                        feedback_store, named_codec)
+from .arguments import (agreed, array_view, check_side, compensated, feedback_store,
+                        named_codec)
 from . import namespace
 from .auto import Auto, resolve
 from .node import flat_split
@@ -67,7 +67,6 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, compression: 
             result = namespace.array_module(x).empty(
                 validation.gathered_shape(np.shape(sendbuf), ctx.size), dtype=x.dtype)
             out = result.reshape(-1)
-        check_feedback(feedback)
         owner = recvbuf if in_place else sendbuf
         store, fb_key = feedback_store(codec, feedback, key, owner, x, default=False)
         return ((codec, x, out, result, store, fb_key, owner),

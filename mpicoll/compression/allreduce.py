@@ -25,9 +25,8 @@ import numpy as np
 
 from .. import validation
 from ..context import get_context, resolve_comm
-from .arguments import (DEFAULT_SEGMENT_BYTES, agreed, array_view, check_feedback,
-                        check_side, compensated, feedback_store, named_codec, resolve_op,
-                        segment_size)
+from .arguments import (DEFAULT_SEGMENT_BYTES, agreed, array_view, check_side, compensated,
+                        feedback_store, named_codec, resolve_op, segment_size)
 from . import namespace
 from .auto import Auto, resolve
 from .node import check_layout, flat_split, node_allreduce, resolve_layout
@@ -102,10 +101,9 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
         if out is None:
             out = namespace.array_module(x).empty(x.size, dtype=x.dtype)
             result = out.reshape(np.shape(sendbuf))
-        check_feedback(feedback)
-        seg = segment_size(segment_bytes)
         owner = result if in_place else sendbuf
         store, fb_key = feedback_store(codec, feedback, key, owner, x)
+        seg = segment_size(segment_bytes)
         shape = resolve_layout(ctx, layout, device=not namespace.is_host_module(
             namespace.array_module(x)))
         return ((codec, opname, x, out, result, store, fb_key, seg, shape, owner),

@@ -26,8 +26,7 @@ from .codecs import Codec
 from .feedback import ErrorFeedback, tensor_feedback
 
 __all__ = ["OPS", "DEFAULT_SEGMENT_BYTES", "named_codec", "resolve_op", "segment_size",
-           "check_feedback", "array_view", "side", "check_side", "feedback_store", "agreed",
-           "compensated"]
+           "array_view", "side", "check_side", "feedback_store", "agreed", "compensated"]
 
 #: Largest segment of the uncompressed input per message (bytes).
 DEFAULT_SEGMENT_BYTES = 4 << 20
@@ -89,13 +88,6 @@ def segment_size(segment_bytes: Any) -> int:
     return int(segment_bytes)
 
 
-def check_feedback(feedback: Any) -> None:
-    """Raise ``TypeError`` unless ``feedback`` is ``None``, a bool or an ErrorFeedback."""
-    if not (feedback is None or isinstance(feedback, (bool, ErrorFeedback))):
-        raise TypeError(f"feedback must be None, True, False or an ErrorFeedback, "
-                        f"not {type(feedback).__name__}")
-
-
 def array_view(a: Any, argname: str, writable: bool = False) -> Any:
     """The flat view of buffer ``a`` in its array module (``buffers.flat_view``): numpy,
     CuPy, or a registered module (:mod:`.namespace`); other device objects
@@ -130,9 +122,13 @@ def feedback_store(codec: Codec, feedback: Any, key: Hashable, owner: Any, x: np
         owner: the array object whose residual the default store keeps.
         default: what ``feedback=None`` means (``None``: on for lossy codecs).
     Raises:
+        TypeError: ``feedback`` is not ``None``, a bool or an ErrorFeedback.
         ValueError: the residual stored under the key does not match ``x`` (checked here,
             before any message, so the error cannot strand the other ranks).
     """
+    if not (feedback is None or isinstance(feedback, (bool, ErrorFeedback))):
+        raise TypeError(f"feedback must be None, True, False or an ErrorFeedback, "
+                        f"not {type(feedback).__name__}")
     if feedback is None:
         on = codec.lossy if default is None else default
     else:

@@ -187,18 +187,12 @@ class Codec:
         xp = namespace.array_module(x)
         x = namespace.as_module_array(x, xp)   # a torch tensor: its numpy/CuPy view
         dt = self.check_dtype(x.dtype, "x")
-        if out is not None and out and namespace.array_module(out[0]) is not xp:
-            parts = self._encode_in(xp, x, new_payload(self, x.size, dt, like=x)[1])
-            for dst, src in zip(out, parts):
-                namespace.to_host(src, out=dst)
-            return tuple(out)
-        if out is None:
-            out = new_payload(self, x.size, dt, like=x)[1]
-        return self._encode_in(xp, x, out)
-
-    def _encode_in(self, xp: Any, x: Any, out: tuple) -> tuple:
-        self._encode(xp, x, out)
-        return out
+        host = out is not None and out and namespace.array_module(out[0]) is not xp
+        parts = new_payload(self, x.size, dt, like=x)[1] if out is None or host else out
+        self._encode(xp, x, parts)
+        for dst, src in zip(out if host else (), parts):
+            namespace.to_host(src, out=dst)
+        return tuple(out) if host else parts
 
     def decode(self, payload: Sequence[Any], count: int, dtype: Any = np.float32,
                out: Any = None) -> Any:

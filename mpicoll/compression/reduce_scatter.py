@@ -18,8 +18,8 @@ from typing import Any, Hashable
 
 from .. import validation
 from ..context import get_context, resolve_comm
-from .arguments import (agreed, array_view, check_feedback, check_side, compensated,
-                        feedback_store, named_codec, resolve_op, segment_size)
+from .arguments import (agreed, array_view, check_side, compensated, feedback_store,
+                        named_codec, resolve_op, segment_size)
 from . import namespace
 from .auto import Auto, resolve
 from .node import flat_split, node_peers
@@ -68,10 +68,9 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
         if out is None:
             out = result = namespace.array_module(x).empty(
                 validation.own_block(x.size, ctx.rank, ctx.size), dtype=x.dtype)
-        check_feedback(feedback)
-        seg = segment_size(segment_bytes)
         owner = recvbuf if in_place else sendbuf
         store, fb_key = feedback_store(codec, feedback, key, owner, x)
+        seg = segment_size(segment_bytes)
         return ((codec, opname, x, out, result, store, fb_key, seg, owner),
                 dict(count=x.size, dtype=str(x.dtype), op=opname, algorithm=codec.name,
                      segment_bytes=seg))

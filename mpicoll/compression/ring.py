@@ -59,8 +59,8 @@ from . import namespace
 from ..partition import block_bounds, segment_bounds, segment_count
 from .codecs import Codec, layout_nbytes, payload_views
 
-__all__ = ["Sent", "encode_to_host", "add_pairs", "side_key", "flat_allreduce", "dense_ring",
-           "dense_reduce_scatter", "payload_allgather",
+__all__ = ["Sent", "encode_to_host", "keep_residual", "add_pairs", "side_key", "flat_allreduce",
+           "dense_ring", "dense_reduce_scatter", "payload_allgather",
            "sparse_allgather", "gather_phase", "TAG_RS", "TAG_AG", "TAG_SPARSE", "TAG_GATHER"]
 
 TAG_RS = 101      #: ring reduce-scatter of encoded segments
@@ -175,12 +175,13 @@ def _ring_plan(ctx: Any, codec: Codec, y: Any, seg_bytes: int, first: int,
 Finish = Callable[[np.ndarray, int, int, int, int], None]
 
 
-def _keep_residual(codec: Codec, plan: _RingPlan, payload: tuple, acc: Any, res: Any,
-                   lo: int, hi: int) -> None:
-    """``res[lo:hi] = acc - decode(payload)``: what encoding ``acc`` dropped."""
+def keep_residual(codec: Codec, payload: tuple, acc: Any, res: Any, lo: int,
+                  scratch: Any = None) -> None:
+    """``res[lo:lo + acc.size] = acc - decode(payload)``: what encoding ``acc`` dropped
+    (nothing when ``res`` is ``None``), decoded into ``scratch`` (or a new array)."""
     if res is not None:
-        rt = codec.decode(payload, hi - lo, acc.dtype, out=plan.rt[:hi - lo])
-        plan.xp.subtract(acc, rt, out=res[lo:hi])
+        rt = codec.decode(payload, acc.size, acc.dtype, out=scratch)
+        namespace.array_module(acc).subtract(acc, rt, out=res[lo:lo + acc.size])
 
 
 def _reduce_scatter_phase(ctx: Any, codec: Codec, plan: _RingPlan, y: np.ndarray,
@@ -218,7 +219,7 @@ def _reduce_scatter_phase(ctx: Any, codec: Codec, plan: _RingPlan, y: np.ndarray
         payload = plan.encode(codec, y[lo:hi], region, first, j)
         sreqs.append(isend(buffers.msg(region), right, TAG_RS))
         sent_bytes += region.size
-        _keep_residual(codec, plan, payload, y[lo:hi], res, lo, hi)
+        keep_residual(codec, payload, y[lo:hi], res, lo, plan.rt[:hi - lo])
     for u in range(units):
         slot = u % 2
         waiting.wait(rreqs[slot])
@@ -234,7 +235,7 @@ def _reduce_scatter_phase(ctx: Any, codec: Codec, plan: _RingPlan, y: np.ndarray
             payload = plan.encode(codec, acc, region, b, j)
             sreqs.append(isend(buffers.msg(region), right, TAG_RS))
             sent_bytes += region.size
-            _keep_residual(codec, plan, payload, acc, res, lo, hi)
+            keep_residual(codec, payload, acc, res, lo, plan.rt[:hi - lo])
         else:
             finish(acc, b, j, lo, hi)
     return sreqs, sent_bytes
@@ -422,13 +423,8 @@ def sparse_allgather(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray | No
         return area[q * nbytes:(q + 1) * nbytes]
 
     payload = encode_to_host(codec, y, layout, region(rank))
-
-    def mine() -> None:
-        if res is not None:
-            sent = codec.decode(payload, y.size, dtype, out=out)
-            namespace.array_module(y).subtract(y, sent, out=res)
-
-    sreqs, sent_bytes = gather_phase(ctx, region, rank, 1, TAG_SPARSE, mine)
+    sreqs, sent_bytes = gather_phase(ctx, region, rank, 1, TAG_SPARSE,
+                                     lambda: keep_residual(codec, payload, y, res, 0, out))
     out.fill(0)
     for q in range(n):
         add_pairs(codec, payload_views(layout, region(q)), out)

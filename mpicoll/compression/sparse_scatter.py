@@ -25,7 +25,7 @@ from .. import buffers, waiting
 from ..partition import block_bounds
 from .codecs import Codec, layout_nbytes, payload_views
 from . import namespace
-from .ring import Sent, add_pairs, encode_to_host
+from .ring import Sent, add_pairs, encode_to_host, keep_residual
 
 __all__ = ["sparse_reduce_scatter", "TAG_SPARSE_RS"]
 
@@ -73,9 +73,7 @@ def sparse_reduce_scatter(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray
         tally = sent[b in peers]
         tally[0] += region.size
         tally[1] += 1
-        if res is not None:
-            rt = codec.decode(payload, hi - lo, dtype)
-            xp.subtract(y[lo:hi], rt, out=res[lo:hi])
+        keep_residual(codec, payload, y[lo:hi], res, lo)
     lo, hi = bb[rank], bb[rank + 1]
     out.fill(0)
     for q in range(n):

@@ -286,7 +286,6 @@ class PullDecoder:
         self.dtype = np.dtype(dtype)
         self.delta = delta
         self.replica: np.ndarray | None = None
-        self._tmp: np.ndarray | None = None
 
     def wire_bytes(self) -> int:
         """Bytes of a compressed pull of this shard."""
@@ -314,16 +313,12 @@ class PullDecoder:
             if self.delta:
                 self.replica = dest.copy()
             return
-        if not self.delta:
-            self.codec.decode_into(data, self.count, dest)
-            return
-        if self.replica is None:
+        if self.delta and self.replica is None:
             raise ValueError("a compressed pull arrived before the uncompressed first one")
-        if self._tmp is None:
-            self._tmp = np.empty(self.count, dtype=self.dtype)
-        self.codec.decode_into(data, self.count, self._tmp)
-        np.add(self.replica, self._tmp, out=self.replica)
-        np.copyto(dest, self.replica)
+        self.codec.decode_into(data, self.count, dest)
+        if self.delta:
+            np.add(self.replica, dest, out=self.replica)
+            np.copyto(dest, self.replica)
 
 
 class Coders:

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from ... import compression as codecs
-from ...checked import agree
+from ...compression.arguments import agreed
 from ...context import get_context
 from .agreement import check_presence
 from .compressors import CodecCompressor
@@ -105,10 +105,13 @@ def _reduce(name: str, compressor: CodecCompressor, op: tuple, prescale: Any, po
     """Check (with every rank), then reduce; return the outputs and the resolved op."""
     codec = compressor.codec
     what = f"allreduce {name!r} (compression={codec.name!r})"
-    arrays: list[np.ndarray] = []
-    resolved = opname = None
-    error: BaseException | None = None
-    try:
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+              for t in tensors]
+    eng = check_presence(name, f"compression={codec.name} prescale={_shown(prescale)} "
+                               f"postscale={_shown(postscale)} shapes={shapes}", what)
+    comm = eng.side_comm()
+
+    def validate() -> tuple[tuple, dict]:
         resolved = resolve_reduce_op(*op, adasum=True)
         if int(resolved) not in (int(Average), int(Sum)):
             raise ValueError(f"compression={codec.name!r} reduces with op=Average or op=Sum, "
@@ -120,21 +123,16 @@ def _reduce(name: str, compressor: CodecCompressor, op: tuple, prescale: Any, po
                              f"here")
         pre, post = _factor(prescale, "prescale_factor"), _factor(postscale, "postscale_factor")
         store = _store(feedback, compressor)
-        for i, (tensor, key) in enumerate(zip(tensors, keys, strict=True)):
-            arrays.append(_input(tensor, f"tensor {i}" if len(tensors) > 1 else "tensor",
-                                 compressor, store, key))
+        arrays = [_input(t, f"tensor {i}" if len(tensors) > 1 else "tensor", compressor,
+                         store, k) for i, (t, k) in enumerate(zip(tensors, keys, strict=True))]
         average = int(resolved) == int(Average)
         opname = "average" if average and post == 1.0 else "sum"
-    except (TypeError, ValueError) as exc:
-        error = exc
-    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-              for t in tensors]
-    eng = check_presence(name, f"compression={codec.name} prescale={_shown(prescale)} "
-                               f"postscale={_shown(postscale)} shapes={shapes}", what)
-    comm = eng.side_comm()
-    agree(get_context(comm), error, collective=what,
-          count=sum(a.size for a in arrays), dtype=",".join(str(a.dtype) for a in arrays),
-          op=opname, algorithm=codec.name)
+        return ((resolved, pre, post, store, arrays, average, opname),
+                {"count": sum(a.size for a in arrays), "op": opname, "algorithm": codec.name,
+                 "dtype": ",".join(str(a.dtype) for a in arrays)})
+
+    resolved, pre, post, store, arrays, average, opname = agreed(get_context(comm), True,
+                                                                 what, validate)
     if average and opname == "sum":
         post = post / comm.Get_size()            # Average with a postscale: one multiply
     outputs = []

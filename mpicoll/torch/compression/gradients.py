@@ -57,7 +57,7 @@ import torch
 
 from ... import compression as codecs
 from ...buffers import IN_PLACE
-from ...checked import agree
+from ...compression.arguments import agreed
 from ...context import get_context
 from .agreement import check_presence
 from .compressors import CodecCompressor
@@ -205,17 +205,15 @@ class CompressedGradients:
         comm = eng.side_comm()
         codec = self.compressor.codec
         runs = self._plan(eng.settings.fusion_threshold)
-        prepared = []
-        error: BaseException | None = None
-        try:
-            for run in runs:
-                array = numpy_view(run.buffer)
-                prepared.append((array, *self._feedback_for(run, array)))
-        except (TypeError, ValueError) as exc:
-            error = exc
+
+        def validate() -> tuple[list, dict]:
+            arrays = [numpy_view(run.buffer) for run in runs]
+            return ([(a, *self._feedback_for(run, a)) for run, a in zip(runs, arrays)],
+                    {"count": sum(a.size for a in arrays), "algorithm": codec.name})
+
         # one agreement for the whole step (the runs' own checks are then skipped)
-        agree(get_context(comm), error, collective="DistributedOptimizer compression",
-              count=sum(a.size for a, _, _ in prepared), algorithm=codec.name)
+        prepared = agreed(get_context(comm), True, "DistributedOptimizer compression",
+                          validate)
         self.stats = []
         for run, (array, feedback, key) in zip(runs, prepared, strict=True):
             if self._pre != 1.0:
@@ -326,13 +324,7 @@ class CompressedGradients:
 
     def _positions(self) -> dict[str, tuple[str, int, int]]:
         """Parameter name -> (its flat buffer's name, its element range there)."""
-        out = {}
-        for flat in self._flats:
-            lo = 0
-            for p in flat.params:
-                out[self._names[p]] = (flat.name, lo, lo + p.numel())
-                lo += p.numel()
-        return out
+        return {run.slots[0].name: (run.flat, run.lo, run.hi) for run in self._plan(0)}
 
     def _momentum_arrays(self, flat_name: str) -> tuple[np.ndarray, np.ndarray]:
         """The local and previous reduced momentum of a flat buffer (zeros on first use)."""
