@@ -88,8 +88,7 @@ def flat_view(a: Any, argname: str, writable: bool = False) -> Any:
 
 def empty(count: int, dtype: Any, like: Any = None) -> Any:
     """Allocate an uninitialised flat scratch array on the same device as ``like``."""
-    xp = array_module(like) if like is not None else np
-    return xp.empty(int(count), dtype=dtype)
+    return array_module(like).empty(int(count), dtype=dtype)
 
 
 def copy(dst: Any, src: Any) -> None:

@@ -70,8 +70,6 @@ def to_host(a: Any, out: np.ndarray | None = None) -> np.ndarray:
     xp = array_module(a)
     if xp is np:
         return _host_copy(a, out)
-    if out is None:
-        return xp.asnumpy(a)
     return xp.asnumpy(a, out=out)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import backends
 
-__all__ = ["device_view", "to_host", "from_host", "new_like"]
+__all__ = ["device_view", "to_host", "from_host"]
 
 
 def device_view(obj: Any) -> Any:
@@ -40,9 +40,3 @@ def from_host(obj: Any, host: np.ndarray) -> None:
     """Copy host array ``host`` into device object ``obj`` (same shape and dtype, C-
     contiguous); complete when this returns."""
     backends.require(obj).from_host(obj, np.ascontiguousarray(host))
-
-
-def new_like(obj: Any, shape: tuple, dtype: Any) -> Any:
-    """A new device array of ``shape`` and ``dtype`` where ``obj`` is (for CUDA a CuPy
-    array on ``obj``'s device)."""
-    return backends.require(obj).new_like(obj, shape, dtype)

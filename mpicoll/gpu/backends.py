@@ -150,6 +150,7 @@ class CudaBackend(DeviceBackend):
             cupy.copyto(view, cupy.asarray(host))
 
     def new_like(self, obj: Any, shape: tuple, dtype: Any) -> Any:
+        """A CuPy array on ``obj``'s device (the current one if ``obj`` names none)."""
         import cupy  # noqa: PLC0415
 
         device = arrays.device_id(obj)

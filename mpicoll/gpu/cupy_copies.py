@@ -88,9 +88,7 @@ class CupyCopies:
         seen: set[int] = set()
         with cupy.cuda.Device(self.device):
             for obj in objs:
-                if obj is None:
-                    continue
-                ptr = arrays.producer_stream(obj)
+                ptr = arrays.producer_stream(obj)  # None for None
                 if ptr is None or ptr in seen:
                     continue
                 seen.add(ptr)
@@ -134,11 +132,7 @@ class CupyCopies:
 
 def copies_for(args: Sequence[Any]) -> CupyCopies:
     """The :class:`CupyCopies` of the device holding the first device array in ``args``."""
-    device = None
-    for a in args:
-        if arrays.is_device(a):
-            device = arrays.device_id(a)
-            break
+    device = next((arrays.device_id(a) for a in args if arrays.is_device(a)), None)
     if device is None:
         device = cupy.cuda.runtime.getDevice()
     with _lock:

@@ -103,8 +103,6 @@ def device_call(collective: str, args: tuple, comm: Any, check: Any,
     from . import staging  # noqa: PLC0415
 
     *data, algorithm = args
-    if staged_options.get("copies") is None:
-        staged_options["copies"] = backend.copies(data)
 
     def host_call(host_args: tuple) -> Any:
         return public(*host_args, comm=comm, algorithm=algorithm, check=check)

@@ -516,8 +516,7 @@ def staged(collective: str, args: tuple, host_call: Callable[[tuple], Any], *,
 
         copies = backend_of(args).copies(args)
     limit = staging_bytes() if staging_limit is None else int(staging_limit)
-    if chunk_bytes is None:
-        chunk_bytes = chunk_bytes_setting()
+    chunk_bytes = chunk_bytes_setting() if chunk_bytes is None else chunk_bytes
     pool = copies.host_pool
     try:
         layout = _plan(collective, tuple(args), copies, pool, rank, size, chunk_bytes,

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..gpu import array_transfer
+from ..gpu import array_transfer, backends
 from ..gpu import arrays as device_arrays
 from .errors import PSError
 
@@ -100,7 +100,7 @@ class DevicePull:
         """
         dest = self.out.get(name)
         if dest is None:
-            dest = array_transfer.new_like(self.like, spec.shape, spec.dtype)
+            dest = backends.require(self.like).new_like(self.like, spec.shape, spec.dtype)
         view = array_transfer.device_view(dest)
         if tuple(view.shape) != spec.shape or view.dtype != spec.dtype or \
                 not view.flags.c_contiguous:

@@ -236,13 +236,11 @@ def same_device(tensors: Sequence[Any], what: str = "tensors") -> TensorDevice |
         TypeError: host and device tensors mixed, or tensors on different devices.
     """
     devices = [device_of(t) for t in tensors if t is not None]
-    first = devices[0] if devices else None
-    for dev in devices[1:]:
-        if dev is not first:
-            names = sorted({"cpu" if d is None else d.name for d in devices})
-            raise TypeError(f"{what} are on {' and '.join(names)}; pass every tensor of one "
-                            f"call on one device (or all on the host)")
-    return first
+    if any(dev is not devices[0] for dev in devices):
+        names = sorted({"cpu" if d is None else d.name for d in devices})
+        raise TypeError(f"{what} are on {' and '.join(names)}; pass every tensor of one "
+                        f"call on one device (or all on the host)")
+    return devices[0] if devices else None
 
 
 def request_device(works: Sequence[Any]) -> TensorDevice | None:

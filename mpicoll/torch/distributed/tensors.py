@@ -91,9 +91,8 @@ class Host:
                 and scale is None):
             self.work = tensor
         else:
-            self.work = tensor.detach().to("cpu", dtype).contiguous()
-            if self.work.data_ptr() == tensor.data_ptr():   # .to() may return tensor itself
-                self.work = self.work.clone()
+            self.work = tensor.detach().to("cpu", dtype, copy=True,  # never tensor itself
+                                           memory_format=torch.contiguous_format)
             if scale is not None:
                 self.work.mul_(scale.to("cpu") if isinstance(scale, torch.Tensor) else scale)
         self.array = numpy_view(self.work)

@@ -54,11 +54,7 @@ def check_supported(tensor: object, argname: str = "tensor") -> torch.Tensor:
 
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     """A flat numpy array sharing memory with contiguous CPU ``tensor`` (bfloat16 as int16)."""
-    flat = tensor.detach().reshape(-1)
-    move = _MOVE[tensor.dtype]
-    if move is not tensor.dtype:
-        flat = flat.view(move)
-    return flat.numpy()
+    return tensor.detach().reshape(-1).view(_MOVE[tensor.dtype]).numpy()
 
 
 def move_dtype(dtype: torch.dtype) -> torch.dtype:
