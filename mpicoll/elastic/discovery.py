@@ -259,9 +259,7 @@ def configure(discovery: Source | None = None, max_np: int | None = None,
             max_np = int(raw)
         except ValueError:
             raise ValueError(f"{ENV_MAX_NP}={raw!r} is not an integer") from None
-    if discovery is None:
-        return None
-    return Discovery(discovery, max_np=max_np, interval=interval)
+    return None if discovery is None else Discovery(discovery, max_np=max_np, interval=interval)
 
 
 def activate(discovery: Discovery | None, first: bool) -> None:

@@ -64,13 +64,11 @@ def job_processes(leader: int) -> set[int]:
     found = {pid for pid, (_, sid) in table.items() if sid == leader}
     if leader in table:
         found.add(leader)
-    grew = True
-    while grew:
-        grew = False
-        for pid, (ppid, _) in table.items():
-            if ppid in found and pid not in found:
-                found.add(pid)
-                grew = True
+    while True:      # the descendants of what was found, until none is new
+        more = {pid for pid, (ppid, _) in table.items() if ppid in found} - found
+        if not more:
+            break
+        found |= more
     found.discard(os.getpid())
     return found
 

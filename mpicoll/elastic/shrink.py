@@ -32,7 +32,7 @@ from ..errors import TooFewRanksError
 from ..runtime import comms, failures
 from ..runtime import world as runtime_world
 
-__all__ = ["Recovery", "shrink_world", "last_recovery", "world"]
+__all__ = ["Recovery", "shrink_world", "last_recovery", "world", "survivors"]
 
 log = logging.getLogger("mpicoll.elastic")
 
@@ -75,15 +75,16 @@ class Recovery:
 last_recovery: Recovery | None = None
 
 
-def _failed_ranks(old: MPI.Intracomm, new: MPI.Intracomm) -> list[int]:
-    """The ranks of ``old`` missing from ``new``."""
+def survivors(old: MPI.Intracomm, members: list[int], new: MPI.Intracomm) -> list[int]:
+    """The ranks of ``new`` of those of ``members`` (ranks of ``old``) that are in it, in
+    order."""
     old_group, new_group = old.Get_group(), new.Get_group()
     try:
-        kept = MPI.Group.Translate_ranks(new_group, list(range(new.Get_size())), old_group)
+        moved = MPI.Group.Translate_ranks(old_group, members, new_group)
     finally:
         old_group.Free()
         new_group.Free()
-    return sorted(set(range(old.Get_size())) - set(kept))
+    return [r for r in moved if r != MPI.UNDEFINED]
 
 
 def shrink_world(min_np: int = 1) -> Recovery:
@@ -111,7 +112,8 @@ def shrink_world(min_np: int = 1) -> Recovery:
     plain = old if type(old) is MPI.Intracomm else MPI.Intracomm(old)
     new = comms.shrink(plain)
     shrunk = time.perf_counter()
-    failed = _failed_ranks(plain, new)
+    kept = survivors(new, list(range(new.Get_size())), plain)   # as ranks of the old world
+    failed = sorted(set(range(plain.Get_size())) - set(kept))     # the old ranks missing
     runtime_world.mark_failed(runtime_world.generation(), failed)   # the agreed ranks
     context.set_world(new)
     done = time.perf_counter()

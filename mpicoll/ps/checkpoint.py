@@ -19,6 +19,7 @@ different number of servers or split threshold.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -54,10 +55,8 @@ def _atomic_write(path: str, write: Any) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
 
 
@@ -139,10 +138,8 @@ def remove_stale(directory: str, keep_id: str) -> None:
     for name in os.listdir(directory):
         if name.endswith(".npz") and (".server" in name or ".codec" in name) and \
                 not name.startswith(keep_id + "."):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
 
 
 def read_manifest(directory: str) -> dict:

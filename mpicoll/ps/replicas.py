@@ -66,14 +66,10 @@ class Routing:
         changed = {}
         for slot, before in enumerate(self.holders):
             after = [r for r in before if r not in self.dead]
-            if after and len(after) < self.replicas + 1:
-                start = after[0]
-                for step in range(1, self.num_servers):
-                    cand = (start + step) % self.num_servers
-                    if cand not in self.dead and cand not in after:
-                        after.append(cand)
-                        if len(after) == self.replicas + 1:
-                            break
+            if after:     # spares: the live ranks after the primary, in ring order
+                ring = [(after[0] + step) % self.num_servers for step in range(1, self.num_servers)]
+                spares = [r for r in ring if r not in self.dead and r not in after]
+                after += spares[:self.replicas + 1 - len(after)]
             if after != before:
                 changed[slot] = (list(before), after)
                 self.holders[slot] = after

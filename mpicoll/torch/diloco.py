@@ -233,13 +233,12 @@ class DiLoCo:
         if not self._follows or runtime_world.generation() == self.generation:
             return
         self._pending = None
-        old, lane = self.comm, self._lane
-        self._lane = None
+        lane, self._lane = self._lane, None
         try:
             if lane is not None:
                 lane.close()
         finally:
-            comms.free(old)
+            comms.free(self.comm)       # the old world's duplicate
         self.comm = comms.dup(runtime_world.comm(), "diloco")
         self._setup_world()
 
@@ -248,14 +247,10 @@ class DiLoCo:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be an nn.Module, not {type(model).__name__}")
         _check_optimizer("inner_optimizer", inner)
-        modules = None
-        if isinstance(fragments, (list, tuple)):
-            modules = list(fragments)
-            count = len(modules)
-            if count == 0:
-                raise ValueError("fragments must not be an empty list")
-        else:
-            count = fragments
+        modules = list(fragments) if isinstance(fragments, (list, tuple)) else None
+        if modules == []:
+            raise ValueError("fragments must not be an empty list")
+        count = fragments if modules is None else len(modules)
         self.settings: DiLoCoSettings = check_settings(sync_every, count, overlap, alpha)
         outers = list(outer) if isinstance(outer, (list, tuple)) else [outer]
         for i, opt in enumerate(outers):

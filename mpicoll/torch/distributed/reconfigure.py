@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from ...elastic.shrink import survivors
 from ...runtime import comms
 from ...runtime import world as runtime_world
 from . import startup
@@ -90,33 +91,14 @@ def member_comm(parent: Any, ranks: list[int], tag: int = 0) -> Any:
         group.Free()
 
 
-def survivors(old: Any, members: list[int], new: Any) -> list[int]:
-    """The ranks of ``new`` of those of ``members`` (ranks of ``old``) that are in it, in
-    order."""
-    old_group, new_group = old.Get_group(), new.Get_group()
-    try:
-        moved = MPI.Group.Translate_ranks(old_group, members, new_group)
-    finally:
-        old_group.Free()
-        new_group.Free()
-    return [r for r in moved if r != MPI.UNDEFINED]
-
-
 def _groups() -> list[tuple[Any, Any]]:
     """(torch's ``ProcessGroup``, its mpicoll backend) of every live mpicoll group, oldest
     first."""
-    from . import extension  # noqa: PLC0415
-
-    module = extension.loaded()      # None: no mpicoll group was ever made here
-    if module is None or not dist.is_initialized():
+    if not dist.is_initialized():
         return []
-    base = module.Backend
-    found = []
-    for pg in list(dist.distributed_c10d._world.pg_map):
-        backend = cpu_backend(pg)
-        if isinstance(backend, base) and not backend._shut:
-            found.append((pg, backend))
-    return sorted(found, key=lambda pair: pair[1].serial)
+    found = [(pg, cpu_backend(pg)) for pg in list(dist.distributed_c10d._world.pg_map)
+             if _is_mpicoll(pg)]
+    return sorted([pair for pair in found if not pair[1]._shut], key=lambda pair: pair[1].serial)
 
 
 def adopt_wrapper(backend: Any) -> None:
@@ -229,7 +211,7 @@ def joining() -> bool:
 def _is_mpicoll(group: Any) -> bool:
     from . import extension  # noqa: PLC0415
 
-    module = extension.loaded()
+    module = extension.loaded()      # None: no mpicoll group was ever made here
     return module is not None and isinstance(cpu_backend(group), module.Backend)
 
 
@@ -313,9 +295,7 @@ def shrunk(backend: Any, excluded: list[int]) -> tuple[Any, tuple[Any, ...], lis
         base = world
     elif failed or (failures.ENABLED and failures.revoked(base)):
         made = comms.shrink(base, "group")
-        base_members = [base_members[r] for r in
-                        MPI.Group.Translate_ranks(made.Get_group(), list(range(made.Get_size())),
-                                                  base.Get_group())]
+        base_members = survivors(made, list(range(made.Get_size())), base)
         dead = sorted(set(range(size)) - set(base_members))
         if not set(dead) <= set(excluded):
             comms.free(made)
