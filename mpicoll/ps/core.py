@@ -235,11 +235,10 @@ class ParameterServer:
             parameters), the initial values as arrays on the rank that sends them or
             ``None``).
         """
-        size = self.comm.Get_size()
         error: str | None = None
         settings, specs, values = None, None, None
         try:
-            settings = check_settings(size, **arguments)
+            settings = check_settings(self.comm.Get_size(), **arguments)
             device = call_side(params=params)     # device arrays: read through views
             if params is not None or not settings.is_server(self.rank):
                 specs = specs_from_params(device_views(params) if device else params)
@@ -264,18 +263,14 @@ class ParameterServer:
         configs = self.comm.allgather(settings.as_plain())
         all_specs = self.comm.allgather(None if specs is None else [s.as_plain() for s in specs])
         first = settings.first_worker
-        error = None
-        if any(c != configs[0] for c in configs):
-            diff = [r for r, c in enumerate(configs) if c != configs[0]]
-            error = f"ranks {diff} passed other settings than rank 0: {configs[0]} vs " \
-                    f"{[configs[r] for r in diff]}"
-        else:
-            diff = [r for r, s in enumerate(all_specs) if s is not None and s != all_specs[first]]
-            if diff:
-                error = (f"ranks {diff} passed parameters (names, shapes, dtypes) that differ "
-                         f"from the first worker's (rank {first})")
-        if error:  # identical on every rank: computed from gathered values
-            raise PSError(error)
+        diff = [r for r, c in enumerate(configs) if c != configs[0]]
+        if diff:  # identical on every rank: computed from gathered values
+            raise PSError(f"ranks {diff} passed other settings than rank 0: {configs[0]} vs "
+                          f"{[configs[r] for r in diff]}")
+        diff = [r for r, s in enumerate(all_specs) if s is not None and s != all_specs[first]]
+        if diff:
+            raise PSError(f"ranks {diff} passed parameters (names, shapes, dtypes) that differ "
+                          f"from the first worker's (rank {first})")
         return [ParamSpec(n, tuple(s), np.dtype(d)) for n, s, d in all_specs[first]]
 
     def _take_roles(self, settings: Settings, specs: list[ParamSpec], max_sleep: float) -> None:
@@ -316,8 +311,7 @@ class ParameterServer:
         self.placement = Placement(specs, self.num_servers, settings.split_bytes)
         #: (key the server side keeps a worker's clock under, that worker's index)
         self._clock_keys = [(w, self.worker_ranks.index(w)) for w in counted]
-        watch = self._watch = FailureWatch(self.comm, tolerant=bool(self.replicas)) \
-            if failures.ENABLED else None
+        watch = FailureWatch(self.comm, tolerant=bool(self.replicas)) if failures.ENABLED else None
         if self.local_aggregation:
             group = next((g for g in self.node_groups if rank in g), None)
             self._node_comm = comms.split(self.comm, MPI.UNDEFINED if group is None else
@@ -339,36 +333,31 @@ class ParameterServer:
                                                settings.keep_aggregate, self.compression,
                                                self.feedback, node_of=engine_nodes,
                                                weights=engine_weights)
-                self._engine.watch = watch
         elif self.is_server:
-            server_nodes = {w: node_of[w] for w in counted}
-
             def make(slot: int) -> Server:
                 return Server(self.comm, self.placement, slot, counted,
                               self.consistency, self.staleness, self.optimizer,
                               self.hyperparameters, self.average, self.chunk_bytes,
                               max_sleep, self.backup_workers, self.compression, self.feedback,
-                              node_of=server_nodes, weights=weights)
-            if self.replicas:
-                self._server = ReplicatedServer(
-                    self.comm, self.placement, Routing(self.num_servers, self.replicas),
-                    self.worker_ranks, make, max_sleep, watch)
-            else:
-                self._server = make(rank)
-                self._server.watch = watch
+                              node_of={w: node_of[w] for w in counted}, weights=weights)
+            self._server = ReplicatedServer(
+                self.comm, self.placement, Routing(self.num_servers, self.replicas),
+                self.worker_ranks, make, max_sleep, watch) if self.replicas else make(rank)
         elif rank in counted:
             self._client = WorkerClient(self.comm, self.placement, self.chunk_bytes, max_sleep,
                                         adopt_version=self.backup_workers > 0,
                                         codec=self.compression, feedback=self.feedback,
                                         pull_deltas=self.optimizer != "sum")
-            self._client.watch = watch
             if self.replicas:
                 self._client.routing = Routing(self.num_servers, self.replicas)
+        for part in (self._engine, self._server, self._client):    # this rank's, if any
+            if part is not None:
+                part.watch = watch
         if self.is_worker and self.local_aggregation:
             # this worker's NodeGroup: the leader's calls go to its client or engine
             self._node = NodeGroup(self._node_comm, self.placement.specs,
                                    self._leader_call if self._node_comm.Get_rank() == 0
-                                   else None, max_sleep, self._watch)
+                                   else None, max_sleep, watch)
 
     def _leader_call(self, kind: str, grads: dict[str, Any] | None,
                      out: dict[str, Any] | None, check: bool = False) -> Any:
@@ -546,19 +535,17 @@ class ParameterServer:
         self._through_node("close", CollOp.CLOSE, self._close_leader)
         self._closed = True
 
-    def _through_node(self, kind: str, op: CollOp, lead: Callable[[], Any],
-                      done: Callable[[Any], Any] = lambda result: result) -> Any:
-        """``done(result)`` of ``lead()`` (a handle of this rank's client or engine); with
+    def _through_node(self, kind: str, op: CollOp, lead: Callable[[], Any]) -> Any:
+        """The result of ``lead()`` (a handle of this rank's client or engine); with
         local aggregation through the node (:meth:`_node_steps`)."""
         if self._node is None:
-            return done(lead().wait())
-        return self._node.start(kind, self._node_steps(op, lead, done)).wait()
+            return lead().wait()
+        return self._node.start(kind, self._node_steps(op, lead)).wait()
 
-    def _node_steps(self, op: CollOp, lead: Callable[[], Any],
-                    done: Callable[[Any], Any]) -> Any:
+    def _node_steps(self, op: CollOp, lead: Callable[[], Any]) -> Any:
         """Steps of a node's close, stats or save: the node's workers agree on ``op``, the
         leader starts ``lead()`` (a handle of its client or engine), and every worker of
-        the node gets ``done(its result)``, or the same :class:`PSError`."""
+        the node gets its result, or the same :class:`PSError`."""
         node = self._node
         yield from node.control_only(op)
         result, error = None, None
@@ -566,7 +553,7 @@ class ParameterServer:
             try:
                 handle = lead()
                 yield handle
-                result = done(handle.wait())
+                result = handle.wait()
             except PSError as exc:
                 error = str(exc)
         result, error = yield from node.share((result, error))
@@ -608,15 +595,16 @@ class ParameterServer:
             "shards_per_server": [len(self.placement.shards_on(s))
                                   for s in range(self.num_servers)],
             "consistency": self.consistency, "staleness_bound": self.staleness,
-            "backup_workers": self.backup_workers,
+            "backup_workers": self.backup_workers, "local_aggregation": self.local_aggregation,
             "compression": self._settings.compression_name, "replicas": self.replicas}
-        out["local_aggregation"] = bool(getattr(self, "local_aggregation", False))
         if self._server is not None:
             out["server"] = self._server.stats()
             return out
         self._open("stats()")
-        out["servers"] = self._through_node("stats", CollOp.STATS, self._stats_leader,
-                                            self._servers_stats)
+        res = self._through_node("stats", CollOp.STATS, self._stats_leader)
+        # the leaders' engines' counters, or the servers' STATS vectors
+        out["servers"] = res if self.colocated else \
+            [stats_from_vector(res[s]) for s in range(self.num_servers)]
         c = self.worker_counters()
         if self._node is None and self._engine is None:     # a client's pulls' staleness
             c["staleness_mean"] = c.pop("staleness_sum") / max(1, c["staleness_count"])
@@ -633,12 +621,6 @@ class ParameterServer:
             return self._engine.start("stats", self._engine.stats_steps())
         return self._client.control_async(P.Op.STATS,
                                           dest_size=len(P.STATS_FIELDS) + P.STALENESS_BINS)
-
-    def _servers_stats(self, res: Any) -> list[dict]:
-        """The servers' counters from a leader's :meth:`_stats_leader` result."""
-        if self._engine is not None:
-            return res
-        return [stats_from_vector(res[s]) for s in range(self.num_servers)]
 
     def worker_counters(self) -> dict[str, int]:
         """This worker's own counters, read locally (no message, not collective): pushes,
@@ -705,10 +687,8 @@ class ParameterServer:
         ``clocks``: every worker's; co-located with local aggregation every leader's,
         which is its node's workers' clock."""
         if self.colocated and self.local_aggregation:
-            per_leader, clocks = clocks, [0] * self.num_workers
-            for g, c in zip(self.node_groups, per_leader):
-                for w in g:
-                    clocks[self.worker_ranks.index(w)] = c
+            group_of = {w: k for k, g in enumerate(self.node_groups) for w in g}
+            clocks = [clocks[group_of[w]] for w in self.worker_ranks]
         manifest = {"format": ckpt.FORMAT, "id": ckpt_id, "layout": self.placement.describe(),
                     "num_workers": self.num_workers, "worker_clocks": clocks,
                     "colocated": self.colocated,
@@ -759,7 +739,6 @@ class ParameterServer:
         if error:
             raise PSError(error)   # same on every rank: decided from broadcast values
         clocks = self._restored_clocks(manifest)
-        error = None
         holder = self._server or self._engine
         if holder is not None:
             # servers keep clocks by worker rank, the manifest by worker index: with another

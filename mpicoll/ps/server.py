@@ -116,7 +116,6 @@ class Server(Coders):
         self.total_weight = total_weight(workers, weights)
         self.placement = placement
         self.index = server
-        self.workers = list(workers)
         self.active = set(workers)
         self.consistency = consistency
         self.staleness = int(staleness)
@@ -125,21 +124,18 @@ class Server(Coders):
         self.max_sleep = max_sleep
         self.backup_workers = int(backup_workers)
         self.states: dict[tuple[int, int], ShardState] = {
-            sh.ident: ShardState(sh, optimizer, hyper, self.workers)
+            sh.ident: ShardState(sh, optimizer, hyper, workers)
             for sh in placement.shards_on(server)}
         self._setup_coders(codec, feedback, pull_deltas=optimizer != "sum", pushes=False)
         self._coded_in: dict[tuple[int, int], np.ndarray] = {}   # a shard's push payload
-        self.counters = dict.fromkeys(P.SERVER_COUNTERS + ("late_pushes_dropped",
-                                                           "short_rounds"), 0)
+        self.counters = dict.fromkeys(P.SERVER_COUNTERS + (
+            "late_pushes_dropped", "short_rounds", "staleness_max", "staleness_sum",
+            "staleness_count"), 0)
         self.staleness_hist = np.zeros(P.STALENESS_BINS, dtype=np.int64)
-        self.staleness_max = 0
-        self.staleness_sum = 0
-        self.staleness_count = 0
         self._sending: list[tuple[int, list[MPI.Request], Any]] = []   # (dest, sends, keep)
         self._pool: dict[tuple[int, int], list[np.ndarray]] = {}
         self._scratch: dict[tuple[tuple[int, int], int], np.ndarray] = {}
         self._saves: dict[int, tuple[np.ndarray, str]] = {}
-        self._status = MPI.Status()
         #: replicas (mpicoll.ps.replicated): forwards state changes to the backup and
         #: holds the acknowledgements until it has them (None: unreplicated)
         self.replicator: Any = None
@@ -173,7 +169,7 @@ class Server(Coders):
         """Serve requests from ``source`` until ``until(requests served)``; under ULFM
         (``replicas=0``) any failure is fatal."""
         backoff = P.Backoff(max_sleep=self.max_sleep)
-        status, header = self._status, np.empty(P.HEADER_LEN, dtype=np.int64)
+        status, header = MPI.Status(), np.empty(P.HEADER_LEN, dtype=np.int64)
         served = 0
 
         def step() -> None:
@@ -500,11 +496,8 @@ class Server(Coders):
 
     def _complete_rounds(self, state: ShardState) -> None:
         """bsp: apply every round that can close (see :meth:`_round_complete`), in order."""
-        applied = False
-        while True:
-            grads = state.rounds.get(state.version)
-            if not self._round_complete(grads):
-                break
+        start = state.version
+        while self._round_complete(grads := state.rounds.get(state.version)):
             del state.rounds[state.version]
             order, sizes = grouped_order(list(grads), self.node_of)
             acc = fold_sum(grads[order[0]], [grads[w] for w in order], sizes)
@@ -526,8 +519,7 @@ class Server(Coders):
                 pool.extend(grads.values())
             state.version += 1
             self.counters["updates"] += 1
-            applied = True
-        if applied:
+        if state.version != start:
             self._answer_deferred(state)
 
     def _min_clock(self, state: ShardState) -> int:
@@ -550,9 +542,9 @@ class Server(Coders):
     def _answer_pull(self, src: int, h: np.ndarray, state: ShardState) -> None:
         stale = 0 if self.consistency == "bsp" else \
             max(0, int(h[P.CLOCK]) - self._min_clock(state))
-        self.staleness_max = max(self.staleness_max, stale)
-        self.staleness_sum += stale
-        self.staleness_count += 1
+        self.counters["staleness_max"] = max(self.counters["staleness_max"], stale)
+        self.counters["staleness_sum"] += stale
+        self.counters["staleness_count"] += 1
         self.staleness_hist[min(stale, P.STALENESS_BINS - 1)] += 1
         data, coded = (state.param, False) if self.codec is None else \
             self._pull_encoder(state).payload(src, state.param, state.version)
@@ -574,10 +566,9 @@ class Server(Coders):
         self.forget_pullers([src])
         if reply:
             self._ack(src, h)
-        else:
-            for state in self.states.values():
-                state.deferred = [(w, d) for w, d in state.deferred if w != src]
         for state in self.states.values():
+            if not reply:
+                state.deferred = [(w, d) for w, d in state.deferred if w != src]
             if self.consistency == "bsp":
                 self._complete_rounds(state)
             self._answer_deferred(state)
@@ -610,30 +601,24 @@ class Server(Coders):
                     write_codec_file(directory, ckpt_id, self.comm.Get_rank(), self.codec_state())
             except OSError as exc:
                 status, reason = P.Status.FAILED, f"writing the checkpoint failed: {exc}"
+        if status:
+            self.counters["errors"] += len(saves)
+            reason = f"server rank {self.comm.Get_rank()}: {reason}"
         for src, (h, _) in sorted(saves.items()):
-            if status:
-                self.counters["errors"] += 1
-                self._reply(src, h, status=status,
-                            payload=f"server rank {self.comm.Get_rank()}: {reason}")
-            else:
-                self._reply(src, h)
+            self._reply(src, h, status=status, payload=reason)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
         """This server's counters, stored bytes and staleness seen."""
-        states = self.states.values()
-        return {"server": self.index, "rank": self.comm.Get_rank(), "shards": len(self.states),
-                "bytes_stored": sum(s.shard.nbytes for s in states), **self.counters,
-                "staleness_max": self.staleness_max,
-                "staleness_mean": self.staleness_sum / max(1, self.staleness_count),
-                "staleness_count": self.staleness_count,
-                "staleness_hist": [int(x) for x in self.staleness_hist],
-                "active_workers": len(self.active)}
+        return stats_from_vector(self.stats_vector())
 
     def stats_vector(self) -> np.ndarray:
         """:meth:`stats` as the float64 vector of a STATS reply."""
-        s = dict(self.stats(), staleness_sum=self.staleness_sum)
-        return np.array([s[k] for k in P.STATS_FIELDS] + s["staleness_hist"], dtype=np.float64)
+        s = dict(self.counters, server=self.index, rank=self.comm.Get_rank(),
+                 shards=len(self.states), active_workers=len(self.active),
+                 bytes_stored=sum(st.shard.nbytes for st in self.states.values()))
+        return np.array([s[k] for k in P.STATS_FIELDS] + list(self.staleness_hist),
+                        dtype=np.float64)
 
 
 def stats_from_vector(v: np.ndarray) -> dict:
