@@ -423,8 +423,7 @@ class Engine:
                 self._check_running()
                 continue
             try:
-                while not future.done() and self._fatal is None and not self.stopping \
-                        and self._pending():
+                while not future.done() and self.running() and self._pending():
                     self._round()
             except BaseException as exc:  # noqa: BLE001  (reported through every future)
                 self._failed("mpicoll.torch negotiation round failed", exc)
@@ -632,14 +631,13 @@ class Engine:
         """One negotiation round, then run what it completed (holding the round lock);
         recorded on the timeline as a ``CYCLE`` with ``mark_cycles``."""
         self.rounds += 1
-        if not (self.mark_cycles and timeline.enabled()):
-            self._negotiate_and_run()
-            return
-        begin = timeline.now()
+        marked = self.mark_cycles and timeline.enabled()
+        begin = timeline.now() if marked else 0.0
         try:
             self._negotiate_and_run()
         finally:
-            trace.cycle(begin, {"round": self.rounds})
+            if marked:
+                trace.cycle(begin, {"round": self.rounds})
 
     def _negotiate_and_run(self) -> None:
         header, headers = self._header, self._headers
@@ -651,15 +649,11 @@ class Engine:
         negotiator, cache = self._negotiator, self._cache
         was_idle = not negotiator.busy()
         cache_id = cache.lookup(metas) if self.size > 1 else 0
-        data = b""
-        if cache_id:
-            header[0] = -cache_id
-        else:
-            if metas and self.size > 1:
-                data = pickle.dumps(metas, protocol=pickle.HIGHEST_PROTOCOL)
-            header[0] = len(data)
-            if len(data) <= SLOT_BYTES:
-                header.view(np.uint8)[16:16 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        data = pickle.dumps(metas, protocol=pickle.HIGHEST_PROTOCOL) \
+            if metas and not cache_id and self.size > 1 else b""
+        header[0] = -cache_id if cache_id else len(data)
+        if len(data) <= SLOT_BYTES:
+            header.view(np.uint8)[16:16 + len(data)] = np.frombuffer(data, dtype=np.uint8)
         for work in new:
             self._register(work)
         if self._notices is not None and any(m.kind == "shutdown" for m in metas):
@@ -696,11 +690,8 @@ class Engine:
         ranks' errors), wait for its round, at most :data:`SHUTDOWN_WAIT_SECONDS` for the
         other ranks to take part, and for the thread to end. Already stopped (another rank
         shut down first, or a failure): just wait for the thread."""
-        try:
+        with contextlib.suppress(CollectiveError):      # already stopped: just wait
             future = self.submit(Meta(SHUTDOWN, "shutdown", reason=reason))
-        except CollectiveError:
-            future = None
-        if future is not None:
             self._give_up_at = time.monotonic() + SHUTDOWN_WAIT_SECONDS
             with contextlib.suppress(CollectiveError):
                 self.wait(future)
@@ -761,8 +752,6 @@ class Engine:
     def _poll(self, request: MPI.Request, stall_after: float) -> None:
         """Complete ``request``: test and yield, then sleep between tests once it has taken
         a while (a rank waiting for slower ranks must not take their CPU)."""
-        if request.Test():
-            return
         spins = 0
         delay = 20e-6
         start = warned = time.monotonic()

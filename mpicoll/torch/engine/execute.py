@@ -386,28 +386,24 @@ def _allgather(engine: EngineInterface, bucket: list[Response]) -> None:
     dims = [response.metas[r].shape[0] for r in range(engine.size)]   # nobody joined
     work = engine.local[response.name]
     dev = request_device([work])
-
-    def gather(send: Any, recv: Any) -> None:
-        collectives.allgather(send, recv, comm=engine.comm)
-
+    padded = len(set(dims)) > 1              # unequal blocks: padded to the largest
     with _scope(dev, [work]):
         mine = work.tensor.contiguous()
         out = _empty(dev, (sum(dims), *rows), dtype, work)
-        if out.numel():
-            if engine.size == 1:
-                out.copy_(mine)
-            elif len(set(dims)) == 1:
-                trace.step("MPI_ALLGATHER")
-                _collect(engine, dev, [mine.view(-1)], [out.view(-1)], gather, "allgather",
-                         bucket=bucket)
-            else:
+        if engine.size == 1:
+            out.copy_(mine)
+        elif out.numel():
+            send, recv, block = mine.view(-1), out.view(-1), max(dims) * row
+            if padded:
                 trace.step("MEMCPY_IN_FUSION_BUFFER")
-                block = max(dims) * row
                 send = _empty(dev, (block,), dtype).zero_()
                 send[:mine.numel()].copy_(mine.reshape(-1))
                 recv = _empty(dev, (block * engine.size,), dtype)
-                trace.step("MPI_ALLGATHER")
-                _collect(engine, dev, [send], [recv], gather, "allgather", bucket=bucket)
+            trace.step("MPI_ALLGATHER")
+            _collect(engine, dev, [send], [recv],
+                     lambda a, b: collectives.allgather(a, b, comm=engine.comm),
+                     "allgather", bucket=bucket)
+            if padded:
                 trace.step("MEMCPY_OUT_FUSION_BUFFER")
                 torch.cat([recv[r * block:r * block + d * row] for r, d in enumerate(dims)],
                           out=out.view(-1))
@@ -529,11 +525,9 @@ def _reducescatter_bucket(engine: EngineInterface, bucket: list[Response]) -> No
     dtype = from_name(meta.dtype)
     rdtype = reduce_dtype(dtype)
     op = ReduceOp(meta.op)
-    counts = []                                      # per tensor: elements per rank
-    for response in bucket:
-        shape = _first_meta(response).shape
-        row = int(prod(shape[1:]))
-        counts.append([rows * row for rows in reducescatter_rows(shape[0], n)])
+    shapes = [_first_meta(response).shape for response in bucket]
+    counts = [[rows * int(prod(shape[1:])) for rows in reducescatter_rows(shape[0], n)]
+              for shape in shapes]                   # per tensor: elements per rank
     block = max(sum(c[r] for c in counts) for r in range(n))
     works = [engine.local.get(r.name) for r in bucket]
     dev = request_device(works)
@@ -561,10 +555,8 @@ def _reducescatter_bucket(engine: EngineInterface, bucket: list[Response]) -> No
         trace.step("MEMCPY_OUT_FUSION_BUFFER")
         _finalize(recv, op, meta.postscale, n)
         mine = [count[me] for count in counts]
-        for response, part in zip(bucket, torch.split(recv[:sum(mine)], mine)):
-            shape = _first_meta(response).shape
-            rows = reducescatter_rows(shape[0], n)[me]
-            out = part.to(dtype).view(rows, *shape[1:])
+        for shape, part in zip(shapes, torch.split(recv[:sum(mine)], mine)):
+            out = part.to(dtype).view(reducescatter_rows(shape[0], n)[me], *shape[1:])
             results.append(out.clone() if rdtype is dtype and len(bucket) > 1 else out)
     for response, out in zip(bucket, results):
         engine.finish(response.name, result=out)

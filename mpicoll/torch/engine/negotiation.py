@@ -41,7 +41,7 @@ SHUTDOWN = "__shutdown__"
 #: error responses wake anyone up.
 REALIGN = "__realign__"
 
-#: An unnamed request's name (``mpicoll.torch.mpi_ops.request_name``).
+#: An unnamed request's name (``mpicoll.torch.mpi_ops.request_name``): ``allreduce.noname.7``.
 _UNNAMED = re.compile(r"^(?P<kind>[A-Za-z_]+)\.noname\.(?P<n>[0-9]+)$")
 
 
@@ -92,12 +92,11 @@ class Response(NamedTuple):
 
 
 class _Entry:
-    __slots__ = ("kind", "metas", "first_seen", "warned_at")
+    __slots__ = ("kind", "metas", "warned_at")
 
     def __init__(self, kind: str, now: float) -> None:
         self.kind = kind
         self.metas: dict[int, Meta] = {}
-        self.first_seen = now
         self.warned_at = now
 
 
@@ -132,9 +131,7 @@ class Negotiator:
                     if rank not in self.joined:
                         self.joined.append(rank)
                     continue
-                entry = self.table.get(meta.name)
-                if entry is None:
-                    entry = self.table[meta.name] = _Entry(meta.kind, now)
+                entry = self.table.setdefault(meta.name, _Entry(meta.kind, now))
                 if rank in entry.metas:
                     responses.append(Response(meta.kind, meta.name, {rank: meta},
                                               f"{meta.kind} {meta.name!r}: rank {rank} "
@@ -185,12 +182,13 @@ class Negotiator:
         for name, entry in self.table.items():
             have = sorted(entry.metas)
             missing = [r for r in range(self.size) if r not in entry.metas and r not in joined]
+            unnamed = _UNNAMED.match(name)
             out.append(Response(entry.kind, name, entry.metas,
                                 f"{entry.kind} {name!r} can never complete: submitted by "
                                 f"ranks {_ranks(have)} but not by ranks {_ranks(missing)}, and "
                                 f"every rank is blocked waiting (ranks submitted different "
                                 f"names, or a different number of operations)"
-                                + diverged.get(_unnamed_kind(name) or "", "")))
+                                + (diverged.get(unnamed.group("kind"), "") if unnamed else "")))
         if self.joined:
             out.append(Response("join", JOIN, {}, "join() can never complete: ranks "
                                 f"{_ranks(sorted(self.joined))} joined, the others are blocked "
@@ -326,12 +324,6 @@ def _group_mismatch(name: str, metas: dict) -> str | None:
         if error:
             return f"group {name!r}: member {index}: {error}"
     return None
-
-
-def _unnamed_kind(name: str) -> str | None:
-    """The kind of an unnamed request's name (``allreduce.noname.7``: ``allreduce``)."""
-    match = _UNNAMED.match(name)
-    return match.group("kind") if match else None
 
 
 def _diverged_numbering(table: dict) -> dict[str, str]:
