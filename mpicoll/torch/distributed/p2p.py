@@ -125,17 +125,15 @@ class Futures:
         self.lane = Lane(name)
         self._works: list[P2PWork] = []
         self._lock = threading.Lock()
-        self._active = False
 
     def watch(self, work: P2PWork) -> None:
         """Complete ``work`` (and so its future) as soon as its request completes."""
         with self._lock:
+            running = bool(self._works)   # (_run tests them until none is left)
             if work not in self._works:
                 self._works.append(work)
-            if self._active:
-                return
-            self._active = True
-        self.lane.submit("p2p futures", self._run)
+        if not running:
+            self.lane.submit("p2p futures", self._run)
 
     def _run(self) -> None:
         pause = 0.0
@@ -146,7 +144,6 @@ class Futures:
             with self._lock:
                 self._works = [w for w in self._works if w not in done]
                 if not self._works:
-                    self._active = False
                     return
             time.sleep(pause)
             pause = min(pause * 2 or 1e-5, 2e-3)

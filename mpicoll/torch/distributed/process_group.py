@@ -102,6 +102,13 @@ def _count(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() for t in tensors)
 
 
+def _copy_parts(outputs: list[torch.Tensor], parts: Any) -> None:
+    """Copy each of ``parts`` (flat tensors) into its output, in the output's shape."""
+    with torch.no_grad():
+        for out, part in zip(outputs, parts):
+            out.copy_(part.view(out.shape))
+
+
 class MPIProcessGroup(_Backend):
     """The c10d backend of one group: its collectives are mpicoll's, on its own MPI
     communicator. torch's ``ProcessGroup`` holds it for the ``"cpu"`` and ``"cuda"``
@@ -124,7 +131,6 @@ class MPIProcessGroup(_Backend):
                  options: Options | None = None, owned: tuple[Any, ...] = (),
                  group_name: str = "", ranks: list[int] | tuple[int, ...] = ()) -> None:
         super().__init__(rank, size, BACKEND)
-        self.comm = comm
         if not isinstance(timeout, timedelta):
             timeout = None if timeout is None else timedelta(seconds=float(timeout))
         #: The group's :class:`Options` (its timeout, name, ranks; what
@@ -258,10 +264,9 @@ class MPIProcessGroup(_Backend):
         """Whether this call is agreed on first (decided alike on every rank)."""
         if self.options.check == "every" or config.check_enabled():
             return True
-        if kind in self._checked:
-            return False
+        first = kind not in self._checked
         self._checked.add(kind)
-        return True
+        return first
 
     def _call(self, kind: str, prepare: Callable[[Staging], Prepared],
               fallback: Any = None) -> MPIWork:
@@ -544,15 +549,12 @@ class MPIProcessGroup(_Backend):
 
             def run() -> Any:
                 for outputs, input in gathered:
-                    if even:
-                        whole = torch.empty((self.size(), input.numel()), dtype=input.dtype)
-                        self._gather_into(whole, input)
-                        parts = list(whole)
+                    if even:   # one row per rank
+                        parts = torch.empty((self.size(), input.numel()), dtype=input.dtype)
+                        self._gather_into(parts, input)
                     else:
                         parts = self._gather_uneven(input, [o.numel() for o in outputs])
-                    with torch.no_grad():
-                        for out, part in zip(outputs, parts):
-                            out.copy_(part.view(out.shape))
+                    _copy_parts(outputs, parts)
                 return lists
 
             count: Any = _count(input_tensors) if even else _sizes_field(sizes)
@@ -566,9 +568,8 @@ class MPIProcessGroup(_Backend):
         src = Host(input)
         recv = torch.empty(sum(sizes), dtype=input.dtype)
         counts = np.array(sizes, dtype=np.int64) * recv.element_size()
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
         self._native("allgather", lambda: self.comm.Iallgatherv(
-            byte_view(src.work), [byte_view(recv), (counts, displs)]),
+            byte_view(src.work), [byte_view(recv), counts]),   # (blocks in rank order)
             count=None, dtype=str(input.dtype))
         return list(recv.split(sizes))
 
@@ -642,8 +643,11 @@ class MPIProcessGroup(_Backend):
                         collectives.reduce_scatter(src.array, dst.array, op=op,
                                                    comm=self.comm, check=False)
                         dst.finish()
-                    else:
-                        self._reduce_scatter_uneven(output, input, sizes[i], op, factor)
+                    else:   # rank r gets block r (sizes[i][r] elements) of the reduction of
+                        # every rank's input: an all-reduce of input (a copy: the concatenated list)
+                        self._allreduce_host(input, op, factor)
+                        start = sum(sizes[i][:self.rank()])
+                        _copy_parts([output], [input[start:start + sizes[i][self.rank()]]])
                 return outputs
 
             count: Any = _count(outputs) if sizes is None else _sizes_field(sizes)
@@ -651,15 +655,6 @@ class MPIProcessGroup(_Backend):
                              op=op_label(opts.reduceOp))
 
         return self._call("reduce_scatter", prepare)
-
-    def _reduce_scatter_uneven(self, output: torch.Tensor, input: torch.Tensor,
-                               sizes: list[int], op: str, factor: Any) -> None:
-        """Rank ``r`` gets block ``r`` (``sizes[r]`` elements) of the reduction of every
-        rank's ``input``: an all-reduce of ``input`` (a copy: the concatenated list)."""
-        self._allreduce_host(input, op, factor)
-        start = sum(sizes[:self.rank()])
-        with torch.no_grad():
-            output.copy_(input[start:start + sizes[self.rank()]].view(output.shape))
 
     # gather, scatter ----------------------------------------------------------------------
     def _rooted_lists(self, kind: str, lists: list[list[torch.Tensor]], one: torch.Tensor,
@@ -680,74 +675,66 @@ class MPIProcessGroup(_Backend):
                                  f"{one.numel()} x {one.dtype}, not {t.numel()} x {t.dtype}")
         return list(lists[0])
 
-    @staticmethod
-    def _one(kind: str, tensors: list[torch.Tensor], name: str) -> torch.Tensor:
-        if len(tensors) != 1:
-            raise ValueError(f"{kind} takes one {name} tensor, not {len(tensors)}")
-        return check_tensor(tensors[0], f"{name}_tensor")
+    def _rooted(self, kind: str, lists: list[list[torch.Tensor]], tensors: list[torch.Tensor],
+                root: int, run: Callable[[torch.Tensor, list[torch.Tensor]], Any]) -> MPIWork:
+        """A gather (``lists``: the root's outputs; ``tensors``: the input) or a scatter (the
+        root's inputs; the output), checked and staged; ``run(one, listed)`` runs it on
+        their host tensors (``listed`` is ``[]`` off the root)."""
+        gather = kind == "gather"
+        name = "input" if gather else "output"
+
+        def prepare(stage: Staging) -> Prepared:
+            if len(tensors) != 1:
+                raise ValueError(f"{kind} takes one {name} tensor, not {len(tensors)}")
+            one = check_tensor(tensors[0], f"{name}_tensor")
+            listed = [stage.host(t, load=not gather, store=gather)
+                      for t in self._rooted_lists(kind, lists, one, root)]
+            host = stage.host(one, load=gather, store=not gather)
+            return (lambda: run(host, listed)), dict(count=one.numel(), dtype=str(one.dtype),
+                                                     root=root)
+
+        return self._call(kind, prepare)
 
     def gather(self, output_tensors: list[list[torch.Tensor]],
                input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = (opts or dist.GatherOptions()).rootRank
 
-        def prepare(stage: Staging) -> Prepared:
-            input = self._one("gather", input_tensors, "input")
-            outputs = self._rooted_lists("gather", output_tensors, input, root)
-            outs = [stage.host(o, load=False, store=True) for o in outputs]
-            src = stage.host(input)
+        def run(src: torch.Tensor, outs: list[torch.Tensor]) -> Any:
+            send = Host(src)
+            whole = torch.empty((len(outs), src.numel()), dtype=src.dtype)   # (root: size rows)
+            recv = byte_view(whole) if self.rank() == root else None
+            self._native("gather", lambda: self.comm.Igather(
+                send.array.view(np.uint8), recv, root=root),
+                count=src.numel(), dtype=str(src.dtype), root=root)
+            _copy_parts(outs, whole)
+            return output_tensors
 
-            def run() -> Any:
-                send = Host(src)
-                whole = (torch.empty((self.size(), src.numel()), dtype=src.dtype)
-                         if self.rank() == root else None)
-                recv = byte_view(whole) if whole is not None else None
-                self._native("gather", lambda: self.comm.Igather(
-                    send.array.view(np.uint8), recv, root=root),
-                             count=src.numel(), dtype=str(src.dtype), root=root)
-                if whole is not None:
-                    with torch.no_grad():
-                        for out, part in zip(outs, whole):
-                            out.copy_(part.view(out.shape))
-                return output_tensors
-
-            return run, dict(count=input.numel(), dtype=str(input.dtype), root=root)
-
-        return self._call("gather", prepare)
+        return self._rooted("gather", output_tensors, input_tensors, root, run)
 
     def scatter(self, output_tensors: list[torch.Tensor],
                 input_tensors: list[list[torch.Tensor]], opts: Any = None) -> Any:
         root = (opts or dist.ScatterOptions()).rootRank
 
-        def prepare(stage: Staging) -> Prepared:
-            output = self._one("scatter", output_tensors, "output")
-            inputs = [stage.host(t) for t in
-                      self._rooted_lists("scatter", input_tensors, output, root)]
-            dst = stage.host(output, load=False, store=True)
+        def run(dst: torch.Tensor, inputs: list[torch.Tensor]) -> Any:
+            send = (byte_view(torch.stack([t.reshape(-1) for t in inputs]))
+                    if self.rank() == root else None)
+            recv = Host(dst)
+            self._native("scatter", lambda: self.comm.Iscatter(
+                send, recv.array.view(np.uint8), root=root),
+                count=dst.numel(), dtype=str(dst.dtype), root=root)
+            recv.finish()
+            return output_tensors
 
-            def run() -> Any:
-                whole = (torch.stack([t.reshape(-1) for t in inputs])
-                         if self.rank() == root else None)
-                send = byte_view(whole) if whole is not None else None
-                recv = Host(dst)
-                self._native("scatter", lambda: self.comm.Iscatter(
-                    send, recv.array.view(np.uint8), root=root),
-                    count=dst.numel(), dtype=str(dst.dtype), root=root)
-                recv.finish()
-                return output_tensors
-
-            return run, dict(count=output.numel(), dtype=str(output.dtype), root=root)
-
-        return self._call("scatter", prepare)
+        return self._rooted("scatter", input_tensors, output_tensors, root, run)
 
     # all-to-all -----------------------------------------------------------------------------
     def _alltoallv(self, kind: str, send: Callable[[], torch.Tensor], recv: torch.Tensor,
-                   send_counts: list[int], recv_counts: list[int], itemsize: int,
-                   finish: Callable[[], Any], dtype: str) -> Prepared:
-        """``MPI_Ialltoallv`` of flat contiguous host buffers (counts in elements)."""
+                   send_counts: list[int], recv_counts: list[int],
+                   finish: Callable[[], Any]) -> Prepared:
+        """``MPI_Ialltoallv`` of flat contiguous host buffers (counts in ``recv``'s elements)."""
+        itemsize, dtype = recv.element_size(), str(recv.dtype)
         sc = np.array(send_counts, dtype=np.int64) * itemsize
         rc = np.array(recv_counts, dtype=np.int64) * itemsize
-        sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
-        rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
 
         def splits() -> BaseException | None:
             theirs = np.empty(self.size(), dtype=np.int64)
@@ -761,8 +748,7 @@ class MPIProcessGroup(_Backend):
         def run() -> Any:
             buf = send()
             self._native(kind, lambda: self.comm.Ialltoallv(
-                [byte_view(buf), (sc, sd)], [byte_view(recv), (rc, rd)]),
-                count=None, dtype=dtype)
+                [byte_view(buf), sc], [byte_view(recv), rc]), count=None, dtype=dtype)
             return finish()
 
         return run, dict(splits=splits, dtype=dtype, count=itemsize)
@@ -781,19 +767,15 @@ class MPIProcessGroup(_Backend):
                 raise ValueError(f"all_to_all's tensors must have one dtype, not {dtypes}")
             ins = [stage.host(t) for t in input_tensors]
             outs = [stage.host(t, load=False, store=True) for t in output_tensors]
-            dtype = input_tensors[0].dtype
-            recv = torch.empty(_count(outs), dtype=dtype)
+            recv = torch.empty(_count(outs), dtype=input_tensors[0].dtype)
 
             def finish() -> list[torch.Tensor]:
-                with torch.no_grad():
-                    for out, part in zip(outs, recv.split([o.numel() for o in outs])):
-                        out.copy_(part.view(out.shape))
+                _copy_parts(outs, recv.split([o.numel() for o in outs]))
                 return output_tensors
 
             return self._alltoallv(
                 "alltoall", lambda: torch.cat([t.reshape(-1) for t in ins]), recv,
-                [t.numel() for t in ins], [t.numel() for t in outs], recv.element_size(),
-                finish, str(dtype))
+                [t.numel() for t in ins], [t.numel() for t in outs], finish)
 
         return self._call("alltoall", prepare)
 
@@ -823,8 +805,7 @@ class MPIProcessGroup(_Backend):
 
             return self._alltoallv(
                 "alltoall_single", lambda: Host(src).work.reshape(-1), recv.work.reshape(-1),
-                [r * in_row for r in in_rows], [r * out_row for r in out_rows],
-                output.element_size(), finish, str(output.dtype))
+                [r * in_row for r in in_rows], [r * out_row for r in out_rows], finish)
 
         return self._call("alltoall_single", prepare)
 
@@ -858,23 +839,19 @@ class MPIProcessGroup(_Backend):
         tag = self._monitored % p2p.check_tag(0x7FFF)
         comm = self._p2p
 
-        def check() -> BaseException | None:
-            return self._failures.poll("monitored_barrier")
-
         def run() -> None:
-            token = _TOKEN
             self._sends = _pending(self._sends)
             if self.rank() != 0:
-                self._sends.append(comm.Isend(token, dest=0, tag=tag))
+                self._sends.append(comm.Isend(_TOKEN, dest=0, tag=tag))
                 release = comm.Irecv(_SINK, source=0, tag=tag)
-                if not _wait_all([release], limit, check=check):
+                if _wait_all([release], limit, lambda: self._failures.poll("monitored_barrier")):
                     release.Cancel()
                     raise RuntimeError(f"Rank {self.rank()}: monitored_barrier was not "
                                        f"released by rank 0 within {limit * 1e3:.0f} ms")
                 return
             others = list(range(1, self.size()))
             requests = [comm.Irecv(_SINK, source=r, tag=tag) for r in others]
-            missing = _wait_all(requests, limit, missing=True, check=check)
+            missing = _wait_all(requests, limit, lambda: self._failures.poll("monitored_barrier"))
             if missing:
                 for r in missing:
                     requests[r - 1].Cancel()
@@ -883,7 +860,7 @@ class MPIProcessGroup(_Backend):
                 raise RuntimeError(f"Rank{'s' if len(shown) > 1 else ''} {names} failed to "
                                    f"pass monitoredBarrier in {limit * 1e3:.0f} ms")
             for r in others:
-                self._sends.append(comm.Isend(token, dest=r, tag=tag))
+                self._sends.append(comm.Isend(_TOKEN, dest=r, tag=tag))
 
         self.submit("monitored_barrier", run).wait(timedelta(seconds=2 * limit + 5))
 
@@ -957,27 +934,24 @@ def _pending(requests: list[Any]) -> list[Any]:
         return []
 
 
-def _wait_all(requests: list[Any], limit: float, missing: bool = False,
-              check: Callable[[], BaseException | None] | None = None) -> Any:
-    """Test ``requests`` until all complete or ``limit`` seconds pass; returns whether all
-    completed, or (``missing``) the 1-based indices of those that did not. ``check``
-    (called between tests) returns an error to raise instead (a failed peer)."""
+def _wait_all(requests: list[Any], limit: float,
+              check: Callable[[], BaseException | None]) -> list[int]:
+    """Test ``requests`` until all complete or ``limit`` seconds pass; returns the 1-based
+    indices of those that did not (``[]``: all completed). ``check`` (called between
+    tests) returns an error to raise instead (a failed peer)."""
     deadline = time.monotonic() + limit
     done = [False] * len(requests)
     pause = 1e-5
     while True:
-        error = check() if check is not None else None
+        error = check()
         if error is not None:
             failures.keep_requests(requests)
             raise error
         done = [d or req.Test() for d, req in zip(done, requests)]
         if all(done) or time.monotonic() >= deadline:
-            break
+            return [i + 1 for i, d in enumerate(done) if not d]
         time.sleep(pause)
         pause = min(pause * 2, 5e-3)
-    if missing:
-        return [i + 1 for i, d in enumerate(done) if not d]
-    return all(done)
 
 
 def _gather_source(src: np.ndarray, dst: np.ndarray, rank: int) -> Any:
