@@ -135,10 +135,8 @@ def dispatch(collective: str, args: tuple, comm: Any = None, check: Any = None,
             return value
         args = value  # CUDA-aware MPI: producers synchronised, CuPy views of the buffers
     ctx = get_context(resolve_comm(comm))
-    if tracking.wanted():  # the stall inspector or the timeline: number and describe it
-        plan = _tracked_plan(ctx, collective, args, check)
-    else:
-        plan = _planned(ctx, collective, args, check)
+    # (the stall inspector or the timeline: the tracked plan numbers and describes it)
+    plan = (_tracked_plan if tracking.wanted() else _planned)(ctx, collective, args, check)
     cacheable = plan.remake is not None or not plan.fresh
     if cacheable and not check and not config.check_enabled():
         # (checked calls are never cached: the agreement step runs on every call; with
@@ -186,18 +184,14 @@ def _tracked_plan(ctx: CommContext, collective: str, args: tuple, check: Any) ->
 
 def _allreduce_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
                     algorithm: Any) -> Plan:
+    """The all-reduce of ``send`` into ``recv``, the flat views of ``sendbuf`` and
+    ``recvbuf`` (``recv`` ``None``: into a new array shaped like ``result``, the user's
+    ``sendbuf``, each time the plan runs)."""
     opo = resolve_op(op)
     send, recv, _ = validation.elementwise(sendbuf, recvbuf, flat_view)
     opo.check_dtype(send.dtype)
     # (recv None: the result is allocated by remake(), shaped like sendbuf)
-    return _allreduce_steps(ctx, send, recv, sendbuf if recv is None else recvbuf, opo,
-                            algorithm)
-
-
-def _allreduce_steps(ctx: CommContext, send: Any, recv: Any, result: Any, opo: Any,
-                     algorithm: Any) -> Plan:
-    """The all-reduce of flat ``send`` into flat ``recv`` (``None``: into a new array
-    shaped like ``result``, the user's ``sendbuf``, each time the plan runs)."""
+    result = sendbuf if recv is None else recvbuf
     flat = send if recv is None else recv
     name = _resolve(ctx, "allreduce", algorithm, flat.nbytes)
     options = algorithm_options("allreduce", name, ctx, flat)

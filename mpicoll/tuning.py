@@ -57,7 +57,6 @@ _DISABLED = ("none", "off", "0", "false", "builtin")
 _lock = threading.Lock()
 _file_cache: dict[str, "TuningTable | ValueError"] = {}
 _override: "TuningTable | None" = None
-_override_set = False
 
 
 def _spans_nodes(ranks_per_node: int, size: int) -> bool | None:
@@ -161,21 +160,14 @@ class TuningTable:
             return self._cache[key]
         entries = self._entries.get(collective, {})
         found = None
-        sizes = sorted({s for s, _ in entries})
-        if size in sizes:
-            pick = size
-        else:
-            same_kind = [s for s in sizes
-                         if is_power_of_two(s) == is_power_of_two(size)
-                         and s <= 2 * size and size <= 2 * s]
-            pick = min(same_kind, key=lambda s: (abs(s - size), -s)) if same_kind else None
+        same_kind = [s for s, _ in entries if is_power_of_two(s) == is_power_of_two(size)
+                     and s <= 2 * size and size <= 2 * s]
+        # (the size itself, when it has an entry, is the nearest)
+        pick = min(same_kind, key=lambda s: (abs(s - size), -s), default=None)
         if pick is not None:
             layouts = {r: v for (s, r), v in entries.items() if s == pick}
-            if ranks_per_node in layouts:
-                found = layouts[ranks_per_node]
-            elif 0 in layouts:
-                found = layouts[0]
-            else:  # the measured layout nearest to the one asked for; ties: the larger
+            found = layouts.get(ranks_per_node, layouts.get(0))
+            if found is None:  # the measured layout nearest to the one asked for; ties: the larger
                 found = _nearest_layout(layouts, pick, size, ranks_per_node)
         if len(self._cache) < 4096:
             self._cache[key] = found
@@ -285,7 +277,7 @@ def use_table(table: str | os.PathLike | TuningTable | Mapping | None) -> Tuning
     Raises:
         ValueError: the table cannot be read or is not valid.
     """
-    global _override, _override_set
+    global _override
     if table is None:
         parsed = None
     elif isinstance(table, TuningTable):
@@ -295,7 +287,7 @@ def use_table(table: str | os.PathLike | TuningTable | Mapping | None) -> Tuning
     else:
         parsed = load_table(table)
     with _lock:
-        _override, _override_set = parsed, table is not None
+        _override = parsed
     fastpath.invalidate()
     return parsed
 
@@ -306,7 +298,7 @@ def active_table() -> TuningTable | None:
     Raises:
         ValueError: ``MPICOLL_TUNING_FILE`` names a file that is missing or invalid.
     """
-    if _override_set:
+    if _override is not None:
         return _override
     path = config.env_str("MPICOLL_TUNING_FILE")
     if path is not None:

@@ -136,9 +136,6 @@ class Watched:
         with contextlib.suppress(MPI.Exception):  # a peer already gone: nothing to tell it
             self.sends.append(self.comm.isend(obj, dest=dest, tag=tag))
 
-    def free(self) -> None:
-        comms.free(self.comm)
-
 
 def _world_ranks(comm: MPI.Intracomm) -> list[int]:
     try:
@@ -173,15 +170,17 @@ def unwatch(watched: Watched | None) -> None:
     with _lock:
         if watched in _watched:
             _watched.remove(watched)
-    watched.free()
+    comms.free(watched.comm)
 
 
 def _drop_failed(w: Watched, exc: MPI.Exception) -> bool:
     """After an MPI error on ``w``'s communicator: stop watching it, without freeing it,
     if the error reports a process failure or a revocation (ULFM); nothing more can be
     said or asked there, and its pending sends must never be freed (Open MPI ends the job
-    when a freed send to a dead process fails). Returns whether it was dropped."""
+    when a freed send to a dead process fails). Returns whether it was dropped (the error
+    is logged, at debug level, if not)."""
     if failures.failed_by(exc, w.comm) is None:
+        log.debug("watchdog: %s", exc)
         return False
     failures.keep_requests(w.sends)
     w.sends = []
@@ -228,7 +227,6 @@ def announce_exit() -> None:
                 except MPI.Exception as exc:  # a dead peer (ULFM): stop waiting for it
                     if _drop_failed(w, exc):
                         continue
-                    log.debug("watchdog: %s", exc)
                 _collect_left(w)
                 waiting = waiting or bool(w.sends) or len(w.left) < w.size - 1
             if not waiting or time.monotonic() >= deadline:
@@ -272,8 +270,7 @@ def _loop() -> None:
                 try:
                     _poll(w, time.monotonic())
                 except MPI.Exception as exc:  # never let the watchdog kill the process
-                    if not _drop_failed(w, exc):
-                        log.debug("watchdog: %s", exc)
+                    _drop_failed(w, exc)
 
 
 def _reap(w: Watched) -> None:
@@ -306,8 +303,7 @@ def _check(w: Watched, now: float) -> None:
         w.seq, w.query, w.left_stuck_since = 0, None, None
         return
     if seq != w.seq:
-        warn = warn_seconds()
-        w.seq, w.since, w.next_query = seq, now, now + warn
+        w.seq, w.since, w.next_query = seq, now, now + warn_seconds()
         w.query, w.left_stuck_since = None, None
     waited = now - w.since
     _check_left(w, seq, now, waited)
@@ -555,10 +551,8 @@ def _print_uncaptured(message: str) -> None:
     the message is written.
     """
     capture = sys.modules.get("_pytest.capture")
-    if capture is not None:
-        for obj in gc.get_objects():
-            if isinstance(obj, capture.CaptureManager):
-                with obj.global_and_fixture_disabled():
-                    print(message, file=sys.stderr, flush=True)
-                return
-    print(message, file=sys.stderr, flush=True)
+    manager = next((obj for obj in (gc.get_objects() if capture is not None else ())
+                    if isinstance(obj, capture.CaptureManager)), None)
+    with (manager.global_and_fixture_disabled() if manager is not None
+          else contextlib.nullcontext()):
+        print(message, file=sys.stderr, flush=True)

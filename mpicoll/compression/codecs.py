@@ -50,7 +50,7 @@ payload held as one byte buffer, the form that travels over MPI).
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -249,25 +249,25 @@ class Codec:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned (for a codec of the same name).
+        """Restore what :meth:`state_dict` returned (for a codec of the same name): the
+        value of each of its keys is the number of encodings so far (``step``).
 
         Raises:
             ValueError: ``state`` does not belong to a codec like this one.
         """
-        self._check_state(state, ())
+        keys = sorted(self.state_dict())
+        if not isinstance(state, dict) or set(state) != set(keys):
+            raise ValueError(f"codec state {state!r} does not belong to compression="
+                             f"{self.name!r} (expected the keys {keys})")
+        for key in keys:
+            self.step = _check_step(state[key])
 
     # implementations: ``xp`` is the array module of the arrays ---------------------------
     def _encode(self, xp: Any, x: Any, out: tuple) -> None:
-        raise NotImplementedError
+        xp.copyto(out[0], x, casting="unsafe")   # (a payload of the values, cast)
 
     def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
         xp.copyto(out, payload[0], casting="unsafe")   # (a payload of the values, cast)
-
-    def _check_state(self, state: Any, keys: tuple) -> None:
-        """Raise ``ValueError`` unless ``state`` is a dict with exactly ``keys``."""
-        if not isinstance(state, dict) or set(state) != set(keys):
-            raise ValueError(f"codec state {state!r} does not belong to compression="
-                             f"{self.name!r} (expected the keys {sorted(keys)})")
 
     def __repr__(self) -> str:
         return f"<codec {self.name}>"
@@ -282,9 +282,6 @@ class NoneCodec(Codec):
     def layout(self, count: int, dtype: Any = np.float32) -> Layout:
         return ((np.dtype(dtype), int(count)),)
 
-    def _encode(self, xp: Any, x: Any, out: tuple) -> None:
-        xp.copyto(out[0], x)
-
 
 class FP16Codec(Codec):
     """IEEE half precision (``astype(float16)``: round to nearest even, overflow to inf)."""
@@ -297,7 +294,7 @@ class FP16Codec(Codec):
     def _encode(self, xp: Any, x: Any, out: tuple) -> None:
         if x.dtype == np.float64 and xp is not np:
             x = _round_to_odd_float32(xp, x)
-        xp.copyto(out[0], x, casting="unsafe")
+        super()._encode(xp, x, out)
 
 
 def _round_to_odd_float32(xp: Any, x: Any) -> Any:
@@ -394,6 +391,22 @@ class _ChunkedCodec(Codec):
         full = a.size // self.chunk * self.chunk
         return a[:full].reshape(-1, self.chunk), a[full:]
 
+    def _encode_blocks(self, xp: Any, x: Any, *dtypes: Any):
+        """``(lo, first chunk, block of x, scratch...)`` per inner block: one scratch array
+        of each of ``dtypes`` (as long as the block)."""
+        block = min(self._block_size(xp, x.size), x.size)
+        scratch = [xp.empty(block, dtype=dt) for dt in dtypes]
+        for lo, hi, k0 in self._blocks(xp, x.size):
+            yield (lo, k0, x[lo:hi], *(s[:hi - lo] for s in scratch))
+
+    def _per_chunk(self, xp: Any, a: Any, reduce: Callable[[Any], Any]) -> Any:
+        """One value per chunk of block ``a`` (whole chunks, then maybe a shorter one):
+        ``reduce`` of 2-D rows, one value per row, of the full chunks, then of the shorter
+        chunk as one row."""
+        full, tail = self._rows(a)
+        values = [reduce(rows) for rows in (full, tail.reshape(1, -1)) if rows.size]
+        return values[0] if len(values) == 1 else xp.concatenate(values)
+
     def _to_levels(self, xp: Any, xb: Any, scales: Any, levels: int, out: Any) -> None:
         """The scales of an integer codec with levels ``-levels .. levels`` for block
         ``xb`` (whole chunks, then maybe a shorter last one), and ``xb`` in units of them.
@@ -405,11 +418,7 @@ class _ChunkedCodec(Codec):
         """
         full, tail = self._rows(xb)
         nfull = full.shape[0]
-        amax = xp.empty(nfull + (1 if tail.size else 0), dtype=xb.dtype)
-        if nfull:
-            xp.maximum(full.max(axis=1), -full.min(axis=1), out=amax[:nfull])
-        if tail.size:
-            xp.maximum(tail.max(), -tail.min(), out=amax[nfull:])
+        amax = self._per_chunk(xp, xb, lambda r: xp.maximum(r.max(axis=1), -r.min(axis=1)))
         sc = scales[:amax.size]
         xp.divide(amax, xb.dtype.type(levels), out=amax)
         xp.copyto(sc, amax, casting="unsafe")
@@ -473,29 +482,20 @@ class Int8Codec(_ChunkedCodec):
         key = stream_key(self.seed, self.step) if self.stochastic else 0
         if self.stochastic:
             self.step += 1
-        tmp = xp.empty(min(self._block_size(xp, x.size), x.size), dtype=x.dtype)
-        for lo, hi, k0 in self._blocks(xp, x.size):
-            tb = tmp[:hi - lo]
-            self._to_levels(xp, x[lo:hi], scales[k0:], LEVELS_INT8, tb)
+        for lo, k0, xb, tb in self._encode_blocks(xp, x, x.dtype):
+            self._to_levels(xp, xb, scales[k0:], LEVELS_INT8, tb)
             if self.stochastic:
                 xp.add(tb, uniform(xp, key, lo, tb.size, tb.dtype), out=tb)
                 xp.floor(tb, out=tb)
                 xp.clip(tb, -LEVELS_INT8, LEVELS_INT8, out=tb)
             else:
                 xp.rint(tb, out=tb)
-            xp.copyto(q[lo:hi], tb, casting="unsafe")
+            xp.copyto(q[lo:lo + xb.size], tb, casting="unsafe")
 
     def state_dict(self) -> dict:
         """Stochastic rounding: ``{"rng_step": the number of encodings so far}`` (the
         key of the next encoding's random numbers)."""
         return {"rng_step": self.step} if self.stochastic else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if not self.stochastic:
-            super().load_state_dict(state)
-            return
-        self._check_state(state, ("rng_step",))
-        self.step = _check_step(state["rng_step"])
 
     def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
         scales, q = payload
@@ -543,30 +543,17 @@ class OneBitCodec(_ChunkedCodec):
         return _ordered([(np.float32, self.values_per_chunk * self.nchunks(count)),
                          (np.uint8, -(-int(count) // 8))])
 
-    def _encode_blocks(self, xp: Any, x: Any):
-        """``(lo, first chunk, block of x, float scratch, bool scratch)`` per inner block
-        (the scratch arrays as long as the block)."""
-        block = min(self._block_size(xp, x.size), x.size)
-        tmp = xp.empty(block, dtype=x.dtype)
-        neg = xp.empty(block, dtype=np.bool_)
-        for lo, hi, k0 in self._blocks(xp, x.size):
-            yield lo, k0, x[lo:hi], tmp[:hi - lo], neg[:hi - lo]
-
     def _encode(self, xp: Any, x: Any, out: tuple) -> None:
         scales, bits = out
-        for lo, k0, xb, tb, nb in self._encode_blocks(xp, x):
+        for lo, k0, xb, tb, nb in self._encode_blocks(xp, x, x.dtype, np.bool_):
             xp.abs(xb, out=tb)
-            full, tail = self._rows(tb)
-            nfull = full.shape[0]
-            sc = scales[k0:k0 + nfull + (1 if tail.size else 0)]
-            if nfull:
-                sums = pairwise_row_sums(xp, full)
-                xp.copyto(sc[:nfull], xp.multiply(sums, x.dtype.type(1.0 / self.chunk)),
-                          casting="unsafe")
-            if tail.size:
-                tsum = pairwise_row_sums(xp, tail.reshape(1, -1))
-                xp.copyto(sc[nfull:], xp.divide(tsum, x.dtype.type(tail.size)),
-                          casting="unsafe")
+            sums = self._per_chunk(xp, tb, lambda r: pairwise_row_sums(xp, r))
+            nfull = xb.size // self.chunk
+            xp.multiply(sums[:nfull], x.dtype.type(1.0 / self.chunk), out=sums[:nfull])
+            if nfull < sums.size:   # the shorter last chunk
+                xp.divide(sums[nfull:], x.dtype.type(xb.size - nfull * self.chunk),
+                          out=sums[nfull:])
+            xp.copyto(scales[k0:k0 + sums.size], sums, casting="unsafe")
             _pack_signs(xp, xb, nb, bits, lo)
 
     def _unpacked(self, xp: Any, bits: Any, count: int, name: str, table: np.ndarray):
@@ -621,34 +608,19 @@ class TwoScaleOneBitCodec(OneBitCodec):
 
     def _encode(self, xp: Any, x: Any, out: tuple) -> None:
         scales, bits = out
-        for lo, k0, xb, tb, nb in self._encode_blocks(xp, x):
+        for lo, k0, xb, tb, nb in self._encode_blocks(xp, x, x.dtype, np.bool_):
             _pack_signs(xp, xb, nb, bits, lo)
-            nfull = xb.size // self.chunk
-            rows = nfull + (1 if xb.size % self.chunk else 0)
-            sc = scales[2 * k0:2 * (k0 + rows)].reshape(rows, 2)
+            sc = scales[2 * k0:2 * (k0 + self.nchunks(xb.size))].reshape(-1, 2)
             for group in (0, 1):               # 0: non-negative, 1: negative elements
                 if group:
                     xp.logical_not(nb, out=nb)
-                counts = self._unflagged(xp, nb, nfull)  # nb flags the other group
+                # this group's elements per chunk (nb flags the other): exact in any order
+                counts = self._per_chunk(xp, nb, lambda r: r.shape[1] - xp.count_nonzero(r, axis=1))
                 xp.copyto(tb, xb)              # the other group's elements as zeros of
                 xp.copyto(tb, x.dtype.type(-0.0 if group else 0.0), where=nb)  # this sign
-                full, tail = self._rows(tb)
-                sums = xp.empty(rows, dtype=x.dtype)
-                if nfull:
-                    xp.copyto(sums[:nfull], pairwise_row_sums(xp, full))
-                if tail.size:
-                    xp.copyto(sums[nfull:], pairwise_row_sums(xp, tail.reshape(1, -1)))
+                sums = self._per_chunk(xp, tb, lambda r: pairwise_row_sums(xp, r))
                 xp.divide(sums, xp.maximum(counts, 1).astype(x.dtype), out=sums)
                 xp.copyto(sc[:, group], sums, casting="unsafe")
-
-    def _unflagged(self, xp: Any, flags: Any, nfull: int) -> Any:
-        """Elements not flagged, per chunk of a block (``nfull`` full chunks, then maybe a
-        shorter one): integer counts, exact in any order."""
-        full, tail = self._rows(flags)
-        parts = [self.chunk - xp.count_nonzero(full, axis=1)] if nfull else []
-        if tail.size:
-            parts.append(tail.size - xp.count_nonzero(tail.reshape(1, -1), axis=1))
-        return xp.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
         scales, bits = payload
@@ -689,8 +661,6 @@ class _SparseCodec(Codec):
     def k(self, count: int) -> int:
         """Elements kept out of ``count``: ``ceil(ratio * count)``, at least 1 if any."""
         count = int(count)
-        if count == 0:
-            return 0
         return min(count, max(1, math.ceil(self.ratio * count - 1e-9)))
 
     @staticmethod
@@ -705,13 +675,8 @@ class _SparseCodec(Codec):
         """The ``k`` indices to send, sorted, as an array of module ``xp``."""
         raise NotImplementedError
 
-    def _parts(self, payload: tuple) -> tuple[Any, Any]:
-        """(values, indices) whatever their wire order."""
-        a, b = payload
-        return (a, b) if a.dtype.kind == "f" else (b, a)
-
     def _encode(self, xp: Any, x: Any, out: tuple) -> None:
-        values, idx = self._parts(out)
+        idx, values = self.indices_values(out)
         k = idx.size
         if k == 0:
             return
@@ -720,14 +685,15 @@ class _SparseCodec(Codec):
         xp.take(x, sel, out=values)
 
     def _decode(self, xp: Any, payload: tuple, count: int, out: Any) -> None:
-        values, idx = self._parts(payload)
+        idx, values = self.indices_values(payload)
         out.fill(0)
         out[idx] = values
 
     def indices_values(self, payload: tuple) -> tuple[Any, Any]:
-        """``(indices, values)`` of a payload (indices sorted, distinct)."""
-        values, idx = self._parts(payload)
-        return idx, values
+        """``(indices, values)`` of a payload (indices sorted, distinct), whatever their
+        wire order."""
+        a, b = payload
+        return (b, a) if a.dtype.kind == "f" else (a, b)
 
 
 class TopKCodec(_SparseCodec):
@@ -791,10 +757,6 @@ class RandomKCodec(_SparseCodec):
     def state_dict(self) -> dict:
         """``{"step": the number of encodings so far}``."""
         return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._check_state(state, ("step",))
-        self.step = _check_step(state["step"])
 
 
 #: Codec names :func:`get_codec` accepts (``topk``/``randomk`` take ``:ratio``).
