@@ -52,8 +52,10 @@ def test_no_communicator_is_alive_at_exit(job):
     assert all(f[1] == "-" for f in alive), (alive, out[-2000:])
 
 
-#: Jobs of dup_kill_worker.py (Open MPI's MPI_Comm_dup crashed in about half of them).
-DUP_JOBS = 4
+#: Jobs of dup_kill_worker.py (Open MPI's MPI_Comm_dup crashed in about half of them; its
+#: MPI_Comm_split under the runtime in 3 of 16 hand-run jobs, 2026-12-07: six jobs all
+#: crashing, which fails the test, about 0.01% at that rate).
+DUP_JOBS = 6
 
 
 @pytest.fixture(scope="module")
