@@ -43,7 +43,9 @@ class GroupFailures:
     def error(self, kind: str, exc: BaseException) -> BaseException:
         """The error operation ``kind`` reports for ``exc``: the group's
         :class:`~mpicoll.ProcessFailedError` when ``exc`` is a process failure, or any
-        error while MPI knows a rank of the group to have failed, else ``exc`` itself."""
+        error while MPI knows a rank of the group to have failed; a
+        :class:`~mpicoll.CollectiveError` when another rank revoked the group's
+        communicator with no process failed (an abort there); else ``exc`` itself."""
         if not failures.ENABLED or not isinstance(exc, Exception):
             return exc
         if not isinstance(exc, (MPI.Exception, ProcessFailedError)) and \
@@ -52,7 +54,7 @@ class GroupFailures:
                          # collective cut short counts once a peer is known dead)
         error = failures.translate(exc, self.comm, kind, wait_s=failures.OTHER_WAIT_S)
         if not isinstance(error, ProcessFailedError):
-            return exc
+            return error   # exc itself, or a peer's revocation (an abort there): its error
         if self.ranks is None:
             self.ranks = list(error.failed_ranks) or failures.failed_ranks(self.comm)
         return self.refused(kind, exc)
