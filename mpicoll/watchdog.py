@@ -551,8 +551,10 @@ def _print_uncaptured(message: str) -> None:
     the message is written.
     """
     capture = sys.modules.get("_pytest.capture")
-    manager = next((obj for obj in (gc.get_objects() if capture is not None else ())
-                    if isinstance(obj, capture.CaptureManager)), None)
-    with (manager.global_and_fixture_disabled() if manager is not None
-          else contextlib.nullcontext()):
-        print(message, file=sys.stderr, flush=True)
+    if capture is not None:
+        for obj in gc.get_objects():
+            if isinstance(obj, capture.CaptureManager):
+                with obj.global_and_fixture_disabled():
+                    print(message, file=sys.stderr, flush=True)
+                return
+    print(message, file=sys.stderr, flush=True)

@@ -187,12 +187,15 @@ class Codec:
         xp = namespace.array_module(x)
         x = namespace.as_module_array(x, xp)   # a torch tensor: its numpy/CuPy view
         dt = self.check_dtype(x.dtype, "x")
-        host = out is not None and out and namespace.array_module(out[0]) is not xp
+        # host parts for device x: encoded on the device, then copied into them
+        host = bool(out) and namespace.array_module(out[0]) is not xp
         parts = new_payload(self, x.size, dt, like=x)[1] if out is None or host else out
         self._encode(xp, x, parts)
-        for dst, src in zip(out if host else (), parts):
+        if not host:
+            return parts
+        for dst, src in zip(out, parts):
             namespace.to_host(src, out=dst)
-        return tuple(out) if host else parts
+        return tuple(out)
 
     def decode(self, payload: Sequence[Any], count: int, dtype: Any = np.float32,
                out: Any = None) -> Any:

@@ -839,19 +839,22 @@ class MPIProcessGroup(_Backend):
         tag = self._monitored % p2p.check_tag(0x7FFF)
         comm = self._p2p
 
+        def check() -> BaseException | None:
+            return self._failures.poll("monitored_barrier")
+
         def run() -> None:
             self._sends = _pending(self._sends)
             if self.rank() != 0:
                 self._sends.append(comm.Isend(_TOKEN, dest=0, tag=tag))
                 release = comm.Irecv(_SINK, source=0, tag=tag)
-                if _wait_all([release], limit, lambda: self._failures.poll("monitored_barrier")):
+                if _wait_all([release], limit, check):
                     release.Cancel()
                     raise RuntimeError(f"Rank {self.rank()}: monitored_barrier was not "
                                        f"released by rank 0 within {limit * 1e3:.0f} ms")
                 return
             others = list(range(1, self.size()))
             requests = [comm.Irecv(_SINK, source=r, tag=tag) for r in others]
-            missing = _wait_all(requests, limit, lambda: self._failures.poll("monitored_barrier"))
+            missing = _wait_all(requests, limit, check)
             if missing:
                 for r in missing:
                     requests[r - 1].Cancel()

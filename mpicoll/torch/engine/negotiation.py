@@ -131,7 +131,9 @@ class Negotiator:
                     if rank not in self.joined:
                         self.joined.append(rank)
                     continue
-                entry = self.table.setdefault(meta.name, _Entry(meta.kind, now))
+                entry = self.table.get(meta.name)
+                if entry is None:
+                    entry = self.table[meta.name] = _Entry(meta.kind, now)
                 if rank in entry.metas:
                     responses.append(Response(meta.kind, meta.name, {rank: meta},
                                               f"{meta.kind} {meta.name!r}: rank {rank} "
