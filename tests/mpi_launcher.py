@@ -12,6 +12,7 @@ world size passed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -93,10 +94,32 @@ def _run_once(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int 
         out, _ = proc.communicate(timeout=timeout)
         rc: int | None = proc.returncode
     except subprocess.TimeoutExpired:
+        states = describe_processes(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
+        out += f"\n*** still running at the timeout ({timeout:.0f} s) ***\n{states}"
         rc = None
     return rc, out, time.monotonic() - start
+
+
+def describe_processes(pid: int) -> str:
+    """What process ``pid`` and its descendants were doing: one line per thread with its
+    state and kernel wait channel (what a hang is stuck in: a rank that never exited, a
+    launcher that did not notice), for a timed-out job's failure message."""
+    import psutil
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return "(gone)\n"
+    lines = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            lines.append(f"pid {p.pid} ({p.status()}): {' '.join(p.cmdline())[:160]}")
+        for task in sorted(Path(f"/proc/{p.pid}/task").glob("*")):
+            with contextlib.suppress(OSError):
+                stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                lines.append(f"  thread {task.name} {stat[0]} in {(task / 'wchan').read_text()}")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,45 +7,43 @@ fail the test). Also runs the example end to end.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from mpi_launcher import mpirun_command
+from mpi_launcher import mpirun_command, run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "ps_train.py")
 TIMEOUT = 90   # generous: the machine is shared; a hang is what this catches
 
 
-def _launch(n: int, args: list[str]) -> subprocess.CompletedProcess:
+def _launch(n: int, args: list[str]) -> tuple[int, str]:
+    """Run the example at ``n`` ranks; fail on a hang, naming what each process was doing."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cmd = mpirun_command(n) + [sys.executable, "-m", "mpi4py", EXAMPLE, *args]
-    try:
-        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=TIMEOUT, start_new_session=True)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"job did not end within {TIMEOUT} s (a hang): {' '.join(cmd)}\n"
-                    f"{exc.stdout}\n{exc.stderr}")
+    rc, out, _ = run_command(cmd, env, TIMEOUT)
+    if rc is None:
+        pytest.fail(f"job did not end within {TIMEOUT} s (a hang): {' '.join(cmd)}\n{out}")
+    return rc, out
 
 
 @pytest.mark.parametrize("mode", ["raise", "exit"])
 @pytest.mark.parametrize("role,rank,servers,n", [("worker", 2, 1, 3), ("server", 1, 2, 4)])
 def test_crash_aborts_whole_job(role, rank, servers, n, mode):
-    out = _launch(n, ["--servers", str(servers), "--steps", "1000000", "--crash-rank",
-                      str(rank), "--crash-step", "3", "--crash-mode", mode])
-    assert out.returncode != 0, out.stdout + out.stderr
-    assert "injected crash" in out.stderr, out.stderr
+    rc, out = _launch(n, ["--servers", str(servers), "--steps", "1000000", "--crash-rank",
+                          str(rank), "--crash-step", "3", "--crash-mode", mode])
+    assert rc != 0, out
+    assert "injected crash" in out, out
 
 
 def test_crash_aborts_colocated_job():
     """Co-located: the others are inside a collective step with the dead rank."""
-    out = _launch(3, ["--servers", "colocated", "--steps", "1000000", "--crash-rank", "1",
-                      "--crash-step", "3", "--crash-mode", "exit"])
-    assert out.returncode != 0, out.stdout + out.stderr
-    assert "injected crash" in out.stderr, out.stderr
+    rc, out = _launch(3, ["--servers", "colocated", "--steps", "1000000", "--crash-rank", "1",
+                          "--crash-step", "3", "--crash-mode", "exit"])
+    assert rc != 0, out
+    assert "injected crash" in out, out
 
 
 @pytest.mark.parametrize("args", [["--servers", "colocated"], ["--servers", "1"],
@@ -53,9 +51,9 @@ def test_crash_aborts_colocated_job():
                                   ["--servers", "1", "--backup-workers", "1", "--slow-rank",
                                    "3", "--slow-factor", "3"]])
 def test_example_trains(args):
-    out = _launch(4, [*args, "--steps", "150"])
-    assert out.returncode == 0, out.stdout + out.stderr
-    final = [line for line in out.stdout.splitlines() if line.startswith("final:")]
-    assert final, out.stdout
+    rc, out = _launch(4, [*args, "--steps", "150"])
+    assert rc == 0, out
+    final = [line for line in out.splitlines() if line.startswith("final:")]
+    assert final, out
     acc = float(final[0].split("accuracy")[1].split()[0])
     assert acc > 0.6, final[0]   # a learning check, not a speed one: chance is 0.25
