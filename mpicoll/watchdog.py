@@ -382,34 +382,38 @@ def announce_end(on_needed: Callable[[str], None]) -> bool:
     return True
 
 
-def _into(group: MPI.Group) -> list[tuple[Watched, list[int]]]:
-    """Every watched communicator with its ranks' ranks in ``group`` (-1: not in it)."""
+def _into(comm: MPI.Intracomm) -> list[tuple[Watched, list[int]]]:
+    """Every watched communicator with its ranks' ranks in ``comm`` (-1: not in it)."""
     out = []
-    for w in _watched:
-        try:
-            ranks = MPI.Group.Translate_ranks(w.comm.Get_group(), list(range(w.size)), group)
-        except MPI.Exception:
-            continue
-        out.append((w, [r if r is not None and r >= 0 else -1 for r in ranks]))
+    group = comm.Get_group()
+    try:
+        for w in _watched:
+            try:
+                mine = w.comm.Get_group()
+                try:
+                    ranks = MPI.Group.Translate_ranks(mine, list(range(w.size)), group)
+                finally:
+                    mine.Free()
+            except MPI.Exception:
+                continue
+            out.append((w, [r if r is not None and r >= 0 else -1 for r in ranks]))
+    finally:
+        group.Free()
     return out
 
 
 def ended_peers(comm: MPI.Intracomm) -> tuple[set[int], set[int]]:
     """Ranks of ``comm`` (other than this one) this rank watches a communicator with, and
     those of them whose elastic function ended (their :func:`announce_end` notice came)."""
-    group = comm.Get_group()
     covered: set[int] = set()
     ended: set[int] = set()
-    try:
-        with _lock:
-            for w, ranks in _into(group):
-                for r, theirs in enumerate(ranks):
-                    if r != w.rank and theirs >= 0:
-                        covered.add(theirs)
-                        if r in w.ended:
-                            ended.add(theirs)
-    finally:
-        group.Free()
+    with _lock:
+        for w, ranks in _into(comm):
+            for r, theirs in enumerate(ranks):
+                if r != w.rank and theirs >= 0:
+                    covered.add(theirs)
+                    if r in w.ended:
+                        ended.add(theirs)
     return covered, ended
 
 
@@ -417,16 +421,12 @@ def ask_ended_to_leave(comm: MPI.Intracomm, what: str) -> None:
     """For a client stuck in an operation on ``comm`` that the inspector does not see (the
     Horovod engine's negotiation): ask every rank of ``comm`` whose elastic function ended
     to leave as a lost rank (once each)."""
-    group = comm.Get_group()
     now = time.monotonic()
-    try:
-        with _lock:
-            for w, ranks in _into(group):
-                for r in sorted(w.ended):
-                    if ranks[r] >= 0:
-                        _ask_once(w, r, None, what, now)
-    finally:
-        group.Free()
+    with _lock:
+        for w, ranks in _into(comm):
+            for r in sorted(w.ended):
+                if ranks[r] >= 0:
+                    _ask_once(w, r, None, what, now)
 
 
 def end_over() -> None:
