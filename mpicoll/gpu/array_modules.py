@@ -15,7 +15,7 @@ Another family of device arrays gets its module through a registered backend
 
 Copies between the sides go through :func:`to_host` and :func:`to_device` (the codecs
 call them only for payloads and for randomk's indices, never for the dense vector;
-:mod:`mpicoll.gpu.array_transfer` for the parameter server's whole arrays).
+:func:`mpicoll.gpu.backends.to_host` for the parameter server's whole arrays).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from ..buffers import is_in_place
 
 __all__ = ["KDL_CUDA", "KDL_CUDA_MANAGED", "ARGUMENT_NAMES", "is_device", "unwrap_spec",
            "cuda_interface", "producer_stream", "device_id", "check_contiguous",
-           "any_device", "call_kind", "buffer_arguments"]
+           "any_device", "call_kind", "buffer_arguments", "package_of"]
 
 #: DLPack device types of CUDA memory (``DLDeviceType``): device and managed memory.
 KDL_CUDA = 2
@@ -82,7 +82,8 @@ def cuda_interface(a: Any) -> dict | None:
         return None
 
 
-def _module(a: Any) -> str:
+def package_of(a: Any) -> str:
+    """The top-level package of ``a``'s type (``"cupy"``, ``"torch"``, ``"numpy"`` ...)."""
     return type(a).__module__.split(".")[0]
 
 
@@ -102,11 +103,11 @@ def producer_stream(a: Any) -> int | None:
         synchronise the device to be safe).
     """
     a = unwrap_spec(a)
-    if _module(a) == "cupy":
+    if package_of(a) == "cupy":
         import cupy  # noqa: PLC0415  (a CuPy array exists: CuPy is importable)
 
         return int(cupy.cuda.get_current_stream().ptr)
-    if _module(a) == "torch":
+    if package_of(a) == "torch":
         import torch  # noqa: PLC0415
 
         return int(torch.cuda.current_stream(a.device).cuda_stream)
@@ -153,7 +154,7 @@ def check_contiguous(a: Any, argname: str) -> None:
     if flags is not None and hasattr(flags, "c_contiguous"):
         ok = bool(flags.c_contiguous or flags.f_contiguous)
         shape, strides = tuple(getattr(a, "shape", ())), getattr(a, "strides", None)
-    elif callable(getattr(a, "is_contiguous", None)) and _module(a) == "torch":
+    elif callable(getattr(a, "is_contiguous", None)) and package_of(a) == "torch":
         itemsize = a.element_size()
         shape, strides = tuple(a.shape), tuple(s * itemsize for s in a.stride())
         ok = _contiguous(shape, strides, itemsize)
@@ -214,12 +215,11 @@ def call_kind(collective: str, args: tuple) -> str:
         TypeError: device and host buffers mixed in one call (both arguments named).
         ValueError: a non-contiguous device array.
     """
-    bufs = buffer_arguments(collective, args)
-    kinds = [(name, value, is_device(value)) for name, value in bufs]
-    device = [(n, v) for n, v, d in kinds if d]
+    device, host = [], []
+    for name, value in buffer_arguments(collective, args):
+        (device if is_device(value) else host).append((name, value))
     if not device:
         return "host"
-    host = [(n, v) for n, v, d in kinds if not d]
     if host:
         (dn, dv), (hn, hv) = device[0], host[0]
         raise TypeError(f"{dn} is {_describe(dv)} but {hn} is {_describe(hv)}; pass "

@@ -14,6 +14,12 @@ with :func:`register` (or :func:`registered`, a context manager: the CPU tests r
 their host stand-ins this way); the most recently registered backend that claims an object
 handles it.
 
+The module functions :func:`device_view`, :func:`to_host` and :func:`from_host` serve code
+whose state stays on the host (the parameter server's workers stage device gradients and
+pulls with them): each object goes through its backend; for CUDA objects, a zero-copy CuPy
+view read or written after the producer stream is synchronised (with the CuPy copies
+:mod:`mpicoll.gpu.array_modules` makes for the codecs).
+
 Only objects that are not exact numpy arrays are ever looked up here: host calls never
 reach the registry.
 """
@@ -27,7 +33,7 @@ import numpy as np
 from . import arrays, detect
 
 __all__ = ["DeviceBackend", "CudaBackend", "register", "unregister", "registered",
-           "backend_for", "require", "backend_of"]
+           "backend_for", "require", "backend_of", "device_view", "to_host", "from_host"]
 
 
 def _same(array: Any) -> Any:
@@ -96,7 +102,7 @@ class CudaBackend(DeviceBackend):
     name = "cuda"
 
     def claims(self, obj: Any) -> bool:
-        return type(obj).__module__.split(".")[0] == "cupy" or arrays.is_device(obj)
+        return arrays.package_of(obj) == "cupy" or arrays.is_device(obj)
 
     def array_module(self, obj: Any) -> Any:
         import cupy  # noqa: PLC0415  (a device array exists: CuPy must handle it)
@@ -221,3 +227,27 @@ def backend_of(args: Sequence[Any]) -> DeviceBackend:
         if backend is not None:
             return backend
     raise TypeError("no device array among the arguments")
+
+
+def device_view(obj: Any) -> Any:
+    """An array view (CuPy for CUDA) of device object ``obj``, with its ``shape``,
+    ``dtype`` and ``flags``; ``obj``'s producer synchronised."""
+    backend = require(obj)
+    backend.synchronise(obj)
+    return backend.view(obj)[0]
+
+
+def to_host(obj: Any, out: np.ndarray | None = None) -> np.ndarray:
+    """Copy device object ``obj`` (whole) into host memory: ``out`` or a new C-ordered
+    numpy array; complete when this returns."""
+    backend = require(obj)
+    if out is None:
+        view = backend.view(obj)[0]
+        out = np.empty(view.shape, dtype=view.dtype)
+    return backend.to_host(obj, out)
+
+
+def from_host(obj: Any, host: np.ndarray) -> None:
+    """Copy host array ``host`` into device object ``obj`` (same shape and dtype, C-
+    contiguous); complete when this returns."""
+    require(obj).from_host(obj, np.ascontiguousarray(host))

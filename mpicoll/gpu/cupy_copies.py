@@ -36,10 +36,6 @@ def pinned_empty(nbytes: int) -> np.ndarray:
     return np.frombuffer(mem, np.uint8, int(nbytes))
 
 
-def _is_torch(obj: Any) -> bool:
-    return type(obj).__module__.split(".")[0] == "torch"
-
-
 class CupyCopies:
     """:class:`mpicoll.gpu.staging.Copies` on one CUDA device, with CuPy.
 
@@ -66,7 +62,7 @@ class CupyCopies:
 
     def empty_like(self, obj: Any) -> Any:
         """A new array like ``obj``: ``torch.empty_like`` for torch, CuPy otherwise."""
-        if _is_torch(obj):
+        if arrays.package_of(obj) == "torch":
             import torch  # noqa: PLC0415
 
             return torch.empty_like(obj)
@@ -75,7 +71,7 @@ class CupyCopies:
 
     def empty(self, shape: tuple, dtype: Any, like: Any) -> Any:
         """A new C-ordered array of ``shape`` on this device, in ``like``'s family."""
-        if _is_torch(like):
+        if arrays.package_of(like) == "torch":
             import torch  # noqa: PLC0415
 
             return torch.empty(tuple(shape), dtype=like.dtype, device=like.device)

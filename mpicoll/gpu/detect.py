@@ -119,19 +119,16 @@ def mpi_library_paths(maps: str = "/proc/self/maps") -> list[str]:
             path = line.rstrip("\n").split(maxsplit=5)[-1]
             name = os.path.basename(path)
             if re.match(r"lib(mpi|mpich|mpi_ilp64)(\.|_|\b)", name) and ".so" in name:
-                if path not in found:
-                    found.append(path)
-    return found
+                found.append(path)
+    return list(dict.fromkeys(found))  # each once, in order
 
 
 def library_lookup(paths: list[str] | None = None) -> Lookup:
     """A ``lookup(symbol)`` over the loaded MPI libraries, then the global namespace."""
     handles: list[Any] = []
     for path in (mpi_library_paths() if paths is None else paths):
-        try:
+        with contextlib.suppress(OSError):
             handles.append(ctypes.CDLL(path))
-        except OSError:
-            continue
     with contextlib.suppress(OSError):
         handles.append(ctypes.CDLL(None))
 

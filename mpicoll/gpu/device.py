@@ -15,6 +15,7 @@ The local rank comes from splitting the communicator by ``MPI.COMM_TYPE_SHARED``
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
 
 from .. import config
@@ -90,12 +91,11 @@ def visible_device_count() -> int:
         import cupy  # noqa: PLC0415
 
         return int(cupy.cuda.runtime.getDeviceCount())
-    try:
+    with contextlib.suppress(Exception):
         import torch  # noqa: PLC0415
 
         return int(torch.cuda.device_count())
-    except Exception:  # noqa: BLE001
-        return 0
+    return 0
 
 
 def select_device(local: int | None = None, *, comm: Any = None,
@@ -121,8 +121,6 @@ def select_device(local: int | None = None, *, comm: Any = None,
             import cupy  # noqa: PLC0415
 
             cupy.cuda.Device(ordinal).use()
-        import sys  # noqa: PLC0415
-
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
             torch.cuda.set_device(ordinal)

@@ -25,7 +25,6 @@ from typing import Any, Callable
 
 from .. import config
 from . import arrays, backends
-from .array_transfer import device_view
 
 __all__ = ["device_call", "prepare_aware", "reporter"]
 
@@ -63,7 +62,7 @@ def prepare_aware(collective: str, args: tuple) -> tuple:
     out = list(args)
     for i, (name, value) in enumerate(zip(names, args)):
         if name in ("sendbuf", "recvbuf", "buf") and arrays.is_device(value):
-            out[i] = device_view(value)
+            out[i] = backends.device_view(value)
     return tuple(out)
 
 

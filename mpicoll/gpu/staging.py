@@ -45,6 +45,7 @@ import numpy as np
 from .. import buffers, config, validation
 from ..ops import resolve_op
 from ..partition import block_bounds
+from ..runtime import world as runtime_world
 from .slots import HostSlots
 
 __all__ = ["COLLECTIVES", "NSLOTS", "DEFAULT_STAGING_BYTES", "MIN_CHUNK_BYTES",
@@ -341,28 +342,17 @@ class _Allgather(_Layout):
         return out
 
 
-def _fail(exc: Exception, report_error: Callable[[Exception], Any] | None) -> None:
-    if report_error is not None:
-        report_error(exc)  # checked mode: tells the other ranks, raises
-    raise exc
-
-
-def _viewer(copies: Copies) -> validation.View:
-    """The staged path's view of a buffer (:data:`mpicoll.validation.View`): its device
-    array, flat in memory order, of a dtype mpicoll moves."""
-    def view(obj: Any, argname: str, writable: bool) -> Any:
-        flat = _memory_flat(copies.as_array(obj))
-        buffers.check_dtype(np.dtype(flat.dtype), argname)
-        return flat
-
-    return view
-
-
 def _plan(collective: str, args: tuple, copies: Copies, slots: HostSlots, rank: int,
           size: int, chunk_bytes: int | None, limit: int) -> _Layout:
     """Validate this rank's device arguments (:mod:`mpicoll.validation`, as the host
     collectives do, and the op against the dtype); the layout of the staged call."""
-    view = _viewer(copies)
+    def view(obj: Any, argname: str, writable: bool) -> Any:
+        """The staged path's view of a buffer (:data:`mpicoll.validation.View`): its
+        device array, flat in memory order, of a dtype mpicoll moves."""
+        flat = _memory_flat(copies.as_array(obj))
+        buffers.check_dtype(np.dtype(flat.dtype), argname)
+        return flat
+
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; the staged path runs "
                          f"{', '.join(COLLECTIVES)}")
@@ -427,14 +417,6 @@ def _plan(collective: str, args: tuple, copies: Copies, slots: HostSlots, rank: 
     return layout
 
 
-def _rank_size(comm: Any) -> tuple[int, int]:
-    if comm is None:
-        from mpi4py import MPI  # noqa: PLC0415
-
-        comm = MPI.COMM_WORLD
-    return comm.Get_rank(), comm.Get_size()
-
-
 def _run(layout: _Layout, copies: Copies, host_call: Callable[[tuple], Any],
          slots: list[np.ndarray], pipeline: bool) -> None:
     """Issue the copies and host calls of every chunk (see the module doc)."""
@@ -490,8 +472,9 @@ def staged(collective: str, args: tuple, host_call: Callable[[tuple], Any], *,
             in the same order (the core passes ``lambda a: mpicoll.<collective>(*a,
             comm=..., algorithm=..., check=...)``). Called the same number of times, with
             the same counts, on every rank.
-        comm: the communicator (its rank and size decide the blocks; ``None``:
-            ``MPI.COMM_WORLD``). Any object with ``Get_rank``/``Get_size``.
+        comm: the communicator (its rank and size decide the blocks; ``None``: the
+            runtime's world, ``MPI.COMM_WORLD`` unless :mod:`mpicoll.elastic` shrank it, as
+            for the host collectives). Any object with ``Get_rank``/``Get_size``.
         copies: the device interface (default: that of the arrays' device backend,
             :mod:`mpicoll.gpu.backends`; for CUDA CuPy's, on the arrays' device).
         chunk_bytes: bytes of one pinned slot per chunk (default
@@ -510,7 +493,8 @@ def staged(collective: str, args: tuple, host_call: Callable[[tuple], Any], *,
         TypeError, ValueError: bad arguments on this rank (before any message).
         mpicoll.CollectiveError: from the host collectives (checked mode).
     """
-    rank, size = _rank_size(comm)
+    comm = runtime_world.comm() if comm is None else comm
+    rank, size = comm.Get_rank(), comm.Get_size()
     if copies is None:
         from .backends import backend_of  # noqa: PLC0415
 
@@ -522,7 +506,9 @@ def staged(collective: str, args: tuple, host_call: Callable[[tuple], Any], *,
         layout = _plan(collective, tuple(args), copies, pool, rank, size, chunk_bytes,
                        limit)
     except (TypeError, ValueError) as exc:
-        _fail(exc, report_error)
+        if report_error is not None:
+            report_error(exc)  # checked mode: tells the other ranks, raises
+        raise
     slots = pool.get(NSLOTS if pipeline else 1, layout.slot_bytes, limit)
     try:
         _run(layout, copies, host_call, slots, pipeline)

@@ -13,7 +13,7 @@ side:
   (given in ``out``, else new CuPy arrays on the device of the call's arrays) when the
   operation completes (:class:`DevicePull`).
 
-The copies are synchronous (:mod:`mpicoll.gpu.array_transfer`). Even with a CUDA-aware MPI
+The copies are synchronous (:func:`mpicoll.gpu.backends.to_host`). Even with a CUDA-aware MPI
 the worker stages: the servers are host processes, and the worker side's messages are
 shards and chunks of many tensors.
 """
@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ..gpu import array_transfer, backends
 from ..gpu import arrays as device_arrays
+from ..gpu import backends
 from .errors import PSError
 
 __all__ = ["call_side", "device_views", "host_arrays", "first_device", "DevicePull"]
@@ -65,13 +65,13 @@ def call_side(**dicts: dict[str, Any] | None) -> bool:
 def device_views(arrays: dict[str, Any]) -> dict[str, Any]:
     """``arrays`` with every device object replaced by an array view of it (CuPy; numpy in
     the simulation), which has ``shape``, ``dtype`` and ``flags`` for the checks."""
-    return {name: array_transfer.device_view(a) if device_arrays.is_device(a) else a
+    return {name: backends.device_view(a) if device_arrays.is_device(a) else a
             for name, a in arrays.items()}
 
 
 def host_arrays(arrays: dict[str, Any]) -> dict[str, Any]:
     """``arrays`` with every device array copied whole to a new host array."""
-    return {name: array_transfer.to_host(a) if device_arrays.is_device(a) else a
+    return {name: backends.to_host(a) if device_arrays.is_device(a) else a
             for name, a in arrays.items()}
 
 
@@ -101,7 +101,7 @@ class DevicePull:
         dest = self.out.get(name)
         if dest is None:
             dest = backends.require(self.like).new_like(self.like, spec.shape, spec.dtype)
-        view = array_transfer.device_view(dest)
+        view = backends.device_view(dest)
         if tuple(view.shape) != spec.shape or view.dtype != spec.dtype or \
                 not view.flags.c_contiguous:
             raise PSError(f"out[{name!r}] must be a C-contiguous {spec.dtype} device array "
@@ -115,7 +115,7 @@ class DevicePull:
         """Copy every staging array into its device array (once)."""
         pairs, self._pairs = self._pairs, []
         for staging, dest in pairs:
-            array_transfer.from_host(dest, staging)
+            backends.from_host(dest, staging)
 
 
 def first_device(*dicts: dict[str, Any] | None) -> Any:
