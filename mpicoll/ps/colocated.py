@@ -140,13 +140,15 @@ class ColocatedEngine(CodedExchange, CollectiveGroup):
             super().wait(reqs, busy=not self.closed)
 
     # ------------------------------------------------------------------ control step
-    def _agree(self, op: CollOp, error: str | None) -> list[int]:
-        """Check the control table; return the ranks that contribute to this step.
+    def _control(self, op: int, error: str | None) -> Steps:
+        """All-gather ``(op, clock, error flag)`` and check the control table; return the
+        ranks that contribute to this step (as the generator's value).
 
         Raises:
             PSError: (on every rank) ranks disagree on the operation or clock, or a rank's
                 arguments were bad.
         """
+        yield from super()._control(op, error)
         table = self._ctrl_in
         self.clocks = [int(c) for c in table[:, 1]]
         ops = [CollOp(int(o)) for o in table[:, 0]]
@@ -333,8 +335,7 @@ class ColocatedEngine(CodedExchange, CollectiveGroup):
         Returns (as the generator's value): the pulled dict, or ``None`` for a push.
         """
         call = self._prepare(op, grads, out, self.placement.specs)
-        yield from self._control(op, call.error)
-        busy = self._agree(op, call.error)
+        busy = yield from self._control(op, call.error)
         yield from self._data(busy, call.grads, call.result)
         self._advance(call, self.worker_counters)
         return call.finish()
@@ -375,20 +376,18 @@ class ColocatedEngine(CodedExchange, CollectiveGroup):
 
     def close(self) -> Steps:
         """Announce that this rank is done, then serve until every rank has closed."""
-        yield from self._control(CollOp.CLOSE, None)
-        busy = self._agree_quietly()
+        busy = yield from self._control_quietly(CollOp.CLOSE)   # (marks this rank inactive)
         self.closed = True
-        self.active[self.rank] = False
         yield from self._data_for_others(busy)
         while any(self.active):
-            yield from self._control(CollOp.IDLE, None)
-            yield from self._data_for_others(self._agree_quietly())
+            busy = yield from self._control_quietly(CollOp.IDLE)
+            yield from self._data_for_others(busy)
 
-    def _agree_quietly(self) -> list[int]:
-        """:meth:`_agree` on a closed rank: the ranks that contribute to the step, none
-        when the active ranks raise (a closed rank has nothing to report)."""
+    def _control_quietly(self, op: CollOp) -> Steps:
+        """:meth:`_control` on a closing or closed rank: the ranks that contribute to the
+        step, none when the active ranks raise (a closed rank has nothing to report)."""
         try:
-            return self._agree(CollOp.IDLE, None)
+            return (yield from self._control(op, None))
         except PSError:
             return []
 
@@ -428,7 +427,6 @@ class ColocatedEngine(CodedExchange, CollectiveGroup):
     def stats_steps(self) -> Steps:
         """Collective: every rank's server counters."""
         yield from self._control(CollOp.STATS, None)
-        self._agree(CollOp.STATS, None)
         return self.comm.allgather(self.server_stats())
 
     def save_steps(self, request: tuple[str, str] | None, manifest: Any = None) -> Steps:
@@ -443,7 +441,6 @@ class ColocatedEngine(CodedExchange, CollectiveGroup):
         """
         if request is not None:
             yield from self._control(CollOp.SAVE, None)
-            self._agree(CollOp.SAVE, None)
         root = next(r for r in self.ranks if self._ctrl_in[r, 0] == CollOp.SAVE)
         path, ckpt_id = self.comm.bcast(request, root=root)
         for state in self.states.values():

@@ -143,12 +143,8 @@ class PushEncoder:
     def state(self) -> State:
         """Residuals and codec states, for checkpoints (see :func:`load_state`)."""
         keys = sorted(self._codecs, key=repr)
-        arrays = {}
-        if self.feedback is not None:
-            for i, key in enumerate(keys):
-                res = self.feedback.residual(key)
-                if res is not None:
-                    arrays[f"r{i}"] = res
+        residuals = [] if self.feedback is None else [self.feedback.residual(k) for k in keys]
+        arrays = {f"r{i}": res for i, res in enumerate(residuals) if res is not None}
         return {"keys": [list(k) for k in keys],
                 "codecs": [self._codecs[k].state_dict() for k in keys]}, arrays
 

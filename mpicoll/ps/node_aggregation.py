@@ -136,11 +136,8 @@ class NodeGroup(CollectiveGroup):
 
     def share(self, obj: Any = None) -> Any:
         """Steps: the leader's ``obj`` (small, pickled) on every worker of the node."""
-        size = np.zeros(1, dtype=np.int64)
-        data = b""
-        if self.is_leader:
-            data = pickle.dumps(obj)
-            size[0] = len(data)
+        data = pickle.dumps(obj) if self.is_leader else b""
+        size = np.array([len(data)], dtype=np.int64)
         yield [self.comm.Ibcast([size, MPI.INT64_T], root=0)]
         buf = np.frombuffer(data, dtype=np.uint8).copy() if self.is_leader else \
             np.empty(int(size[0]), dtype=np.uint8)
@@ -212,14 +209,12 @@ class NodeGroup(CollectiveGroup):
 
     def worker_counters(self, leader_counters: dict[str, int] | None) -> dict[str, int]:
         """This worker's counters: the node's traffic to the servers on the leader."""
-        out = dict(self.counters)
+        out = dict(self.counters, local_aggregation=True, node_leader=self.is_leader,
+                   node_workers=self.size)
         if leader_counters is not None:
             for k in ("bytes_sent", "bytes_received", "bytes_sent_uncompressed",
                       "bytes_received_uncompressed"):
                 out[k] = leader_counters.get(k, 0)
-        out["local_aggregation"] = True
-        out["node_leader"] = self.is_leader
-        out["node_workers"] = self.size
         return out
 
 

@@ -61,7 +61,7 @@ from mpi4py import MPI
 __all__ = ["Op", "CollOp", "Status", "HEADER_LEN", "OP", "KEY", "SHARD", "CLOCK", "COUNT", "TOTAL",
            "DTYPE", "SEQ", "OFFSET", "SHAPE", "STATUS", "NBYTES", "AUX", "CODED",
            "TAG_REQUEST", "TAG_REQUEST_DATA", "TAG_REPLY", "TAG_REPLY_DATA", "TAG_SCATTER",
-           "TAG_GATHER", "TAG_FORWARD", "TAG_FORWARD_DATA", "TAG_FORWARD_ACK",
+           "TAG_GATHER", "TAG_FORWARD", "TAG_FORWARD_ACK",
            "DTYPES", "dtype_code", "dtype_of", "key_of", "shape_code", "new_header", "chunk_count",
            "send_payload", "post_recv_payload", "recv_payload", "drain_payload", "Backoff",
            "wait_all", "scratch", "count_bytes", "STATS_FIELDS", "STALENESS_BINS",
@@ -79,7 +79,6 @@ TAG_SCATTER = 7105      #: co-located: a gradient segment to its owner
 TAG_GATHER = 7106       #: co-located: an updated value segment from its owner
 TAG_FORWARD = 7107      #: replicas: a request (or a state copy) from a primary to its backup,
                         #: header and payload in one message
-TAG_FORWARD_DATA = 7108 #: (reserved)
 TAG_FORWARD_ACK = 7109  #: replicas: the backup holds a forwarded request
 
 DEFAULT_CHUNK_BYTES = 4 << 20

@@ -7,8 +7,8 @@ answers nobody). One loop serves them all:
 
 - a worker's request (``TAG_REQUEST``) goes to the slot it names (a shard's slot, or the
   ``SHARD`` field of a control request). A primary that changes state (push, init, close)
-  first forwards the request, payload copied, to the slot's backup (``TAG_FORWARD`` /
-  ``TAG_FORWARD_DATA``, the worker's rank in ``AUX``), applies it, and holds the reply;
+  first forwards the request, payload copied, to the slot's backup (``TAG_FORWARD``, header
+  and payload in one message, the worker's rank in ``AUX``), applies it, and holds the reply;
 - the backup replays forwarded requests in arrival order (MPI keeps one sender's messages
   in order), so it applies the same operations in the same order on the same values and
   holds the same bits; it answers each with ``TAG_FORWARD_ACK``;
@@ -72,10 +72,9 @@ class ReplicatedServer:
         self.make_server = make_server
         self.max_sleep = max_sleep
         self.watch = watch
-        self.groups: dict[int, Server] = {}
         self.queues: dict[int, collections.deque[list[Callable[[], None]]]] = {}
-        for slot in routing.slots_of(self.rank):
-            self.groups[slot] = self._role(slot, make_server(slot))
+        self.groups: dict[int, Server] = {slot: self._role(slot, make_server(slot))
+                                          for slot in routing.slots_of(self.rank)}
         self._status = MPI.Status()
         self._hdr = np.empty(P.HEADER_LEN, dtype=np.int64)
         self._backoff = P.Backoff(max_sleep=max_sleep)

@@ -10,6 +10,7 @@ is an owner whose push, pull and push_pull are collective over its communicator.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Generator, Iterator, NoReturn
 
@@ -86,10 +87,8 @@ class SteppedHandle:
             if isinstance(pending, list):
                 self._owner.wait(pending)
             else:
-                try:
+                with contextlib.suppress(PSError):
                     pending.wait()      # another handle: the steps see its error
-                except PSError:
-                    pass
             self._advance()
         if self._error is not None:
             raise self._error
@@ -122,10 +121,8 @@ class SteppedOwner:
         """Complete the running operation, if any (its errors stay with its handle, raised
         by that handle's own ``wait()``)."""
         if self._current is not None:
-            try:
+            with contextlib.suppress(PSError):
                 self._current.wait()
-            except PSError:
-                pass
 
     def wait(self, reqs: list[MPI.Request], busy: bool = False) -> None:
         """Complete ``reqs`` by polling (a blocking wait would spin on shared cores), under

@@ -21,6 +21,7 @@ caller's device arrays when the handle completes.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -142,8 +143,7 @@ class Handle:
                 if client.progress():
                     backoff.reset()
                 else:
-                    if sending:
-                        sending = not client.sends_done(self)
+                    sending = sending and not client.sends_done(self)
                     backoff.pause(busy=sending)
             while not client.sends_done(self):
                 backoff.pause()
@@ -262,11 +262,10 @@ class WorkerClient(Coders):
         for name in sorted(arrays):
             arr = np.asarray(arrays[name], order="C")   # (ascontiguousarray would make 0-d 1-d)
             flat = arr.reshape(-1)
-            code = P.dtype_code(arr.dtype)
             spec = self.placement.specs.get(name)
             shards = self.placement.shards.get(name)
-            base = dict(key=P.key_of(name), clock=clock, total=flat.size, dtype=code,
-                        shape=P.shape_code(arr.shape))
+            base = dict(key=P.key_of(name), clock=clock, total=flat.size,
+                        dtype=P.dtype_code(arr.dtype), shape=P.shape_code(arr.shape))
             if spec is None or flat.size != spec.size:
                 server = (self.placement.server_of_unknown(name) if spec is None
                           else shards[0].server)
@@ -390,10 +389,8 @@ class WorkerClient(Coders):
     def wait_all(self) -> None:
         """Complete every outstanding handle (errors are raised by their own wait())."""
         for h in list(self._open):
-            try:
+            with contextlib.suppress(PSError):
                 h.wait()
-            except PSError:
-                pass
 
     # ------------------------------------------------------------------ receiving
     def sends_done(self, handle: Handle) -> bool:
