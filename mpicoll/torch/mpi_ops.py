@@ -389,15 +389,15 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
     return out if splits is None else (out, received)
 
 
-def reducescatter_meta(tensor: Any, name: str | None, op: ReduceOp,
+def reducescatter_meta(tensor: Any, name: str | None, op: Any,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Meta:
     """Validate one reduce-scatter and describe it for the engine.
 
     Raises:
         TypeError, ValueError: a bad tensor, an op other than Average/Sum, bad scaling.
     """
-    check_rows(tensor, "reducescatter")
     op = resolve_scatter_op(op)
+    check_rows(tensor, "reducescatter")
     check_op_dtype(op, tensor.dtype, prescale_factor, postscale_factor)
     return Meta(request_name("reducescatter", name), "reducescatter", dtype_name(tensor.dtype),
                 tuple(tensor.shape), int(op), -1, float(prescale_factor),
@@ -434,8 +434,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
         TypeError, ValueError: bad arguments (this rank, before sending).
     """
     with scoped(process_set):
-        meta = reducescatter_meta(tensor, name, resolve_scatter_op(op), prescale_factor,
-                                  postscale_factor)
+        meta = reducescatter_meta(tensor, name, op, prescale_factor, postscale_factor)
         return _submit(meta, tensor.detach(), None)
 
 

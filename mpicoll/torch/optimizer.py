@@ -92,14 +92,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._params = [p for p in all_params if p.requires_grad]
         names = {p: by_id[id(p)] for p in self._params}
         self._names = {p: f"allreduce.{name}" for p, name in names.items()}
-        self._flat = [] if self._local_only else _flat_gradients(self._params, self._names)
-        self._views = {p: view for flat in self._flat for p, view in zip(flat.params,
-                                                                          flat.views)}
+        self._views: dict[torch.Tensor, torch.Tensor] = {}
+        self._metas: dict[str, Meta] = {}  # bulk requests, validated once
+        self._lay_out([] if self._local_only else self._params)
         self._handles: dict[torch.Tensor, tuple[int, Any]] = {}
         self._delay = {p: backward_passes_per_step for p in self._params}
         self._accumulated = 0          # parameters done accumulating (bulk mode)
-        self._mode_engine: Any = None  # the engine self._bulk was decided for
-        self._metas: dict[str, Meta] = {}  # bulk requests, validated once
         self._bulk = False
         self._synchronized = False
         self._codec_grads = None
@@ -301,7 +299,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if errors:
             raise errors[0]
         if self._sparse is not None and self._sparse.step_done():
-            self._rebuild_flat()
+            self._lay_out([p for p in self._params if p not in self._sparse.sparse])
         self._sparse_again()
         self._synchronized = True
 
@@ -316,16 +314,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is not None and not p.grad.is_sparse:
                 p.grad = p.grad.to_sparse(sparse_dim)
 
-    def _rebuild_flat(self) -> None:
-        """Lay the flat buffers out again without the parameters found sparse (their
-        reduced gradients are copied into the new views)."""
-        self._flat = _flat_gradients([p for p in self._params if p not in self._sparse.sparse],
-                                     self._names)
+    def _lay_out(self, params: list) -> None:
+        """Lay the flat buffers out for ``params`` (at set-up; again without the parameters
+        found sparse, whose reduced gradients are copied into the new views)."""
+        self._flat = _flat_gradients(params, self._names)
         self._views.clear()
         self._views.update((p, view) for flat in self._flat
                            for p, view in zip(flat.params, flat.views))
         self._metas.clear()
-        self._mode_engine = None
+        self._mode_engine: Any = None  # the engine self._bulk was decided for
 
     def _synchronize_compressed(self) -> None:
         """Reduce the flat buffers with the codec compressor (see :mod:`.compression.gradients`)."""
@@ -380,14 +377,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p, view in self._views.items():
             if p.grad is not view:
                 p.grad = view
-        others = [p for group in self.param_groups for p in group["params"]
-                  if p not in self._views]
-        for p in others:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p not in self._views and p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_().zero_()
 
 
 class _FlatGradients(NamedTuple):

@@ -37,7 +37,7 @@ from .engine.negotiation import Meta
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
            "register_all", "check_usable", "outside", "scoped", "scoped_engine",
-           "current_engine", "attach", "detach", "abandon", "forward_in_scope", "backward_in_scope",
+           "current_engine", "attach", "detach", "forward_in_scope", "backward_in_scope",
            "ProcessSetGrid", "process_grid", "global_rank"]
 
 #: The engine of the process set an operation is running in (``None``: the global one).
@@ -212,8 +212,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     engine. Returns whether it was removed (never the global set)."""
     if process_set.process_set_id in (None, 0):
         return False
-    _world_or_raise()
-    # every rank removes it, after its last operation
+    # every rank removes it, after its last operation (raises unless initialized)
     _gather_through_engine("remove_process_set", (process_set.process_set_id,))
     with _lock:
         entry = _registry.pop(process_set.process_set_id, None)  # type: ignore[arg-type]
@@ -240,9 +239,15 @@ def register_all(process_sets: Sequence[ProcessSet] | None) -> None:
             process_set.process_set_id = None
 
 
-def _forget_all(stop: str, reason: str) -> None:
-    """Unregister every set (and the global engine), then stop each process-set engine of
-    this rank with its method ``stop`` (``"shutdown"`` or ``"abandon"``) and ``reason``."""
+def detach(reason: str, stop: str = "shutdown") -> None:
+    """At ``shutdown`` (this rank's or another's): forget the sets (and the global engine)
+    and stop every process-set engine of this rank with its method ``stop``; ``reason``
+    says why, for the other ranks' errors.
+
+    ``stop="abandon"``: after a process failure (:mod:`mpicoll.torch.elastic`), stop them
+    without a shutdown round (:meth:`Engine.abandon`: some members may be dead); the
+    global set follows the next ``init``.
+    """
     global _world
     with _lock:
         entries = list(_registry.values())
@@ -253,19 +258,6 @@ def _forget_all(stop: str, reason: str) -> None:
     for _, engine in entries:
         if engine is not None:
             getattr(engine, stop)(reason)
-
-
-def detach(reason: str) -> None:
-    """At ``shutdown`` (this rank's or another's): stop every process-set engine of this
-    rank (``reason`` says why, for the other ranks' errors) and forget the sets."""
-    _forget_all("shutdown", reason)
-
-
-def abandon(reason: str) -> None:
-    """After a process failure (:mod:`mpicoll.torch.elastic`): stop every process-set
-    engine of this rank without a shutdown round (:meth:`Engine.abandon`: some members
-    may be dead) and forget the sets; the global set follows the next ``init``."""
-    _forget_all("abandon", reason)
 
 
 def check_usable(process_set: ProcessSet | None) -> Engine | None:
@@ -408,10 +400,9 @@ def process_grid(dp: int, tp: int) -> ProcessSetGrid:
             return global_process_set
         with _lock:
             existing = next((ps for ps, _ in _registry.values() if ps.ranks == ranks), None)
-        if existing is not None:
-            return existing
-        registered.append(add_process_set(ranks))
-        return registered[-1]
+        if existing is None:
+            registered.append(existing := add_process_set(ranks))
+        return existing
 
     row_sets = [register(ranks) for ranks in rows]
     col_sets = [register(ranks) for ranks in cols]

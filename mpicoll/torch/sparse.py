@@ -44,14 +44,11 @@ class SparseHandle:
     can be synchronized once.
     """
 
-    __slots__ = ("_indices", "_values", "_name", "_op", "_divisor", "_sparse_dims",
-                 "_dense_dims", "_done")
+    __slots__ = ("_indices", "_values", "_name", "_op", "_divisor", "_done")
 
-    def __init__(self, indices: int, values: int, name: str, op: ReduceOp, divisor: int,
-                 sparse_dims: int, dense_dims: tuple[int, ...]) -> None:
+    def __init__(self, indices: int, values: int, name: str, op: ReduceOp, divisor: int) -> None:
         self._indices, self._values = indices, values
         self._name, self._op, self._divisor = name, op, divisor
-        self._sparse_dims, self._dense_dims = sparse_dims, dense_dims
         self._done = False
 
     def poll(self) -> bool:
@@ -88,13 +85,13 @@ class SparseHandle:
         if not bool((sizes == sizes[0]).all()):
             seen: dict[tuple, list[int]] = {}
             for rank, row in enumerate(sizes.tolist()):
-                seen.setdefault(tuple(row) + self._dense_dims, []).append(rank)
+                seen.setdefault(tuple(row) + tuple(values.shape[1:]), []).append(rank)
             details = [f"ranks {ranks} have {list(size)}" for size, ranks in seen.items()]
             raise MismatchError(f"sparse_allreduce {self._name!r}: ranks disagree on the "
                                 f"size: " + "; ".join(details), details)
         keep = torch.ones(indices.shape[0], dtype=torch.bool)
         keep[ends] = False
-        size = tuple(int(s) for s in sizes[0].tolist()) + self._dense_dims
+        size = tuple(int(s) for s in sizes[0].tolist()) + tuple(values.shape[1:])
         result = torch.sparse_coo_tensor(indices[keep].t(), values, size,
                                          check_invariants=False).coalesce()
         if int(self._op) == int(Average) and self._divisor != 1:
@@ -168,8 +165,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
         values = coalesced.values().contiguous()
         indices_handle = mpi_ops.allgather_async(rows, name=f"{base}.indices")
         values_handle = mpi_ops.allgather_async(values, name=f"{base}.values")
-    return SparseHandle(indices_handle, values_handle, base, resolved, divisor,
-                        coalesced.sparse_dim(), tuple(coalesced.shape[coalesced.sparse_dim():]))
+    return SparseHandle(indices_handle, values_handle, base, resolved, divisor)
 
 
 class SparseGradients:

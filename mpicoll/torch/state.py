@@ -16,6 +16,7 @@ import atexit
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
@@ -133,7 +134,7 @@ def abandon(reason: str) -> None:
     global _engine
     with _lock:
         engine, _engine = _engine, None
-    process_set_registry.abandon(reason)
+    process_set_registry.detach(reason, "abandon")
     if engine is not None:
         engine.abandon(reason)
 
@@ -193,39 +194,27 @@ def stop_timeline() -> None:
     Raises:
         ValueError: not initialized.
     """
-    running = _global()
-    running.mark_cycles = False
+    _global().mark_cycles = False
     timeline.stop()
 
 
-def size() -> int:
-    """Number of ranks."""
-    return _global().size
+def _layout(name: str, doc: str) -> Callable[[], int]:
+    """A query named ``name`` that answers the global engine's attribute ``name``
+    (Horovod's layout queries; ``ValueError`` if not initialized), documented by ``doc``."""
+    def query() -> int:
+        return getattr(_global(), name)
+    query.__name__ = query.__qualname__ = name
+    query.__doc__ = doc
+    return query
 
 
-def rank() -> int:
-    """This process's rank."""
-    return _global().rank
-
-
-def local_rank() -> int:
-    """This process's rank on its node."""
-    return _global().local_rank
-
-
-def local_size() -> int:
-    """Number of ranks on this node."""
-    return _global().local_size
-
-
-def cross_rank() -> int:
-    """This node's index among the nodes (rank in the communicator of equal local ranks)."""
-    return _global().cross_rank
-
-
-def cross_size() -> int:
-    """Number of nodes (ranks with this local rank)."""
-    return _global().cross_size
+size = _layout("size", "Number of ranks.")
+rank = _layout("rank", "This process's rank.")
+local_rank = _layout("local_rank", "This process's rank on its node.")
+local_size = _layout("local_size", "Number of ranks on this node.")
+cross_rank = _layout("cross_rank", "This node's index among the nodes (rank in the communicator "
+                     "of equal local ranks).")
+cross_size = _layout("cross_size", "Number of nodes (ranks with this local rank).")
 
 
 def mpi_threads_supported() -> bool:
@@ -233,46 +222,22 @@ def mpi_threads_supported() -> bool:
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
-def mpi_enabled() -> bool:
-    """Always true: mpicoll.torch runs over MPI."""
-    return True
+def _constant(name: str, value: bool, doc: str) -> Callable[[], bool]:
+    """A query named ``name`` that always answers ``value`` (Horovod's build and
+    controller queries), documented by ``doc``."""
+    def query() -> bool:
+        return value
+    query.__name__ = query.__qualname__ = name
+    query.__doc__ = doc
+    return query
 
 
-def mpi_built() -> bool:
-    """Always true."""
-    return True
-
-
-def gloo_enabled() -> bool:
-    """Always false (no Gloo controller)."""
-    return False
-
-
-def gloo_built() -> bool:
-    """Always false."""
-    return False
-
-
-def nccl_built() -> bool:
-    """Always false (CPU tensors only)."""
-    return False
-
-
-def ddl_built() -> bool:
-    """Always false (no IBM DDL)."""
-    return False
-
-
-def ccl_built() -> bool:
-    """Always false (no oneCCL)."""
-    return False
-
-
-def cuda_built() -> bool:
-    """Always false (CPU tensors only)."""
-    return False
-
-
-def rocm_built() -> bool:
-    """Always false (CPU tensors only)."""
-    return False
+mpi_enabled = _constant("mpi_enabled", True, "Always true: mpicoll.torch runs over MPI.")
+mpi_built = _constant("mpi_built", True, "Always true.")
+gloo_enabled = _constant("gloo_enabled", False, "Always false (no Gloo controller).")
+gloo_built = _constant("gloo_built", False, "Always false.")
+nccl_built = _constant("nccl_built", False, "Always false (CPU tensors only).")
+ddl_built = _constant("ddl_built", False, "Always false (no IBM DDL).")
+ccl_built = _constant("ccl_built", False, "Always false (no oneCCL).")
+cuda_built = _constant("cuda_built", False, "Always false (CPU tensors only).")
+rocm_built = _constant("rocm_built", False, "Always false (CPU tensors only).")
