@@ -199,7 +199,6 @@ def _reduce_scatter_phase(ctx: Any, codec: Codec, plan: _RingPlan, y: np.ndarray
     left, right = (rank - 1) % n, (rank + 1) % n
     isend, irecv = ctx.p2p.Isend, ctx.p2p.Irecv
     sreqs: list[MPI.Request] = []
-    sent_bytes = 0
     units = (n - 1) * nseg
 
     def unit(u: int) -> tuple[int, int, int, int, int]:
@@ -218,7 +217,6 @@ def _reduce_scatter_phase(ctx: Any, codec: Codec, plan: _RingPlan, y: np.ndarray
         region = plan.send_region(first, j)
         payload = plan.encode(codec, y[lo:hi], region, first, j)
         sreqs.append(isend(buffers.msg(region), right, TAG_RS))
-        sent_bytes += region.size
         keep_residual(codec, payload, y[lo:hi], res, lo, plan.rt[:hi - lo])
     for u in range(units):
         slot = u % 2
@@ -234,11 +232,10 @@ def _reduce_scatter_phase(ctx: Any, codec: Codec, plan: _RingPlan, y: np.ndarray
             region = plan.send_region(b, j)
             payload = plan.encode(codec, acc, region, b, j)
             sreqs.append(isend(buffers.msg(region), right, TAG_RS))
-            sent_bytes += region.size
             keep_residual(codec, payload, acc, res, lo, plan.rt[:hi - lo])
         else:
             finish(acc, b, j, lo, hi)
-    return sreqs, sent_bytes
+    return sreqs, plan.send.size      # the send area: each unit sent, once
 
 
 def gather_phase(ctx: Any, region: Callable[[int, int], np.ndarray], own: int, nseg: int,

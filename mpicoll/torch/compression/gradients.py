@@ -218,8 +218,9 @@ class CompressedGradients:
         for run, (array, feedback, key) in zip(runs, prepared, strict=True):
             if self._pre != 1.0:
                 np.multiply(array, self._pre, out=array)
-            if self._beta:
-                local, previous = self._momentum_of(run)
+            if self._beta:     # the run's views of m and M_prev (zeros on first use)
+                local, previous = self._momentum_arrays(run.flat)
+                local, previous = local[run.lo:run.hi], previous[run.lo:run.hi]
                 np.multiply(local, self._beta, out=local)      # m = beta m + g
                 np.add(local, array, out=local)
                 np.copyto(array, local)
@@ -252,10 +253,8 @@ class CompressedGradients:
         local: dict[str, torch.Tensor] = {}
         reduced: dict[str, torch.Tensor] = {}
         for name, (flat, lo, hi) in self._positions().items():
-            state = self._momentum.get(flat)
-            if state is not None:
-                local[name] = torch.from_numpy(state[0][lo:hi].copy())
-                reduced[name] = torch.from_numpy(state[1][lo:hi].copy())
+            for part, array in zip((local, reduced), self._momentum.get(flat, ())):
+                part[name] = torch.from_numpy(array[lo:hi].copy())
         return {"codec": self.compressor.name, "momentum": self._beta,
                 "residuals": residuals, "local_momentum": local, "reduced_momentum": reduced,
                 "codec_state": self.compressor.codec.state_dict(), "steps": self.steps}
@@ -353,12 +352,6 @@ class CompressedGradients:
                                  flat.name, lo, hi))
         self._runs[threshold] = runs
         return runs
-
-    def _momentum_of(self, run: _Run) -> tuple[np.ndarray, np.ndarray]:
-        """Views of ``run``'s elements in the local momentum and the previous reduced
-        momentum of its flat buffer (zeros on first use)."""
-        local, previous = self._momentum_arrays(run.flat)
-        return local[run.lo:run.hi], previous[run.lo:run.hi]
 
     def _feedback_for(self, run: _Run, array: np.ndarray) -> tuple[Any, Any]:
         """``(feedback, key)`` for :func:`mpicoll.compression.allreduce` on ``run``.
