@@ -131,3 +131,20 @@ def test_checked_mode_device_rank_and_host_rank_disagree() -> None:
         with pytest.raises(mpicoll.MismatchError, match="count"):
             mpicoll.allreduce(np.ones(100), None, "sum", check=True)
     mpicoll.allreduce(np.ones(4), check=True)  # and the next call works on every rank
+
+
+def test_no_comm_means_the_runtime_world(monkeypatch) -> None:
+    """``comm=None`` plans with the runtime's world (here every other rank: what an elastic
+    shrink leaves), as its host calls run on it; not with ``MPI.COMM_WORLD``."""
+    from mpicoll.runtime import world
+
+    sub = COMM.Split(RANK % 2, RANK)
+    try:
+        monkeypatch.setattr(world, "comm", lambda: sub)
+        inputs = [rank_data(r, 5, np.float64) for r in range(RANK % 2, SIZE, 2)]
+        y = FakeDevice(np.zeros(5 * sub.Get_size()))
+        assert staged("allgather", (FakeDevice(inputs[sub.Get_rank()].copy()), y, "auto")) is y
+        np.testing.assert_array_equal(y.array, np.concatenate(inputs))
+    finally:
+        monkeypatch.undo()
+        sub.Free()
