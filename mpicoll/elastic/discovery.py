@@ -203,15 +203,13 @@ class Discovery:
         if error and (first or failures >= MAX_FAILED_POLLS):
             how = "" if first else f" ({failures} polls in a row)"
             return _ERROR, 0, f"{self.name} failed{how}: {error}", 0.0
-        if slots is None or first:       # the first check only validates the source
-            return _NOTHING, 0, "", 0.0
-        target = min(self.limit(), slots)
-        if target == self.failed_target:
-            return _NOTHING, 0, "", 0.0
-        self.failed_target = 0
-        if target <= size:
-            return _NOTHING, 0, "", 0.0
-        return _GROW, target, "", seen_at
+        if slots is not None and not first:    # the first check only validates the source
+            target = min(self.limit(), slots)
+            if target != self.failed_target:
+                self.failed_target = 0
+                if target > size:
+                    return _GROW, target, "", seen_at
+        return _NOTHING, 0, "", 0.0
 
 
 @dataclass
@@ -253,8 +251,8 @@ def configure(discovery: Source | None = None, max_np: int | None = None,
     """
     if discovery is None:
         discovery = os.environ.get(ENV_DISCOVERY, "").strip() or None
-    if max_np is None and os.environ.get(ENV_MAX_NP, "").strip():
-        raw = os.environ[ENV_MAX_NP].strip()
+    raw = os.environ.get(ENV_MAX_NP, "").strip()
+    if max_np is None and raw:
         try:
             max_np = int(raw)
         except ValueError:
@@ -271,12 +269,10 @@ def activate(discovery: Discovery | None, first: bool) -> None:
     _active = discovery
     if discovery is None:
         return
-    if first:
+    if first:     # rank 0's _agree starts its poller (a joining rank is never rank 0)
         if context.world().Get_rank() == 0:
             discovery.poll_now()
         _agree(discovery, first=True)
-    if context.world().Get_rank() == 0:
-        discovery.start()
 
 
 def deactivate() -> None:

@@ -110,13 +110,10 @@ def split_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
     i = 0
     while i < len(argv):
         word = argv[i]
-        if word == "--check-hash-based-pycs":
-            i += 2
+        if word.startswith("--") and word != "--":     # a long option (one has a value)
+            i += 2 if word == "--check-hash-based-pycs" else 1
             continue
-        if word.startswith("--") or not word.startswith("-") or word == "-":
-            if word.startswith("--") and word != "--":
-                i += 1
-                continue
+        if word in ("-", "--") or not word.startswith("-"):
             break
         for j in range(1, len(word)):
             if word[j] in "cm":                  # -c code / -m module: the program

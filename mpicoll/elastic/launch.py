@@ -36,6 +36,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -183,10 +184,8 @@ class Supervisor:
             self.event("discovered", hosts=[str(h) for h in hosts], slots=slots,
                        seconds=round(time.monotonic() - started, 4))
             if slots >= a.min_np:
-                np = min(a.max_np, slots)
-                if self.launches == 0 and a.np is not None:
-                    np = min(a.np, slots)
-                return hosts, max(np, a.min_np)
+                wanted = a.np if self.launches == 0 and a.np is not None else a.max_np
+                return hosts, max(min(wanted, slots), a.min_np)
             if time.monotonic() >= deadline or self.stop_signal is not None:
                 raise GaveUp(f"only {slots} slot(s) on {len(hosts)} host(s) alive "
                              f"({', '.join(map(str, hosts)) or 'none'}), fewer than "
@@ -197,8 +196,6 @@ class Supervisor:
 
     # -- one launch -----------------------------------------------------------------
     def command_line(self, hosts: list[Host], np: int) -> list[str]:
-        import shlex  # noqa: PLC0415
-
         a = self.args
         extra = shlex.split(a.launcher_args)
         if self.use_slurm():

@@ -86,13 +86,13 @@ def mpiexec_argv(mpiexec: str, flavour: str, hosts: list[Host], np: int,
     used = place(hosts, np)
     argv = [mpiexec, "-n", str(np)]
     remote = not all(is_local(host.name) for host in used)
+    names = ",".join(str(host) for host in used)
     if flavour == "openmpi":
-        names = ",".join(str(host) for host in used)
-        argv += ["--host", names] if remote else ["--host", f"localhost:{np}"]
+        argv += ["--host", names if remote else f"localhost:{np}"]
         for name in exported:
             argv += ["-x", name]
     elif remote:
-        argv += ["-hosts", ",".join(str(host) for host in used)]
+        argv += ["-hosts", names]
     return argv + list(extra) + list(command)
 
 

@@ -61,13 +61,9 @@ def job_processes(leader: int) -> set[int]:
     of the leader (even if it made a session of its own)."""
     stats = {int(entry): _stat(int(entry)) for entry in os.listdir("/proc") if entry.isdigit()}
     table = {pid: info for pid, info in stats.items() if info is not None}
-    found = {pid for pid, (_, sid) in table.items() if sid == leader}
-    if leader in table:
-        found.add(leader)
-    while True:      # the descendants of what was found, until none is new
-        more = {pid for pid, (ppid, _) in table.items() if ppid in found} - found
-        if not more:
-            break
+    found = {pid for pid, (_, sid) in table.items() if sid == leader or pid == leader}
+    # the descendants of what was found, until none is new
+    while more := {pid for pid, (ppid, _) in table.items() if ppid in found} - found:
         found |= more
     found.discard(os.getpid())
     return found

@@ -206,27 +206,26 @@ def _grow_or_reset(exc: HostsUpdatedInterrupt | None, reset: Callable[[], Any],
     :class:`~mpicoll.elastic.Recovery` made, if any."""
     if exc is not None and not isinstance(exc, HostsAddedInterrupt):
         return None
-    if grow is None or not isinstance(exc, HostsAddedInterrupt):
-        _reset_until_stable(reset)
-        return world_module.last_recovery
-    try:
-        grow(exc.new_size)
-    except GrowthError as err:
-        log.error("%s; the job goes on at %d ranks", err, exc.old_size)
-        source = discovery_module.active()
-        if source is not None:
-            source.failed_target = exc.new_size      # not again until discovery changes
-        return None
-    except (ProcessFailedError, MPI.Exception) as err:
-        if not isinstance(failures.translate(err, None, "a growth"), ProcessFailedError):
-            raise
-        log.warning("a process failed while the world grew (%s); shrinking", err)
-        _reset_until_stable(reset)
-        return world_module.last_recovery
-    growth = grow_module.last_growth
-    if growth is not None:
-        growth.detected_at = exc.detected_at
-    return growth
+    if grow is not None and isinstance(exc, HostsAddedInterrupt):
+        try:
+            grow(exc.new_size)
+        except GrowthError as err:
+            log.error("%s; the job goes on at %d ranks", err, exc.old_size)
+            source = discovery_module.active()
+            if source is not None:
+                source.failed_target = exc.new_size      # not again until discovery changes
+            return None
+        except (ProcessFailedError, MPI.Exception) as err:
+            if not isinstance(failures.translate(err, None, "a growth"), ProcessFailedError):
+                raise
+            log.warning("a process failed while the world grew (%s); shrinking", err)
+        else:
+            growth = grow_module.last_growth
+            if growth is not None:
+                growth.detected_at = exc.detected_at
+            return growth
+    _reset_until_stable(reset)
+    return world_module.last_recovery
 
 
 def run_fn(func: Callable[..., Any], reset: Callable[[], Any],

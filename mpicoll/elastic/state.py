@@ -115,7 +115,9 @@ class State:
         :meth:`check_host_updates` (collective when a discovery is active). Local (no
         communication) otherwise."""
         self.save()
-        _save_to_disk(self)
+        disk = _disk()
+        if disk is not None and self._rank() == 0:
+            disk.save(self.serialize())
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -140,11 +142,8 @@ class State:
             return
         previous = newest = self._last_updated_timestamp
         update = HostUpdateResult.no_update
-        while True:
-            try:
-                timestamp, result = self._host_messages.get_nowait()
-            except queue.Empty:
-                break
+        while not self._host_messages.empty():      # this thread is the only reader
+            timestamp, result = self._host_messages.get_nowait()
             if timestamp > newest:
                 newest = timestamp
                 update |= result
@@ -230,12 +229,6 @@ def _disk() -> Any:
     from . import disk  # noqa: PLC0415  (only the supervisor's jobs need it)
 
     return disk if disk.active() else None
-
-
-def _save_to_disk(state: State) -> None:
-    disk = _disk()
-    if disk is not None and state._rank() == 0:
-        disk.save(state.serialize())
 
 
 def load_from_disk(state: State) -> bool:
