@@ -537,29 +537,10 @@ class ParameterServer:
 
     def _through_node(self, kind: str, op: CollOp, lead: Callable[[], Any]) -> Any:
         """The result of ``lead()`` (a handle of this rank's client or engine); with
-        local aggregation through the node (:meth:`_node_steps`)."""
+        local aggregation through the node (:meth:`NodeGroup.agree_and_lead`)."""
         if self._node is None:
             return lead().wait()
-        return self._node.start(kind, self._node_steps(op, lead)).wait()
-
-    def _node_steps(self, op: CollOp, lead: Callable[[], Any]) -> Any:
-        """Steps of a node's close, stats or save: the node's workers agree on ``op``, the
-        leader starts ``lead()`` (a handle of its client or engine), and every worker of
-        the node gets its result, or the same :class:`PSError`."""
-        node = self._node
-        yield from node.control_only(op)
-        result, error = None, None
-        if node.is_leader:
-            try:
-                handle = lead()
-                yield handle
-                result = handle.wait()
-            except PSError as exc:
-                error = str(exc)
-        result, error = yield from node.share((result, error))
-        if error is not None:
-            raise PSError(error)
-        return result
+        return self._node.start(kind, self._node.agree_and_lead(op, lead)).wait()
 
     def _close_leader(self) -> Any:
         """A node leader's close of its engine or client (a handle)."""

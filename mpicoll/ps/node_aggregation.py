@@ -27,6 +27,7 @@ dead rank, in the node or elsewhere, is a :class:`~mpicoll.ProcessFailedError` h
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -155,18 +156,9 @@ class NodeGroup(CollectiveGroup):
         yield from self._control(op, call.error)
         # (separate arrays: pulling into the gradients is safe)
         sums = (yield from self._reduce(call.grads)) if call.pushing else None
-        status = None
-        if self.is_leader:
-            kind = CollOp(op).name.lower()
-            try:
-                handle = self.leader_call(kind, sums, call.result)
-                yield handle                # a handle: the node's handle waits on it
-                handle.wait()               # a pull filled call.result (its ``out``)
-            except PSError as exc:
-                status = str(exc)
-        status = yield from self.share(status)
-        if status is not None:
-            raise PSError(status)
+        # a pull fills call.result (its ``out``) on the leader; the others get it below
+        yield from self.lead(self.leader_call, CollOp(op).name.lower(), sums, call.result,
+                            share_result=False)
         if call.pulling:
             result = call.result
             yield [self.comm.Ibcast(_raw(result[n]), root=0)
@@ -203,9 +195,30 @@ class NodeGroup(CollectiveGroup):
             self.counters["node_bytes_reduced"] += sums[name].nbytes * (self.size - 1)
         return sums
 
-    def control_only(self, op: int) -> Any:
-        """Steps: the node's agreement on ``op`` (close, stats, save)."""
+    def lead(self, start: Callable[..., Any], *args: Any, share_result: bool = True) -> Any:
+        """Steps: the leader starts ``start(*args)`` (a handle of its client or engine)
+        and waits for it; every worker of the node gets its result (``share_result=False``:
+        ``None``, e.g. a pull's arrays, which :meth:`step` broadcasts), or the same
+        :class:`PSError`."""
+        result, error = None, None
+        if self.is_leader:
+            try:
+                handle = start(*args)
+                yield handle                # a handle: the node's handle waits on it
+                result = handle.wait()
+            except PSError as exc:
+                error = str(exc)
+        result, error = yield from self.share((result if share_result else None, error))
+        if error is not None:
+            raise PSError(error)
+        return result
+
+    def agree_and_lead(self, op: int, start: Callable[[], Any]) -> Any:
+        """Steps of a node's close, stats or save: the node's workers agree on ``op``, the
+        leader starts ``start()`` (a handle of its client or engine), and every worker of
+        the node gets its result, or the same :class:`PSError` (:meth:`lead`)."""
         yield from self._control(op, None)
+        return (yield from self.lead(start))
 
     def worker_counters(self, leader_counters: dict[str, int] | None) -> dict[str, int]:
         """This worker's counters: the node's traffic to the servers on the leader."""
