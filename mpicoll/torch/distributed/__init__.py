@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .groups import backend_of, monitored_barrier, split_group
 from .options import BACKEND, Options
-from .reconfigure import PARENT, default_comms, joining, member_comm, start_joining
+from .reconfigure import PARENT, group_comms, joining, start_joining
 from .startup import install_env_handler, mpi_rendezvous, world
 from .tensors import op_name as _op_name  # noqa: F401  (kept for callers of the old module)
 
@@ -55,8 +55,8 @@ def _create(opts: Any, backend_options: Any = None) -> Any:
 
     ranks = list(opts.global_ranks_in_group)
     try:
-        return progress.create(lambda made: _build(opts, backend_options, made), world(),
-                               ranks, "new_group")
+        return progress.create(lambda made: _build(opts, backend_options, ranks, made),
+                               world(), ranks, "new_group")
     except Exception:
         if ranks and failures.ENABLED:
             PARENT.clear()   # maybe still in use by a creation stuck in MPI: later
@@ -64,16 +64,15 @@ def _create(opts: Any, backend_options: Any = None) -> Any:
         raise
 
 
-def _build(opts: Any, backend_options: Any, made: list[Any]) -> Any:
-    """:func:`_create`'s work; the communicator, once made, is appended to ``made``."""
+def _build(opts: Any, backend_options: Any, ranks: list[int], made: list[Any]) -> Any:
+    """:func:`_create`'s work (``ranks``: the group's global ranks); the communicator,
+    once made, is appended to ``made``."""
     from mpi4py import MPI  # noqa: PLC0415
 
     from ..threads import fit as fit_threads  # noqa: PLC0415
     from .process_group import MPIProcessGroup  # noqa: PLC0415  (builds the extension)
 
     comm_world = world()
-    ranks = list(opts.global_ranks_in_group)
-    owned: tuple[Any, ...] = ()
     if not ranks:  # the default group: every MPI process, ranks as MPI's
         if (opts.group_rank != comm_world.Get_rank()
                 or opts.group_size != comm_world.Get_size()):
@@ -83,12 +82,10 @@ def _build(opts: Any, backend_options: Any, made: list[Any]) -> Any:
                 f"{comm_world.Get_size()}: start every process with mpirun, and where RANK "
                 f"and WORLD_SIZE are set they must equal MPI's")
         fit_threads(None if joining() else comm_world)   # a new process: no collective
-        comm, owned = default_comms(comm_world)
-    else:
-        comm = member_comm(PARENT[0] if PARENT else comm_world, ranks)
-        if comm == MPI.COMM_NULL or comm.Get_rank() != opts.group_rank:
-            raise RuntimeError(f"the mpicoll backend could not build group {ranks}: "
-                               f"default group and MPI.COMM_WORLD differ")
+    comm, owned = group_comms(comm_world, ranks)
+    if ranks and (comm == MPI.COMM_NULL or comm.Get_rank() != opts.group_rank):
+        raise RuntimeError(f"the mpicoll backend could not build group {ranks}: "
+                           f"default group and MPI.COMM_WORLD differ")
     made.append(comm)
     return MPIProcessGroup(comm, comm.Get_rank(), comm.Get_size(), opts.timeout,
                            backend_options, owned, group_name=opts.group_id, ranks=ranks)

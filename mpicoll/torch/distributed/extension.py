@@ -50,17 +50,14 @@ class ExtensionBuildError(RuntimeError):
     """The backend's C++ extension could not be built or loaded."""
 
 
-def _key() -> str:
-    """What the built module depends on: the source, the flags, torch, Python, platform."""
+def _name() -> str:
+    """The module's name, with a key of what the built module depends on: the source, the
+    flags, torch, Python, platform."""
     digest = hashlib.sha256(SOURCE.read_bytes())
     for part in (*CFLAGS, torch.__version__, sys.version, sysconfig.get_platform(),
                  str(torch.compiled_with_cxx11_abi())):
         digest.update(b"\0" + part.encode())
-    return digest.hexdigest()[:16]
-
-
-def _name() -> str:
-    return f"mpicoll_c10d_{_key()}"
+    return f"mpicoll_c10d_{digest.hexdigest()[:16]}"
 
 
 def build_directory() -> Path:

@@ -2,7 +2,6 @@
 NCCL's), importable without building the backend's C++ extension."""
 from __future__ import annotations
 
-import copy
 from datetime import timedelta
 from typing import Any
 
@@ -57,7 +56,7 @@ class Options(_C10dBackend.Options):
         return self.for_group(self._timeout, self.group_name, self.global_ranks_in_group)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Options:
-        return copy.copy(self)
+        return self.__copy__()
 
     def __repr__(self) -> str:
         return (f"Options(algorithm={self.algorithm!r}, check={self.check!r}, "

@@ -59,7 +59,7 @@ from ...runtime import world as runtime_world
 from . import startup
 from .groups import cpu_backend
 
-__all__ = ["follow_world", "survivors", "shrunk", "adopt_wrapper", "default_comms",
+__all__ = ["follow_world", "survivors", "shrunk", "adopt_wrapper", "group_comms",
            "member_comm", "PARENT", "start_joining", "end_joining", "joining",
            "align_ddp_buckets"]
 
@@ -72,9 +72,13 @@ log = logging.getLogger("mpicoll.torch")
 PARENT: list[Any] = []
 
 
-def default_comms(world: Any) -> tuple[Any, tuple[Any, ...]]:
-    """The default group's communicator over ``world`` and the communicators it owns (a
-    second duplicate: :data:`PARENT`, which later groups are made from)."""
+def group_comms(world: Any, ranks: list[int]) -> tuple[Any, tuple[Any, ...]]:
+    """The communicator of the group of the ranks ``ranks`` of ``world`` and the
+    communicators it owns: the default group's (``ranks`` empty) is a duplicate of
+    ``world`` and owns a second one (:data:`PARENT`, which later groups are made from);
+    another group's is :func:`member_comm` of :data:`PARENT` (or of ``world``), owning none."""
+    if ranks:
+        return member_comm(PARENT[0] if PARENT else world, ranks), ()
     comm = comms.dup(world, "group")
     owned = (comms.dup(world, "group"),)
     PARENT[:] = owned
@@ -138,19 +142,13 @@ def follow_world() -> int:
     for pg, backend in stale:
         old_world = runtime_world.state_world(backend.generation).communicator
         members = backend.options.global_ranks_in_group
-        owned: tuple[Any, ...] = ()
-        if not members:          # the default group: every rank of the new world
-            comm, owned = default_comms(new_world)
-            ranks: list[int] = []
-            mapping = {r: r for r in range(new_world.Get_size())}
-        else:
-            ranks = survivors(old_world, members, new_world)
-            comm = member_comm(PARENT[0] if PARENT else new_world, ranks)
-            mapping = {g: i for i, g in enumerate(ranks)}
+        # the default group ([]): every rank of the new world
+        ranks = survivors(old_world, members, new_world) if members else []
+        comm, owned = group_comms(new_world, ranks)
         old_size = backend.size()
         backend.rebind(comm, owned, ranks)
         set_rank_size(pg, comm.Get_rank(), comm.Get_size())
-        group_ranks[pg] = mapping
+        group_ranks[pg] = {g: i for i, g in enumerate(ranks or range(new_world.Get_size()))}
         log.info("process group %s rebuilt on the new world: %d -> %d ranks",
                  backend.options.group_name, old_size, comm.Get_size())
     if grew:
@@ -310,11 +308,7 @@ def shrunk(backend: Any, excluded: list[int]) -> tuple[Any, tuple[Any, ...], lis
         if made is not None:
             comms.free(made)
     members = backend.options.global_ranks_in_group
-    owned: tuple[Any, ...] = ()
-    if not members:                     # the default group: the survivors are the world
-        context.set_world(comm)
-        comm, owned = default_comms(comm)
-        ranks: list[int] = []
-    else:
-        ranks = [members[r] for r in keep]
-    return comm, owned, ranks
+    if members:
+        return comm, (), [members[r] for r in keep]
+    context.set_world(comm)             # the default group: the survivors are the world
+    return (*group_comms(comm, []), [])

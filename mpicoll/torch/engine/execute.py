@@ -13,7 +13,6 @@ does not import :mod:`mpicoll.torch.engine.core` (which imports this one).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 from math import prod
 from typing import Any, Iterator, Protocol, Sequence
@@ -452,9 +451,9 @@ def _alltoall(engine: EngineInterface, bucket: list[Response]) -> None:
         elif row and any(any(rank_splits) for rank_splits in splits):   # the same everywhere
             item = dtype.itemsize * row              # bytes per row
 
-            def exchange(send: Any, recv: Any) -> None:
-                engine.comm.Alltoallv([send, _byte_layout(splits[me], item), MPI.BYTE],
-                                      [recv, _byte_layout(received, item), MPI.BYTE])
+            def exchange(send: Any, recv: Any) -> None:   # mpi4py packs blocks in order
+                engine.comm.Alltoallv([send, [s * item for s in splits[me]], MPI.BYTE],
+                                      [recv, [s * item for s in received], MPI.BYTE])
 
             trace.step("MPI_ALLTOALL")
             _collect(engine, dev, [source.view(-1).view(torch.uint8)],
@@ -502,12 +501,6 @@ def _collect(engine: EngineInterface, dev: Any, inputs: list, outputs: list,
 def alltoall_splits(meta: Any, size: int) -> tuple[int, ...]:
     """The rows ``meta``'s rank sends to each rank (its splits, or dimension 0 evenly)."""
     return tuple(meta.splits) if meta.splits else (meta.shape[0] // size,) * size
-
-
-def _byte_layout(splits: Sequence[int], item: int) -> tuple[list[int], list[int]]:
-    """The byte counts and displacements of blocks of ``splits`` rows of ``item`` bytes."""
-    counts = [s * item for s in splits]
-    return counts, [0, *itertools.accumulate(counts)][:-1]
 
 
 def reducescatter_rows(rows: int, size: int) -> list[int]:
