@@ -5,7 +5,7 @@ DDP's reducer waits for each bucket's future at the end of the backward pass and
 its value; in torch 2.13 a future completed with an error there ends the process (a
 segmentation fault in ``c10d::detail::parseCppCommHookResult``), and a reducer stopped
 half-way would keep the previous world size as its divisor for the next backward. So an
-operation started inside a backward pass (:func:`active`) completes its future with its
+operation started inside a backward pass (:func:`task`) completes its future with its
 input tensors when it fails, its ``Work`` keeping the error (``wait()`` raises it); the
 first such operation of a backward pass queues a callback with torch's autograd engine
 that queues another, which runs after DDP's own (queued later) and raises the first error
@@ -21,16 +21,11 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-__all__ = ["active", "task", "watch"]
+__all__ = ["task", "watch"]
 
 _lock = threading.Lock()
 #: graph task id -> the works started during it
 _works: dict[int, list[Any]] = {}
-
-
-def active() -> bool:
-    """Whether the calling thread runs a backward pass."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def task() -> int:
@@ -38,10 +33,9 @@ def task() -> int:
     return torch._C._current_graph_task_id()
 
 
-def watch(work: Any) -> None:
-    """Raise ``work``'s error (if it fails) from the backward pass that started it, after
-    the callbacks queued during it (DDP's)."""
-    task = torch._C._current_graph_task_id()
+def watch(work: Any, task: int) -> None:
+    """Raise ``work``'s error (if it fails) from the backward pass that started it (the
+    calling thread's, :func:`task`), after the callbacks queued during it (DDP's)."""
     with _lock:
         first = task not in _works
         _works.setdefault(task, []).append(work)

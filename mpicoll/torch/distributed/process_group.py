@@ -238,20 +238,20 @@ class MPIProcessGroup(_Backend):
         if self._adopt:
             self._adopt = False
             reconfigure.adopt_wrapper(self)
-        if not backward.active():
+        task = backward.task()
+        if task == -1:          # not during a backward pass
             return MPIWork(self._lane.submit(kind, op))
-        work = MPIWork(self._lane.submit(kind, op, here=self._last_of_backward()),
+        work = MPIWork(self._lane.submit(kind, op, here=self._last_of_backward(task)),
                        fallback=fallback)
-        backward.watch(work)
+        backward.watch(work, task)
         return work
 
-    def _last_of_backward(self) -> bool:
-        """Whether an operation submitted now, during a backward pass, is that pass's last
-        (as many operations as the previous pass submitted: DDP's buckets): DDP's reducer
-        waits for it at once, so it runs on the caller's thread, without the hand-over to
-        the lane's thread and back (on oversubscribed cores: two wake-ups per step). A
-        pass that submits more or fewer only moves where that happens."""
-        task = backward.task()
+    def _last_of_backward(self, task: int) -> bool:
+        """Whether an operation submitted now, during backward pass ``task``, is that
+        pass's last (as many operations as the previous pass submitted: DDP's buckets):
+        DDP's reducer waits for it at once, so it runs on the caller's thread, without the
+        hand-over to the lane's thread and back (on oversubscribed cores: two wake-ups per
+        step). A pass that submits more or fewer only moves where that happens."""
         last_task, count = self._backward
         if task != last_task:
             if last_task != -1:
