@@ -247,13 +247,10 @@ def report(data: dict | None = None) -> str:
     lines = [f"mpicoll {m['version']} (Python {m['python']}, numpy {m['numpy']}, "
              f"{m['platform']})", "MPI"]
     mpi = d["mpi"]
-    if "error" in mpi:
-        lines.append(_line("error", mpi["error"]))
-    else:
-        for key in ("library", "standard", "vendor", "mpi4py", "thread_level", "world_size",
-                    "mpi_memory_alloc_kinds", "ulfm"):
-            if key in mpi:
-                lines.append(_line(key.replace("_", " "), mpi[key]))
+    for key in ("error", "library", "standard", "vendor", "mpi4py", "thread_level",
+                "world_size", "mpi_memory_alloc_kinds", "ulfm"):  # a failed one: "error" only
+        if key in mpi:
+            lines.append(_line(key.replace("_", " "), mpi[key]))
     lines.append("CUDA")
     ca = d["cuda_aware"]
     if "error" in ca:

@@ -138,9 +138,8 @@ def stop() -> Path | None:
         return None
     path, size = _state["path"], _state["size"]
     deadline = time.monotonic() + MERGE_WAIT_SECONDS
-    while not all(_finished(_part(path, r)) for r in range(size)):
+    while missing := [r for r in range(size) if not _finished(_part(path, r))]:
         if time.monotonic() > deadline:
-            missing = [r for r in range(size) if not _finished(_part(path, r))]
             print(f"mpicoll.timeline: parts of ranks {missing} not finished after "
                   f"{MERGE_WAIT_SECONDS:.0f} s; merge later with: python -m mpicoll.timeline "
                   f"{path}", file=sys.stderr, flush=True)

@@ -39,6 +39,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import waiting
+from ..buffers import msg
 
 __all__ = ["AdasumUnsupportedError", "check_adasum_size", "adasum_allreduce", "adasum_pair"]
 
@@ -86,10 +87,6 @@ def adasum_pair(a: np.ndarray, b: np.ndarray, dot: float, a_norm2: float,
     return ca * a.astype(np.float64) + cb * b.astype(np.float64)
 
 
-def _bytes(array: np.ndarray) -> list:
-    return [array.view(np.uint8), MPI.BYTE]
-
-
 def _partial_sums(mine: np.ndarray, theirs: np.ndarray, lo: int,
                   bounds: Sequence[tuple[int, int]], left: bool) -> np.ndarray:
     """Per tensor: (dot, |lower block's part|^2, |upper block's part|^2) of the range
@@ -114,7 +111,7 @@ def _block_sum(comm: MPI.Intracomm, rank: int, level: int, sums: np.ndarray) -> 
     bit = 1
     while bit <= level:
         partner = rank ^ bit
-        waiting.sendrecv(comm, _bytes(sums), partner, _TAG_SUMS, _bytes(incoming), partner,
+        waiting.sendrecv(comm, msg(sums), partner, _TAG_SUMS, msg(incoming), partner,
                          _TAG_SUMS)
         sums = sums + incoming
         bit <<= 1
@@ -156,8 +153,8 @@ def adasum_allreduce(buf: np.ndarray, counts: Sequence[int], comm: MPI.Intracomm
         left = not rank & level
         keep, give = ((lo, mid), (mid, hi)) if left else ((mid, hi), (lo, mid))
         theirs = scratch[:keep[1] - keep[0]]
-        waiting.sendrecv(comm, _bytes(buf[give[0]:give[1]]), partner, _TAG_HALVES,
-                         _bytes(theirs), partner, _TAG_HALVES)
+        waiting.sendrecv(comm, msg(buf[give[0]:give[1]]), partner, _TAG_HALVES,
+                         msg(theirs), partner, _TAG_HALVES)
         ranges.append((lo, hi))
         lo, hi = keep
         mine = buf[lo:hi]
@@ -176,6 +173,6 @@ def adasum_allreduce(buf: np.ndarray, counts: Sequence[int], comm: MPI.Intracomm
         partner = rank ^ level
         plo, phi = ranges.pop()
         missing = (hi, phi) if not rank & level else (plo, lo)
-        waiting.sendrecv(comm, _bytes(buf[lo:hi]), partner, _TAG_HALVES,
-                         _bytes(buf[missing[0]:missing[1]]), partner, _TAG_HALVES)
+        waiting.sendrecv(comm, msg(buf[lo:hi]), partner, _TAG_HALVES,
+                         msg(buf[missing[0]:missing[1]]), partner, _TAG_HALVES)
         lo, hi = plo, phi

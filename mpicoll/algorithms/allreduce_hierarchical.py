@@ -59,13 +59,7 @@ def hierarchical_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any, *,
     """
     topo = ctx.topology
     local = get_context(topo.node_comm)
-    if topo.uniform:
-        if local.size == 1:
-            buffers.copy(recv, send)
-            _allreduce_across(topo.cross_comm, recv, op, inner)
-            if finalize:
-                op.finalize(recv, ctx.size)
-            return
+    if topo.uniform and local.size > 1:
         bounds = rank_blocks(local, recv.size)
         plan = ring_plan(local, bounds, recv.dtype, recv)
         ring_reduce_scatter(local.p2p, local.rank, local.size, send, recv, plan.segb,
@@ -76,8 +70,8 @@ def hierarchical_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any, *,
             op.finalize(mine, ctx.size)
         ring_allgather(local.p2p, local.rank, local.size, recv, plan.segb)
         return
-    segb = tree_segments(local, recv.size, recv.dtype.itemsize)
-    if local.size > 1:
+    if local.size > 1:   # else one rank a node: it is its node's leader
+        segb = tree_segments(local, recv.size, recv.dtype.itemsize)
         slots = tree_scratch(local, 0, segb, recv.dtype, recv)
         tree_reduce(local.p2p, local.rank, local.size, 0, send, recv, segb, slots, op)
     else:

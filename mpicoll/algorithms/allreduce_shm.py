@@ -121,15 +121,13 @@ def shm_allreduce(ctx: CommContext, send: Any, recv: Any, op: Any, *,
     if topo.num_nodes == 1:
         _chunks(win, send, recv, op, None, None, scale)
         return
-    cross = topo.cross_comm
+    cross = topo.cross_comm         # where used: one rank of each node, two or more
     if topo.uniform:
-        _chunks(win, send, recv, op,
-                get_context(cross) if cross.Get_size() > 1 else None, inner, scale)
+        _chunks(win, send, recv, op, get_context(cross), inner, scale)
         return
     _chunks(win, send, recv, op, None, None)
     if topo.local_rank == 0:
-        if cross.Get_size() > 1:
-            lookup("allreduce", inner)(get_context(cross), recv, recv, op)
+        lookup("allreduce", inner)(get_context(cross), recv, recv, op)
         if scale:
             op.finalize(recv, scale)
     _node_broadcast(win, recv)

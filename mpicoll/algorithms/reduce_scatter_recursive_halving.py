@@ -21,11 +21,10 @@ def halving_reduce_scatter_blocks(ctx: CommContext, send: Any, recv: Any, op: An
     work = scratch(ctx, "vector", send.size, send.dtype, send)
     tmp = scratch(ctx, "vector2", send.size, send.dtype, send)
     mine = slice(bounds[ctx.rank], bounds[ctx.rank + 1])
+    cur = fold_in(ctx.p2p, f, send, work, tmp, op)
     if f.newrank < 0:
-        fold_in(ctx.p2p, f, send, work, tmp, op)
         waiting.recv(ctx.p2p, msg(recv), f.partner, TAG_FOLD)
         return
-    cur = fold_in(ctx.p2p, f, send, work, tmp, op)
     cur = halving_reduce_scatter(ctx.p2p, f, cur, work, groups, tmp, op)
     if f.folded:
         waiting.send(ctx.p2p, msg(cur[bounds[f.partner]:bounds[f.partner + 1]]), f.partner,

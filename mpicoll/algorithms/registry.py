@@ -79,8 +79,7 @@ def scales_shards(collective: str, name: str) -> bool:
 
 def is_registered(collective: str, name: str) -> bool:
     """Whether ``name`` is a registered algorithm of ``collective`` (cheap: a dict lookup)."""
-    table = _REGISTRY.get(collective)
-    return table is not None and name in table
+    return name in _REGISTRY.get(collective, ())
 
 
 def names(collective: str) -> list[str]:

@@ -162,9 +162,8 @@ def _number(value: Any, what: str) -> float:
 
 def is_auto(spec: Any) -> bool:
     """Whether ``spec`` asks for automatic choice (``"auto"``, ``"auto:..."``, Auto)."""
-    if isinstance(spec, Auto):
-        return True
-    return isinstance(spec, str) and spec.strip().lower().partition(":")[0] == AUTO
+    return isinstance(spec, Auto) or (isinstance(spec, str)
+                                      and spec.strip().lower().partition(":")[0] == AUTO)
 
 
 def codec_from_spec(spec: Any, argname: str = "compression") -> Codec:
@@ -176,9 +175,7 @@ def codec_from_spec(spec: Any, argname: str = "compression") -> Codec:
     """
     if isinstance(spec, str) and is_auto(spec):
         _, _, rest = spec.strip().partition(":")
-        if not rest:
-            return Auto()
-        return Auto([c for c in rest.split(",")])
+        return Auto(rest.split(",")) if rest else Auto()
     return get_codec(spec, argname)
 
 
@@ -230,7 +227,7 @@ def _state(ctx: CommContext, auto: Auto, like: Any) -> _State:
             figures, source = probe.measure_link(ctx.p2p), "measured"
         else:
             figures, source = (link[0], 1.0 / link[1]), link[2]
-        share = probe.cpu_share(namespace.array_module(like).__name__)
+        share = probe.cpu_share(module)
         return _State(probe.agree_inputs(ctx.p2p, enc, dec, add, figures, source, share))
 
     return ctx.resource(key, build)

@@ -180,11 +180,10 @@ def _flat(inp: ModelInputs, codec: Codec, nbytes: float, dtype: np.dtype, n: int
     block = nbytes / n
     m = max(1, math.ceil(block / seg_bytes))
     q = block / m
-    steps = n - 1 if collective == "reduce_scatter" else 2 * (n - 1)
     if collective == "reduce_scatter":
-        encodes, decodes = (n - 1) * m, (n - 1) * (1 + f) * m
+        steps, encodes, decodes = n - 1, (n - 1) * m, (n - 1) * (1 + f) * m
     else:
-        encodes, decodes = n * m, ((n - 1) * (1 + f) + n) * m
+        steps, encodes, decodes = 2 * (n - 1), n * m, ((n - 1) * (1 + f) + n) * m
     adds = ((n - 1) + f * n) * m
     return (msgs(steps * m, _wire(codec, q, dtype)) + encodes * enc.seconds(q)
             + decodes * dec.seconds(q) + adds * inp.add.seconds(q))
