@@ -69,11 +69,10 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, compression: 
             out = result.reshape(-1)
         owner = recvbuf if in_place else sendbuf
         store, fb_key = feedback_store(codec, feedback, key, owner, x, default=False)
-        return ((codec, x, out, result, store, fb_key, owner),
+        return ((codec, x, out, result, store, fb_key),
                 dict(count=x.size, dtype=str(x.dtype), algorithm=codec.name))
 
-    codec, x, out, result, store, fb_key, owner = agreed(ctx, check, "compression.allgather",
-                                                         validate)
+    codec, x, out, result, store, fb_key = agreed(ctx, check, "compression.allgather", validate)
     choice = None
     if isinstance(codec, Auto):     # every rank is here: the agreement passed
         codec, choice = resolve(ctx, codec, x, "flat", 0, store is not None, "allgather")

@@ -112,12 +112,11 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
 
     codec, opname, x, out, result, store, fb_key, seg, shape, owner = agreed(
         ctx, check, "compression.allreduce", validate)
-    n = ctx.size
     choice = None
     if isinstance(codec, Auto):     # every rank is here: the agreement passed
         codec, choice = resolve(ctx, codec, x, shape, seg, feedback)
         store, fb_key = feedback_store(codec, feedback, key, owner, x)
-    stats = record(CollectiveStats(codec.name, x.size, str(x.dtype), n, shape,
+    stats = record(CollectiveStats(codec.name, x.size, str(x.dtype), ctx.size, shape,
                                    choice=choice))
     if x.size == 0:
         return result
@@ -128,5 +127,5 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
         intra, inter = flat_split(ctx, flat_allreduce(ctx, codec, y, res, out, seg))
     fill(stats, intra, inter)
     if opname == "average":
-        namespace.array_module(out).divide(out, n, out=out)
+        namespace.array_module(out).divide(out, ctx.size, out=out)
     return result

@@ -130,16 +130,14 @@ def feedback_store(codec: Codec, feedback: Any, key: Hashable, owner: Any, x: np
         raise TypeError(f"feedback must be None, True, False or an ErrorFeedback, "
                         f"not {type(feedback).__name__}")
     if feedback is None:
-        on = codec.lossy if default is None else default
-    else:
-        on = feedback if isinstance(feedback, bool) else True
-    if not on:
-        return None, None
+        feedback = codec.lossy if default is None else default
     if isinstance(feedback, ErrorFeedback):
         store, fb_key = feedback, key
-    else:
+    elif feedback:
         store = tensor_feedback()
         fb_key = store.key_for(owner)
+    else:
+        return None, None
     store.check(fb_key, x)
     return store, fb_key
 

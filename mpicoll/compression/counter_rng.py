@@ -41,7 +41,7 @@ def stream_key(seed: int, step: int) -> int:
 def uniform(xp: Any, key: int, start: int, count: int, dtype: Any) -> Any:
     """Uniform numbers in ``[0, 1)`` of elements ``start .. start+count-1`` of stream
     ``key``, as a new array of module ``xp`` (numpy, CuPy) and float ``dtype``."""
-    dtype = np.dtype(dtype)
+    bits, ftype = (53, np.float64) if np.dtype(dtype) == np.float64 else (24, np.float32)
     z = xp.arange(start + 1, start + count + 1, dtype=xp.uint64)
     xp.multiply(z, _GOLDEN, out=z)
     xp.add(z, np.uint64(key), out=z)
@@ -52,8 +52,5 @@ def uniform(xp: Any, key: int, start: int, count: int, dtype: Any) -> Any:
         xp.multiply(z, mult, out=z)
     xp.right_shift(z, _S31, out=t)
     xp.bitwise_xor(z, t, out=z)
-    if dtype == np.float64:
-        xp.right_shift(z, np.uint64(11), out=z)
-        return xp.multiply(z.astype(np.float64), np.float64(2.0 ** -53))
-    xp.right_shift(z, np.uint64(40), out=z)
-    return xp.multiply(z.astype(np.float32), np.float32(2.0 ** -24))
+    xp.right_shift(z, np.uint64(64 - bits), out=z)    # the top ``bits`` bits of the hash
+    return xp.multiply(z.astype(ftype), ftype(2.0 ** -bits))

@@ -78,12 +78,11 @@ class Int4Codec(_ChunkedCodec):
         block = min(self._block_size(xp, count), count)
         q = xp.empty(block + 1, dtype=np.int8)
         for lo, hi, k0 in self._blocks(xp, count):
-            n = hi - lo
             src = packed[lo // 2:(hi + 1) // 2]
             pairs = q[:2 * src.size].reshape(-1, 2)
             xp.bitwise_and(src, np.uint8(15), out=pairs[:, 0], casting="unsafe")
             xp.right_shift(src, np.uint8(4), out=pairs[:, 1], casting="unsafe")
-            qb = q[:n]
+            qb = q[:hi - lo]
             xp.subtract(qb, np.int8(8), out=qb)
             self._scaled(xp, self._rows(qb), scales[k0:], out[lo:hi])
 

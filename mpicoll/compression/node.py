@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import buffers
 from ..algorithms.binomial_schedule import tree_bcast, tree_reduce
 from ..algorithms.plans import rank_blocks, ring_plan, tree_scratch, tree_segments
 from ..algorithms.ring_schedule import ring_allgather, ring_reduce_scatter
@@ -124,13 +123,13 @@ def node_allreduce(ctx: CommContext, codec: Codec, y: np.ndarray, res: np.ndarra
     """
     topo = ctx.topology
     local = get_context(topo.node_comm)
+    if local.size == 1:     # alone on its node (uniform or not): the cross-node phase only
+        return Sent(), flat_allreduce(get_context(topo.cross_comm), codec, y, res, out,
+                                      seg_bytes)
     # the node sum goes where the compensated input is no longer needed
     target = res if res is not None else out
     itemsize = y.dtype.itemsize
     if topo.uniform:
-        if local.size == 1:
-            return Sent(), flat_allreduce(get_context(topo.cross_comm), codec, y, res, out,
-                                          seg_bytes)
         bounds = rank_blocks(local, y.size)
         plan = ring_plan(local, bounds, y.dtype, target)
         ring_reduce_scatter(local.p2p, local.rank, local.size, y, target, plan.segb,
@@ -148,11 +147,8 @@ def node_allreduce(ctx: CommContext, codec: Codec, y: np.ndarray, res: np.ndarra
         nmsg = 2 * (local.size - 1) * (len(plan.segb[0]) - 1)
         return Sent(intra, nmsg, intra), inter
     segb = tree_segments(local, y.size, itemsize)
-    if local.size > 1:
-        slots = tree_scratch(local, 0, segb, y.dtype, target)
-        tree_reduce(local.p2p, local.rank, local.size, 0, y, target, segb, slots, SUM)
-    else:
-        buffers.copy(target, y)
+    slots = tree_scratch(local, 0, segb, y.dtype, target)
+    tree_reduce(local.p2p, local.rank, local.size, 0, y, target, segb, slots, SUM)
     inter = Sent()
     if local.rank == 0:
         inter = flat_allreduce(get_context(topo.cross_comm), codec, target, res, out,
@@ -162,9 +158,7 @@ def node_allreduce(ctx: CommContext, codec: Codec, y: np.ndarray, res: np.ndarra
             res.fill(0)
         if not codec.dense:
             codec.encode(np.empty(0, dtype=y.dtype))  # keep the codec's step in line
-    nseg = len(segb) - 1
-    if local.size > 1:
-        tree_bcast(local.p2p, local.rank, local.size, 0, out, segb)
+    tree_bcast(local.p2p, local.rank, local.size, 0, out, segb)
     sends = (0 if local.rank == 0 else 1) + len(tree_children(local.rank, local.size))
     intra = sends * y.size * itemsize
-    return Sent(intra, sends * nseg, intra), inter
+    return Sent(intra, sends * (len(segb) - 1), intra), inter

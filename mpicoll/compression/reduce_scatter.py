@@ -89,15 +89,13 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
     # in place without feedback ``out`` is the start of ``y``: the dense ring reads every
     # other block before it writes its own (safe); the sparse sum writes before it reads
     xp = namespace.array_module(out)
-    target = out
-    if not codec.dense and xp.may_share_memory(out, y):
-        target = xp.empty_like(out)
     if codec.dense:
-        intra, inter = flat_split(ctx, dense_reduce_scatter(ctx, codec, y, res, target, seg))
+        intra, inter = flat_split(ctx, dense_reduce_scatter(ctx, codec, y, res, out, seg))
     else:
+        target = xp.empty_like(out) if xp.may_share_memory(out, y) else out
         intra, inter = sparse_reduce_scatter(ctx, codec, y, res, target, node_peers(ctx))
-    if target is not out:
-        xp.copyto(out, target)
+        if target is not out:
+            xp.copyto(out, target)
     fill(stats, intra, inter)
     if opname == "average":
         xp.divide(out, ctx.size, out=out)

@@ -44,10 +44,8 @@ def sparse_reduce_scatter(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray
         reduce-scatter, every block but this rank's).
     """
     n, rank = ctx.size, ctx.rank
-    dtype = y.dtype
-    xp = namespace.array_module(y)
     bb = block_bounds(y.size, n)
-    layouts = [codec.layout(bb[b + 1] - bb[b], dtype) for b in range(n)]
+    layouts = [codec.layout(bb[b + 1] - bb[b], y.dtype) for b in range(n)]
     nbytes = [layout_nbytes(lay) for lay in layouts]
     mine = nbytes[rank]
     # one area: the payloads this rank sends (block b at its offset), then those it receives
@@ -78,12 +76,12 @@ def sparse_reduce_scatter(ctx: Any, codec: Codec, y: np.ndarray, res: np.ndarray
     out.fill(0)
     for q in range(n):
         if q == rank:
-            xp.add(out, y[lo:hi], out=out)
+            namespace.array_module(y).add(out, y[lo:hi], out=out)
             continue
         waiting.wait(rreqs[q])
         add_pairs(codec, payload_views(layouts[rank], inbox(q)), out)
     if res is not None:
         res[lo:hi] = 0
     waiting.waitall(sreqs)
-    dense = (y.size - (hi - lo)) * dtype.itemsize  # (counted with the inter-node part)
+    dense = (y.size - (hi - lo)) * y.dtype.itemsize  # (counted with the inter-node part)
     return Sent(*sent[True], 0), Sent(*sent[False], dense)

@@ -7,7 +7,7 @@ reduce-scatter and all-gather existed; the fields it had are unchanged).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CollectiveStats", "AllreduceStats", "last_stats", "record", "fill"]
@@ -52,7 +52,6 @@ class CollectiveStats:
     inter_node_bytes: int = 0
     messages: int = 0
     dense_bytes: int = 0
-    extra: dict = field(default_factory=dict)
     collective: str = "allreduce"
     choice: Any = None
 
