@@ -73,17 +73,15 @@ def agree(ctx: CommContext, error: BaseException | None, **fields: Any) -> None:
                           f"({listing})", bad)
     if all(r == row for r in table):
         return
-    details = []
-    shown = [str(fields.get(f)) for f in FIELDS]
+    details = []   # (rows differ past the error flags, all 0: at least one column differs)
     for col, name in enumerate(FIELDS, start=1):
         if any(r[col] != table[0][col] for r in table):
-            values = ctx.p2p.allgather(shown[col - 1])
+            values = ctx.p2p.allgather(str(fields.get(name)))
             groups: dict[str, list[int]] = {}
             for r, v in enumerate(values):
                 groups.setdefault(v, []).append(r)
             details.append(f"{name}: " + ", ".join(f"ranks {rank_ranges(rs)} have {v}"
                                                    for v, rs in groups.items()))
-    if details:
-        raise MismatchError(f"{fields.get('collective')}: ranks disagree: " + "; ".join(details),
-                            details)
+    raise MismatchError(f"{fields.get('collective')}: ranks disagree: " + "; ".join(details),
+                        details)
 

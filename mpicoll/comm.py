@@ -122,9 +122,7 @@ class Comm(MPI.Intracomm):
                 else super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
         try:
             ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op)
-            if recvcounts is None:
-                raise Unsupported("recvcounts not given")
-            counts = [int(c) for c in recvcounts]
+            counts = [int(c) for c in recvcounts]   # (None: a TypeError, to MPI)
             total = sum(counts)
             bounds = block_bounds(total, self.Get_size())
             if counts != [bounds[i + 1] - bounds[i] for i in range(self.Get_size())]:

@@ -268,9 +268,8 @@ def store(collective: str, args: tuple, run: Callable[[], Any], result: Any,
     """
     global _held_bytes
     held = [_cacheable(arg) for arg in args]
-    if None in held or sum(held) > MAX_BYTES // 4:
+    if None in held or (nbytes := sum(held)) > MAX_BYTES // 4:
         return
-    nbytes = sum(held)
     call_key = key(collective, *args)
     out = output if type(output) is np.ndarray else None
     with _lock:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from mpi4py import MPI
 
@@ -27,19 +26,6 @@ from .runtime import comms
 __all__ = ["ProcessGrid", "process_grid", "agreed_shape", "grid_groups", "grid_coords"]
 
 log = logging.getLogger("mpicoll.grid")
-
-
-def _shape_error(dp: Any, tp: Any, size: int) -> str:
-    """Why ``dp x tp`` is not a grid of ``size`` ranks, or ""."""
-    for label, value in (("dp", dp), ("tp", tp)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            return f"process grid: {label} must be an int, not {type(value).__name__}"
-        if value < 1:
-            return f"process grid: {label} must be at least 1, not {value}"
-    if dp * tp != size:
-        return (f"process grid: dp x tp = {dp} x {tp} = {dp * tp} does not equal the "
-                f"number of ranks ({size}); choose dp and tp whose product is {size}")
-    return ""
 
 
 def agreed_shape(comm: MPI.Intracomm, dp: int, tp: int) -> tuple[int, int]:
@@ -60,9 +46,16 @@ def agreed_shape(comm: MPI.Intracomm, dp: int, tp: int) -> tuple[int, int]:
         differ = "; ".join(f"rank {r} has dp x tp = {d} x {t}"
                            for r, (d, t) in enumerate(shapes))
         raise ValueError(f"process grid: ranks disagree on the grid shape: {differ}")
-    error = _shape_error(dp, tp, comm.Get_size())
-    if error:
-        raise ValueError(error)
+    for label, value in (("dp", dp), ("tp", tp)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(  # noqa: TRY004  (one error type for every bad grid, as documented)
+                f"process grid: {label} must be an int, not {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"process grid: {label} must be at least 1, not {value}")
+    size = comm.Get_size()
+    if dp * tp != size:
+        raise ValueError(f"process grid: dp x tp = {dp} x {tp} = {dp * tp} does not equal the "
+                         f"number of ranks ({size}); choose dp and tp whose product is {size}")
     return dp, tp
 
 

@@ -48,12 +48,8 @@ def tree_parent(vrank: int) -> int:
 def tree_children(vrank: int, size: int) -> list[int]:
     """Children of ``vrank`` in the binomial tree rooted at 0, nearest first."""
     limit = lowbit(vrank) if vrank else 1 << max(0, (size - 1).bit_length())
-    children = []
-    mask = 1
-    while mask < limit and vrank + mask < size:
-        children.append(vrank + mask)
-        mask <<= 1
-    return children
+    masks = [1 << i for i in range(limit.bit_length() - 1)]   # 1, 2, 4, ... below limit
+    return [vrank + mask for mask in masks if vrank + mask < size]
 
 
 def subtree_size(vrank: int, size: int) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from . import config
+from .errors import MismatchError
 from .runtime import comms
 
 __all__ = ["Topology"]
@@ -37,8 +38,6 @@ class Topology:
         # Every rank must agree on the emulation setting, or the splits below would not match.
         settings = comm.allgather(per_node)
         if len(set(settings)) != 1:
-            from .errors import MismatchError  # noqa: PLC0415
-
             raise MismatchError(f"MPICOLL_RANKS_PER_NODE differs across ranks: {settings}")
         self.emulated = per_node > 0
         if self.emulated:
@@ -49,9 +48,8 @@ class Topology:
         self.local_size = self.node_comm.Get_size()
         self.cross_comm = comms.split(comm, self.local_rank, rank, "topology")
         first = self.node_comm.allreduce(rank, op=MPI.MIN)  # identifies the node
-        leaders = comm.allgather((first, self.local_size))
-        firsts = sorted({f for f, _ in leaders})
-        sizes = dict(leaders)
+        sizes = dict(comm.allgather((first, self.local_size)))  # node's first rank -> size
+        firsts = sorted(sizes)
         self.node_sizes = [sizes[f] for f in firsts]
         self.num_nodes = len(firsts)
         self.node_index = firsts.index(first)

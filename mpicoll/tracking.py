@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
+
 from . import timeline
 
 __all__ = ["Tracker", "CallInfo", "recorded", "wanted", "HISTORY", "INSPECTED"]
@@ -73,8 +75,6 @@ def _dtype_name(code: str | None) -> str | None:
     if code is None:
         return None
     try:
-        import numpy as np  # noqa: PLC0415
-
         return str(np.dtype(code))
     except TypeError:
         return code
@@ -115,29 +115,23 @@ def recorded(tracker: Tracker, info: CallInfo, run: Callable[..., Any]) -> Calla
     """``run`` wrapped so that each call is numbered and described in ``tracker`` (and
     drawn on the timeline when one is being recorded); arguments are passed through."""
     history = tracker.history
-    if timeline.ON:
-        return _timed(tracker, info, run)
+    if not timeline.ON:
+        def call(*args: Any) -> Any:
+            seq = tracker.entered + 1
+            history[seq & _MASK] = info
+            tracker.entered = seq
+            try:
+                return run(*args)
+            finally:
+                tracker.done = seq
 
-    def call(*args: Any) -> Any:
-        seq = tracker.entered + 1
-        history[seq & _MASK] = info
-        tracker.entered = seq
-        try:
-            return run(*args)
-        finally:
-            tracker.done = seq
-
-    return call
-
-
-def _timed(tracker: Tracker, info: CallInfo, run: Callable[..., Any]) -> Callable[..., Any]:
-    history = tracker.history
+        return call
     clock = time.perf_counter
     name, track = info.collective, tracker.name
     described = {"algorithm": info.resolved, "bytes": info.nbytes, "count": info.count,
                  "dtype": _dtype_name(info.dtype)}
 
-    def call(*args: Any) -> Any:
+    def timed(*args: Any) -> Any:
         seq = tracker.entered + 1
         history[seq & _MASK] = info
         tracker.entered = seq
@@ -149,4 +143,4 @@ def _timed(tracker: Tracker, info: CallInfo, run: Callable[..., Any]) -> Callabl
             timeline.event(name, begin, clock(), track=track,
                            args={**described, "seq": seq})
 
-    return call
+    return timed
