@@ -18,6 +18,7 @@ inner steps ``t = 1, 2, ...`` (``t`` is the number of inner steps taken so far):
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -97,16 +98,13 @@ def balanced_runs(sizes: Sequence[int], fragments: int) -> list[tuple[int, int]]
     if fragments > count:
         raise ValueError(f"fragments ({fragments}) must not exceed the number of parameter "
                          f"tensors ({count}): each fragment holds at least one")
-    cum = [0]
-    for s in sizes:
-        cum.append(cum[-1] + int(s))
+    cum = list(accumulate(map(int, sizes), initial=0))
     total = cum[-1]
     cuts = [0]
     for k in range(1, fragments):
         target = k * total / fragments
         lo, hi = cuts[-1] + 1, count - (fragments - k)
-        best = min(range(lo, hi + 1), key=lambda b: (abs(cum[b] - target), b))
-        cuts.append(best)
+        cuts.append(min(range(lo, hi + 1), key=lambda b: (abs(cum[b] - target), b)))
     cuts.append(count)
     return [(cuts[i], cuts[i + 1]) for i in range(fragments)]
 

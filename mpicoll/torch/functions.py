@@ -158,11 +158,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     structure = broadcast_object(structure, root_rank, name="broadcast_optimizer_state",
                                  process_set=process_set)
     state = structure if me == root_rank else _map_tensors(structure, fill)
-    handles = [mpi_ops.broadcast_async_(t, root_rank, name=f"broadcast_optimizer_state.{i}",
-                                        process_set=process_set)
-               for i, t in enumerate(tensors)]
-    for handle in handles:
-        mpi_ops.synchronize(handle)
+    broadcast_parameters([(f"broadcast_optimizer_state.{i}", t) for i, t in enumerate(tensors)],
+                         root_rank, process_set)
     if me != root_rank:
         optimizer.load_state_dict(state)
 

@@ -17,7 +17,7 @@ import torch
 
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "resolve_reduce_op",
-           "mpicoll_op", "check_op_dtype", "check_adasum_dtype", "ADASUM_DTYPES",
+           "mpicoll_op", "check_op_dtype", "ADASUM_DTYPES",
            "UnsupportedOpError"]
 
 
@@ -78,25 +78,20 @@ def mpicoll_op(op: ReduceOp) -> str:
     return _MPICOLL[int(op)]
 
 
+#: Tensor dtypes Adasum reduces (Horovod's: float16, float32, float64; bfloat16 reduces in
+#: the adapter's float32 buffer).
+ADASUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def check_op_dtype(op: ReduceOp, dtype: torch.dtype, prescale: float, postscale: float) -> None:
-    """Raise ``TypeError``/``ValueError`` for an op or scaling that ``dtype`` cannot take."""
-    if int(op) == int(Adasum):
-        check_adasum_dtype(dtype)
+    """Raise ``TypeError``/``ValueError`` for an op or scaling that ``dtype`` cannot take
+    (``TypeError`` for Adasum unless it reduces tensors of ``dtype``)."""
+    if int(op) == int(Adasum) and dtype not in ADASUM_DTYPES:
+        raise TypeError(f"op=Adasum reduces float16, bfloat16, float32 and float64 tensors, "
+                        f"not {dtype}")
     if dtype is torch.bool and int(op) not in (3, 4):
         raise TypeError(f"op={op!r} does not apply to torch.bool tensors (use Min or Max)")
     if dtype.is_complex and int(op) in (3, 4):
         raise TypeError(f"op={op!r} does not apply to complex tensors")
     if (prescale != 1.0 or postscale != 1.0) and dtype is torch.bool:
         raise ValueError("prescale_factor/postscale_factor do not apply to torch.bool tensors")
-
-
-#: Tensor dtypes Adasum reduces (Horovod's: float16, float32, float64; bfloat16 reduces in
-#: the adapter's float32 buffer).
-ADASUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def check_adasum_dtype(dtype: torch.dtype) -> None:
-    """Raise ``TypeError`` unless Adasum reduces tensors of ``dtype``."""
-    if dtype not in ADASUM_DTYPES:
-        raise TypeError(f"op=Adasum reduces float16, bfloat16, float32 and float64 tensors, "
-                        f"not {dtype}")

@@ -117,16 +117,14 @@ class FrontEnd:
         that do not train (the parameter server's separate servers just serve): no driver
         there. ``on_error`` runs before an error of the agreement is raised."""
         self._local_sgd = None
-        error = None
-        checked = None
         try:
             checked = lsgd.check_settings(*settings)
         except (TypeError, ValueError) as exc:
-            error = exc
-        if error is None and not checked.enabled:
-            return
-        if error is None and refusal is not None:
-            error = ValueError(refusal)
+            checked, error = None, exc
+        else:
+            if not checked.enabled:
+                return
+            error = None if refusal is None else ValueError(refusal)
         group = comm()
         if group is None:
             return

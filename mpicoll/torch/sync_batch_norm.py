@@ -77,17 +77,15 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected {self.num_features} channels (dimension 1), got "
                              f"input of shape {tuple(input.shape)}")
         factor = 0.0 if self.momentum is None else float(self.momentum)
-        running = self.training and self.track_running_stats
-        if running:
+        batch_stats = self.training or not self.track_running_stats
+        stats = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
+        if self.training and self.track_running_stats:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
-        if not self.training and self.track_running_stats:
-            return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
-                                self.bias, False, 0.0, self.eps)
-        stats = (self.running_mean, self.running_var) if running else (None, None)
-        if _set_size(self.process_set) == 1:
-            return F.batch_norm(input, *stats, self.weight, self.bias, True, factor, self.eps)
+        if not batch_stats or _set_size(self.process_set) == 1:
+            return F.batch_norm(input, *stats, self.weight, self.bias, batch_stats, factor,
+                                self.eps)
         return _SyncBatchNormFn.apply(input, self.weight, self.bias, *stats, self.eps, factor,
                                       self.process_set)
 
@@ -137,11 +135,12 @@ class _SyncBatchNormFn(torch.autograd.Function):
         x = x.contiguous()
         channels = x.shape[1]
         dims = _reduce_dims(x)
+        shape = _channel_shape(x)
         count = x.numel() // channels
         x64 = x.to(torch.float64)
         if count:
             local_mean = x64.mean(dim=dims)
-            local_m2 = ((x64 - local_mean.view(_channel_shape(x))) ** 2).sum(dim=dims)
+            local_m2 = ((x64 - local_mean.view(shape)) ** 2).sum(dim=dims)
         else:
             local_mean = local_m2 = torch.zeros(channels, dtype=torch.float64)
         row = torch.cat([torch.tensor([float(count)], dtype=torch.float64), local_mean,
@@ -160,7 +159,6 @@ class _SyncBatchNormFn(torch.autograd.Function):
                                                      alpha=factor)
                 running_var.mul_(1.0 - factor).add_((m2 / (total - 1)).to(running_var.dtype),
                                                     alpha=factor)
-        shape = _channel_shape(x)
         mean_x = mean.to(x.dtype).view(shape)
         invstd_x = invstd.to(x.dtype).view(shape)
         out = (x - mean_x) * invstd_x
@@ -171,7 +169,6 @@ class _SyncBatchNormFn(torch.autograd.Function):
         ctx.save_for_backward(x, weight, mean_x, invstd_x)
         ctx.total = total
         ctx.process_set = process_set
-        ctx.has_bias = bias is not None
         return out
 
     @staticmethod
@@ -182,9 +179,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
         xmu = x - mean_x
         sum_dy = dy.sum(dim=dims)
         sum_dy_xmu = (dy * xmu).sum(dim=dims)
-        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_input = grad_weight = grad_bias = None
-        if need_input:
+        grad_input = None           # (needs_input_grad is False for a None weight or bias)
+        if ctx.needs_input_grad[0]:
             sums = synchronize(allreduce_async(torch.cat([sum_dy, sum_dy_xmu]), op=Sum,
                                                name="sync_batch_norm.grads",
                                                process_set=ctx.process_set))
@@ -192,8 +188,6 @@ class _SyncBatchNormFn(torch.autograd.Function):
             mean_dy_xmu = (sums[channels:] / ctx.total).view(shape)
             scale = invstd_x if weight is None else invstd_x * weight.view(shape)
             grad_input = (dy - mean_dy - xmu * invstd_x * invstd_x * mean_dy_xmu) * scale
-        if weight is not None and need_weight:
-            grad_weight = sum_dy_xmu * invstd_x.view(-1)
-        if ctx.has_bias and need_bias:
-            grad_bias = sum_dy
+        grad_weight = sum_dy_xmu * invstd_x.view(-1) if ctx.needs_input_grad[1] else None
+        grad_bias = sum_dy if ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias, None, None, None, None, None

@@ -71,9 +71,8 @@ def planned_threads(setting: str, current: int, default: int, cores: int,
             raise ValueError(f"MPICOLL_TORCH_THREADS={setting!r}: expected auto, keep or a "
                              f"positive integer")
         return int(setting)
-    if "OMP_NUM_THREADS" in env or current != default or local is None:
-        return None
-    if local * current <= cores:
+    if ("OMP_NUM_THREADS" in env or current != default or local is None
+            or local * current <= cores):
         return None
     return max(1, cores // local)
 
@@ -86,12 +85,12 @@ def fit(comm: Any = None) -> None:
     _done = True
     setting = (config.env_str("MPICOLL_TORCH_THREADS") or "auto").strip().lower()
     cores = len(os.sched_getaffinity(0))
-    threads = planned_threads(setting, torch.get_num_threads(), _DEFAULT, cores,
+    before = torch.get_num_threads()
+    threads = planned_threads(setting, before, _DEFAULT, cores,
                               ranks_on_node(os.environ, comm) if setting == "auto" else None,
                               os.environ)
-    if threads is None or threads == torch.get_num_threads():
+    if threads is None or threads == before:
         return
-    before = torch.get_num_threads()
     torch.set_num_threads(threads)
     if comm is None or comm.Get_rank() == 0:
         logging.getLogger("mpicoll.torch").warning(
