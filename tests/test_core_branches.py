@@ -126,7 +126,7 @@ def test_a_failed_creation_without_ulfm_raises_mpis_own_error():
         raise MPI.Exception(MPI.ERR_OTHER)
 
     with pytest.raises(MPI.Exception) as info:
-        comms._translated(MPI.COMM_WORLD, make)
+        comms._made(MPI.COMM_WORLD, make, "test", "owner")
     assert info.value.Get_error_class() == MPI.ERR_OTHER
 
 

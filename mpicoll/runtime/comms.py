@@ -79,12 +79,10 @@ def world_of(comm: Any) -> int:
     """The world generation of ``comm``: its record's, a forgotten one's, else
     :func:`mpicoll.runtime.world.world_of`'s."""
     handle = getattr(comm, "handle", None)
-    rec = _records.get(handle) if handle is not None else None
+    rec = _records.get(handle)
     if rec is not None:
         return rec.world
-    if handle in _forgotten:
-        return _forgotten[handle]
-    return _world.world_of(comm)
+    return _forgotten[handle] if handle in _forgotten else _world.world_of(comm)
 
 
 def _register(comm: Any, owner: str, parent: Any, lifetime: str = "owner",
@@ -105,17 +103,18 @@ def _register(comm: Any, owner: str, parent: Any, lifetime: str = "owner",
 failure_of: Callable[[BaseException, Any], BaseException] = lambda exc, parent: exc
 
 
-def _translated(parent: Any, make: Callable[[], Any]) -> Any:
-    """``make()``, an MPI call that creates a communicator from ``parent``; its MPI error
-    passes through :data:`failure_of` (a process failure is raised as
+def _made(parent: Any, make: Callable[[], Any], owner: str, lifetime: str) -> Any:
+    """``make()``, an MPI call that creates a communicator from ``parent``, recorded; its
+    MPI error passes through :data:`failure_of` (a process failure is raised as
     :class:`~mpicoll.ProcessFailedError`)."""
     try:
-        return make()
+        comm = make()
     except MPI.Exception as exc:
         error = failure_of(exc, parent)
         if error is exc:
             raise
         raise error from exc
+    return _register(comm, owner, parent, lifetime)
 
 
 #: Whether :func:`dup` makes its duplicates with ``MPI_Comm_split`` (set by
@@ -130,23 +129,21 @@ def dup(parent: Any, owner: str, lifetime: str = "owner", info: Any = None) -> M
     view = plain(parent)
     if info is None and dup_by_split and not view.Is_inter():
         return split(parent, 0, view.Get_rank(), owner, lifetime)
-    return _register(_translated(parent, view.Dup if info is None else
-                                 lambda: view.Dup(info)), owner, parent, lifetime)
+    return _made(parent, view.Dup if info is None else lambda: view.Dup(info), owner,
+                 lifetime)
 
 
 def split(parent: Any, color: int, key: int, owner: str,
           lifetime: str = "owner") -> MPI.Intracomm:
     """``parent.Split(color, key)`` (``MPI.UNDEFINED``: ``MPI.COMM_NULL``, not recorded)."""
-    return _register(_translated(parent, lambda: plain(parent).Split(color, key)), owner,
-                     parent, lifetime)
+    return _made(parent, lambda: plain(parent).Split(color, key), owner, lifetime)
 
 
 def split_shared(parent: Any, key: int, owner: str,
                  lifetime: str = "owner") -> MPI.Intracomm:
     """The ranks of ``parent`` that share memory with this one (``COMM_TYPE_SHARED``)."""
-    return _register(_translated(
-        parent, lambda: plain(parent).Split_type(MPI.COMM_TYPE_SHARED, key=key)), owner,
-        parent, lifetime)
+    return _made(parent, lambda: plain(parent).Split_type(MPI.COMM_TYPE_SHARED, key=key),
+                 owner, lifetime)
 
 
 def create_group(parent: Any, group: MPI.Group, tag: int, owner: str,
@@ -158,8 +155,7 @@ def create_group(parent: Any, group: MPI.Group, tag: int, owner: str,
     view = plain(parent)
     if group.Get_size() == view.Get_size():
         return split(parent, 0, group.Get_rank(), owner, lifetime)
-    return _register(_translated(parent, lambda: view.Create_group(group, tag)), owner,
-                     parent, lifetime)
+    return _made(parent, lambda: view.Create_group(group, tag), owner, lifetime)
 
 
 def shrink(parent: Any, owner: str = "world") -> MPI.Intracomm:
@@ -257,10 +253,8 @@ def release_world(world: int) -> None:
     them; of a healthy world (a growth), those whose lifetime is the world's are freed."""
     failed = _world.failed(world)
     for rec in of_world(world):
-        if failed:
-            forget([rec.comm])
-        elif rec.lifetime == "world":
-            free(rec.comm)
+        if failed or rec.lifetime == "world":
+            free(rec.comm)        # (a failed world's: only forgotten)
 
 
 def release_all() -> None:

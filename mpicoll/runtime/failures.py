@@ -273,8 +273,7 @@ def _keep_frames(exc: BaseException) -> None:
     tb = exc.__traceback__
     while tb is not None:
         for value in list(tb.tb_frame.f_locals.values()):
-            items = value if isinstance(value, (list, tuple)) else (value,)
-            _orphans.extend(r for r in items if isinstance(r, MPI.Request))
+            keep_requests(value if isinstance(value, (list, tuple)) else [value])
         tb = tb.tb_next
 
 

@@ -40,6 +40,7 @@ Timeouts and abort:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import queue
 import sys
@@ -139,10 +140,9 @@ class Work:
         if timeout is None and self.lane is not None:
             timeout = self.lane.timeout
         if not self._done.wait(timeout):
-            error = self.lane.timed_out(self, timeout) if self.lane is not None else \
+            raise self.lane.timed_out(self, timeout) if self.lane is not None else \
                 CollectiveTimeoutError(f"mpicoll: {self.kind} timed out after {timeout:g} s",
                                        self.kind)
-            raise error
         if self._error is not None:
             raise self._error
         return self._result
@@ -220,8 +220,10 @@ class Lane:
         if self._closed:
             raise RuntimeError(f"mpicoll: {kind} on {self.name}, which was shut down")
         work = Work(kind, self)
-        if self.broken is not None:
-            self._refuse(work)
+        if self.broken is not None:    # refused with the error that broke the lane
+            if not failures.ENABLED:
+                _end_job(f"{kind} on {self.name}, which is broken: {self.broken}")
+            work.finish(None, self.broken)
             return work
         if self.inline or threading.current_thread() is self._thread:
             self._execute(work, op)
@@ -233,13 +235,6 @@ class Lane:
         self._start()
         self._queue.put((work, op))
         return work
-
-    def _refuse(self, work: Work) -> None:
-        error = self.broken
-        assert error is not None
-        if not failures.ENABLED:
-            _end_job(f"{work.kind} on {self.name}, which is broken: {error}")
-        work.finish(None, error)
 
     def _start(self) -> None:
         if self._thread is not None:
@@ -277,8 +272,7 @@ class Lane:
 
     def _execute(self, work: Work, op: Callable[[], Any]) -> None:
         if work.done() or self.broken is not None:    # aborted while queued; or broken
-            if not work.done():
-                work.finish(None, self.broken)
+            work.finish(None, self.broken)    # (ignored if done)
             with self._lock:
                 if self._running is work:
                     self._running = None
@@ -326,10 +320,8 @@ class Lane:
         """The error of ``work`` whose wait expired; the lane is aborted with it."""
         missing: list[int] = []
         if self.missing is not None:
-            try:
+            with contextlib.suppress(Exception):  # (a report, not the error)
                 missing = list(self.missing(work))
-            except Exception:  # noqa: BLE001  (a report, not the error)
-                missing = []
         who = f"; rank(s) {missing} did not arrive" if missing else ""
         error = CollectiveTimeoutError(
             f"mpicoll: {work.kind} on {self.name} timed out after {timeout:g} s{who}; "

@@ -83,12 +83,7 @@ def generation() -> int:
 def world_of(comm: Any) -> int:
     """The generation ``comm`` belongs to: a world communicator's own, else the current
     (a communicator the user made is taken to belong to the world of its time)."""
-    if comm is None:
-        return generation()
-    try:
-        handle = comm.handle
-    except AttributeError:
-        return generation()
+    handle = getattr(comm, "handle", None)
     if handle == MPI.COMM_WORLD.handle:
         return 0
     return _handles.get(handle, generation())
