@@ -108,6 +108,23 @@ def test_an_abort_that_does_not_end_the_process_is_ended_by_the_kernel():
     assert time.monotonic() - start < 20
 
 
+def test_an_abort_that_returns_ends_the_process_with_its_status():
+    """runtime.exit.abort: should MPI_Abort return (MPICH 5's did while another thread was
+    blocked in a collective, on a loaded machine: the caller went on as if the job had
+    ended), the process ends there with the abort's status, nothing after it running."""
+    script = textwrap.dedent("""
+        import types
+        from mpicoll.runtime import exit as runtime_exit
+        returns = types.SimpleNamespace(Abort=lambda status: None)
+        runtime_exit.MPI = types.SimpleNamespace(COMM_WORLD=returns)
+        runtime_exit.abort(3)
+        print("NOT ENDED", flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,  # noqa: PLW1510
+                         timeout=50)
+    assert (out.returncode, out.stdout) == (3, ""), (out.returncode, out.stdout, out.stderr)
+
+
 def test_abort_waits_for_the_launcher_to_read_the_pipes():
     """runtime.exit.forwarded, which abort calls before MPI_Abort: it returns once the
     reader of stdout has read what was written (not before), and gives up after its bound
