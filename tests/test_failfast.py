@@ -109,9 +109,9 @@ def test_an_abort_that_does_not_end_the_process_is_ended_by_the_kernel():
 
 
 def test_an_abort_that_returns_ends_the_process_with_its_status():
-    """runtime.exit.abort: should MPI_Abort return (MPICH 5's did while another thread was
-    blocked in a collective, on a loaded machine: the caller went on as if the job had
-    ended), the process ends there with the abort's status, nothing after it running."""
+    """runtime.exit.abort: should MPI_Abort return (MPICH 5's does while another thread
+    polls a request with MPI_Test: the caller went on until the launcher ended the job),
+    the process ends there with the abort's status, nothing after it running."""
     script = textwrap.dedent("""
         import types
         from mpicoll.runtime import exit as runtime_exit

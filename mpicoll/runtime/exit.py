@@ -130,10 +130,11 @@ def abort(status: int = 1) -> None:
     :data:`ABORT_WAIT_S` should ``MPI_Abort`` neither return nor end it: in one CI run a
     rank whose stall inspector had called it (its message was in the job's output, and the
     launcher had ended) was found alive 20 minutes later, its main thread spinning in a
-    blocking ``MPI_Allreduce``. Should ``MPI_Abort`` return (MPICH 5's did, within 10 ms,
-    while another thread of the process was blocked in a collective on a loaded machine),
-    the process ends at once with ``status`` (``os._exit``): the launcher sees a rank gone
-    without finalizing and ends the job."""
+    blocking ``MPI_Allreduce``. Should ``MPI_Abort`` return (MPICH 5's returns at once
+    while another thread of the process polls a request with ``MPI_Test``, as mpicoll's
+    lanes wait; its launcher ends the job about a second later), the process ends here
+    with ``status`` (``os._exit``): nothing after the abort runs, and the launcher sees a
+    rank gone without finalizing."""
     forwarded()
     if hasattr(signal, "alarm"):
         signal.alarm(ABORT_WAIT_S)
