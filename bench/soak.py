@@ -546,6 +546,7 @@ class Watchdog:
                 print(f"soak: STALL: rank {self.MPI.COMM_WORLD.rank} stuck {stuck:.0f} s in "
                       f"{self.current}", file=sys.stderr, flush=True)
                 self.MPI.COMM_WORLD.Abort(3)
+                os._exit(3)  # Abort may return before the job is torn down
 
 
 class Soak:
