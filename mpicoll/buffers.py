@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util import dtlib
 
-__all__ = ["IN_PLACE", "Unsupported", "array_module", "is_array", "flat_view",
+__all__ = ["IN_PLACE", "Unsupported", "array_module", "is_array", "package_of", "flat_view",
            "is_in_place", "check_dtype", "empty", "copy", "msg", "parse_mpi_buffer",
            "SUPPORTED_KINDS"]
 
@@ -32,11 +32,16 @@ class Unsupported(Exception):
     """
 
 
+def package_of(a: Any) -> str:
+    """The top-level package of ``a``'s type (``"cupy"``, ``"torch"``, ``"numpy"`` ...)."""
+    return type(a).__module__.split(".")[0]
+
+
 def array_module(a: Any) -> Any:
     """Return the array module (``numpy`` or ``cupy``) that owns array ``a``."""
     if isinstance(a, np.ndarray):
         return np
-    if type(a).__module__.split(".")[0] == "cupy":
+    if package_of(a) == "cupy":
         import cupy  # noqa: PLC0415  (optional dependency)
 
         return cupy
@@ -47,7 +52,7 @@ def is_array(a: Any) -> bool:
     """Whether ``a`` is an array mpicoll accepts directly (numpy or CuPy ndarray)."""
     if isinstance(a, np.ndarray):
         return True
-    return type(a).__module__.split(".")[0] == "cupy" and hasattr(a, "__cuda_array_interface__")
+    return package_of(a) == "cupy" and hasattr(a, "__cuda_array_interface__")
 
 
 def is_in_place(a: Any) -> bool:

@@ -16,10 +16,6 @@ from ..partition import Fold, block_bounds, segment_bounds, segment_count, tree_
 __all__ = ["RingPlan", "ring_plan", "scratch", "fold", "tree_segments", "tree_scratch"]
 
 
-def _device_key(like: Any) -> str:
-    return type(like).__module__.split(".")[0]
-
-
 @dataclass
 class RingPlan:
     """Block offsets, per-block segment offsets and two receive buffers for a ring."""
@@ -32,7 +28,7 @@ class RingPlan:
 def ring_plan(ctx: CommContext, bounds: list[int], dtype: Any, like: Any,
               with_scratch: bool = True) -> RingPlan:
     """The ring plan for blocks ``bounds`` (one block per rank) of ``dtype``."""
-    key = ("ring", tuple(bounds), dtype, _device_key(like), ctx.segment_bytes, with_scratch)
+    key = ("ring", tuple(bounds), dtype, buffers.package_of(like), ctx.segment_bytes, with_scratch)
 
     def build() -> RingPlan:
         largest = max(bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1))
@@ -47,7 +43,7 @@ def ring_plan(ctx: CommContext, bounds: list[int], dtype: Any, like: Any,
 
 def scratch(ctx: CommContext, purpose: str, count: int, dtype: Any, like: Any) -> Any:
     """A cached scratch array of ``count`` elements, one per ``purpose``."""
-    key = ("scratch", purpose, count, dtype, _device_key(like))
+    key = ("scratch", purpose, count, dtype, buffers.package_of(like))
     return ctx.plan(key, lambda: buffers.empty(count, dtype, like))
 
 
@@ -68,7 +64,7 @@ def tree_scratch(ctx: CommContext, root: int, segb: list[int], dtype: Any,
     """Two slots of one segment buffer per child of this rank in the tree rooted at ``root``."""
     nchildren = len(tree_children((ctx.rank - root) % ctx.size, ctx.size))
     width = max((segb[j + 1] - segb[j] for j in range(len(segb) - 1)), default=0)
-    key = ("tree_scratch", nchildren, width, dtype, _device_key(like))
+    key = ("tree_scratch", nchildren, width, dtype, buffers.package_of(like))
     return ctx.plan(key, lambda: [[buffers.empty(width, dtype, like)
                                    for _ in range(nchildren)] for _ in range(2)])
 

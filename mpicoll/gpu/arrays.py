@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ..buffers import is_in_place
+from ..buffers import is_in_place, package_of
 
 __all__ = ["KDL_CUDA", "KDL_CUDA_MANAGED", "ARGUMENT_NAMES", "is_device", "unwrap_spec",
            "cuda_interface", "producer_stream", "device_id", "check_contiguous",
@@ -80,11 +80,6 @@ def cuda_interface(a: Any) -> dict | None:
         return getattr(a, "__cuda_array_interface__", None)
     except Exception:  # noqa: BLE001
         return None
-
-
-def package_of(a: Any) -> str:
-    """The top-level package of ``a``'s type (``"cupy"``, ``"torch"``, ``"numpy"`` ...)."""
-    return type(a).__module__.split(".")[0]
 
 
 def producer_stream(a: Any) -> int | None:

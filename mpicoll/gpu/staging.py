@@ -201,8 +201,7 @@ def _memory_flat(a: Any) -> Any:
 
 def _user_prefix(obj: Any, count: int, view: Any) -> Any:
     """The first ``count`` elements of the user's object, flat, in its own family."""
-    if hasattr(obj, "reshape") and type(obj).__module__.split(".")[0] in ("torch", "cupy",
-                                                                           "numpy"):
+    if hasattr(obj, "reshape") and buffers.package_of(obj) in ("torch", "cupy", "numpy"):
         return _memory_flat(obj)[:count]
     return view[:count]
 
