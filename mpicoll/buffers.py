@@ -138,13 +138,16 @@ def _as_byte_array(buf: Any, argname: str) -> np.ndarray:
                           f"contiguous buffer") from None
 
 
-def parse_mpi_buffer(spec: Any, argname: str, writable: bool = False) -> Any:
+def parse_mpi_buffer(spec: Any, argname: str, writable: bool = False, blocks: int = 1) -> Any:
     """Turn an mpi4py buffer specification into a flat array view.
 
     Accepts what mpi4py's uppercase methods accept for contiguous predefined data: an array
     or buffer-protocol object; ``[buf, datatype]``; ``[buf, count, datatype]``;
     ``[buf, (count, displ), datatype]``; ``[buf, count, displ, datatype]``; ``None`` as
     ``buf`` for an empty buffer. ``datatype`` may be an ``MPI.Datatype`` or a type code.
+    ``blocks``: the number of ranks' blocks the buffer holds (an all-gather's receive
+    buffer, a reduce-scatter's send buffer): as in mpi4py, an explicit count is then the
+    count of one block, and the view covers ``blocks`` of them.
 
     Raises:
         Unsupported: derived datatypes, objects without a contiguous buffer: mpicoll
@@ -164,7 +167,7 @@ def parse_mpi_buffer(spec: Any, argname: str, writable: bool = False) -> Any:
                 raise Unsupported(f"{argname}: cannot view {type(spec).__name__}") from None
             return parse_mpi_buffer(arr, argname, writable)
         raise Unsupported(f"{argname}: {type(spec).__name__} is not a buffer mpicoll knows")
-    buf, count, displ, datatype = spec_parts(spec, argname, Unsupported)
+    buf, count, displ, datatype = spec_parts(spec, argname, Unsupported, blocks)
     dtype = _dtype_of(datatype, argname)
     if buf is None:
         if count:
@@ -176,9 +179,10 @@ def parse_mpi_buffer(spec: Any, argname: str, writable: bool = False) -> Any:
     return spec_bytes(raw, count, displ, dtype, argname, ValueError).view(dtype)
 
 
-def spec_parts(spec: list | tuple, argname: str, error: type) -> tuple:
+def spec_parts(spec: list | tuple, argname: str, error: type, blocks: int = 1) -> tuple:
     """``(buf, count, displ, datatype)`` of a list spec (``count`` ``None``: the rest of
-    the buffer); raises ``error`` for another length or vector (counts, displs)."""
+    the buffer; an explicit count is per block, so ``count`` is it times ``blocks``);
+    raises ``error`` for another length or vector (counts, displs)."""
     items = list(spec)
     if len(items) == 2:
         return items[0], None, 0, items[1]
@@ -193,7 +197,7 @@ def spec_parts(spec: list | tuple, argname: str, error: type) -> tuple:
         raise error(f"{argname}: buffer spec of {len(items)} items")
     if isinstance(count, (list, tuple)) or isinstance(displ, (list, tuple)):
         raise error(f"{argname}: vector (counts, displs) specs are not handled")
-    return buf, count, displ, datatype
+    return buf, None if count is None else int(count) * blocks, displ, datatype
 
 
 def spec_bytes(raw: Any, count: Any, displ: Any, dtype: np.dtype, argname: str,

@@ -26,15 +26,17 @@ from .partition import block_bounds
 __all__ = ["Comm"]
 
 
-def _buffer(spec: Any, argname: str, writable: bool = False) -> Any:
+def _buffer(spec: Any, argname: str, writable: bool = False, blocks: int = 1) -> Any:
     """One rank's buffer spec as mpicoll takes it: a flat host view, or for device memory
     (:mod:`mpicoll.gpu.specs`) a device argument the collectives route
-    (:mod:`mpicoll.gpu.route`: straight to CUDA-aware MPI, or staged through host memory)."""
+    (:mod:`mpicoll.gpu.route`: straight to CUDA-aware MPI, or staged through host memory).
+    ``blocks``: the ranks' blocks it holds, where mpi4py reads an explicit count as one
+    block's (an all-gather's receive buffer, a reduce-scatter's send buffer)."""
     if is_device(spec):
         from .gpu.specs import device_buffer  # noqa: PLC0415
 
-        return device_buffer(spec, argname)
-    return parse_mpi_buffer(spec, argname, writable)
+        return device_buffer(spec, argname, blocks)
+    return parse_mpi_buffer(spec, argname, writable, blocks)
 
 
 def _block_counts(recvcounts: Any, size: int) -> bool:
@@ -67,16 +69,17 @@ class Comm(MPI.Intracomm):
         name = self._mpicoll_algorithm
         return name if name == "auto" or name in names(collective) else "auto"
 
-    def _parse(self, spec: Any, argname: str, writable: bool = False) -> Any:
-        return IN_PLACE if is_in_place(spec) else _buffer(spec, argname, writable)
+    def _parse(self, spec: Any, argname: str, blocks: int = 1) -> Any:
+        return IN_PLACE if is_in_place(spec) else _buffer(spec, argname, blocks=blocks)
 
     def _parse_reduction(self, sendbuf: Any, recvbuf: Any, op: Any,
-                         with_recv: bool = True) -> tuple:
+                         with_recv: bool = True, send_blocks: int = 1,
+                         recv_blocks: int = 1) -> tuple:
         """``(op, send, recv)`` as mpicoll takes them; ``Unsupported``/``ValueError`` when
         MPI must handle the call (``recv`` is ``None`` when ``with_recv`` is false)."""
         ours = resolve_op(op)
-        send = self._parse(sendbuf, "sendbuf")
-        recv = _buffer(recvbuf, "recvbuf", writable=True) if with_recv else None
+        send = self._parse(sendbuf, "sendbuf", send_blocks)
+        recv = _buffer(recvbuf, "recvbuf", True, recv_blocks) if with_recv else None
         return ours, send, recv
 
     def _run(self, method: str, collective: str, args: tuple, key_args: tuple) -> None:
@@ -102,8 +105,11 @@ class Comm(MPI.Intracomm):
         if run_fast(self._mpicoll_check, "Comm.Reduce_scatter_block", sendbuf, recvbuf, op,
                     self) is not MISS:
             return None
-        try:
-            ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op)
+        size = self.Get_size()
+        try:   # (in place, the receive buffer holds every rank's block, as sendbuf would)
+            ours, send, recv = self._parse_reduction(
+                sendbuf, recvbuf, op, send_blocks=size,
+                recv_blocks=size if is_in_place(sendbuf) else 1)
         except (Unsupported, ValueError):
             return super().Reduce_scatter_block(sendbuf, recvbuf, op)
         if send is not IN_PLACE and not is_device(send) and \
@@ -127,12 +133,12 @@ class Comm(MPI.Intracomm):
             bounds = block_bounds(total, self.Get_size())
             if counts != [bounds[i + 1] - bounds[i] for i in range(self.Get_size())]:
                 raise Unsupported("recvcounts other than numpy.array_split's")
+            if (recv.size != total) if send is IN_PLACE else \
+                    (recv.size, send.size) != (counts[self.Get_rank()], total):
+                raise Unsupported("counts that do not fit the buffers (mpi4py's error)")
         except (Unsupported, ValueError, TypeError):
             return super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
-        if send is IN_PLACE:
-            args = (IN_PLACE, recv[:total], ours)
-        else:
-            args = (send[:total], recv[:counts[self.Get_rank()]], ours)
+        args = (send, recv, ours)
         # keyed by the counts too: a list, so never cached (it could change in place)
         return self._run("Reduce_scatter", "reduce_scatter", args,
                          (sendbuf, recvbuf, recvcounts, op))
@@ -143,7 +149,7 @@ class Comm(MPI.Intracomm):
             return None
         try:
             send = self._parse(sendbuf, "sendbuf")
-            recv = _buffer(recvbuf, "recvbuf", writable=True)
+            recv = _buffer(recvbuf, "recvbuf", writable=True, blocks=self.Get_size())
         except (Unsupported, ValueError):
             return super().Allgather(sendbuf, recvbuf)
         return self._run("Allgather", "allgather", (send, recv), (sendbuf, recvbuf))

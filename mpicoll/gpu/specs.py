@@ -32,8 +32,9 @@ def _dtype(datatype: Any, argname: str) -> np.dtype:
     return dtlib.to_numpy_dtype(datatype)
 
 
-def device_buffer(spec: Any, argname: str) -> Any:
-    """The device argument an mpi4py buffer spec ``spec`` describes (see the module doc).
+def device_buffer(spec: Any, argname: str, blocks: int = 1) -> Any:
+    """The device argument an mpi4py buffer spec ``spec`` describes (see the module doc;
+    ``blocks`` as for :func:`mpicoll.buffers.parse_mpi_buffer`).
 
     Raises:
         TypeError: a derived datatype or vector counts (MPI itself could take them only
@@ -43,7 +44,7 @@ def device_buffer(spec: Any, argname: str) -> Any:
     """
     if not isinstance(spec, (list, tuple)):
         return spec
-    buf, count, displ, datatype = buffers.spec_parts(spec, argname, TypeError)
+    buf, count, displ, datatype = buffers.spec_parts(spec, argname, TypeError, blocks)
     dtype = _dtype(datatype, argname)
     array, wrap = backends.require(buf).view(buf)
     if count is None and not displ and np.dtype(array.dtype) == dtype:

@@ -77,6 +77,22 @@ def mpi4py_style_program(comm):
     ag2[2 * comm.rank:2 * comm.rank + 2] = comm.rank
     comm.Allgather(MPI.IN_PLACE, [ag2, MPI.FLOAT])
     out["allgather_inplace"] = ag2.copy()
+    # an explicit count in a spec holding every rank's block is one block's count (mpi4py);
+    # the buffers hold one element more, which neither may touch
+    ag3 = np.full(3 * comm.size + 1, -1, dtype="l")
+    comm.Allgather(np.arange(3, dtype="l") + 10 * comm.rank, [ag3, 3, MPI.LONG])
+    out["allgather_count"] = ag3.copy()
+    ag4 = np.full(3 * comm.size + 1, -1, dtype="i")
+    ag4[3 * comm.rank:3 * comm.rank + 3] = np.arange(3) + 10 * comm.rank
+    comm.Allgather(MPI.IN_PLACE, [ag4, 3, MPI.INT])
+    out["allgather_inplace_count"] = ag4.copy()
+    rs2 = np.full(3, -1.0)
+    comm.Reduce_scatter_block([np.arange(2 * comm.size + 1, dtype="d") + comm.rank, 2, MPI.DOUBLE],
+                              [rs2, 2, MPI.DOUBLE])
+    out["rsb_count"] = rs2.copy()
+    rs3 = np.arange(2 * comm.size + 1, dtype="i") * (comm.rank + 2)
+    comm.Reduce_scatter_block(MPI.IN_PLACE, [rs3, 2, MPI.INT])
+    out["rsb_inplace_count"] = rs3[:2].copy()
     b = np.arange(5, dtype="i") if comm.rank == comm.size - 1 else np.zeros(5, dtype="i")
     comm.Bcast([b, MPI.INT], root=comm.size - 1)
     out["bcast"] = b.copy()
@@ -99,6 +115,21 @@ def test_existing_mpi4py_code_runs_unchanged(calls):
             np.testing.assert_array_equal(ours[key], native[key], err_msg=key)
     if SIZE > 1:
         assert ran_ours >= 10, f"only {ran_ours} collectives went through mpicoll"
+
+
+@pytest.mark.parametrize("case", ["short send", "long send", "long recv", "in place"])
+def test_reduce_scatter_counts_that_do_not_fit_raise_as_in_mpi4py(case):
+    """mpi4py checks the counts against the buffers before any MPI call: so must Comm
+    (it used the first elements of a longer buffer); the same error on every rank."""
+    counts = [2] * SIZE
+    send = np.arange(2 * SIZE + (case == "long send") - (case == "short send"), dtype="d")
+    recv = np.empty(2 * SIZE + 1 if case == "in place" else 2 + (case == "long recv"))
+    errors = []
+    for comm in (MPI.COMM_WORLD, mpicoll.Comm(MPI.COMM_WORLD)):
+        with pytest.raises(ValueError, match="mismatch") as info:
+            comm.Reduce_scatter(MPI.IN_PLACE if case == "in place" else send, recv, counts)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]
 
 
 def test_unsupported_specs_delegate(calls):
