@@ -31,6 +31,8 @@ from .work import MPIWork, completed, seconds
 __all__ = ["P2PWork", "Futures", "post", "check_tag"]
 
 _tag_ub: int | None = None
+#: dropped works still pending when their group shut down (never freed)
+_ABANDONED: list[Any] = []
 
 
 def check_tag(tag: int) -> int:
@@ -116,6 +118,16 @@ class P2PWork(MPIWork):
             self._pg._futures.watch(self)
         return self._future
 
+    def __del__(self) -> None:
+        # dropped by its caller while MPI may still use its buffer (an isend whose Work
+        # was not kept): kept alive until its request completes (a plain append: this runs
+        # wherever the collector does, so it takes no lock)
+        try:
+            if not self.work.done():
+                self._pg._futures.dropped.append(self)
+        except Exception:  # noqa: BLE001,S110  (interpreter shutdown: nothing left to keep)
+            pass
+
 
 class Futures:
     """The requests of one group whose futures were asked for, tested on the group's
@@ -125,6 +137,23 @@ class Futures:
         self.lane = Lane(name)
         self._works: list[P2PWork] = []
         self._lock = threading.Lock()
+        #: works their callers dropped before they completed (:meth:`P2PWork.__del__`):
+        #: their buffers stay alive until :meth:`prune` finds their requests complete
+        self.dropped: list[P2PWork] = []
+
+    def prune(self) -> None:
+        """Let go of the dropped works whose requests have completed (at each post, so a
+        dropped send's buffer lives until MPI is done with it)."""
+        for work in list(self.dropped):
+            if work.poll(0):
+                self.dropped.remove(work)
+
+    def close(self) -> None:
+        """At the group's shutdown: the dropped works still pending are kept for the rest
+        of the process (their sends or receives may yet run)."""
+        self.prune()
+        _ABANDONED.extend(self.dropped)
+        self.dropped.clear()
 
     def watch(self, work: P2PWork) -> None:
         """Complete ``work`` (and so its future) as soon as its request completes."""
@@ -156,6 +185,7 @@ def post(pg: Any, tensors: list[torch.Tensor], peer: int, tag: int, send: bool) 
     job: the runtime's lane does it); a request that MPI refuses to post fails with the
     group's process failure, else its error is raised at once."""
     kind = "send" if send else "recv_anysource" if peer == MPI.ANY_SOURCE else "recv"
+    pg._futures.prune()
     refused = pg._failures.refuse(kind)
     if refused is not None:
         return completed(kind, None, refused)

@@ -201,6 +201,7 @@ class MPIProcessGroup(_Backend):
             if lane.broken is None:
                 lane.abort(error)
             lane.close(0.0)
+        self._futures.close()
         comms.forget(self._owned)
         self._bind(comm, owned, timeout)
         self.options.global_ranks_in_group = list(ranks)
@@ -903,6 +904,7 @@ class MPIProcessGroup(_Backend):
                     f"mpicoll: {lane.name} made no progress for {SHUTDOWN_STALL_S:g} s "
                     f"while shutting down (an operation the other ranks never joined)"))
                 lane.close(0.0)
+        self._futures.close()
         if any(c is parent for c in self._owned for parent in reconfigure.PARENT):
             reconfigure.PARENT.clear()   # later groups (another default group's) from the world
         for comm in self._owned:

@@ -114,6 +114,27 @@ def test_send_recv_ring_with_tags():
         assert torch.equal(got_b, cell(prv, rank, 6, rep).double().reshape(3, 2))
 
 
+def test_a_dropped_isend_still_sends_its_data():
+    """An isend whose Work the caller drops, of a tensor nothing else holds: its buffer
+    lives until MPI has sent it (it was freed and reused: the receiver got other data)."""
+    import gc
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    count = 1 << 21          # 8 MB: sent only once the receiver is there
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    dist.isend(torch.arange(count, dtype=torch.float32) + rank, dst=nxt, tag=11)
+    gc.collect()
+    junk = [torch.full((count,), -1.0) for _ in range(4)]   # reuses freed memory
+    dist.barrier()
+    got = torch.zeros(count)
+    dist.recv(got, src=prv, tag=11)
+    assert torch.equal(got, torch.arange(count, dtype=torch.float32) + prv)
+    del junk
+    dist.barrier()
+
+
 def test_recv_from_any_source():
     rank, n = dist.get_rank(), dist.get_world_size()
     if n == 1:
