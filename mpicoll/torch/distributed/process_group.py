@@ -508,7 +508,7 @@ class MPIProcessGroup(_Backend):
         """``all_gather``: ``output_tensors[0][r]`` gets rank ``r``'s input. Ranks may
         give inputs of different sizes (as NCCL allows): output ``r`` must then hold as
         many elements as rank ``r``'s input, and every rank must pass the same sizes."""
-        return self._allgather(lambda: output_tensors, input_tensors)
+        return self._allgather(lambda: output_tensors, input_tensors, output_tensors)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_list: list[torch.Tensor], opts: Any = None) -> Any:
@@ -519,10 +519,12 @@ class MPIProcessGroup(_Backend):
                                  f"not {len(output_lists)}")
             return [[outputs[i] for outputs in output_lists] for i in range(len(input_list))]
 
-        return self._allgather(per_input, input_list)
+        return self._allgather(per_input, input_list, output_lists)
 
     def _allgather(self, output_lists: Callable[[], list[list[torch.Tensor]]],
-                   input_tensors: list[torch.Tensor]) -> Any:
+                   input_tensors: list[torch.Tensor], result: list[list[torch.Tensor]]) -> Any:
+        """All-gather each input into its list of outputs (``output_lists()``, one per
+        input); the work's result is ``result`` (the caller's lists) as gloo's is."""
         def prepare(stage: Staging) -> Prepared:
             lists = output_lists()
             if len(lists) != len(input_tensors):
@@ -556,7 +558,7 @@ class MPIProcessGroup(_Backend):
                     else:
                         parts = self._gather_uneven(input, [o.numel() for o in outputs])
                     _copy_parts(outputs, parts)
-                return lists
+                return _as_gloo_value(result)
 
             count: Any = _count(input_tensors) if even else _sizes_field(sizes)
             return run, dict(count=count, dtype=_dtype_field(input_tensors))
@@ -641,7 +643,11 @@ class MPIProcessGroup(_Backend):
                 for i, (output, input) in enumerate(pairs):
                     if sizes is None:
                         src, dst = Host(input, True, factor), Host(output, True)
-                        collectives.reduce_scatter(src.array, dst.array, op=op,
+                        # an output inside its input (a block of it, as torch allows):
+                        # the reduction reads a copy
+                        send = src.array.copy() if np.may_share_memory(src.array, dst.array) \
+                            else src.array
+                        collectives.reduce_scatter(send, dst.array, op=op,
                                                    comm=self.comm, check=False)
                         dst.finish()
                     else:   # rank r gets block r (sizes[i][r] elements) of the reduction of
@@ -708,7 +714,7 @@ class MPIProcessGroup(_Backend):
                 send.array.view(np.uint8), recv, root=root),
                 count=src.numel(), dtype=str(src.dtype), root=root)
             _copy_parts(outs, whole)
-            return output_tensors
+            return _as_gloo_value(output_tensors)
 
         return self._rooted("gather", output_tensors, input_tensors, root, run)
 
@@ -826,7 +832,11 @@ class MPIProcessGroup(_Backend):
     # barriers ---------------------------------------------------------------------------------
     def barrier(self, opts: Any = None) -> Any:
         def prepare(stage: Staging) -> Prepared:
-            return lambda: self._native("barrier", lambda: self.comm.Ibarrier(), naps=True), {}
+            def run() -> list[torch.Tensor]:
+                self._native("barrier", lambda: self.comm.Ibarrier(), naps=True)
+                return []   # (gloo's future value: no tensors)
+
+            return run, {}
 
         return self._call("barrier", prepare)
 
@@ -927,6 +937,13 @@ def _warn_synchronous() -> None:
                   "torch.distributed backend runs every operation synchronously on the "
                   "calling thread (async_op=True overlaps nothing)", RuntimeWarning,
                   stacklevel=4)
+
+
+def _as_gloo_value(outputs: list[list[torch.Tensor]]) -> Any:
+    """The result of a work with these lists of output tensors as gloo's future holds it
+    (``returnFutureWithOutput``): one list as itself, several as the list of them, none
+    as ``[]``."""
+    return outputs[0] if len(outputs) == 1 else outputs
 
 
 def _pending(requests: list[Any]) -> list[Any]:

@@ -62,6 +62,26 @@ def test_works_are_the_backends():
     assert torch.equal(work.get_future().wait()[0], sum(everyone(5, 0)))
 
 
+def test_future_values_are_shaped_as_gloos():
+    """A future completes with what gloo's does (``returnFutureWithOutput``): the output
+    tensors of an all-gather or a root's gather as one list (it was a list of that one
+    list), a barrier's ``[]`` (it was ``None``), an all-reduce's tensors."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = [torch.zeros(5, dtype=torch.int64) for _ in range(n)]
+    value = dist.all_gather(out, data(rank, 5, 0), async_op=True).get_future().wait()
+    assert len(value) == n and all(v is o for v, o in zip(value, out))
+    assert all(torch.equal(v, data(r, 5, 0)) for r, v in enumerate(value))
+    gathered = [torch.zeros(5, dtype=torch.int64) for _ in range(n)] if rank == n - 1 else None
+    value = dist.gather(data(rank, 5, 1), gathered, dst=n - 1, async_op=True).get_future().wait()
+    if rank == n - 1:
+        assert len(value) == n and torch.equal(value[0], data(0, 5, 1))
+    else:
+        assert value == []
+    assert dist.barrier(async_op=True).get_future().wait() == []
+    tensor = data(rank, 5, 2)
+    assert dist.all_reduce(tensor, async_op=True).get_future().wait()[0] is tensor
+
+
 def test_get_future_result_success_and_error():
     """``get_future_result()`` completes with torch's WorkResult, never with an error
     (before: "Work::getFutureResult not implemented", as with gloo)."""

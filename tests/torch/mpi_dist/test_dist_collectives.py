@@ -168,6 +168,20 @@ def test_reduce_scatter_tensor(count, op, name):
         assert torch.equal(output, full[rank * count:(rank + 1) * count])
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", [dist.ReduceOp.SUM, dist.ReduceOp.MAX], ids=str)
+def test_reduce_scatter_tensor_into_a_block_of_its_input(op, dtype):
+    """The output a block of the input (in place, as torch and gloo allow): the same
+    result as into a separate tensor (it raised an overlap error on every dtype but
+    bfloat16)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for rep in range(2):
+        buf = data(rank, 3 * n + 1, rep, dtype)
+        dist.reduce_scatter_tensor(buf[3 * rank:3 * rank + 3], buf[:3 * n], op=op)
+        full = REDUCTIONS[op](everyone(3 * n + 1, rep, dtype))
+        assert torch.equal(buf[3 * rank:3 * rank + 3], full[3 * rank:3 * rank + 3])
+
+
 def test_reduce_scatter_list():
     rank, n = dist.get_rank(), dist.get_world_size()
     for rep in range(2):
