@@ -15,7 +15,10 @@ slot; for each chunk, with ``n`` ranks on the node and the chunk cut into ``n`` 
 Each final value is computed once, in a fixed order, and copied: every rank gets the same
 bits. The halves alternate across chunks *and calls* (the window remembers which is next),
 so the copy-in of one chunk never overwrites what a slower peer is still copying out of the
-previous one, with two synchronisations per chunk and none between calls.
+previous one, with two synchronisations per chunk and none between calls. The first
+chunk's first synchronisation also compares every rank's count and dtype (through the
+window's mailboxes): ranks that disagree raise ``MismatchError`` alike instead of
+reading past each other's slots.
 
 Across several nodes, step 2 is followed by an all-reduce of slice ``r`` among the ranks
 with the same local rank on every node (``inner``, chosen when the call is planned, as for
@@ -31,6 +34,7 @@ import numpy as np
 
 from .. import buffers
 from ..context import CommContext, get_context
+from ..errors import MismatchError
 from ..node_window import NodeWindow, node_window
 from ..partition import block_bounds
 from .registry import lookup, register
@@ -43,8 +47,9 @@ def _slot_view(win: NodeWindow, rank: int, half: int, dtype: np.dtype, count: in
 
 
 def _chunk(win: NodeWindow, send: Any, recv: Any, op: Any, cross: Any, inner: str | None,
-           scale: int) -> None:
-    """One chunk through the window (steps 1-3 of the module docstring)."""
+           scale: int, call: int | None = None) -> None:
+    """One chunk through the window (steps 1-3 of the module docstring). ``call``: the
+    whole call's key (count, dtype), on its first chunk, compared across the node."""
     n, me = win.size, win.rank
     dtype, count = recv.dtype, recv.size
     half = win.next_half()
@@ -55,7 +60,10 @@ def _chunk(win: NodeWindow, send: Any, recv: Any, op: Any, cross: Any, inner: st
         buffers.copy(mine[:lo], send[:lo])
     if hi < count:
         buffers.copy(mine[hi:], send[hi:])
-    win.barrier()
+    if call is None:
+        win.barrier()
+    else:
+        _agree(win, call)
     if hi > lo:
         out = mine[lo:hi]
         peers = [send[lo:hi] if r == me else _slot_view(win, r, half, dtype, count)[lo:hi]
@@ -77,6 +85,40 @@ def _chunk(win: NodeWindow, send: Any, recv: Any, op: Any, cross: Any, inner: st
                          _slot_view(win, r, half, dtype, count)[bounds[r]:bounds[r + 1]])
 
 
+def _call_key(count: int, dtype: np.dtype) -> int:
+    """A call's count and dtype (kind, item size) as one integer."""
+    return count << 16 | ord(dtype.kind) << 8 | dtype.itemsize
+
+
+def _key_text(key: int) -> str:
+    kind, size = chr(key >> 8 & 255), key & 255
+    try:
+        name = np.dtype(f"{kind}{size}").name
+    except TypeError:
+        name = f"{kind}{size}"
+    return f"{key >> 16} x {name}"
+
+
+def _agree(win: NodeWindow, key: int) -> None:
+    """The chunk's first barrier, with every rank's call ``key`` in the window's mailboxes
+    beside it: ranks of the node whose counts or dtypes differ all raise, where they
+    would read past each other's slots (a peer reads a mailbox between this barrier and
+    the chunk's second, before the box is written again two calls later).
+
+    Raises:
+        MismatchError: on every rank of the node alike.
+    """
+    column = win.tables[win.exchanges & 1][:, 0]
+    win.exchanges += 1
+    column[win.rank] = key
+    win.barrier()
+    keys = column.tolist()
+    if keys.count(key) != win.size:
+        details = [f"rank {r} of the node: {_key_text(k)}" for r, k in enumerate(keys)]
+        raise MismatchError("allreduce (shm): the node's ranks passed different counts or "
+                            "dtypes: " + "; ".join(details), details)
+
+
 def _node_broadcast(win: NodeWindow, buf: Any) -> None:
     """Copy ``buf`` of local rank 0 to every rank of the node, through the window."""
     step = win.slot_bytes // buf.dtype.itemsize
@@ -96,9 +138,11 @@ def _chunks(win: NodeWindow, send: Any, recv: Any, op: Any, cross: Any,
             inner: str | None, scale: int = 0) -> None:
     """The message in chunks of one slot; ``scale``: ranks to ``op.finalize`` over (0: no)."""
     step = win.slot_bytes // recv.dtype.itemsize
+    call = _call_key(recv.size, recv.dtype)
     for start in range(0, recv.size, step):
         stop = min(start + step, recv.size)
-        _chunk(win, send[start:stop], recv[start:stop], op, cross, inner, scale)
+        _chunk(win, send[start:stop], recv[start:stop], op, cross, inner, scale,
+               call if start == 0 else None)
 
 
 @register("allreduce", "shm", scales_shards=True)

@@ -177,3 +177,26 @@ def test_windows_freed_in_any_order(real_node):
     for comm in comms if RANK % 2 == 0 else comms[::-1]:
         comm.Free()
     real_node.Barrier()
+
+
+@pytest.mark.parametrize("differs", ["count", "dtype", "none"])
+def test_shm_allreduce_whose_ranks_disagree_raises_on_every_rank(real_node, differs):
+    """Unchecked, ranks of a node whose counts (or dtypes of one item size) differ raise
+    MismatchError alike, naming each rank's; they returned other ranks' data, silently."""
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    last = RANK == SIZE - 1
+    count = 3000 + (differs == "count" and last)      # several 1 KiB chunks
+    dtype = np.int32 if differs == "dtype" and last else np.float32
+    x = np.ones(count, dtype)
+    for _ in range(2):                                # and the window goes on after it
+        if differs == "none":
+            y = mpicoll.allreduce(x, comm=real_node, algorithm="shm", check=False)
+            assert (y == SIZE).all()
+            continue
+        with pytest.raises(mpicoll.MismatchError, match="different counts or dtypes") as info:
+            mpicoll.allreduce(x, comm=real_node, algorithm="shm", check=False)
+        assert len(info.value.details) == SIZE
+        assert ("int32" if differs == "dtype" else "3001") in str(info.value)
+    y = mpicoll.allreduce(np.ones(5000), comm=real_node, algorithm="shm")
+    assert (y == SIZE).all()
