@@ -97,8 +97,22 @@ def scaled_sum(factor: float) -> Op:
     return _ScaledSum("scaled_sum", "add", "fc", MPI.SUM, averages=True, factor=float(factor))
 
 
+@dataclass(frozen=True, eq=False)
+class _Product(Op):
+    """``prod``: numpy's multiply of one complex element gives other bits when ``out`` is
+    one of its operands (numpy 2.4, in about half the cases), so that product goes through
+    a temporary: every rank gets the bits of the loop longer vectors use, whichever of
+    its buffers the algorithm reduces into."""
+
+    def combine(self, a: Any, b: Any, out: Any) -> None:  # noqa: D102 (Op's)
+        if out.size == 1 and out.dtype.kind == "c":
+            out[...] = buffers.array_module(out).multiply(a, b)
+        else:
+            super().combine(a, b, out)
+
+
 SUM = Op("sum", "add", "iufc", MPI.SUM)
-PROD = Op("prod", "multiply", "iufc", MPI.PROD)
+PROD = _Product("prod", "multiply", "iufc", MPI.PROD)
 MIN = Op("min", "minimum", "iuf", MPI.MIN)
 MAX = Op("max", "maximum", "iuf", MPI.MAX)
 AVERAGE = Op("average", "add", "iufc", MPI.SUM, averages=True)
