@@ -5,8 +5,17 @@ Existing mpi4py code switches with one line (``comm = mpicoll.Comm(MPI.COMM_WORL
 ``Reduce`` take exactly mpi4py's arguments and run mpicoll's algorithms; what they cannot
 handle (derived datatypes, user-defined or pair ops, vector counts, objects without a
 contiguous buffer) goes to the wrapped communicator, as does every other method. The
-decision depends only on the datatype, the op and the shape of the buffer spec, which MPI
-already requires to match across ranks, so every rank makes the same one.
+decision depends only on the datatype, the op and the shape of the buffer spec. MPI
+requires the reductions' datatypes to match across ranks, so every rank makes the same
+one there; ``Bcast`` and ``Allgather`` need only matching type signatures, and a program
+that describes its data with a derived datatype on some ranks and a predefined one on
+others must call them on the wrapped communicator (mpicoll's algorithm would run on some
+ranks and MPI's on the others). An explicit count in a spec that holds every rank's
+block (``Allgather``'s receive buffer, ``Reduce_scatter_block``'s send buffer) is one
+block's, as in mpi4py. A bad argument on one rank is raised there by mpi4py, as without
+mpicoll; with ``check=True`` it goes through the agreement step first, so that it raises
+there and :class:`~mpicoll.RemoteError` on the other ranks instead of leaving them
+waiting.
 """
 from __future__ import annotations
 
@@ -14,10 +23,12 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import collectives
+from . import collectives, config
 from .runtime import comms, failures
 from .algorithms.registry import names
 from .buffers import IN_PLACE, Unsupported, is_in_place, parse_mpi_buffer
+from .checked import agree
+from .context import get_context
 from .fastpath import MISS, run_fast
 from .gpu.arrays import is_device
 from .ops import resolve_op
@@ -82,6 +93,21 @@ class Comm(MPI.Intracomm):
         recv = _buffer(recvbuf, "recvbuf", True, recv_blocks) if with_recv else None
         return ours, send, recv
 
+    def _report(self, error: Exception, collective: str) -> None:
+        """In checked mode, report this rank's bad argument (a ``ValueError``) through the
+        agreement step: it raises here and ``RemoteError`` on the other ranks, as
+        mpicoll's own collectives do, instead of this rank alone raising."""
+        use_check = config.check_enabled() if self._mpicoll_check is None \
+            else bool(self._mpicoll_check)
+        if use_check and isinstance(error, ValueError):
+            agree(get_context(self), error, collective=collective)
+
+    def _to_mpi(self, error: Exception, collective: str, call: Any) -> None:
+        """Hand a call mpicoll does not take to MPI (``call()``), a bad argument
+        :meth:`_report`-ed first."""
+        self._report(error, collective)
+        return call()
+
     def _run(self, method: str, collective: str, args: tuple, key_args: tuple) -> None:
         """Run mpicoll's ``collective`` on parsed ``args``; cache it under the raw ones.
         Returns ``None``, what the mpi4py methods return."""
@@ -96,8 +122,9 @@ class Comm(MPI.Intracomm):
             return None
         try:
             ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op)
-        except (Unsupported, ValueError):
-            return super().Allreduce(sendbuf, recvbuf, op)
+        except (Unsupported, ValueError) as exc:
+            return self._to_mpi(exc, "allreduce", lambda: super(Comm, self).Allreduce(
+                sendbuf, recvbuf, op))
         return self._run("Allreduce", "allreduce", (send, recv, ours), (sendbuf, recvbuf, op))
 
     def Reduce_scatter_block(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM) -> None:
@@ -110,12 +137,15 @@ class Comm(MPI.Intracomm):
             ours, send, recv = self._parse_reduction(
                 sendbuf, recvbuf, op, send_blocks=size,
                 recv_blocks=size if is_in_place(sendbuf) else 1)
-        except (Unsupported, ValueError):
-            return super().Reduce_scatter_block(sendbuf, recvbuf, op)
+        except (Unsupported, ValueError) as exc:
+            return self._to_mpi(exc, "reduce_scatter", lambda: super(
+                Comm, self).Reduce_scatter_block(sendbuf, recvbuf, op))
         if send is not IN_PLACE and not is_device(send) and \
                 send.size != recv.size * self.Get_size():     # (device: the route checks)
-            raise ValueError(f"sendbuf has {send.size} elements; Reduce_scatter_block needs "
-                             f"size x recvbuf = {recv.size * self.Get_size()}")
+            error = ValueError(f"sendbuf has {send.size} elements; Reduce_scatter_block "
+                               f"needs size x recvbuf = {recv.size * self.Get_size()}")
+            self._report(error, "reduce_scatter")
+            raise error
         return self._run("Reduce_scatter_block", "reduce_scatter", (send, recv, ours),
                          (sendbuf, recvbuf, op))
 
@@ -133,11 +163,17 @@ class Comm(MPI.Intracomm):
             bounds = block_bounds(total, self.Get_size())
             if counts != [bounds[i + 1] - bounds[i] for i in range(self.Get_size())]:
                 raise Unsupported("recvcounts other than numpy.array_split's")
-            if (recv.size != total) if send is IN_PLACE else \
-                    (recv.size, send.size) != (counts[self.Get_rank()], total):
-                raise Unsupported("counts that do not fit the buffers (mpi4py's error)")
-        except (Unsupported, ValueError, TypeError):
-            return super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
+            mine = counts[self.Get_rank()]
+            if send is IN_PLACE and recv.size != total:   # (mpi4py's checks and words)
+                raise ValueError(f"mismatch in receive count {recv.size} and sum(counts) {total}")
+            if send is not IN_PLACE and send.size != total:
+                raise ValueError(f"mismatch in send count {send.size} and sum(counts) {total}")
+            if send is not IN_PLACE and recv.size != mine:
+                raise ValueError(f"mismatch in receive count {recv.size} and "
+                                 f"counts[{self.Get_rank()}] {mine}")
+        except (Unsupported, ValueError, TypeError) as exc:
+            return self._to_mpi(exc, "reduce_scatter", lambda: super(Comm, self).Reduce_scatter(
+                sendbuf, recvbuf, recvcounts, op))
         args = (send, recv, ours)
         # keyed by the counts too: a list, so never cached (it could change in place)
         return self._run("Reduce_scatter", "reduce_scatter", args,
@@ -150,8 +186,9 @@ class Comm(MPI.Intracomm):
         try:
             send = self._parse(sendbuf, "sendbuf")
             recv = _buffer(recvbuf, "recvbuf", writable=True, blocks=self.Get_size())
-        except (Unsupported, ValueError):
-            return super().Allgather(sendbuf, recvbuf)
+        except (Unsupported, ValueError) as exc:
+            return self._to_mpi(exc, "allgather", lambda: super(Comm, self).Allgather(
+                sendbuf, recvbuf))
         return self._run("Allgather", "allgather", (send, recv), (sendbuf, recvbuf))
 
     def Bcast(self, buf: Any, root: int = 0) -> None:
@@ -160,8 +197,8 @@ class Comm(MPI.Intracomm):
             return None
         try:
             flat = _buffer(buf, "buf", writable=self.Get_rank() != root)
-        except (Unsupported, ValueError):
-            return super().Bcast(buf, root)
+        except (Unsupported, ValueError) as exc:
+            return self._to_mpi(exc, "broadcast", lambda: super(Comm, self).Bcast(buf, root))
         return self._run("Bcast", "broadcast", (flat, root), (buf, root))
 
     def Reduce(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = MPI.SUM, root: int = 0) -> None:
@@ -172,8 +209,9 @@ class Comm(MPI.Intracomm):
         at_root = self.Get_rank() == root
         try:
             ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op, with_recv=at_root)
-        except (Unsupported, ValueError):
-            return super().Reduce(sendbuf, recvbuf, op, root)
+        except (Unsupported, ValueError) as exc:
+            return self._to_mpi(exc, "reduce", lambda: super(Comm, self).Reduce(
+                sendbuf, recvbuf, op, root))
         return self._run("Reduce", "reduce", (send, recv, ours, root),
                          (sendbuf, recvbuf, op, root))
 

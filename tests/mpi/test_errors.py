@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import mpicoll
 from mpicoll.context import get_context
@@ -125,3 +126,32 @@ def test_checked_mode_passes_when_all_agree():
     np.testing.assert_allclose(y, X)
     out = mpicoll.reduce_scatter(np.ones(SIZE * 3, np.int64), check=True)
     np.testing.assert_array_equal(out, SIZE)
+
+
+@pytest.mark.parametrize("case", ["read-only recvbuf", "count past the buffer",
+                                  "reduce-scatter counts", "reduce-scatter-block sizes"])
+def test_checked_comm_one_bad_rank_raises_everywhere(case):
+    """mpicoll.Comm(check=True): a bad argument on one rank raises there and RemoteError on
+    the others (the bad rank went to mpi4py alone, the others waited for it)."""
+    comm = mpicoll.Comm(COMM, check=True)
+    bad = RANK == SIZE - 1
+    x, y = np.ones(8), np.zeros(8)
+    if case == "read-only recvbuf":
+        y.flags.writeable = not bad
+        call = lambda: comm.Allreduce(x, y)  # noqa: E731
+    elif case == "count past the buffer":
+        call = lambda: comm.Allreduce([x, 9 if bad else 8, MPI.DOUBLE], y)  # noqa: E731
+    elif case == "reduce-scatter counts":
+        counts = [8 // SIZE + (r < 8 % SIZE) for r in range(SIZE)]
+        out = np.zeros(counts[RANK] + bad)
+        call = lambda: comm.Reduce_scatter(x, out, counts)  # noqa: E731
+    else:
+        send = np.ones(4 * SIZE - bad)
+        call = lambda: comm.Reduce_scatter_block(send, np.zeros(4))  # noqa: E731
+    if bad:
+        with pytest.raises(ValueError):
+            call()
+    else:
+        with pytest.raises(mpicoll.RemoteError, match=f"rank {SIZE - 1}: ValueError"):
+            call()
+    comm.Allreduce(x, y if not bad else np.zeros(8))   # the communicator goes on
