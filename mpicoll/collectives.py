@@ -15,7 +15,7 @@ import numpy as np
 from . import buffers, config, fastpath, tracking, validation
 from .runtime import failures
 from .algorithms.registry import bind, lookup, scales_shards
-from .buffers import flat_view, is_in_place
+from .buffers import flat_view, is_array, is_in_place
 from .checked import agree
 from .context import CommContext, get_context, resolve_comm
 from .fastpath import MISS, run_fast
@@ -427,6 +427,13 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
 
 
 def _allgather_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, algorithm: Any) -> Plan:
+    if (recvbuf is None and is_array(sendbuf) and sendbuf.ndim > 1
+            and not sendbuf.flags.c_contiguous and sendbuf.flags.f_contiguous):
+        # a Fortran-ordered block into rows of a new result: its elements in C order (a
+        # copy on every call, never cached: the cached call would send the old copy)
+        plan = _allgather_plan(ctx, buffers.array_module(sendbuf).ascontiguousarray(sendbuf),
+                               None, algorithm)
+        return plan._replace(remake=None, shaped=None)
     send, recv, in_place = validation.allgather(sendbuf, recvbuf, ctx.rank, ctx.size,
                                                 flat_view)
     result = recvbuf
@@ -459,7 +466,9 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: st
         sendbuf: this rank's block, or :data:`mpicoll.IN_PLACE` / ``None`` when the block is
             already at position ``rank`` of ``recvbuf``.
         recvbuf: ``size`` times as many elements, same dtype; ``None`` allocates one shaped
-            ``(size * sendbuf.shape[0], *sendbuf.shape[1:])`` (``(size,)`` for 0-d input).
+            ``(size * sendbuf.shape[0], *sendbuf.shape[1:])`` (``(size,)`` for 0-d input),
+            in C order, whose rows are every rank's ``sendbuf`` in rank order, whatever its
+            memory order (a Fortran-ordered one is copied to C order first).
         comm, algorithm, check: as for :func:`allreduce`.
         compression: as for :func:`allreduce`: run :func:`mpicoll.compression.allgather`
             (float32/float64; every rank decodes every block from the same bytes).

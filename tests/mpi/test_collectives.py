@@ -74,6 +74,17 @@ def test_allgather_allocates_concatenated_shape():
     np.testing.assert_array_equal(y[:, 0], np.repeat(np.arange(SIZE), 2))
 
 
+def test_allgather_of_fortran_ordered_blocks_keeps_their_rows():
+    """A Fortran-ordered block: the new result's rows are each rank's rows in rank order
+    (they were its memory in Fortran order: scrambled), on every call (not a cached copy)."""
+    x = np.asfortranarray(np.arange(6).reshape(2, 3) + 10 * RANK)
+    for rep in range(3):   # the same array, changed in place
+        y = mpicoll.allgather(x)
+        expected = [np.arange(6).reshape(2, 3) + 10 * r + rep for r in range(SIZE)]
+        np.testing.assert_array_equal(y, np.concatenate(expected))
+        x += 1
+
+
 @pytest.mark.parametrize("algorithm", mpicoll.algorithms("broadcast") + ["auto"])
 def test_broadcast(algorithm):
     failures = []
