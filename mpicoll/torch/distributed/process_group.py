@@ -434,7 +434,7 @@ class MPIProcessGroup(_Backend):
             if root is not None:
                 self._root(kind, root)
             for t in tensors:
-                check_reduce_dtype(check_tensor(t, "tensor"), op)
+                check_reduce_dtype(check_tensor(t, "tensor"), op, factor=factor)
             mine = root is None or self.rank() == root
             hosts = [stage.host(t, load=True, store=mine) for t in tensors]
 
@@ -629,7 +629,7 @@ class MPIProcessGroup(_Backend):
             flat, sizes = inputs()
 
             def check(output: torch.Tensor, input: torch.Tensor) -> None:
-                check_reduce_dtype(check_tensor(input, "input"), op)
+                check_reduce_dtype(check_tensor(input, "input"), op, "input", factor)
                 check_tensor(output, "output")
                 if sizes is None:
                     self._check_blocks(input, output, "input")

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..engine.dtypes import numpy_view, reduce_dtype
+from ..engine.dtypes import SUPPORTED, numpy_view, reduce_dtype
 
 __all__ = ["op_name", "op_label", "premul_factor", "check_tensor", "check_reduce_dtype", "Host",
            "byte_view"]
@@ -64,11 +64,19 @@ def check_tensor(tensor: Any, argname: str) -> torch.Tensor:
     if tensor.device.type not in ("cpu", "cuda"):
         raise TypeError(f"{argname} is on {tensor.device}; the mpicoll backend takes CPU and "
                         f"CUDA tensors")
+    if tensor.dtype not in SUPPORTED:
+        raise TypeError(f"{argname} has dtype {tensor.dtype}, which the mpicoll backend does "
+                        f"not handle (supported: {', '.join(map(str, SUPPORTED))})")
     return tensor
 
 
-def check_reduce_dtype(tensor: torch.Tensor, op: str, argname: str = "tensor") -> None:
-    """``TypeError`` where ``op`` does not apply to ``tensor``'s dtype."""
+def check_reduce_dtype(tensor: torch.Tensor, op: str, argname: str = "tensor",
+                       factor: Any = None) -> None:
+    """``TypeError`` where ``op`` (a PREMUL_SUM where ``factor`` is given) does not apply
+    to ``tensor``'s dtype."""
+    if factor is not None and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"reduce op PREMUL_SUM needs a floating or complex {argname}, not "
+                        f"{tensor.dtype}")
     if op in BITWISE and (tensor.is_floating_point() or tensor.is_complex()):
         raise TypeError(f"reduce op {op} needs an integer or bool tensor, not {tensor.dtype}")
     if tensor.is_complex() and op in ("min", "max"):

@@ -237,7 +237,19 @@ def all_to_all_single_uneven(g, n, bad):
     backend_of(g).alltoall_base(_ones(2 * n + bad), _ones(2 * n + bad), [], []).wait()
 
 
-CASES = [all_reduce_bitwise_float, all_reduce_meta, broadcast_meta, broadcast_bad_root,
+def all_reduce_premul_sum_int(g, n, bad):
+    """PREMUL_SUM of an integer tensor (torch's own cast error before)."""
+    tensor = _ones(3) if bad else _ones(3, torch.float32)
+    dist.all_reduce(tensor, op=dist._make_nccl_premul_sum(2.0), group=g)
+
+
+def broadcast_float8(g, n, bad):
+    """A dtype the backend does not move (a bare KeyError before)."""
+    dist.broadcast(_ones(3, torch.float8_e4m3fn if bad else torch.float32), group_src=0,
+                   group=g)
+
+
+CASES = [all_reduce_premul_sum_int, broadcast_float8, all_reduce_bitwise_float, all_reduce_meta, broadcast_meta, broadcast_bad_root,
          reduce_bitwise_float, reduce_bad_root, all_gather_list_length, all_gather_output_size,
          all_gather_mixed_dtypes, all_gather_coalesced_list_length,
          all_gather_into_tensor_size, gather_list_length, gather_element_size,
