@@ -107,6 +107,34 @@ def msg(a: Any) -> list:
     return [a, MPI.BYTE]
 
 
+def _one_base(dtype: np.dtype) -> np.dtype | None:
+    """The one scalar type a numpy dtype is built of (fields, subarrays), else ``None``."""
+    if dtype.names:
+        bases = {_one_base(dtype.fields[name][0]) for name in dtype.names}
+        return bases.pop() if len(bases) == 1 else None
+    return _one_base(dtype.base) if dtype.shape else dtype
+
+
+def _elements_of(datatype: Any, argname: str) -> tuple[np.dtype, int]:
+    """``(element dtype, elements per datatype item)``: a predefined datatype is one
+    element; a derived one is taken where it is gap-free copies of one predefined type
+    (``Create_contiguous``, a vector without stride gaps), which MPI lets a rank pair
+    with that type on another (the same type signature), so mpicoll must take it too."""
+    if not isinstance(datatype, MPI.Datatype) or datatype.is_predefined \
+            or datatype == MPI.DATATYPE_NULL:
+        return _dtype_of(datatype, argname), 1
+    try:
+        size, (lb, extent), (true_lb, true_extent) = (
+            datatype.Get_size(), datatype.Get_extent(), datatype.Get_true_extent())
+        base = _one_base(dtlib.to_numpy_dtype(datatype))
+    except (MPI.Exception, ValueError, TypeError, KeyError):
+        base = None
+    if base is None or lb or true_lb or not size == extent == true_extent:
+        raise Unsupported(f"{argname}: derived datatypes with gaps or mixed types are "
+                          f"handled by MPI itself")
+    return _dtype_of(base.str, argname), size // base.itemsize
+
+
 def _dtype_of(datatype: Any, argname: str) -> np.dtype:
     if isinstance(datatype, str):
         try:
@@ -141,7 +169,8 @@ def _as_byte_array(buf: Any, argname: str) -> np.ndarray:
 def parse_mpi_buffer(spec: Any, argname: str, writable: bool = False, blocks: int = 1) -> Any:
     """Turn an mpi4py buffer specification into a flat array view.
 
-    Accepts what mpi4py's uppercase methods accept for contiguous predefined data: an array
+    Accepts what mpi4py's uppercase methods accept for contiguous data of one predefined
+    type (a derived datatype of gap-free copies of one counts as its elements): an array
     or buffer-protocol object; ``[buf, datatype]``; ``[buf, count, datatype]``;
     ``[buf, (count, displ), datatype]``; ``[buf, count, displ, datatype]``; ``None`` as
     ``buf`` for an empty buffer. ``datatype`` may be an ``MPI.Datatype`` or a type code.
@@ -150,8 +179,8 @@ def parse_mpi_buffer(spec: Any, argname: str, writable: bool = False, blocks: in
     count of one block, and the view covers ``blocks`` of them.
 
     Raises:
-        Unsupported: derived datatypes, objects without a contiguous buffer: mpicoll
-            leaves these to MPI itself.
+        Unsupported: derived datatypes with gaps or of mixed types, objects without a
+            contiguous buffer: mpicoll leaves these to MPI itself.
         ValueError: a count or displacement that does not fit the buffer, a read-only
             buffer where ``writable``.
     """
@@ -168,7 +197,10 @@ def parse_mpi_buffer(spec: Any, argname: str, writable: bool = False, blocks: in
             return parse_mpi_buffer(arr, argname, writable)
         raise Unsupported(f"{argname}: {type(spec).__name__} is not a buffer mpicoll knows")
     buf, count, displ, datatype = spec_parts(spec, argname, Unsupported, blocks)
-    dtype = _dtype_of(datatype, argname)
+    dtype, per_item = _elements_of(datatype, argname)
+    if per_item != 1:   # counted in the element type
+        count = None if count is None else count * per_item
+        displ = int(displ) * per_item
     if buf is None:
         if count:
             raise ValueError(f"{argname}: buffer is None but count is {count}")

@@ -3,14 +3,16 @@
 Existing mpi4py code switches with one line (``comm = mpicoll.Comm(MPI.COMM_WORLD)``).
 ``Allreduce``, ``Reduce_scatter_block``, ``Reduce_scatter``, ``Allgather``, ``Bcast`` and
 ``Reduce`` take exactly mpi4py's arguments and run mpicoll's algorithms; what they cannot
-handle (derived datatypes, user-defined or pair ops, vector counts, objects without a
-contiguous buffer) goes to the wrapped communicator, as does every other method. The
-decision depends only on the datatype, the op and the shape of the buffer spec. MPI
-requires the reductions' datatypes to match across ranks, so every rank makes the same
-one there; ``Bcast`` and ``Allgather`` need only matching type signatures, and a program
-that describes its data with a derived datatype on some ranks and a predefined one on
-others must call them on the wrapped communicator (mpicoll's algorithm would run on some
-ranks and MPI's on the others). An explicit count in a spec that holds every rank's
+handle (derived datatypes with gaps or of mixed types, user-defined or pair ops, vector
+counts, objects without a contiguous buffer) goes to the wrapped communicator, as does
+every other method. A derived datatype of gap-free copies of one predefined type (a
+``Create_contiguous``) counts as that many of its elements, so it pairs with the
+predefined type on another rank, as MPI's type signatures do. The decision depends only
+on the type signature, the op and the shape of the buffer spec; the one program it
+cannot serve describes data with a derived datatype *with gaps* on some ranks and a
+predefined one on others in ``Bcast`` or ``Allgather`` (legal MPI: mpicoll's algorithm
+would run on some ranks and MPI's on the others): call those on the wrapped
+communicator. An explicit count in a spec that holds every rank's
 block (``Allgather``'s receive buffer, ``Reduce_scatter_block``'s send buffer) is one
 block's, as in mpi4py. A bad argument on one rank is raised there by mpi4py, as without
 mpicoll; with ``check=True`` it goes through the agreement step first, so that it raises

@@ -258,7 +258,7 @@ def test_validation_checks_root_and_in_place_rules():
 @pytest.mark.parametrize("spec, words", [
     ([np.zeros(4), "no-such-code"], "unknown type code 'no-such-code'"),
     ([np.zeros(4), 3.5], "float is not an MPI datatype"),
-    ([np.zeros(4), MPI.DOUBLE.Create_contiguous(2)], "derived datatypes"),
+    ([np.zeros(4), MPI.DOUBLE.Create_vector(2, 1, 2)], "derived datatypes with gaps"),
     ([np.zeros(4), 1, 0, 0, MPI.DOUBLE], "buffer spec of 5 items"),
     ([object(), MPI.DOUBLE], "object does not expose a contiguous buffer"),
     (np.zeros((4, 4))[:, 1], "non-contiguous arrays are handled by MPI itself"),
