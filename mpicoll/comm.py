@@ -93,6 +93,9 @@ class Comm(MPI.Intracomm):
         ours = resolve_op(op)
         send = self._parse(sendbuf, "sendbuf", send_blocks)
         recv = _buffer(recvbuf, "recvbuf", True, recv_blocks) if with_recv else None
+        if (recv is not None and send is not IN_PLACE and not is_device(recv)
+                and not is_device(send) and send.dtype != recv.dtype):   # (device: the route's)
+            raise ValueError("mismatch in send and receive MPI datatypes")   # (mpi4py's)
         return ours, send, recv
 
     def _report(self, error: Exception, collective: str) -> None:

@@ -13,8 +13,8 @@ import mpicoll
 @pytest.fixture(name="comm")
 def fixture_comm():
     """mpicoll's drop-in communicator over COMM_WORLD, with a derived datatype of one
-    double and a user-defined MPI op (specs mpicoll leaves to MPI)."""
-    derived = MPI.DOUBLE.Create_contiguous(1).Commit()
+    double in 16 bytes (a gap) and a user-defined MPI op (specs mpicoll leaves to MPI)."""
+    derived = MPI.DOUBLE.Create_resized(0, 16).Commit()
     user_op = MPI.Op.Create(lambda a, b, t: None, commute=True)
     yield mpicoll.Comm(MPI.COMM_WORLD), derived, user_op
     user_op.Free()
@@ -25,17 +25,19 @@ def test_specs_mpicoll_does_not_handle_go_to_mpi(comm):
     """Every method hands a derived datatype or a user-defined op to MPI, which computes
     one rank's identity."""
     c, dt, user_op = comm
-    x = np.arange(4.0)
+    x = np.arange(1.0, 5.0)
     for call in (lambda y: c.Reduce_scatter_block(x, y, user_op),
                  lambda y: c.Reduce_scatter(x, y, [4], user_op),
-                 lambda y: c.Allgather([x, dt], [y, dt]),
                  lambda y: c.Reduce(x, y, user_op, 0)):
         y = np.zeros(4)
         call(y)
         assert y.tolist() == x.tolist()
-    buf = np.arange(3.0)
-    c.Bcast([buf, dt], root=0)
-    assert buf.tolist() == [0.0, 1.0, 2.0]
+    y = np.zeros(4)
+    c.Allgather([x, 2, dt], [y, 2, dt])     # every other double
+    assert y.tolist() == [1.0, 0.0, 3.0, 0.0]
+    buf = np.arange(4.0)
+    c.Bcast([buf, 2, dt], root=0)
+    assert buf.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_reduce_scatter_counts_other_than_array_splits_go_to_mpi(comm):
@@ -52,6 +54,16 @@ def test_reduce_scatter_counts_other_than_array_splits_go_to_mpi(comm):
     y[:] = 0
     c.Reduce_scatter(x, y, None)                 # no counts: MPI's (mpi4py's default)
     assert y.tolist() == x.tolist()
+
+
+def test_reductions_of_different_send_and_receive_types_raise_as_in_mpi4py(comm):
+    """A TypeError from mpicoll before; mpi4py's ValueError and words now."""
+    c = comm[0]
+    for call in (lambda: c.Allreduce(np.ones(3), np.zeros(3, np.float32)),
+                 lambda: c.Reduce(np.ones(3), np.zeros(3, np.float32), root=0),
+                 lambda: c.Reduce_scatter_block(np.ones(3), np.zeros(3, np.float32))):
+        with pytest.raises(ValueError, match="mismatch in send and receive MPI datatypes"):
+            call()
 
 
 def test_reduce_scatter_block_sizes_must_match(comm):
