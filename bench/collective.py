@@ -89,10 +89,8 @@ class CollectiveCase:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.dtype = np.dtype(dtype)
         n, r = self.size, self.rank
-        count = max(1, nbytes // self.dtype.itemsize)
-        if collective == "allgather":
-            self.block = max(1, count // n)
-            count = self.block * n
+        count = measured_bytes(collective, nbytes, self.dtype.itemsize, n) // self.dtype.itemsize
+        self.block = count // n
         self.count = count
         self.nbytes = count * self.dtype.itemsize
         self.bounds = block_bounds(count, n)
@@ -205,6 +203,15 @@ class CollectiveCase:
         return None
 
 
+def measured_bytes(collective: str, nbytes: int, itemsize: int, n: int) -> int:
+    """The bytes a row asked for ``nbytes`` measures: whole elements, at least one, and
+    for allgather a whole block per rank (the row's Size)."""
+    count = max(1, nbytes // itemsize)
+    if collective == "allgather":
+        count = max(1, count // n) * n
+    return count * itemsize
+
+
 def build_parser(collective: str | None = None) -> argparse.ArgumentParser:
     """Options of the collective benchmarks."""
     prog = f"bench.{MODULES[collective]}" if collective else "bench.collective"
@@ -230,6 +237,28 @@ def build_parser(collective: str | None = None) -> argparse.ArgumentParser:
                                                       "algorithm) to this PNG")
     parser.add_argument("--markdown", metavar="MD", help="write a markdown table here")
     return parser
+
+
+def check_case_options(collective: str, dtype: str, op: str, root: int, n: int) -> None:
+    """``--dtype``, ``--op`` and ``--root`` as the collective can take them, on every rank
+    before anything is measured.
+
+    Raises:
+        SystemExit: naming the option and why.
+    """
+    import numpy as np  # noqa: PLC0415
+
+    from mpicoll.buffers import check_dtype  # noqa: PLC0415
+    from mpicoll.ops import resolve_op  # noqa: PLC0415
+
+    try:
+        check_dtype(np.dtype(dtype), "--dtype")
+        if collective in ("allreduce", "reduce_scatter", "reduce"):
+            resolve_op(op).check_dtype(np.dtype(dtype), "--op")
+    except TypeError as exc:
+        raise SystemExit(f"{collective}: {exc}") from None
+    if collective in ("broadcast", "reduce") and not 0 <= root < n:
+        raise SystemExit(f"{collective}: --root {root} is not a rank of the {n} ranks")
 
 
 def select_algorithms(collective: str, spec: str) -> list[str]:
@@ -306,14 +335,18 @@ def run(args: argparse.Namespace, collective: str) -> int:
     MPI = start_mpi(args.thread_level)
     comm = MPI.COMM_WORLD
     algs = select_algorithms(collective, args.algo)
-    np.dtype(args.dtype)  # fail early on a bad dtype
+    check_case_options(collective, args.dtype, args.op, args.root, comm.Get_size())
     meta = run_metadata(MPI, comm, args, collective, algs)
     header = osu_header(meta, args.full)
     echo = comm.Get_rank() == 0 and (args.format == "osu" or bool(args.output))
     if echo:
         sys.stdout.write(header)
         sys.stdout.flush()
-    sizes = power_of_two_sizes(*args.message_size, step=args.step)
+    itemsize, n = np.dtype(args.dtype).itemsize, comm.Get_size()
+    first: dict[int, int] = {}   # one row per size measured (1 and 2 B of float32 are 4 B)
+    for asked in power_of_two_sizes(*args.message_size, step=args.step):
+        first.setdefault(measured_bytes(collective, asked, itemsize, n), asked)
+    sizes = list(first.values())
     progress = Progress(comm.Get_rank() == 0 and not args.quiet, collective, len(sizes))
     rows: list[Row] = []
     failures: list[str] = []
@@ -402,7 +435,7 @@ def rows_for(case: CollectiveCase, algs: list[str], medians: list[dict[str, floa
     from mpicoll.context import get_context  # noqa: PLC0415
 
     n = case.size
-    rpn = get_context(case.comm).topology.local_size
+    rpn = get_context(case.comm).ranks_per_node   # (what auto itself is told)
     factor = BUS_FACTOR[case.collective](n)
     base = sum(m["mpi"] for m in medians) / n
     rows = []
@@ -411,7 +444,7 @@ def rows_for(case: CollectiveCase, algs: list[str], medians: list[dict[str, floa
         avg = sum(vals) / n
         algbw = case.nbytes / avg / 1e9 if avg > 0 else None
         rows.append(Row(
-            test=case.collective, size=case.requested_bytes, algorithm=a, avg_us=avg * 1e6,
+            test=case.collective, size=case.nbytes, algorithm=a, avg_us=avg * 1e6,
             min_us=min(vals) * 1e6, max_us=max(vals) * 1e6, iterations=iters,
             world_size=n, bytes=case.nbytes, algbw=algbw,
             busbw=algbw * factor if algbw is not None else None,
@@ -440,7 +473,7 @@ def write_outputs(args: argparse.Namespace, meta: dict, rows: list[Row], header:
 def _auto_choice(collective: str, n: int, rpn: int, nbytes: int) -> str:
     from mpicoll.selection import choose  # noqa: PLC0415
 
-    return choose(collective, n, 0, nbytes)
+    return choose(collective, n, rpn, nbytes)
 
 
 def osu_header(meta: dict, full: bool) -> str:

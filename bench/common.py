@@ -22,7 +22,7 @@ import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 __all__ = ["THREAD_LEVELS", "mpirun_command", "add_common_options", "parse_size",
            "parse_size_range", "power_of_two_sizes", "start_mpi", "thread_level_name",
@@ -109,6 +109,21 @@ def parse_size_range(text: str) -> tuple[int, int]:
     return lo_b, hi_b
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum`` (an iteration or call count,
+    a window), refused by the parser on every rank alike."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is less than {minimum}")
+        return value
+
+    return parse
+
+
 def power_of_two_sizes(lo: int, hi: int, step: int = 2) -> list[int]:
     """Powers of ``step`` from the first one >= ``lo`` up to ``hi`` (OSU's rows)."""
     sizes, s = [], 1
@@ -135,11 +150,11 @@ def add_common_options(parser: argparse.ArgumentParser, *, default_range: str,
                         metavar="MIN:MAX",
                         help=f"message sizes in bytes, powers of two (default {default_range};"
                              " K/M/G suffixes allowed)")
-    parser.add_argument("-i", "--iterations", type=int, default=iterations,
+    parser.add_argument("-i", "--iterations", type=at_least(1), default=iterations,
                         help=f"timed iterations per size (default {iterations})")
-    parser.add_argument("-x", "--warmup", type=int, default=warmup,
+    parser.add_argument("-x", "--warmup", type=at_least(0), default=warmup,
                         help=f"warm-up iterations per size (default {warmup})")
-    parser.add_argument("--iterations-large", type=int, default=20,
+    parser.add_argument("--iterations-large", type=at_least(1), default=20,
                         help="iterations above --large-size (default 20; OSU's -i large)")
     parser.add_argument("--large-size", type=parse_size, default=MiB,
                         help="sizes above this use --iterations-large (default 1M)")
@@ -160,9 +175,8 @@ def add_common_options(parser: argparse.ArgumentParser, *, default_range: str,
 def iterations_for(args: argparse.Namespace, nbytes: int) -> tuple[int, int]:
     """(warm-up, timed iterations) for ``nbytes``."""
     if nbytes > args.large_size:
-        iters = min(args.iterations, args.iterations_large)
-        return min(args.warmup, 2), max(iters, 1)
-    return args.warmup, max(args.iterations, 1)
+        return min(args.warmup, 2), min(args.iterations, args.iterations_large)
+    return args.warmup, args.iterations
 
 
 def start_mpi(thread_level: str | None) -> Any:

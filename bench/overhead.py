@@ -55,8 +55,8 @@ from typing import Any, Callable
 if not __package__:  # run as a script (python bench/overhead.py): find bench and mpicoll
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (MiB, THREAD_LEVELS, parse_args, parse_size,  # noqa: E402
-                          relative_paths, run_meta, start_mpi)
+from bench.common import (MiB, THREAD_LEVELS, at_least, human_bytes, parse_args,  # noqa: E402
+                          parse_size, relative_paths, run_meta, start_mpi)
 
 __all__ = ["main", "measure"]
 
@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=parse_size, default=8, help="bytes (default 8)")
-    parser.add_argument("--calls", type=int, default=1000, help="calls per block (1000)")
-    parser.add_argument("--repeats", type=int, default=7, help="blocks per variant (7)")
+    parser.add_argument("--calls", type=at_least(1), default=1000, help="calls per block (1000)")
+    parser.add_argument("--repeats", type=at_least(1), default=7, help="blocks per variant (7)")
     parser.add_argument("--memcpy-bytes", type=parse_size, default=64 * MiB,
                         help="bytes copied for the memory bandwidth (64M; 0: skip)")
     parser.add_argument("--profile", action="store_true",
@@ -308,7 +308,7 @@ def format_text(res: dict) -> str:
                                          else f"{name} mpi"]
             lines.append(f"{v:<28s}{us:10.2f}{us / base:9.2f}")
     if res.get("memcpy_GBps"):
-        lines.append(f"# Memory: np.copyto {res['memcpy_bytes'] // MiB} MiB: "
+        lines.append(f"# Memory: np.copyto {human_bytes(res['memcpy_bytes'])}: "
                      f"{res['memcpy_GBps']:.2f} GB/s; np.add(a, b, out=b): "
                      f"{res['add_GBps']:.2f} GB/s (one core, other ranks asleep)")
     if res.get("profile"):

@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from .common import (Row, add_common_options, format_osu_rows, iterations_for, median,
+from .common import (Row, at_least, add_common_options, format_osu_rows, iterations_for, median,
                      osu_column_header, parse_args, power_of_two_sizes, report_validation,
                      run_meta, start_mpi, write_results)
 
@@ -88,7 +88,7 @@ def build_parser(test: str) -> argparse.ArgumentParser:
     add_common_options(parser, default_range=default_range,
                        iterations=1000 if test == "latency" else 100,
                        warmup=100 if test == "latency" else 10)
-    parser.add_argument("-W", "--window-size", type=int, default=64,
+    parser.add_argument("-W", "--window-size", type=at_least(1), default=64,
                         help="messages per window for bw/bibw (default 64)")
     return parser
 

@@ -39,6 +39,17 @@ from bench.common import (Progress, add_common_options, command_line, iterations
 __all__ = ["main", "tune", "rebuild", "derive_table"]
 
 
+def _fraction(text: str) -> float:
+    """``--noise``: a relative difference, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not 0 or more")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Options of ``bench.tune``."""
     parser = argparse.ArgumentParser(prog="bench.tune", description=__doc__.split("\n\n")[0],
@@ -51,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated algorithms never to choose (e.g. native)")
     parser.add_argument("--step", type=int, default=2, choices=(2, 4),
                         help="size factor between measured sizes (default 2)")
-    parser.add_argument("--noise", type=float, default=None,
+    parser.add_argument("--noise", type=_fraction, default=None,
                         help="relative time difference that counts as noise (default 0.05)")
     parser.add_argument("--prefer", default="",
                         help="comma-separated preference order for ties within noise "
@@ -156,6 +167,18 @@ def _collectives(args: argparse.Namespace) -> list[str]:
     for c in colls:
         if c not in mpicoll.COLLECTIVES:
             raise SystemExit(f"unknown collective {c!r}; choose from {mpicoll.COLLECTIVES}")
+    from bench.collective import check_case_options  # noqa: PLC0415
+
+    exclude, prefer = ({a.strip() for a in spec.split(",") if a.strip()}
+                       for spec in (args.exclude, args.prefer))
+    known = {a for c in colls for a in mpicoll.algorithms(c)}
+    if (exclude | prefer) - known:
+        raise SystemExit(f"--exclude/--prefer name no algorithm of {colls}: "
+                         f"{sorted((exclude | prefer) - known)} (registered: {sorted(known)})")
+    for c in colls:   # (every rank alike, before anything is measured)
+        check_case_options(c, args.dtype, "sum", 0, 1)
+        if not set(mpicoll.algorithms(c)) - exclude:
+            raise SystemExit(f"--exclude leaves no {c} algorithm to measure")
     return colls
 
 
@@ -185,6 +208,9 @@ def measure(args: argparse.Namespace, comm: Any, colls: list[str]
                     failures.append(f"{coll} {a} {nbytes} B: {[e for e in errs if e][0]}")
                 else:
                     usable.append(a)
+            if not usable:
+                raise SystemExit(f"no {coll} algorithm passed validation at {nbytes} B:\n"
+                                 + "\n".join(failures))
             warm, iters = iterations_for(args, nbytes)
             medians = comm.allgather(time_interleaved(
                 comm, {a: case.call(a) for a in usable}, warm, iters))

@@ -16,6 +16,8 @@ from mpi4py import MPI
 import mpicoll
 from bench import collective, common, overhead, p2p, tune
 from mpicoll import tuning
+from mpicoll.context import get_context
+from mpicoll.selection import choose
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -46,7 +48,16 @@ def test_collective_benchmark_validates_every_algorithm(coll, tmp_path, capsys):
         rows = data["results"]
         algs = {r["algorithm"] for r in rows}
         assert algs == {"mpi", "auto", *mpicoll.algorithms(coll)}
-        assert {r["size"] for r in rows} == {1, 8, 64, 512}
+        # a row's Size is the bytes it measured (whole float32 elements, allgather's whole
+        # blocks), one row per size measured
+        assert {r["size"] for r in rows} == {collective.measured_bytes(coll, b, 4, SIZE)
+                                             for b in (1, 8, 64, 512)}
+        assert all(r["size"] == r["bytes"] for r in rows)
+        assert len(rows) == len({(r["algorithm"], r["size"]) for r in rows})
+        chosen = {r["chosen"] for r in rows if r["algorithm"] == "auto"}
+        ctx_rpn = get_context(comm).ranks_per_node
+        assert chosen == {choose(coll, SIZE, ctx_rpn, r["bytes"])
+                          for r in rows if r["algorithm"] == "auto"}
         assert all(r["validated"] is True for r in rows)
         assert all(r["ratio"] is not None and r["avg_us"] > 0 for r in rows)
         assert data["meta"]["world_size"] == SIZE
@@ -69,6 +80,31 @@ def test_collective_benchmark_csv_and_algo_and_dtype(tmp_path, capsys):
         assert lines[0].startswith("test,size,algorithm,avg_us")
         assert [ln.split(",")[2] for ln in lines[1:]] == ["mpi", "ring", "native"]
         assert all(",int32," in ln for ln in lines[1:])
+
+
+@pytest.mark.parametrize("argv", [["-i", "0"], ["-x", "-1"], ["--iterations-large", "0"],
+                                  ["--dtype", "foo"], ["--dtype", "bool"], ["--dtype", "U4"],
+                                  ["--root", "-1"], ["--root", str(SIZE)]])
+def test_bad_collective_options_end_every_rank_at_once(argv):
+    """Refused on every rank before anything runs (a hang, a traceback from every rank, a
+    silent single iteration or no warm-up at all before)."""
+    coll = "reduce" if "--root" in argv else "allreduce"
+    with pytest.raises(SystemExit) as info:
+        collective.main(["-m", "8:8", "--memcpy-bytes", "0", *TINY, *argv], collective=coll)
+    assert info.value.code not in (0, None)
+
+
+@pytest.mark.parametrize("main, argv", [(p2p.main, ["-W", "0"]), (p2p.main, ["-x", "-10"]),
+                                        (overhead.main, ["--calls", "0"]),
+                                        (overhead.main, ["--repeats", "0"]),
+                                        (tune.main, ["--exclude", "native,binomial",
+                                                     "--collectives", "reduce"]),
+                                        (tune.main, ["--prefer", "no_such_algorithm"]),
+                                        (tune.main, ["--noise=-1"])])
+def test_bad_options_of_the_other_benchmarks_end_every_rank_at_once(main, argv):
+    with pytest.raises(SystemExit) as info:
+        main(argv) if main is not p2p.main else main(argv, test="bw")
+    assert info.value.code not in (0, None)
 
 
 def test_collective_dispatcher_rejects_unknown_algorithm():
