@@ -45,7 +45,7 @@ if not __package__:  # run as a script: find bench and mpicoll
 
 import numpy as np  # noqa: E402
 
-from bench.common import (human_bytes, machine_description, parse_size,  # noqa: E402
+from bench.common import (at_least, human_bytes, machine_description, parse_size,  # noqa: E402
                           parse_size_range, power_of_two_sizes)
 
 CODECS = ["none", "fp16", "bf16", "int8", "int8:stochastic", "onebit", "topk:0.01",
@@ -190,6 +190,7 @@ def bench_collective(args: argparse.Namespace) -> list[dict]:
                 stats = compression.last_stats()
                 sent[m] = (stats.bytes_sent, stats.inter_node_bytes)
 
+        first_err = {}   # each method's error after its first call (error feedback empty)
         for it in range(args.warmup + args.iterations):
             for m in methods:  # interleaved: every method sees the same machine state
                 comm.Barrier()
@@ -198,6 +199,9 @@ def bench_collective(args: argparse.Namespace) -> list[dict]:
                 dt = time.perf_counter() - t0
                 if it >= args.warmup:
                     times[m][it - args.warmup] = dt
+                if it == 0:
+                    first_err[m] = float(np.linalg.norm(outs[m] - exact)
+                                         / max(np.linalg.norm(exact), 1e-30))
         ring_bytes = coll.ring_bytes(size)
         slowest = {m: np.empty_like(times[m]) for m in methods}
         for m in methods:  # each iteration's time: the slowest rank's
@@ -209,8 +213,7 @@ def bench_collective(args: argparse.Namespace) -> list[dict]:
             b = comm.allreduce(mine[0], op=MPI.MAX)
             across = None if mine[1] is None else comm.allreduce(mine[1], op=MPI.MAX)
             total = None if mine[1] is None else comm.allreduce(mine[1], op=MPI.SUM)
-            err = float(np.linalg.norm(outs[m] - exact) / max(np.linalg.norm(exact), 1e-30))
-            err = comm.allreduce(err, op=MPI.MAX)
+            err = comm.allreduce(first_err[m], op=MPI.MAX)
             row = {"bytes": size, "method": m, "n": n, "time_s": t, "median_s": med,
                    "vs_native": t / base, "median_vs_native":
                    med / float(np.median(slowest["native"])),
@@ -237,9 +240,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="codecs: vector size in bytes (default 16M)")
     parser.add_argument("-m", "--message-size", type=parse_size_range, default="1M:64M",
                         help="allreduce: MIN:MAX bytes, powers of two (default 1M:64M)")
-    parser.add_argument("-i", "--iterations", type=int, default=None,
+    parser.add_argument("-i", "--iterations", type=at_least(1), default=None,
                         help="timed runs (default 20 for codecs, 10 for allreduce)")
-    parser.add_argument("-x", "--warmup", type=int, default=2, help="allreduce warm-up runs")
+    parser.add_argument("-x", "--warmup", type=at_least(0), default=2,
+                        help="allreduce warm-up runs")
     parser.add_argument("--codecs", nargs="+", default=None, help="codec specs to run")
     parser.add_argument("--layouts", nargs="+", choices=["auto", "flat", "node"], default=None,
                         help="allreduce: run each codec in each of these layouts "
