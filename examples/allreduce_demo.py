@@ -20,6 +20,8 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=1 << 20, help="float32 elements")
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
+    if args.count < 1 or args.iters < 1:
+        parser.error("--count and --iters must be at least 1")
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     x = (np.arange(args.count) % 97 + rank).astype(np.float32)

@@ -328,12 +328,16 @@ def _auto_lines(sec: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mpicoll.info [--json]``."""
+    """``python -m mpicoll.info [--json]``; under ``mpirun``, rank 0 prints (one report, one
+    JSON document)."""
     parser = argparse.ArgumentParser(prog="python -m mpicoll.info",
-                                     description="Report what mpicoll runs on.")
+                                     description="Report what mpicoll runs on (under mpirun: "
+                                                 "rank 0's report).")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = parser.parse_args(argv)
     data = info()
+    if (data.get("mpi") or {}).get("rank", 0):
+        return 0
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True, default=str))
     else:
