@@ -49,9 +49,11 @@ def _tensor_list(tensors: Any) -> list[torch.Tensor]:
 
 def _submit_group(kind: str, tensors: list[torch.Tensor], name: str | None,
                   process_set: Any, describe: Callable[[torch.Tensor, str], Meta],
-                  output: Callable[[torch.Tensor], Any] = lambda t: None) -> int:
+                  output: Callable[[torch.Tensor], Any] = lambda t: None,
+                  returns: Any = None) -> int:
     """Submit ``tensors`` as one group request named ``name`` (or the next unnamed
-    ``kind``, numbered per process set); return its handle.
+    ``kind``, numbered per process set); return its handle (``returns``: what
+    ``synchronize`` gives for it, else the members' results).
 
     Member ``i`` is named ``<group>.<i>`` and described (validated) by
     ``describe(tensor, member_name)``; ``output(tensor)`` is where its result goes
@@ -62,7 +64,7 @@ def _submit_group(kind: str, tensors: list[torch.Tensor], name: str | None,
         metas = [describe(t, f"{base}.{i}") for i, t in enumerate(tensors)]
         futures = engine().submit_group(Meta(base, "group", members=tuple(metas)),
                                         [(t.detach(), output(t)) for t in tensors])
-    return handles.register(GroupFuture(futures))
+    return handles.register(GroupFuture(futures), returns)
 
 
 # ------------------------------------------------------------------ all-reduce
@@ -76,7 +78,8 @@ def _grouped_allreduce_async(tensors: Any, in_place: bool, average: Any, name: s
         lambda t, member: allreduce_meta(t, member, resolved, prescale_factor,
                                          postscale_factor),
         (lambda t: t.detach()) if in_place
-        else (lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)))
+        else (lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)),
+        returns=tensors if in_place else None)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Any = None,

@@ -63,8 +63,9 @@ def request_name(kind: str, name: str | None) -> str:
     return engine().unnamed_name(kind)
 
 
-def _submit(meta: Meta, tensor: Any = None, output: Any = None, waiting: bool = False) -> int:
-    return handles.register(engine().submit(meta, tensor, output, waiting))
+def _submit(meta: Meta, tensor: Any = None, output: Any = None, waiting: bool = False,
+            returns: Any = None) -> int:
+    return handles.register(engine().submit(meta, tensor, output, waiting), returns)
 
 
 def allreduce_meta(tensor: torch.Tensor, name: str | None, op: ReduceOp,
@@ -91,11 +92,12 @@ def allreduce_meta(tensor: torch.Tensor, name: str | None, op: ReduceOp,
 def submit_allreduce(tensor: torch.Tensor, output: torch.Tensor, name: str | None,
                      op: ReduceOp, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, layout: str = "",
-                     waiting: bool = False) -> int:
+                     waiting: bool = False, returns: Any = None) -> int:
     """Validate and submit one all-reduce of ``tensor`` into ``output``; return a handle.
 
     Args:
         waiting: the caller will :func:`synchronize` at once (see :meth:`Engine.submit`).
+        returns: what :func:`synchronize` returns (default: ``output``).
         Others: as for :func:`allreduce_meta`.
     Raises:
         TypeError, ValueError: as :func:`allreduce_meta`; for ``Adasum``, a number of ranks
@@ -106,7 +108,7 @@ def submit_allreduce(tensor: torch.Tensor, output: torch.Tensor, name: str | Non
     meta = allreduce_meta(tensor, name, op, prescale_factor, postscale_factor, layout)
     if int(op) == int(Adasum):
         check_adasum_size(engine().size)
-    return _submit(meta, tensor.detach(), output, waiting)
+    return _submit(meta, tensor.detach(), output, waiting, returns)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Any = None, name: str | None = None,
@@ -141,11 +143,13 @@ def allreduce_async(tensor: torch.Tensor, average: Any = None, name: str | None 
 def allreduce_async_(tensor: torch.Tensor, average: Any = None, name: str | None = None,
                      op: Any = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, process_set: Any = None) -> int:
-    """As :func:`allreduce_async`, writing the result into ``tensor``."""
+    """As :func:`allreduce_async`, writing the result into ``tensor`` (which
+    :func:`synchronize` returns, as Horovod's does)."""
+    in_place = isinstance(tensor, torch.Tensor)
     with scoped(process_set):
-        return submit_allreduce(tensor, tensor.detach() if isinstance(tensor, torch.Tensor)
-                                else None, name, resolve_reduce_op(average, op, adasum=True),
-                                prescale_factor, postscale_factor)
+        return submit_allreduce(tensor, tensor.detach() if in_place else None, name,
+                                resolve_reduce_op(average, op, adasum=True), prescale_factor,
+                                postscale_factor, returns=tensor if in_place else None)
 
 
 def allreduce(tensor: torch.Tensor, average: Any = None, name: str | None = None,
@@ -255,7 +259,7 @@ def _broadcast_async(tensor: Any, in_place: bool, root_rank: Any, name: str | No
         root = _check_root(root_rank)
         meta = Meta(request_name("broadcast", name), "broadcast", dtype_name(tensor.dtype),
                     tuple(tensor.shape), -1, root)
-        return _submit(meta, None, output)
+        return _submit(meta, None, output, returns=tensor if in_place else None)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -492,15 +496,19 @@ def synchronize(handle: int) -> Any:
     """
     if callable(handle):                   # a sparse_allreduce_async handle (mpicoll.torch.sparse)
         return handle()
+    if handles.released(handle):           # synchronized before: None, as in Horovod
+        return None
     future = handles.lookup(handle)
+    result = None
     try:
         _wait(future)
     finally:
         if future.done():
+            result = handles.value(handle, future) if future.error is None else None
             handles.release(handle)
     if future.error is not None:
         raise future.error
-    return future.result
+    return result
 
 
 def barrier(process_set: Any = None) -> None:

@@ -79,15 +79,34 @@ class GroupFuture:
 
 _ids = itertools.count(1)
 _futures: dict[int, Future] = {}
+#: what :func:`value` gives instead of the future's result (an in-place operation's own
+#: tensor, as Horovod's ``synchronize`` returns it)
+_returns: dict[int, Any] = {}
+_issued = 0
 _lock = threading.Lock()
 
 
-def register(future: Future | GroupFuture) -> int:
-    """Return a new integer handle for ``future``."""
+def register(future: Future | GroupFuture, returns: Any = None) -> int:
+    """Return a new integer handle for ``future`` (``returns``: what :func:`value` gives
+    for it, else the future's result)."""
+    global _issued
     with _lock:
-        handle = next(_ids)
+        handle = _issued = next(_ids)
         _futures[handle] = future
+        if returns is not None:
+            _returns[handle] = returns
     return handle
+
+
+def value(handle: int, future: Future | GroupFuture) -> Any:
+    """The result :func:`~mpicoll.torch.synchronize` returns for ``handle``."""
+    return _returns.get(handle, future.result)
+
+
+def released(handle: Any) -> bool:
+    """Whether ``handle`` was issued and has been released (synchronized)."""
+    with _lock:
+        return isinstance(handle, int) and 0 < handle <= _issued and handle not in _futures
 
 
 def lookup(handle: int) -> Future | GroupFuture:
@@ -107,3 +126,4 @@ def release(handle: int) -> None:
     """Forget ``handle`` (after :func:`synchronize`)."""
     with _lock:
         _futures.pop(handle, None)
+        _returns.pop(handle, None)

@@ -86,14 +86,15 @@ def test_allreduce_in_place_async_poll_and_scaling():
         x = rank_data(hvd.rank(), 50, torch.float32, rep)
         handle = hvd.allreduce_async_(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
         out = hvd.synchronize(handle)
-        assert out is x or out.data_ptr() == x.data_ptr()
+        assert out is x
         assert torch.equal(x.double(), reference(50, torch.float32, "sum", rep))
         h = hvd.allreduce_async(torch.ones(4), name="async.poll")
         while not hvd.poll(h):
             pass
         assert torch.equal(hvd.synchronize(h), torch.ones(4))
+        assert hvd.synchronize(h) is None   # released: None, as Horovod's
         with pytest.raises(ValueError):
-            hvd.synchronize(h)  # released
+            hvd.poll(h)
 
 
 def test_allreduce_non_contiguous_in_place():

@@ -182,3 +182,33 @@ def test_add_process_set_while_another_rank_waits_fails_instead_of_hanging():
     finally:
         hvd.remove_process_set(first)
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after.sets").item() == n
+
+
+def test_in_place_operations_return_the_tensor_itself():
+    """As Horovod's (its handle map holds the tensor): ``allreduce_``, ``broadcast_``,
+    ``grouped_allreduce_`` and ``synchronize`` of their async forms return the very tensor
+    passed, which keeps requiring grad (they returned a detached alias)."""
+    n, rank = hvd.size(), hvd.rank()
+    t = torch.full((3,), float(rank + 1))
+    assert hvd.allreduce_(t, op=hvd.Sum) is t
+    assert torch.equal(t, torch.full((3,), float(n * (n + 1) // 2)))
+    assert hvd.synchronize(hvd.allreduce_async_(t, op=hvd.Max)) is t
+    assert hvd.broadcast_(t, 0) is t
+    group = [torch.ones(2), torch.full((1,), float(rank))]
+    out = hvd.grouped_allreduce_(group, op=hvd.Sum)
+    assert len(out) == 2 and all(o is g for o, g in zip(out, group))
+    assert torch.equal(group[1], torch.full((1,), float(n * (n - 1) // 2)))
+    x = torch.ones(3, requires_grad=True) * 1.0
+    with torch.no_grad():
+        y = hvd.allreduce_(x, op=hvd.Sum)
+    assert y is x and y.requires_grad
+
+
+def test_a_second_synchronize_returns_none():
+    """Horovod's ``synchronize`` returns at once, with ``None``, for a handle already
+    synchronized (it raised); a handle never issued still raises."""
+    handle = hvd.allreduce_async(torch.ones(1), op=hvd.Sum)
+    assert torch.equal(hvd.synchronize(handle), torch.full((1,), float(hvd.size())))
+    assert hvd.synchronize(handle) is None
+    with pytest.raises(ValueError, match="unknown handle"):
+        hvd.synchronize(10 ** 9)
