@@ -31,6 +31,8 @@ import re
 import time
 from typing import Callable, NamedTuple
 
+from ..ops import ReduceOp
+
 __all__ = ["Meta", "Response", "Negotiator", "ResponseCache", "JOIN", "SHUTDOWN", "REALIGN",
            "shutdown_message"]
 
@@ -301,6 +303,8 @@ def _field(meta: Meta, field: str) -> object:
     if field == "rows":
         return tuple(meta.shape[1:]) if meta.shape else ("scalar",)
     value = getattr(meta, field)
+    if field == "op" and isinstance(value, int):
+        return ReduceOp(value)   # (its name: Sum, Max, ...)
     return tuple(value) if field == "shape" else value
 
 
