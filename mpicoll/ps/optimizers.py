@@ -18,6 +18,7 @@ all ranks were given the same ones and checkpoints store them as JSON.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -133,7 +134,9 @@ def check_hyperparameters(optimizer: str, hyper: dict[str, Any]) -> dict[str, fl
     """Validate ``optimizer`` and its hyperparameters; return them completed with defaults.
 
     Raises:
-        ValueError: unknown optimizer or hyperparameter, or a value that is not a number.
+        ValueError: unknown optimizer or hyperparameter, a value that is not a number, or
+            one outside its range (as torch.optim's checks: ``lr``, ``eps``, ``momentum``
+            and ``weight_decay`` finite and not negative, betas in [0, 1)).
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not one of {sorted(OPTIMIZERS)}")
@@ -143,6 +146,9 @@ def check_hyperparameters(optimizer: str, hyper: dict[str, Any]) -> dict[str, fl
             raise ValueError(f"unknown hyperparameter {k!r}; known: {sorted(DEFAULTS)}")
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
             raise ValueError(f"hyperparameter {k}={v!r} must be a number")
+        high = 1.0 if k.startswith("beta") else math.inf
+        if not 0.0 <= float(v) < high:
+            raise ValueError(f"hyperparameter {k}={v!r} must be in [0, {high:g})")
         out[k] = float(v)
     return out
 

@@ -22,7 +22,7 @@ from .device import DevicePull, call_side, device_views, first_device, host_arra
 from .errors import PSError
 from .failures import guarded
 from .protocol import CollOp
-from .worker import check_arrays, pull_destination
+from .worker import check_arrays, check_out_names, pull_destination
 
 __all__ = ["SteppedHandle", "SteppedOwner", "GroupCall", "CollectiveGroup"]
 
@@ -218,6 +218,8 @@ class CollectiveGroup(SteppedOwner):
             device = call_side(grads=grads if call.pushing else None,
                                out=out if call.pulling else None)
             self._check_call(op)
+            if call.pulling:
+                check_out_names(specs, out)
             if call.pushing:
                 check_arrays(specs, device_views(grads) if device else grads, complete=True,
                              what="gradient")

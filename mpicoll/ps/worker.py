@@ -36,7 +36,7 @@ from .errors import PSError
 from .failures import guarded
 from .placement import ParamSpec, Placement
 
-__all__ = ["Handle", "WorkerClient", "pull_destination", "check_arrays"]
+__all__ = ["Handle", "WorkerClient", "pull_destination", "check_arrays", "check_out_names"]
 
 
 def pull_destination(spec: ParamSpec, out: dict[str, Any] | None) -> np.ndarray:
@@ -53,6 +53,14 @@ def pull_destination(spec: ParamSpec, out: dict[str, Any] | None) -> np.ndarray:
         raise PSError(f"out[{spec.name!r}] must be a writable C-contiguous {spec.dtype} "
                       f"array of shape {spec.shape}")
     return dest
+
+
+def check_out_names(specs: dict[str, ParamSpec], out: dict[str, Any] | None) -> None:
+    """Raise :class:`PSError` for names in a pull's ``out`` that are not parameters (a
+    misspelt one would be left as it was)."""
+    unknown = sorted(set(out or ()) - set(specs), key=str)
+    if unknown:
+        raise PSError(f"out has unknown keys {unknown}; the parameters are {sorted(specs)}")
 
 
 def check_arrays(specs: dict[str, ParamSpec], arrays: dict[str, Any], complete: bool,
@@ -315,6 +323,7 @@ class WorkerClient(Coders):
         """
         self._check_in_step()
         call_side(out=out)
+        check_out_names(self.placement.specs, out)
         like = first_device(out) if like is None else like
         device = None if like is None else DevicePull(out, like)
         h = handle or Handle(self, "pull")
@@ -341,6 +350,10 @@ class WorkerClient(Coders):
         """Push gradients, then pull the values for the next clock, as one handle
         (device gradients: pulled into device arrays)."""
         like = first_device(grads, out) if call_side(grads=grads, out=out) else None
+        check_out_names(self.placement.specs, out)   # (before the push goes out)
+        if like is None:
+            for name in out or ():
+                pull_destination(self.placement.specs[name], out)
         h = self.push_async(grads, check=check)
         h.kind = "push_pull"
         self.pull_async(out, handle=h, like=like)

@@ -82,6 +82,12 @@ def test_hyperparameter_checks():
         check_hyperparameters("lion", {})
     with pytest.raises(ValueError, match="unknown hyperparameter"):
         check_hyperparameters("sgd", {"learning_rate": 0.1})
+    # out of range, as torch.optim's checks (a NaN was reported as ranks disagreeing,
+    # NaN != NaN, although every rank passed it)
+    for bad in ({"lr": float("nan")}, {"lr": -0.1}, {"eps": float("inf")},
+                {"beta2": 1.0}, {"momentum": -1}):
+        with pytest.raises(ValueError, match="must be in"):
+            check_hyperparameters("adam", bad)
     with pytest.raises(ValueError, match="number"):
         check_hyperparameters("sgd", {"lr": "0.1"})
 

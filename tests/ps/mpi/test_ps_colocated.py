@@ -198,6 +198,9 @@ def test_bad_input_raises_on_every_rank_and_training_goes_on():
         else:
             expect_ps_error(lambda: ps.push(bad), "bad arguments")
         assert ps.clock == 0
+        out = {"ww": np.ones(3)} if RANK == SIZE - 1 else None   # a misspelt out name
+        expect_ps_error(lambda: ps.push_pull(ones, out=out), f"rank(s) [{SIZE - 1}]")
+        assert ps.clock == 0
         if SIZE > 1:   # ranks that make different calls: PSError everywhere, no hang
             expect_ps_error(ps.pull if RANK == 0 else lambda: ps.push(ones), "same call")
             assert ps.clock == 0

@@ -38,6 +38,12 @@ def test_bad_pushes_rejected_by_server_others_continue(num_servers, consistency)
             expect_ps_error(lambda: ps.push({**ones, "b": np.ones(3, np.float32)}), "dtype")
             expect_ps_error(lambda: ps.push(["not", "a", "dict"]), "dict")
             expect_ps_error(lambda: ps.pull({"w": np.ones(3)}), "shape")
+            # a misspelt out name: an error, not a buffer left as it was
+            expect_ps_error(lambda: ps.pull({"ww": np.ones(3)}), "unknown keys ['ww']")
+            expect_ps_error(lambda: ps.push_pull(ones, out={"ww": np.ones(3)}),
+                            "unknown keys ['ww']")
+            expect_ps_error(lambda: ps.push_pull(ones, out={"w": np.ones(3)}), "shape")
+            assert ps.clock == 0     # checked before the push went out
         for _ in range(3):   # every worker, the rejected one included, still trains
             ps.push(ones)
             ps.pull()
