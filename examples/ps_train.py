@@ -135,9 +135,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--crash-rank", type=int, default=-1, help="inject a failure on this rank")
     ap.add_argument("--crash-step", type=int, default=5,
                     help="worker: the step that fails; server: fails after this many x 0.1 s")
-    ap.add_argument("--crash-mode", default="raise", choices=["raise", "exit", "kill"],
-                    help="raise an exception, exit the process without MPI_Finalize, or "
-                         "SIGKILL it (with --replicas 1 under ULFM the others go on)")
+    ap.add_argument("--crash-mode", default="raise", choices=["raise", "exit", "kill", "leave"],
+                    help="raise an exception, exit the process without MPI_Finalize, "
+                         "SIGKILL it (with --replicas 1 under ULFM the others go on), or "
+                         "leave: a clean sys.exit(0) without closing the worker")
     return ap.parse_args(argv)
 
 
@@ -145,6 +146,9 @@ def crash(mode: str, where: str) -> None:
     if mode == "exit":
         print(f"injected crash: {where} exits", file=sys.stderr, flush=True)
         os._exit(3)
+    if mode == "leave":
+        print(f"injected crash: {where} leaves without close()", file=sys.stderr, flush=True)
+        sys.exit(0)
     if mode == "kill":
         print(f"injected crash: {where} is killed at {time.time():.6f}", file=sys.stderr,
               flush=True)

@@ -19,7 +19,9 @@ The constructor is collective over ``comm`` and returns on every rank by itself:
 """
 from __future__ import annotations
 
+import atexit
 import logging
+import sys
 import uuid
 from typing import Any, Callable
 
@@ -27,6 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime import comms, failures
+from ..runtime import exit as runtime_exit
 from . import checkpoint as ckpt
 from . import protocol as P
 from .colocated import CollOp, ColocatedEngine
@@ -95,6 +98,24 @@ def _as_arrays(params: dict[str, Any], specs: list[ParamSpec]) -> dict[str, np.n
                             f"{arr.shape}, not {spec.dtype} {spec.shape}")
         out[spec.name] = arr
     return out
+
+
+#: workers not closed yet (:func:`_unclosed_at_exit`; held, not weakly: a worker
+#: dropped unclosed is one that leaves the others waiting)
+_OPEN: list = []
+
+
+@atexit.register   # (after the runtime's import: runs before its exit handler)
+def _unclosed_at_exit() -> None:
+    """A worker that exits without :meth:`ParameterServer.close` (a clean exit in the
+    middle of training, or a forgotten close) would leave the servers and the other
+    workers waiting for it forever: the job ends instead, saying why."""
+    left = [ps for ps in _OPEN if not ps._closed]
+    if left and not runtime_exit.failure_seen():
+        print(f"mpicoll.ps: rank {left[0].rank} of the parameter server exits with its "
+              f"worker open (close() was not called): ending the job, whose servers and "
+              f"other workers would wait for it forever", file=sys.stderr, flush=True)
+        runtime_exit.abort(1)
 
 
 class ParameterServer:
@@ -214,6 +235,8 @@ class ParameterServer:
             specs = self._agree(settings, specs)
             self._take_roles(settings, specs, max_sleep)
             self._init_or_restore(settings, values)
+            if self.is_worker:
+                _OPEN.append(self)
         except (ValueError, PSError):
             self.free()      # raised on every rank (each step's verdict is collective)
             raise
@@ -534,6 +557,8 @@ class ParameterServer:
             return
         self._through_node("close", CollOp.CLOSE, self._close_leader)
         self._closed = True
+        if self in _OPEN:
+            _OPEN.remove(self)
 
     def _through_node(self, kind: str, op: CollOp, lead: Callable[[], Any]) -> Any:
         """The result of ``lead()`` (a handle of this rank's client or engine); with

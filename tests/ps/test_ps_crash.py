@@ -38,6 +38,16 @@ def test_crash_aborts_whole_job(role, rank, servers, n, mode):
     assert "injected crash" in out, out
 
 
+@pytest.mark.parametrize("servers", ["1", "colocated"])
+def test_a_worker_leaving_without_close_ends_the_job(servers):
+    """A clean exit (status 0) of a worker that never closed: the job ends, saying why
+    (the servers and the other workers waited for it forever)."""
+    rc, out = _launch(3, ["--servers", servers, "--steps", "1000000", "--crash-rank", "2",
+                          "--crash-step", "3", "--crash-mode", "leave"])
+    assert rc != 0, out
+    assert "exits with its worker open (close() was not called)" in out, out
+
+
 def test_crash_aborts_colocated_job():
     """Co-located: the others are inside a collective step with the dead rank."""
     rc, out = _launch(3, ["--servers", "colocated", "--steps", "1000000", "--crash-rank", "1",
