@@ -48,6 +48,7 @@ from mpi4py import MPI
 
 from . import config, waiting
 from .context import CommContext
+from .errors import CollectiveError
 from .runtime import failures
 
 __all__ = ["BOX_WORDS", "DEFAULT_CHUNK_BYTES", "NAP_S", "NodeWindow", "kernel_waits",
@@ -177,28 +178,37 @@ class NodeWindow:
 
     def barrier(self) -> None:
         """The node's barrier (module docstring)."""
-        mine = self.bells[self.rank]
+        # (this call's own references: a window freed by another thread meanwhile, say at
+        # a client's shutdown after a peer left, keeps its mapping for them; the wait then
+        # ends with an error, not an IndexError or a wait for a peer that has gone)
+        bells, addresses = self.bells, self.addresses
+        mine = bells[self.rank]
         gen = (int(mine[0]) + 1) & _MASK
         mine[0] = gen
         if not self.kernel:
             waiting.barrier(self.comm)
             return
-        _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(self.addresses[self.rank]), _FUTEX_WAKE,
+        _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(addresses[self.rank]), _FUTEX_WAKE,
                       _ALL, None, None, 0)
         missing = [r for r in range(self.size) if r != self.rank]
         clock = time.perf_counter
         start = clock()
         while missing:
             peer = missing[0]
-            seen = int(self.bells[peer][0])
+            seen = int(bells[peer][0])
             if (seen - gen) & _MASK < _HALF:
                 missing.pop(0)
                 continue
             if clock() - start < waiting.SPIN_S:
                 continue
-            _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(self.addresses[peer]), _FUTEX_WAIT,
+            _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(addresses[peer]), _FUTEX_WAIT,
                           ctypes.c_uint32(seen), ctypes.byref(_NAP), None, 0)
             waiting.check_deadline()
+            if self.bells is not bells:
+                raise CollectiveError(f"mpicoll: the node's shared window was freed while "
+                                      f"this rank waited for rank {peer} of the node in it "
+                                      f"(its communicator was freed by another thread: a "
+                                      f"client shut down, after a peer left?)")
 
     def exchange(self, row: list[int]) -> list[list[int]]:
         """Every rank's ``row`` (64-bit integers, at most :data:`BOX_WORDS`), as a table (a
@@ -206,11 +216,11 @@ class NodeWindow:
         :meth:`barrier`. Collective over the node.
         The mailboxes alternate, so a rank that goes on to the next exchange never
         overwrites a row a slower peer is still reading: that one waits at the barrier."""
-        box = self.exchanges & 1
+        table = self.tables[self.exchanges & 1]   # (this call's: see barrier)
         self.exchanges += 1
-        self.tables[box][self.rank, :len(row)] = row
+        table[self.rank, :len(row)] = row
         self.barrier()
-        return self.tables[box][:, :len(row)].tolist()
+        return table[:, :len(row)].tolist()
 
     def free(self) -> None:
         """Unmap the window: local, so ranks may free their groups in any order (the

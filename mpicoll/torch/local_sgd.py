@@ -41,6 +41,7 @@ from ..context import get_context
 from ..validation import check_int
 from ..runtime import comms
 from ..runtime import world as runtime_world
+from .engine.dtypes import reduce_dtype
 
 __all__ = ["NONE", "NODE", "WORLD", "LocalSGDSettings", "StepPlan", "LocalSGDSchedule",
            "check_settings", "agree_settings", "Averager", "state_tensors", "LocalSGD"]
@@ -232,8 +233,8 @@ class Averager:
     def average(self, tensors: list[torch.Tensor], level: int, check: bool = True) -> None:
         """Replace each tensor by its average over ``level``'s group, in place.
 
-        Tensors are packed per dtype into one host buffer (CUDA tensors are staged), which
-        one ring all-reduce averages. ``check``: run mpicoll's agreement step first (ranks
+        Tensors are packed per dtype into one host buffer (CUDA tensors are staged;
+        bfloat16 in float32, rounded back once), which one ring all-reduce averages. ``check``: run mpicoll's agreement step first (ranks
         with other counts or dtypes raise :class:`mpicoll.MismatchError` on every rank
         instead of hanging); ``False`` only for tensors whose layout the ranks already
         agreed on (the parameters and their gradients, checked at construction).
@@ -245,7 +246,8 @@ class Averager:
         for dtype in sorted({t.dtype for t in tensors}, key=str):
             group = [t for t in tensors if t.dtype == dtype]
             with torch.no_grad():
-                flat = torch.cat([t.detach().reshape(-1).cpu() for t in group])
+                flat = torch.cat([t.detach().reshape(-1).cpu() for t in group]).to(
+                    reduce_dtype(dtype))                  # (bfloat16: averaged in float32)
                 buf = flat.numpy()
                 allreduce(buf, buf, op="average", comm=comm, algorithm=ALGORITHMS[level],
                           check=check)

@@ -200,3 +200,21 @@ def test_shm_allreduce_whose_ranks_disagree_raises_on_every_rank(real_node, diff
         assert ("int32" if differs == "dtype" else "3001") in str(info.value)
     y = mpicoll.allreduce(np.ones(5000), comm=real_node, algorithm="shm")
     assert (y == SIZE).all()
+
+
+def test_a_window_freed_while_a_rank_waits_in_its_barrier_raises(real_node):
+    """Another thread frees the window (a client's shutdown after a peer left) while this
+    rank waits in its barrier for a peer that never comes: CollectiveError (an IndexError
+    before, or with the fix's references alone, a wait forever)."""
+    if SIZE == 1 or not KERNEL_HERE:
+        pytest.skip("needs two ranks and the kernel's waits")
+    win = node_window.NodeWindow(real_node, 0)
+    if RANK == 0:
+        timer = threading.Timer(0.5, win.free)
+        timer.start()
+        with pytest.raises(mpicoll.CollectiveError, match="freed while this rank waited"):
+            win.barrier()
+        timer.join()
+    else:
+        win.free()
+    real_node.Barrier()

@@ -332,6 +332,22 @@ def test_node_step_averages_missing_and_sparse_gradients(hvd):
     assert opt.local_sgd.stats()["grads.node"] == 1
 
 
+def test_bfloat16_parameters_are_averaged(hvd):
+    """A world step averages bfloat16 parameters (in float32, rounded back once) like any
+    other (it raised numpy's TypeError for BFloat16 on every rank)."""
+    p = torch.nn.Parameter(torch.full((5,), float(RANK + 1), dtype=torch.bfloat16))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.5), named_parameters=[("p", p)],
+                                   sync_every=2)
+    for step in range(2):
+        opt.zero_grad()
+        (p.float() * (step + 1)).sum().backward()
+        opt.step()
+    # each rank: (r + 1) - 0.5 * (1 + 2); the world step averages them
+    want = sum(float(r + 1) - 1.5 for r in range(SIZE)) / SIZE
+    assert p.dtype == torch.bfloat16
+    assert torch.equal(p.detach(), torch.full((5,), want, dtype=torch.bfloat16))
+
+
 def test_bad_settings_raise_on_every_rank(hvd):
     model = _model()
     for bad, kind, match in ((dict(sync_every=0), ValueError, "sync_every must be"),
