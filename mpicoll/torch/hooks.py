@@ -69,7 +69,11 @@ class CompressionState:
     Rebuilds happen alike on every rank (DDP rebuilds from rank 0's order).
 
     ``state_dict()``/``load_state_dict()`` keep the iteration count and the residuals
-    (per rank: each rank's residuals are its own).
+    (per rank: each rank's residuals are its own) with their buckets' layouts (each
+    parameter's element count, in order). A state loaded into a new DDP, whose first
+    iteration runs on its initial buckets, holds each residual back until a bucket of
+    the saved layout appears (DDP's rebuild gives the saved buckets again), then adds it
+    to what that bucket's residual is by then: no correction is lost or misplaced.
     """
 
     def __init__(self, process_group: Any = None, codec: Codec | str | None = None,
@@ -88,19 +92,31 @@ class CompressionState:
         self._layouts: dict[int, tuple] = {}     # bucket index -> (parameter ids, numels)
         self._checked: set[int] = set()           # bucket indices agreed on (first call)
         self._orphans: dict[int, Any] = {}        # residual parts between two buckets
+        #: loaded residuals waiting for a bucket of their layout: index -> (numels, residual)
+        self._pending: dict[int, tuple] = {}
 
     def state_dict(self) -> dict:
-        """The iteration count and the residuals (numpy arrays, keyed by bucket index)."""
+        """The iteration count, the residuals (numpy arrays, keyed by bucket index) and
+        their buckets' layouts (the parameters' element counts)."""
         return {"iteration": self.iteration,
                 "codec": None if self.codec is None else self.codec.name,
-                "residuals": {k: self.feedback.residual(k).copy() for k in self.feedback.keys()}}
+                "residuals": {k: self.feedback.residual(k).copy() for k in self.feedback.keys()},
+                "layouts": {k: list(numels) for k, (_, numels) in self._layouts.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output (the bucket layout is taken as unchanged)."""
+        """Restore :meth:`state_dict`'s output. Residuals whose bucket layout is this
+        state's current one are restored at once; the others (a new DDP, whose first
+        iteration runs on its initial buckets) when a bucket of their layout appears."""
         self.iteration = int(state["iteration"])
         self.feedback.reset()
+        self._pending = {}
+        layouts = state.get("layouts")
         for key, residual in state["residuals"].items():
-            self.feedback.store(key, residual.copy())
+            numels = None if layouts is None else tuple(layouts.get(key, ()))
+            if numels is None or (key in self._layouts and self._layouts[key][1] == numels):
+                self.feedback.store(key, residual.copy())
+            else:
+                self._pending[key] = (numels, residual.copy())
 
     # --- residuals across bucket rebuilds -----------------------------------------------
     def _follow_layout(self, index: int, params: list[torch.Tensor], buffer: torch.Tensor
@@ -120,15 +136,18 @@ class CompressionState:
         if sum(layout[1]) != buffer.numel():   # not laid out parameter by parameter
             self.feedback.reset(index)
             return
-        if not pieces:
-            return
-        residual = numpy_view(torch.zeros(buffer.numel(), dtype=buffer.dtype))
-        for pid, part in zip(layout[0], np.split(residual, np.cumsum(layout[1])[:-1])):
-            piece = pieces.get(pid)
-            if piece is not None and piece.size == part.size:
-                part[:] = piece
-            self._orphans.pop(pid, None)
-        self.feedback.store(index, residual)
+        if pieces:
+            residual = numpy_view(torch.zeros(buffer.numel(), dtype=buffer.dtype))
+            for pid, part in zip(layout[0], np.split(residual, np.cumsum(layout[1])[:-1])):
+                piece = pieces.get(pid)
+                if piece is not None and piece.size == part.size:
+                    part[:] = piece
+                self._orphans.pop(pid, None)
+            self.feedback.store(index, residual)
+        if self._pending.get(index, ((),))[0] == layout[1]:   # a loaded residual's bucket
+            loaded = self._pending.pop(index)[1]
+            now = self.feedback.residual(index)
+            self.feedback.store(index, loaded if now is None else now + loaded)
 
     def _parameter_residuals(self) -> dict[int, Any]:
         """Each parameter's part of the residual of the bucket it sits in now."""

@@ -162,6 +162,39 @@ def test_residuals_follow_parameters_across_bucket_rebuilds():
     assert state.feedback.residual(0).tolist() == [4., 4., 4., 5., 5.]
 
 
+def test_loaded_residuals_wait_for_their_buckets_in_a_new_ddp():
+    """A state saved after DDP's rebuild and loaded into a new DDP, whose first iteration
+    runs on its initial buckets: each saved residual waits for a bucket of its layout and
+    is then added to what that bucket holds by then (it failed the first backward with a
+    residual of the wrong size)."""
+    a, b, q = (torch.zeros(k, dtype=torch.float64) for k in (2, 3, 4))
+    saved = hooks.CompressionState(codec="int8")
+    for i, params in enumerate(([a, q], [b])):
+        bucket = FakeBucket(params, i)
+        saved._follow_layout(i, bucket.parameters(), bucket.buffer())
+    saved.feedback.store(0, np.array([1., 2., 7., 7., 7., 7.]))
+    saved.feedback.store(1, np.array([3., 3., 3.]))
+    a2, b2, q2 = (torch.zeros(k, dtype=torch.float64) for k in (2, 3, 4))   # a new model
+    state = hooks.CompressionState(codec="int8")
+    state.load_state_dict(saved.state_dict())
+    first = FakeBucket([q2, b2, a2], 0)          # the new DDP's initial bucket
+    state._follow_layout(0, first.parameters(), first.buffer())
+    assert state.feedback.residual(0) is None     # held back, not misapplied
+    state.feedback.store(0, np.arange(9.0))       # its own residual: q2 0-3, b2 4-6, a2 7-8
+    for i, params in enumerate(([a2, q2], [b2])):   # the rebuild gives the saved buckets
+        bucket = FakeBucket(params, i)
+        state._follow_layout(i, bucket.parameters(), bucket.buffer())
+    assert state.feedback.residual(0).tolist() == [8., 10., 7., 8., 9., 10.]
+    assert state.feedback.residual(1).tolist() == [7., 8., 9.]
+    assert not state._pending
+    same = hooks.CompressionState(codec="int8")   # loaded where its layout already is
+    for i, params in enumerate(([a, q], [b])):
+        bucket = FakeBucket(params, i)
+        same._follow_layout(i, bucket.parameters(), bucket.buffer())
+    same.load_state_dict(saved.state_dict())
+    assert same.feedback.residual(1).tolist() == [3., 3., 3.] and not same._pending
+
+
 class _Bucket(FakeBucket):
     """A bucket the hooks run on (DDP's ``GradBucket`` methods they call)."""
 
