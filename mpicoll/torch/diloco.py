@@ -274,6 +274,16 @@ class DiLoCo:
                        balanced_runs([p.numel() for p in params], self.settings.fragments)]
         else:
             members = _module_fragments(model, params, modules)
+        if any(opt is inner for opt in outers):
+            raise ValueError("outer_optimizer is the inner optimizer: DiLoCo needs an outer "
+                             "optimizer of its own over the model's parameters")
+        held = [{id(p) for group in opt.param_groups for p in group["params"]} for opt in outers]
+        for f, idx in enumerate(members):   # (an outer step would not move the others)
+            missing = [i for i in idx if id(params[i]) not in held[f if len(outers) > 1 else 0]]
+            if missing:
+                raise ValueError(f"outer_optimizer{f'[{f}]' if len(outers) > 1 else ''} "
+                                 f"does not hold the model's parameters {missing[:5]} "
+                                 f"(fragment {f}): build it over them")
         self.model = model
         self.inner_optimizer = inner
         self.outer_optimizers = outers

@@ -241,6 +241,22 @@ def test_bad_settings_raise_on_every_rank(hvd, settings, message):
     COMM.Barrier()
 
 
+@pytest.mark.parametrize("outer", ["other_model", "inner", "part"])
+def test_an_outer_optimizer_not_over_the_model_raises_on_every_rank(hvd, outer):
+    """An outer optimizer that does not hold the model's parameters (whose steps would
+    leave θ_g where it is while outer_steps counted on), or the inner optimizer itself."""
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=LR)
+    params = list(model.parameters())
+    opt = {"other_model": lambda: torch.optim.SGD(_model().parameters(), lr=OUTER_LR),
+           "inner": lambda: inner,
+           "part": lambda: torch.optim.SGD(params[:1], lr=OUTER_LR)}[outer]()
+    with pytest.raises(ValueError, match="inner optimizer" if outer == "inner"
+                       else "does not hold the model's parameters"):
+        hvd.DiLoCo(model, inner, opt, sync_every=4)
+    COMM.Barrier()
+
+
 def test_one_rank_bad_raises_everywhere(hvd):
     if SIZE == 1:
         pytest.skip("needs two ranks")
