@@ -288,12 +288,18 @@ class ParameterServer:
         first = settings.first_worker
         diff = [r for r, c in enumerate(configs) if c != configs[0]]
         if diff:  # identical on every rank: computed from gathered values
-            raise PSError(f"ranks {diff} passed other settings than rank 0: {configs[0]} vs "
-                          f"{[configs[r] for r in diff]}")
+            named = "; ".join(f"{k}: rank 0 {configs[0][k]!r}, rank {r} {configs[r][k]!r}"
+                              for r in diff for k in configs[0] if configs[r][k] != configs[0][k])
+            raise PSError(f"ranks {diff} passed other settings than rank 0: {named}")
         diff = [r for r, s in enumerate(all_specs) if s is not None and s != all_specs[first]]
         if diff:
+            theirs = {r: sorted(map(tuple, all_specs[r]), key=str) for r in diff}
+            mine = sorted(map(tuple, all_specs[first]), key=str)
+            named = "; ".join(f"rank {r}: {[s for s in t if s not in mine]} where the first "
+                              f"worker has {[s for s in mine if s not in t]}"
+                              for r, t in theirs.items())
             raise PSError(f"ranks {diff} passed parameters (names, shapes, dtypes) that differ "
-                          f"from the first worker's (rank {first})")
+                          f"from the first worker's (rank {first}): {named}")
         return [ParamSpec(n, tuple(s), np.dtype(d)) for n, s, d in all_specs[first]]
 
     def _take_roles(self, settings: Settings, specs: list[ParamSpec], max_sleep: float) -> None:

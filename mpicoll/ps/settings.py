@@ -68,13 +68,16 @@ class Settings:
         """Whether ``rank`` is a server process (never, co-located)."""
         return rank < self.first_worker
 
-    def as_plain(self) -> list:
-        """Plain values that every rank must have alike (compared at set-up)."""
-        return [self.num_servers, self.consistency, self.staleness, self.optimizer,
-                sorted(self.hyperparameters.items()), self.average, self.split_bytes,
-                self.chunk_bytes, self.init, self.restore, self.reshard, self.keep_aggregate,
-                self.backup_workers, self.compression_name, self.feedback, self.replicas,
-                str(self.local_aggregation)]
+    def as_plain(self) -> dict:
+        """Plain values that every rank must have alike (compared at set-up), by name."""
+        return {"num_servers": self.num_servers, "consistency": self.consistency,
+                "staleness": self.staleness, "optimizer": self.optimizer,
+                **self.hyperparameters, "average": self.average,
+                "split_bytes": self.split_bytes, "chunk_bytes": self.chunk_bytes,
+                "init": self.init, "restore": self.restore, "reshard": self.reshard,
+                "keep_aggregate": self.keep_aggregate, "backup_workers": self.backup_workers,
+                "compression": self.compression_name, "feedback": self.feedback,
+                "replicas": self.replicas, "local_aggregation": str(self.local_aggregation)}
 
 
 def _check_layout(size: int, num_servers: Any, consistency: Any, init: bool) -> None:

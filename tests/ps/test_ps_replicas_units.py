@@ -57,4 +57,4 @@ def test_supported_combinations():
         for optimizer in ("sgd", "momentum", "adam") + (("sum",) if consistency == "bsp" else ()):
             s = check_settings(5, **{**BASE, "consistency": consistency,
                                      "optimizer": optimizer}, num_servers=2, replicas=1)
-            assert s.replicas == 1 and s.as_plain()[-2] == 1
+            assert s.replicas == 1 and s.as_plain()["replicas"] == 1
