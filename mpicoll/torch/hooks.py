@@ -112,7 +112,7 @@ class CompressionState:
         self._pending = {}
         layouts = state.get("layouts")
         for key, residual in state["residuals"].items():
-            numels = None if layouts is None else tuple(layouts.get(key, ()))
+            numels = None if layouts is None or key not in layouts else tuple(layouts[key])
             if numels is None or (key in self._layouts and self._layouts[key][1] == numels):
                 self.feedback.store(key, residual.copy())
             else:
