@@ -352,8 +352,9 @@ class Engine:
                 exc = self._fatal or CollectiveError("mpicoll.torch has been shut down")
                 raise _engine_error(f"{meta.kind} {meta.name!r} failed: {exc}", exc)
             if key in self._inflight:
-                raise ValueError(f"a {meta.kind} named {meta.name!r} is already in flight on "
-                                 f"this rank; names must be unique until synchronized")
+                raise ValueError(f"this {meta.kind}'s name {meta.name!r} is already in flight "
+                                 f"on this rank (an operation of any kind): names must be "
+                                 f"unique until synchronized")
             self._inflight.add(key)
             if not inline:
                 if waiting:
