@@ -101,7 +101,7 @@ def _resolve(ctx: CommContext, collective: str, algorithm: Any, nbytes: int) -> 
 
 def _planned(ctx: CommContext, collective: str, args: tuple, check: Any) -> Plan:
     """This rank's plan of the call; in checked mode, after every rank agreed on it."""
-    use_check = config.check_enabled() if check is None else bool(check)
+    use_check = config.check_wanted(check)
     try:
         plan = _PLANS[collective](ctx, *args)
     except (TypeError, ValueError) as exc:

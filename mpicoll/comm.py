@@ -102,9 +102,7 @@ class Comm(MPI.Intracomm):
         """In checked mode, report this rank's bad argument (a ``ValueError``) through the
         agreement step: it raises here and ``RemoteError`` on the other ranks, as
         mpicoll's own collectives do, instead of this rank alone raising."""
-        use_check = config.check_enabled() if self._mpicoll_check is None \
-            else bool(self._mpicoll_check)
-        if use_check and isinstance(error, ValueError):
+        if config.check_wanted(self._mpicoll_check) and isinstance(error, ValueError):
             agree(get_context(self), error, collective=collective)
 
     def _to_mpi(self, error: Exception, collective: str, call: Any) -> None:
@@ -146,9 +144,9 @@ class Comm(MPI.Intracomm):
             return self._to_mpi(exc, "reduce_scatter", lambda: super(
                 Comm, self).Reduce_scatter_block(sendbuf, recvbuf, op))
         if send is not IN_PLACE and not is_device(send) and \
-                send.size != recv.size * self.Get_size():     # (device: the route checks)
+                send.size != recv.size * size:     # (device: the route checks)
             error = ValueError(f"sendbuf has {send.size} elements; Reduce_scatter_block "
-                               f"needs size x recvbuf = {recv.size * self.Get_size()}")
+                               f"needs size x recvbuf = {recv.size * size}")
             self._report(error, "reduce_scatter")
             raise error
         return self._run("Reduce_scatter_block", "reduce_scatter", (send, recv, ours),

@@ -18,7 +18,8 @@ from typing import Any, Callable, NamedTuple
 from . import fastpath
 
 __all__ = ["refresh", "env_bool", "env_int", "env_float", "env_str", "segment_bytes",
-           "check_enabled", "lane_wait_sleeps", "Variable", "VARIABLES", "markdown_table"]
+           "check_enabled", "check_wanted", "lane_wait_sleeps", "Variable", "VARIABLES",
+           "markdown_table"]
 
 
 class Variable(NamedTuple):
@@ -242,4 +243,10 @@ def lane_wait_sleeps(auto: bool) -> bool:
 def check_enabled() -> bool:
     """Whether collectives run the agreement check by default (``MPICOLL_CHECK``)."""
     return env_bool("MPICOLL_CHECK", False)
+
+
+def check_wanted(check: Any) -> bool:
+    """Whether a call given ``check`` runs the agreement step (``None``: the default,
+    :func:`check_enabled`)."""
+    return check_enabled() if check is None else bool(check)
 

@@ -100,19 +100,14 @@ def _key_text(key: int) -> str:
 
 
 def _agree(win: NodeWindow, key: int) -> None:
-    """The chunk's first barrier, with every rank's call ``key`` in the window's mailboxes
-    beside it: ranks of the node whose counts or dtypes differ all raise, where they
-    would read past each other's slots (a peer reads a mailbox between this barrier and
-    the chunk's second, before the box is written again two calls later).
+    """The chunk's first barrier, as the window's exchange of every rank's call ``key``:
+    ranks of the node whose counts or dtypes differ all raise, where they would read past
+    each other's slots.
 
     Raises:
         MismatchError: on every rank of the node alike.
     """
-    column = win.tables[win.exchanges & 1][:, 0]
-    win.exchanges += 1
-    column[win.rank] = key
-    win.barrier()
-    keys = column.tolist()
+    keys = [k for (k,) in win.exchange([key])]
     if keys.count(key) != win.size:
         details = [f"rank {r} of the node: {_key_text(k)}" for r, k in enumerate(keys)]
         raise MismatchError("allreduce (shm): the node's ranks passed different counts or "

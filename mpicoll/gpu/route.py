@@ -35,7 +35,7 @@ def reporter(collective: str, comm: Any, check: Any) -> Callable[[Exception], An
     The returned function runs the agreement step with the error (the other ranks, in
     their own agreement step, raise ``RemoteError``) and raises it here.
     """
-    use_check = config.check_enabled() if check is None else bool(check)
+    use_check = config.check_wanted(check)
     if not use_check:
         return None
     from ..checked import agree  # noqa: PLC0415
