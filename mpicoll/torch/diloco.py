@@ -42,11 +42,13 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..checked import agree
 from ..collectives import allreduce, broadcast
 from ..compression import ErrorFeedback, get_codec
 from ..compression import allreduce as compressed_allreduce
 from ..compression import last_stats
 from ..context import get_context
+from ..errors import MismatchError
 from ..runtime import comms
 from ..runtime import world as runtime_world
 from ..runtime.progress import Lane, Work, completed
@@ -148,7 +150,10 @@ class DiLoCo:
 
     Collective at construction (every rank of ``comm``, with the same settings and
     parameter shapes), and at every :meth:`step` that sends or receives a fragment: every
-    rank must call :meth:`step` equally often.
+    rank must call :meth:`step` equally often (ranks that do not raise ``MismatchError``,
+    at the latest in :meth:`close`). Construction sets every rank's parameters to rank
+    0's: restore a checkpoint after it. Buffers are not synced; frozen parameters
+    (``requires_grad=False``) are never moved by the outer optimizer.
 
     Args:
         model: the model; its parameters (``model.parameters()``, in that order) are
@@ -279,7 +284,8 @@ class DiLoCo:
                              "optimizer of its own over the model's parameters")
         held = [{id(p) for group in opt.param_groups for p in group["params"]} for opt in outers]
         for f, idx in enumerate(members):   # (an outer step would not move the others)
-            missing = [i for i in idx if id(params[i]) not in held[f if len(outers) > 1 else 0]]
+            missing = [i for i in idx if params[i].requires_grad and
+                       id(params[i]) not in held[f if len(outers) > 1 else 0]]
             if missing:
                 raise ValueError(f"outer_optimizer{f'[{f}]' if len(outers) > 1 else ''} "
                                  f"does not hold the model's parameters {missing[:5]} "
@@ -392,7 +398,7 @@ class DiLoCo:
             buf = g.delta.numpy()
             if self.codec is None:
                 allreduce(buf, buf, op="average", comm=self.comm, algorithm=self.algorithm,
-                          check=False)
+                          check=True)
                 sent, crossing = self._schedule_bytes(buf.nbytes)
                 total += sent
                 inter += crossing
@@ -400,7 +406,7 @@ class DiLoCo:
                 compressed_allreduce(buf, buf, op="average", comm=self.comm,
                                      compression=self.codec,
                                      feedback=self.feedback if self.feedback is not None
-                                     else False, key=g.key, check=False)
+                                     else False, key=g.key, check=True)
                 stats = last_stats()
                 total += stats.bytes_sent
                 inter += stats.inter_node_bytes
@@ -439,8 +445,8 @@ class DiLoCo:
             return
         pending, work = self._pending
         assert pending == index, f"fragment {index} arrives but {pending} was sent"
+        self._pending = None        # (also when it failed: nothing is in flight after)
         total, inter = work.wait()
-        self._pending = None
         self.bytes_sent["total"] += total
         self.bytes_sent["inter_node"] += inter
         fragment = self.fragments[index]
@@ -453,8 +459,9 @@ class DiLoCo:
                 p.grad = None
             for g in fragment.groups:
                 for p, theta, delta in zip(g.params, g.views(g.global_), g.views(g.delta)):
-                    p.copy_(theta)
-                    p.grad = delta.to(p.device)
+                    p.copy_(theta)          # (a frozen parameter gets no gradient: as in
+                    if p.requires_grad:     # torch, no optimizer moves it, weight decay too)
+                        p.grad = delta.to(p.device)
         try:
             outer.step()
         finally:
@@ -567,8 +574,18 @@ class DiLoCo:
             raise RuntimeError("DiLoCo: used after close()")
 
     def close(self) -> None:
-        """Wait for an all-reduce in flight (its result is dropped), stop the lane and
-        free the communicator. Collective (every rank); idempotent."""
+        """Wait for an all-reduce in flight (its result is dropped), stop the lane, check
+        that every rank took as many inner steps, and free the communicator. Collective
+        (every rank); idempotent.
+
+        Raises:
+            mpicoll.MismatchError: on every rank, when the ranks took different numbers of
+                inner steps (a rank whose data ran out early: the others, waiting in an
+                outer all-reduce it will never join, raise it there).
+        """
+        self._close(agree_steps=True)
+
+    def _close(self, agree_steps: bool) -> None:
         if self._closed:
             return
         self._closed = True
@@ -579,10 +596,21 @@ class DiLoCo:
         finally:
             if self._lane is not None:
                 self._lane.close()
-            comms.free(self.comm)
+            try:
+                if agree_steps:     # (meets another rank's outer all-reduce, also checked)
+                    agree(get_context(self.comm), None, collective="DiLoCo.close",
+                          count=self.steps)
+            except MismatchError as exc:
+                raise MismatchError(f"DiLoCo: the ranks called step() unequally often "
+                                    f"(every rank must call it equally often; 'count' is "
+                                    f"the inner steps taken): {exc}", exc.details) from None
+            finally:
+                comms.free(self.comm)
 
     def __enter__(self) -> "DiLoCo":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        # (an exception on its way out: no step check, which a failed world could not
+        # answer; an uncaught exception ends the job, mpicoll.runtime.exit)
+        self._close(agree_steps=exc_type is None)

@@ -319,3 +319,53 @@ def test_state_dict_round_trip_in_flight(hvd):
 def _deep_copy(obj):
     import copy
     return copy.deepcopy(obj)
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+@pytest.mark.parametrize("steps", [6, 9])
+def test_unequal_steps_raise_on_every_rank(hvd, overlap, steps):
+    """The last rank takes ``steps`` inner steps, the others 8 (H = 4): with 6 it closes
+    while the others wait in the outer all-reduce of step 8; with 9 every sync matched
+    and only the step counts differ. Every rank raises MismatchError, none waits."""
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    mine = steps if RANK == SIZE - 1 else 8
+    before = len(comms.alive())
+    with pytest.raises(hvd.MismatchError) as info:
+        with _diloco(_model(), sync_every=4, overlap=overlap) as d:
+            _train(d, 1, mine)
+    text = str(info.value)
+    assert "DiLoCo.close" in text
+    if RANK == SIZE - 1:
+        assert "step() unequally often" in text
+    if steps == 9:
+        assert f"ranks {SIZE - 1} have 9" in text
+    assert len(comms.alive()) == before          # its communicator was freed
+    COMM.Barrier()
+
+
+def test_equal_steps_close_cleanly(hvd):
+    with _diloco(_model(), sync_every=4) as d:
+        _train(d, 1, 7)
+    assert d._closed
+
+
+def test_frozen_parameter_never_moved(hvd):
+    """A frozen parameter (requires_grad=False) gets no outer gradient: an outer optimizer
+    with weight decay leaves it as it was (torch's rule), and an outer optimizer over the
+    trainable parameters only is accepted."""
+    for over_all in (True, False):
+        model = _model()
+        frozen = model[2].bias
+        frozen.requires_grad_(False)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        inner = torch.optim.SGD(trainable, lr=LR)
+        outer = torch.optim.SGD(model.parameters() if over_all else trainable, lr=OUTER_LR,
+                                momentum=OUTER_MOMENTUM, weight_decay=0.1)
+        with hvd.DiLoCo(model, inner, outer, sync_every=2) as d:
+            start = frozen.detach().clone()          # rank 0's, after construction
+            first = model[0].weight.detach().clone()
+            _train(d, 1, 4)
+            assert d.outer_steps == [2]
+            assert torch.equal(frozen, start) and frozen.grad is None
+            assert not torch.equal(model[0].weight, first)    # the others did move
