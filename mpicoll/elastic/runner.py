@@ -9,7 +9,9 @@ world, restore the last commit and run it again (Horovod's ``run_fn``).
 3. on :class:`~mpicoll.ProcessFailedError` (Horovod's ``HorovodInternalError`` in
    :mod:`mpicoll.torch`): :meth:`~mpicoll.elastic.State.restore` (the last commit), then
    ``reset()`` (shrink the world; again if another rank fails meanwhile), then
-   :meth:`~mpicoll.elastic.State.on_reset` (the reset callbacks), and back to 2;
+   :meth:`~mpicoll.elastic.State.on_reset` (the reset callbacks), and back to 2; the
+   callbacks run where the function does, so one that raises, or meets another failure,
+   counts as the function's own exception (below);
 4. on :class:`~mpicoll.HostsUpdatedInterrupt` (raised by a commit: the state is the
    commit, nothing is restored): when discovery found room for more ranks
    (:class:`~mpicoll.elastic.discovery.HostsAddedInterrupt`), ``grow(new_size)`` starts
@@ -23,8 +25,10 @@ failure raises :class:`~mpicoll.elastic.DiscoveryError` on every rank), and stop
 when it returns. A process started by a growth enters the wrapper straight at the sync of
 step 2, where the running ranks are after their reset.
 
-An exception raised while the world has failed (:mod:`mpicoll.runtime.world`) counts as
-the process failure itself, whatever its type: DDP's backward, say, reports a failed
+A process failure that the function's own mpi4py calls on the world raise
+(an ``MPI.Exception`` of a failed process) counts as one too. An exception raised
+while the world has failed (:mod:`mpicoll.runtime.world`) counts as the process failure
+itself, whatever its type: DDP's backward, say, reports a failed
 all-reduce as its own ``RuntimeError``.
 
 *A rank that raises is a lost rank* (Horovod's elastic driver drops such a worker): under
@@ -90,10 +94,13 @@ LEAVE_WAIT_S = 0.15
 
 
 def _failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is a process failure: a :class:`~mpicoll.ProcessFailedError`, or
-    any exception raised while the current world has failed (under ULFM)."""
+    """Whether ``exc`` is a process failure: a :class:`~mpicoll.ProcessFailedError`, an
+    MPI error that is one (the function's own mpi4py calls on the world), or any exception
+    raised while the current world has failed (under ULFM)."""
     if not failures.ENABLED:
         return False
+    if isinstance(exc, MPI.Exception):
+        exc = failures.translate(exc, None, "an MPI call of the elastic function")
     return isinstance(exc, ProcessFailedError) or (
         isinstance(exc, Exception) and runtime_world.failed(runtime_world.generation()))
 
@@ -259,11 +266,17 @@ def _loop(func: Callable[..., Any], reset: Callable[[], Any],
           grow: Callable[[int], Any] | None, state: State, args: tuple,
           kwargs: dict, reset_limit: int | None = None) -> Any:
     load_from_disk(state)
-    skip_sync = False
+    skip_sync = reset_done = False
     event = None
     resets = 0
     while True:
         try:
+            if reset_done:        # (inside: a callback that raises, or meets another
+                reset_done = False  # failure, is handled as the function's own would be)
+                began = time.perf_counter()
+                state.on_reset()
+                if event is not None:
+                    event.phases["callbacks"] = time.perf_counter() - began
             if not skip_sync:
                 began = time.perf_counter()
                 state.sync()
@@ -305,13 +318,12 @@ def _loop(func: Callable[..., Any], reset: Callable[[], Any],
                 f"more than its reset_limit={reset_limit}: it stops", resets + 1, reset_limit)
         resets += 1
         event = _grow_or_reset(interrupt, reset, grow)
-        reset_done = time.perf_counter()
-        state.on_reset()
+        reset_done = True
         if event is not None:
             if interrupt is None:
                 event.detected_at = detected_at
-            event.phases.update(restore=restored - failed_at, reset=reset_done - restored,
-                                callbacks=time.perf_counter() - reset_done)
+            event.phases.update(restore=restored - failed_at,
+                                reset=time.perf_counter() - restored)
 
 
 def run(func: Callable[..., Any] | None = None, *, min_np: int | None = None,

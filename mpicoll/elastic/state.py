@@ -18,9 +18,11 @@ import warnings
 from typing import Any, Callable
 
 import numpy as np
+from mpi4py import MPI
 
 from .. import config, context
-from ..errors import HostsUpdatedInterrupt
+from ..errors import CollectiveError, HostsUpdatedInterrupt
+from ..runtime import failures
 from .discovery import active as discovery_active
 from .discovery import check_host_updates
 
@@ -38,8 +40,17 @@ class HostUpdateResult(enum.IntFlag):
 
 def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
     """``obj`` of rank ``root_rank`` of the current world (:func:`mpicoll.context.world`),
-    on every rank (pickled: for small state; arrays go through the collectives)."""
-    return context.world().bcast(obj, root=root_rank)
+    on every rank (pickled: for small state; arrays go through the collectives).
+
+    Raises:
+        mpicoll.ProcessFailedError: a rank of the world failed (under ULFM).
+    """
+    world = context.world()
+    try:
+        return world.bcast(obj, root=root_rank)
+    except MPI.Exception as exc:
+        failures.raise_translated(exc, world, "the elastic state's broadcast")
+        raise
 
 
 def _world_rank() -> int:
@@ -59,6 +70,28 @@ def _copy(value: Any) -> Any:
         return copy.deepcopy(value)
     except (TypeError, copy.Error, pickle.PicklingError, AttributeError, ValueError):
         return value
+
+
+class _Unpicklable:
+    """What rank 0 broadcasts instead of a state that does not pickle: why."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+
+def _pickled(state: dict) -> bytes | _Unpicklable:
+    """``state`` (attribute -> value) pickled, or why it does not pickle (the first
+    attribute that does not)."""
+    try:
+        return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        for name, value in state.items():
+            try:
+                pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # noqa: BLE001  (pickling raises many types)
+                return _Unpicklable(f"rank 0's attribute {name!r} does not pickle "
+                                    f"({type(exc).__name__}: {exc})")
+        raise
 
 
 class State:
@@ -208,8 +241,23 @@ class ObjectState(State):
         self._set_attrs()
 
     def sync(self) -> None:
+        """Every rank's attributes := rank 0's last commit (pickled: they must pickle).
+
+        Raises:
+            mpicoll.CollectiveError: on every rank, when rank 0's attributes do not pickle
+                (naming the first that does not), instead of rank 0 alone raising while
+                the others wait in the broadcast.
+        """
         if self._saved_state:
-            self._saved_state = self._bcast_object(self._saved_state)
+            root = self._rank() == 0
+            payload = self._bcast_object(_pickled(self._saved_state) if root else None)
+            if isinstance(payload, _Unpicklable):
+                raise CollectiveError(f"mpicoll.elastic: the state cannot be synchronised: "
+                                      f"{payload.problem} (an ObjectState's or TorchState's "
+                                      f"plain attributes are pickled to reach the other "
+                                      f"ranks)")
+            if not root:
+                self._saved_state = pickle.loads(payload)   # (rank 0's commit)
             self._set_attrs()
 
     def _set_attrs(self) -> None:

@@ -91,17 +91,28 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, *mixins: type,
     cls = type(base.__name__, (base,), attrs)
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._mpicoll_user_optimizer = optimizer      # (FrontEnd.load_state_dict)
     return wrapped
 
 
 class FrontEnd:
     """The methods both distributed optimizers' wrapped classes share (a mixin of
-    :func:`wrap_optimizer`): local SGD (:mod:`mpicoll.torch.local_sgd`) and
-    :meth:`skip_synchronize`."""
+    :func:`wrap_optimizer`): local SGD (:mod:`mpicoll.torch.local_sgd`),
+    :meth:`skip_synchronize` and :meth:`load_state_dict`."""
 
     _local_sgd: lsgd.LocalSGD | None
     #: ``False`` inside :meth:`skip_synchronize`.
     _should_synchronize = True
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The optimizer class's own, after which the user's optimizer shares the new
+        ``state`` and ``param_groups`` again (torch's replaces both objects: a learning-rate
+        scheduler built on the user's optimizer would go on changing the old ones, and the
+        ranks that loaded, as :func:`~mpicoll.torch.broadcast_optimizer_state` and an
+        elastic restore do, would train at another rate than the others)."""
+        type(self).__bases__[0].load_state_dict(self, state_dict)
+        self._mpicoll_user_optimizer.__dict__.update(state=self.state,
+                                                     param_groups=self.param_groups)
 
     def _setup_local_sgd(self, settings: tuple, params: list[torch.Tensor], refusal: str | None,
                          comm: Callable[[], MPI.Intracomm | None],

@@ -12,6 +12,10 @@ on every survivor at the end ``DONE <world rank> <size> <step> <total> <checksum
 <recoveries>``, where ``total`` sums each step's world size (an all-reduce of ones): with
 a correct restore it is exactly ``KILL_STEP * n + (STEPS - KILL_STEP) * (n - len(VICTIMS))``;
 ``TOOFEW <world rank> <size> <min_np> <time>`` when fewer than ``MIN_NP`` survive.
+
+``KILL_STEP`` -1: the victims die before the first sync (the state's broadcast meets the
+failure), rank 1's first reset callback raises (it leaves as a lost rank during the reset),
+and every step also sums over the world with mpi4py itself (``elastic.world().allreduce``).
 """
 from __future__ import annotations
 
@@ -27,6 +31,10 @@ import mpicoll
 import mpicoll.elastic as elastic
 
 
+def _raise_once() -> None:
+    raise ValueError("a reset callback failed on rank 1")
+
+
 def main() -> None:
     steps, kill_step, min_np = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[4])
     victims = {int(r) for r in sys.argv[3].split(",")}
@@ -35,6 +43,12 @@ def main() -> None:
     state = elastic.ObjectState(step=0, total=0, weights=np.zeros(1001, np.float64))
     resets: list[int] = []
     state.register_reset_callbacks([lambda: resets.append(elastic.world().Get_size())])
+    if kill_step == -1:
+        if me in victims:
+            print(f"KILL {time.time():.6f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if me == 1:
+            state.register_reset_callbacks([_raise_once])
 
     @elastic.run(min_np=min_np)
     def train(state: elastic.ObjectState) -> None:
@@ -46,6 +60,8 @@ def main() -> None:
             grad = np.arange(1001, dtype=np.float64) * (me + 1) + state.step
             total = mpicoll.allreduce(grad, op="sum", algorithm=algorithm)
             size = int(mpicoll.allreduce(np.ones(1, np.int64), op="sum")[0])
+            if kill_step == -1:
+                assert elastic.world().allreduce(1) == size
             assert size == elastic.world().Get_size(), (size, elastic.world().Get_size())
             state.weights += total * 1e-3
             state.total += size
@@ -64,7 +80,7 @@ def main() -> None:
     rec = elastic.last_recovery()
     phases = "-" if rec is None else rec.summary()
     print(f"DONE {me} {elastic.world().Get_size()} {state.step} {state.total} "
-          f"{checksum!r} {resets} {phases}", flush=True)
+          f"{checksum!r} {str(resets).replace(' ', '')} {phases}", flush=True)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ JOBS: dict[str, tuple] = {
     "numpy-n3-root": (NUMPY, 3, (0,), 1),
     "numpy-n4-node": (NUMPY, 4, (2, 3), 1),
     "numpy-n4-shm": (NUMPY, 4, (1,), 1, "shm"),
+    # rank 3 dies before the first sync, rank 1 raises in its first reset callback
+    "numpy-n4-sync": (NUMPY, 4, (3,), 1),
     "numpy-below-min-np": (NUMPY, 3, (1,), 3),
     "torch-n4": (TORCH, 4, (2,), 1),
     # local SGD (every 4th step averages the parameters; nodes of 2 and 1, the node
@@ -68,7 +70,8 @@ def outputs() -> dict:
     python = ompi_env.ompi_python(need_torch=True)
     jobs = {}
     for name, (script, n, victims, min_np, *extra) in JOBS.items():
-        args = ([str(STEPS), str(KILL_STEP)] if script == NUMPY
+        kill_step = -1 if name == "numpy-n4-sync" else KILL_STEP
+        args = ([str(STEPS), str(kill_step)] if script == NUMPY
                 else [str(EPOCHS), str(KILL_TRAIN_STEP)]) + [",".join(map(str, victims)),
                                                              str(min_np), *extra]
         env = {"MPICOLL_RANKS_PER_NODE": "2"} if extra else {}   # shm or local SGD: nodes
@@ -104,8 +107,26 @@ def test_numpy_survivors_shrink_restore_and_finish(outputs, name) -> None:
             f"rank {rank}: size {size}, step {step}, total {total} (want {left}, " \
             f"{STEPS}, {expected_total})\n{tail}"
         # one reset, or two when the victims' deaths were noticed apart
-        assert resets in (f"[{left}]", f"[{n - 1}, {left}]"), \
+        assert resets in (f"[{left}]", f"[{n - 1},{left}]"), \
             f"rank {rank}: reset callbacks saw {resets}"
+    assert len({fields[3] for fields in done.values()}) == 1, f"states differ\n{tail}"
+
+
+@pytest.mark.timeout(900)
+def test_numpy_failures_in_the_sync_and_the_reset_callbacks(outputs) -> None:
+    """Rank 3 dies before the first sync: the state's broadcast (and mpi4py's own calls on
+    the world) raise process failures, not raw MPI errors that made every survivor leave.
+    Rank 1's reset callback then raises: rank 1 leaves as a lost rank (it hung the job
+    when the callbacks ran outside the loop), and ranks 0 and 2 finish at size 2."""
+    rc, out, secs = outputs["numpy-n4-sync"]
+    tail = ulfm_jobs.show("numpy-n4-sync", outputs["numpy-n4-sync"])
+    assert rc == 0, f"status {rc}\n{tail}"
+    assert "a reset callback failed on rank 1" in out, tail
+    done = ulfm_jobs.done(out)
+    assert sorted(done) == [0, 2], tail
+    for rank, (size, step, total, checksum, resets, *_) in done.items():
+        assert (int(size), int(step), int(total)) == (2, STEPS, 2 * STEPS), tail
+        assert resets == "[3,2]", f"rank {rank}: reset callbacks saw {resets}\n{tail}"
     assert len({fields[3] for fields in done.values()}) == 1, f"states differ\n{tail}"
 
 

@@ -91,6 +91,42 @@ def test_elastic_sampler_resplits_the_rest_of_the_epoch() -> None:
     assert len(ElasticSampler(range(n))) == n          # one rank here: all of it
 
 
+@pytest.mark.parametrize(("n", "processed", "ranks"), [(49, 48, 3), (1, 0, 3), (10, 3, 4),
+                                                       (5, 0, 8)])
+def test_elastic_sampler_gives_every_rank_as_many_samples(n, processed, ranks) -> None:
+    """Fewer samples left than ranks (or than half of them): the padding goes round the
+    remaining samples as often as needed, so every rank takes len() samples and as many
+    steps (padding once round left some ranks short, and the ranks out of step)."""
+    splits = []
+    for r in range(ranks):
+        s = ElasticSampler(range(n), shuffle=True, seed=7)
+        s.load_state_dict({"epoch": 0, "processed_num": processed})
+        s.split(ranks, r)
+        splits.append(list(s))
+        assert len(splits[-1]) == len(s), (r, splits[-1], len(s))
+    rest = ElasticSampler(range(n), shuffle=True, seed=7)
+    rest.load_state_dict({"epoch": 0, "processed_num": processed})
+    rest.split(1, 0)
+    assert {i for split in splits for i in split} == set(rest)     # nothing lost
+
+
+def test_object_state_that_does_not_pickle_fails_the_sync_clearly() -> None:
+    """Rank 0's attribute that does not pickle: a CollectiveError naming it (raised on
+    every rank: the broadcast carries the reason, instead of rank 0 alone raising while
+    the others wait), not a TypeError that makes rank 0 leave as a lost rank."""
+    import threading
+
+    from mpicoll import errors
+
+    state = elastic.ObjectState(step=3, lock=threading.Lock())
+    with pytest.raises(errors.CollectiveError, match="attribute 'lock' does not pickle"):
+        state.sync()
+    fine = elastic.ObjectState(step=3, weights=np.arange(4.0))
+    fine.weights[:] = 0
+    fine.sync()                     # (the last commit, rank 0's: restored here)
+    assert fine.step == 3 and list(fine.weights) == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_set_epoch_reshuffles_and_clears_progress() -> None:
     s = ElasticSampler(range(50), shuffle=True, seed=3)
     first = list(s)
@@ -272,6 +308,15 @@ def test_under_ulfm_which_exceptions_make_a_rank_leave(monkeypatch) -> None:
         assert not runner._leaves(exc), type(exc).__name__
     assert runner._failure(errors.ProcessFailedError("rank 2 failed", [2]))
     assert not runner._failure(ValueError("x"))
+    # the function's own mpi4py call: a failure when the runtime translates it into one
+    from mpi4py import MPI
+
+    raw = MPI.Exception(MPI.ERR_OTHER)
+    monkeypatch.setattr(runner.failures, "translate",
+                        lambda exc, comm, what: errors.ProcessFailedError("lost", [1])
+                        if exc is raw else exc)
+    assert runner._failure(raw)
+    assert not runner._failure(MPI.Exception(MPI.ERR_COUNT))
 
 
 def test_a_rank_that_raises_under_ulfm_leaves_through_leave(monkeypatch) -> None:

@@ -84,7 +84,9 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def __iter__(self) -> Iterator[int]:
         indices = list(self.remaining_indices)
-        indices += indices[:self.total_size - len(indices)]   # evenly divisible
+        pad = self.total_size - len(indices)    # evenly divisible: repeat from the start,
+        if pad > 0:                             # several times round when few remain
+            indices += (indices * math.ceil(pad / len(indices)))[:pad]
         return iter(indices[self.rank:self.total_size:self.num_replicas])
 
     def __len__(self) -> int:

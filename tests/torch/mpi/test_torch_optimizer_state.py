@@ -78,3 +78,28 @@ def test_broadcast_optimizer_state_every_torch_optimizer(name):
     assert all(s == states[0] for s in states), name
     assert all(p == params[0] for p in params), name
     assert opt.param_groups[0]["lr"] == pytest.approx(0.01)
+
+
+def test_broadcast_keeps_the_wrapped_optimizer_shared():
+    """After broadcast_optimizer_state (load_state_dict on the other ranks) the user's
+    optimizer still shares the DistributedOptimizer's state and param_groups, so a
+    scheduler built on it changes the rate every rank trains at (it went on changing
+    the replaced groups: rank 0 trained at 0.00625, the others at 0.1)."""
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.param_groups is inner.param_groups and opt.state is inner.state
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.ones(2, 4) * (hvd.rank() + 1)).sum().backward()
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == inner.param_groups[0]["lr"] == 0.1 * 0.5 ** 4
+    every = hvd.allgather_object(b"".join(p.detach().numpy().tobytes()
+                                          for p in model.parameters()))
+    assert all(e == every[0] for e in every)
