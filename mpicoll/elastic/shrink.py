@@ -119,9 +119,10 @@ def shrink_world(min_np: int = 1) -> Recovery:
     done = time.perf_counter()
     last_recovery = Recovery(failed, plain.Get_size(), new.Get_size(), new.Get_rank(),
                              revoked - start, shrunk - revoked, done - shrunk)
-    log.warning("rank %d: world shrank from %d to %d ranks (failed: %s; revoke %.3f s, "
-                "shrink %.3f s)", new.Get_rank(), plain.Get_size(), new.Get_size(), failed,
-                revoked - start, shrunk - revoked)
+    log.warning("rank %d of the old world, %d of the new: world shrank from %d to %d ranks "
+                "(failed: old ranks %s; revoke %.3f s, shrink %.3f s)", plain.Get_rank(),
+                new.Get_rank(), plain.Get_size(), new.Get_size(), failed, revoked - start,
+                shrunk - revoked)
     if new.Get_size() < min_np:
         raise TooFewRanksError(
             f"only {new.Get_size()} rank(s) survived the failure of rank(s) {failed} (of "
