@@ -96,22 +96,36 @@ class CompressionState:
         self._pending: dict[int, tuple] = {}
 
     def state_dict(self) -> dict:
-        """The iteration count, the residuals (numpy arrays, keyed by bucket index) and
-        their buckets' layouts (the parameters' element counts)."""
+        """The iteration count, the codec's name, the residuals (CPU tensors, keyed by
+        bucket index: ``torch.load`` takes them with its default ``weights_only=True``)
+        and their buckets' layouts (the parameters' element counts)."""
         return {"iteration": self.iteration,
                 "codec": None if self.codec is None else self.codec.name,
-                "residuals": {k: self.feedback.residual(k).copy() for k in self.feedback.keys()},
+                "residuals": {k: torch.from_numpy(self.feedback.residual(k).copy())
+                              for k in self.feedback.keys()},
                 "layouts": {k: list(numels) for k, (_, numels) in self._layouts.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output. Residuals whose bucket layout is this
         state's current one are restored at once; the others (a new DDP, whose first
-        iteration runs on its initial buckets) when a bucket of their layout appears."""
+        iteration runs on its initial buckets) when a bucket of their layout appears.
+        A state without a codec takes the saved one.
+
+        Raises:
+            ValueError: the saved residuals are another codec's than this state's.
+        """
+        saved = state.get("codec")
+        if saved is not None and self.codec is not None and saved != self.codec.name:
+            raise ValueError(f"the saved state holds residuals of codec {saved!r}; this "
+                             f"CompressionState's codec is {self.codec.name!r}")
+        if saved is not None and self.codec is None:
+            self.codec = get_codec(saved, "the saved state's codec")
         self.iteration = int(state["iteration"])
         self.feedback.reset()
         self._pending = {}
         layouts = state.get("layouts")
         for key, residual in state["residuals"].items():
+            residual = residual.numpy() if isinstance(residual, torch.Tensor) else residual
             numels = None if layouts is None or key not in layouts else tuple(layouts[key])
             if numels is None or (key in self._layouts and self._layouts[key][1] == numels):
                 self.feedback.store(key, residual.copy())
@@ -172,6 +186,9 @@ def _mpicoll_group(process_group: Any) -> Any:
     if group is None:
         raise RuntimeError("the mpicoll DDP hooks need dist.init_process_group('mpicoll') "
                            "first")
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("this rank is not a member of the CompressionState's "
+                         "process_group: DDP and its hook run on the group's ranks only")
     try:
         return backend_of(group, "the mpicoll DDP hooks")
     except ValueError:

@@ -90,8 +90,9 @@ def check_settings(sync_every: Any = 1, node_sync_every: Any = None, warmup_step
             ordinary synchronous training).
         node_sync_every: ``None`` or ``M`` with ``1 <= M < H``: average over the node
             after every ``M``-th step.
-        warmup_steps: ``K >= 0`` fully synchronous steps first (post-local SGD; torch's
-            ``start_localSGD_iter`` / averagers' ``warmup_steps``).
+        warmup_steps: ``K >= 0`` fully synchronous steps first (post-local SGD, as torch's
+            ``start_localSGD_iter`` / averagers' ``warmup_steps``; the steps after it are
+            counted from its end, which torch's averagers do not: docs/torch.md).
         average_state: average the optimizer state with the parameters.
     Returns:
         The settings.

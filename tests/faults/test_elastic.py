@@ -118,7 +118,7 @@ def test_numpy_failures_in_the_sync_and_the_reset_callbacks(outputs) -> None:
     the world) raise process failures, not raw MPI errors that made every survivor leave.
     Rank 1's reset callback then raises: rank 1 leaves as a lost rank (it hung the job
     when the callbacks ran outside the loop), and ranks 0 and 2 finish at size 2."""
-    rc, out, secs = outputs["numpy-n4-sync"]
+    rc, out, _ = outputs["numpy-n4-sync"]
     tail = ulfm_jobs.show("numpy-n4-sync", outputs["numpy-n4-sync"])
     assert rc == 0, f"status {rc}\n{tail}"
     assert "a reset callback failed on rank 1" in out, tail

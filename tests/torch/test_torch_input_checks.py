@@ -151,6 +151,32 @@ def test_compression_state_checks_repr_and_state_dict():
     other.load_state_dict(saved)
     assert other.iteration == 7 and list(other.feedback.keys()) == [2]
     assert np.array_equal(other.feedback.residual(2), np.arange(3, dtype=np.float32))
+    # tensors: torch.load takes the checkpoint with its default weights_only=True
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"hook": saved}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)["hook"]
+    assert isinstance(loaded["residuals"][2], torch.Tensor)
+    fresh = hooks.CompressionState()          # no codec: takes the saved one
+    fresh.load_state_dict(loaded)
+    assert fresh.codec.name == "int8"
+    assert np.array_equal(fresh.feedback.residual(2), np.arange(3, dtype=np.float32))
+    with pytest.raises(ValueError, match="residuals of codec 'int8'; this "
+                                         "CompressionState's codec is 'onebit'"):
+        hooks.CompressionState(codec="onebit").load_state_dict(saved)
+
+
+def test_compression_hook_on_a_rank_outside_its_group_says_so():
+    """A rank that is not in the state's process_group (torch's NON_GROUP_MEMBER) gets
+    a ValueError saying so (it got torch's 'Invalid process group specified' from the
+    message of another error)."""
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match="not a member of the CompressionState's "
+                                         "process_group"):
+        hooks._mpicoll_group(dist.GroupMember.NON_GROUP_MEMBER)
 
 
 class _Bucket:
