@@ -139,6 +139,8 @@ class Work:
         """
         if timeout is None and self.lane is not None:
             timeout = self.lane.timeout
+        if self.lane is not None and not self._done.is_set():
+            self.lane.run_queued_until(self)    # (on the lane's own thread only)
         if not self._done.wait(timeout):
             raise self.lane.timed_out(self, timeout) if self.lane is not None else \
                 CollectiveTimeoutError(f"mpicoll: {self.kind} timed out after {timeout:g} s",
@@ -270,6 +272,29 @@ class Lane:
                 self._idle.notify_all()
         return True
 
+    def run_queued_until(self, work: Work) -> None:
+        """On the lane's own thread (a callback of a completed operation, waiting for an
+        operation queued after it): run the queued operations, in submission order, until
+        ``work`` has run, as the lane would run them next. Anywhere else: nothing (the
+        lane's thread could never start ``work`` while it waits)."""
+        if threading.current_thread() is not self._thread:
+            return
+        outer = self._running
+        while not work.done():
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:                  # close(): its marker goes back, last
+                self._queue.put(None)
+                return
+            with self._lock:
+                if item[0] in self._pending:
+                    self._pending.remove(item[0])
+            self._execute(*item)
+            with self._lock:
+                self._running = outer
+
     def _execute(self, work: Work, op: Callable[[], Any]) -> None:
         if work.done() or self.broken is not None:    # aborted while queued; or broken
             work.finish(None, self.broken)    # (ignored if done)
@@ -382,7 +407,7 @@ class Lane:
 
 
 def create(build: Callable[[list[Any]], Any], parent: Any, members: list[int],
-           name: str) -> Any:
+           name: str, timeout: float | None = None) -> Any:
     """``build(made)``, which makes a communicator of the ranks ``members`` of ``parent``
     (``[]``: all) and appends each communicator it makes to ``made``. Under ULFM, with
     ``members`` given, it runs on a lane of its own: Open MPI 5.0.11's
@@ -395,19 +420,36 @@ def create(build: Callable[[list[Any]], Any], parent: Any, members: list[int],
     (:func:`~mpicoll.runtime.failures.creation_failure`). Without ULFM, ``build`` runs here
     and its errors pass unchanged.
 
+    ``timeout`` (seconds; ``None``: none): with ``members`` given, a creation that has not
+    ended by then (a member never called it) raises
+    :class:`~mpicoll.CollectiveTimeoutError` naming the members; under ULFM the
+    communicators made so far are revoked, without it the MPI call cannot be cancelled
+    and the job ends, saying so, when this process exits (its lane is broken). Below
+    ``MPI_THREAD_MULTIPLE`` the creation runs here, unbounded.
+
     ``name`` names the creation in errors (``"new_group"``)."""
     made: list[Any] = []
-    if not failures.ENABLED:
-        return build(made)
+    if not members or (not failures.ENABLED and (timeout is None or inline_only())):
+        return build(made)     # (every rank of parent: no MPI_Comm_create_group)
     try:
-        if not members:        # every rank of parent: no MPI_Comm_create_group
-            return build(made)
         lane = Lane(f"mpicoll-create-{name}")
         work = lane.submit(name, lambda: build(made))
+        late = CollectiveTimeoutError(
+            f"{name}: the communicator of ranks {list(members)} was not made within "
+            f"{timeout:g} s: some of them did not call it" + (
+                "" if failures.ENABLED else " (MPI cannot cancel the call: the job ends "
+                "when this process exits)"), name, []) if timeout is not None else None
+        ends = None if timeout is None else time.monotonic() + timeout
         deadline = None
         while not work.done():
             time.sleep(_CREATE_POLL_S)
-            if deadline is None:
+            if ends is not None and time.monotonic() >= ends:
+                for comm in made:
+                    failures.revoke_only(comm)
+                lane.abort(late)
+            elif not failures.ENABLED:
+                continue
+            elif deadline is None:
                 dead = set(members) & set(failures.failed_ranks(parent, 0.0))
                 if dead:
                     deadline = time.monotonic() + CREATE_GRACE_S
@@ -416,8 +458,9 @@ def create(build: Callable[[list[Any]], Any], parent: Any, members: list[int],
                     failures.revoke(comm)
                 lane.abort(ProcessFailedError(
                     f"{name}: creation stuck on failed member(s)", sorted(dead)))
-        lane.close()          # its thread ends (one left in MPI by the abort stays there)
-        return work.result()
+        if lane.broken is None or failures.ENABLED:   # (else its thread is in MPI: the
+            lane.close()      # exit ends the job) its thread ends (one left in MPI by an
+        return work.result()  # abort under ULFM stays there)
     except Exception as exc:   # a process failure, or what it left behind
         failure = failures.creation_failure(exc, parent, list(members),
                                             made[0] if made else None)

@@ -268,3 +268,40 @@ def test_unwaited_operation_a_peer_never_joins_fails_after_the_groups_timeout(tm
     assert "EXITING" in out, out
     assert proc.returncode != 0 and "is broken" in out and "ending the job" in out, out
     assert took < 50, f"the job took {took:.0f} s"
+
+
+NEW_GROUP = textwrap.dedent("""
+    import time
+    from datetime import timedelta
+    import torch.distributed as dist
+    import mpicoll.torch  # noqa: F401
+    dist.init_process_group("mpicoll")
+    rank = dist.get_rank()
+    start = time.monotonic()
+    if rank == 0:      # rank 1 never calls new_group
+        try:
+            dist.new_group([0, 1], timeout=timedelta(seconds=2),
+                           use_local_synchronization=True)
+            print("MADE", flush=True)
+        except Exception as exc:
+            print(f"RAISED {time.monotonic() - start:.2f} {type(exc).__name__}: {exc}",
+                  flush=True)
+    else:
+        time.sleep(8)
+    print(f"rank {rank} at exit", flush=True)
+""")
+
+
+def test_new_group_a_member_never_joins_raises_after_its_timeout(tmp_path):
+    """A subgroup one member never creates: new_group raises CollectiveTimeoutError
+    after the group's timeout on the member that waits (as gloo's store times out), and,
+    MPI being unable to cancel the creation, the job ends at exit saying so (it waited
+    until the missing member came, or forever)."""
+    proc = _run(NEW_GROUP, tmp_path, timeout=120)
+    out = proc.stdout + proc.stderr
+    line = next((x for x in out.splitlines() if x.startswith(("RAISED", "MADE"))), out)
+    assert line.startswith("RAISED"), line
+    secs = float(line.split()[1])
+    assert 1.9 < secs < 6.0, line
+    assert "CollectiveTimeoutError" in line and "ranks [0, 1] was not made within 2 s" in line
+    assert "ending the job" in out and proc.returncode != 0, out

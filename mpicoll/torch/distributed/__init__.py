@@ -49,14 +49,18 @@ def __getattr__(name: str) -> Any:
 def _create(opts: Any, backend_options: Any = None) -> Any:
     """torch's backend constructor (extended API): the group's communicator from MPI.
     Under ULFM, a member that dies meanwhile is a :class:`mpicoll.ProcessFailedError`
-    on every other member (:func:`mpicoll.runtime.progress.create`)."""
+    on every other member; a subgroup not made within the group's timeout (a member never
+    called ``new_group``) a :class:`mpicoll.CollectiveTimeoutError`
+    (:func:`mpicoll.runtime.progress.create`)."""
     from ...runtime import failures, progress  # noqa: PLC0415
     from . import process_group  # noqa: F401, PLC0415  (builds the extension: not watched)
 
     ranks = list(opts.global_ranks_in_group)
     try:
+        timeout = getattr(opts, "timeout", None)
         return progress.create(lambda made: _build(opts, backend_options, ranks, made),
-                               world(), ranks, "new_group")
+                               world(), ranks, "new_group",
+                               None if timeout is None else timeout.total_seconds())
     except Exception:
         if ranks and failures.ENABLED:
             PARENT.clear()   # maybe still in use by a creation stuck in MPI: later

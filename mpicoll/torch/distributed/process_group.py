@@ -844,11 +844,15 @@ class MPIProcessGroup(_Backend):
         """gloo's ``monitored_barrier``: rank 0 waits ``timeout`` for every other rank and
         raises ``RuntimeError`` naming the first (``wait_all_ranks``: every) rank that did
         not arrive; the others wait as long for rank 0's release and raise if it does not
-        come. Runs after the group's queued operations."""
+        come. Runs after the group's queued operations. Its tokens travel on the group's
+        collective communicator, where no point-to-point message of the user's (those use
+        the group's point-to-point duplicate, any tag) or of mpicoll's algorithms (their
+        context's duplicate) can meet them; the tag counts the barriers, so a late token
+        of a barrier that failed matches no later one."""
         limit = seconds(timeout) or self._lane.timeout or 1800.0
         self._monitored += 1
         tag = self._monitored % p2p.check_tag(0x7FFF)
-        comm = self._p2p
+        comm = self.comm
 
         def check() -> BaseException | None:
             return self._failures.poll("monitored_barrier")

@@ -92,6 +92,29 @@ def test_collective_from_a_callback():
     assert torch.equal(second, sum(everyone(4, 1)))
 
 
+def test_a_callback_waits_for_an_operation_queued_after_it():
+    """A future callback that waits for an operation already queued behind the one it
+    follows (torch's ZeRO overlap does so) gets it: the group's thread runs the queued
+    operations in order from the wait (it blocked there until the group's timeout)."""
+    rank = dist.get_rank()
+    first, second, third = data(rank, 3, 0), data(rank, 4, 1), data(rank, 5, 2)
+    work_a = dist.all_reduce(first, async_op=True)
+    work_b = dist.all_reduce(second, async_op=True)
+    work_c = dist.all_reduce(third, async_op=True)
+
+    def then(fut):
+        work_b.wait(timeout=timedelta(seconds=30))
+        return second.clone()
+
+    start = time.monotonic()
+    out = work_a.get_future().then(then).wait()
+    work_c.wait()
+    assert time.monotonic() - start < 20
+    assert torch.equal(out, sum(everyone(4, 1)))
+    assert torch.equal(first, sum(everyone(3, 0)))
+    assert torch.equal(third, sum(everyone(5, 2)))
+
+
 def test_count_mismatch_raises_at_wait_on_every_rank():
     needs_two()
     rank, n = dist.get_rank(), dist.get_world_size()

@@ -116,6 +116,26 @@ def test_device_mesh_and_dtensor():
     assert torch.equal(dt.sum().full_tensor(), full.sum())
 
 
+def test_monitored_barrier_leaves_the_users_messages_alone():
+    """A message sent before a monitored barrier with the tag the barrier counts to (its
+    tokens had that tag on the same communicator) reaches the user's receive after it,
+    intact (the barrier took it, and the receive got a token: 0 for 7)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if n == 1:
+        return
+    backend = mdist.backend_of(dist.group.WORLD)
+    for _ in range(3):
+        tag = backend._monitored + 1                  # the next barrier's count
+        sent = torch.arange(4, dtype=torch.float64) + 100 + tag
+        work = dist.isend(sent, (rank + 1) % n, tag=tag)
+        mdist.monitored_barrier(timeout=timedelta(seconds=30))
+        got = torch.zeros(4, dtype=torch.float64)
+        dist.recv(got, (rank - 1) % n, tag=tag)
+        work.wait()
+        assert torch.equal(got, sent), (tag, got)
+    dist.barrier()
+
+
 def test_monitored_barrier():
     rank, n = dist.get_rank(), dist.get_world_size()
     mdist.monitored_barrier(timeout=timedelta(seconds=30))
