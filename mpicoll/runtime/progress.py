@@ -125,6 +125,11 @@ class Work:
         """Whether the work has completed (with a result or an error)."""
         return self._done.is_set()
 
+    def wait_done(self, timeout: float | None) -> bool:
+        """Whether the work completed within ``timeout`` seconds (``None``: forever);
+        nothing is raised and the lane is left as it is."""
+        return self._done.wait(timeout)
+
     def exception(self) -> BaseException | None:
         """The work's error (``None``: none, or not completed)."""
         return self._error
@@ -441,14 +446,14 @@ def create(build: Callable[[list[Any]], Any], parent: Any, members: list[int],
                 "when this process exits)"), name, []) if timeout is not None else None
         ends = None if timeout is None else time.monotonic() + timeout
         deadline = None
+        if not failures.ENABLED and not work.wait_done(timeout):
+            lane.abort(late)      # (no failure to watch for: one wait, no polling)
         while not work.done():
             time.sleep(_CREATE_POLL_S)
             if ends is not None and time.monotonic() >= ends:
                 for comm in made:
                     failures.revoke_only(comm)
                 lane.abort(late)
-            elif not failures.ENABLED:
-                continue
             elif deadline is None:
                 dead = set(members) & set(failures.failed_ranks(parent, 0.0))
                 if dead:
