@@ -12,6 +12,7 @@ variables in ``.ci/variables.py``, which writes the whole page
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Callable, NamedTuple
 
@@ -43,18 +44,21 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MPICOLL_SHM_CHUNK_BYTES", "mpicoll", "1 MiB",
              "bytes per rank of the shared-memory window of `algorithm=\"shm\"` (a message "
              "goes through in chunks of this size; read when a communicator first uses shm, "
-             "the largest value on a node wins)"),
+             "the largest value on a node wins; at least 64)"),
     Variable("MPICOLL_NODE_WAIT", "mpicoll", "`kernel`",
              "how a node's ranks wait for each other in the shared-memory window (the `shm` "
              "all-reduce's barriers, the agreement step on one node): `kernel` sleeps in "
              "the kernel until the peer arrives (Linux on x86-64, not under ULFM), `mpi` "
-             "waits in `MPI_Barrier` and agrees by `MPI_Allgather`"),
+             "waits in `MPI_Barrier` and agrees by `MPI_Allgather` (another value: "
+             "`ValueError`)"),
     Variable("MPICOLL_RANKS_PER_NODE", "mpicoll", "real nodes",
              "emulate nodes of this many consecutive ranks (the last may hold fewer) instead "
              "of the shared-memory nodes"),
     Variable("MPICOLL_TUNING_FILE", "mpicoll", "shipped table",
              "JSON tuning table for `algorithm=\"auto\"` (`none`: built-in rules only); "
-             "made by `python -m bench.tune`"),
+             "made by `python -m bench.tune`; a rule naming an algorithm or collective "
+             "mpicoll does not have is skipped, and its collective keeps the built-in "
+             "rules"),
     Variable("MPICOLL_ALGORITHM", "mpicoll", "unset",
              "force one algorithm wherever `auto` is asked for (a name not registered for a "
              "collective is ignored there)"),
@@ -68,8 +72,10 @@ VARIABLES: tuple[Variable, ...] = (
              "has waited this long"),
     Variable("MPICOLL_TIMELINE", "mpicoll", "unset",
              "write a Chrome-trace timeline of every collective (and of the PyTorch "
-             "adapter's operations) to this file, merged across ranks at exit "
-             "(`mpicoll.timeline`)"),
+             "adapter's operations; not the compressed collectives of "
+             "`mpicoll.compression`) to this file, merged across ranks at exit "
+             "(`mpicoll.timeline`); a directory or an unwritable place raises `ValueError` "
+             "at the first collective"),
     Variable("MPICOLL_LANE_WAIT", "mpicoll", "`auto`",
              "how the runtime's communication threads wait for MPI: `sleep` polls, "
              "yielding the core and then sleeping once a peer is late (`mpicoll.waiting`: "
@@ -190,6 +196,8 @@ def _env_number(name: str, default: Any, minimum: Any, parse: Callable[[str], An
         value = parse(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not {what}") from None
+    if math.isnan(value):     # every comparison false: every limit off
+        raise ValueError(f"{name}={raw!r} is not {what}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}={value} must be >= {minimum}")
     return value

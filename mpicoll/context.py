@@ -237,7 +237,10 @@ def _start_timeline_once() -> None:
         _timeline_checked = True
         path = config.env_str("MPICOLL_TIMELINE")
         if path and not timeline.ON:
-            timeline.start(path)
+            try:
+                timeline.start(path)
+            except ValueError as exc:
+                raise ValueError(f"MPICOLL_TIMELINE: {exc}") from None
 
 
 def get_context(comm: MPI.Comm) -> CommContext:

@@ -20,8 +20,10 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import sys
 import types
+from pathlib import Path
 from typing import Any, Callable
 
 __all__ = ["info", "report", "main"]
@@ -195,13 +197,27 @@ def known_variables() -> set[str]:
     return {v.name for v in config.VARIABLES}
 
 
+def tool_variables() -> dict[str, str]:
+    """The variables of a checkout's tools (``.ci/variables.py``'s ``TOOL_VARIABLES``:
+    jobs/, cluster/, bench/, the tests), name -> who reads them, when this mpicoll runs
+    from a checkout; empty for an installed package (they do not ship)."""
+    path = Path(__file__).resolve().parents[1] / ".ci" / "variables.py"
+    if not path.is_file():
+        return {}
+    names = re.findall(r'Variable\("(MPICOLL_\w+)", "([^"]*)"', path.read_text())
+    return dict(names)
+
+
 def _variables(environ: dict[str, str] | None = None) -> dict:
     env = os.environ if environ is None else environ
     known = known_variables()
-    out: dict[str, Any] = {"set": {}, "unknown": {}}
+    tools = tool_variables()
+    out: dict[str, Any] = {"set": {}, "unknown": {}, "tools": {}}
     for name in sorted(n for n in env if n.startswith("MPICOLL_")):
         out["set"][name] = env[name]
-        if name not in known:
+        if name in tools:
+            out["tools"][name] = tools[name]
+        elif name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
             out["unknown"][name] = (f"probable typo of {close[0]}" if close
                                     else "not a variable mpicoll reads")
@@ -301,7 +317,10 @@ def report(data: dict | None = None) -> str:
     else:
         for name, value in var["set"].items():
             note = var["unknown"].get(name)
-            lines.append(f"  {name}={value}" + (f"    <-- unknown: {note}" if note else ""))
+            tool = var["tools"].get(name)
+            lines.append(f"  {name}={value}" + (f"    <-- unknown: {note}" if note else "")
+                         + (f"    <-- read by the checkout's tools ({tool}), not the "
+                            f"library" if tool else ""))
     return "\n".join(lines) + "\n"
 
 

@@ -96,8 +96,15 @@ def _futex_here() -> bool:
 
 def kernel_waits() -> bool:
     """Whether node barriers can sleep in the kernel here: Linux on x86-64, not under ULFM,
-    ``MPICOLL_NODE_WAIT`` not ``mpi``."""
-    return _futex_here() and config.env_str("MPICOLL_NODE_WAIT", "kernel") != "mpi"
+    ``MPICOLL_NODE_WAIT`` not ``mpi``.
+
+    Raises:
+        ValueError: ``MPICOLL_NODE_WAIT`` is neither ``kernel`` nor ``mpi``.
+    """
+    value = (config.env_str("MPICOLL_NODE_WAIT", "kernel") or "kernel").strip().lower()
+    if value not in ("kernel", "mpi"):
+        raise ValueError(f"MPICOLL_NODE_WAIT={value!r}: use 'kernel' or 'mpi'")
+    return _futex_here() and value != "mpi"
 
 
 def _map_shared(node_comm: MPI.Comm, nbytes: int) -> mmap.mmap:

@@ -68,13 +68,26 @@ def _part(path: str, rank: int) -> Path:
 
 def start(path: str | os.PathLike) -> None:
     """Start recording into ``path`` (the same path on every rank; per process, not
-    collective). A timeline already running is stopped (and written) first."""
+    collective). A timeline already running is stopped (and written) first.
+
+    Raises:
+        ValueError: ``path`` is a directory, or this rank's part file beside it cannot be
+            written (its directory is missing or not writable): at the start, not at the
+            first flush or at exit.
+    """
     global ON
     if ON:
         stop()
     rank, size = _world()
     part = _part(os.fspath(path), rank)
-    part.unlink(missing_ok=True)  # a part left by an earlier run
+    if Path(path).is_dir():
+        raise ValueError(f"timeline path {os.fspath(path)!r} is a directory: name a file "
+                         f"(its parts are written beside it as <file>.rank<R>)")
+    try:
+        part.write_bytes(b"")     # (also empties a part left by an earlier run)
+    except OSError as exc:
+        raise ValueError(f"timeline path {os.fspath(path)!r}: this rank's part {part} "
+                         f"cannot be written ({exc.strerror})") from None
     _state.update(path=os.fspath(path), rank=rank, size=size, part=part,
                   offset=time.time() - time.perf_counter())
     _events.clear()
@@ -162,10 +175,13 @@ def merge(path: str | os.PathLike, size: int | None = None, keep_parts: bool = F
     one Chrome-trace JSON file at ``path``; remove the parts unless ``keep_parts``."""
     path = Path(path)
     if size is None:
-        parts = sorted(path.parent.glob(path.name + ".rank*"),
+        parts = sorted((p for p in path.parent.glob(path.name + ".rank*")
+                        if p.name.rsplit(".rank", 1)[1].isdigit()),
                        key=lambda p: int(p.name.rsplit(".rank", 1)[1]))
     else:
         parts = [p for p in (_part(os.fspath(path), r) for r in range(size)) if p.exists()]
+    if not parts:            # (a merged trace, or a mistyped path: never overwritten)
+        raise FileNotFoundError(f"no part files {path}.rank<R> to merge")
     trace = [event for part in parts for event in _part_events(part)]
     path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}) + "\n",
                     encoding="utf-8")
@@ -183,7 +199,11 @@ def _part_events(part: Path) -> list[dict]:
               {"name": "process_sort_index", "ph": "M", "pid": rank,
                "args": {"sort_index": rank}}]
     for line in part.read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:     # the last line of a rank killed mid-flush
+            print(f"mpicoll.timeline: skipped an incomplete line of {part}", file=sys.stderr)
+            continue
         if record.get("done"):
             continue
         track = record.pop("track")
@@ -208,7 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", help="the timeline file (its parts are PATH.rank<R>)")
     parser.add_argument("--keep-parts", action="store_true")
     args = parser.parse_args(argv)
-    out = merge(args.path, keep_parts=args.keep_parts)
+    try:
+        out = merge(args.path, keep_parts=args.keep_parts)
+    except FileNotFoundError as exc:
+        print(f"python -m mpicoll.timeline: {exc}; {args.path} is left as it is",
+              file=sys.stderr)
+        return 1
     print(f"wrote {out}")
     return 0
 

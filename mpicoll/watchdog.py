@@ -96,6 +96,8 @@ def enabled() -> bool:
     global _said_off
     if warn_seconds() <= 0:
         return False
+    abort_seconds()       # (a bad value raises here, on the caller's thread of every rank,
+    #                       not in the watchdog's, which it would end silently)
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         if not _said_off:
             _said_off = True
@@ -316,9 +318,12 @@ def _check(w: Watched, now: float) -> None:
         log.warning(_report(w, w.query))
     limit = abort_seconds()
     if limit > 0 and waited >= limit:
-        report = _report(w, w.query) if w.query else _headline(w, seq, waited)
-        _abort(f"{report}\n  aborting: waited longer than MPICOLL_STALL_ABORT_SECONDS="
-               f"{limit:g}")
+        if w.query is None:          # the report first: its answers come by later polls
+            _ask(w, seq, waited)
+        if not w.query.get("logged"):    # (answered by every peer, or its deadline past)
+            return
+        _abort(f"{_report(w, w.query)}\n  aborting: waited longer than "
+               f"MPICOLL_STALL_ABORT_SECONDS={limit:g}")
 
 
 def _check_left(w: Watched, seq: int, now: float, waited: float) -> None:

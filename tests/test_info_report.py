@@ -103,3 +103,31 @@ def test_tuning_section_without_a_table(monkeypatch):
     monkeypatch.setattr(tuning, "active_table", lambda: None)
     assert mpicoll_info._tuning() == {"table": None,
                                       "rules": "built-in (no tuning table)"}
+
+
+def test_the_checkouts_tool_variables_are_not_called_typos():
+    """MPICOLL_ROOT, MPICOLL_LAUNCHER (jobs/), MPICOLL_CLUSTER_DIR (cluster/): read by the
+    checkout's tools (.ci/variables.py), shown as such, not as typos of library
+    variables; a real typo still is one."""
+    typo = "MPICOLL_" + "CHEK"        # (spelt apart: not a variable the tests read)
+    var = mpicoll_info._variables({"MPICOLL_ROOT": "/x", "MPICOLL_LAUNCHER": "srun",
+                                   "MPICOLL_CLUSTER_DIR": "/y", typo: "1"})
+    assert var["tools"] == {"MPICOLL_ROOT": "jobs/", "MPICOLL_LAUNCHER": "jobs/",
+                            "MPICOLL_CLUSTER_DIR": "cluster/"}
+    assert var["unknown"] == {typo: "probable typo of MPICOLL_CHECK"}
+
+
+def test_node_wait_takes_kernel_or_mpi_only(monkeypatch):
+    """MPICOLL_NODE_WAIT=banana was read as kernel, silently."""
+    from mpicoll import config, node_window
+
+    for value, ok in (("kernel", True), ("mpi", True), ("banana", False)):
+        monkeypatch.setenv("MPICOLL_NODE_WAIT", value)
+        config.refresh()
+        if ok:
+            node_window.kernel_waits()
+        else:
+            with pytest.raises(ValueError, match="MPICOLL_NODE_WAIT='banana'"):
+                node_window.kernel_waits()
+    monkeypatch.undo()
+    config.refresh()

@@ -213,23 +213,39 @@ def test_a_peer_asking_for_an_ended_rank_calls_on_needed_unless_it_will_complete
     assert len(needed) == 2 and not w.comm.messages
 
 
-def test_a_call_past_the_abort_limit_aborts_with_its_headline(monkeypatch, mpicoll_env):
-    """MPICOLL_STALL_ABORT_SECONDS: a call waiting that long aborts the job; before any
-    peer was asked the message is the call's headline."""
-    mpicoll_env(MPICOLL_STALL_WARN_SECONDS="100", MPICOLL_STALL_ABORT_SECONDS="0.5")
+@pytest.mark.parametrize(("warn", "abort"), [("100", "0.5"), ("0.5", "1.0")])
+def test_a_call_past_the_abort_limit_aborts_with_a_complete_report(monkeypatch, mpicoll_env,
+                                                                   warn, abort):
+    """MPICOLL_STALL_ABORT_SECONDS: a call waiting that long aborts the job, with the
+    report of a query every peer answered (or whose answers' deadline passed): before,
+    an abort limit below the warning's printed the headline alone, and one that was a
+    multiple of it the report of a query sent in the same poll (every peer "did not
+    answer")."""
+    mpicoll_env(MPICOLL_STALL_WARN_SECONDS=warn, MPICOLL_STALL_ABORT_SECONDS=abort)
     aborted: list[str] = []
     monkeypatch.setattr(watchdog, "_abort", aborted.append)
     t = Tracker("w")
     t.begin(SUM)
     w = polled(2, t)
     watchdog._check(w, 10.0)            # starts timing call #1
-    assert not aborted
-    watchdog._check(w, 10.6)
+    watchdog._check(w, 10.0 + float(abort) + 0.1)
+    assert not aborted and w.query is not None     # asked; waits for the answer
+    w.query["replies"][1] = (1, 0, 0, None, {})     # rank 1: not in any call
+    watchdog._check(w, 10.0 + float(abort) + 0.2)
     (message,) = aborted
-    assert message.startswith("mpicoll stall inspector: rank 0 has waited 0.6 s in "
-                              "allreduce(")
-    assert message.endswith("#1 on w (2 ranks)\n  aborting: waited longer than "
-                            "MPICOLL_STALL_ABORT_SECONDS=0.5")
+    assert message.startswith("mpicoll stall inspector: rank 0 has waited")
+    assert "have not entered it: rank 1" in message and "did not answer" not in message
+    assert message.endswith("aborting: waited longer than MPICOLL_STALL_ABORT_SECONDS="
+                            + f"{float(abort):g}")
+
+
+def test_a_bad_abort_variable_raises_where_the_inspector_starts(mpicoll_env):
+    """A malformed MPICOLL_STALL_ABORT_SECONDS raises on the caller's thread (it ended
+    the watchdog's thread, silently, at its first stalled call); NaN is refused too."""
+    for bad in ("abc", "-1", "nan"):
+        mpicoll_env(MPICOLL_STALL_WARN_SECONDS="5", MPICOLL_STALL_ABORT_SECONDS=bad)
+        with pytest.raises(ValueError, match="MPICOLL_STALL_ABORT_SECONDS"):
+            watchdog.enabled()
 
 
 @pytest.mark.parametrize("elastic", [False, True])

@@ -179,9 +179,9 @@ def limits(min_np: Any, reset_limit: Any) -> tuple[int, int | None]:
             :func:`mpicoll.config.env_int` names the variable).
     """
     if min_np is None:
-        min_np = config.env_int("MPICOLL_ELASTIC_MIN_NP", 1)
+        min_np = config.env_int("MPICOLL_ELASTIC_MIN_NP", 1, minimum=1)
     if reset_limit is None:
-        reset_limit = config.env_int("MPICOLL_ELASTIC_RESET_LIMIT", None)
+        reset_limit = config.env_int("MPICOLL_ELASTIC_RESET_LIMIT", None, minimum=0)
     if not isinstance(min_np, int) or min_np < 1:
         raise ValueError(f"min_np must be an int of at least 1, not {min_np!r}")
     if reset_limit is not None and (not isinstance(reset_limit, int) or reset_limit < 0):

@@ -203,6 +203,17 @@ def test_limits_come_from_the_environment(monkeypatch) -> None:
         config.refresh()
         with pytest.raises(ValueError, match="MPICOLL_ELASTIC_RESET_LIMIT='many'"):
             limits(None, None)
+        # out of range: the variable is named (the message spoke of min_np= the user
+        # never passed)
+        monkeypatch.setenv("MPICOLL_ELASTIC_RESET_LIMIT", "-1")
+        config.refresh()
+        with pytest.raises(ValueError, match="MPICOLL_ELASTIC_RESET_LIMIT=-1 must be >= 0"):
+            limits(None, None)
+        monkeypatch.setenv("MPICOLL_ELASTIC_RESET_LIMIT", "2")
+        monkeypatch.setenv("MPICOLL_ELASTIC_MIN_NP", "0")
+        config.refresh()
+        with pytest.raises(ValueError, match="MPICOLL_ELASTIC_MIN_NP=0 must be >= 1"):
+            limits(None, None)
     finally:
         monkeypatch.undo()
         config.refresh()

@@ -114,3 +114,32 @@ def test_merge_runs_as_a_module(tmp_path):
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0 and f"wrote {path}" in out.stdout, out.stderr
     assert _calls(path) == ["allreduce"]
+
+
+def test_merge_never_overwrites_a_trace_and_skips_a_cut_line(tmp_path, capsys):
+    """Run on a merged trace (no parts left) or a mistyped path, the merge says so and
+    leaves the file (it wrote an empty trace over it); a part whose last line a killed
+    rank cut off merges without that line (a JSON error stopped the whole merge)."""
+    path = tmp_path / "t.json"
+    path.write_text('{"traceEvents": [1]}\n')
+    assert timeline.main([str(path)]) == 1
+    assert path.read_text() == '{"traceEvents": [1]}\n'
+    assert "no part files" in capsys.readouterr().err
+    good = json.dumps({"name": "allreduce", "cat": "collective", "ph": "X", "pid": 0,
+                       "track": "w", "ts": 1.0, "dur": 2.0})
+    (tmp_path / "t.json.rank0").write_text(good + "\n" + '{"name": "allred')
+    assert timeline.main([str(path)]) == 0
+    assert _calls(path) == ["allreduce"]
+
+
+def test_an_unusable_path_is_refused_at_the_start(tmp_path):
+    """A missing directory or a directory as the path: ValueError at start() (it failed
+    at exit, or at the 10,000th event inside a collective)."""
+    import pytest
+
+    for bad in (tmp_path / "missing" / "t.json", tmp_path):
+        try:
+            with pytest.raises(ValueError, match="timeline path"):
+                timeline.start(bad)
+        finally:
+            timeline.ON = False
