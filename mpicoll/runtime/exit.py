@@ -68,6 +68,14 @@ LEFT_WAIT_S = 1.0
 LOST_RANK_STATUS = 1
 
 
+#: Under ULFM, how long a rank whose program raised waits at exit for the others to reach
+#: theirs before it ends as a failed process (they may be waiting for it: a parameter
+#: server's workers for their server).
+RAISED_MEET_WAIT_S = 10.0
+#: :func:`meet`'s answer when its ``wait_s`` passed.
+LATE: list[int] = [-2]
+
+
 def failure_seen() -> bool:
     """Whether this process has seen a process failure (in any world generation)."""
     return any(world.failed(g) for g in range(world.generation() + 1))
@@ -136,10 +144,24 @@ def abort(status: int = 1) -> None:
     with ``status`` (``os._exit``): nothing after the abort runs, and the launcher sees a
     rank gone without finalizing."""
     forwarded()
+    if failures.ENABLED:
+        _end_under_ulfm()
     if hasattr(signal, "alarm"):
         signal.alarm(ABORT_WAIT_S)
     MPI.COMM_WORLD.Abort(status)
     os._exit(status)
+
+
+def _end_under_ulfm() -> None:
+    """:func:`abort` under ULFM: Open MPI 5.0.11's ``MPI_Abort`` with ``--with-ft ulfm``
+    ends this process only, and a peer that polls MPI (a parameter server's serving loop,
+    a lane) goes on as if nothing happened. So every communicator of the world is revoked
+    (the peers' MPI calls on them end, also those waiting for a third rank) and this
+    process ends by ``SIGKILL``: a process failure every peer's runtime sees
+    (``ProcessFailedError``: the job ends, or elastic mode and replicas go on without it)."""
+    with contextlib.suppress(Exception):
+        failures.revoke(None)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _mpi_finalize() -> None:
@@ -170,13 +192,14 @@ def finalize_bounded(wait_s: float | None = None) -> bool:
     return not finalizer.is_alive() or _finalized()
 
 
-def meet(comm: MPI.Intracomm) -> list[int] | None:
+def meet(comm: MPI.Intracomm, wait_s: float | None = None) -> list[int] | None:
     """Wait until every live rank of ``comm`` calls this too (a barrier that a dead rank
     ends): ``[]`` once they all have, the failed ranks when some failed, ``None`` when
     ``comm`` was revoked and MPI names no failed rank (a broken lane revokes its world:
-    no meeting is possible)."""
+    no meeting is possible). ``wait_s``: at most that long, then :data:`LATE`."""
     request = None
     pause = 0.0005
+    ends = None if wait_s is None else time.monotonic() + wait_s
     try:
         request = comm.Ibarrier()
         while not request.Test():
@@ -184,6 +207,9 @@ def meet(comm: MPI.Intracomm) -> list[int] | None:
             if lost:
                 failures.keep_requests([request])
                 return lost
+            if ends is not None and time.monotonic() >= ends:
+                failures.keep_requests([request])
+                return LATE
             time.sleep(pause)
             pause = min(2 * pause, 0.01)
         return []
@@ -204,7 +230,13 @@ def _at_exit() -> None:
     if current.failed_at_exit:         # an exit handler saw it: ask MPI for the ranks
         met = failures.failed_ranks(current.communicator, failures.FAILED_WAIT_S) or [-1]
     elif not world.failed(current.generation):
-        met = meet(current.communicator)
+        met = meet(current.communicator, RAISED_MEET_WAIT_S if _status() else None)
+        if met is LATE:    # the others may wait for this rank, which raised: they are told
+            print(f"mpicoll: this rank raised and the others did not reach their exit "
+                  f"within {RAISED_MEET_WAIT_S:g} s (they may wait for it): it ends as a "
+                  f"failed process", file=sys.stderr)
+            flush()
+            _end_under_ulfm()
     comms.release_all()
     seen = failure_seen()
     left = failures.left_in_mpi(LEFT_WAIT_S)
@@ -215,7 +247,9 @@ def _at_exit() -> None:
     done = finalize_bounded()
     if met:
         who = "a rank" if met == [-1] else f"rank(s) {met}"
-        _end(LOST_RANK_STATUS, f"{who} of the world failed while this process was exiting")
+        _end(LOST_RANK_STATUS, f"{who} of the world failed while this process was exiting "
+                               f"(or earlier, handled by the program: a parameter server's "
+                               f"failover)")
     if not done:   # after a meeting and no failure: a rank died meanwhile
         _end(LOST_RANK_STATUS if met == [] and not seen else _status(),
              f"MPI_Finalize did not return within {FINALIZE_WAIT_S:g} s")

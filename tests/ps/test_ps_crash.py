@@ -67,3 +67,24 @@ def test_example_trains(args):
     assert final, out
     acc = float(final[0].split("accuracy")[1].split()[0])
     assert acc > 0.6, final[0]   # a learning check, not a speed one: chance is 0.25
+
+
+@pytest.mark.parametrize("mode", ["leave", "raise"])
+def test_under_ulfm_a_rank_ending_the_job_ends_it(mode):
+    """Open MPI with ULFM, where ``MPI_Abort`` ends the calling process only and the
+    others polled on forever: a worker that exits without close() (or a server that
+    raises, with a replica to fail over to) ends, and every other rank gets a
+    ProcessFailedError within seconds (the runtime's abort revokes the world's
+    communicators and ends the process by SIGKILL, a failure every peer sees)."""
+    import ompi_env
+
+    python = ompi_env.ompi_python()
+    args = (["--servers", "1", "--crash-rank", "3", "--crash-mode", "leave"] if mode == "leave"
+            else ["--servers", "2", "--replicas", "1", "--crash-rank", "0",
+                  "--crash-mode", "raise"])
+    cmd = ompi_env.mpirun_command(python, 4, [EXAMPLE, "--steps", "1000000",
+                                              "--crash-step", "3", *args])
+    rc, out, _ = run_command(cmd, ompi_env.ompi_env(), TIMEOUT)
+    if rc is None:
+        pytest.fail(f"job did not end within {TIMEOUT} s (a hang): {' '.join(cmd)}\n{out}")
+    assert rc != 0 and "ProcessFailedError" in out, out
