@@ -9,9 +9,10 @@ world, restore the last commit and run it again (Horovod's ``run_fn``).
 3. on :class:`~mpicoll.ProcessFailedError` (Horovod's ``HorovodInternalError`` in
    :mod:`mpicoll.torch`): :meth:`~mpicoll.elastic.State.restore` (the last commit), then
    ``reset()`` (shrink the world; again if another rank fails meanwhile), then
-   :meth:`~mpicoll.elastic.State.on_reset` (the reset callbacks), and back to 2; the
-   callbacks run where the function does, so one that raises, or meets another failure,
-   counts as the function's own exception (below);
+   :meth:`~mpicoll.elastic.State.on_reset` (the reset callbacks), and back to 2; a
+   callback that raises ends ``run`` with its exception on that rank, as in Horovod
+   (under ULFM the others, if they wait for it, see it fail when its program ends:
+   :mod:`mpicoll.runtime.exit`);
 4. on :class:`~mpicoll.HostsUpdatedInterrupt` (raised by a commit: the state is the
    commit, nothing is restored): when discovery found room for more ranks
    (:class:`~mpicoll.elastic.discovery.HostsAddedInterrupt`), ``grow(new_size)`` starts
@@ -266,17 +267,11 @@ def _loop(func: Callable[..., Any], reset: Callable[[], Any],
           grow: Callable[[int], Any] | None, state: State, args: tuple,
           kwargs: dict, reset_limit: int | None = None) -> Any:
     load_from_disk(state)
-    skip_sync = reset_done = False
+    skip_sync = False
     event = None
     resets = 0
     while True:
         try:
-            if reset_done:        # (inside: a callback that raises, or meets another
-                reset_done = False  # failure, is handled as the function's own would be)
-                began = time.perf_counter()
-                state.on_reset()
-                if event is not None:
-                    event.phases["callbacks"] = time.perf_counter() - began
             if not skip_sync:
                 began = time.perf_counter()
                 state.sync()
@@ -318,12 +313,13 @@ def _loop(func: Callable[..., Any], reset: Callable[[], Any],
                 f"more than its reset_limit={reset_limit}: it stops", resets + 1, reset_limit)
         resets += 1
         event = _grow_or_reset(interrupt, reset, grow)
-        reset_done = True
+        reset_done = time.perf_counter()
+        state.on_reset()
         if event is not None:
             if interrupt is None:
                 event.detected_at = detected_at
-            event.phases.update(restore=restored - failed_at,
-                                reset=time.perf_counter() - restored)
+            event.phases.update(restore=restored - failed_at, reset=reset_done - restored,
+                                callbacks=time.perf_counter() - reset_done)
 
 
 def run(func: Callable[..., Any] | None = None, *, min_np: int | None = None,

@@ -593,19 +593,28 @@ class DiLoCo:
             if self._pending is not None:
                 self._pending[1].wait()
                 self._pending = None
+            if agree_steps:     # (meets another rank's outer all-reduce, also checked)
+                self._agree_steps()
+        except MismatchError as exc:
+            raise MismatchError(f"DiLoCo: the ranks called step() unequally often (every "
+                                f"rank must call it equally often; 'count' is the inner "
+                                f"steps taken): {exc}", exc.details) from None
         finally:
             if self._lane is not None:
                 self._lane.close()
-            try:
-                if agree_steps:     # (meets another rank's outer all-reduce, also checked)
-                    agree(get_context(self.comm), None, collective="DiLoCo.close",
-                          count=self.steps)
-            except MismatchError as exc:
-                raise MismatchError(f"DiLoCo: the ranks called step() unequally often "
-                                    f"(every rank must call it equally often; 'count' is "
-                                    f"the inner steps taken): {exc}", exc.details) from None
-            finally:
-                comms.free(self.comm)
+            comms.free(self.comm)
+
+    def _agree_steps(self) -> None:
+        """The agreement step with the inner step count, where the outer all-reduces run
+        theirs (on the lane with overlap: a blocking ``MPI_Allgather`` on this thread
+        would never match a peer lane's non-blocking one)."""
+        def check() -> None:
+            agree(get_context(self.comm), None, collective="DiLoCo.close", count=self.steps)
+
+        if self._lane is None:
+            check()
+        else:
+            self._lane.submit("DiLoCo.close", check).wait()
 
     def __enter__(self) -> "DiLoCo":
         return self

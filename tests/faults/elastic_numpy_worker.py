@@ -14,7 +14,8 @@ a correct restore it is exactly ``KILL_STEP * n + (STEPS - KILL_STEP) * (n - len
 ``TOOFEW <world rank> <size> <min_np> <time>`` when fewer than ``MIN_NP`` survive.
 
 ``KILL_STEP`` -1: the victims die before the first sync (the state's broadcast meets the
-failure), rank 1's first reset callback raises (it leaves as a lost rank during the reset),
+failure), rank 1's first reset callback raises (its run ends with it; its exit then ends
+it as a failed process),
 and every step also sums over the world with mpi4py itself (``elastic.world().allreduce``).
 """
 from __future__ import annotations

@@ -116,8 +116,10 @@ def test_numpy_survivors_shrink_restore_and_finish(outputs, name) -> None:
 def test_numpy_failures_in_the_sync_and_the_reset_callbacks(outputs) -> None:
     """Rank 3 dies before the first sync: the state's broadcast (and mpi4py's own calls on
     the world) raise process failures, not raw MPI errors that made every survivor leave.
-    Rank 1's reset callback then raises: rank 1 leaves as a lost rank (it hung the job
-    when the callbacks ran outside the loop), and ranks 0 and 2 finish at size 2."""
+    Rank 1's reset callback then raises: its exception ends its run (as in Horovod), and
+    at its exit, the others not there within 10 s (they wait for it in the next sync), it
+    ends as a failed process (the job hung: MPI_Abort under ULFM ended rank 1 only);
+    ranks 0 and 2 finish at size 2."""
     rc, out, _ = outputs["numpy-n4-sync"]
     tail = ulfm_jobs.show("numpy-n4-sync", outputs["numpy-n4-sync"])
     assert rc == 0, f"status {rc}\n{tail}"
