@@ -68,7 +68,8 @@ from .. import config
 from ..runtime import exit as runtime_exit
 from ..runtime import failures
 from ..runtime import world as runtime_world
-from ..errors import CollectiveError, HostsUpdatedInterrupt, ProcessFailedError, ResetLimitError
+from ..errors import (CollectiveError, HostsUpdatedInterrupt, ProcessFailedError,
+                      ResetLimitError, TooFewRanksError)
 from . import discovery as discovery_module
 from . import ending
 from . import grow as grow_module
@@ -239,11 +240,13 @@ def _grow_or_reset(exc: HostsUpdatedInterrupt | None, reset: Callable[[], Any],
 def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
            grow: Callable[[int], Any] | None = None,
            hosts: discovery_module.Discovery | None = None,
-           reset_limit: int | None = None) -> Callable[..., Any]:
+           reset_limit: int | None = None, min_np: int = 1) -> Callable[..., Any]:
     """``func(state, ...)`` made elastic, with ``reset()`` rebuilding the world after a
     failure, ``grow(new_size)`` growing it when ``hosts`` (a
     :class:`~mpicoll.elastic.discovery.Discovery`) reports more slots, at most
-    ``reset_limit`` resets (``None``: no limit; see the module's docstring)."""
+    ``reset_limit`` resets (``None``: no limit; see the module's docstring). A job
+    launched with fewer than ``min_np`` ranks and no ``hosts`` to grow it raises
+    :class:`~mpicoll.TooFewRanksError` on every rank at the first call."""
     first_call = [True]
 
     @functools.wraps(func)
@@ -253,6 +256,11 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
                             f"mpicoll.elastic.State, not {type(state).__name__}")
         # a process that joined a running job starts where the running ranks' reset ends
         joining = first_call[0] and grow_module.joined is not None
+        size = runtime_world.comm().Get_size()
+        if first_call[0] and hosts is None and size < min_np:
+            raise TooFewRanksError(
+                f"mpicoll.elastic: the job has {size} rank(s), fewer than min_np={min_np}, "
+                f"and no discovery to grow it: launch at least {min_np}", size, min_np, [])
         first_call[0] = False
         try:
             discovery_module.activate(hosts, first=not joining)
@@ -360,6 +368,6 @@ def run(func: Callable[..., Any] | None = None, *, min_np: int | None = None,
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         return run_fn(fn, lambda: world_module.shrink_world(min_np), grow_module.grow_world,
-                      hosts, reset_limit)
+                      hosts, reset_limit, min_np)
 
     return decorate if func is None else decorate(func)

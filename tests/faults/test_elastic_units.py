@@ -482,3 +482,21 @@ def test_a_growth_that_fails_keeps_the_size_or_shrinks(monkeypatch, caplog) -> N
         runner._grow_or_reset(interrupt, lambda: resets.append(1),
                               grow_with(MPI.Exception(MPI.ERR_OTHER)))
     assert resets == [1]
+
+
+def test_a_job_launched_below_min_np_without_discovery_stops_at_once() -> None:
+    """min_np above the launch size with nothing to grow the job: TooFewRanksError at the
+    first call (it trained on, the limit checked only after a shrink); with min_np met,
+    the function runs."""
+    from mpicoll import errors
+
+    size = context.world().Get_size()
+    state = elastic.ObjectState(step=0)
+
+    @elastic.run(min_np=size + 1)
+    def f(state: elastic.ObjectState) -> int:
+        return 7
+
+    with pytest.raises(errors.TooFewRanksError, match=f"fewer than min_np={size + 1}"):
+        f(state)
+    assert elastic.run(min_np=size)(lambda state: 7)(state) == 7

@@ -143,6 +143,7 @@ def run(func: Callable[..., Any] | None = None, *, min_np: int | None = None,
     hosts = configure_discovery(discovery, max_np, discovery_interval)
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        return run_fn(fn, functools.partial(_reset, min_np), _grow, hosts, reset_limit)
+        return run_fn(fn, functools.partial(_reset, min_np), _grow, hosts, reset_limit,
+                      min_np)
 
     return decorate if func is None else decorate(func)
