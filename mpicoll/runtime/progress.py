@@ -434,9 +434,11 @@ def create(build: Callable[[list[Any]], Any], parent: Any, members: list[int],
 
     ``name`` names the creation in errors (``"new_group"``)."""
     made: list[Any] = []
-    if not members or (not failures.ENABLED and (timeout is None or inline_only())):
-        return build(made)     # (every rank of parent: no MPI_Comm_create_group)
+    if not failures.ENABLED and (not members or timeout is None or inline_only()):
+        return build(made)
     try:
+        if not members:        # every rank of parent: no MPI_Comm_create_group
+            return build(made)
         lane = Lane(f"mpicoll-create-{name}")
         work = lane.submit(name, lambda: build(made))
         late = CollectiveTimeoutError(
