@@ -18,9 +18,9 @@ from typing import Any, Callable, NamedTuple
 
 from . import fastpath
 
-__all__ = ["refresh", "env_bool", "env_int", "env_float", "env_str", "segment_bytes",
-           "check_enabled", "check_wanted", "lane_wait_sleeps", "Variable", "VARIABLES",
-           "markdown_table"]
+__all__ = ["refresh", "env_bool", "env_choice", "env_int", "env_float", "env_str",
+           "segment_bytes", "check_enabled", "check_wanted", "lane_wait_sleeps", "Variable",
+           "VARIABLES", "markdown_table"]
 
 
 class Variable(NamedTuple):
@@ -239,12 +239,24 @@ def segment_bytes() -> int:
     return env_int("MPICOLL_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES, minimum=1)
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The variable, one of ``choices`` (case and spaces ignored; unset or empty: the
+    first).
+
+    Raises:
+        ValueError: another value, naming the variable and the choices.
+    """
+    value = (env_str(name, choices[0]) or choices[0]).strip().lower()
+    if value not in choices:
+        quoted = [repr(c) for c in choices]
+        raise ValueError(f"{name}={value!r}: use {', '.join(quoted[:-1])} or {quoted[-1]}")
+    return value
+
+
 def lane_wait_sleeps(auto: bool) -> bool:
     """Whether a runtime lane waits for MPI with sleeps (``MPICOLL_LANE_WAIT``; ``auto``:
     the lane's own default)."""
-    value = (env_str("MPICOLL_LANE_WAIT", "auto") or "auto").strip().lower()
-    if value not in ("auto", "sleep", "spin"):
-        raise ValueError(f"MPICOLL_LANE_WAIT={value!r}: use 'auto', 'sleep' or 'spin'")
+    value = env_choice("MPICOLL_LANE_WAIT", ("auto", "sleep", "spin"))
     return auto if value == "auto" else value == "sleep"
 
 

@@ -101,10 +101,8 @@ def kernel_waits() -> bool:
     Raises:
         ValueError: ``MPICOLL_NODE_WAIT`` is neither ``kernel`` nor ``mpi``.
     """
-    value = (config.env_str("MPICOLL_NODE_WAIT", "kernel") or "kernel").strip().lower()
-    if value not in ("kernel", "mpi"):
-        raise ValueError(f"MPICOLL_NODE_WAIT={value!r}: use 'kernel' or 'mpi'")
-    return _futex_here() and value != "mpi"
+    wait = config.env_choice("MPICOLL_NODE_WAIT", ("kernel", "mpi"))   # (checked everywhere)
+    return _futex_here() and wait == "kernel"
 
 
 def _map_shared(node_comm: MPI.Comm, nbytes: int) -> mmap.mmap:

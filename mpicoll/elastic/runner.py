@@ -256,8 +256,8 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
                             f"mpicoll.elastic.State, not {type(state).__name__}")
         # a process that joined a running job starts where the running ranks' reset ends
         joining = first_call[0] and grow_module.joined is not None
-        size = runtime_world.comm().Get_size()
-        if first_call[0] and hosts is None and size < min_np:
+        if first_call[0] and hosts is None and \
+                (size := runtime_world.comm().Get_size()) < min_np:
             raise TooFewRanksError(
                 f"mpicoll.elastic: the job has {size} rank(s), fewer than min_np={min_np}, "
                 f"and no discovery to grow it: launch at least {min_np}", size, min_np, [])
