@@ -103,7 +103,13 @@ def copy(dst: Any, src: Any) -> None:
 
 
 def msg(a: Any) -> list:
-    """The mpi4py message spec that sends or receives array ``a`` as raw bytes."""
+    """The mpi4py message spec that sends or receives array ``a`` as raw bytes.
+
+    A CuPy array (CUDA-aware MPI) waits for the kernels queued on CuPy's current stream
+    first: MPI reads and writes device memory when called, not in the stream's order.
+    """
+    if type(a) is not np.ndarray and package_of(a) == "cupy":
+        array_module(a).cuda.get_current_stream().synchronize()
     return [a, MPI.BYTE]
 
 

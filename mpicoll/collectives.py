@@ -95,8 +95,10 @@ def _finalize_step(opo: Any, out: Any, size: int) -> Callable[[], Any] | None:
     return functools.partial(opo.finalize, out, size)
 
 
-def _resolve(ctx: CommContext, collective: str, algorithm: Any, nbytes: int) -> str:
-    return resolve_algorithm(collective, algorithm, ctx.size, ctx.ranks_per_node, nbytes)
+def _resolve(ctx: CommContext, collective: str, algorithm: Any, nbytes: int,
+             host: bool = True) -> str:
+    return resolve_algorithm(collective, algorithm, ctx.size, ctx.ranks_per_node, nbytes,
+                             host)
 
 
 def _planned(ctx: CommContext, collective: str, args: tuple, check: Any) -> Plan:
@@ -193,7 +195,7 @@ def _allreduce_plan(ctx: CommContext, sendbuf: Any, recvbuf: Any, op: Any,
     # (recv None: the result is allocated by remake(), shaped like sendbuf)
     result = sendbuf if recv is None else recvbuf
     flat = send if recv is None else recv
-    name = _resolve(ctx, "allreduce", algorithm, flat.nbytes)
+    name = _resolve(ctx, "allreduce", algorithm, flat.nbytes, isinstance(flat, np.ndarray))
     options = algorithm_options("allreduce", name, ctx, flat)
     trivial = ctx.size == 1 or flat.size == 0
     scale = opo.averages and ctx.size > 1  # the final division of average, if still due
@@ -303,7 +305,8 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
         compression: a codec name (``"fp16"``, ``"bf16"``, ``"int8"``, ``"onebit"``,
             ``"topk:0.01"``, ``"randomk:0.01"``) or an :mod:`mpicoll.compression` codec:
             run :func:`mpicoll.compression.allreduce` (float32/float64, op ``"sum"`` or
-            ``"average"``, its own ring); ``None`` or ``"none"``: uncompressed.
+            ``"average"``, its own ring; ``check`` on by default); ``None`` or
+            ``"none"``: uncompressed (``"none"`` with ``check`` on by default too).
         feedback: with ``compression``, the :class:`mpicoll.compression.ErrorFeedback`
             holding this tensor's residual (default: kept with ``sendbuf``).
         layout: with ``compression``, ``"auto"``, ``"flat"`` or ``"node"`` (compress only
@@ -316,9 +319,11 @@ def allreduce(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any = No
         mpicoll.CollectiveError: in checked mode, another rank's bad arguments, or ranks
             that disagree.
     """
-    if compression not in (None, "none"):
-        return _compressed("allreduce", algorithm, compression, sendbuf, recvbuf, op=op,
-                           comm=comm, feedback=feedback, layout=layout, check=check)
+    if compression is not None:
+        if compression != "none":
+            return _compressed("allreduce", algorithm, compression, sendbuf, recvbuf, op=op,
+                               comm=comm, feedback=feedback, layout=layout, check=check)
+        check = True if check is None else check  # (as a codec's: see _compressed)
     if layout != "auto" and compression is None:  # ("none": layout is not looked at)
         raise ValueError(f"layout={layout!r} applies only with compression=; the "
                          f"uncompressed all-reduce chooses its algorithm with algorithm=")
@@ -417,9 +422,11 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any = None, op: Any = "sum", comm: Any
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
-    if compression not in (None, "none"):
-        return _compressed("reduce_scatter", algorithm, compression, sendbuf, recvbuf,
-                           op=op, comm=comm, feedback=feedback, check=check)
+    if compression is not None:
+        if compression != "none":
+            return _compressed("reduce_scatter", algorithm, compression, sendbuf, recvbuf,
+                               op=op, comm=comm, feedback=feedback, check=check)
+        check = True if check is None else check  # (as a codec's: see _compressed)
     result = run_fast(check, "reduce_scatter", sendbuf, recvbuf, op, algorithm, comm)
     if result is not MISS:
         return result
@@ -480,9 +487,11 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: st
     Raises:
         TypeError, ValueError, mpicoll.CollectiveError: as for :func:`allreduce`.
     """
-    if compression not in (None, "none"):
-        return _compressed("allgather", algorithm, compression, sendbuf, recvbuf,
-                           comm=comm, feedback=feedback, check=check)
+    if compression is not None:
+        if compression != "none":
+            return _compressed("allgather", algorithm, compression, sendbuf, recvbuf,
+                               comm=comm, feedback=feedback, check=check)
+        check = True if check is None else check  # (as a codec's: see _compressed)
     result = run_fast(check, "allgather", sendbuf, recvbuf, algorithm, comm)
     if result is not MISS:
         return result
@@ -492,15 +501,19 @@ def allgather(sendbuf: Any, recvbuf: Any = None, comm: Any = None, algorithm: st
 def _compressed(name: str, algorithm: Any, compression: Any, *args: Any, **kwargs: Any) -> Any:
     """The call of a collective given ``compression=`` other than ``None`` or ``"none"``
     (those run the uncompressed collective): :mod:`mpicoll.compression`'s collective
-    ``name`` on ``args``/``kwargs`` (``check=None`` there means on: the compressed
-    collectives agree by default)."""
-    if algorithm != "auto":
-        raise ValueError(f"algorithm={algorithm!r} does not apply with compression=; the "
-                         f"compressed {name} runs its own schedule")
-    from . import compression as compressed  # noqa: PLC0415  (loaded on first use)
-
+    ``name`` on ``args``/``kwargs``. ``check=None`` means on: the compressed collectives
+    agree by default, and so does ``"none"`` (ranks naming different codecs, or one rank's
+    ``algorithm=``, then raise on every rank instead of waiting in different steps)."""
     if kwargs.get("check") is None:
         kwargs["check"] = True
+    if algorithm != "auto":
+        exc = ValueError(f"algorithm={algorithm!r} does not apply with compression=; the "
+                         f"compressed {name} runs its own schedule")
+        if kwargs["check"]:
+            agree(get_context(resolve_comm(kwargs["comm"])), exc, collective=name)
+        raise exc
+    from . import compression as compressed  # noqa: PLC0415  (loaded on first use)
+
     return getattr(compressed, name)(*args, compression=compression, **kwargs)
 
 

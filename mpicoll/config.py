@@ -121,7 +121,8 @@ VARIABLES: tuple[Variable, ...] = (
              "`MPIX_Query_cuda_support`; unknown means not aware). Read once per process"),
     Variable("MPICOLL_STAGING_BYTES", "mpicoll.gpu", "64 MiB",
              "bound of the pinned host memory of the staged path (device arrays with an MPI "
-             "that is not CUDA-aware), per process: its three chunk slots fit in it"),
+             "that is not CUDA-aware), per process (the core's: per calling thread): its three "
+             "chunk slots fit in it"),
     Variable("MPICOLL_STAGING_CHUNK_BYTES", "mpicoll.gpu", "`auto`",
              "bytes of one pinned slot of the staged path (`auto`: about 1/8 of the "
              "message, at least 256 KiB); must be equal on every rank"),

@@ -76,8 +76,9 @@ def builtin_choice(collective: str, size: int, ranks_per_node: int, nbytes: int)
 
 
 def resolve_algorithm(collective: str, algorithm: str, size: int, ranks_per_node: int,
-                      nbytes: int) -> str:
-    """Validate ``algorithm`` and resolve ``"auto"``.
+                      nbytes: int, host: bool = True) -> str:
+    """Validate ``algorithm`` and resolve ``"auto"`` (never to ``shm``, which works on host
+    buffers only, where ``host`` is false: device buffers on a CUDA-aware MPI).
 
     Raises:
         TypeError: ``algorithm`` is not a string.
@@ -86,7 +87,9 @@ def resolve_algorithm(collective: str, algorithm: str, size: int, ranks_per_node
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm must be a string, not {type(algorithm).__name__}")
     if algorithm == "auto":
-        return choose(collective, size, ranks_per_node, nbytes)
+        name = choose(collective, size, ranks_per_node, nbytes)
+        return name if host or name != "shm" else \
+            builtin_choice(collective, size, ranks_per_node, nbytes)
     if not is_registered(collective, algorithm):
         raise ValueError(f"unknown algorithm={algorithm!r} for {collective}; choose one of "
                          f"{['auto', *names(collective)]}")

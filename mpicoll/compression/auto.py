@@ -174,8 +174,8 @@ def codec_from_spec(spec: Any, argname: str = "compression") -> Codec:
         ValueError, TypeError: as :func:`get_codec` and :class:`Auto`.
     """
     if isinstance(spec, str) and is_auto(spec):
-        _, _, rest = spec.strip().partition(":")
-        return Auto(rest.split(",")) if rest else Auto()
+        _, colon, rest = spec.strip().partition(":")
+        return Auto(rest.split(",")) if colon else Auto()  # ("auto:": no candidate)
     return get_codec(spec, argname)
 
 

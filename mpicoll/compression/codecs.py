@@ -190,7 +190,8 @@ class Codec:
         # host parts for device x: encoded on the device, then copied into them
         host = bool(out) and namespace.array_module(out[0]) is not xp
         parts = new_payload(self, x.size, dt, like=x)[1] if out is None or host else out
-        self._encode(xp, x, parts)
+        with np.errstate(invalid="ignore"):  # an integer codec's chunk holding NaN or inf:
+            self._encode(xp, x, parts)  # levels cast from NaN; the scale NaN decodes it
         if not host:
             return parts
         for dst, src in zip(out, parts):
@@ -427,9 +428,13 @@ class _ChunkedCodec(Codec):
         xp.copyto(sc, amax, casting="unsafe")
         # A chunk whose scale is zero or denormal (1/scale would overflow) is sent as
         # zeros with the scale +0.0 exactly: numpy and CuPy disagree on the sign of
-        # max(0.0, -0.0), and the wire bits must not depend on the array module.
-        positive = sc >= np.float32(np.finfo(np.float32).tiny)
-        xp.copyto(sc, np.float32(0.0), where=~positive)
+        # max(0.0, -0.0), and the wire bits must not depend on the array module. A chunk
+        # holding NaN or an infinity gets the scale NaN: it decodes to NaN, as a NaN or
+        # infinity stays one through the float codecs (never zeros, never a flipped sign).
+        finite = xp.isfinite(sc)
+        positive = (sc >= np.float32(np.finfo(np.float32).tiny)) & finite
+        xp.copyto(sc, np.float32(0.0), where=finite & ~positive)
+        xp.copyto(sc, np.float32(np.nan), where=~finite)
         inv = xp.divide(np.float32(1.0), xp.where(positive, sc, np.float32(1.0)))
         inv = xp.where(positive, inv, np.float32(0.0)).astype(xb.dtype)
         tfull, ttail = self._rows(out)

@@ -59,11 +59,9 @@ def is_device(a: Any) -> bool:
     a = unwrap_spec(a)
     if a is None or isinstance(a, (np.ndarray, bytes, bytearray, memoryview, int, str)):
         return False
-    try:
-        if hasattr(a, "__cuda_array_interface__"):
-            return True
-    except Exception:  # noqa: BLE001  (a property that fails for host objects)
-        return False
+    with contextlib.suppress(Exception):  # a property that fails: DLPack says where a is
+        if hasattr(a, "__cuda_array_interface__"):  # (torch refuses the interface of a
+            return True  # CUDA tensor that requires grad)
     dev = getattr(a, "__dlpack_device__", None)
     if dev is not None and hasattr(a, "__dlpack__"):
         try:
@@ -72,6 +70,14 @@ def is_device(a: Any) -> bool:
             return False
         return kind in _CUDA_DLPACK
     return False
+
+
+def unsynchronised(a: Any) -> bool:
+    """For a device object whose :func:`producer_stream` is ``None``: whether nothing says
+    its data is ready (``__cuda_array_interface__`` version 3 does, with stream ``None``),
+    so that the whole device must be synchronised before it is read."""
+    cai = cuda_interface(unwrap_spec(a))
+    return cai is None or cai.get("version", 0) < 3
 
 
 def cuda_interface(a: Any) -> dict | None:

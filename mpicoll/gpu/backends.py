@@ -105,18 +105,16 @@ class CudaBackend(DeviceBackend):
         return arrays.package_of(obj) == "cupy" or arrays.is_device(obj)
 
     def array_module(self, obj: Any) -> Any:
-        import cupy  # noqa: PLC0415  (a device array exists: CuPy must handle it)
-
-        return cupy
+        return _cupy()
 
     def copies(self, args: Sequence[Any]) -> Any:
+        _cupy()
         from .cupy_copies import copies_for  # noqa: PLC0415  (imports CuPy)
 
         return copies_for(args)
 
     def view(self, obj: Any) -> tuple[Any, Callable[[Any], Any]]:
-        import cupy  # noqa: PLC0415
-
+        cupy = _cupy()
         if isinstance(obj, cupy.ndarray) or not arrays.is_device(obj):
             return obj, _same
         if arrays.cuda_interface(obj) is not None:
@@ -127,26 +125,20 @@ class CudaBackend(DeviceBackend):
         """Wait for ``obj``'s producer stream (:func:`mpicoll.gpu.arrays.producer_stream`:
         CuPy's current stream, the ``stream`` of ``__cuda_array_interface__`` v3, torch's
         current stream); the whole device for objects that name none."""
-        import cupy  # noqa: PLC0415
-
+        cupy = _cupy()
         stream = arrays.producer_stream(obj)
         if stream is not None:
             cupy.cuda.runtime.streamSynchronize(stream)
-            return
-        cai = arrays.cuda_interface(arrays.unwrap_spec(obj))
-        if cai is not None and cai.get("version", 0) >= 3:
-            return  # version 3 with stream None: the producer says the data is ready
-        cupy.cuda.runtime.deviceSynchronize()  # nothing says which stream: be safe
+        elif arrays.unsynchronised(obj):
+            cupy.cuda.runtime.deviceSynchronize()  # nothing says which stream: be safe
 
     def to_host(self, obj: Any, out: np.ndarray) -> np.ndarray:
-        import cupy  # noqa: PLC0415
-
+        cupy = _cupy()
         self.synchronise(obj)
         return cupy.asnumpy(self.view(obj)[0], out=out)
 
     def from_host(self, obj: Any, host: np.ndarray) -> None:
-        import cupy  # noqa: PLC0415
-
+        cupy = _cupy()
         self.synchronise(obj)
         view = self.view(obj)[0]
         host = host.reshape(view.shape)
@@ -157,11 +149,25 @@ class CudaBackend(DeviceBackend):
 
     def new_like(self, obj: Any, shape: tuple, dtype: Any) -> Any:
         """A CuPy array on ``obj``'s device (the current one if ``obj`` names none)."""
-        import cupy  # noqa: PLC0415
-
+        cupy = _cupy()
         device = arrays.device_id(obj)
         with cupy.cuda.Device(cupy.cuda.runtime.getDevice() if device is None else device):
             return cupy.empty(shape, dtype=dtype)
+
+
+def _cupy() -> Any:
+    """CuPy, which the CUDA backend's device work needs.
+
+    Raises:
+        ImportError: CuPy is not installed (the message says how to install it).
+    """
+    try:
+        import cupy  # noqa: PLC0415
+    except ImportError as exc:
+        raise ImportError("mpicoll's collectives on CUDA arrays and tensors need CuPy: pip "
+                          "install 'mpicoll[cuda12]' (or [cuda13]; mpicoll.torch's "
+                          "operations on torch tensors need none)") from exc
+    return cupy
 
 
 #: Registered backends, the most recent first; the library's own is last.

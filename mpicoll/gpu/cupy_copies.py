@@ -1,7 +1,7 @@
 """The staged path's device copies with CuPy: pinned slots, two copy streams, events.
 
 Imported only when a device array reaches the staged path (it imports CuPy). One
-:class:`CupyCopies` per CUDA device and process, holding that device's d2h and h2d
+:class:`CupyCopies` per CUDA device and thread, holding that device's d2h and h2d
 streams (non-blocking: they never wait for the legacy default stream implicitly) and the
 pinned host slots (``MPICOLL_STAGING_BYTES`` bounds what is kept between calls).
 
@@ -26,8 +26,7 @@ __all__ = ["CupyCopies", "copies_for", "pinned_empty"]
 _MEMCPY_H2D = 1  # cudaMemcpyHostToDevice
 _MEMCPY_D2H = 2  # cudaMemcpyDeviceToHost
 
-_lock = threading.Lock()
-_per_device: dict[int, "CupyCopies"] = {}
+_per_thread = threading.local()  # .copies: {device: CupyCopies} of the calling thread
 
 
 def pinned_empty(nbytes: int) -> np.ndarray:
@@ -80,11 +79,15 @@ class CupyCopies:
 
     # streams -------------------------------------------------------------------------
     def begin(self, objs: Sequence[Any]) -> None:
-        """Both copy streams wait for every producer stream of ``objs`` (on the device)."""
+        """Both copy streams wait for every producer stream of ``objs`` (on the device;
+        the host synchronises the device for objects that name none and do not say their
+        data is ready: :func:`mpicoll.gpu.arrays.unsynchronised`)."""
         seen: set[int] = set()
         with cupy.cuda.Device(self.device):
             for obj in objs:
                 ptr = arrays.producer_stream(obj)  # None for None
+                if ptr is None and obj is not None and arrays.unsynchronised(obj):
+                    cupy.cuda.runtime.deviceSynchronize()
                 if ptr is None or ptr in seen:
                     continue
                 seen.add(ptr)
@@ -127,12 +130,13 @@ class CupyCopies:
 
 
 def copies_for(args: Sequence[Any]) -> CupyCopies:
-    """The :class:`CupyCopies` of the device holding the first device array in ``args``."""
+    """The calling thread's :class:`CupyCopies` of the device holding the first device
+    array in ``args`` (threads calling at once must not share pinned slots)."""
     device = next((arrays.device_id(a) for a in args if arrays.is_device(a)), None)
     if device is None:
         device = cupy.cuda.runtime.getDevice()
-    with _lock:
-        hit = _per_device.get(device)
-        if hit is None:
-            hit = _per_device[device] = CupyCopies(device)
-        return hit
+    mine = _per_thread.__dict__.setdefault("copies", {})
+    hit = mine.get(device)
+    if hit is None:
+        hit = mine[device] = CupyCopies(device)
+    return hit

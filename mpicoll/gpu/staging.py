@@ -193,10 +193,23 @@ def chunks(collective: str, count: int, itemsize: int, size: int, chunk_bytes: i
 
 
 def _memory_flat(a: Any) -> Any:
-    """Flat view of contiguous array or tensor ``a`` in memory order (no copy)."""
-    if getattr(a, "ndim", 1) <= 1 or _c_order(a):
+    """Flat view of contiguous array or tensor ``a`` in memory order (no copy; a 1-D
+    one, such as torch's :class:`~mpicoll.torch.device.cuda_copies.Span`, as it is)."""
+    ndim = getattr(a, "ndim", 1)
+    if ndim == 1:
+        return a
+    if ndim == 0 or _c_order(a):
         return a.reshape(-1)
     return a.T.reshape(-1)  # Fortran order: the transpose is C-contiguous
+
+
+def _rows(gathered: Any) -> Any:
+    """Every rank's Fortran-ordered block, gathered in memory order as ``(size, *its
+    shape reversed)``, as the C-ordered rows of a new result (a copy on the device)."""
+    axes = (0, *range(gathered.ndim - 1, 0, -1))
+    t = gathered.permute(*axes) if buffers.package_of(gathered) == "torch" \
+        else gathered.transpose(axes)
+    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
 
 
 def _user_prefix(obj: Any, count: int, view: Any) -> Any:
@@ -220,6 +233,7 @@ class _Layout:
 
     inputs: list[Any]
     result: Any
+    rows: Any = None  # a Fortran-ordered block's gathered copy (:func:`_rows`)
 
     def __init__(self, slots: HostSlots, src: Any, dst: Any, dtype: np.dtype, e: int,
                  n_chunks: int, width: int) -> None:
@@ -355,7 +369,7 @@ def _plan(collective: str, args: tuple, copies: Copies, slots: HostSlots, rank: 
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; the staged path runs "
                          f"{', '.join(COLLECTIVES)}")
-    r = op = None
+    r = op = rows = None
     if collective == "broadcast":
         buf, root = args
         r, flat = validation.broadcast(buf, root, rank, size, view)
@@ -386,8 +400,13 @@ def _plan(collective: str, args: tuple, copies: Copies, slots: HostSlots, rank: 
             result = copies.empty((validation.own_block(src.size, rank, size),),
                                   src.dtype, sendbuf)
         elif collective == "allgather":
-            shape = validation.gathered_shape(copies.as_array(sendbuf).shape, size)
-            result = copies.empty(shape, src.dtype, sendbuf)
+            block = copies.as_array(sendbuf)
+            if getattr(block, "ndim", 1) > 1 and not _c_order(block):
+                rows = copies.empty((size, *block.shape[::-1]), src.dtype, sendbuf)
+                dst = _memory_flat(copies.as_array(rows))  # C rows at staged's end
+            else:
+                result = copies.empty(validation.gathered_shape(block.shape, size),
+                                      src.dtype, sendbuf)
         elif r is None or rank == r:
             result = copies.empty_like(sendbuf)
         else:  # a reduce off its root
@@ -412,7 +431,7 @@ def _plan(collective: str, args: tuple, copies: Copies, slots: HostSlots, rank: 
             return (buffers.IN_PLACE, h, op, r) if rank == r else (h, None, op, r)
 
         layout = _Elementwise(slots, src, dst, flat.size, dtype, e, n_chunks, make_args)
-    layout.inputs, layout.result = inputs, result
+    layout.inputs, layout.result, layout.rows = inputs, result, rows
     return layout
 
 
@@ -514,4 +533,4 @@ def staged(collective: str, args: tuple, host_call: Callable[[tuple], Any], *,
     except BaseException:
         copies.drain()  # no copy may still write into buffers the caller gets back
         raise
-    return layout.result
+    return layout.result if layout.rows is None else _rows(layout.rows)

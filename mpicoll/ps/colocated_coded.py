@@ -109,7 +109,7 @@ class CodedExchange(Coders):
             if sh.server == self.rank or not sh.count:
                 continue
             dec = self._pull_decoder(sh)
-            coded = not dec.delta or dec.replica is not None
+            coded = dec.pulled
             buf = P.scratch(self._coded_bufs, ("pull", sh.ident), dec.wire_bytes()) if coded \
                 else out_flat[sh.spec.name][sh.lo:sh.hi]
             reqs += P.post_recv_payload(self.comm, buf, sh.server, P.TAG_GATHER, self.chunk_bytes)
@@ -144,14 +144,16 @@ class CodedExchange(Coders):
         sends: list[MPI.Request] = []
         for dst in pullers:
             self.counters["pulls"] += 1
-            data, _ = enc.payload(dst, state.param, state.version)
+            data, coded = enc.payload(dst, state.param, state.version)
             if dst == self.rank:
                 if out_flat is not None:
                     dest = out_flat[sh.spec.name][sh.lo:sh.hi]
                     if enc.delta:
                         np.copyto(dest, enc.value_of(dst))
-                    else:
+                    elif coded:
                         self.codec.decode_into(data, sh.count, dest)
+                    else:
+                        np.copyto(dest, data)
             elif sh.count:
                 sends += P.send_payload(self.comm, data, dst, P.TAG_GATHER, self.chunk_bytes)
                 P.count_bytes(self.counters, "bytes_out", data.nbytes, sh.nbytes)

@@ -20,7 +20,10 @@ With ``ParameterServer(..., compression="int8")`` (any codec of
 - **pull** with ``optimizer="sum"`` (values are the round's *aggregated gradient*): the
   server encodes ``value + residual`` with one residual per shard (server-side error
   feedback over the stream of aggregates, as BytePS compresses its summed gradients) once
-  per version; every worker pulling that version gets the same bytes.
+  per version; every worker pulling that version gets the same bytes. A worker's first
+  pull of a shard is uncompressed here too (the initial values are parameters, not an
+  aggregate: compressed, they reached the workers changed, and what the codec dropped
+  joined the first aggregate through the residual).
 
 ``feedback=False`` (``ParameterServer(..., feedback=False)``) drops the residuals: a push
 encodes the gradient alone, an ``optimizer="sum"`` pull the aggregate alone. Pulls of
@@ -180,6 +183,7 @@ class PullEncoder:
         #: value mode's residual (``None`` with error feedback off)
         self.residual = np.zeros(self.count, dtype=self.dtype) if feedback else None
         self._cached: tuple[int, np.ndarray] | None = None        # value mode: (version, raw)
+        self.pulled: set[int] = set()          # value mode: pullers past their first pull
         # delta mode: replica id -> array; puller -> replica id; (from id, version) ->
         # (to id, payload, coded)
         self.replicas: dict[int, np.ndarray] = {}
@@ -195,6 +199,9 @@ class PullEncoder:
             themselves for a first pull (an array the encoder never modifies again).
         """
         if not self.delta:
+            if puller not in self.pulled:  # a first pull: the values, exact and outside the
+                self.pulled.add(puller)  # residual (the initial ones would join the first
+                return value.copy(), False  # aggregate's)
             return self._value_payload(value, version), True
         src = self.holders.get(puller)
         move = self._moves.get((src, version))
@@ -212,6 +219,7 @@ class PullEncoder:
 
     def forget(self, puller: int) -> None:
         """``puller`` will not pull again (it closed): drop its replica."""
+        self.pulled.discard(puller)
         if self.holders.pop(puller, None) is not None:
             self._prune()
 
@@ -223,6 +231,7 @@ class PullEncoder:
         if self._cached is not None:
             arrays["cached"] = self._cached[1]
         return {"holders": {str(p): r for p, r in self.holders.items()},
+                "pulled": sorted(self.pulled),
                 "next_id": self._next_id, "codec": self.codec.state_dict(),
                 "cached_version": None if self._cached is None else self._cached[0]}, arrays
 
@@ -230,6 +239,7 @@ class PullEncoder:
         """Take back what :meth:`state` returned."""
         self.codec.load_state_dict(meta["codec"])
         self.holders = {int(p): r for p, r in meta["holders"].items()}
+        self.pulled = set(meta.get("pulled", ()))
         self.replicas = {r: arrays[f"rep{r}"].copy() for r in set(self.holders.values())}
         self._next_id = meta["next_id"]
         self._moves = {}
@@ -282,19 +292,22 @@ class PullDecoder:
         self.dtype = np.dtype(dtype)
         self.delta = delta
         self.replica: np.ndarray | None = None
+        #: past the first pull, which is uncompressed (delta mode: holds a replica)
+        self.pulled = False
 
     def wire_bytes(self) -> int:
         """Bytes of a compressed pull of this shard."""
         return self.codec.wire_bytes(self.count, self.dtype)
 
     def state(self) -> State:
-        """The replica, for checkpoints."""
-        return {}, {} if self.replica is None else {"replica": self.replica}
+        """The replica (value mode: whether the first pull came), for checkpoints."""
+        return {"pulled": self.pulled}, {} if self.replica is None else {"replica": self.replica}
 
     def load_state(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
         """Take back what :meth:`state` returned."""
         replica = arrays.get("replica")
         self.replica = None if replica is None else replica.copy()
+        self.pulled = bool(meta.get("pulled")) or replica is not None
 
     def apply(self, data: np.ndarray, coded: bool, dest: np.ndarray) -> None:
         """Turn a received pull into values in flat ``dest``.
@@ -303,6 +316,7 @@ class PullDecoder:
             data: the payload bytes (``coded``) or the values (an uncompressed first pull;
                 may be ``dest`` itself).
         """
+        self.pulled = True
         if not coded:
             if data is not dest:
                 np.copyto(dest, data)

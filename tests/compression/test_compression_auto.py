@@ -119,6 +119,7 @@ def test_spec_and_options():
     (lambda: Auto(latency="1", bandwidth=1e9), TypeError, "latency must be a number"),
     (lambda: Auto(margin=1.5), ValueError, "margin must be in [0, 1)"),
     (lambda: auto.codec_from_spec("auto:none,topk:2"), ValueError, "ratio must be in (0, 1]"),
+    (lambda: auto.codec_from_spec("auto:"), ValueError, "unknown compression=''"),
     (lambda: compression.allreduce(np.ones(4, np.float32), compression="auto:zstd"),
      ValueError, "unknown compression='zstd'"),
     (lambda: compression.allreduce(np.arange(4), compression="auto"), TypeError,

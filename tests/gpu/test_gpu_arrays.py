@@ -37,6 +37,26 @@ def test_a_failing_interface_property_means_host() -> None:
     assert not arrays.is_device(CpuTensorLike())
 
 
+def test_a_refused_interface_on_a_cuda_object_means_device() -> None:
+    """torch refuses the interface of a CUDA tensor that requires grad (RuntimeError); its
+    DLPack device says CUDA, so the call takes the device path (where torch's own error
+    says to detach it), not the host path's "not a numpy array"."""
+    class CudaTensorRequiringGrad:
+        @property
+        def __cuda_array_interface__(self):
+            raise RuntimeError("Can't get __cuda_array_interface__ on Variable that "
+                               "requires grad. Use var.detach().__cuda_array_interface__")
+
+        def __dlpack_device__(self):
+            return (arrays.KDL_CUDA, 0)
+
+        def __dlpack__(self, stream=None):
+            raise RuntimeError("Can't export tensors that require gradient, use "
+                               "tensor.detach()")
+
+    assert arrays.is_device(CudaTensorRequiringGrad())
+
+
 def test_producer_stream_from_interface_v3() -> None:
     assert arrays.producer_stream(FakeDevice(np.zeros(2), stream=1234)) == 1234
     assert arrays.producer_stream(FakeDevice(np.zeros(2), stream=None)) is None

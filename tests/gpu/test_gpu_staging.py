@@ -164,13 +164,20 @@ def test_fortran_order_and_shapes() -> None:
         assert out.shape == (6, 10) and out.flags.f_contiguous
         np.testing.assert_array_equal(out, want)
 
-    def gather(r: int):
-        return staging.staged("allgather", (xs[r].reshape(6, 10, order="A"), None),
-                              world.host_call("allgather", r), comm=world.comm(r),
-                              copies=SimulatedCopies(), chunk_bytes=16)
+    # a new all-gather result's rows are every rank's block in C order, as on the host
+    for shape in [(6, 10), (2, 3, 5)]:
+        world3 = SimulatedWorld(3)
+        blocks = [np.asfortranarray(rank_data(r, int(np.prod(shape))).reshape(shape))
+                  for r in range(3)]
 
-    for out in world.run(gather):
-        assert out.shape == (12, 10)
+        def gather(r: int, blocks: list = blocks, world3: SimulatedWorld = world3):
+            return staging.staged("allgather", (blocks[r], None),
+                                  world3.host_call("allgather", r), comm=world3.comm(r),
+                                  copies=SimulatedCopies(), chunk_bytes=16)
+
+        for out in world3.run(gather):
+            assert out.flags.c_contiguous
+            np.testing.assert_array_equal(out, np.concatenate(blocks))
 
 
 def _logged_run(collective: str, count: int, chunk_bytes: int, pipeline: bool = True):
@@ -405,3 +412,60 @@ def test_memoised_views_are_bounded() -> None:
     again = slots.view(slot, u8, 0, 1)
     assert again is not first and np.shares_memory(again, first) and again.shape == (1,)
     assert slots.view(slot, u8, 513, 1) is last and slots.view(slot, u8, 0, 1) is again
+
+
+def test_torch_spans_through_the_chunked_pipeline() -> None:
+    """mpicoll.torch's CudaCopies hands the pipeline 1-D :class:`Span` views (no
+    ``reshape``): every collective, chunked, on CPU tensors, its stream calls made host
+    ones (the layouts and views are CudaCopies' own)."""
+    torch = pytest.importorskip("torch")
+    from mpicoll.torch.device.cuda_copies import CudaCopies
+
+    class HostStreams(CudaCopies):
+        def begin(self, objs) -> None:
+            pass
+
+        def d2h(self, dst, src, chunk) -> None:
+            torch.from_numpy(dst).copy_(src.tensor)
+
+        def h2d(self, dst, src, chunk) -> None:
+            dst.tensor.copy_(torch.from_numpy(src))
+
+        def record(self, stream, chunk) -> None:
+            return None
+
+        def wait(self, event) -> None:
+            pass
+
+        finish = stream_wait = drain = lambda self, *args: None
+
+    size, count = 3, 101
+    inputs = [rank_data(r, count, np.int64) for r in range(size)]
+    for collective in COLLECTIVES:
+        world = SimulatedWorld(size)
+
+        def body(r: int, collective: str = collective, world: SimulatedWorld = world):
+            x = torch.from_numpy(inputs[r].copy())
+            copies = HostStreams(None, {}, HostSlots(lambda n: np.empty(n, np.uint8)))
+            kw = {"comm": world.comm(r), "copies": copies, "chunk_bytes": 40}
+            host = world.host_call(collective, r)
+            if collective == "allreduce" or (collective == "reduce" and r == 0):
+                args = (IN_PLACE, x, "sum") + ((0,) if collective == "reduce" else ())
+                staging.staged(collective, args, host, **kw)
+                return x
+            if collective == "reduce":
+                return staging.staged(collective, (x, None, "sum", 0), host, **kw)
+            if collective == "broadcast":
+                staging.staged(collective, (x, 0), host, **kw)
+                return x
+            b = block_bounds(count, size)
+            out = torch.zeros(count * size if collective == "allgather"
+                              else b[r + 1] - b[r], dtype=x.dtype)
+            staging.staged(collective, (x, out) + ((None,) if collective ==
+                                                    "reduce_scatter" else ()), host, **kw)
+            return out
+
+        for r, got in enumerate(world.run(body)):
+            want = reference(collective, inputs, r)
+            if want is not None:
+                np.testing.assert_array_equal(got.numpy(), want, err_msg=collective)

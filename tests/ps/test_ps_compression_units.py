@@ -123,14 +123,23 @@ def test_pull_deltas_keep_replicas_identical(spec):
 
 
 def test_pull_values_feedback_identity():
-    """Value mode (optimizer='sum'): one residual per shard, one encoding per version;
-    the delivered values plus the residual sum to the values."""
+    """Value mode (optimizer='sum'): each puller's first pull is the values, exact and
+    outside the residual (they are the initial parameters, not an aggregate); then one
+    residual per shard, one encoding per version; the delivered values plus the residual
+    sum to the values."""
     codec = get_codec("onebit:8")
     enc = PullEncoder(codec, 24, np.float64, delta=False)
     dec = PullDecoder(codec, 24, np.float64, delta=False)
+    initial = _vec(24, 99, np.float64)
+    for puller in (7, 8):
+        data, coded = enc.payload(puller, initial, 0)
+        assert not coded and data is not initial
+        assert data.tobytes() == initial.tobytes()
+        dec.apply(data, False, np.empty(24))
+    assert not enc.residual.any() and dec.pulled
     delivered = np.zeros(24)
     total = np.zeros(24)
-    for version in range(5):
+    for version in range(1, 5):
         value = _vec(24, version, np.float64)
         data, coded = enc.payload(7, value, version)
         assert coded and enc.payload(8, value, version)[0] is data

@@ -174,3 +174,25 @@ def test_scatter_gather_ranks_disagreeing_on_the_codec_all_raise():
     with pytest.raises(MismatchError, match="count"):
         allgather(X[:7 + (RANK == 0)], compression="fp16")
     still_works()
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "reduce_scatter", "allgather"])
+def test_pass_through_algorithm_on_one_rank_and_codecs_none_against_int8(collective):
+    """``mpicoll.<collective>(..., compression=...)``: an ``algorithm=`` on one rank raised
+    there only, before the agreement the others waited in; ``"none"`` on one rank and a
+    codec on another ran an unchecked collective beside an agreement: both hung."""
+    import mpicoll
+
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    fn = getattr(mpicoll, collective)
+    x = np.arange(SIZE * 3, dtype=np.float32) + RANK
+    if RANK == SIZE - 1:
+        with pytest.raises(ValueError, match="algorithm='ring' does not apply"):
+            fn(x, compression="int8", algorithm="ring")
+    else:
+        with pytest.raises(RemoteError, match=f"rank {SIZE - 1}.*algorithm='ring'"):
+            fn(x, compression="int8")
+    with pytest.raises(MismatchError, match="ranks disagree"):
+        fn(x, compression="none" if RANK == 0 else "int8")
+    still_works()

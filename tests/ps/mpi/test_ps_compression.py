@@ -84,12 +84,15 @@ def _replay(params, grads, shards, codec_spec, optimizer, workers, feedback=True
                   for n in shards for s in shards[n]}
     replica: dict = {}
 
-    def pull():
+    def pull(first: bool = False):
         out = {}
         for n, p in w.items():
             flat = np.empty(p.size, dtype=p.dtype)
             for s in shards[n]:
                 key, value = (n, s.index), p.reshape(-1)[s.lo:s.hi]
+                if optimizer == "sum" and first:  # the initial values, exact
+                    flat[s.lo:s.hi] = value
+                    continue
                 if optimizer == "sum":          # the aggregate plus the server's residual
                     flat[s.lo:s.hi] = _encode(pull_codec[key],
                                               server_res[key] if feedback else None, value)
@@ -104,7 +107,7 @@ def _replay(params, grads, shards, codec_spec, optimizer, workers, feedback=True
             out[n] = flat.reshape(p.shape)
         return out
 
-    pulled = [pull()]
+    pulled = [pull(first=True)]
     for t in range(STEPS):
         for n in sorted(w):
             sent = []
