@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -122,8 +123,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      f"--max-np {args.max_np}")
     if args.np is not None and not args.min_np <= args.np <= args.max_np:
         parser.error(f"-np {args.np} is outside [--min-np, --max-np]")
-    if args.max_restarts < 0 or args.slots < 1 or args.elastic_timeout < 0:
-        parser.error("--max-restarts and --elastic-timeout must be >= 0, --slots >= 1")
+    if args.max_restarts < 0 or args.slots < 1 or not 0 <= args.elastic_timeout < math.inf:
+        parser.error("--max-restarts and --elastic-timeout must be >= 0 (a finite number of "
+                     "seconds), --slots >= 1")
+    try:
+        shlex.split(args.launcher_args)
+    except ValueError as exc:
+        parser.error(f"--launcher-args {args.launcher_args!r}: {exc}")
     return args
 
 
@@ -269,6 +275,16 @@ def _check_command(command: list[str]) -> None:
         raise LaunchError(f"the job's command {program!r} is not found or not executable")
 
 
+def _check_commit_dir(commit_dir: Path) -> None:
+    """A clear error now for a commit directory that cannot be made or written (else each
+    launch's rank 0 fails its first commit)."""
+    try:
+        commit_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=commit_dir).close()
+    except OSError as exc:
+        raise LaunchError(f"--commit-dir {commit_dir}: cannot write in it: {exc}") from exc
+
+
 def _reexec_without_mpi() -> None:
     """``python -m mpicoll.elastic.launch`` imports mpicoll, which imports mpi4py and so
     initialises MPI (a singleton). The supervisor must not be an MPI process: start it
@@ -290,18 +306,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="mpicoll.elastic.launch: %(message)s")
-    try:
-        _check_command(args.command)
-        if args.launcher != "srun" and not (args.launcher == "auto"
-                                            and _in_slurm_allocation()):
-            find_mpiexec(args.mpiexec)
-    except LaunchError as exc:
-        _say(f"error: {exc}")
-        return 2
     temporary = args.commit_dir is None
     commit_dir = Path(tempfile.mkdtemp(prefix="mpicoll-elastic-") if temporary
                       else args.commit_dir).resolve()
-    commit_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        _check_command(args.command)
+        if args.launcher == "srun" and shutil.which("srun") is None:
+            raise LaunchError("--launcher srun: srun is not on PATH")
+        if args.launcher != "srun" and not (args.launcher == "auto"
+                                            and _in_slurm_allocation()):
+            find_mpiexec(args.mpiexec)
+        _check_commit_dir(commit_dir)
+    except LaunchError as exc:
+        _say(f"error: {exc}")
+        if temporary:
+            shutil.rmtree(commit_dir, ignore_errors=True)
+        return 2
     supervisor = Supervisor(args, commit_dir)
 
     def on_signal(signum: int, _frame: object) -> None:

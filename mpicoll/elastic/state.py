@@ -144,13 +144,25 @@ class State:
 
     def commit(self) -> None:
         """Save the state in memory (a copy: a failure later goes back to it); under the
-        relaunching supervisor rank 0 also writes it to disk. Then
+        relaunching supervisor rank 0 also writes it to disk and tells every rank whether
+        it could (one byte's broadcast; ``CollectiveError`` on every rank if not). Then
         :meth:`check_host_updates` (collective when a discovery is active). Local (no
         communication) otherwise."""
         self.save()
         disk = _disk()
-        if disk is not None and self._rank() == 0:
-            disk.save(self.serialize())
+        if disk is not None:
+            from .. import collectives  # (imported late, as below)
+
+            failed, error = np.zeros(1, np.int8), None
+            if self._rank() == 0:
+                try:
+                    disk.save(self.serialize())
+                except disk.CommitError as exc:
+                    failed[0], error = 1, exc
+            collectives.broadcast(failed, root=0, comm=context.world())
+            if failed[0]:  # every rank, or each next rank 0 would fail in turn (ULFM)
+                raise CollectiveError(f"the commit to disk failed on rank 0: "
+                                      f"{error or 'see its error'}") from error
         self.check_host_updates()
 
     def check_host_updates(self) -> None:

@@ -113,3 +113,16 @@ def test_a_first_launch_under_the_supervisor_starts_from_the_state_given(commit_
     state.commit()                                # rank 0 writes it to disk
     fresh = elastic.ObjectState(step=0)
     assert load_from_disk(fresh) and fresh.step == 5
+
+
+def test_a_commit_rank_0_cannot_write_raises_on_every_rank(commit_env):
+    """Only rank 0 writes the commit: its CommitError alone made it a lost rank under ULFM,
+    then each next rank 0 in turn, until none was left. Now every rank raises
+    CollectiveError together (rank 0 tells them, a byte's broadcast)."""
+    from mpicoll import CollectiveError, elastic
+
+    (commit_env / disk.COMMIT_NAME).mkdir(parents=True)  # the commit cannot replace it
+    state = elastic.ObjectState(step=5)
+    with pytest.raises(CollectiveError, match="the commit to disk failed on rank 0: "
+                                               "cannot write the commit"):
+        state.commit()
