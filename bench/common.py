@@ -144,7 +144,8 @@ def human_bytes(n: int) -> str:
 
 
 def add_common_options(parser: argparse.ArgumentParser, *, default_range: str,
-                       iterations: int, warmup: int) -> None:
+                       iterations: int, warmup: int, iterations_large: int = 20,
+                       output: str | None = None) -> None:
     """The OSU options plus mpicoll's output options."""
     parser.add_argument("-m", "--message-size", type=parse_size_range, default=default_range,
                         metavar="MIN:MAX",
@@ -154,8 +155,9 @@ def add_common_options(parser: argparse.ArgumentParser, *, default_range: str,
                         help=f"timed iterations per size (default {iterations})")
     parser.add_argument("-x", "--warmup", type=at_least(0), default=warmup,
                         help=f"warm-up iterations per size (default {warmup})")
-    parser.add_argument("--iterations-large", type=at_least(1), default=20,
-                        help="iterations above --large-size (default 20; OSU's -i large)")
+    parser.add_argument("--iterations-large", type=at_least(1), default=iterations_large,
+                        help=f"iterations above --large-size (default {iterations_large}; "
+                             f"OSU's -i large)")
     parser.add_argument("--large-size", type=parse_size, default=MiB,
                         help="sizes above this use --iterations-large (default 1M)")
     parser.add_argument("-f", "--full", action="store_true",
@@ -167,8 +169,9 @@ def add_common_options(parser: argparse.ArgumentParser, *, default_range: str,
                              "unless MPI4PY_RC_THREAD_LEVEL says otherwise)")
     parser.add_argument("--format", choices=("osu", "csv", "json"), default="osu",
                         help="output format (default osu)")
-    parser.add_argument("--output", metavar="FILE", default=None,
-                        help="write the --format output here (stdout still shows the table)")
+    parser.add_argument("--output", metavar="FILE", default=output,
+                        help="write the --format output here (stdout still shows the table)"
+                             + (f"; default {output}" if output else ""))
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
 

@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Options of ``bench.tune``."""
     parser = argparse.ArgumentParser(prog="bench.tune", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_options(parser, default_range="8:16M", iterations=20, warmup=3)
-    parser.set_defaults(iterations_large=10, output="tuning.json")
+    add_common_options(parser, default_range="8:16M", iterations=20, warmup=3,
+                       iterations_large=10, output="tuning.json")
     parser.add_argument("--collectives", default="all",
                         help="comma-separated collectives (default: all)")
     parser.add_argument("--exclude", default="",

@@ -2,14 +2,14 @@
 
     mpirun -n 4 python examples/diloco.py                               # DiLoCo, H = 10
     mpirun -n 4 python examples/diloco.py --sync-every 50
-    mpirun -n 4 python examples/diloco.py --fragments 4 --overlap 1 --compression int4
-                                                                         # Streaming DiLoCo
+    mpirun -n 4 python examples/diloco.py --sync-every 12 --fragments 4 --overlap 1 \
+        --compression int4                                    # Streaming DiLoCo (F divides H)
 
 Each rank trains its own replica with the inner optimizer (SGD with momentum, as
 examples/train.py) on its shard of every epoch; every ``--sync-every`` inner steps each
 fragment's pseudo-gradient (global parameters minus this rank's) is averaged over the ranks
-and the outer optimizer (SGD with Nesterov momentum, the DiLoCo paper's lr 0.7 and
-momentum 0.9) steps the global parameters with it (:class:`mpicoll.torch.DiLoCo`,
+and the outer optimizer (SGD with Nesterov momentum, the DiLoCo paper's lr 0.7; momentum
+0.5 here, as the paper's 0.9 diverged with H = 10, ``--outer-momentum``) steps the global parameters with it (:class:`mpicoll.torch.DiLoCo`,
 docs/diloco.md). ``--fragments F`` syncs the model in ``F`` pieces ``H / F`` steps apart,
 ``--overlap T`` lets each all-reduce run during the next ``T`` inner steps (the arriving
 fragment is then ``lerp(global, local, --alpha)``), ``--compression`` sends the

@@ -219,8 +219,11 @@ def parse_grids(args: argparse.Namespace, size: int) -> list[tuple[int, int]]:
     """The grids to run: ``--grids DPxTP,...``, else ``--dp``/``--tp`` (default: tp 2 when
     the number of ranks is even, else 1; dp the rest)."""
     if args.grids:
-        return [tuple(int(v) for v in spec.lower().split("x"))  # type: ignore[misc]
-                for spec in args.grids.split(",")]
+        grids = [spec.lower().split("x") for spec in args.grids.split(",")]
+        if not all(len(g) == 2 and all(v.isdigit() for v in g) for g in grids):
+            raise SystemExit(f"hybrid_parallel.py: --grids {args.grids!r}: give DPxTP,... "
+                             f"(such as 4x2,2x4)")
+        return [(int(dp), int(tp)) for dp, tp in grids]
     tp = args.tp or (2 if size % 2 == 0 else 1)
     return [(args.dp or size // tp, tp)]
 

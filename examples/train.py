@@ -6,8 +6,9 @@ with mpicoll.torch in place of horovod.torch.
     mpirun -n 4 python examples/train.py --epochs 30 --checkpoint-dir ckpt --resume
     mpirun -n 4 python examples/train.py --compression int8      # or onebit, topk:0.01 ...
 
-The global batch (``--batch``) is split evenly over the ranks, so the same hyperparameters
-train the same way at any world size. Every epoch each rank takes its shard of one shared
+The global batch (``--batch``) is split evenly over the ranks (``batch // ranks`` each, at
+least 1: the header line shows the batch run), so the same hyperparameters train the same
+way at any world size. Every epoch each rank takes its shard of one shared
 permutation (padded so that every rank runs the same number of steps); rank 0 prints the
 loss and test accuracy (averaged over ranks) and writes a checkpoint that ``--resume``
 restores (parameters, optimizer state and epoch, broadcast from rank 0). The script exits
@@ -418,7 +419,7 @@ def main() -> int:
                         help="continue from --checkpoint-dir/checkpoint.pt if it exists")
     parser.add_argument("--min-accuracy", type=float, default=0.9,
                         help="exit with status 1 below this final test accuracy")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (>= 1)")
     parser.add_argument("--compression", default="none",
                         help="none (default), fp16, bf16, int8[:CHUNK][:stochastic], "
                              "onebit[:CHUNK], topk:RATIO, randomk:RATIO")
@@ -454,7 +455,8 @@ def main() -> int:
                         help="cpu (default), cuda (each rank on GPU local_rank %% count) or "
                              "cuda:N: where the model, data and gradients live")
     args = parser.parse_args()
-
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, not {args.threads}")
     torch.set_num_threads(args.threads)
     if args.ddp and not args.elastic:
         parser.error("--ddp goes with --elastic")

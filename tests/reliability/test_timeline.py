@@ -104,7 +104,8 @@ def test_stop_leaves_the_parts_when_a_rank_never_finishes(tmp_path, monkeypatch,
 
 
 def test_merge_runs_as_a_module(tmp_path):
-    """``python -m mpicoll.timeline PATH`` merges the parts left behind."""
+    """``python -m mpicoll.timeline PATH`` merges the parts left behind, without runpy's
+    RuntimeWarning (mpicoll imports its timeline: the command is a package's __main__)."""
     path = tmp_path / "t.json"
     (tmp_path / "t.json.rank0").write_text(json.dumps(
         {"name": "allreduce", "cat": "collective", "ph": "X", "pid": 0, "track": "w",
@@ -113,6 +114,7 @@ def test_merge_runs_as_a_module(tmp_path):
                          capture_output=True, text=True, timeout=120, check=False,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0 and f"wrote {path}" in out.stdout, out.stderr
+    assert "Warning" not in out.stderr, out.stderr
     assert _calls(path) == ["allreduce"]
 
 

@@ -96,7 +96,7 @@ def start(path: str | os.PathLike) -> None:
 
 
 def _invalidate_calls() -> None:
-    from . import fastpath  # noqa: PLC0415  (cached calls are bound with or without events)
+    from .. import fastpath  # noqa: PLC0415  (cached calls are bound with or without events)
 
     fastpath.invalidate()
 
@@ -236,7 +236,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"wrote {out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
