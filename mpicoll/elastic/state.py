@@ -280,7 +280,10 @@ class ObjectState(State):
         return pickle.dumps(self._saved_state, protocol=pickle.HIGHEST_PROTOCOL)
 
     def deserialize(self, payload: bytes) -> None:
-        self._saved_state = pickle.loads(payload)  # noqa: S301  (our own commit)
+        # (an attribute this program has and the commit not, from an older script, keeps
+        # its value: replacing the set dropped it from every later commit and sync)
+        self._saved_state = {**self._saved_state,
+                             **pickle.loads(payload)}  # noqa: S301  (our own commit)
 
 
 def _disk() -> Any:

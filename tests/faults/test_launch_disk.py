@@ -126,3 +126,19 @@ def test_a_commit_rank_0_cannot_write_raises_on_every_rank(commit_env):
     with pytest.raises(CollectiveError, match="the commit to disk failed on rank 0: "
                                                "cannot write the commit"):
         state.commit()
+
+
+def test_a_commit_of_an_older_script_keeps_the_new_attributes(commit_env):
+    """Resuming with a script that added an attribute: the commit from disk has no value
+    for it, so it keeps the one given, and is committed from then on (it was dropped from
+    every later commit and sync)."""
+    from mpicoll import elastic
+    from mpicoll.elastic.state import load_from_disk
+
+    elastic.ObjectState(step=4).commit()
+    newer = elastic.ObjectState(step=0, seen=0)
+    assert load_from_disk(newer) and (newer.step, newer.seen) == (4, 0)
+    newer.seen = 2
+    newer.commit()
+    again = elastic.ObjectState(step=0, seen=0)
+    assert load_from_disk(again) and (again.step, again.seen) == (4, 2)

@@ -298,4 +298,4 @@ class TorchState(ObjectState):
         for name, saved in loaded["handlers"].items():
             if name in self._handlers:
                 self._handlers[name].saved = saved
-        self._saved_state = loaded["objects"]
+        self._saved_state = {**self._saved_state, **loaded["objects"]}  # (as ObjectState)
