@@ -69,6 +69,11 @@ class Comm(MPI.Intracomm):
             registered for a collective means ``"auto"`` there.
         check: run the agreement step before every collective (default:
             ``MPICOLL_CHECK``).
+
+    ``Dup`` returns an ``mpicoll.Comm`` with the same settings (as mpi4py keeps a
+    subclass); ``Split``, ``Split_type``, ``Create`` and ``Create_group`` return mpi4py's
+    ``Intracomm``, as mpi4py does for a subclass: wrap what they return
+    (``mpicoll.Comm(comm.Split(color, key))``) for mpicoll's collectives on it.
     """
 
     def __new__(cls, comm: Any = None, algorithm: str = "auto",

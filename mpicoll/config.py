@@ -52,8 +52,9 @@ VARIABLES: tuple[Variable, ...] = (
              "waits in `MPI_Barrier` and agrees by `MPI_Allgather` (another value: "
              "`ValueError`)"),
     Variable("MPICOLL_RANKS_PER_NODE", "mpicoll", "real nodes",
-             "emulate nodes of this many consecutive ranks (the last may hold fewer) instead "
-             "of the shared-memory nodes"),
+             "emulate nodes of this many consecutive ranks of the world (the last may hold "
+             "fewer) instead of the shared-memory nodes; a subcommunicator's ranks keep "
+             "their nodes"),
     Variable("MPICOLL_TUNING_FILE", "mpicoll", "shipped table",
              "JSON tuning table for `algorithm=\"auto\"` (`none`: built-in rules only); "
              "made by `python -m bench.tune`; a rule naming an algorithm or collective "

@@ -79,13 +79,14 @@ class CommContext:
         #: :func:`mpicoll.waiting.wait` (set by a client whose operations run on a lane
         #: with a timeout, before its first call: :mod:`mpicoll.algorithms.native`).
         self.nonblocking = False
-        #: Ranks on each node when every node has as many, else 0 (unknown): what
-        #: ``algorithm="auto"`` looks up. The layout is computed here, where every rank is
-        #: (creating a context is collective), never later inside one rank's call.
+        #: Ranks on each node when every node has as many, else those of the largest node
+        #: (the layout spans nodes: auto's rules and a tuning table's node boundary must
+        #: know it): what ``algorithm="auto"`` looks up. The layout is computed here,
+        #: where every rank is (creating a context is collective), never later inside one
+        #: rank's call.
         self.ranks_per_node = 1
         if self.size > 1:
-            topo = self.topology
-            self.ranks_per_node = topo.local_size if topo.uniform else 0
+            self.ranks_per_node = max(self.topology.node_sizes)
 
     def plan(self, key: Any, build: Callable[[], Any]) -> Any:
         """Return the cached plan for ``key``, building it with ``build()`` the first time."""

@@ -3,9 +3,11 @@
 Ranks that share memory form a node (``MPI.COMM_TYPE_SHARED``; MPICH takes the node map
 from the process manager, hydra's hosts or Slurm's nodes, not from hostnames: see
 docs/cluster.md). ``MPICOLL_RANKS_PER_NODE=k``
-instead cuts the communicator into emulated nodes of ``k`` consecutive ranks (the last one
-may hold fewer), so node-aware code runs and is tested on one machine. The layout is
-computed collectively once per communicator and cached on its context.
+instead cuts the runtime's world into emulated nodes of ``k`` consecutive ranks (the last
+one may hold fewer), so node-aware code runs and is tested on one machine; a
+subcommunicator's ranks keep their world rank's node, as they keep their host on a
+cluster (a group of one rank of each node spans as many nodes). The layout is computed
+collectively once per communicator and cached on its context.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from mpi4py import MPI
 from . import config
 from .errors import MismatchError
 from .runtime import comms
+from .runtime import world as runtime_world
 
 __all__ = ["Topology"]
 
@@ -41,7 +44,8 @@ class Topology:
             raise MismatchError(f"MPICOLL_RANKS_PER_NODE differs across ranks: {settings}")
         self.emulated = per_node > 0
         if self.emulated:
-            self.node_comm = comms.split(comm, rank // per_node, rank, "topology")
+            self.node_comm = comms.split(comm, _world_rank(comm, rank) // per_node, rank,
+                                         "topology")
         else:
             self.node_comm = comms.split_shared(comm, rank, "topology")
         self.local_rank = self.node_comm.Get_rank()
@@ -63,3 +67,14 @@ class Topology:
     def __repr__(self) -> str:
         return (f"Topology(nodes={self.node_sizes}, local_rank={self.local_rank}, "
                 f"node_index={self.node_index}, emulated={self.emulated})")
+
+
+def _world_rank(comm: MPI.Comm, rank: int) -> int:
+    """``rank`` of ``comm`` in the runtime's world (``rank`` itself outside it)."""
+    mine, world = comm.Get_group(), runtime_world.comm().Get_group()
+    try:
+        (placed,) = MPI.Group.Translate_ranks(mine, [rank], world)
+    finally:
+        mine.Free()
+        world.Free()
+    return rank if placed == MPI.UNDEFINED else placed

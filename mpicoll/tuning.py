@@ -166,8 +166,11 @@ class TuningTable:
         pick = min(same_kind, key=lambda s: (abs(s - size), -s), default=None)
         if pick is not None:
             layouts = {r: v for (s, r), v in entries.items() if s == pick}
-            found = layouts.get(ranks_per_node, layouts.get(0))
-            if found is None:  # the measured layout nearest to the one asked for; ties: the larger
+            found = layouts.get(0)  # (an entry for any layout)
+            if ranks_per_node in layouts and \
+                    _spans_nodes(ranks_per_node, pick) == _spans_nodes(ranks_per_node, size):
+                found = layouts[ranks_per_node]  # (of another size: on as many nodes or one)
+            elif found is None:  # the measured layout nearest to the one asked for; ties: the larger
                 found = _nearest_layout(layouts, pick, size, ranks_per_node)
         if len(self._cache) < 4096:
             self._cache[key] = found

@@ -108,6 +108,11 @@ def test_one_node_timings_never_choose_for_several_nodes():
     multi = tuning.TuningTable(table_dict(allreduce=[e(8, 2, "multi")]))
     assert multi.lookup("allreduce", 8, 4, 1) == "multi"
     assert multi.lookup("allreduce", 8, 8, 1) is None
+    # an entry of another size with the same ranks per node, measured on one node: not
+    # for 2 nodes x 3 (it was taken as it was: same ranks per node)
+    three = tuning.TuningTable(table_dict(allreduce=[e(3, 3, "one-node")]))
+    assert three.lookup("allreduce", 3, 3, 1) == "one-node"
+    assert three.lookup("allreduce", 6, 3, 1) is None
 
 
 def test_builtin_rules_take_hierarchical_across_nodes():

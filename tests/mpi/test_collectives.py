@@ -131,16 +131,43 @@ def test_reduce(algorithm):
     assert not failures, "\n".join(failures[:10])
 
 
+def test_a_subcommunicator_keeps_its_ranks_emulated_nodes():
+    """Emulated nodes are cut from the world's ranks, so a subcommunicator's ranks keep
+    their nodes, as on a cluster (they were cut again from the subcommunicator's own
+    ranks: one rank of each node made nodes of several); node-aware algorithms on it
+    agree with MPI."""
+    import os
+
+    from mpi4py import MPI
+
+    from mpicoll.context import get_context
+
+    per_node = int(os.environ.get("MPICOLL_RANKS_PER_NODE", "0"))
+    if per_node < 2 or SIZE <= per_node:
+        pytest.skip("needs MPICOLL_RANKS_PER_NODE >= 2 and several emulated nodes")
+    sub = COMM.Split(RANK % per_node, RANK)  # one rank of each node, per local rank
+    members = [r for r in range(SIZE) if r % per_node == RANK % per_node]
+    nodes = sorted({r // per_node for r in members})
+    topo = get_context(sub).topology
+    assert topo.num_nodes == len(nodes) and topo.node_index == nodes.index(RANK // per_node)
+    x = np.arange(1001, dtype=np.int64) * (RANK + 1)
+    want = np.empty_like(x)
+    sub.Allreduce(x, want, op=MPI.SUM)
+    for algorithm in ("hierarchical", "shm", "auto"):
+        assert np.array_equal(mpicoll.allreduce(x, comm=sub, algorithm=algorithm), want)
+    sub.Free()
+
+
 def test_auto_is_told_the_node_layout(monkeypatch):
-    """``auto`` looks the table up with the ranks per node (0 when nodes are uneven)."""
+    """``auto`` looks the table up with the ranks per node (uneven nodes: the largest node's,
+    so that the layout is known to span nodes; it was 0, read as one node)."""
     import os  # noqa: PLC0415
 
     from mpicoll import collectives, fastpath  # noqa: PLC0415
     from mpicoll.context import get_context  # noqa: PLC0415
 
     per_node = min(int(os.environ.get("MPICOLL_RANKS_PER_NODE", "0")) or SIZE, SIZE)
-    expected = per_node if SIZE % per_node == 0 else 0
-    assert get_context(COMM).ranks_per_node == expected
+    assert get_context(COMM).ranks_per_node == per_node
     seen = []
     real = collectives.resolve_algorithm
     monkeypatch.setattr(collectives, "resolve_algorithm",
@@ -149,7 +176,7 @@ def test_auto_is_told_the_node_layout(monkeypatch):
     for collective, call in [("allreduce", lambda x, y: mpicoll.allreduce(x, y)),
                              ("reduce", lambda x, y: mpicoll.reduce(x, y))]:
         call(np.ones(3), np.empty(3))
-        assert seen[-1][0] == collective and seen[-1][3] == expected, seen[-1]
+        assert seen[-1][0] == collective and seen[-1][3] == per_node, seen[-1]
     fastpath.invalidate()
 
 
