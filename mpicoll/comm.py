@@ -225,9 +225,20 @@ class Comm(MPI.Intracomm):
 
     # -- communicator management ----------------------------------------------------------
     def Dup(self, info: Any = None) -> "Comm":
-        """Duplicate the communicator; the duplicate is an ``mpicoll.Comm`` too."""
+        """Duplicate the communicator; the duplicate is an ``mpicoll.Comm`` too, with the
+        same ``algorithm`` and ``check`` (also through ``Clone``, ``Dup_with_info`` and
+        ``Idup``, whose request is complete)."""
         dup = comms.dup(self, "user", info=info)
         return Comm(dup, self._mpicoll_algorithm, self._mpicoll_check)
+
+    def Clone(self) -> "Comm":  # noqa: D102 (Dup's)
+        return self.Dup()
+
+    def Dup_with_info(self, info: Any) -> "Comm":  # noqa: D102 (Dup's)
+        return self.Dup(info)
+
+    def Idup(self, info: Any = None) -> tuple["Comm", MPI.Request]:  # noqa: D102 (Dup's)
+        return self.Dup(info), MPI.Request()
 
 
 if failures.ENABLED:  # ULFM on: a process failure raises ProcessFailedError (mpicoll.runtime)

@@ -209,11 +209,18 @@ def _registration_error(every: list[tuple[int, ...]], size: int) -> str:
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set`` (collective, like :func:`add_process_set`); stop its
-    engine. Returns whether it was removed (never the global set)."""
+    engine. Returns whether it was removed (never the global set).
+
+    Raises:
+        ValueError: on every rank, when ranks name different sets.
+    """
     if process_set.process_set_id in (None, 0):
         return False
     # every rank removes it, after its last operation (raises unless initialized)
-    _gather_through_engine("remove_process_set", (process_set.process_set_id,))
+    every = _gather_through_engine("remove_process_set", (process_set.process_set_id,))
+    if len(set(every)) != 1:  # (each rank removed its own: the registries diverged)
+        raise ValueError(f"remove_process_set: ranks disagree on the process set: ids "
+                         f"{[i for (i,) in every]} by rank")
     with _lock:
         entry = _registry.pop(process_set.process_set_id, None)  # type: ignore[arg-type]
     process_set.process_set_id = None

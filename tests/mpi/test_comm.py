@@ -205,6 +205,15 @@ def test_dup_is_mpicoll_comm_and_collective_algorithm():
         dup.Bcast(y, root=0)
     finally:
         dup.Free()
+    # every duplication keeps the settings (mpi4py made Clone, Dup_with_info and Idup's
+    # results with Comm's defaults: algorithm auto, check off)
+    checked = mpicoll.Comm(MPI.COMM_WORLD, algorithm="ring", check=True)
+    idup, request = checked.Idup()
+    request.Wait()
+    for made in (checked.Clone(), checked.Dup_with_info(MPI.INFO_NULL), idup):
+        assert isinstance(made, mpicoll.Comm)
+        assert (made._mpicoll_algorithm, made._mpicoll_check) == ("ring", True)
+        made.Free()
 
 
 def test_native_through_mpicoll_comm_does_not_recurse():

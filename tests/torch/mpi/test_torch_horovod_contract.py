@@ -184,6 +184,20 @@ def test_add_process_set_while_another_rank_waits_fails_instead_of_hanging():
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after.sets").item() == n
 
 
+def test_removing_different_process_sets_raises_on_every_rank():
+    """Horovod removes a set once every rank has marked the same one; here each rank
+    removed its own and returned True, leaving the ranks' registries different (a later
+    operation on either set failed, pointing elsewhere)."""
+    n, me = hvd.size(), hvd.rank()
+    if n < 2:
+        pytest.skip("needs 2 ranks")
+    a, b = hvd.add_process_set([0]), hvd.add_process_set([n - 1])
+    with pytest.raises(ValueError, match="ranks disagree on the process set"):
+        hvd.remove_process_set(a if me == 0 else b)
+    assert hvd.remove_process_set(a) and hvd.remove_process_set(b)  # both still there
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after.removal").item() == n
+
+
 def test_in_place_operations_return_the_tensor_itself():
     """As Horovod's (its handle map holds the tensor): ``allreduce_``, ``broadcast_``,
     ``grouped_allreduce_`` and ``synchronize`` of their async forms return the very tensor
