@@ -231,13 +231,13 @@ class Comm(MPI.Intracomm):
         dup = comms.dup(self, "user", info=info)
         return Comm(dup, self._mpicoll_algorithm, self._mpicoll_check)
 
-    def Clone(self) -> "Comm":  # noqa: D102 (Dup's)
+    def Clone(self) -> Comm:  # (Dup's doc)
         return self.Dup()
 
-    def Dup_with_info(self, info: Any) -> "Comm":  # noqa: D102 (Dup's)
+    def Dup_with_info(self, info: Any) -> Comm:
         return self.Dup(info)
 
-    def Idup(self, info: Any = None) -> tuple["Comm", MPI.Request]:  # noqa: D102 (Dup's)
+    def Idup(self, info: Any = None) -> tuple[Comm, MPI.Request]:
         return self.Dup(info), MPI.Request()
 
 
