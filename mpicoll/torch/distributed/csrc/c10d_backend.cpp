@@ -44,6 +44,15 @@ namespace mpicoll __attribute__((visibility("hidden"))) {
 
 using c10d::OpType;
 
+// Whether the interpreter is finalizing (Python 3.13 made the test public).
+inline bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 // The C++ face of a Python work (a torch.distributed.Work subclass).
 class WorkHandle : public c10d::Work {
  public:
@@ -51,7 +60,11 @@ class WorkHandle : public c10d::Work {
       : c10d::Work(-1, type), work_(std::move(work)) {}
 
   ~WorkHandle() override {
-    if (!Py_IsInitialized()) {  // the interpreter is gone: leave the object
+    // The interpreter is gone or going: leave the object. A thread other than the main
+    // one that waits for the GIL while the interpreter finalizes is ended by Python
+    // (pthread_exit), which inside this noexcept destructor is std::terminate: "terminate
+    // called without an active exception" at exit.
+    if (!Py_IsInitialized() || finalizing()) {
       work_.release();
       return;
     }
