@@ -97,6 +97,9 @@ class Growth:
 last_growth: Growth | None = None
 #: What the job told this process when it joined (``None``: it was not spawned to join).
 joined: dict[str, Any] | None = None
+#: What rank 0 tells the processes that join, besides the launch size (the elastic
+#: loop's reset count: ``{"resets": n}``, so that a joiner stops at the same reset).
+facts: dict[str, Any] = {}
 #: This process's interpreter options and program, when it joined (its own command line
 #: starts the joiner instead).
 _program: tuple[list[str], list[str]] | None = None
@@ -158,11 +161,12 @@ def _merge(inter: MPI.Intercomm, old_size: int, spawn_s: float,
     start = time.perf_counter()
     merged = comms.merge(inter, high=joining)
     merged_at = time.perf_counter()
-    facts = merged.bcast({"launch_size": launch_size()} if merged.Get_rank() == 0 else None)
+    told = merged.bcast({"launch_size": launch_size(), **facts} if merged.Get_rank() == 0
+                        else None)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     context.set_world(merged)
     return Growth(old_size, merged.Get_size(), merged.Get_rank(), spawn_s, merged_at - start,
-                  time.perf_counter() - merged_at, joined=joining), facts
+                  time.perf_counter() - merged_at, joined=joining), told
 
 
 def grow_world(new_size: int) -> Growth:

@@ -248,6 +248,9 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
     launched with fewer than ``min_np`` ranks and no ``hosts`` to grow it raises
     :class:`~mpicoll.TooFewRanksError` on every rank at the first call."""
     first_call = [True]
+    if hosts is not None and hosts.max_np is not None and min_np > hosts.max_np:
+        raise ValueError(f"min_np={min_np} exceeds max_np={hosts.max_np}: the job could "
+                         f"never run")
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
@@ -264,7 +267,8 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
         first_call[0] = False
         try:
             discovery_module.activate(hosts, first=not joining)
-            return _loop(func, reset, grow, state, args, kwargs, reset_limit)
+            return _loop(func, reset, grow, state, args, kwargs, reset_limit,
+                         grow_module.joined.get("resets", 0) if joining else 0)
         finally:
             discovery_module.deactivate()
 
@@ -273,11 +277,12 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
 
 def _loop(func: Callable[..., Any], reset: Callable[[], Any],
           grow: Callable[[int], Any] | None, state: State, args: tuple,
-          kwargs: dict, reset_limit: int | None = None) -> Any:
+          kwargs: dict, reset_limit: int | None = None, resets: int = 0) -> Any:
+    """The elastic loop (``resets``: the job's resets so far, which a process that joined
+    learns from rank 0, so that every rank stops at the same one)."""
     load_from_disk(state)
     skip_sync = False
     event = None
-    resets = 0
     while True:
         try:
             if not skip_sync:
@@ -320,6 +325,7 @@ def _loop(func: Callable[..., Any], reset: Callable[[], Any],
                 f"mpicoll.elastic: the job was to be reset again after {resets} reset(s), "
                 f"more than its reset_limit={reset_limit}: it stops", resets + 1, reset_limit)
         resets += 1
+        grow_module.facts["resets"] = resets  # (for the processes a growth adds)
         event = _grow_or_reset(interrupt, reset, grow)
         reset_done = time.perf_counter()
         state.on_reset()

@@ -432,3 +432,40 @@ def test_ddp_module_grows_from_2_to_3_under_mpich(outputs, hold) -> None:
     (right, wrong), = [(float(a), float(b)) for a, b in re.findall(
         r"GROWREF (\S+) (\S+)", out)]
     assert right <= 1e-9 and wrong > 1e-3, f"reference differences {right}, {wrong}\n{tail}"
+
+
+RESET_LIMIT_JOB = """
+import time, numpy as np, mpicoll, mpicoll.elastic as elastic
+state = elastic.ObjectState(step=0)
+@elastic.run(discovery=lambda: 1 if state.step < 3 else (2 if state.step < 8 else 3),
+             max_np=3, reset_limit=1, discovery_interval=0.05)
+def train(st):
+    while st.step < 40:
+        mpicoll.allreduce(np.ones(3)); st.step += 1; time.sleep(0.05); st.commit()
+try:
+    train(state)
+except mpicoll.ResetLimitError:
+    print("LIMIT", elastic.world().Get_rank(), flush=True)
+    raise SystemExit(1)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_reset_limit_stops_the_ranks_that_joined_too(tmp_path) -> None:
+    """``reset_limit=1``, growths from 1 to 2 (the one reset allowed), then to 3: every
+    rank, the one that joined included, raises ResetLimitError. Each process counted
+    resets from its own start, so the joiner went on into the growth alone: a hang."""
+    script = tmp_path / "reset_limit_job.py"
+    script.write_text(RESET_LIMIT_JOB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MPICOLL_")}
+    env["PYTHONPATH"] = str(ompi_env.ROOT)
+    rc, out, _ = run_command(mpirun_command(1) + [sys.executable, "-u", str(script)], env,
+                             JOB_TIMEOUT_S)
+    tail = "\n".join(out.splitlines()[-20:])
+    assert rc == 1, f"status {rc} (None: a hang)\n{tail}"
+    assert sorted(int(f[0]) for f in ulfm_jobs.lines(out, "LIMIT")) == [0, 1], tail
+
+
+def test_min_np_above_max_np_is_refused() -> None:
+    with pytest.raises(ValueError, match="min_np=3 exceeds max_np=2"):
+        elastic.run(min_np=3, max_np=2, discovery=lambda: 3)(lambda state: None)
