@@ -72,8 +72,8 @@ class Comm(MPI.Intracomm):
 
     ``Dup`` returns an ``mpicoll.Comm`` with the same settings (as mpi4py keeps a
     subclass); ``Split``, ``Split_type``, ``Create`` and ``Create_group`` return mpi4py's
-    ``Intracomm``, as mpi4py does for a subclass: wrap what they return
-    (``mpicoll.Comm(comm.Split(color, key))``) for mpicoll's collectives on it.
+    ``Intracomm``, as mpi4py does for a subclass: wrap what they return in
+    ``mpicoll.Comm`` for mpicoll's collectives on it.
     """
 
     def __new__(cls, comm: Any = None, algorithm: str = "auto",
@@ -231,14 +231,10 @@ class Comm(MPI.Intracomm):
         dup = comms.dup(self, "user", info=info)
         return Comm(dup, self._mpicoll_algorithm, self._mpicoll_check)
 
-    def Clone(self) -> Comm:  # (Dup's doc)
-        return self.Dup()
+    Clone = Dup_with_info = Dup
 
-    def Dup_with_info(self, info: Any) -> Comm:
-        return self.Dup(info)
-
-    def Idup(self, info: Any = None) -> tuple[Comm, MPI.Request]:
-        return self.Dup(info), MPI.Request()
+    def Idup(self, info: Any = None) -> tuple[Comm, MPI.Request]:  # (Dup's doc)
+        return Comm.Clone(self, info), MPI.Request()
 
 
 if failures.ENABLED:  # ULFM on: a process failure raises ProcessFailedError (mpicoll.runtime)
