@@ -133,3 +133,16 @@ def test_without_root_says_why(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=30, check=False)
     assert r.returncode == 77, r
     assert "not root" in r.stderr, r.stderr
+
+
+def test_links_that_cannot_pass_a_packet_are_refused(tmp_path_factory: pytest.TempPathFactory
+                                                     ) -> None:
+    """A tbf bucket smaller than one 64 KiB GSO packet passes no full packet (a job on the
+    bed then hung past its own timeout), and a zero rate failed inside tc: both are usage
+    errors (status 2) before anything is made."""
+    c = new_cluster(tmp_path_factory, "b")
+    for args, words in ((["--burst", "1500"], "--burst must be a byte count of at least"),
+                        (["--bandwidth", "0"], "--bandwidth must be at least")):
+        up = c.run("up", "--nodes", "1", *args)
+        assert up.returncode == 2 and words in up.stdout, up.stdout
+        assert not c.namespaces(), c.namespaces()
