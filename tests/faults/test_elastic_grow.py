@@ -435,7 +435,7 @@ def test_ddp_module_grows_from_2_to_3_under_mpich(outputs, hold) -> None:
 
 
 RESET_LIMIT_JOB = """
-import time, numpy as np, mpicoll, mpicoll.elastic as elastic
+import sys, time, numpy as np, mpicoll, mpicoll.elastic as elastic
 state = elastic.ObjectState(step=0)
 @elastic.run(discovery=lambda: 1 if state.step < 3 else (2 if state.step < 8 else 3),
              max_np=3, reset_limit=1, discovery_interval=0.05)
@@ -444,8 +444,9 @@ def train(st):
         mpicoll.allreduce(np.ones(3)); st.step += 1; time.sleep(0.05); st.commit()
 try:
     train(state)
-except mpicoll.ResetLimitError:
-    print("LIMIT", elastic.world().Get_rank(), flush=True)
+except mpicoll.ResetLimitError:  # (one write: two ranks' lines never run together)
+    sys.stdout.write(f"LIMIT {elastic.world().Get_rank()}\\n")
+    sys.stdout.flush()
     raise SystemExit(1)
 """
 
