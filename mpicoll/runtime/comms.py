@@ -7,7 +7,9 @@ made here, by one of the functions below, and recorded with its *owner* (a short
 generation of :mod:`mpicoll.runtime.world` it descends from) and its *lifetime*:
 
 - ``"owner"``: the owner frees it (:func:`free`) when it is done with it;
-- ``"world"``: it lives as long as its world, and :func:`release_world` frees it.
+- ``"world"``: it lives as long as its world, and :func:`release_world` frees it;
+- ``"job"``: a growth's intercommunicator (``MPI_Comm_spawn``'s, or the parent a joining
+  process was started with), freed at the process's exit (:func:`release_all`).
 
 No other module of mpicoll calls ``Dup``, ``Split``, ``Split_type``, ``Create_group``,
 ``Shrink``, ``Spawn`` or ``Merge`` (a repository test checks). On a process failure
@@ -41,7 +43,8 @@ class Record:
         comm: the communicator (a plain ``MPI.Intracomm``/``Intercomm``).
         owner: who asked for it (``"context"``, ``"ps"``, ``"group"``, ...).
         world: the world generation it belongs to (:func:`mpicoll.runtime.world.generation`).
-        lifetime: ``"owner"`` (freed by its owner) or ``"world"`` (freed with its world).
+        lifetime: ``"owner"`` (freed by its owner), ``"world"`` (freed with its world) or
+            ``"job"`` (freed at exit).
         parent: the handle of the communicator it was made from (``None``: none).
         revoked: whether :mod:`mpicoll.runtime.failures` revoked it.
     """
@@ -168,7 +171,7 @@ def shrink(parent: Any, owner: str = "world") -> MPI.Intracomm:
 def spawn(parent: Any, command: str, args: list[str], maxprocs: int, info: Any,
           owner: str = "world") -> MPI.Intercomm:
     """``MPI_Comm_spawn`` from rank 0 of ``parent``: the intercommunicator to the new
-    processes (kept for the life of the job: freeing it would wait for them)."""
+    processes (kept for the life of the job, freed at exit)."""
     inter = plain(parent).Spawn(command, args=args, maxprocs=maxprocs, root=0, info=info)
     return _register(inter, owner, parent, "job")
 
@@ -259,9 +262,12 @@ def release_world(world: int) -> None:
 
 def release_all() -> None:
     """At exit, after the clients' own exit handlers: free (or, for a failed world's,
-    forget) every communicator still alive, so that none outlives the runtime."""
+    forget) every communicator still alive, so that none outlives the runtime.
+
+    A growth's intercommunicators are freed too: Open MPI 5.0.11's ``MPI_Finalize``
+    disconnects every communicator still spanning two of its jobs, and in a process that
+    holds two or more (one that joined a growth and took part in the next) that crashed
+    (a null host name in its TCP transport, the job's status 1); with them freed it has
+    none to disconnect."""
     for rec in alive():
-        if rec.lifetime == "job":     # a spawn's intercommunicator: freeing waits for the other side
-            forget([rec.comm])
-        else:
-            free(rec.comm)
+        free(rec.comm)

@@ -29,6 +29,11 @@ as ``mpich-grow`` (the numpy growth):
   reference (2 ranks' mean gradient up to that commit, 3 ranks' after it) within 1e-9,
   while one that kept dividing by 2 is far off.
 
+- ``twice-grow``: a job of 1 that grows to 2, then to 3 (a callable discovery): every
+  all-reduce exact at every size, every rank done at 3 with the same step, and the job
+  ends with status 0 (the process the first growth started, holding two growths'
+  intercommunicators, crashed in ``MPI_Finalize``: status 1).
+
 With ``ULFM_ALL_CASES=1`` (slower: a torch job here costs one to two minutes under load):
 
 - ``numpy-shrink-grow``: 3 ranks, one SIGKILLed, the 2 survivors shrink, then grow back
@@ -267,10 +272,35 @@ def test_the_joiner_runs_a_script_a_module_or_code_as_main(tmp_path, monkeypatch
 
 
 # ----- under mpirun --with-ft ulfm ------------------------------------------------------
+TWICE_GROW_JOB = """
+import sys, time, numpy as np, mpicoll, mpicoll.elastic as elastic
+state = elastic.ObjectState(step=0)
+@elastic.run(discovery=lambda: 1 if state.step < 4 else (2 if state.step < 9 else 3),
+             max_np=3, discovery_interval=0.05)
+def train(st):
+    while st.step < 14:
+        world = elastic.world()
+        size = world.Get_size()
+        got = mpicoll.allreduce(np.full(5, world.Get_rank() + 1.0))
+        if not np.array_equal(got, np.full(5, size * (size + 1) / 2)):
+            sys.stdout.write(f"BAD {world.Get_rank()} {size} {st.step}\\n")
+        st.step += 1
+        time.sleep(0.05)                    # (discovery polls every 0.05 s)
+        st.commit()
+train(state)
+world = elastic.world()
+sys.stdout.write(f"DONE {world.Get_rank()} {world.Get_size()} {state.step}\\n")
+sys.stdout.flush()
+"""
+
+
 def _jobs(tmp: Path) -> dict:
+    twice = tmp / "twice_grow_job.py"
+    twice.write_text(TWICE_GROW_JOB)
     jobs = {
         # name: (script, n, args)
         "numpy-grow": (NUMPY, 2, [1000, GROW_STEP, 3, 3, "2", GARBAGE_STEP]),
+        "twice-grow": (twice, 1, []),
     }
     if ALL:
         jobs["numpy-shrink-grow"] = (NUMPY, 3, [STEPS, -1, 3, 3, "3", -1, 1, 8])
@@ -377,6 +407,15 @@ def _check_finished_grown(name: str, outputs: dict, rank_steps: Callable[[int], 
     want = ("3", str(STEPS), str(rank_steps(grew_at)))
     assert {(f[0], f[1], f[2]) for f in done.values()} == {want}, tail
     assert len({f[3] for f in done.values()}) == 1, f"final states differ\n{tail}"
+
+
+@pytest.mark.timeout(900)
+def test_a_job_that_grows_twice_ends_with_status_0(outputs) -> None:
+    rc, out, _ = outputs["twice-grow"]
+    tail = _show("twice-grow", outputs["twice-grow"])
+    assert "BAD" not in out, f"a wrong all-reduce sum\n{tail}"
+    assert _by_rank(out, "DONE") == {r: ["3", "14"] for r in range(3)}, tail
+    assert rc == 0, f"status {rc} (124: a hang)\n{tail}"
 
 
 @pytest.mark.timeout(900)
