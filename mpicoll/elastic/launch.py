@@ -24,8 +24,9 @@ allocation, else this host with ``--max-np`` slots), launches the job on them wi
 Every launch has ``MPICOLL_ELASTIC_DIR`` (the commit directory: ``--commit-dir``, else a
 temporary one removed at the end) and ``MPICOLL_ELASTIC_RESTART`` (0, 1, ...). The
 supervisor appends one JSON line per event (``discovered``, ``launch``, ``started``
-(with the launcher's pid, which is also the job's session id), ``exit``, ``stop``)
-with wall-clock times to ``<commit dir>/launch-events.jsonl``.
+(with the launcher's pid, which is also the job's session id), ``exit``, ``stop``, and
+last ``end`` with its exit status and why) with wall-clock times to
+``<commit dir>/launch-events.jsonl``.
 
 Exit statuses: 0 done; 1 gave up (restarts spent, too few slots, discovery failed);
 2 bad usage (options, a command that cannot be found, no launcher); 128 + N a signal.
@@ -329,15 +330,22 @@ def main(argv: list[str] | None = None) -> int:
 
     previous = {s: signal.signal(s, on_signal)
                 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    status, reason = 1, "the supervisor failed"     # (an exception it does not handle)
     try:
-        return supervisor.run()
+        status = supervisor.run()
+        reason = "done" if status == 0 else f"stopped by signal {status - 128}"
+        return status
     except (GaveUp, LaunchError) as exc:
         if supervisor.stop_signal is not None:  # stopped while discovering
-            _say(f"stopped by signal {supervisor.stop_signal}")
-            return 128 + supervisor.stop_signal
+            status, reason = 128 + supervisor.stop_signal, \
+                f"stopped by signal {supervisor.stop_signal}"
+            _say(reason)
+            return status
         _say(f"error: {exc}")
-        return 1
+        reason = f"gave up: {exc}"
+        return status
     finally:
+        supervisor.event("end", status=status, reason=reason)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         if temporary:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..algorithms.adasum import check_adasum_size
 from .engine import handles
 from .compression.allreduce import codec_allreduce
 from .compression.compressors import CodecCompressor, Compression
@@ -29,7 +30,7 @@ from .engine.handles import GroupFuture
 from .mpi_ops import (allreduce_meta, check_rows, gathered_rows, reducescatter_meta,
                       request_name, resolve_scatter_op, scatter_gradient, synchronize)
 from .engine.negotiation import Meta
-from .ops import Average, ReduceOp, resolve_reduce_op
+from .ops import Adasum, Average, ReduceOp, resolve_reduce_op
 from .process_sets import backward_in_scope, forward_in_scope, scoped
 from .state import engine
 
@@ -50,18 +51,20 @@ def _tensor_list(tensors: Any) -> list[torch.Tensor]:
 def _submit_group(kind: str, tensors: list[torch.Tensor], name: str | None,
                   process_set: Any, describe: Callable[[torch.Tensor, str], Meta],
                   output: Callable[[torch.Tensor], Any] = lambda t: None,
-                  returns: Any = None) -> int:
+                  returns: Any = None, check: Callable[[], None] = lambda: None) -> int:
     """Submit ``tensors`` as one group request named ``name`` (or the next unnamed
     ``kind``, numbered per process set); return its handle (``returns``: what
     ``synchronize`` gives for it, else the members' results).
 
     Member ``i`` is named ``<group>.<i>`` and described (validated) by
     ``describe(tensor, member_name)``; ``output(tensor)`` is where its result goes
-    (``None``: a new tensor made by the engine).
+    (``None``: a new tensor made by the engine). ``check()``, after the members are
+    validated, raises what the whole request cannot do in the process set's scope.
     """
     with scoped(process_set):
         base = request_name(kind, name)
         metas = [describe(t, f"{base}.{i}") for i, t in enumerate(tensors)]
+        check()
         futures = engine().submit_group(Meta(base, "group", members=tuple(metas)),
                                         [(t.detach(), output(t)) for t in tensors])
     return handles.register(GroupFuture(futures), returns)
@@ -79,7 +82,8 @@ def _grouped_allreduce_async(tensors: Any, in_place: bool, average: Any, name: s
                                          postscale_factor),
         (lambda t: t.detach()) if in_place
         else (lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)),
-        returns=tensors if in_place else None)
+        returns=tensors if in_place else None,
+        check=lambda: check_adasum_size(engine().size) if resolved == Adasum else None)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Any = None,

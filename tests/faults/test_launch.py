@@ -80,6 +80,8 @@ def test_resumes_from_last_commit_at_smaller_size(tmp_path, mode, sizes):
                        str(kill_step), str(victim), mode])
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "relaunching from the last commit" in proc.stderr
+    assert _events(commits)[-1] | {"time": 0} == {"event": "end", "status": 0,
+                                                  "reason": "done", "time": 0}
     launches = [e for e in _events(commits) if e["event"] == "launch"]
     assert [(e["restart"], e["np"]) for e in launches] == [(0, before), (1, after)]
     # the relaunch resumed at the step of the failure, not from zero
@@ -117,6 +119,10 @@ def test_restarts_are_bounded(tmp_path, capsys):
     seen = sorted(tuple(line.split()) for line in runs.read_text().splitlines())
     commit_dir = str((tmp_path / "c").resolve())
     assert seen == [(str(r), str(p), commit_dir) for r in range(3) for p in range(2)]
+    # the event log ends with why the supervisor ended (it stopped at the last exit)
+    end = _events(tmp_path / "c")[-1]
+    assert (end["event"], end["status"]) == ("end", 1), end
+    assert end["reason"].startswith("gave up: the job failed (exit status 3)"), end
 
 
 def test_fewer_slots_than_min_np(tmp_path, capsys):
@@ -207,6 +213,9 @@ def test_stopped_supervisor_leaves_no_process(tmp_path, signum):
     if signum == signal.SIGTERM:
         assert sup.returncode == 128 + signal.SIGTERM, err
         assert "stopped by signal" in err
+        end = _events(commits)[-1]
+        assert (end["event"], end["status"], end["reason"]) == (
+            "end", 128 + signal.SIGTERM, f"stopped by signal {int(signal.SIGTERM)}"), end
     else:
         assert sup.returncode == -signal.SIGKILL, err
     deadline = time.monotonic() + 15    # hydra's cleanup; zombies reaped by init

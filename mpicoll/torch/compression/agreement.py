@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ...errors import CollectiveError
+from ...errors import CollectiveError, MismatchError
 from ..engine.dtypes import dtype_name
 from ..engine.negotiation import Meta
 from ..ops import Sum
@@ -41,8 +41,13 @@ def check_presence(name: str, layout: str, what: str) -> Any:
     meta = Meta(name, "allreduce", dtype_name(torch.int32), (1,), int(Sum), layout=layout)
     future = eng.submit(meta, _ONE, present, waiting=True)
     eng.wait(future)
-    if future.error is not None:
-        raise future.error
+    error = future.error
+    if isinstance(error, MismatchError):    # in the caller's terms, not the request's
+        detail = str(error).partition("ranks disagree: ")[2].removeprefix("layout: ")
+        raise MismatchError(f"{what}: ranks disagree on the compressed reduction (codec, "
+                            f"options, parameters): {detail}") from error
+    if error is not None:
+        raise error
     joined = eng.size - int(present[0])
     if joined:
         raise CollectiveError(
