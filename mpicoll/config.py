@@ -103,6 +103,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MPICOLL_ELASTIC_MIN_NP", "mpicoll.elastic", "1",
              "the least number of ranks an elastic job goes on with, when `run` is given "
              "no `min_np=` (horovodrun's `--min-np`)"),
+    Variable("MPICOLL_ELASTIC_TIMEOUT", "mpicoll.elastic", "600",
+             "seconds a job launched with fewer than `min_np` ranks and a discovery waits "
+             "for the discovery to offer `min_np` slots before its function first runs "
+             "(then `TooFewRanksError` on every rank; horovodrun's `--elastic-timeout`)"),
     Variable("MPICOLL_ELASTIC_RESET_LIMIT", "mpicoll.elastic", "unset (no limit)",
              "the most resets (shrinks and growths) an elastic job goes through, when `run` "
              "is given no `reset_limit=` (horovodrun's `--reset-limit`)"),

@@ -62,6 +62,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+import numpy as np
 from mpi4py import MPI
 
 from .. import config
@@ -246,7 +247,8 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
     :class:`~mpicoll.elastic.discovery.Discovery`) reports more slots, at most
     ``reset_limit`` resets (``None``: no limit; see the module's docstring). A job
     launched with fewer than ``min_np`` ranks and no ``hosts`` to grow it raises
-    :class:`~mpicoll.TooFewRanksError` on every rank at the first call."""
+    :class:`~mpicoll.TooFewRanksError` on every rank at the first call; with ``hosts`` it
+    waits for the slots first (:func:`_wait_for_min_np`)."""
     first_call = [True]
     if hosts is not None and hosts.max_np is not None and min_np > hosts.max_np:
         raise ValueError(f"min_np={min_np} exceeds max_np={hosts.max_np}: the job could "
@@ -264,15 +266,46 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
             raise TooFewRanksError(
                 f"mpicoll.elastic: the job has {size} rank(s), fewer than min_np={min_np}, "
                 f"and no discovery to grow it: launch at least {min_np}", size, min_np, [])
+        starting = first_call[0] and not joining
         first_call[0] = False
         try:
             discovery_module.activate(hosts, first=not joining)
+            if starting and hosts is not None:
+                _wait_for_min_np(hosts, min_np, reset, grow)
             return _loop(func, reset, grow, state, args, kwargs, reset_limit,
                          grow_module.joined.get("resets", 0) if joining else 0)
         finally:
             discovery_module.deactivate()
 
     return wrapper
+
+
+def _wait_for_min_np(hosts: discovery_module.Discovery, min_np: int,
+                     reset: Callable[[], Any], grow: Callable[[int], Any] | None) -> None:
+    """A job launched with fewer than ``min_np`` ranks and a discovery waits, as horovodrun
+    does, before its function first runs: every ``hosts.interval`` seconds the ranks agree
+    on rank 0's latest poll, and once it offers at least ``min_np`` slots the world grows
+    to them (``max_np`` at most). Raises :class:`~mpicoll.TooFewRanksError` on every rank
+    when ``MPICOLL_ELASTIC_TIMEOUT`` seconds (rank 0's clock) pass first."""
+    from .. import collectives  # (the guarded broadcast; imported late, as discovery does)
+
+    timeout = config.env_float("MPICOLL_ELASTIC_TIMEOUT", 600.0, minimum=0.0)
+    deadline = time.monotonic() + timeout
+    while (size := runtime_world.comm().Get_size()) < min_np:
+        try:
+            discovery_module.check_host_updates()
+        except HostsAddedInterrupt as exc:
+            if exc.new_size >= min_np:
+                _grow_or_reset(exc, reset, grow)
+                continue
+        late = np.array([time.monotonic() >= deadline], dtype=np.int64)
+        collectives.broadcast(late, root=0)
+        if late[0]:
+            raise TooFewRanksError(
+                f"mpicoll.elastic: the job has {size} rank(s), fewer than min_np={min_np}, "
+                f"and the discovery offered no more slots within MPICOLL_ELASTIC_TIMEOUT="
+                f"{timeout:g} s", size, min_np, [])
+        time.sleep(max(hosts.interval, 0.01))
 
 
 def _loop(func: Callable[..., Any], reset: Callable[[], Any],

@@ -506,6 +506,54 @@ def test_reset_limit_stops_the_ranks_that_joined_too(tmp_path) -> None:
     assert sorted(int(f[0]) for f in ulfm_jobs.lines(out, "LIMIT")) == [0, 1], tail
 
 
+MIN_NP_JOB = """
+import sys, time, numpy as np, mpicoll, mpicoll.elastic as elastic
+start, later = time.time(), int(sys.argv[1])
+state = elastic.ObjectState(step=0, sizes=[])
+@elastic.run(discovery=lambda: 1 if time.time() - start < 1.0 else later, min_np=3,
+             max_np=4, discovery_interval=0.05)
+def train(st):
+    while st.step < 5:
+        size = elastic.world().Get_size()
+        got = mpicoll.allreduce(np.full(3, elastic.world().Get_rank() + 1.0))
+        st.sizes = st.sizes + [size * (size + 1) // 2 if got[0] == got[2] else -1]
+        st.step += 1
+        st.commit()
+try:
+    train(state)
+except mpicoll.TooFewRanksError as exc:  # (one write: two ranks' lines never run together)
+    sys.stdout.write(f"TOOFEW {elastic.world().Get_rank()} {exc.size} {exc.min_np}\\n")
+    sys.stdout.flush()
+    raise SystemExit(3)
+sys.stdout.write(f"SUMS {elastic.world().Get_rank()} {state.sizes}\\n")
+sys.stdout.flush()
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("later", [4, 1])
+def test_a_job_launched_below_min_np_waits_for_the_slots(tmp_path, later) -> None:
+    """``min_np=3``, launched with 2, the discovery offering 1 slot, then after a second
+    ``later``: with 4 (``max_np``) the job grows to 4 before its function first runs (every
+    step's all-reduce sums over 4: it started at 2 and grew at its first commit);
+    with 1 it never gets the slots, and after ``MPICOLL_ELASTIC_TIMEOUT`` (3 s) every rank
+    raises TooFewRanksError."""
+    script = tmp_path / "min_np_job.py"
+    script.write_text(MIN_NP_JOB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MPICOLL_")}
+    env.update(PYTHONPATH=str(ompi_env.ROOT), MPICOLL_ELASTIC_TIMEOUT="3")
+    rc, out, secs = run_command(mpirun_command(2) + [sys.executable, "-u", str(script),
+                                                     str(later)], env, JOB_TIMEOUT_S)
+    tail = "\n".join(out.splitlines()[-20:])
+    if later == 1:
+        assert rc == 3, f"status {rc} (None: a hang)\n{tail}"
+        assert sorted(ulfm_jobs.lines(out, "TOOFEW")) == [["0", "2", "3"], ["1", "2", "3"]], tail
+        return
+    assert rc == 0, f"status {rc} (None: a hang)\n{tail}"
+    assert {f[0]: " ".join(f[1:]) for f in ulfm_jobs.lines(out, "SUMS")} == \
+        {str(r): "[10, 10, 10, 10, 10]" for r in range(4)}, tail
+
+
 def test_min_np_above_max_np_is_refused() -> None:
     with pytest.raises(ValueError, match="min_np=3 exceeds max_np=2"):
         elastic.run(min_np=3, max_np=2, discovery=lambda: 3)(lambda state: None)
