@@ -287,7 +287,8 @@ def _wait_for_min_np(hosts: discovery_module.Discovery, min_np: int,
     on rank 0's latest poll, and once it offers at least ``min_np`` slots the world grows
     to them (``max_np`` at most). Raises :class:`~mpicoll.TooFewRanksError` on every rank
     when ``MPICOLL_ELASTIC_TIMEOUT`` seconds (rank 0's clock) pass first."""
-    from .. import collectives  # (the guarded broadcast; imported late, as discovery does)
+    # the guarded broadcast, imported late (as discovery does)
+    from .. import collectives
 
     timeout = config.env_float("MPICOLL_ELASTIC_TIMEOUT", 600.0, minimum=0.0)
     deadline = time.monotonic() + timeout
