@@ -506,6 +506,44 @@ def test_reset_limit_stops_the_ranks_that_joined_too(tmp_path) -> None:
     assert sorted(int(f[0]) for f in ulfm_jobs.lines(out, "LIMIT")) == [0, 1], tail
 
 
+TWICE_GROW_HVD_JOB = """
+import sys, time, torch, mpicoll.torch as hvd
+hvd.init()
+state = hvd.elastic.ObjectState(step=0)
+@hvd.elastic.run(discovery=lambda: 1 if state.step < 4 else (2 if state.step < 9 else 3),
+                 max_np=3, discovery_interval=0.05)
+def train(st):
+    while st.step < 14:
+        got = hvd.allreduce(torch.full((5,), hvd.rank() + 1.0), op=hvd.Sum)
+        n = hvd.size()
+        if not torch.equal(got, torch.full((5,), n * (n + 1) / 2)):
+            sys.stdout.write(f"BAD {hvd.rank()} {n} {st.step}\\n")
+        st.step += 1
+        time.sleep(0.05)                    # (discovery polls every 0.05 s)
+        st.commit()
+train(state)
+sys.stdout.write(f"DONE {hvd.rank()} {hvd.size()} {state.step}\\n")
+sys.stdout.flush()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_hvd_grows_twice_under_mpich_and_shuts_down_at_once(tmp_path) -> None:
+    """hvd.elastic from 1 to 2 to 3 ranks under MPICH: exact sums at every size, and the
+    engine's shutdown does not wait: its notices were received from MPI_ANY_SOURCE, which
+    on a world a growth made never completed (5 s and a warning on every rank)."""
+    script = tmp_path / "twice_grow_hvd_job.py"
+    script.write_text(TWICE_GROW_HVD_JOB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MPICOLL_")}
+    env["PYTHONPATH"] = str(ompi_env.ROOT)
+    rc, out, _ = run_command(mpirun_command(1) + [sys.executable, "-u", str(script)], env,
+                             JOB_TIMEOUT_S)
+    tail = "\n".join(out.splitlines()[-20:])
+    assert rc == 0 and "BAD" not in out, f"status {rc} (None: a hang)\n{tail}"
+    assert _by_rank(out, "DONE") == {r: ["3", "14"] for r in range(3)}, tail
+    assert "notices incomplete" not in out, tail
+
+
 MIN_NP_JOB = """
 import sys, time, numpy as np, mpicoll, mpicoll.elastic as elastic
 start, later = time.time(), int(sys.argv[1])

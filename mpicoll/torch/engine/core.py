@@ -556,7 +556,7 @@ class Engine:
         clean = clean and self.leaving is not None
         try:
             if clean and self._notices is not None:
-                clean = self._notices.close(sum(1 for r in self.leaving if r != self.rank))
+                clean = self._notices.close([r for r in self.leaving if r != self.rank])
         except MPI.Exception:
             clean = False
         if not clean:

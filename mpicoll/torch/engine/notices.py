@@ -9,13 +9,15 @@ own: the engine's rounds there are collectives, which never match a send, and Ad
 messages have other tags); each engine thread, when idle, looks for a notice every few
 hundredths of a second and then makes a round at once. Every rank stops after that round
 (see :mod:`mpicoll.torch.engine.negotiation`), and each one then receives exactly the
-notices that the round's leaving ranks sent it (so no message outlives the communicator,
-whose context id a later ``init`` may reuse).
+notices that the round's leaving ranks sent it, on one receive per peer posted at the
+start (so no message outlives the communicator, whose context id a later ``init`` may
+reuse).
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
 import numpy as np
 from mpi4py import MPI
@@ -39,9 +41,14 @@ class Notices:
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.comm = comm
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self._buf = np.zeros(1, dtype=np.int64)
-        self._recv: MPI.Request | None = self.comm.Irecv(self._buf, source=MPI.ANY_SOURCE,
-                                                        tag=_TAG)
+        # one receive per peer: under MPICH 5.0.2, on a communicator spanning processes a
+        # growth spawned, a receive from MPI_ANY_SOURCE got its message and then, in about
+        # half the runs, never reported completion (each shutdown after a second growth
+        # waited out close()'s timeout: 5 s and a warning on every rank)
+        self._bufs = {r: np.zeros(1, dtype=np.int64) for r in range(self.size)
+                      if r != self.rank}
+        self._recvs: dict[int, MPI.Request] = {
+            r: self.comm.Irecv(b, source=r, tag=_TAG) for r, b in self._bufs.items()}
         self._sends: list[MPI.Request] = []
         self._mine = np.full(1, self.rank, dtype=np.int64)
         #: Whether a notice has arrived (set by :meth:`poll`).
@@ -49,10 +56,13 @@ class Notices:
 
     def poll(self) -> bool:
         """Whether another rank has announced its shutdown (tests the pending receive)."""
-        if not self.arrived and self._recv is not None and self._recv.Test():
-            self._recv = None
-            self.arrived = True
-            log.debug("rank %d: shutdown notice from rank %d", self.rank, int(self._buf[0]))
+        if not self.arrived:
+            for r, req in list(self._recvs.items()):
+                if req.Test():
+                    del self._recvs[r]
+                    self.arrived = True
+                    log.debug("rank %d: shutdown notice from rank %d", self.rank, r)
+                    break
         return self.arrived
 
     def announce(self) -> None:
@@ -61,28 +71,24 @@ class Notices:
             self._sends = [self.comm.Isend(self._mine, dest=r, tag=_TAG)
                            for r in range(self.size) if r != self.rank]
 
-    def close(self, expected: int, timeout: float = 5.0) -> bool:
-        """Receive the ``expected`` notices sent to this rank and complete this rank's own.
+    def close(self, expected: Iterable[int], timeout: float = 5.0) -> bool:
+        """Receive the notices the ranks ``expected`` sent to this rank, cancel the
+        receives from the others, and complete this rank's own.
 
         Args:
-            expected: how many other ranks announced (they sent one notice each).
+            expected: the other ranks that announced (they sent one notice each).
         Returns:
             whether they completed within ``timeout`` seconds (else a rank that announced
             is gone, and the communicator must be left unfreed rather than waited for).
         """
         deadline = time.monotonic() + timeout
-        received = 1 if self.arrived else 0
+        leaving = set(expected)
         requests = list(self._sends)
-        if self._recv is not None:
-            if expected > 0:
-                received += 1
-            else:
-                self._recv.Cancel()
-            requests.append(self._recv)
-            self._recv = None
-        scratch = np.zeros(max(expected - received, 0), dtype=np.int64)
-        requests += [self.comm.Irecv(scratch[i:i + 1], source=MPI.ANY_SOURCE, tag=_TAG)
-                     for i in range(scratch.size)]
+        for r, req in self._recvs.items():
+            if r not in leaving:
+                req.Cancel()
+            requests.append(req)
+        self._recvs = {}
         while not MPI.Request.Testall(requests):
             if time.monotonic() > deadline:
                 log.warning("rank %d: shutdown notices incomplete after %.0f s; the engine's "
