@@ -345,7 +345,7 @@ def train_elastic(args: argparse.Namespace, model: nn.Module, optimizer: torch.o
 
     @hvd.elastic.run(min_np=args.min_np)
     def train(state: hvd.elastic.TorchState) -> None:
-        for state.epoch in range(state.epoch, args.epochs):
+        while state.epoch < args.epochs:
             indices = list(state.sampler)
             per_rank = state.per_rank
             for i in range(0, len(indices), per_rank):
@@ -386,11 +386,14 @@ def train_elastic(args: argparse.Namespace, model: nn.Module, optimizer: torch.o
                               f"{rec.revoke_s:.4f} s, shrink {rec.shrink_s:.4f} s, "
                               + ", ".join(f"{k} {v:.4f} s" for k, v in rec.phases.items()),
                               flush=True)
-            state.sampler.set_epoch(state.epoch + 1)
+            # the epoch advances before the commit, with the sampler (Horovod's example):
+            # a job restored from this commit starts the next epoch, not this one again
+            state.epoch += 1
+            state.sampler.set_epoch(state.epoch)
             state.commit()
             accuracy = evaluate(state.model, xte, yte)
             if layout.rank() == 0:
-                print(f"epoch {state.epoch + 1:3d}/{args.epochs}  test accuracy "
+                print(f"epoch {state.epoch:3d}/{args.epochs}  test accuracy "
                       f"{accuracy:.4f}  ({layout.size()} ranks)", flush=True)
 
     train(state)

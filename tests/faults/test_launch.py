@@ -97,6 +97,23 @@ def test_resumes_from_last_commit_at_smaller_size(tmp_path, mode, sizes):
     assert pickle_step(commits) == steps
 
 
+def test_the_example_resumes_the_epoch_after_its_epoch_end_commit(tmp_path):
+    """examples/train.py --elastic under the supervisor, rank 1 killed one step into the
+    second epoch (the last commit is the first epoch's end): the relaunch trains the
+    second epoch once. The epoch-end commit held the epoch before its increment, with
+    the sampler already at the next: the relaunch trained the first epoch again."""
+    proc = _supervise(["--min-np", "2", "--max-np", "2", "-np", "2", "--commit-dir",
+                       str(tmp_path / "commits"), "--", sys.executable,
+                       str(ROOT / "examples" / "train.py"), "--elastic", "--epochs", "2",
+                       "--min-accuracy", "0", "--kill-rank", "1", "--kill-step", "23"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "relaunching from the last commit" in out and "SIGKILL" in out, out
+    epochs = [line.split()[1] for line in proc.stdout.splitlines()
+              if line.startswith("epoch ")]
+    assert epochs == ["1/2", "2/2"], out
+
+
 def pickle_step(commits: Path) -> int:
     """The step of the last commit on disk (both modes pickle a dict with ``step``)."""
     import pickle  # noqa: PLC0415
