@@ -34,6 +34,7 @@ Exit statuses: 0 done; 1 gave up (restarts spent, too few slots, discovery faile
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -289,7 +290,8 @@ def _check_commit_dir(commit_dir: Path) -> None:
 def _reexec_without_mpi() -> None:
     """``python -m mpicoll.elastic.launch`` imports mpicoll, which imports mpi4py and so
     initialises MPI (a singleton). The supervisor must not be an MPI process: start it
-    again with ``MPI4PY_RC_INITIALIZE=0`` (once; the jobs get the variable removed)."""
+    again with ``MPI4PY_RC_INITIALIZE=0`` (once; the jobs get the variable removed), after
+    finalizing the singleton (MPICH's left its shared-memory segment in /dev/shm)."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None or os.environ.get(_REEXEC_MARK) or not mpi.Is_initialized():
         return
@@ -298,6 +300,8 @@ def _reexec_without_mpi() -> None:
     env["MPI4PY_RC_INITIALIZE"] = "0"
     sys.stdout.flush()
     sys.stderr.flush()
+    with contextlib.suppress(Exception):     # (already finalized: nothing to leave)
+        mpi.Finalize()
     os.execve(sys.executable, [sys.executable, "-m", "mpicoll.elastic.launch",
                                *sys.argv[1:]], env)
 

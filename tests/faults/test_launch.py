@@ -97,6 +97,19 @@ def test_resumes_from_last_commit_at_smaller_size(tmp_path, mode, sizes):
     assert pickle_step(commits) == steps
 
 
+def test_the_supervisor_leaves_no_shared_memory_segment():
+    """The supervisor starts itself again without MPI: MPICH's singleton left its segment
+    (/dev/shm/mpich_shm_<pid in hex>_0) behind on every run, one refused for bad options
+    too (the machine of the tester that found it held hundreds)."""
+    proc = subprocess.Popen([sys.executable, "-m", "mpicoll.elastic.launch", "--min-np", "5",
+                             "--max-np", "2", "--", "true"], cwd=ROOT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err = proc.communicate(timeout=RUN_TIMEOUT_S)[1]
+    assert proc.returncode == 2, err
+    assert not list(Path("/dev/shm").glob(f"mpich_shm_{proc.pid:x}_*"))
+
+
 def test_the_example_resumes_the_epoch_after_its_epoch_end_commit(tmp_path):
     """examples/train.py --elastic under the supervisor, rank 1 killed one step into the
     second epoch (the last commit is the first epoch's end): the relaunch trains the
