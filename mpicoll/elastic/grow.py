@@ -46,7 +46,7 @@ from mpi4py import MPI
 from .. import context
 from ..runtime import comms, failures
 
-__all__ = ["Growth", "grow_world", "join", "joined", "spawn_command", "split_command_line",
+__all__ = ["Growth", "grow_world", "join", "joined", "joining", "end_joining", "spawn_command", "split_command_line",
            "last_growth", "GrowthError", "JOINER", "launch_size"]
 
 log = logging.getLogger("mpicoll.elastic")
@@ -148,6 +148,19 @@ def spawn_command() -> tuple[str, list[str]]:
     return sys.executable, [*options, "-m", JOINER, *program]
 
 
+def joining() -> bool:
+    """Whether this process joined a running job and its elastic function has not
+    started yet (until the state's first sync, where the running ranks are: a collective
+    that a constructor makes meanwhile would wait for them forever)."""
+    return joined is not None and not joined.get("synced", False)
+
+
+def end_joining() -> None:
+    """The state's first sync in this process is done (see :func:`joining`)."""
+    if joined is not None:
+        joined["synced"] = True
+
+
 def launch_size() -> int:
     """The size this job was launched with (a process that joined learns it from rank 0)."""
     return joined["launch_size"] if joined else MPI.COMM_WORLD.Get_size()
@@ -187,6 +200,12 @@ def grow_world(new_size: int) -> Growth:
     if new_size <= size:
         raise ValueError(f"new_size {new_size} must exceed the world's size {size}")
     plain = old if type(old) is MPI.Intracomm else MPI.Intracomm(old)
+    holders = plain.allgather(any(r.owner == "ps" for r in comms.alive()))
+    if any(holders):       # (every rank: the growth is refused everywhere)
+        raise GrowthError(f"cannot grow while a parameter server (mpicoll.ps) is open on "
+                          f"rank(s) {[r for r, held in enumerate(holders) if held]}: it "
+                          f"cannot take in new ranks (a new process would build one of "
+                          f"its own)")
     command, args = spawn_command()
     info = MPI.Info.Create()
     try:

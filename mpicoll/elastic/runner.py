@@ -322,6 +322,7 @@ def _loop(func: Callable[..., Any], reset: Callable[[], Any],
             if not skip_sync:
                 began = time.perf_counter()
                 state.sync()
+                grow_module.end_joining()
                 if event is not None:
                     event.phases["sync"] = time.perf_counter() - began
             ending.prepare()

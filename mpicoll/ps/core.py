@@ -30,6 +30,7 @@ from mpi4py import MPI
 
 from ..runtime import comms, failures
 from ..runtime import exit as runtime_exit
+from ..runtime import world as runtime_world
 from . import checkpoint as ckpt
 from . import protocol as P
 from .colocated import CollOp, ColocatedEngine
@@ -134,7 +135,8 @@ class ParameterServer:
             servers. Servers may pass the same dict or ``None``. Host arrays or device
             arrays (CuPy, ``__cuda_array_interface__`` objects), not both in one dict; the
             server state always lives in host memory (:mod:`mpicoll.ps.device`).
-        comm: mpi4py intracommunicator (default ``MPI.COMM_WORLD``); duplicated.
+        comm: mpi4py intracommunicator (default: the world in force,
+            ``MPI.COMM_WORLD`` unless :mod:`mpicoll.elastic` reconfigured it); duplicated.
         num_servers: how many ranks are servers (1 .. size-1), or ``"colocated"``: no
             server processes; every rank is a worker and keeps (serves) its own shards of a
             placement over all ranks, and push_pull becomes a reduce-scatter to the shard
@@ -216,7 +218,7 @@ class ParameterServer:
                  keep_aggregate: bool = True, backup_workers: int = 0,
                  compression: Any = None, feedback: bool = True, replicas: int = 0,
                  local_aggregation: Any = "auto", **hyperparameters: Any) -> None:
-        user = MPI.COMM_WORLD if comm is None else comm
+        user = runtime_world.comm() if comm is None else comm
         self.comm = comms.dup(user, "ps")
         self.rank = self.comm.Get_rank()
         self.worker_comm = MPI.COMM_NULL

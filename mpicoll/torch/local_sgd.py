@@ -264,7 +264,8 @@ class LocalSGD:
         optimizer: the wrapped optimizer (its ``state`` is averaged with ``average_state``).
         params: the parameters, in the same order on every rank.
         settings: from :func:`check_settings`.
-        averager: the :class:`Averager` over the ranks that train.
+        averager: the :class:`Averager` over the ranks that train (``None``, with
+            ``regroup``: built by ``regroup`` at the first use, collectively).
         average_world_params: optional replacement for the world-level average of the
             parameters (the parameter server pushes them to its servers).
         regroup: optional; builds the averager of the ranks that train now, at the first
@@ -276,7 +277,7 @@ class LocalSGD:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
-                 settings: LocalSGDSettings, averager: Averager,
+                 settings: LocalSGDSettings, averager: Averager | None,
                  average_world_params: Callable[[], None] | None = None,
                  regroup: Callable[[], Averager] | None = None) -> None:
         self.optimizer = optimizer
@@ -286,8 +287,8 @@ class LocalSGD:
         self.averager = averager
         self._world_params = average_world_params
         self._regroup = regroup
-        #: The world generation the averager was built for.
-        self.generation = runtime_world.generation()
+        #: The world generation the averager was built for (-1: none built yet).
+        self.generation = runtime_world.generation() if averager is not None else -1
         #: Times the averager moved to a new world (``hvd.elastic`` resets).
         self.rebuilds = 0
         #: The plans of the finished steps' averages, counted by level name.

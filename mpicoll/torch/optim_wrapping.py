@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
+from ..elastic import grow
 from . import local_sgd as lsgd
 
 __all__ = ["FrontEnd", "check_named_parameters", "wrap_optimizer"]
@@ -136,6 +137,12 @@ class FrontEnd:
             if not checked.enabled:
                 return
             error = None if refusal is None else ValueError(refusal)
+        if error is None and driver.get("regroup") is not None and grow.joining():
+            # a process that joined a running job, before its elastic state's first sync
+            # (the running ranks are there): no collective now; the driver builds its
+            # averager over the grown world at the first step, as the running ranks do
+            self._local_sgd = lsgd.LocalSGD(self, params, checked, None, **driver)
+            return
         group = comm()
         if group is None:
             return

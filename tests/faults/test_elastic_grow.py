@@ -32,7 +32,14 @@ as ``mpich-grow`` (the numpy growth):
 - ``twice-grow``: a job of 1 that grows to 2, then to 3 (a callable discovery): every
   all-reduce exact at every size, every rank done at 3 with the same step, and the job
   ends with status 0 (the process the first growth started, holding two growths'
-  intercommunicators, crashed in ``MPI_Finalize``: status 1).
+  intercommunicators, crashed in ``MPI_Finalize``: status 1);
+- ``kill-joiner``: 2 ranks grow to 3 and the new one is SIGKILLed: the survivors shrink
+  and finish with exact sums, status 0 (launched with ``state_base_recoverable``, which
+  makes the spawned jobs recoverable as ``--with-ft ulfm`` makes the launched one).
+
+Under MPICH, one job each (``_run_script``): hvd growing twice (its engine's shutdown is
+immediate), local SGD growing with the job, a parameter server refusing growth on every
+rank, a job launched below ``min_np`` waiting for the slots (or ``TooFewRanksError``).
 
 With ``ULFM_ALL_CASES=1`` (slower: a torch job here costs one to two minutes under load):
 
@@ -272,18 +279,26 @@ def test_the_joiner_runs_a_script_a_module_or_code_as_main(tmp_path, monkeypatch
 
 
 # ----- under mpirun --with-ft ulfm ------------------------------------------------------
-TWICE_GROW_JOB = """
-import sys, time, numpy as np, mpicoll, mpicoll.elastic as elastic
-state = elastic.ObjectState(step=0)
-@elastic.run(discovery=lambda: 1 if state.step < 4 else (2 if state.step < 9 else 3),
-             max_np=3, discovery_interval=0.05)
+GROW_JOB = """
+import os, signal, sys, time, numpy as np, mpicoll, mpicoll.elastic as elastic
+kill = sys.argv[1] == "kill"     # 2 ranks grow to 3, the new one dies; else 1 -> 2 -> 3
+state = elastic.ObjectState(step=0, phase=0)
+def slots():
+    if kill:
+        return 3 if 4 <= state.step < 8 else 2
+    return 1 if state.step < 4 else (2 if state.step < 9 else 3)
+@elastic.run(discovery=slots, max_np=3, discovery_interval=0.05)
 def train(st):
-    while st.step < 14:
+    while st.step < (16 if kill else 14):
         world = elastic.world()
-        size = world.Get_size()
-        got = mpicoll.allreduce(np.full(5, world.Get_rank() + 1.0))
-        if not np.array_equal(got, np.full(5, size * (size + 1) / 2)):
-            sys.stdout.write(f"BAD {world.Get_rank()} {size} {st.step}\\n")
+        n, r = world.Get_size(), world.Get_rank()
+        if kill and st.step == 8 and n == 3 and st.phase == 0 and elastic.joined():
+            os.kill(os.getpid(), signal.SIGKILL)
+        got = mpicoll.allreduce(np.full(5, r + 1.0))
+        if not np.array_equal(got, np.full(5, n * (n + 1) / 2)):
+            sys.stdout.write(f"BAD {r} {n} {st.step}\\n")
+        if n == 2 and st.step >= 8:
+            st.phase = 1
         st.step += 1
         time.sleep(0.05)                    # (discovery polls every 0.05 s)
         st.commit()
@@ -295,12 +310,13 @@ sys.stdout.flush()
 
 
 def _jobs(tmp: Path) -> dict:
-    twice = tmp / "twice_grow_job.py"
-    twice.write_text(TWICE_GROW_JOB)
+    grow_job = tmp / "grow_job.py"
+    grow_job.write_text(GROW_JOB)
     jobs = {
         # name: (script, n, args)
         "numpy-grow": (NUMPY, 2, [1000, GROW_STEP, 3, 3, "2", GARBAGE_STEP]),
-        "twice-grow": (twice, 1, []),
+        "twice-grow": (grow_job, 1, ["twice"]),
+        "kill-joiner": (grow_job, 2, ["kill"]),
     }
     if ALL:
         jobs["numpy-shrink-grow"] = (NUMPY, 3, [STEPS, -1, 3, 3, "3", -1, 1, 8])
@@ -312,7 +328,9 @@ def _jobs(tmp: Path) -> dict:
             hostfile = tmp / f"{name}.hosts"
             hostfile.write_text(f"localhost:{args[4]}\n")
             args[4] = str(hostfile)
-        out[name] = (script, n, args, {}, JOB_TIMEOUT_S)
+        # (docs/elastic.md, Growing, Limits: the spawned jobs are recoverable too)
+        extra = {"PRTE_MCA_state_base_recoverable": "1"} if name == "kill-joiner" else {}
+        out[name] = (script, n, args, extra, JOB_TIMEOUT_S)
     return out
 
 
@@ -419,6 +437,18 @@ def test_a_job_that_grows_twice_ends_with_status_0(outputs) -> None:
 
 
 @pytest.mark.timeout(900)
+def test_a_joined_rank_lost_under_ulfm_is_survived(outputs) -> None:
+    """2 ranks grow to 3; the new one is SIGKILLed; the 2 survivors shrink and finish with
+    exact sums, and (launched with state_base_recoverable) the job ends with status 0
+    (without it prterun ends with 137: the spawned job is not recoverable)."""
+    rc, out, _ = outputs["kill-joiner"]
+    tail = _show("kill-joiner", outputs["kill-joiner"])
+    assert "BAD" not in out, f"a wrong all-reduce sum\n{tail}"
+    assert _by_rank(out, "DONE") == {0: ["2", "16"], 1: ["2", "16"]}, tail
+    assert rc == 0, f"status {rc}\n{tail}"
+
+
+@pytest.mark.timeout(900)
 def test_numpy_job_grows_under_mpich_without_ulfm(outputs) -> None:
     _check_finished_grown("mpich-grow", outputs, lambda g: g * 2 + (STEPS - g) * 3)
 
@@ -473,6 +503,19 @@ def test_ddp_module_grows_from_2_to_3_under_mpich(outputs, hold) -> None:
     assert right <= 1e-9 and wrong > 1e-3, f"reference differences {right}, {wrong}\n{tail}"
 
 
+def _run_script(tmp_path: Path, text: str, n: int, *args: str,
+                **env_extra: str) -> tuple[int | None, str, str]:
+    """Run ``text`` as a script at ``n`` ranks under this venv's MPI (no ``MPICOLL_``
+    variables but ``env_extra``): its status (``None``: a hang), output and last lines."""
+    script = tmp_path / "job.py"
+    script.write_text(text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MPICOLL_")}
+    env.update(PYTHONPATH=str(ompi_env.ROOT), **env_extra)
+    rc, out, _ = run_command(mpirun_command(n) + [sys.executable, "-u", str(script), *args],
+                             env, JOB_TIMEOUT_S)
+    return rc, out, "\n".join(out.splitlines()[-20:])
+
+
 RESET_LIMIT_JOB = """
 import sys, time, numpy as np, mpicoll, mpicoll.elastic as elastic
 state = elastic.ObjectState(step=0)
@@ -495,13 +538,7 @@ def test_reset_limit_stops_the_ranks_that_joined_too(tmp_path) -> None:
     """``reset_limit=1``, growths from 1 to 2 (the one reset allowed), then to 3: every
     rank, the one that joined included, raises ResetLimitError. Each process counted
     resets from its own start, so the joiner went on into the growth alone: a hang."""
-    script = tmp_path / "reset_limit_job.py"
-    script.write_text(RESET_LIMIT_JOB)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MPICOLL_")}
-    env["PYTHONPATH"] = str(ompi_env.ROOT)
-    rc, out, _ = run_command(mpirun_command(1) + [sys.executable, "-u", str(script)], env,
-                             JOB_TIMEOUT_S)
-    tail = "\n".join(out.splitlines()[-20:])
+    rc, out, tail = _run_script(tmp_path, RESET_LIMIT_JOB, 1)
     assert rc == 1, f"status {rc} (None: a hang)\n{tail}"
     assert sorted(int(f[0]) for f in ulfm_jobs.lines(out, "LIMIT")) == [0, 1], tail
 
@@ -532,16 +569,94 @@ def test_hvd_grows_twice_under_mpich_and_shuts_down_at_once(tmp_path) -> None:
     """hvd.elastic from 1 to 2 to 3 ranks under MPICH: exact sums at every size, and the
     engine's shutdown does not wait: its notices were received from MPI_ANY_SOURCE, which
     on a world a growth made never completed (5 s and a warning on every rank)."""
-    script = tmp_path / "twice_grow_hvd_job.py"
-    script.write_text(TWICE_GROW_HVD_JOB)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MPICOLL_")}
-    env["PYTHONPATH"] = str(ompi_env.ROOT)
-    rc, out, _ = run_command(mpirun_command(1) + [sys.executable, "-u", str(script)], env,
-                             JOB_TIMEOUT_S)
-    tail = "\n".join(out.splitlines()[-20:])
+    rc, out, tail = _run_script(tmp_path, TWICE_GROW_HVD_JOB, 1)
     assert rc == 0 and "BAD" not in out, f"status {rc} (None: a hang)\n{tail}"
     assert _by_rank(out, "DONE") == {r: ["3", "14"] for r in range(3)}, tail
     assert "notices incomplete" not in out, tail
+
+
+LOCAL_SGD_GROW_JOB = """
+import hashlib, sys, time, torch, mpicoll.torch as hvd
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1).double()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters(), sync_every=2)
+state = hvd.elastic.TorchState(model, opt, step=0)
+@hvd.elastic.run(discovery=lambda: 2 if state.step < 4 else 3, max_np=3,
+                 discovery_interval=0.05)
+def train(st):
+    while True:
+        opt.zero_grad()
+        x = torch.full((2, 4), float(hvd.rank() + 1), dtype=torch.float64)
+        model(x).sum().backward()
+        synced = opt.local_sgd.counts["params.world"]
+        opt.step()
+        st.step += 1
+        if st.step >= 12 and opt.local_sgd.counts["params.world"] > synced:
+            return                          # right after an average over the world
+        time.sleep(0.05)                    # (discovery polls every 0.05 s)
+        st.commit()
+train(state)
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+                                 for p in model.parameters())).hexdigest()[:16]
+sys.stdout.write(f"DONE {hvd.rank()} {hvd.size()} {digest} {opt.local_sgd.rebuilds}\\n")
+sys.stdout.flush()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_local_sgd_grows_with_the_job(tmp_path) -> None:
+    """hvd.elastic with DistributedOptimizer(sync_every=2) grows from 2 to 3 ranks: the
+    new rank's optimizer joins the averages (every rank's parameters identical bitwise
+    after the last average over the world). Its constructor agreed on the settings over
+    the grown world while the running ranks waited in the state's sync: a hang."""
+    rc, out, tail = _run_script(tmp_path, LOCAL_SGD_GROW_JOB, 2)
+    assert rc == 0, f"status {rc} (None: a hang)\n{tail}"
+    done = _by_rank(out, "DONE")
+    assert sorted(done) == [0, 1, 2] and {f[0] for f in done.values()} == {"3"}, tail
+    assert len({f[1] for f in done.values()}) == 1, f"parameters differ\n{tail}"
+
+
+PS_GROW_JOB = """
+import sys, time, torch, mpicoll.torch as hvd
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1).double()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters(), backend="ps",
+                               num_servers="colocated")
+state = hvd.elastic.TorchState(model, opt, step=0)
+@hvd.elastic.run(discovery=lambda: 2 if state.step < 4 else 3, max_np=3,
+                 discovery_interval=0.05)
+def train(st):
+    while st.step < 12:
+        opt.zero_grad()
+        x = torch.full((2, 4), float(hvd.rank() + 1), dtype=torch.float64)
+        model(x).sum().backward()
+        opt.step()
+        st.step += 1
+        time.sleep(0.05)                    # (discovery polls every 0.05 s)
+        st.commit()
+train(state)
+opt.close()
+w = torch.cat([p.detach().flatten() for p in model.parameters()])
+same = all(torch.equal(w, other) for other in hvd.allgather(w.unsqueeze(0), name="w"))
+sys.stdout.write(f"DONE {hvd.rank()} {hvd.size()} {int(same)}\\n")
+sys.stdout.flush()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_parameter_server_refuses_growth_on_every_rank(tmp_path) -> None:
+    """A colocated parameter server under hvd.elastic whose discovery offers a third slot:
+    the growth is refused on every rank with a clear message, and the job goes on at 2
+    ranks with identical parameters. The new process built a parameter server of its own
+    (over its spawn's world of 1) and trained alone: status 0, ranks apart."""
+    rc, out, tail = _run_script(tmp_path, PS_GROW_JOB, 2)
+    assert rc == 0, f"status {rc} (None: a hang)\n{tail}"
+    assert _by_rank(out, "DONE") == {0: ["2", "1"], 1: ["2", "1"]}, tail
+    assert out.count("cannot grow while a parameter server (mpicoll.ps) is open") == 2, tail
 
 
 MIN_NP_JOB = """
@@ -576,13 +691,8 @@ def test_a_job_launched_below_min_np_waits_for_the_slots(tmp_path, later) -> Non
     step's all-reduce sums over 4: it started at 2 and grew at its first commit);
     with 1 it never gets the slots, and after ``MPICOLL_ELASTIC_TIMEOUT`` (3 s) every rank
     raises TooFewRanksError."""
-    script = tmp_path / "min_np_job.py"
-    script.write_text(MIN_NP_JOB)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MPICOLL_")}
-    env.update(PYTHONPATH=str(ompi_env.ROOT), MPICOLL_ELASTIC_TIMEOUT="3")
-    rc, out, secs = run_command(mpirun_command(2) + [sys.executable, "-u", str(script),
-                                                     str(later)], env, JOB_TIMEOUT_S)
-    tail = "\n".join(out.splitlines()[-20:])
+    rc, out, tail = _run_script(tmp_path, MIN_NP_JOB, 2, str(later),
+                                MPICOLL_ELASTIC_TIMEOUT="3")
     if later == 1:
         assert rc == 3, f"status {rc} (None: a hang)\n{tail}"
         assert sorted(ulfm_jobs.lines(out, "TOOFEW")) == [["0", "2", "3"], ["1", "2", "3"]], tail
