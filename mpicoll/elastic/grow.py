@@ -149,14 +149,14 @@ def spawn_command() -> tuple[str, list[str]]:
 
 
 def joining() -> bool:
-    """Whether this process joined a running job and its elastic function has not
-    started yet (until the state's first sync, where the running ranks are: a collective
-    that a constructor makes meanwhile would wait for them forever)."""
+    """Whether this process joined a running job and has not reached its elastic state's
+    first sync, where the running ranks are (a collective that a constructor makes before
+    it would wait for them forever)."""
     return joined is not None and not joined.get("synced", False)
 
 
 def end_joining() -> None:
-    """The state's first sync in this process is done (see :func:`joining`)."""
+    """This process starts its elastic state's first sync (see :func:`joining`)."""
     if joined is not None:
         joined["synced"] = True
 

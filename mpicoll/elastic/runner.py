@@ -321,8 +321,8 @@ def _loop(func: Callable[..., Any], reset: Callable[[], Any],
         try:
             if not skip_sync:
                 began = time.perf_counter()
+                grow_module.end_joining()   # (a new process: the sync is collective)
                 state.sync()
-                grow_module.end_joining()
                 if event is not None:
                     event.phases["sync"] = time.perf_counter() - began
             ending.prepare()

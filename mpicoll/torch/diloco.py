@@ -48,6 +48,7 @@ from ..compression import ErrorFeedback, get_codec
 from ..compression import allreduce as compressed_allreduce
 from ..compression import last_stats
 from ..context import get_context
+from ..elastic import grow
 from ..errors import MismatchError
 from ..runtime import comms
 from ..runtime import world as runtime_world
@@ -197,20 +198,26 @@ class DiLoCo:
                             overlap, alpha, compression)
         except (TypeError, ValueError) as exc:
             error = exc
+        #: Whether DiLoCo follows the runtime's world (``comm=None``): after an elastic
+        #: reconfiguration it moves to the new world (:meth:`_follow_world`).
+        self._follows = comm is None
+        #: The fragment whose all-reduce is in flight and its work (``None``: none).
+        self._pending: tuple[int, Work] | None = None
+        self._closed = False
+        if self._follows and error is None and grow.joining():
+            # a process that joined a running job, before its elastic state's first sync
+            # (the running ranks are there): no collective now; the first use moves to
+            # the grown world as the running ranks do, and the sync gives θ_g
+            self.comm, self._lane, self.generation = None, None, -1
+            return
         self.comm = comms.dup(parent, "diloco")
         try:
             self._agree(error)
         except BaseException:
             comms.free(self.comm)
             raise
-        #: Whether DiLoCo follows the runtime's world (``comm=None``): after an elastic
-        #: reconfiguration it moves to the new world (:meth:`_follow_world`).
-        self._follows = comm is None
         self._setup_world()
         self._broadcast_initial()
-        #: The fragment whose all-reduce is in flight and its work (``None``: none).
-        self._pending: tuple[int, Work] | None = None
-        self._closed = False
 
     # ------------------------------------------------------------------ construction
     def _setup_world(self) -> None:
@@ -235,7 +242,8 @@ class DiLoCo:
         step averages over the survivors), the old duplicate is freed and a new one made.
         Collective over the new world; the elastic restore that follows sets ``θ_g`` and
         the outer state from the last commit (:meth:`load_state_dict`)."""
-        if not self._follows or runtime_world.generation() == self.generation:
+        if not self._follows or runtime_world.generation() == self.generation \
+                or grow.joining():     # (a new process's: at its state's first sync)
             return
         self._pending = None
         lane, self._lane = self._lane, None
