@@ -62,6 +62,27 @@ def test_every_allreduce_algorithm_across_two_nodes(cluster: Cluster) -> None:
     assert "cluster allreduce: all results correct" in out, out
 
 
+HVD_SHUTDOWN = (
+    "import time, torch, mpicoll.torch as hvd\n"
+    "hvd.init(); me = hvd.rank()\n"
+    "x = hvd.allreduce(torch.full((4,), float(me)), op=hvd.Sum)\n"
+    "began = time.monotonic(); hvd.shutdown()\n"
+    "print(f'SHUTDOWN {me} {time.monotonic() - began:.2f} {x.tolist()}', flush=True)\n")
+
+
+def test_hvd_shuts_down_at_once_across_nodes_over_ucx(cluster: Cluster) -> None:
+    """The hvd engine across the nodes over UCX (MPICH's default netmod): its shutdown
+    notices are received at once. Received from MPI_ANY_SOURCE, a notice from the other
+    node never completed over UCX: every shutdown waited 5 s and warned on every rank."""
+    r = cluster.run("mpirun", "-n", "4", "-ppn", "2", "-genv", "MPIR_CVAR_CH4_NETMOD", "ucx",
+                    sys.executable, "-c", HVD_SHUTDOWN, timeout=100)
+    assert r.returncode == 0, r.stdout
+    done = re.findall(r"SHUTDOWN (\d) (\S+) (\[[^]]*\])", r.stdout)
+    assert sorted(int(d[0]) for d in done) == [0, 1, 2, 3], r.stdout
+    assert {d[2] for d in done} == {"[6.0, 6.0, 6.0, 6.0]"}, r.stdout
+    assert "notices incomplete" not in r.stdout, r.stdout
+
+
 def test_exit_with_open_shm_window_and_a_late_rank(cluster: Cluster) -> None:
     """The program ends with the shm window open (mpicoll.context's exit handler frees it
     before MPI_Finalize; left open, MPI_Finalize fails over the ofi netmod: fabricclose,
