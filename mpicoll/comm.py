@@ -5,7 +5,10 @@ Existing mpi4py code switches with one line (``comm = mpicoll.Comm(MPI.COMM_WORL
 ``Reduce`` take exactly mpi4py's arguments and run mpicoll's algorithms; what they cannot
 handle (derived datatypes with gaps or of mixed types, user-defined or pair ops, vector
 counts, objects without a contiguous buffer) goes to the wrapped communicator, as does
-every other method. A derived datatype of gap-free copies of one predefined type (a
+every other method. A buffer on a device (``__cuda_array_interface__`` or DLPack) is the
+exception: it takes mpicoll's device path (docs/gpu.md: it needs CuPy, and takes
+predefined datatypes only), so that its pointer never reaches an MPI that is not
+CUDA-aware. A derived datatype of gap-free copies of one predefined type (a
 ``Create_contiguous``) counts as that many of its elements, so it pairs with the
 predefined type on another rank, as MPI's type signatures do. The decision depends only
 on the type signature, the op and the shape of the buffer spec; the one program it
@@ -95,7 +98,12 @@ class Comm(MPI.Intracomm):
                          recv_blocks: int = 1) -> tuple:
         """``(op, send, recv)`` as mpicoll takes them; ``Unsupported``/``ValueError`` when
         MPI must handle the call (``recv`` is ``None`` when ``with_recv`` is false)."""
-        ours = resolve_op(op)
+        try:
+            ours = resolve_op(op)
+        except ValueError as exc:   # an MPI op mpicoll lacks (user-defined, LAND, ...): MPI's
+            if isinstance(op, MPI.Op):
+                raise Unsupported(str(exc)) from exc
+            raise
         send = self._parse(sendbuf, "sendbuf", send_blocks)
         recv = _buffer(recvbuf, "recvbuf", True, recv_blocks) if with_recv else None
         if (recv is not None and send is not IN_PLACE and not is_device(recv)
@@ -229,6 +237,7 @@ class Comm(MPI.Intracomm):
         same ``algorithm`` and ``check`` (also through ``Clone``, ``Dup_with_info`` and
         ``Idup``, whose request is complete)."""
         dup = comms.dup(self, "user", info=info)
+        comms.forget_when_freed(dup)   # the user frees it, through any object of its handle
         return Comm(dup, self._mpicoll_algorithm, self._mpicoll_check)
 
     Clone = Dup_with_info = Dup

@@ -32,7 +32,7 @@ from . import world as _world
 
 __all__ = ["Record", "plain", "dup", "split", "split_shared", "create_group", "shrink", "spawn",
            "merge", "adopt", "free", "forget", "of_world", "alive", "record_of",
-           "release_world", "release_all", "descendants", "world_of"]
+           "release_world", "release_all", "descendants", "world_of", "forget_when_freed"]
 
 
 @dataclass
@@ -211,6 +211,30 @@ def free(comm: Any) -> None:
     history.append((rec, "freed"))
     with contextlib.suppress(MPI.Exception):   # revoked meanwhile: nothing left to free
         plain(comm).Free()
+
+
+_user_keyval: int | None = None
+
+
+def _freed(comm: Any, keyval: int, value: Any) -> None:
+    """MPI deletes the attribute: the communicator is being freed (by whoever holds it)."""
+    with _lock:
+        rec = _records.pop(comm.handle, None)
+        if rec is not None:
+            history.append((rec, "freed"))
+
+
+def forget_when_freed(comm: Any) -> None:
+    """A communicator made for the user (``mpicoll.Comm.Dup``), which the user frees: its
+    record goes when MPI frees it, so that :func:`release_all` never frees its handle
+    again (MPI reuses handles: that freed another communicator, or one twice)."""
+    global _user_keyval
+    if comm == MPI.COMM_NULL:
+        return
+    with _lock:
+        if _user_keyval is None:
+            _user_keyval = MPI.Comm.Create_keyval(delete_fn=_freed)
+    comm.Set_attr(_user_keyval, True)
 
 
 def forget(comms: Iterable[Any]) -> None:

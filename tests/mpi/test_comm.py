@@ -7,6 +7,7 @@ from mpi4py import MPI
 
 import mpicoll
 from mpicoll import fastpath
+from mpicoll.runtime import comms
 from mpicoll.algorithms import registry
 
 from cases import RANK, SIZE
@@ -214,6 +215,46 @@ def test_dup_is_mpicoll_comm_and_collective_algorithm():
         assert isinstance(made, mpicoll.Comm)
         assert (made._mpicoll_algorithm, made._mpicoll_check) == ("ring", True)
         made.Free()
+
+
+def test_a_duplicate_the_user_frees_leaves_the_runtime():
+    """A ``Dup`` the user frees, through the Comm or through another object of its handle
+    (as mpi4py's own test_subclass does): the runtime forgets it. It kept the record and
+    its exit handler freed the handle again, which MPI reuses: a double free at exit
+    (status 6 under MPICH), or another communicator freed behind the user's back."""
+    comm = mpicoll.Comm(MPI.COMM_WORLD)
+    for how in ("the comm", "another object"):
+        dup = comm.Dup()
+        handle = dup.handle
+        assert comms.record_of(dup) is not None
+        if how == "the comm":
+            dup.Free()
+        else:
+            MPI.Comm.Free(MPI.Intracomm(dup))
+        assert all(r.comm.handle != handle for r in comms.alive()), how
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_ops_mpicoll_lacks_go_to_mpi_also_when_checked(check):
+    """A user-defined op and MPI's logical ops go to MPI (the module's rule), with
+    ``check=True`` too: the checked path raised ``ValueError`` on every rank instead."""
+    comm = mpicoll.Comm(MPI.COMM_WORLD, check=check)
+    op = MPI.Op.Create(lambda a, b, t: np.copyto(np.frombuffer(b, "d"),
+                                                  np.frombuffer(a, "d") + np.frombuffer(b, "d")),
+                       commute=True)
+    try:
+        y = np.empty(3)
+        comm.Allreduce(np.full(3, RANK + 1.0), y, op=op)
+        np.testing.assert_array_equal(y, SIZE * (SIZE + 1) / 2)
+    finally:
+        op.Free()
+    flags = np.array([RANK > 0, True], dtype=np.int32)
+    both, either = np.empty(2, np.int32), np.empty(2, np.int32)
+    comm.Allreduce(flags, both, op=MPI.LAND)
+    comm.Reduce(flags, either, op=MPI.LOR, root=0)
+    np.testing.assert_array_equal(both, [SIZE == 1 and RANK > 0, 1])
+    if RANK == 0:
+        np.testing.assert_array_equal(either, [SIZE > 1, 1])
 
 
 def test_native_through_mpicoll_comm_does_not_recurse():
