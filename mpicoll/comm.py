@@ -30,6 +30,7 @@ from mpi4py import MPI
 
 from . import collectives, config
 from .runtime import comms, failures
+from .runtime import world as runtime_world
 from .algorithms.registry import names
 from .buffers import IN_PLACE, Unsupported, is_in_place, parse_mpi_buffer
 from .checked import agree
@@ -66,8 +67,10 @@ class Comm(MPI.Intracomm):
     """A drop-in :class:`mpi4py.MPI.Intracomm` running mpicoll's collectives.
 
     Args:
-        comm: the communicator to wrap (``None``: ``MPI.COMM_WORLD``). The handle is shared,
-            not duplicated: freeing one frees both.
+        comm: the communicator to wrap (``None``: the world in force, ``MPI.COMM_WORLD``
+            unless :mod:`mpicoll.elastic` reconfigured it, as ``comm=None`` everywhere in
+            mpicoll; in a process a growth started, ``MPI.COMM_WORLD`` is its spawn's
+            alone). The handle is shared, not duplicated: freeing one frees both.
         algorithm: the algorithm for every collective (``"auto"`` by default); a name not
             registered for a collective means ``"auto"`` there.
         check: run the agreement step before every collective (default:
@@ -81,7 +84,7 @@ class Comm(MPI.Intracomm):
 
     def __new__(cls, comm: Any = None, algorithm: str = "auto",
                 check: bool | None = None) -> "Comm":
-        self = super().__new__(cls, MPI.COMM_WORLD if comm is None else comm)
+        self = super().__new__(cls, runtime_world.comm() if comm is None else comm)
         self._mpicoll_algorithm = algorithm
         self._mpicoll_check = check
         return self

@@ -217,6 +217,9 @@ def _compressed(state: CompressionState, bucket: Any, codec: Codec) -> Future:
                         f"compression={codec.name!r} encodes float32 or float64 (use torch's "
                         f"default hooks for other dtypes)")
     group = _mpicoll_group(state.process_group)
+    if getattr(state, "_generation", group.generation) != group.generation:
+        state._checked.clear()   # a new world (a growth's new rank checks its first calls)
+    state._generation = group.generation
     index = bucket.index()
     if state.error_feedback and codec.lossy:
         state._follow_layout(index, bucket.parameters(), buffer)

@@ -576,11 +576,29 @@ def test_hvd_grows_twice_under_mpich_and_shuts_down_at_once(tmp_path) -> None:
 
 
 LOCAL_UPDATES_GROW_JOB = """
-import hashlib, sys, time, torch, mpicoll.torch as hvd
-hvd.init()
+from mpicoll.elastic import world as elastic_world
+import hashlib, sys, time, numpy as np, torch, mpicoll, mpicoll.torch as hvd
+import torch.distributed as dist, mpicoll.torch.hooks as hooks
+kind = sys.argv[1]
+if kind == "ddp-hook":
+    dist.init_process_group("mpicoll")
+else:
+    hvd.init()
+box = {"comm": mpicoll.Comm()}              # (None: the world in force, also a joiner's)
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1).double()
-if sys.argv[1] == "diloco":
+if kind == "ddp-hook":
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(hooks.CompressionState(), hooks.int8_hook)
+    inner = opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    state = hvd.elastic.TorchState(model=ddp, optimizer=opt, step=0)
+elif kind == "codec":
+    inner = opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        compression=hvd.Compression.int8.with_momentum(0.9).with_warmup(6))
+    state = hvd.elastic.TorchState(model, opt, step=0)
+elif kind == "diloco":
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     opt = hvd.DiLoCo(model, inner, torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9),
                      sync_every=2)
@@ -590,13 +608,20 @@ else:
                                            named_parameters=model.named_parameters(),
                                            sync_every=2)
     state = hvd.elastic.TorchState(model, opt, step=0)
+state.register_reset_callbacks([lambda: box.update(comm=mpicoll.Comm())])  # (docs/elastic.md)
 @hvd.elastic.run(discovery=lambda: 2 if state.step < 4 else 3, max_np=3,
                  discovery_interval=0.05)
 def train(st):
     while True:
+        rank = elastic_world().Get_rank()
+        got = np.empty(2)
+        box["comm"].Allreduce(np.full(2, rank + 1.0), got)
+        n = elastic_world().Get_size()
+        if got[0] != n * (n + 1) / 2:
+            sys.stdout.write(f"BAD {rank} {n} {st.step}\\n")
         inner.zero_grad()
-        x = torch.full((2, 4), float(hvd.rank() + 1), dtype=torch.float64)
-        model(x).sum().backward()
+        x = torch.full((2, 4), float(rank + 1), dtype=torch.float64)
+        (ddp if kind == "ddp-hook" else model)(x).sum().backward()
         opt.step()
         st.step += 1
         if st.step >= 12 and st.step % 2 == 0:
@@ -606,19 +631,25 @@ def train(st):
 train(state)
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
                                  for p in model.parameters())).hexdigest()[:16]
-sys.stdout.write(f"DONE {hvd.rank()} {hvd.size()} {digest}\\n")
+sys.stdout.write(f"DONE {elastic_world().Get_rank()} {elastic_world().Get_size()} "
+                 f"{digest}\\n")
 sys.stdout.flush()
 """
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["local-sgd", "diloco"])
+@pytest.mark.parametrize("kind", ["local-sgd", "diloco", "codec", "ddp-hook"])
 def test_local_updates_grow_with_the_job(tmp_path, kind) -> None:
-    """hvd.elastic with DistributedOptimizer(sync_every=2), or DiLoCo (an outer step every
-    2 inner steps), grows from 2 to 3 ranks: the new rank joins the averages (every rank's
-    parameters identical bitwise after the last average over the world). Their
-    constructors made collectives over the grown world while the running ranks waited in
-    the state's sync: a hang."""
+    """Grown from 2 to 3 ranks, the new rank joins the averages (every rank's parameters
+    identical bitwise after the last average over the world; an ``mpicoll.Comm()`` made
+    at the top sums over the world in force at every step) with:
+    DistributedOptimizer(sync_every=2) and DiLoCo (their constructors made collectives
+    over the grown world while the running ranks waited in the state's sync: a hang);
+    DistributedOptimizer with int8, momentum and a warm-up of 6 steps (the new rank
+    started its step count and reduced momentum at zero: MismatchError in the warm-up,
+    wrong parameters on it after); DDP with mpicoll's int8 hook (the new rank alone ran
+    the first call's agreement: a hang); and ``mpicoll.Comm()`` wrapped the new process's
+    own ``MPI.COMM_WORLD`` (its spawn's world of 1: wrong sums, then a hang)."""
     rc, out, tail = _run_script(tmp_path, LOCAL_UPDATES_GROW_JOB, 2, kind)
     assert rc == 0, f"status {rc} (None: a hang)\n{tail}"
     done = _by_rank(out, "DONE")

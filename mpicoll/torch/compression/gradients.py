@@ -58,6 +58,8 @@ import torch
 from ... import compression as codecs
 from ...buffers import IN_PLACE
 from ...compression.arguments import agreed
+from ...elastic import grow
+from ...runtime import world as runtime_world
 from ...context import get_context
 from .agreement import check_presence
 from .compressors import CodecCompressor
@@ -66,6 +68,7 @@ from ..engine.fusion import plan_runs
 from ..mpi_ops import allreduce_meta
 from ..ops import Average, ReduceOp, Sum
 from ..process_sets import scoped
+from ..state import engine
 
 __all__ = ["CompressedGradients", "PRESENCE_NAME"]
 
@@ -142,6 +145,9 @@ class CompressedGradients:
         self._beta = float(getattr(compressor, "momentum", 0.0))
         #: Local momentum and previous reduced momentum per flat buffer (momentum > 0).
         self._momentum: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        #: The world generation the shared state is rank 0's of (-1 in a process a growth
+        #: started, until its first reduction: see :meth:`_follow_world`).
+        self._generation = -1 if grow.joining() else runtime_world.generation()
         self._layout = (f"{compressor.name} {self._opname} feedback={compressor.feedback}, "
                         f"momentum={self._beta!r}, warmup={compressor.warmup}, "
                         f"crc32 {zlib.crc32(described):08x}")
@@ -158,8 +164,10 @@ class CompressedGradients:
             TypeError, ValueError, mpicoll.RemoteError: a residual that does not fit its
                 parameter (on the rank that has it; the others raise ``RemoteError``).
         """
-        warming = self.steps < self.compressor.warmup
         with scoped(self._process_set):
+            if runtime_world.generation() != self._generation:
+                self._follow_world(engine().side_comm())
+            warming = self.steps < self.compressor.warmup
             eng = check_presence(PRESENCE_NAME,
                                  f"{self._layout}, {'warm-up' if warming else 'compressed'}",
                                  f"DistributedOptimizer(compression={self.compressor.name!r})")
@@ -168,6 +176,23 @@ class CompressedGradients:
         else:
             self._reduce_compressed(eng)
         self.steps += 1
+
+    def _follow_world(self, comm: Any) -> None:
+        """The first reduction after ``hvd.elastic`` changed the world, or in a process a
+        growth started (collective over ``comm``, the engine's ranks): rank 0's step count,
+        codec state and reduced momentum on every rank, which must hold the same bits (a
+        new process started them at zero: its warm-up step count and ``M_prev`` differed).
+        Residuals and the local momentum stay each rank's own."""
+        shared = comm.bcast({"steps": self.steps,
+                             "codec": self.compressor.codec.state_dict(),
+                             "reduced": {flat: arrays[1]
+                                         for flat, arrays in self._momentum.items()}},
+                            root=0)
+        self.steps = shared["steps"]
+        self.compressor.codec.load_state_dict(shared["codec"])
+        for flat, reduced in shared["reduced"].items():
+            self._momentum_arrays(flat)[1][...] = reduced
+        self._generation = runtime_world.generation()
 
     def _reduce_uncompressed(self, eng: Any) -> None:
         """A warm-up step: each flat buffer through ``eng``'s all-reduce as
