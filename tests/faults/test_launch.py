@@ -361,16 +361,20 @@ def test_the_supervisor_restarts_itself_without_mpi(monkeypatch):
         seen.append((path, argv, env))
         raise SystemExit(0)
 
+    from mpi4py import MPI  # noqa: PLC0415
+
+    # (finalized before the exec: not this process's MPI, which later tests use)
+    monkeypatch.setattr(MPI, "Finalize", lambda: seen.append("finalized"))
     monkeypatch.setattr(launch.os, "execve", execve)
     monkeypatch.setattr(sys, "argv", ["launch.py", "--min-np", "1"])
     monkeypatch.setenv("MPI4PY_RC_INITIALIZE", "1")
     monkeypatch.delenv(launch._REEXEC_MARK, raising=False)
     with pytest.raises(SystemExit):
         launch._reexec_without_mpi()
-    (path, argv, env), = seen
-    assert path == sys.executable and argv[1:] == ["-m", "mpicoll.elastic.launch",
+    finalized, (path, argv, env) = seen
+    assert finalized == "finalized" and path == sys.executable and argv[1:] == ["-m", "mpicoll.elastic.launch",
                                                    "--min-np", "1"]
     assert env["MPI4PY_RC_INITIALIZE"] == "0" and env[launch._REEXEC_MARK] == "1"
     monkeypatch.setenv(launch._REEXEC_MARK, "1")
     launch._reexec_without_mpi()                 # returns: already re-executed
-    assert len(seen) == 1
+    assert len(seen) == 2
