@@ -46,8 +46,8 @@ from mpi4py import MPI
 from .. import context
 from ..runtime import comms, failures
 
-__all__ = ["Growth", "grow_world", "join", "joined", "joining", "end_joining", "spawn_command", "split_command_line",
-           "last_growth", "GrowthError", "JOINER", "launch_size"]
+__all__ = ["Growth", "grow_world", "join", "joined", "joining", "end_joining", "spawn_command",
+           "split_command_line", "last_growth", "GrowthError", "JOINER", "launch_size"]
 
 log = logging.getLogger("mpicoll.elastic")
 

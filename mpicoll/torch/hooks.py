@@ -91,6 +91,7 @@ class CompressionState:
         self.iteration = 0
         self._layouts: dict[int, tuple] = {}     # bucket index -> (parameter ids, numels)
         self._checked: set[int] = set()           # bucket indices agreed on (first call)
+        self._generation: int | None = None       # the group's world they were agreed on
         self._orphans: dict[int, Any] = {}        # residual parts between two buckets
         #: loaded residuals waiting for a bucket of their layout: index -> (numels, residual)
         self._pending: dict[int, tuple] = {}
@@ -217,9 +218,9 @@ def _compressed(state: CompressionState, bucket: Any, codec: Codec) -> Future:
                         f"compression={codec.name!r} encodes float32 or float64 (use torch's "
                         f"default hooks for other dtypes)")
     group = _mpicoll_group(state.process_group)
-    if getattr(state, "_generation", group.generation) != group.generation:
+    if state._generation != group.generation:
         state._checked.clear()   # a new world (a growth's new rank checks its first calls)
-    state._generation = group.generation
+        state._generation = group.generation
     index = bucket.index()
     if state.error_feedback and codec.lossy:
         state._follow_layout(index, bucket.parameters(), buffer)
