@@ -29,7 +29,8 @@ from . import threads
 from .engine.core import Engine
 from .engine.settings import from_environment
 
-__all__ = ["init", "shutdown", "abandon", "started", "is_initialized", "engine", "start_timeline", "stop_timeline",
+__all__ = ["init", "shutdown", "abandon", "started", "started_after_groups", "is_initialized",
+           "engine", "start_timeline", "stop_timeline",
            "size", "rank", "local_rank",
            "local_size", "cross_rank", "cross_size", "mpi_threads_supported", "mpi_enabled",
            "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
@@ -38,6 +39,11 @@ __all__ = ["init", "shutdown", "abandon", "started", "is_initialized", "engine",
 _engine: Engine | None = None
 _lock = threading.Lock()
 _atexit_registered = False
+#: Whether this process's first ``init`` came after its "mpicoll" default process group
+#: (``None``: no ``init`` yet): a growth's new processes run the program from its top, so
+#: the running ranks remake both on the grown world in that order
+#: (:func:`mpicoll.torch.elastic.run`).
+_after_groups: bool | None = None
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
@@ -53,7 +59,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         RuntimeError: MPI was initialized below ``THREAD_MULTIPLE``.
         ValueError: a malformed ``MPICOLL_*`` variable; bad process sets.
     """
-    global _engine, _atexit_registered
+    global _engine, _atexit_registered, _after_groups
     if _engine is not None and _engine.generation != runtime_world.generation():
         abandon("the world changed (mpicoll.elastic); mpicoll.torch started on the new one")
     with _lock:
@@ -75,11 +81,21 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         engine.on_peer_shutdown = _stop_process_sets
         engine.start()
         _engine = engine
+        if _after_groups is None:
+            dist = sys.modules.get("torch.distributed")
+            _after_groups = bool(dist is not None and dist.is_initialized()
+                                 and dist.get_backend() == "mpicoll")
         process_set_registry.attach(engine, comm)
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
     process_set_registry.register_all(process_sets)
+
+
+def started_after_groups() -> bool:
+    """Whether this process's first :func:`init` came after its "mpicoll" default process
+    group (``dist.init_process_group("mpicoll")`` before ``hvd.init()``)."""
+    return bool(_after_groups)
 
 
 def _stop_process_sets(leaving: list[int]) -> None:

@@ -165,9 +165,12 @@ def train_ddp(mode: str) -> None:
 
 def grow_ddp(hold: str) -> None:
     """``hold``: what the state holds, ``ddp`` (the DDP module) or ``module`` (the module
-    it wraps)."""
+    it wraps; then ``hvd.init()`` too, after the process group: the running ranks must
+    remake both in that order for the new process)."""
     joined = hvd.elastic.joined()
     dist.init_process_group("mpicoll")
+    if hold == "module":
+        hvd.init()
     model = make_model()
     initial = ({k: v.clone() for k, v in model.state_dict().items()},
                optimizer_of(make_model().parameters()).state_dict())

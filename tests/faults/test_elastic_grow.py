@@ -21,8 +21,9 @@ Under this venv's MPICH (no ULFM; its ``MPI_Comm_spawn`` starts processes faster
 as ``mpich-grow`` (the numpy growth):
 
 - ``ddp-grow-ddp``, ``ddp-grow-module``: a DDP module over the "mpicoll" process group,
-  built once before ``hvd.elastic.run`` with a ``TorchState`` holding it (or the module
-  it wraps) and no ``hvd.init()``, grows from 2 to 3 at a
+  built once before ``hvd.elastic.run`` with a ``TorchState`` holding it and no
+  ``hvd.init()`` (or holding the module it wraps, with ``hvd.init()`` after
+  ``init_process_group``: the new process's order, which hung), grows from 2 to 3 at a
   commit (ddp_elastic_worker.py ``grow``): the new process builds its DDP module in the
   program as the first ranks did, every rank ends at size 3 with the same parameters,
   ``dist.all_reduce`` sums over 3, and rank 0's parameters equal a float64 single-process

@@ -104,6 +104,8 @@ def _grow(new_size: int) -> None:
             _torch_state.init()          # the world is unchanged: the engine again on it
         raise
     grown = time.perf_counter()
+    if engine and _torch_state.started_after_groups():
+        follow_world()           # the new processes make their groups first, as the program
     if engine:
         _torch_state.init()
     growth.phases.update(shutdown=stopped - began, init=time.perf_counter() - grown)
