@@ -136,17 +136,16 @@ class CommContext:
 
 
 def _comm_name(comm: MPI.Comm) -> str:
-    """How reports and the timeline name ``comm``: its MPI name, else its world ranks
-    (``"world ranks 0,2,4-7"``)."""
+    """How reports and the timeline name ``comm``: its MPI name, else its ranks in the
+    current world (``"world ranks 0,2,4-7"``: :func:`mpicoll.runtime.world.world_ranks`)."""
     try:
         name = comm.Get_name()
         if name:
             return name
-        world = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
-                                          MPI.COMM_WORLD.Get_group())
+        world = runtime_world.world_ranks(comm)
     except MPI.Exception:
         return f"communicator {comm.handle:#x}"
-    return "world ranks " + rank_ranges(list(world))
+    return "world ranks " + rank_ranges(world)
 
 
 @atexit.register

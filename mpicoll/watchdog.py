@@ -47,6 +47,7 @@ from mpi4py import MPI
 from . import config, tracking
 from .runtime import comms, failures
 from .runtime import exit as runtime_exit
+from .runtime import world as runtime_world
 from .tracking import CallInfo, Tracker
 
 __all__ = ["enabled", "watch", "unwatch", "announce_exit", "announce_end", "ended_peers",
@@ -130,7 +131,8 @@ class Watched:
         self.answered_at = 0.0
 
     def who(self, rank: int) -> str:
-        """``rank 2`` (``rank 2 (world 5)`` on a communicator other than the world)."""
+        """``rank 2`` (``rank 2 (world rank 5)`` on a communicator other than the world:
+        its rank in the current world, the grown or shrunk one in elastic mode)."""
         world = self.world[rank]
         return f"rank {rank}" if world == rank else f"rank {rank} (world rank {world})"
 
@@ -140,11 +142,13 @@ class Watched:
 
 
 def _world_ranks(comm: MPI.Intracomm) -> list[int]:
+    """``comm``'s ranks in the current world (:func:`mpicoll.runtime.world.world_ranks`);
+    a rank outside it, or a communicator that cannot be queried, is named by its own."""
     try:
-        return list(MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
-                                              MPI.COMM_WORLD.Get_group()))
+        world = runtime_world.world_ranks(comm)
     except MPI.Exception:
         return list(range(comm.Get_size()))
+    return [r if w == MPI.UNDEFINED else w for r, w in enumerate(world)]
 
 
 def watch(comm: MPI.Intracomm, tracker: Tracker) -> Watched | None:

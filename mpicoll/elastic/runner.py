@@ -238,6 +238,21 @@ def _grow_or_reset(exc: HostsUpdatedInterrupt | None, reset: Callable[[], Any],
     return world_module.last_recovery
 
 
+def _refuse_target(growth: grow_module.Growth, exc: BaseException) -> None:
+    """Only processes that ``growth`` (the last reset) started failed, with ``exc``: most
+    likely they could not run the program (one raised at its top, say): the job shrinks,
+    and does not grow to that size again until discovery's answer changes (as when the
+    new processes cannot start), rather than start them again and again."""
+    failed = getattr(exc, "failed_ranks", None)
+    source = discovery_module.active()
+    if source is None or not failed or min(failed) < growth.old_size:
+        return
+    source.failed_target = growth.new_size
+    log.error("the process(es) the growth to %d ranks started failed; the job does not "
+              "grow to %d again until discovery's answer changes", growth.new_size,
+              growth.new_size)
+
+
 def run_fn(func: Callable[..., Any], reset: Callable[[], Any],
            grow: Callable[[int], Any] | None = None,
            hosts: discovery_module.Discovery | None = None,
@@ -347,6 +362,8 @@ def _loop(func: Callable[..., Any], reset: Callable[[], Any],
                 raise
             detected_at = time.time()
             failed_at = time.perf_counter()
+            if isinstance(event, grow_module.Growth):
+                _refuse_target(event, exc)
             log.warning("process failure (%s: %s): restoring the last commit and "
                         "shrinking (a rank that raised or ended early said why before "
                         "leaving)", type(exc).__name__, exc)

@@ -75,14 +75,17 @@ class Recovery:
 last_recovery: Recovery | None = None
 
 
-def survivors(old: MPI.Intracomm, members: list[int], new: MPI.Intracomm) -> list[int]:
-    """The ranks of ``new`` of those of ``members`` (ranks of ``old``) that are in it, in
-    order."""
-    old_group, new_group = old.Get_group(), new.Get_group()
+def survivors(old: MPI.Intracomm | MPI.Group, members: list[int],
+              new: MPI.Intracomm) -> list[int]:
+    """The ranks of ``new`` of those of ``members`` (ranks of ``old``, a communicator or
+    its group) that are in it, in order."""
+    old_group = old if isinstance(old, MPI.Group) else old.Get_group()
+    new_group = new.Get_group()
     try:
         moved = MPI.Group.Translate_ranks(old_group, members, new_group)
     finally:
-        old_group.Free()
+        if old_group is not old:
+            old_group.Free()
         new_group.Free()
     return [r for r in moved if r != MPI.UNDEFINED]
 

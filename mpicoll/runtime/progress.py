@@ -52,7 +52,7 @@ from typing import Any, Callable
 from mpi4py import MPI
 
 from .. import config, waiting
-from ..errors import CollectiveTimeoutError, ProcessFailedError
+from ..errors import CollectiveError, CollectiveTimeoutError, ProcessFailedError
 from . import exit as runtime_exit
 from . import failures
 
@@ -412,7 +412,8 @@ class Lane:
 
 
 def create(build: Callable[[list[Any]], Any], parent: Any, members: list[int],
-           name: str, timeout: float | None = None) -> Any:
+           name: str, timeout: float | None = None,
+           hopeless: Callable[[], str | None] | None = None) -> Any:
     """``build(made)``, which makes a communicator of the ranks ``members`` of ``parent``
     (``[]``: all) and appends each communicator it makes to ``made``. Under ULFM, with
     ``members`` given, it runs on a lane of its own: Open MPI 5.0.11's
@@ -432,9 +433,15 @@ def create(build: Callable[[list[Any]], Any], parent: Any, members: list[int],
     and the job ends, saying so, when this process exits (its lane is broken). Below
     ``MPI_THREAD_MULTIPLE`` the creation runs here, unbounded.
 
+    ``hopeless`` (with ``members`` given, above ``MPI_THREAD_MULTIPLE``): polled while the
+    creation waits; once it returns a reason, the other members will never call it: the
+    creation ends as at its ``timeout``, raising :class:`~mpicoll.CollectiveError` with that
+    reason.
+
     ``name`` names the creation in errors (``"new_group"``)."""
     made: list[Any] = []
-    if not failures.ENABLED and (not members or timeout is None or inline_only()):
+    if not failures.ENABLED and (not members or (timeout is None and hopeless is None)
+                                 or inline_only()):
         return build(made)
     try:
         if not members:        # every rank of parent: no MPI_Comm_create_group
@@ -448,11 +455,16 @@ def create(build: Callable[[list[Any]], Any], parent: Any, members: list[int],
                 "when this process exits)"), name, []) if timeout is not None else None
         ends = None if timeout is None else time.monotonic() + timeout
         deadline = None
-        if not failures.ENABLED and not work.wait_done(timeout):
+        if not failures.ENABLED and hopeless is None and not work.wait_done(timeout):
             lane.abort(late)      # (no failure to watch for: one wait, no polling)
         while not work.done():
             time.sleep(_CREATE_POLL_S)
-            if ends is not None and time.monotonic() >= ends:
+            reason = hopeless() if hopeless is not None else None
+            if reason:
+                for comm in made:
+                    failures.revoke_only(comm)
+                lane.abort(CollectiveError(f"{name} of ranks {list(members)}: {reason}"))
+            elif ends is not None and time.monotonic() >= ends:
                 for comm in made:
                     failures.revoke_only(comm)
                 lane.abort(late)

@@ -21,7 +21,7 @@ from typing import Any
 from mpi4py import MPI
 
 __all__ = ["State", "World", "current", "comm", "generation", "world_of", "failed",
-           "mark_failed", "reconfigure"]
+           "mark_failed", "reconfigure", "world_ranks", "most_ranks"]
 
 
 class State(enum.Enum):
@@ -43,6 +43,9 @@ class World:
         failed_ranks: the ranks of ``comm`` known to have failed (while failed).
         failed_at_exit: the failure was first noticed after the program's main thread had
             ended (in an exit handler): the program never heard of it.
+        members: the group of ``comm``, taken when it became the world (``None``:
+            ``MPI.COMM_WORLD``'s): what its ranks were once it is freed.
+        size: the communicator's size (kept: at exit the communicator may be freed).
     """
 
     generation: int
@@ -50,15 +53,24 @@ class World:
     state: State = State.HEALTHY
     failed_ranks: list[int] = field(default_factory=list)
     failed_at_exit: bool = False
+    members: Any = None
+    size: int = 0
 
     @property
     def communicator(self) -> MPI.Intracomm:
         """The world's communicator (``MPI.COMM_WORLD`` for generation 0)."""
         return MPI.COMM_WORLD if self.comm is None else self.comm
 
+    @property
+    def group(self) -> MPI.Group:
+        """The world's processes, also after its communicator was freed (a later
+        reconfiguration frees a healthy world's)."""
+        return MPI.COMM_WORLD.Get_group() if self.members is None else self.members
+
 
 _lock = threading.Lock()
-_worlds: list[World] = [World(0)]
+_worlds: list[World] = [
+    World(0, size=MPI.COMM_WORLD.Get_size() if MPI.Is_initialized() else 0)]
 #: The current world's communicator (read on every ``comm=None`` call: kept at hand).
 _comm: MPI.Intracomm = MPI.COMM_WORLD
 #: handle -> generation of every world communicator after the first
@@ -87,6 +99,30 @@ def world_of(comm: Any) -> int:
     if handle == MPI.COMM_WORLD.handle:
         return 0
     return _handles.get(handle, generation())
+
+
+def world_ranks(comm: MPI.Comm) -> list[int]:
+    """The ranks in the current world (:func:`comm`) of ``comm``'s ranks, in order
+    (``MPI.UNDEFINED`` for a process outside it): how reports and the timeline name the
+    ranks of any communicator. Not ``MPI.COMM_WORLD``'s: a process that joined a growth
+    has a ``COMM_WORLD`` of its own (its spawn's), and after a shrink or a growth the
+    program's ranks are the current world's.
+
+    Raises:
+        MPI.Exception: ``comm`` or the world cannot be queried (freed, failed).
+    """
+    mine, world = comm.Get_group(), _comm.Get_group()
+    try:
+        return list(MPI.Group.Translate_ranks(mine, list(range(mine.Get_size())), world))
+    finally:
+        mine.Free()
+        world.Free()
+
+
+def most_ranks() -> int:
+    """The largest size of the worlds this process has been in (read at exit too, when
+    the world's communicator may be freed)."""
+    return max(w.size for w in _worlds)
 
 
 def state_world(gen: int) -> World:
@@ -126,6 +162,9 @@ def reconfigure(new: MPI.Intracomm | None) -> World:
         old = _worlds[-1]
         old.state = State.RECONFIGURED
         w = World(len(_worlds), None if new is None or new == MPI.COMM_WORLD else new)
+        w.size = w.communicator.Get_size()
+        if w.comm is not None:
+            w.members = w.comm.Get_group()
         _worlds.append(w)
         if w.comm is not None:
             _handles[w.comm.handle] = w.generation

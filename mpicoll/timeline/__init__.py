@@ -16,6 +16,12 @@ removes the parts. Parts that did not finish in time are left in place, and
 ``python -m mpicoll.timeline trace.json`` merges them later (also what to run when the ranks
 do not share a file system: copy the parts together first).
 
+A rank is a rank of the runtime's world when the timeline starts (:mod:`mpicoll.elastic`:
+a process that joined a growth is its rank in the grown world, not its spawn's
+``MPI.COMM_WORLD``'s), and rank 0 waits for the parts of every world it has been in (the
+new ranks' too). After a shrink the survivors keep their parts; a growth after a shrink can
+give a new rank the part of a survivor whose rank moved.
+
 Timestamps are ``time.perf_counter()`` shifted to the epoch (``time.time()`` read once at
 start): exact within a process, as aligned across processes as the hosts' clocks.
 """
@@ -55,11 +61,23 @@ def enabled() -> bool:
 
 
 def _world() -> tuple[int, int]:
+    """This process's rank and the size of the runtime's world (what ``comm=None`` means:
+    in a process that joined a growth, the grown world, not its own ``MPI.COMM_WORLD``)."""
     from mpi4py import MPI  # noqa: PLC0415  (the module itself runs without MPI: merge)
 
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return 0, 1
-    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    from ..runtime import world  # noqa: PLC0415
+
+    return world.comm().Get_rank(), world.comm().Get_size()
+
+
+def _most_ranks() -> int:
+    """How many parts rank 0 merges: ranks of every world this process has been in (a
+    growth's new ranks write parts too), at least the size at the start."""
+    from ..runtime import world  # noqa: PLC0415
+
+    return max(_state["size"], world.most_ranks())
 
 
 def _part(path: str, rank: int) -> Path:
@@ -149,7 +167,7 @@ def stop() -> Path | None:
     _flush(final=True)
     if _state["rank"] != 0:
         return None
-    path, size = _state["path"], _state["size"]
+    path, size = _state["path"], _most_ranks()
     deadline = time.monotonic() + MERGE_WAIT_SECONDS
     while missing := [r for r in range(size) if not _finished(_part(path, r))]:
         if time.monotonic() > deadline:

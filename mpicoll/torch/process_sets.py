@@ -49,6 +49,9 @@ _lock = threading.Lock()
 _world: tuple[Engine, MPI.Intracomm] | None = None
 #: id -> (its ProcessSet, this rank's engine for it or None when not included).
 _registry: dict[int, tuple[ProcessSet, Engine | None]] = {}
+#: The id of the next set registered: from 1 again after each :func:`detach` (Horovod's
+#: table starts afresh at each ``init``), so that every rank numbers the sets alike, a
+#: process that joined a growth too (the running ranks' sets were dropped at the reset).
 _next_id = 1
 
 
@@ -253,13 +256,14 @@ def detach(reason: str, stop: str = "shutdown") -> None:
 
     ``stop="abandon"``: after a process failure (:mod:`mpicoll.torch.elastic`), stop them
     without a shutdown round (:meth:`Engine.abandon`: some members may be dead); the
-    global set follows the next ``init``.
+    global set follows the next ``init``. The next set registered gets id 1 again.
     """
-    global _world
+    global _world, _next_id
     with _lock:
         entries = list(_registry.values())
         _registry.clear()
         _world = None
+        _next_id = 1
     for process_set, _ in entries:
         process_set.process_set_id = None
     for _, engine in entries:

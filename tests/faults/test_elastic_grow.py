@@ -40,7 +40,9 @@ as ``mpich-grow`` (the numpy growth):
 
 Under MPICH, one job each (``_run_script``): hvd growing twice (its engine's shutdown is
 immediate), local SGD growing with the job, a parameter server refusing growth on every
-rank, a job launched below ``min_np`` waiting for the slots (or ``TooFewRanksError``).
+rank, a job launched below ``min_np`` waiting for the slots (or ``TooFewRanksError``), and
+what a new process names by its rank: its timeline part, the stall inspector's reports, and
+the ids of the process sets it registers.
 
 With ``ULFM_ALL_CASES=1`` (slower: a torch job here costs one to two minutes under load):
 
@@ -54,7 +56,9 @@ With ``ULFM_ALL_CASES=1`` (slower: a torch job here costs one to two minutes und
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import json
 import os
 import re
 import sys
@@ -283,10 +287,14 @@ def test_the_joiner_runs_a_script_a_module_or_code_as_main(tmp_path, monkeypatch
 GROW_JOB = """
 import os, signal, sys, time, numpy as np, mpicoll, mpicoll.elastic as elastic
 kill = sys.argv[1] == "kill"     # 2 ranks grow to 3, the new one dies; else 1 -> 2 -> 3
+if sys.argv[1] == "raise" and elastic.joined():   # 2 ranks grow to 3 (slots stay 3)
+    raise RuntimeError("a new process cannot run the program")
 state = elastic.ObjectState(step=0, phase=0)
 def slots():
     if kill:
         return 3 if 4 <= state.step < 8 else 2
+    if sys.argv[1] == "raise":
+        return 2 if state.step < 4 else 3
     return 1 if state.step < 4 else (2 if state.step < 9 else 3)
 @elastic.run(discovery=slots, max_np=3, discovery_interval=0.05)
 def train(st):
@@ -318,6 +326,7 @@ def _jobs(tmp: Path) -> dict:
         "numpy-grow": (NUMPY, 2, [1000, GROW_STEP, 3, 3, "2", GARBAGE_STEP]),
         "twice-grow": (grow_job, 1, ["twice"]),
         "kill-joiner": (grow_job, 2, ["kill"]),
+        "raise-joiner": (grow_job, 2, ["raise"]),
     }
     if ALL:
         jobs["numpy-shrink-grow"] = (NUMPY, 3, [STEPS, -1, 3, 3, "3", -1, 1, 8])
@@ -330,7 +339,8 @@ def _jobs(tmp: Path) -> dict:
             hostfile.write_text(f"localhost:{args[4]}\n")
             args[4] = str(hostfile)
         # (docs/elastic.md, Growing, Limits: the spawned jobs are recoverable too)
-        extra = {"PRTE_MCA_state_base_recoverable": "1"} if name == "kill-joiner" else {}
+        extra = ({"PRTE_MCA_state_base_recoverable": "1"}
+                 if name in ("kill-joiner", "raise-joiner") else {})
         out[name] = (script, n, args, extra, JOB_TIMEOUT_S)
     return out
 
@@ -446,6 +456,20 @@ def test_a_joined_rank_lost_under_ulfm_is_survived(outputs) -> None:
     tail = _show("kill-joiner", outputs["kill-joiner"])
     assert "BAD" not in out, f"a wrong all-reduce sum\n{tail}"
     assert _by_rank(out, "DONE") == {0: ["2", "16"], 1: ["2", "16"]}, tail
+    assert rc == 0, f"status {rc}\n{tail}"
+
+
+@pytest.mark.timeout(900)
+def test_a_new_process_that_raises_before_the_sync_is_not_spawned_again(outputs) -> None:
+    """2 ranks grow to 3 (discovery keeps offering 3 slots); the new process raises at the
+    top of the program: the 2 survivors shrink back once and finish at 2 with exact
+    sums; the job does not spawn it again and again (it did, until its steps ran out)."""
+    rc, out, _ = outputs["raise-joiner"]
+    tail = _show("raise-joiner", outputs["raise-joiner"])
+    assert "BAD" not in out, f"a wrong all-reduce sum\n{tail}"
+    assert _by_rank(out, "DONE") == {0: ["2", "14"], 1: ["2", "14"]}, tail
+    assert out.count("cannot run the program") in (1, 2), tail   # (its error, once)
+    assert out.count("does not grow to 3 again") == 2, tail      # (ranks 0 and 1)
     assert rc == 0, f"status {rc}\n{tail}"
 
 
@@ -745,3 +769,167 @@ def test_a_job_launched_below_min_np_waits_for_the_slots(tmp_path, later) -> Non
 def test_min_np_above_max_np_is_refused() -> None:
     with pytest.raises(ValueError, match="min_np=3 exceeds max_np=2"):
         elastic.run(min_np=3, max_np=2, discovery=lambda: 3)(lambda state: None)
+
+
+TIMELINE_GROW_JOB = """
+import sys, time, numpy as np, mpicoll, mpicoll.elastic as elastic
+state = elastic.ObjectState(step=0)
+@elastic.run(discovery=lambda: 2 if state.step < 4 else 3, max_np=3, discovery_interval=0.05)
+def train(st):
+    while st.step < 10:
+        mpicoll.allreduce(np.full(4, elastic.world().Get_rank() + 1.0))
+        st.step += 1
+        time.sleep(0.05)                    # (discovery polls every 0.05 s)
+        st.commit()
+train(state)
+sys.stdout.write(f"DONE {elastic.world().Get_rank()} {elastic.world().Get_size()}\\n")
+sys.stdout.flush()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_timeline_takes_in_the_ranks_a_growth_started(tmp_path) -> None:
+    """``MPICOLL_TIMELINE`` over a growth from 2 to 3: the merged trace has every rank's
+    all-reduces under its rank in the grown world (rank 0's ten, rank 1's ten, the new
+    rank 2's since it joined), and its communicators named by their ranks in the world.
+    The new process numbered its part by its spawn's ``MPI.COMM_WORLD`` (rank 0 of 1):
+    it wrote rank 0's part and merged it alone, rank 0 then found no part of its own
+    (``FileNotFoundError`` at exit), and rank 1's part was left unmerged."""
+    trace = tmp_path / "trace.json"
+    rc, out, tail = _run_script(tmp_path, TIMELINE_GROW_JOB, 2, MPICOLL_TIMELINE=str(trace))
+    assert rc == 0 and "Traceback" not in out, f"status {rc} (None: a hang)\n{tail}"
+    assert sorted(_by_rank(out, "DONE")) == [0, 1, 2], tail
+    assert not list(tmp_path.glob("trace.json.rank*")), "parts left unmerged"
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {r: f"rank {r}" for r in range(3)}, names
+    calls = collections.Counter(e["pid"] for e in events if e["name"] == "allreduce")
+    assert calls[0] == calls[1] == 10 and 0 < calls[2] < 10, calls
+    tracks = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
+    assert tracks == {(0, "MPI_COMM_WORLD"), (1, "MPI_COMM_WORLD"), (0, "world ranks 0-2"),
+                      (1, "world ranks 0-2"), (2, "world ranks 0-2")}, tracks
+
+
+STALL_GROW_JOB = """
+import logging, time, numpy as np, mpicoll, mpicoll.elastic as elastic
+logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
+state = elastic.ObjectState(step=0)
+@elastic.run(discovery=lambda: 2 if state.step < 4 else 3, max_np=3, discovery_interval=0.05)
+def train(st):
+    while st.step < 10:
+        if st.step == 7 and elastic.world().Get_rank() == 2:   # the others all-reduce
+            mpicoll.broadcast(np.zeros(4), root=0)
+        else:
+            mpicoll.allreduce(np.full(4, elastic.world().Get_rank() + 1.0))
+        st.step += 1
+        time.sleep(0.05)                    # (discovery polls every 0.05 s)
+        st.commit()
+train(state)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_stall_inspector_names_the_ranks_of_the_grown_world(tmp_path) -> None:
+    """After a growth from 2 to 3 the new rank 2 broadcasts where ranks 0 and 1
+    all-reduce: the stall inspector's reports (warned after 1 s, the job aborted after 4)
+    name every rank by its rank in the grown world, its communicator ``world ranks 0-2``.
+    The world ranks were ``MPI.COMM_WORLD``'s, which the new process is not in (and whose
+    rank 0 it is in its spawn's): ``rank 2 (world rank -32766)``, ``rank 0 (world rank
+    -32766)``, ``rank 2 (world rank 0)``."""
+    rc, out, tail = _run_script(tmp_path, STALL_GROW_JOB, 2, MPICOLL_STALL_WARN_SECONDS="1",
+                                MPICOLL_STALL_ABORT_SECONDS="4")
+    assert rc not in (0, None), f"status {rc} (None: a hang): no abort\n{tail}"
+    reports = [line for line in out.splitlines() if "mpicoll stall inspector:" in line]
+    assert any(line.startswith("LOG mpicoll stall inspector: rank 2 has waited")
+               and " on world ranks 0-2 (3 ranks)" in line for line in reports), tail
+    assert "inside a different one: rank 2 in broadcast" in out, tail
+    assert "world rank " not in out and "-32766" not in out, \
+        "\n".join(line for line in reports if "world rank " in line or "-32766" in line)
+
+
+PROCESS_SET_GROW_JOB = """
+import sys, time, torch, mpicoll.torch as hvd
+hvd.init()
+ps = hvd.add_process_set([1])              # (the new process: with the others' callback)
+state = hvd.elastic.ObjectState(step=0)
+state.register_reset_callbacks([lambda: hvd.add_process_set(ps)])   # (docs/elastic.md)
+@hvd.elastic.run(discovery=lambda: 2 if state.step < 4 else 3, max_np=3,
+                 discovery_interval=0.05)
+def train(st):
+    while st.step < 8:
+        hvd.allreduce(torch.ones(3), name="all")
+        if ps.included():
+            hvd.allreduce(torch.ones(3), name="in.set", process_set=ps)
+        st.step += 1
+        time.sleep(0.05)                    # (discovery polls every 0.05 s)
+        st.commit()
+train(state)
+ident = ps.process_set_id
+try:
+    sys.stdout.write(f"DONE {hvd.rank()} {hvd.size()} {ident} {hvd.remove_process_set(ps)}\\n")
+except ValueError as exc:
+    sys.stdout.write(f"DONE {hvd.rank()} {hvd.size()} {ident} {exc!r:.60}\\n")
+sys.stdout.flush()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_process_set_ids_agree_after_a_growth(tmp_path) -> None:
+    """A process set (of rank 1) added again in a reset callback, as docs/elastic.md says,
+    over a growth from 2 to 3 (the new process adds it at the top of the program): every
+    rank gives it the same id, as Horovod does, and ``hvd.remove_process_set`` removes it
+    on every rank. The running ranks kept counting ids from their first registration (id
+    2) while the new process started at 1: ``ValueError: ranks disagree on the process
+    set: ids [2, 2, 1]``."""
+    rc, out, tail = _run_script(tmp_path, PROCESS_SET_GROW_JOB, 2)
+    assert rc == 0, f"status {rc} (None: a hang)\n{tail}"
+    assert _by_rank(out, "DONE") == {r: ["3", "1", "True"] for r in range(3)}, tail
+
+
+GROUPS_GROW_JOB = """
+import sys, time, torch, torch.distributed as dist, mpicoll.torch as hvd
+dist.init_process_group("mpicoll")
+every = dist.new_group(list(range(dist.get_world_size())))   # at the top: the old size
+state = hvd.elastic.ObjectState(step=0)
+if sys.argv[1] == "callback":           # made again at the reset (docs/elastic.md)
+    def remake():
+        global every
+        every = dist.new_group(list(range(dist.get_world_size())))
+    state.register_reset_callbacks([remake])
+@hvd.elastic.run(discovery=lambda: 2 if state.step < 4 else 3, max_np=3,
+                 discovery_interval=0.05)
+def train(st):
+    while st.step < 8:
+        t = torch.full((3,), dist.get_rank() + 1.0)
+        dist.all_reduce(t, group=every)
+        n = dist.get_world_size()
+        if t[0].item() != n * (n + 1) / 2:
+            sys.stdout.write(f"BAD {dist.get_rank()} {st.step} {t[0].item()}\\n")
+        st.step += 1
+        time.sleep(0.05)                    # (discovery polls every 0.05 s)
+        st.commit()
+train(state)
+sys.stdout.write(f"DONE {dist.get_rank()} {dist.get_world_size()}\\n")
+sys.stdout.flush()
+"""
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("where", ["top", "callback"])
+def test_a_group_over_the_world_size_grows_when_made_again_at_the_reset(tmp_path,
+                                                                         where) -> None:
+    """``dist.new_group(range(world_size))`` made at the top of the program, growing from
+    2 to 3 under MPICH. Made again in a reset callback, it spans the grown world on every
+    rank (exact sums over 3). Made only at the top, the new process's group (of 3) is
+    one the running ranks never make: once they begin the state's sync, its ``new_group``
+    raises, saying what to do, and the job ends (MPICH cannot cancel the call; under ULFM
+    the survivors go on: ``raise-joiner``). It hung."""
+    rc, out, tail = _run_script(tmp_path, GROUPS_GROW_JOB, 2, where)
+    if where == "callback":
+        assert rc == 0 and "BAD" not in out, f"status {rc} (None: a hang)\n{tail}"
+        assert _by_rank(out, "DONE") == {r: ["3"] for r in range(3)}, tail
+        return
+    assert rc not in (0, None), f"status {rc} (None: a hang)\n{tail}"
+    assert "running ranks began the elastic state's first sync without making this " \
+           "group" in out and "register_reset_callbacks" in out, tail
+    assert "DONE" not in out, tail

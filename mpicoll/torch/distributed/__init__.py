@@ -60,12 +60,28 @@ def _create(opts: Any, backend_options: Any = None) -> Any:
         timeout = getattr(opts, "timeout", None)
         return progress.create(lambda made: _build(opts, backend_options, ranks, made),
                                world(), ranks, "new_group",
-                               None if timeout is None else timeout.total_seconds())
+                               None if timeout is None else timeout.total_seconds(),
+                               _never_made if joining() else None)
     except Exception:
         if ranks and failures.ENABLED:
             PARENT.clear()   # maybe still in use by a creation stuck in MPI: later
                               # groups are made from the world
         raise
+
+
+def _never_made() -> str | None:
+    """In a process that joined a running job: why a group it waits to make never will be
+    (the running ranks began the state's sync without making it), or ``None``."""
+    from ...elastic import grow  # noqa: PLC0415
+
+    if not grow.running_ranks_at_sync():
+        return None
+    return ("this process joined a running job, and the running ranks began the elastic "
+            "state's first sync without making this group: they made the program's "
+            "top-level groups before the growth, at the old size. Make a group whose ranks "
+            "depend on the world size again in a reset callback "
+            "(state.register_reset_callbacks), where the running ranks make it with the "
+            "new processes")
 
 
 def _build(opts: Any, backend_options: Any, ranks: list[int], made: list[Any]) -> Any:

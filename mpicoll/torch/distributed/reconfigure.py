@@ -140,7 +140,7 @@ def follow_world() -> int:
 
     set_rank_size = extension.load().set_process_group_rank_size
     for pg, backend in stale:
-        old_world = runtime_world.state_world(backend.generation).communicator
+        old_world = runtime_world.state_world(backend.generation).group   # (maybe freed)
         members = backend.options.global_ranks_in_group
         # the default group ([]): every rank of the new world
         ranks = survivors(old_world, members, new_world) if members else []

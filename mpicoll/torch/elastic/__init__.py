@@ -88,10 +88,10 @@ def _reset(min_np: int) -> None:
 
 def _grow(new_size: int) -> None:
     """Stop the engine (a shutdown round of the running ranks), grow the world, start
-    the engine on it (the new ranks start theirs in their own ``hvd.init()``); when the
-    new processes cannot start, the engine starts again on the unchanged world. Without
-    ``hvd.init()`` (a torch.distributed program) there is no engine: the state's reset
-    rebuilds the "mpicoll" process groups on the grown world."""
+    the engine on it (the new ranks start theirs in their own ``hvd.init()``) and rebuild
+    the "mpicoll" process groups on it, before the engine where the program made them
+    first (whatever the state: an ``ObjectState`` too); when the new processes cannot
+    start, the engine starts again on the unchanged world."""
     began = time.perf_counter()
     engine = _torch_state.started()
     if engine:
@@ -104,10 +104,15 @@ def _grow(new_size: int) -> None:
             _torch_state.init()          # the world is unchanged: the engine again on it
         raise
     grown = time.perf_counter()
-    if engine and _torch_state.started_after_groups():
-        follow_world()           # the new processes make their groups first, as the program
+    # the process groups and the engine on the grown world, in the order the program made
+    # them (the new processes run it from its top: they make them in that order)
+    groups_first = not engine or _torch_state.started_after_groups()
+    if groups_first:
+        follow_world()
     if engine:
         _torch_state.init()
+    if not groups_first:
+        follow_world()
     growth.phases.update(shutdown=stopped - began, init=time.perf_counter() - grown)
 
 
