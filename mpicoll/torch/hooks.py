@@ -198,12 +198,37 @@ def _mpicoll_group(process_group: Any) -> Any:
                         f"there)") from None
 
 
+def _refuse_dtype(bucket: Any, codec: Codec) -> None:
+    raise TypeError(f"DDP bucket {bucket.index()} holds {bucket.buffer().dtype} gradients; "
+                    f"compression={codec.name!r} encodes float32 or float64 (use torch's "
+                    f"default hooks for other dtypes)")
+
+
+def _follow_world(state: CompressionState, group: Any) -> None:
+    """The first call on the group's world (the first ever, or after an elastic shrink or
+    growth): every rank checks its first calls again and takes rank 0's iteration count
+    (one broadcast), so that all leave ``start_iter``'s warm-up together: a growth's new
+    process counts from 0 where the running ranks are past it."""
+    state._checked.clear()
+    state._generation = group.generation
+    count = np.array([state.iteration], dtype=np.int64)
+    group.submit("DDP hook iteration", lambda: group.comm.Bcast(count, root=0)).wait()
+    state.iteration = int(count[0])
+
+
 def _compressed(state: CompressionState, bucket: Any, codec: Codec) -> Future:
     if state.codec is None:
         state.codec = codec
     elif state.codec.name != codec.name:
         raise ValueError(f"this CompressionState holds residuals of codec "
                          f"{state.codec.name!r}; a {codec.name!r} hook needs its own state")
+    buffer = bucket.buffer()
+    encodable = buffer.dtype in CODEC_DTYPES
+    if not encodable and state.iteration >= state.start_iter:
+        _refuse_dtype(bucket, codec)
+    group = _mpicoll_group(state.process_group)
+    if state._generation != group.generation:
+        _follow_world(state, group)
     last = bucket.is_last()
     if state.iteration < state.start_iter:
         if last:
@@ -212,15 +237,8 @@ def _compressed(state: CompressionState, bucket: Any, codec: Codec) -> Future:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         return default_hooks.allreduce_hook(state.process_group, bucket)
-    buffer = bucket.buffer()
-    if buffer.dtype not in CODEC_DTYPES:
-        raise TypeError(f"DDP bucket {bucket.index()} holds {buffer.dtype} gradients; "
-                        f"compression={codec.name!r} encodes float32 or float64 (use torch's "
-                        f"default hooks for other dtypes)")
-    group = _mpicoll_group(state.process_group)
-    if state._generation != group.generation:
-        state._checked.clear()   # a new world (a growth's new rank checks its first calls)
-        state._generation = group.generation
+    if not encodable:            # (rank 0's count, taken just now, is past the warm-up)
+        _refuse_dtype(bucket, codec)
     index = bucket.index()
     if state.error_feedback and codec.lossy:
         state._follow_layout(index, bucket.parameters(), buffer)

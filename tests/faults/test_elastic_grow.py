@@ -614,7 +614,7 @@ torch.manual_seed(0)
 model = torch.nn.Linear(4, 1).double()
 if kind == "ddp-hook":
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    ddp.register_comm_hook(hooks.CompressionState(), hooks.int8_hook)
+    ddp.register_comm_hook(hooks.CompressionState(start_iter=6), hooks.int8_hook)
     inner = opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     state = hvd.elastic.TorchState(model=ddp, optimizer=opt, step=0)
 elif kind == "codec":
@@ -672,8 +672,10 @@ def test_local_updates_grow_with_the_job(tmp_path, kind) -> None:
     over the grown world while the running ranks waited in the state's sync: a hang);
     DistributedOptimizer with int8, momentum and a warm-up of 6 steps (the new rank
     started its step count and reduced momentum at zero: MismatchError in the warm-up,
-    wrong parameters on it after); DDP with mpicoll's int8 hook (the new rank alone ran
-    the first call's agreement: a hang); and ``mpicoll.Comm()`` wrapped the new process's
+    wrong parameters on it after); DDP with mpicoll's int8 hook, its warm-up
+    (``start_iter=6``) across the growth (the new rank alone ran the first call's
+    agreement: a hang; then it counted its iterations from 0 and left the warm-up late:
+    ``MismatchError``); and ``mpicoll.Comm()`` wrapped the new process's
     own ``MPI.COMM_WORLD`` (its spawn's world of 1: wrong sums, then a hang)."""
     rc, out, tail = _run_script(tmp_path, LOCAL_UPDATES_GROW_JOB, 2, kind)
     assert rc == 0, f"status {rc} (None: a hang)\n{tail}"
