@@ -39,14 +39,14 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from mpi4py import MPI
 
 from .. import context
 from ..runtime import comms, failures
 
-__all__ = ["Growth", "grow_world", "join", "joined", "joining", "end_joining",
+__all__ = ["Growth", "grow_world", "refusers", "join", "joined", "joining", "end_joining",
            "running_ranks_at_sync", "SYNC_NOTICE_TAG", "spawn_command",
            "split_command_line", "last_growth", "GrowthError", "JOINER", "launch_size"]
 
@@ -206,6 +206,21 @@ def _merge(inter: MPI.Intercomm, old_size: int, spawn_s: float,
                   time.perf_counter() - merged_at, joined=joining), told
 
 
+#: What cannot take in new processes, each a function saying ``(what is there, why it
+#: cannot grow)`` (``None``: nothing of it here): while one says so on any rank, every
+#: rank refuses the growth (``GrowthError``: the job goes on at its size). Clients add
+#: theirs (:mod:`mpicoll.torch.distributed.reconfigure`).
+refusers: list[Callable[[], tuple[str, str] | None]] = []
+
+
+def _refusal() -> tuple[str, str] | None:
+    """Why this rank cannot grow (:data:`refusers`), or ``None``."""
+    if any(r.owner == "ps" for r in comms.alive()):
+        return ("a parameter server (mpicoll.ps) is open",
+                "it cannot take in new ranks (a new process would build one of its own)")
+    return next((why for why in (refuse() for refuse in refusers) if why), None)
+
+
 def grow_world(new_size: int) -> Growth:
     """Start ``new_size - size`` processes of this program and make the world all of
     them (collective over the current world; see the module's docstring).
@@ -224,12 +239,13 @@ def grow_world(new_size: int) -> Growth:
     if new_size <= size:
         raise ValueError(f"new_size {new_size} must exceed the world's size {size}")
     plain = old if type(old) is MPI.Intracomm else MPI.Intracomm(old)
-    holders = plain.allgather(any(r.owner == "ps" for r in comms.alive()))
-    if any(holders):       # (every rank: the growth is refused everywhere)
-        raise GrowthError(f"cannot grow while a parameter server (mpicoll.ps) is open on "
-                          f"rank(s) {[r for r, held in enumerate(holders) if held]}: it "
-                          f"cannot take in new ranks (a new process would build one of "
-                          f"its own)")
+    refused: dict[tuple[str, str], list[int]] = {}
+    for rank, why in enumerate(plain.allgather(_refusal())):
+        if why is not None:
+            refused.setdefault(tuple(why), []).append(rank)
+    if refused:            # (every rank: the growth is refused everywhere)
+        raise GrowthError("; ".join(f"cannot grow while {what} on rank(s) {ranks}: {cause}"
+                                    for (what, cause), ranks in refused.items()))
     command, args = spawn_command()
     info = MPI.Info.Create()
     try:

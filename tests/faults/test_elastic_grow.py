@@ -935,3 +935,47 @@ def test_a_group_over_the_world_size_grows_when_made_again_at_the_reset(tmp_path
     assert "running ranks began the elastic state's first sync without making this " \
            "group" in out and "register_reset_callbacks" in out, tail
     assert "DONE" not in out, tail
+
+
+REFUSED_GROW_JOB = """
+import sys, time, torch, torch.distributed as dist, mpicoll.torch as hvd
+dist.init_process_group("mpicoll")
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1).double()
+if sys.argv[1] == "mesh":                      # (FSDP2 takes one)
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+ddp = torch.nn.parallel.DistributedDataParallel(model, static_graph=sys.argv[1] == "static")
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+state = hvd.elastic.TorchState(model=ddp, optimizer=opt, step=0)
+@hvd.elastic.run(discovery=lambda: 2 if state.step < 4 else 3, max_np=3,
+                 discovery_interval=0.05)
+def train(st):
+    while st.step < 10:
+        opt.zero_grad()
+        ddp(torch.full((2, 4), dist.get_rank() + 1.0, dtype=torch.float64)).sum().backward()
+        opt.step()
+        st.step += 1
+        time.sleep(0.05)                    # (discovery polls every 0.05 s)
+        st.commit()
+train(state)
+sys.stdout.write(f"DONE {dist.get_rank()} {dist.get_world_size()} {state.step}\\n")
+sys.stdout.flush()
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind, what", [
+    ("static", "a DistributedDataParallel(static_graph=True) module is in use"),
+    ("mesh", "a DeviceMesh (FSDP2's) is in use")])
+def test_a_static_graph_or_a_device_mesh_refuses_growth_on_every_rank(tmp_path, kind,
+                                                                      what) -> None:
+    """DDP with ``static_graph=True``, or a ``DeviceMesh`` (FSDP2's) over "mpicoll", and a
+    discovery that offers a third slot: every rank refuses the growth, saying why, and the
+    job finishes at 2 ranks. The new process's first iteration of a static graph made
+    collectives the running ranks were past, and a mesh's ranks followed the world's size
+    (``MismatchError``: the job ended)."""
+    rc, out, tail = _run_script(tmp_path, REFUSED_GROW_JOB, 2, kind)
+    assert rc == 0, f"status {rc} (None: a hang)\n{tail}"
+    assert _by_rank(out, "DONE") == {0: ["2", "10"], 1: ["2", "10"]}, tail
+    assert out.count(f"cannot grow while {what} on rank(s) [0, 1]") == 2, tail

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from ...elastic import grow
 from ...elastic.shrink import survivors
 from ...runtime import comms
 from ...runtime import world as runtime_world
@@ -154,6 +155,36 @@ def follow_world() -> int:
     if grew:
         _rebuild_ddp_buckets([pg for pg, _ in stale])
     return len(stale)
+
+
+def _cannot_grow() -> tuple[str, str] | None:
+    """What of this process's torch objects over "mpicoll" groups cannot take in new
+    processes (:data:`mpicoll.elastic.grow.refusers`): a ``DistributedDataParallel`` with
+    ``static_graph=True`` (a new process's first iteration makes the collectives of a
+    static graph's first, which the running ranks are past) and a ``DeviceMesh`` (FSDP2's:
+    its sub-groups' ranks follow the world's size)."""
+    if not dist.is_initialized():
+        return None
+    import gc  # noqa: PLC0415
+
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    for obj in gc.get_objects():
+        if (isinstance(obj, DistributedDataParallel) and obj.static_graph
+                and _is_mpicoll(obj.process_group)):
+            return ("a DistributedDataParallel(static_graph=True) module is in use",
+                    "a new process would make the collectives of a static graph's first "
+                    "iteration, which the running ranks are past (use static_graph=False "
+                    "to grow)")
+        if isinstance(obj, DeviceMesh) and any(_is_mpicoll(g) for g in obj.get_all_groups()):
+            return ("a DeviceMesh (FSDP2's) is in use",
+                    "its groups' ranks follow the world's size, and the new processes "
+                    "cannot make the running ranks' (launch at the final size)")
+    return None
+
+
+grow.refusers.append(_cannot_grow)
 
 
 def _ddp_modules() -> list[Any]:
