@@ -174,13 +174,13 @@ def _cannot_grow() -> tuple[str, str] | None:
         if (isinstance(obj, DistributedDataParallel) and obj.static_graph
                 and _is_mpicoll(obj.process_group)):
             return ("a DistributedDataParallel(static_graph=True) module is in use",
-                    "a new process would make the collectives of a static graph's first "
-                    "iteration, which the running ranks are past (use static_graph=False "
-                    "to grow)")
+                    ("a new process would make the collectives of a static graph's first "
+                     "iteration, which the running ranks are past (use static_graph=False "
+                     "to grow)"))
         if isinstance(obj, DeviceMesh) and any(_is_mpicoll(g) for g in obj.get_all_groups()):
             return ("a DeviceMesh (FSDP2's) is in use",
-                    "its groups' ranks follow the world's size, and the new processes "
-                    "cannot make the running ranks' (launch at the final size)")
+                    ("its groups' ranks follow the world's size, and the new processes "
+                     "cannot make the running ranks' (launch at the final size)"))
     return None
 
 
