@@ -132,9 +132,11 @@ class Discovery:
                      else f"discovery callable {getattr(source, '__name__', source)!r}")
         #: The size the job was launched with (``max_np``'s default).
         self.launch_size = launch_size()
-        #: A target that could not be reached (spawning failed): not tried again until
-        #: discovery reports something else.
+        #: A target that could not be reached (spawning failed, the growth was refused,
+        #: the new processes failed): not tried again until discovery's answer changes
+        #: (:meth:`refuse`; the answer then, ``None``: unknown, the target's change).
         self.failed_target = 0
+        self.failed_slots: int | None = None
         self._poll = _PollState()
         self._lane: progress.Lane | None = None
         self._stop = threading.Event()
@@ -196,6 +198,10 @@ class Discovery:
                 log.warning("%s failed (%d in a row): %s", self.name,
                             self._poll.failures, answer)
 
+    def refuse(self, target: int) -> None:
+        """Growing to ``target`` failed: not again until discovery's answer changes."""
+        self.failed_target, self.failed_slots = target, self._poll.latest()[0]
+
     def verdict(self, size: int, first: bool = False) -> tuple[int, int, str, float]:
         """Rank 0: what the latest poll means for a world of ``size`` ranks: ``(kind,
         new size, error message, when the slots were seen)``."""
@@ -205,8 +211,8 @@ class Discovery:
             return _ERROR, 0, f"{self.name} failed{how}: {error}", 0.0
         if slots is not None and not first:    # the first check only validates the source
             target = min(self.limit(), slots)
-            if target != self.failed_target:
-                self.failed_target = 0
+            if target != self.failed_target or self.failed_slots not in (None, slots):
+                self.failed_target, self.failed_slots = 0, None
                 if target > size:
                     return _GROW, target, "", seen_at
         return _NOTHING, 0, "", 0.0

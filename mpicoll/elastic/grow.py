@@ -157,28 +157,31 @@ def joining() -> bool:
     return joined is not None and not joined.get("synced", False)
 
 
-#: The tag of the notice that rank 0 has begun the state's first sync after a growth, sent
-#: over the growth's intercommunicator to each new process (:func:`end_joining`).
+#: The tag of the notice that a running rank has begun the state's first sync after a
+#: growth (its reset callbacks done), sent over the growth's intercommunicator to each new
+#: process (:func:`end_joining`).
 SYNC_NOTICE_TAG = 0x5C
-#: Running rank 0 after a growth: the intercommunicator to the new processes, until the
-#: sync's notice went; a new process: its posted receive of the notice.
+#: A running rank after a growth: the intercommunicator to the new processes, until the
+#: sync's notice went; a new process: its posted receives of the notices, one per running
+#: rank.
 _notice: list[Any] = []
 
 
 def running_ranks_at_sync() -> bool:
-    """In a new process before its first sync: whether rank 0 has begun that sync, so that
-    the running ranks will make no collective this process still waits in (one the
+    """In a new process before its first sync: whether every running rank has begun that
+    sync, so that none will make a collective this process still waits in (one the
     program made at its top that they never make)."""
-    return joining() and bool(_notice) and _notice[0].Test()
+    return joining() and bool(_notice) and MPI.Request.Testall(_notice)
 
 
 def end_joining() -> None:
-    """The elastic state's first sync begins (see :func:`joining`); on the running rank 0
+    """The elastic state's first sync begins (see :func:`joining`); on a running rank
     after a growth: tell the new processes (:func:`running_ranks_at_sync`)."""
     if joined is not None and not joined.get("synced", False):
         joined["synced"] = True
-        if _notice and not _notice[0].Test():
-            _notice[0].Cancel()   # (rank 0 sends it regardless: a zero-byte eager send)
+        for request in _notice:
+            if not request.Test():
+                request.Cancel()  # (each running rank sends it regardless: zero bytes)
         _notice.clear()
     elif _notice:
         inter = _notice.pop()
@@ -264,7 +267,7 @@ def grow_world(new_size: int) -> Growth:
     finally:
         info.Free()
     last_growth, _ = _merge(inter, size, time.perf_counter() - start, joining=False)
-    _notice[:] = [inter] if last_growth.rank == 0 else []
+    _notice[:] = [inter]
     log.info("rank %d: world grew from %d to %d ranks (spawn %.3f s, merge %.3f s)",
              last_growth.rank, size, last_growth.new_size, last_growth.spawn_s,
              last_growth.merge_s)
@@ -287,6 +290,7 @@ def join(options: list[str], program: list[str]) -> None:
                            f"job (mpicoll.elastic.grow); this one has no parent job")
     _program = (list(options), list(program))
     last_growth, joined = _merge(parent, parent.Get_remote_size(), 0.0, joining=True)
-    _notice[:] = [parent.Irecv([bytearray(0), MPI.BYTE], 0, SYNC_NOTICE_TAG)]
+    _notice[:] = [parent.Irecv([bytearray(0), MPI.BYTE], rank, SYNC_NOTICE_TAG)
+                  for rank in range(parent.Get_remote_size())]
     log.info("rank %d: joined a running job of %d ranks (now %d)", last_growth.rank,
              last_growth.old_size, last_growth.new_size)

@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import traceback
 
+from ..runtime import exit as runtime_exit
+from ..runtime import failures
 from .grow import join, split_command_line
 
 __all__ = ["main", "run_program"]
@@ -51,11 +54,23 @@ def run_program(program: list[str]) -> None:
 
 
 def main() -> None:
-    """Join the running job, then run the program given on the command line."""
+    """Join the running job, then run the program given on the command line. Without
+    ULFM, a program that raises (or exits with a status other than 0) ends the whole
+    job (``MPI_Abort`` of the grown world): hydra does not end the running ranks' job
+    when a spawned process fails, and they could wait for it forever (under ULFM they
+    see a process failure and go on without it)."""
     program = sys.argv[1:]
     options, _ = split_command_line(list(getattr(sys, "orig_argv", []))[1:])
     join(options, program)
-    run_program(program)
+    try:
+        run_program(program)
+    except BaseException as exc:
+        code = exc.code if isinstance(exc, SystemExit) else 1
+        if failures.ENABLED or code in (0, None):
+            raise
+        traceback.print_exc()
+        sys.stderr.write("mpicoll: a process that joined the job failed: the job ends\n")
+        runtime_exit.abort(code if isinstance(code, int) else 1)
 
 
 if __name__ == "__main__":

@@ -223,7 +223,7 @@ def _grow_or_reset(exc: HostsUpdatedInterrupt | None, reset: Callable[[], Any],
             log.error("%s; the job goes on at %d ranks", err, exc.old_size)
             source = discovery_module.active()
             if source is not None:
-                source.failed_target = exc.new_size      # not again until discovery changes
+                source.refuse(exc.new_size)     # not again until discovery's answer changes
             return None
         except (ProcessFailedError, MPI.Exception) as err:
             if not isinstance(failures.translate(err, None, "a growth"), ProcessFailedError):
@@ -247,7 +247,7 @@ def _refuse_target(growth: grow_module.Growth, exc: BaseException) -> None:
     source = discovery_module.active()
     if source is None or not failed or min(failed) < growth.old_size:
         return
-    source.failed_target = growth.new_size
+    source.refuse(growth.new_size)
     log.error("the process(es) the growth to %d ranks started failed; the job does not "
               "grow to %d again until discovery's answer changes", growth.new_size,
               growth.new_size)

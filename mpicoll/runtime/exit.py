@@ -132,8 +132,9 @@ def forwarded(wait_s: float | None = None) -> bool:
 
 
 def abort(status: int = 1) -> None:
-    """End the job: ``MPI_Abort`` on the world, bounded, once the launcher has what this
-    process wrote (:func:`forwarded`). An alarm (``SIGALRM``, whose default action ends
+    """End the job: ``MPI_Abort`` on the runtime's world (a grown one spans the processes
+    a growth spawned, which ``MPI.COMM_WORLD`` does not), bounded, once the launcher has
+    what this process wrote (:func:`forwarded`). An alarm (``SIGALRM``, whose default action ends
     the process in the kernel, without the interpreter) ends this process after
     :data:`ABORT_WAIT_S` should ``MPI_Abort`` neither return nor end it: in one CI run a
     rank whose stall inspector had called it (its message was in the job's output, and the
@@ -148,6 +149,8 @@ def abort(status: int = 1) -> None:
         _end_under_ulfm()
     if hasattr(signal, "alarm"):
         signal.alarm(ABORT_WAIT_S)
+    with contextlib.suppress(MPI.Exception):
+        world.comm().Abort(status)
     MPI.COMM_WORLD.Abort(status)
     os._exit(status)
 

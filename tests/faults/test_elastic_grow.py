@@ -135,6 +135,15 @@ def test_rank0_verdict_grows_up_to_max_np_only() -> None:
     slots["n"] = 3
     source.poll_now()
     assert source.verdict(2)[:2] == (discovery._GROW, 3)    # a new answer: try again
+    source.refuse(3)                                        # failed at 3 slots ...
+    assert source.verdict(2)[0] == discovery._NOTHING
+    slots["n"] = 9                                          # ... and 9 are offered: the
+    source.poll_now()                                       # same target, a new answer
+    assert source.verdict(2)[:2] == (discovery._GROW, 4)
+    source.refuse(4)
+    slots["n"] = 10
+    source.poll_now()
+    assert source.verdict(2)[:2] == (discovery._GROW, 4)    # (it stopped at 3 before)
     slots["n"] = 1
     source.poll_now()
     assert source.verdict(2)[0] == discovery._NOTHING       # fewer slots: no shrink
@@ -891,22 +900,28 @@ def test_process_set_ids_agree_after_a_growth(tmp_path) -> None:
 GROUPS_GROW_JOB = """
 import sys, time, torch, torch.distributed as dist, mpicoll.torch as hvd
 dist.init_process_group("mpicoll")
-every = dist.new_group(list(range(dist.get_world_size())))   # at the top: the old size
+def others():                               # ranks 1 .. size-1: rank 0 is not in it
+    n = dist.get_world_size()
+    if sys.argv[1] == "callback" and n == 3 and dist.get_rank() == 1:
+        time.sleep(1.5)                     # (rank 0 reaches the sync first)
+    return dist.new_group(list(range(1, n)))
+group = others()                            # at the top: the old size
 state = hvd.elastic.ObjectState(step=0)
-if sys.argv[1] == "callback":           # made again at the reset (docs/elastic.md)
+if sys.argv[1] == "callback":               # made again at the reset (docs/elastic.md)
     def remake():
-        global every
-        every = dist.new_group(list(range(dist.get_world_size())))
+        global group
+        group = others()
     state.register_reset_callbacks([remake])
 @hvd.elastic.run(discovery=lambda: 2 if state.step < 4 else 3, max_np=3,
                  discovery_interval=0.05)
 def train(st):
     while st.step < 8:
-        t = torch.full((3,), dist.get_rank() + 1.0)
-        dist.all_reduce(t, group=every)
-        n = dist.get_world_size()
-        if t[0].item() != n * (n + 1) / 2:
-            sys.stdout.write(f"BAD {dist.get_rank()} {st.step} {t[0].item()}\\n")
+        rank, n = dist.get_rank(), dist.get_world_size()
+        if rank > 0:
+            t = torch.full((3,), rank + 1.0)
+            dist.all_reduce(t, group=group)
+            if t[0].item() != n * (n + 1) / 2 - 1:
+                sys.stdout.write(f"BAD {rank} {st.step} {t[0].item()}\\n")
         st.step += 1
         time.sleep(0.05)                    # (discovery polls every 0.05 s)
         st.commit()
@@ -920,12 +935,14 @@ sys.stdout.flush()
 @pytest.mark.parametrize("where", ["top", "callback"])
 def test_a_group_over_the_world_size_grows_when_made_again_at_the_reset(tmp_path,
                                                                          where) -> None:
-    """``dist.new_group(range(world_size))`` made at the top of the program, growing from
-    2 to 3 under MPICH. Made again in a reset callback, it spans the grown world on every
-    rank (exact sums over 3). Made only at the top, the new process's group (of 3) is
-    one the running ranks never make: once they begin the state's sync, its ``new_group``
-    raises, saying what to do, and the job ends (MPICH cannot cancel the call; under ULFM
-    the survivors go on: ``raise-joiner``). It hung."""
+    """``dist.new_group(range(1, world_size))`` made at the top of the program, growing
+    from 2 to 3 under MPICH. Made again in a reset callback (rank 1's slow: rank 0 is in
+    the state's sync first), it spans the grown world on every rank (exact sums). Made
+    only at the top, the new process's group is one the running ranks never make: once
+    they have all begun the sync, its ``new_group`` raises, saying what to do, and the
+    job ends (MPICH cannot cancel the call; under ULFM the survivors go on:
+    ``raise-joiner``). It hung; and before every running rank told the new one, the
+    callback's group raised too, when rank 0 alone had begun the sync."""
     rc, out, tail = _run_script(tmp_path, GROUPS_GROW_JOB, 2, where)
     if where == "callback":
         assert rc == 0 and "BAD" not in out, f"status {rc} (None: a hang)\n{tail}"
@@ -935,6 +952,16 @@ def test_a_group_over_the_world_size_grows_when_made_again_at_the_reset(tmp_path
     assert "running ranks began the elastic state's first sync without making this " \
            "group" in out and "register_reset_callbacks" in out, tail
     assert "DONE" not in out, tail
+
+
+@pytest.mark.timeout(300)
+def test_a_new_process_that_raises_ends_the_job_under_mpich(tmp_path) -> None:
+    """Under MPICH (no ULFM), a process a growth started raises at the top of the
+    program: the job ends with its status and says why. Hydra does not end the running
+    ranks' job for a spawned process's failure, and they waited for it forever."""
+    rc, out, tail = _run_script(tmp_path, GROW_JOB, 2, "raise")
+    assert rc not in (0, None), f"status {rc} (None: a hang)\n{tail}"
+    assert "a process that joined the job failed: the job ends" in out, tail
 
 
 REFUSED_GROW_JOB = """

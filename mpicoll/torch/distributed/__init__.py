@@ -71,7 +71,7 @@ def _create(opts: Any, backend_options: Any = None) -> Any:
 
 def _never_made() -> str | None:
     """In a process that joined a running job: why a group it waits to make never will be
-    (the running ranks began the state's sync without making it), or ``None``."""
+    (every running rank began the state's sync without making it), or ``None``."""
     from ...elastic import grow  # noqa: PLC0415
 
     if not grow.running_ranks_at_sync():
