@@ -47,7 +47,8 @@ from mpi4py import MPI
 from .. import context
 from ..runtime import comms, failures
 
-__all__ = ["Growth", "grow_world", "refusers", "join", "joined", "joining", "end_joining",
+__all__ = ["Growth", "grow_world", "refusers", "check_made_in_order", "HVD_INIT",
+           "DIST_INIT", "join", "joined", "joining", "end_joining",
            "running_ranks_at_sync", "SYNC_NOTICE_TAG", "spawn_command",
            "split_command_line", "last_growth", "GrowthError", "JOINER", "launch_size"]
 
@@ -187,6 +188,34 @@ def end_joining() -> None:
         inter = _notice.pop()
         for rank in range(inter.Get_remote_size()):
             inter.Send([b"", MPI.BYTE], rank, SYNC_NOTICE_TAG)
+
+
+#: The calls whose making the running ranks of a growth repeat before their reset
+#: callbacks (:func:`check_made_in_order`).
+HVD_INIT, DIST_INIT = "hvd.init()", "dist.init_process_group('mpicoll')"
+
+
+def check_made_in_order(what: str, made: dict[str, bool]) -> None:
+    """In a process that joined a running job, before its first sync: ``what`` (a
+    ``new_group``, an ``add_process_set``) is refused while this process has not yet made
+    all that the running ranks remake before their reset callbacks (where they make
+    their groups and process sets): it would wait for them while they wait for it.
+    ``made``: whether this process has made each of :data:`HVD_INIT` and
+    :data:`DIST_INIT` that the caller knows of.
+
+    Raises:
+        RuntimeError: made too early, saying what to call first.
+    """
+    if not joining():
+        return
+    missing = [call for call in joined.get("remade", ()) if made.get(call) is False]
+    if missing:
+        raise RuntimeError(
+            f"{what}: this process joined a running job, whose ranks remake "
+            f"{' and '.join(missing)} before their reset callbacks, where they make their "
+            f"groups and process sets: made before {' and '.join(missing)}, it would wait "
+            f"for them while they wait for this process. Make groups and process sets "
+            f"after both {DIST_INIT} and {HVD_INIT}")
 
 
 def launch_size() -> int:

@@ -16,7 +16,7 @@ import traceback
 
 from ..runtime import exit as runtime_exit
 from ..runtime import failures
-from .grow import join, split_command_line
+from .grow import join, joining, split_command_line
 
 __all__ = ["main", "run_program"]
 
@@ -55,10 +55,12 @@ def run_program(program: list[str]) -> None:
 
 def main() -> None:
     """Join the running job, then run the program given on the command line. Without
-    ULFM, a program that raises (or exits with a status other than 0) ends the whole
-    job (``MPI_Abort`` of the grown world): hydra does not end the running ranks' job
-    when a spawned process fails, and they could wait for it forever (under ULFM they
-    see a process failure and go on without it)."""
+    ULFM, a program that raises (or exits with a status other than 0) before its elastic
+    state's first sync ends the whole job (``MPI_Abort`` of the grown world): hydra does
+    not end the running ranks' job when a spawned process fails, and they waited for it
+    forever (under ULFM they see a process failure and go on without it). Later, the
+    program ends as the running ranks' do (they share its collectives' failures and the
+    stall inspector's exit notices), with its own status."""
     program = sys.argv[1:]
     options, _ = split_command_line(list(getattr(sys, "orig_argv", []))[1:])
     join(options, program)
@@ -66,7 +68,7 @@ def main() -> None:
         run_program(program)
     except BaseException as exc:
         code = exc.code if isinstance(exc, SystemExit) else 1
-        if failures.ENABLED or code in (0, None):
+        if failures.ENABLED or code in (0, None) or not joining():
             raise
         traceback.print_exc()
         sys.stderr.write("mpicoll: a process that joined the job failed: the job ends\n")

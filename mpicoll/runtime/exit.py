@@ -149,8 +149,9 @@ def abort(status: int = 1) -> None:
         _end_under_ulfm()
     if hasattr(signal, "alarm"):
         signal.alarm(ABORT_WAIT_S)
-    with contextlib.suppress(MPI.Exception):
-        world.comm().Abort(status)
+    if world.generation():       # (a reconfigured world: MPI.COMM_WORLD's abort below)
+        with contextlib.suppress(Exception):
+            world.comm().Abort(status)
     MPI.COMM_WORLD.Abort(status)
     os._exit(status)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
+from ..elastic import grow
 from ..grid import agreed_shape, grid_coords, grid_groups
 from ..runtime import comms
 from .engine.core import Engine
@@ -149,11 +151,16 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     Raises:
         ValueError: ranks out of range, empty, already registered, or different across
             ranks (on every rank).
+        RuntimeError: in a process that joined a running job, made before
+            ``dist.init_process_group('mpicoll')`` where the running ranks have one.
     """
     global _next_id
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     world, comm = _world_or_raise()
+    dist = sys.modules.get("torch.distributed")
+    grow.check_made_in_order("add_process_set", {grow.DIST_INIT: bool(
+        dist is not None and dist.is_initialized() and dist.get_backend() == "mpicoll")})
     ranks = tuple(process_set.ranks or ())
     every = _gather_through_engine("add_process_set", ranks)
     error = _registration_error(every, world.size)

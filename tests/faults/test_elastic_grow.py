@@ -906,8 +906,10 @@ def others():                               # ranks 1 .. size-1: rank 0 is not i
         time.sleep(1.5)                     # (rank 0 reaches the sync first)
     return dist.new_group(list(range(1, n)))
 group = others()                            # at the top: the old size
+if sys.argv[1] == "between":                # (made before hvd.init(): too early)
+    hvd.init()
 state = hvd.elastic.ObjectState(step=0)
-if sys.argv[1] == "callback":               # made again at the reset (docs/elastic.md)
+if sys.argv[1] != "top":                    # made again at the reset (docs/elastic.md)
     def remake():
         global group
         group = others()
@@ -932,7 +934,7 @@ sys.stdout.flush()
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("where", ["top", "callback"])
+@pytest.mark.parametrize("where", ["top", "callback", "between"])
 def test_a_group_over_the_world_size_grows_when_made_again_at_the_reset(tmp_path,
                                                                          where) -> None:
     """``dist.new_group(range(1, world_size))`` made at the top of the program, growing
@@ -942,8 +944,17 @@ def test_a_group_over_the_world_size_grows_when_made_again_at_the_reset(tmp_path
     they have all begun the sync, its ``new_group`` raises, saying what to do, and the
     job ends (MPICH cannot cancel the call; under ULFM the survivors go on:
     ``raise-joiner``). It hung; and before every running rank told the new one, the
-    callback's group raised too, when rank 0 alone had begun the sync."""
+    callback's group raised too, when rank 0 alone had begun the sync. Made between
+    ``init_process_group`` and ``hvd.init()`` (and again in the callback), the new
+    process's group is refused at once, saying to make it after both: the running ranks
+    remake the engine before their callbacks, and each side waited for the other."""
     rc, out, tail = _run_script(tmp_path, GROUPS_GROW_JOB, 2, where)
+    if where == "between":
+        assert rc not in (0, None), f"status {rc} (None: a hang)\n{tail}"
+        assert "new_group: this process joined a running job, whose ranks remake " \
+               "hvd.init() before their reset callbacks" in out, tail
+        assert "DONE" not in out, tail
+        return
     if where == "callback":
         assert rc == 0 and "BAD" not in out, f"status {rc} (None: a hang)\n{tail}"
         assert _by_rank(out, "DONE") == {r: ["3"] for r in range(3)}, tail

@@ -56,6 +56,11 @@ def _create(opts: Any, backend_options: Any = None) -> Any:
     from . import process_group  # noqa: F401, PLC0415  (builds the extension: not watched)
 
     ranks = list(opts.global_ranks_in_group)
+    if ranks:
+        from ...elastic import grow  # noqa: PLC0415
+        from .. import state  # noqa: PLC0415
+
+        grow.check_made_in_order("new_group", {grow.HVD_INIT: state.started()})
     try:
         timeout = getattr(opts, "timeout", None)
         return progress.create(lambda made: _build(opts, backend_options, ranks, made),

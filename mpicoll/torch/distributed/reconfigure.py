@@ -62,7 +62,7 @@ from .groups import cpu_backend
 
 __all__ = ["follow_world", "survivors", "shrunk", "adopt_wrapper", "group_comms",
            "member_comm", "PARENT", "start_joining", "end_joining", "joining",
-           "align_ddp_buckets"]
+           "align_ddp_buckets", "remade_before_callbacks"]
 
 log = logging.getLogger("mpicoll.torch")
 
@@ -292,6 +292,15 @@ def end_joining(synced: list[Any]) -> None:
             # running ranks' (align_ddp_buckets)
             _to_align.update(d for d in _ddp_modules() if d.module is held[0])
     _held = None
+
+
+def remade_before_callbacks(engine: bool) -> list[str]:
+    """Running rank 0 at a growth (``engine``: the hvd engine is to be started again):
+    the calls whose making it repeats before the reset callbacks, for the new processes'
+    hello (:func:`mpicoll.elastic.grow.check_made_in_order`)."""
+    default = dist.is_initialized() and _is_mpicoll(dist.group.WORLD)
+    return [call for call, made in ((grow.HVD_INIT, engine), (grow.DIST_INIT, default))
+            if made]
 
 
 def shrunk(backend: Any, excluded: list[int]) -> tuple[Any, tuple[Any, ...], list[int]]:

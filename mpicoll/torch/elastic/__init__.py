@@ -48,12 +48,13 @@ from ...elastic import shrink as _shrink
 from ...elastic.discovery import DEFAULT_INTERVAL_S
 from ...elastic.discovery import configure as configure_discovery
 from ...elastic.grow import GrowthError
+from ...elastic.grow import facts as grow_facts
 from ...elastic.grow import grow_world as _grow_world
 from ...elastic.runner import limits, run_fn
 from ...elastic.state import HostUpdateResult, ObjectState, State
 from ...errors import HostsUpdatedInterrupt, ProcessFailedError, TooFewRanksError
 from .. import state as _torch_state
-from ..distributed.reconfigure import follow_world
+from ..distributed.reconfigure import follow_world, remade_before_callbacks
 from .sampler import ElasticSampler
 from .state import TorchState
 
@@ -97,6 +98,7 @@ def _grow(new_size: int) -> None:
     if engine:
         _torch_state.shutdown()
     stopped = time.perf_counter()
+    grow_facts["remade"] = remade_before_callbacks(engine)   # (for the new processes)
     try:
         growth = _grow_world(new_size)
     except GrowthError:
