@@ -225,9 +225,8 @@ def revoke_only(comm: Any) -> None:
 def _world_ranks(comm: Any, ranks: list[int], gen: int) -> list[int]:
     """``ranks`` of ``comm`` as ranks of world generation ``gen``'s communicator."""
     try:
-        return sorted(r for r in MPI.Group.Translate_ranks(
-            _plain(comm).Get_group(), ranks, world.state_world(gen).group)
-            if r is not None and r >= 0)
+        return sorted(r for r in world.world_ranks(_plain(comm), ranks, gen)
+                      if r is not None and r >= 0)
     except Exception:  # noqa: BLE001  (freed or revoked: the ranks as given)
         return list(ranks)
 

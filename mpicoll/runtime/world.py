@@ -43,8 +43,8 @@ class World:
         failed_ranks: the ranks of ``comm`` known to have failed (while failed).
         failed_at_exit: the failure was first noticed after the program's main thread had
             ended (in an exit handler): the program never heard of it.
-        members: the group of ``comm``, taken when it became the world (``None``:
-            ``MPI.COMM_WORLD``'s): what its ranks were once it is freed.
+        members: the group of ``comm``, taken when it became the world (``None``: MPI
+            was not initialized then): what its ranks were once it is freed.
         size: the communicator's size (kept: at exit the communicator may be freed).
     """
 
@@ -70,7 +70,8 @@ class World:
 
 _lock = threading.Lock()
 _worlds: list[World] = [
-    World(0, size=MPI.COMM_WORLD.Get_size() if MPI.Is_initialized() else 0)]
+    World(0, members=MPI.COMM_WORLD.Get_group(), size=MPI.COMM_WORLD.Get_size())
+    if MPI.Is_initialized() else World(0)]
 #: The current world's communicator (read on every ``comm=None`` call: kept at hand).
 _comm: MPI.Intracomm = MPI.COMM_WORLD
 #: handle -> generation of every world communicator after the first
@@ -101,22 +102,27 @@ def world_of(comm: Any) -> int:
     return _handles.get(handle, generation())
 
 
-def world_ranks(comm: MPI.Comm) -> list[int]:
-    """The ranks in the current world (:func:`comm`) of ``comm``'s ranks, in order
-    (``MPI.UNDEFINED`` for a process outside it): how reports and the timeline name the
-    ranks of any communicator. Not ``MPI.COMM_WORLD``'s: a process that joined a growth
-    has a ``COMM_WORLD`` of its own (its spawn's), and after a shrink or a growth the
-    program's ranks are the current world's.
+def world_ranks(comm: MPI.Comm, ranks: list[int] | None = None,
+                gen: int | None = None) -> list[int]:
+    """The ranks in world generation ``gen`` (default: the current world, :func:`comm`)
+    of ``comm``'s ranks ``ranks`` (default: all), in order (``MPI.UNDEFINED`` for a
+    process outside it): how reports and the timeline name the ranks of any communicator,
+    and which ranks of a world failed. Not ``MPI.COMM_WORLD``'s: a process that joined a
+    growth has a ``COMM_WORLD`` of its own (its spawn's), and after a shrink or a growth
+    the program's ranks are the current world's.
 
     Raises:
-        MPI.Exception: ``comm`` or the world cannot be queried (freed, failed).
+        MPI.Exception: ``comm`` cannot be queried (freed, failed).
     """
-    mine, world = comm.Get_group(), _comm.Get_group()
+    world = _worlds[-1 if gen is None else gen]
+    mine, target = comm.Get_group(), world.group
     try:
-        return list(MPI.Group.Translate_ranks(mine, list(range(mine.Get_size())), world))
+        return list(MPI.Group.Translate_ranks(
+            mine, list(range(mine.Get_size())) if ranks is None else ranks, target))
     finally:
         mine.Free()
-        world.Free()
+        if target is not world.members:
+            target.Free()
 
 
 def most_ranks() -> int:
@@ -162,9 +168,7 @@ def reconfigure(new: MPI.Intracomm | None) -> World:
         old = _worlds[-1]
         old.state = State.RECONFIGURED
         w = World(len(_worlds), None if new is None or new == MPI.COMM_WORLD else new)
-        w.size = w.communicator.Get_size()
-        if w.comm is not None:
-            w.members = w.comm.Get_group()
+        w.members, w.size = w.communicator.Get_group(), w.communicator.Get_size()
         _worlds.append(w)
         if w.comm is not None:
             _handles[w.comm.handle] = w.generation
