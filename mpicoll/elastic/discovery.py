@@ -17,7 +17,12 @@ that all ranks learn the same answer at the same commit:
   fails; later, after :data:`MAX_FAILED_POLLS` failed polls in a row: a failed poll in
   between only logs a warning and keeps the last answer).
 
-Fewer slots than ranks is not acted on: only a failure shrinks the job.
+Fewer slots than ranks is not acted on: only a failure shrinks the job. A target that
+could not be reached is not tried again until the source's answer changes, except one the
+ranks refused (a parameter server open, say: :data:`mpicoll.elastic.grow.refusers`):
+then a check asks every rank (one small all-reduce) whether it still refuses, after
+``interval`` seconds, then twice as long each time (at most :data:`MAX_ASK_S`), and grows
+once none does.
 
 A source is a command (a horovodrun ``--host-discovery-script``: one ``hostname`` or
 ``hostname:slots`` a line, run without a shell) or a callable returning the slots (an
@@ -40,6 +45,7 @@ import numpy as np
 from .. import context
 from ..errors import HostsUpdatedInterrupt
 from ..runtime import progress
+from . import grow
 from .grow import launch_size
 from .launch_hosts import DiscoveryError, parse_hosts, run_discovery_script, total_slots
 
@@ -57,11 +63,14 @@ ENV_MAX_NP = "MPICOLL_ELASTIC_MAX_NP"
 DEFAULT_INTERVAL_S = 1.0
 #: Failed polls in a row, after the first successful one, that end the job.
 MAX_FAILED_POLLS = 3
+#: The most seconds between two questions to ranks that refused a growth (each asks
+#: every refuser, which may walk the garbage collector's objects).
+MAX_ASK_S = 60.0
 
 Source = Union[str, Callable[[], Union[int, str, Iterable[str]]]]
 
-# what rank 0 broadcasts at a check: [kind, value]
-_NOTHING, _GROW, _ERROR = 0, 1, 2
+# what rank 0 broadcasts at a check: [kind, value] (_ASK: grow to value if no rank refuses)
+_NOTHING, _GROW, _ERROR, _ASK = 0, 1, 2, 3
 
 
 class HostsAddedInterrupt(HostsUpdatedInterrupt):
@@ -133,10 +142,15 @@ class Discovery:
         #: The size the job was launched with (``max_np``'s default).
         self.launch_size = launch_size()
         #: A target that could not be reached (spawning failed, the growth was refused,
-        #: the new processes failed): not tried again until discovery's answer changes
-        #: (:meth:`refuse`; the answer then, ``None``: unknown, the target's change).
+        #: the new processes failed before a commit): not tried again until discovery's
+        #: answer changes or, refused, no rank refuses any more (:meth:`refuse`; the
+        #: answer then, ``None``: unknown, the target's change).
         self.failed_target = 0
         self.failed_slots: int | None = None
+        #: When the ranks last refused ``failed_target`` (``None``: it was not refused),
+        #: and the seconds until they are asked again (doubling, to :data:`MAX_ASK_S`).
+        self.refused_at: float | None = None
+        self.ask_after = self.interval
         self._poll = _PollState()
         self._lane: progress.Lane | None = None
         self._stop = threading.Event()
@@ -198,9 +212,12 @@ class Discovery:
                 log.warning("%s failed (%d in a row): %s", self.name,
                             self._poll.failures, answer)
 
-    def refuse(self, target: int) -> None:
-        """Growing to ``target`` failed: not again until discovery's answer changes."""
+    def refuse(self, target: int, refused: bool = False) -> None:
+        """Growing to ``target`` failed: not again until discovery's answer changes or,
+        when the ranks ``refused`` it, until none does (asked every ``interval``)."""
         self.failed_target, self.failed_slots = target, self._poll.latest()[0]
+        self.refused_at = time.monotonic() if refused else None
+        self.ask_after = self.interval
 
     def verdict(self, size: int, first: bool = False) -> tuple[int, int, str, float]:
         """Rank 0: what the latest poll means for a world of ``size`` ranks: ``(kind,
@@ -212,9 +229,14 @@ class Discovery:
         if slots is not None and not first:    # the first check only validates the source
             target = min(self.limit(), slots)
             if target != self.failed_target or self.failed_slots not in (None, slots):
-                self.failed_target, self.failed_slots = 0, None
+                self.failed_target, self.failed_slots, self.refused_at = 0, None, None
                 if target > size:
                     return _GROW, target, "", seen_at
+            elif self.refused_at is not None and target > size and \
+                    time.monotonic() - self.refused_at >= self.ask_after:
+                self.refused_at = time.monotonic()
+                self.ask_after = min(2 * self.ask_after, MAX_ASK_S)
+                return _ASK, target, "", seen_at
         return _NOTHING, 0, "", 0.0
 
 
@@ -318,8 +340,17 @@ def _agree(discovery: Discovery, first: bool) -> None:
     word = np.array(message, dtype=np.int64)
     collectives.broadcast(word, root=0)
     kind, value = int(word[0]), int(word[1])
+    if kind == _ASK:             # grow if no rank refuses any more
+        still = np.array([grow.refusal() is not None], dtype=np.int64)
+        collectives.allreduce(still, still, op="max")
+        if not still[0]:
+            discovery.failed_target, discovery.failed_slots = 0, None
+            discovery.refused_at = None
+            kind = _GROW
     if kind == _GROW:
         raise HostsAddedInterrupt(world.Get_size(), value, seen_at)
+    if not first and grow.last_growth is not None:
+        grow.last_growth.settled = True
     if kind == _ERROR:
         text = world.bcast(error, root=0)
         raise DiscoveryError(f"{text} (rank {world.Get_rank()} of {world.Get_size()})")

@@ -47,7 +47,7 @@ from mpi4py import MPI
 from .. import context
 from ..runtime import comms, failures
 
-__all__ = ["Growth", "grow_world", "refusers", "check_made_in_order", "HVD_INIT",
+__all__ = ["Growth", "grow_world", "refusers", "refusal", "check_made_in_order", "HVD_INIT",
            "DIST_INIT", "join", "joined", "joining", "end_joining",
            "running_ranks_at_sync", "SYNC_NOTICE_TAG", "spawn_command",
            "split_command_line", "last_growth", "GrowthError", "JOINER", "launch_size"]
@@ -60,7 +60,12 @@ JOINER = "mpicoll.elastic.joiner"
 
 class GrowthError(RuntimeError):
     """The new processes could not be started (``MPI_Comm_spawn`` failed on every rank:
-    no free slot in the allocation, say); the world is unchanged."""
+    no free slot in the allocation, say), or ``refused``: a rank holds what cannot grow
+    (:data:`refusers`); the world is unchanged."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 @dataclass
@@ -88,6 +93,9 @@ class Growth:
     phases: dict[str, float] = field(default_factory=dict)
     detected_at: float = 0.0
     joined: bool = False
+    #: A commit's check passed since (a new process that fails later is a failure like
+    #: any other, not a growth that could not work).
+    settled: bool = False
 
     def summary(self) -> str:
         """``spawn=0.9000,merge=1.2000,...``: every phase, in seconds."""
@@ -246,7 +254,7 @@ def _merge(inter: MPI.Intercomm, old_size: int, spawn_s: float,
 refusers: list[Callable[[], tuple[str, str] | None]] = []
 
 
-def _refusal() -> tuple[str, str] | None:
+def refusal() -> tuple[str, str] | None:
     """Why this rank cannot grow (:data:`refusers`), or ``None``."""
     if any(r.owner == "ps" for r in comms.alive()):
         return ("a parameter server (mpicoll.ps) is open",
@@ -273,12 +281,13 @@ def grow_world(new_size: int) -> Growth:
         raise ValueError(f"new_size {new_size} must exceed the world's size {size}")
     plain = old if type(old) is MPI.Intracomm else MPI.Intracomm(old)
     refused: dict[tuple[str, str], list[int]] = {}
-    for rank, why in enumerate(plain.allgather(_refusal())):
+    for rank, why in enumerate(plain.allgather(refusal())):
         if why is not None:
             refused.setdefault(tuple(why), []).append(rank)
     if refused:            # (every rank: the growth is refused everywhere)
         raise GrowthError("; ".join(f"cannot grow while {what} on rank(s) {ranks}: {cause}"
-                                    for (what, cause), ranks in refused.items()))
+                                    for (what, cause), ranks in refused.items()),
+                          refused=True)
     command, args = spawn_command()
     info = MPI.Info.Create()
     try:

@@ -223,7 +223,7 @@ def _grow_or_reset(exc: HostsUpdatedInterrupt | None, reset: Callable[[], Any],
             log.error("%s; the job goes on at %d ranks", err, exc.old_size)
             source = discovery_module.active()
             if source is not None:
-                source.refuse(exc.new_size)     # not again until discovery's answer changes
+                source.refuse(exc.new_size, err.refused)   # (see Discovery.refuse)
             return None
         except (ProcessFailedError, MPI.Exception) as err:
             if not isinstance(failures.translate(err, None, "a growth"), ProcessFailedError):
@@ -239,13 +239,14 @@ def _grow_or_reset(exc: HostsUpdatedInterrupt | None, reset: Callable[[], Any],
 
 
 def _refuse_target(growth: grow_module.Growth, exc: BaseException) -> None:
-    """Only processes that ``growth`` (the last reset) started failed, with ``exc``: most
-    likely they could not run the program (one raised at its top, say): the job shrinks,
-    and does not grow to that size again until discovery's answer changes (as when the
-    new processes cannot start), rather than start them again and again."""
+    """Only processes that ``growth`` (the last reset) started failed, with ``exc``, before
+    a commit's check passed: most likely they could not run the program (one raised at
+    its top, say): the job shrinks, and does not grow to that size again until
+    discovery's answer changes (as when the new processes cannot start), rather than
+    start them again and again. (Failing later, they are lost like any rank.)"""
     failed = getattr(exc, "failed_ranks", None)
     source = discovery_module.active()
-    if source is None or not failed or min(failed) < growth.old_size:
+    if source is None or not failed or min(failed) < growth.old_size or growth.settled:
         return
     source.refuse(growth.new_size)
     log.error("the process(es) the growth to %d ranks started failed; the job does not "

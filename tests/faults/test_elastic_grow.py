@@ -149,6 +149,31 @@ def test_rank0_verdict_grows_up_to_max_np_only() -> None:
     assert source.verdict(2)[0] == discovery._NOTHING       # fewer slots: no shrink
 
 
+def test_a_refused_target_is_asked_again_after_longer_and_longer_waits(monkeypatch) -> None:
+    """A target the ranks refused is not grown to again until asked (``_ASK``: every
+    rank says whether it still refuses) after ``interval``, then twice as long each time
+    (at most ``MAX_ASK_S``); a new answer grows."""
+    now = [100.0]
+    monkeypatch.setattr(discovery.time, "monotonic", lambda: now[0])
+    slots = {"n": 3}
+    source = discovery.Discovery(lambda: slots["n"], max_np=4, interval=1.0)
+    source.poll_now()
+    source.refuse(3, refused=True)
+    asked = []
+    for _ in range(250):        # 125 s in steps of 0.5 s (the cap: 60 s)
+        now[0] += 0.5
+        asked += [now[0] - 100] if source.verdict(2)[:2] == (discovery._ASK, 3) else []
+    assert asked == [1.0, 3.0, 7.0, 15.0, 31.0, 63.0, 123.0]
+    assert source.verdict(3)[0] == discovery._NOTHING      # at the size: nothing to ask
+    slots["n"] = 4
+    source.poll_now()
+    assert source.verdict(2)[:2] == (discovery._GROW, 4)
+    assert source.refused_at is None
+    source.refuse(4)                                        # could not start: not asked
+    now[0] += 100
+    assert source.verdict(2)[0] == discovery._NOTHING
+
+
 def test_later_failures_end_the_job_only_after_several_in_a_row() -> None:
     answers = iter([3, "bad!", "bad!", 3, "bad!", "bad!", "bad!"])
     source = discovery.Discovery(lambda: next(answers), max_np=3)
@@ -295,21 +320,32 @@ def test_the_joiner_runs_a_script_a_module_or_code_as_main(tmp_path, monkeypatch
 # ----- under mpirun --with-ft ulfm ------------------------------------------------------
 GROW_JOB = """
 import os, signal, sys, time, numpy as np, mpicoll, mpicoll.elastic as elastic
-kill = sys.argv[1] == "kill"     # 2 ranks grow to 3, the new one dies; else 1 -> 2 -> 3
+kill = sys.argv[1] == "kill"     # 2 ranks grow to 3, the new one dies, again 3; else 1 -> 2 -> 3
 if sys.argv[1] == "raise" and elastic.joined():   # 2 ranks grow to 3 (slots stay 3)
     raise RuntimeError("a new process cannot run the program")
+ps = None
+if sys.argv[1] == "ps" and not elastic.joined():  # 2 ranks, a server closed at step 6
+    from mpicoll.ps import ParameterServer
+    ps = ParameterServer({"w": np.zeros(3)}, num_servers="colocated", lr=0.1)
 state = elastic.ObjectState(step=0, phase=0)
 def slots():
     if kill:
-        return 3 if 4 <= state.step < 8 else 2
-    if sys.argv[1] == "raise":
+        return 3 if 4 <= state.step else 2
+    if sys.argv[1] in ("raise", "ps"):
         return 2 if state.step < 4 else 3
     return 1 if state.step < 4 else (2 if state.step < 9 else 3)
 @elastic.run(discovery=slots, max_np=3, discovery_interval=0.05)
 def train(st):
+    global ps
     while st.step < (16 if kill else 14):
         world = elastic.world()
         n, r = world.Get_size(), world.Get_rank()
+        if ps is not None:
+            ps.push_pull({"w": np.full(3, r + 1.0)})
+            if st.step == 6:                # closed: the growth it refused may happen
+                ps.close()
+                ps.free()
+                ps = None
         if kill and st.step == 8 and n == 3 and st.phase == 0 and elastic.joined():
             os.kill(os.getpid(), signal.SIGKILL)
         got = mpicoll.allreduce(np.full(5, r + 1.0))
@@ -458,13 +494,16 @@ def test_a_job_that_grows_twice_ends_with_status_0(outputs) -> None:
 
 @pytest.mark.timeout(900)
 def test_a_joined_rank_lost_under_ulfm_is_survived(outputs) -> None:
-    """2 ranks grow to 3; the new one is SIGKILLed; the 2 survivors shrink and finish with
-    exact sums, and (launched with state_base_recoverable) the job ends with status 0
-    (without it prterun ends with 137: the spawned job is not recoverable)."""
+    """2 ranks grow to 3; the new one is SIGKILLed a few commits later; the 2 survivors
+    shrink, grow back to 3 (discovery still offers 3 slots: a process lost after its
+    growth settled is not a growth that could not work, which is not tried again) and
+    finish with exact sums, and (launched with state_base_recoverable) the job ends with
+    status 0 (without it prterun ends with 137: the spawned job is not recoverable)."""
     rc, out, _ = outputs["kill-joiner"]
     tail = _show("kill-joiner", outputs["kill-joiner"])
     assert "BAD" not in out, f"a wrong all-reduce sum\n{tail}"
-    assert _by_rank(out, "DONE") == {0: ["2", "16"], 1: ["2", "16"]}, tail
+    assert _by_rank(out, "DONE") == {r: ["3", "16"] for r in range(3)}, tail
+    assert "does not grow to 3 again" not in out, tail
     assert rc == 0, f"status {rc}\n{tail}"
 
 
@@ -731,6 +770,19 @@ def test_a_parameter_server_refuses_growth_on_every_rank(tmp_path) -> None:
     rc, out, tail = _run_script(tmp_path, PS_GROW_JOB, 2)
     assert rc == 0, f"status {rc} (None: a hang)\n{tail}"
     assert _by_rank(out, "DONE") == {0: ["2", "1"], 1: ["2", "1"]}, tail
+    assert out.count("cannot grow while a parameter server (mpicoll.ps) is open") == 2, tail
+
+
+@pytest.mark.timeout(300)
+def test_a_refused_growth_happens_once_nothing_refuses_it(tmp_path) -> None:
+    """A parameter server refuses the third slot discovery offers from step 4 (once, on
+    both ranks); after it is closed at step 6 a commit asks the ranks again, none
+    refuses, and the job grows to 3 with exact sums (it stayed at 2 until discovery's
+    answer changed: here never)."""
+    rc, out, tail = _run_script(tmp_path, GROW_JOB, 2, "ps")
+    assert rc == 0, f"status {rc} (None: a hang)\n{tail}"
+    assert "BAD" not in out, tail
+    assert _by_rank(out, "DONE") == {r: ["3", "14"] for r in range(3)}, tail
     assert out.count("cannot grow while a parameter server (mpicoll.ps) is open") == 2, tail
 
 
