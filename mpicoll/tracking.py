@@ -5,9 +5,10 @@ cached calls) is wrapped by :func:`recorded` when the stall inspector
 (:mod:`mpicoll.watchdog`) or the timeline (:mod:`mpicoll.timeline`) is on. The wrapper
 costs a counter update and one list store per call: it numbers the call (``entered``, the
 call's sequence number on this communicator, from 1), files its description under that
-number in a ring of the last :data:`HISTORY` calls, runs it, and sets ``done``. A call is
-in progress while ``entered > done``. With the timeline on, it also records the call's
-begin and end.
+number in a ring of the last :data:`HISTORY` calls, runs it, and sets ``done`` (and
+``raised``, when it raised). A call is in progress while ``entered > done``; the last
+call this rank completed is :meth:`Tracker.completed` (not one that raised: its peers may
+still wait in it). With the timeline on, it also records the call's begin and end.
 
 A call's description (:class:`CallInfo`) holds what ranks must agree on: the collective,
 count, dtype, op, root and the algorithm asked for (and what it resolved to).
@@ -83,13 +84,19 @@ def _dtype_name(code: str | None) -> str | None:
 class Tracker:
     """One communicator's record on this rank (written by the calling thread only)."""
 
-    __slots__ = ("entered", "done", "history", "name")
+    __slots__ = ("entered", "done", "raised", "history", "name")
 
     def __init__(self, name: str) -> None:
         self.entered = 0
         self.done = 0
+        self.raised = 0
         self.history: list[CallInfo | None] = [None] * HISTORY
         self.name = name
+
+    def completed(self) -> int:
+        """The number of the last call this rank completed: ``done``, less the last one
+        if it raised (the peers may wait in it: it is what a leaving rank tells them)."""
+        return self.done - (self.raised == self.done > 0)
 
     def info(self, seq: int) -> CallInfo | None:
         """The description of call ``seq`` if it is still in the ring."""
@@ -122,6 +129,9 @@ def recorded(tracker: Tracker, info: CallInfo, run: Callable[..., Any]) -> Calla
             tracker.entered = seq
             try:
                 return run(*args)
+            except BaseException:
+                tracker.raised = seq
+                raise
             finally:
                 tracker.done = seq
 
@@ -138,6 +148,9 @@ def recorded(tracker: Tracker, info: CallInfo, run: Callable[..., Any]) -> Calla
         begin = clock()
         try:
             return run(*args)
+        except BaseException:
+            tracker.raised = seq
+            raise
         finally:
             tracker.done = seq
             timeline.event(name, begin, clock(), track=track,

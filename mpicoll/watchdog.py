@@ -223,7 +223,7 @@ def announce_exit() -> None:
             for peer in range(w.size):
                 if peer != w.rank and (peer not in w.left
                                        or now - w.left_at[peer] < EXIT_REPLY_SECONDS):
-                    w.send((w.tracker.done,), peer, _LEFT)
+                    w.send((w.tracker.completed(),), peer, _LEFT)
         deadline = time.monotonic() + EXIT_WAIT_SECONDS
         while True:
             waiting = False
@@ -387,7 +387,7 @@ def announce_end(on_needed: Callable[[str], None]) -> bool:
         for w in list(_watched):
             for peer in range(w.size):
                 if peer != w.rank:
-                    w.send((w.tracker.done, True), peer, _LEFT)
+                    w.send((w.tracker.completed(), True), peer, _LEFT)
     return True
 
 

@@ -36,6 +36,25 @@ def raise_inside() -> None:
     mpicoll.allreduce(BIG, algorithm="ring")
 
 
+def interrupted_inside() -> None:
+    """Rank 1 raises inside a 32 MiB all-reduce (from a signal handler, as a SIGTERM or
+    SIGINT handler would), and its process ends; the others wait in that call."""
+    warm_up()
+    if BAD:
+        signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(
+            RuntimeError("rank 1 interrupted on purpose")))
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+    for _ in range(1000):
+        mpicoll.allreduce(BIG, algorithm="ring")
+
+
+def truncated_inside() -> None:
+    """Rank 0 sends more than the others expect (MPI's all-reduce, unchecked): rank 1's
+    MPI raises 'message truncated' and its process ends; the others wait in that call."""
+    warm_up()
+    mpicoll.allreduce(np.ones(13 if RANK == 0 else 11), algorithm="native")
+
+
 def sigkill_inside() -> None:
     """Rank 1 is SIGKILLed in the middle of a 32 MiB all-reduce."""
     warm_up()
@@ -109,6 +128,7 @@ def exit_normally(how: str) -> None:
 
 
 CASES = {"raise": raise_inside, "sigkill": sigkill_inside, "sleep": sleep_past_warning,
+         "interrupted": interrupted_inside, "truncated": truncated_inside,
          "checked": disagree_checked,
          "return": lambda: exit_normally("return"), "sys.exit": lambda: exit_normally("sys.exit")}
 

@@ -51,6 +51,23 @@ def test_rank_raises_inside_a_collective_every_rank_exits_within_10s():
     assert secs < 10, f"took {secs:.1f} s"
 
 
+@pytest.mark.parametrize("case", ["truncated", "interrupted"])
+def test_rank_raising_inside_a_collective_ends_the_job_within_15s(case):
+    """Rank 1's call raises inside the collective (its MPI's 'message truncated'; an
+    exception from a signal handler, as a SIGTERM handler's) and its process ends,
+    without ``-m mpi4py``: its exit notice must not count that call as completed (it
+    did, and the others waited in it forever)."""
+    out, secs = _launch(3, case)
+    text = _text(out)
+    assert out.returncode != 0, text
+    assert secs < 15, f"took {secs:.1f} s"
+    if case == "interrupted":
+        assert "rank 1 interrupted on purpose" in text, text
+    if "ended its process" in text or case == "truncated":  # (hydra may end it first)
+        assert re.search(r"rank 1 \(after completing \d+ collectives on it\) ended its "
+                         r"process", text), text
+
+
 def test_rank_sigkilled_inside_an_allreduce_ends_the_job_within_30s():
     out, secs = _launch(3, "sigkill")
     assert out.returncode != 0, _text(out)
