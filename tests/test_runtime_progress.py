@@ -237,3 +237,49 @@ def test_create_passes_an_error_that_is_no_process_failure(monkeypatch):
 
     with pytest.raises(ValueError, match="bad group"):
         progress.create(build, "parent", [0, 1], "new_group")
+
+
+def test_a_submission_racing_close_runs_or_is_refused_never_orphaned():
+    """Two threads submit while a third closes the lane: every submission either runs
+    before the lane's thread stops or raises "shut down" (one queued behind close()'s
+    end marker was never run: its wait took the whole timeout; one whose thread
+    started after close() ran on communicators already freed). Close's stall check
+    counts from the last completed operation."""
+    for round_ in range(300):
+        lane = Lane(f"race-{round_}", inline=False)
+        works: list[Work] = []
+        refused = []
+        go = threading.Barrier(3)
+
+        def submitter() -> None:
+            go.wait()
+            for _ in range(40):
+                try:
+                    works.append(lane.submit("op", lambda: 1))
+                except RuntimeError as exc:
+                    refused.append(str(exc))
+                    return
+
+        threads = [threading.Thread(target=submitter) for _ in range(2)]
+        for t in threads:
+            t.start()
+        go.wait()
+        time.sleep(0.0002 * (round_ % 7))
+        assert lane.close(5.0)
+        for t in threads:
+            t.join()
+        assert all(w.done() for w in works), f"round {round_}: an orphaned work"
+        assert all("which was shut down" in r for r in refused)
+
+
+def test_close_reports_a_stall_counted_from_the_last_progress():
+    """A lane whose operation hangs: close(stall_s) gives up stall_s after the last
+    operation completed, not up to twice that."""
+    lane, release = Lane("stall", inline=False), threading.Event()
+    lane.submit("quick", lambda: time.sleep(0.05))
+    lane.submit("stuck", release.wait)
+    began = time.monotonic()
+    assert not lane.close(0.5)
+    assert time.monotonic() - began < 0.05 + 0.5 + 0.2    # (it took 1.0: two windows)
+    release.set()
+    assert lane.close(5.0)

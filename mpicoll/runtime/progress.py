@@ -200,6 +200,7 @@ class Lane:
         #: The error that broke the lane (``None`` while it works).
         self.broken: BaseException | None = None
         self.completed = 0
+        self._progressed_at = 0.0
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._pending: list[Work] = []
         self._running: Work | None = None
@@ -225,7 +226,7 @@ class Lane:
             RuntimeError: the lane was closed.
         """
         if self._closed:
-            raise RuntimeError(f"mpicoll: {kind} on {self.name}, which was shut down")
+            raise self._shut(kind)
         work = Work(kind, self)
         if self.broken is not None:    # refused with the error that broke the lane
             if not failures.ENABLED:
@@ -237,22 +238,21 @@ class Lane:
             return work
         if here and self._run_here(work, op):
             return work
-        with self._lock:
+        with self._lock:   # (close() queues its marker under the lock: never before this)
+            if self._closed:
+                raise self._shut(kind)
             self._pending.append(work)
-        self._start()
-        self._queue.put((work, op))
-        return work
-
-    def _start(self) -> None:
-        if self._thread is not None:
-            return
-        with self._lock:
             if self._thread is None:
                 _register_exit()
                 thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 thread.start()
                 self._thread = thread
                 _lanes.add(self)
+            self._queue.put((work, op))
+        return work
+
+    def _shut(self, kind: str) -> RuntimeError:
+        return RuntimeError(f"mpicoll: {kind} on {self.name}, which was shut down")
 
     def _run_here(self, work: Work, op: Callable[[], Any]) -> bool:
         """Run ``work`` on this thread once the lane is idle, the lane's thread held back
@@ -329,6 +329,7 @@ class Lane:
             with self._lock:
                 self._running = None
                 self.completed += 1
+                self._progressed_at = time.monotonic()
                 self._idle.notify_all()
 
     def _loop(self) -> None:
@@ -346,12 +347,15 @@ class Lane:
             self._execute(*item)
 
     # --- failure, timeout, abort ------------------------------------------------------
-    def timed_out(self, work: Work, timeout: float | None) -> CollectiveTimeoutError:
-        """The error of ``work`` whose wait expired; the lane is aborted with it."""
-        missing: list[int] = []
-        if self.missing is not None:
-            with contextlib.suppress(Exception):  # (a report, not the error)
-                missing = list(self.missing(work))
+    def timed_out(self, work: Work, timeout: float | None,
+                  missing: list[int] | None = None) -> CollectiveTimeoutError:
+        """The error of ``work`` whose wait expired (``missing``: the ranks that did not
+        arrive, if the caller knows them); the lane is aborted with it."""
+        if missing is None:
+            missing = []
+            if self.missing is not None:
+                with contextlib.suppress(Exception):  # (a report, not the error)
+                    missing = list(self.missing(work))
         who = f"; rank(s) {missing} did not arrive" if missing else ""
         error = CollectiveTimeoutError(
             f"mpicoll: {work.kind} on {self.name} timed out after {timeout:g} s{who}; "
@@ -393,21 +397,23 @@ class Lane:
         lane without ULFM ends the job here (its MPI call cannot be cancelled); under ULFM
         its thread is not waited for (its work was failed and its communicators revoked:
         an MPI call that a revocation does not end is abandoned)."""
-        self._closed = True
+        with self._lock:     # (a submission either queued before the marker, or refused)
+            self._closed = True
+            thread = self._thread
+            if thread is not None and thread is not threading.current_thread():
+                self._queue.put(None)
         if self.broken is not None and not failures.ENABLED and self.in_mpi():
             _end_job(f"{self.name} closed while broken: {self.broken}")
-        thread = self._thread
         if thread is None or thread is threading.current_thread() or \
                 (self.broken is not None and failures.ENABLED):
             return True
-        self._queue.put(None)
+        began = time.monotonic()
         while True:
-            before = self.completed
-            thread.join(stall_s)
+            thread.join(None if stall_s is None else min(stall_s, 0.05))
             if not thread.is_alive():
                 self._thread = None
                 return True
-            if self.completed == before:
+            if time.monotonic() - max(began, self._progressed_at) >= stall_s:
                 return False
 
 
