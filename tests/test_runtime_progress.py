@@ -251,7 +251,7 @@ def test_a_submission_racing_close_runs_or_is_refused_never_orphaned():
         refused = []
         go = threading.Barrier(3)
 
-        def submitter() -> None:
+        def submitter(lane=lane, works=works, refused=refused, go=go) -> None:
             go.wait()
             for _ in range(40):
                 try:

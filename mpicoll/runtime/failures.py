@@ -333,6 +333,7 @@ def translate(exc: BaseException, comm: Any, what: str = "the collective",
                 f"{what} ended: another rank revoked the communicator (a timeout or an "
                 f"abort there broke it; no process failed); it cannot be used any more")
             error.__cause__ = exc
+            error.peer_revoked = True    # (a client breaks its own lane on it)
             return error
     fail_world(plain, ranks)
     _keep_frames(exc)

@@ -232,6 +232,8 @@ class MPIProcessGroup(_Backend):
                 if self._lane.broken is not None:   # the abort's revocation ended it
                     raise
                 error = self._failures.error(kind, exc)
+                if getattr(error, "peer_revoked", False):
+                    self._lane.abort(error)   # a peer's revocation: the queued work too
                 if error is exc:
                     raise
                 raise error from exc

@@ -251,20 +251,48 @@ def test_abort_fails_the_work_in_flight_and_the_queued_work():
     _finish(group, release)
 
 
-def test_a_peers_abort_fails_a_posted_receive_with_a_collective_error():
-    """Under ULFM, rank 0 aborts the group while the other ranks have a receive posted
-    from it and have not aborted: the receive ends with a CollectiveError saying another
-    rank revoked the communicator (MPI's raw MPI_ERR_REVOKED before; seen once in CI
-    when a peer's abort overtook this rank's own in the test above)."""
+def _aborted_by_rank_0():
+    """Under ULFM (else skipped) at n >= 2: a new group, which rank 0 aborts at once
+    (``None`` there)."""
     if not failures.ENABLED or dist.get_world_size() < 2:
         pytest.skip("needs ULFM and two ranks")
     group = _fresh_group()
     if dist.get_rank() == 0:
         group.abort()
+        return None
+    return group
+
+
+def test_a_peers_abort_fails_a_posted_receive_with_a_collective_error():
+    """Under ULFM, rank 0 aborts the group while the other ranks have a receive posted
+    from it and have not aborted: the receive ends with a CollectiveError saying another
+    rank revoked the communicator (MPI's raw MPI_ERR_REVOKED before; seen once in CI
+    when a peer's abort overtook this rank's own in the test above)."""
+    group = _aborted_by_rank_0()
+    if group is None:
         return
     work = dist.irecv(torch.zeros(1), group=group, group_src=0, tag=98)
     with pytest.raises(mpicoll.CollectiveError, match="another rank revoked"):
         work.wait(timedelta(seconds=20))
+    backend_of(group).abort()
+
+
+def test_a_peers_abort_fails_every_queued_work_at_once():
+    """Under ULFM, rank 0 aborts the group while the other ranks have 20 all-reduces
+    queued on it: the first meets the revocation, and the lane breaks with that error, so
+    all 20 fail within seconds (each waited the runtime's second for a process failure
+    before: one per second, and a rank that went on meanwhile timed out on another
+    group)."""
+    group = _aborted_by_rank_0()
+    if group is None:
+        return
+    works = [dist.all_reduce(torch.ones(50_000), group=group, async_op=True)
+             for _ in range(20)]
+    start = time.monotonic()
+    for w in works:
+        with pytest.raises(mpicoll.CollectiveError, match="another rank revoked"):
+            w.wait(timedelta(seconds=60))
+    assert time.monotonic() - start < 8, f"{time.monotonic() - start:.1f} s"
     backend_of(group).abort()
 
 
