@@ -125,16 +125,18 @@ def _map_shared(node_comm: MPI.Comm, nbytes: int) -> mmap.mmap:
                 os.close(fd)
         except OSError as exc:
             error = f"node rank 0: {exc}"
-    path, error = node_comm.bcast((path, error), root=0)
-    if error is None:
-        try:
-            with open(path, "r+b") as file:
-                memory = mmap.mmap(file.fileno(), nbytes)
-        except OSError as exc:
-            error = f"node rank {node_comm.Get_rank()}: {exc}"
-    errors = [e for e in node_comm.allgather(error) if e]
-    if node_comm.Get_rank() == 0 and path is not None:
-        os.unlink(path)
+    try:    # (the file goes whatever happens here: a peer may die in these collectives)
+        path, error = node_comm.bcast((path, error), root=0)
+        if error is None:
+            try:
+                with open(path, "r+b") as file:
+                    memory = mmap.mmap(file.fileno(), nbytes)
+            except OSError as exc:
+                error = f"node rank {node_comm.Get_rank()}: {exc}"
+        errors = [e for e in node_comm.allgather(error) if e]
+    finally:
+        if node_comm.Get_rank() == 0 and path is not None:
+            os.unlink(path)
     if errors:
         if memory is not None:
             memory.close()

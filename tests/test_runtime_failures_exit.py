@@ -105,6 +105,30 @@ def test_a_guarded_call_raises_its_own_error_when_it_is_no_failure():
     assert info.value.Get_error_class() == MPI.ERR_TRUNCATE and guarded.__wrapped__ is call
 
 
+def test_a_guarded_call_translates_any_error_once_a_peer_failed(monkeypatch):
+    """guard(): an error that is not MPI's (mpi4py's unpickling of an object collective a
+    dead peer cut short) is a ProcessFailedError naming the failed rank while MPI knows
+    one; with no failure known it passes unchanged (a bad argument, at once)."""
+    import pickle
+
+    def call(comm):
+        raise pickle.UnpicklingError("invalid load key, '\\x00'.")
+
+    guarded = failures.guard(call)
+    monkeypatch.setattr(failures, "ENABLED", True)
+    monkeypatch.setattr(failures, "fail_world", lambda *a: None)
+    known: list[int] = []
+    monkeypatch.setattr(failures, "failed_ranks",
+                        lambda comm, wait_s=1.0, progress=False: list(known))
+    with pytest.raises(pickle.UnpicklingError):
+        guarded(MPI.COMM_WORLD)
+    known.append(2)
+    with pytest.raises(ProcessFailedError) as info:
+        guarded(MPI.COMM_WORLD)
+    assert info.value.failed_ranks == [2]
+    assert isinstance(info.value.__cause__, pickle.UnpicklingError)
+
+
 def test_a_revocation_while_no_process_failed_breaks_only_that_communicator(monkeypatch):
     """Under ULFM, MPI_ERR_REVOKED while MPI names no failed rank and the world is
     healthy comes from a peer whose client broke (a timeout or abort): a CollectiveError

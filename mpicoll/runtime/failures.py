@@ -155,6 +155,14 @@ def peer_failed(comm: Any) -> bool:
     return bool(failed_ranks(comm, 0.0))
 
 
+def _known_failed(comm: Any) -> bool:
+    """:func:`peer_failed`, ``False`` for what is no communicator (a bad argument)."""
+    try:
+        return peer_failed(comm)
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def failed_by(exc: BaseException, comm: Any, wait_s: float = 0.0) -> list[int] | None:
     """Whether ``exc`` (raised by an MPI call on ``comm``) stands for a process failure:
     the failed ranks of ``comm`` (possibly ``[]`` for a bare revocation), else ``None``.
@@ -349,10 +357,11 @@ comms.failure_of = lambda exc, parent: translate(exc, parent, "the creation of a
 comms.dup_by_split = ENABLED
 
 
-def raise_translated(exc: BaseException, comm: Any, what: str = "the collective") -> None:
+def raise_translated(exc: BaseException, comm: Any, what: str = "the collective",
+                     wait_s: float = 0.0) -> None:
     """Raise :func:`translate`'s error when it is a process failure; return otherwise
     (the caller re-raises ``exc``)."""
-    error = translate(exc, comm, what)
+    error = translate(exc, comm, what, wait_s)
     if error is not exc:
         raise error from exc
 
@@ -360,7 +369,9 @@ def raise_translated(exc: BaseException, comm: Any, what: str = "the collective"
 def guard(fn: Callable[..., Any], comm_arg: str = "comm", comm: Any = None) -> Callable[..., Any]:
     """``fn`` with process failures translated; the communicator is the argument
     ``comm_arg`` (``"self"``: a :class:`mpicoll.Comm` method), or ``comm`` where ``fn``
-    takes no arguments (a planned collective of no arguments on ``comm``)."""
+    takes no arguments (a planned collective of no arguments on ``comm``). An error that
+    is not MPI's counts too while MPI knows a peer to have failed (mpi4py's unpickling of
+    what a dead peer cut short), as in the groups' :mod:`mpicoll.torch.distributed`."""
     names = list(inspect.signature(fn).parameters)
     index = names.index(comm_arg) if names else None
 
@@ -368,9 +379,13 @@ def guard(fn: Callable[..., Any], comm_arg: str = "comm", comm: Any = None) -> C
     def guarded(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except MPI.Exception as exc:
-            raise_translated(exc, comm if index is None else
-                             args[index] if len(args) > index else kwargs.get(comm_arg))
+        except Exception as exc:
+            on = (comm if index is None else
+                  args[index] if len(args) > index else kwargs.get(comm_arg))
+            if isinstance(exc, MPI.Exception):
+                raise_translated(exc, on)
+            elif _known_failed(on):
+                raise_translated(exc, on, wait_s=OTHER_WAIT_S)
             raise
 
     return guarded

@@ -218,3 +218,30 @@ def test_a_window_freed_while_a_rank_waits_in_its_barrier_raises(real_node):
     else:
         win.free()
     real_node.Barrier()
+
+
+def test_the_shared_file_goes_when_a_peer_fails_while_it_is_set_up(monkeypatch):
+    """_map_shared: the node's rank 0 removes its file even when a collective of the
+    set-up raises (a peer died there): it was left in /dev/shm."""
+    made = []
+    real = node_window.tempfile.mkstemp
+
+    def mkstemp(**kwargs):
+        fd, path = real(**kwargs)
+        made.append(path)
+        return fd, path
+
+    class Dying:
+        def Get_rank(self):
+            return 0
+
+        def bcast(self, value, root):
+            return value
+
+        def allgather(self, value):
+            raise RuntimeError("a peer failed")
+
+    monkeypatch.setattr(node_window.tempfile, "mkstemp", mkstemp)
+    with pytest.raises(RuntimeError, match="a peer failed"):
+        node_window._map_shared(Dying(), 4096)
+    assert len(made) == 1 and not os.path.exists(made[0])
