@@ -188,12 +188,10 @@ def parse_mpi_buffer(spec: Any, argname: str, writable: bool = False, blocks: in
         Unsupported: derived datatypes with gaps or of mixed types, objects without a
             contiguous buffer: mpicoll leaves these to MPI itself.
         ValueError: a count or displacement that does not fit the buffer, a read-only
-            buffer where ``writable``.
+            buffer where ``writable``, a non-contiguous array (MPI refuses it too).
     """
     if is_array(spec):
-        if not (spec.flags.c_contiguous or spec.flags.f_contiguous):
-            raise Unsupported(f"{argname}: non-contiguous arrays are handled by MPI itself")
-        return flat_view(spec, argname, writable)
+        return flat_view(spec, argname, writable)   # (non-contiguous: ValueError, as MPI's)
     if not isinstance(spec, (list, tuple)):
         if isinstance(spec, (bytes, bytearray, memoryview)) or hasattr(spec, "__buffer__"):
             try:

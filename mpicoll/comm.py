@@ -115,16 +115,21 @@ class Comm(MPI.Intracomm):
         return ours, send, recv
 
     def _report(self, error: Exception, collective: str) -> None:
-        """In checked mode, report this rank's bad argument (a ``ValueError``) through the
-        agreement step: it raises here and ``RemoteError`` on the other ranks, as
-        mpicoll's own collectives do, instead of this rank alone raising."""
-        if config.check_wanted(self._mpicoll_check) and isinstance(error, ValueError):
+        """In checked mode, report this rank's bad argument (a ``ValueError`` or
+        ``TypeError``) through the agreement step: it raises here and ``RemoteError`` on
+        the other ranks, as mpicoll's own collectives do, instead of this rank alone
+        raising."""
+        if config.check_wanted(self._mpicoll_check) and \
+                isinstance(error, (ValueError, TypeError)):
             agree(get_context(self), error, collective=collective)
 
     def _to_mpi(self, error: Exception, collective: str, call: Any) -> None:
         """Hand a call mpicoll does not take to MPI (``call()``), a bad argument
-        :meth:`_report`-ed first."""
+        :meth:`_report`-ed first (a ``TypeError`` is raised here, as before: an argument
+        MPI would not take either)."""
         self._report(error, collective)
+        if isinstance(error, TypeError):
+            raise error
         return call()
 
     def _run(self, method: str, collective: str, args: tuple, key_args: tuple) -> None:
@@ -141,7 +146,7 @@ class Comm(MPI.Intracomm):
             return None
         try:
             ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op)
-        except (Unsupported, ValueError) as exc:
+        except (Unsupported, ValueError, TypeError) as exc:
             return self._to_mpi(exc, "allreduce", lambda: super(Comm, self).Allreduce(
                 sendbuf, recvbuf, op))
         return self._run("Allreduce", "allreduce", (send, recv, ours), (sendbuf, recvbuf, op))
@@ -156,7 +161,7 @@ class Comm(MPI.Intracomm):
             ours, send, recv = self._parse_reduction(
                 sendbuf, recvbuf, op, send_blocks=size,
                 recv_blocks=size if is_in_place(sendbuf) else 1)
-        except (Unsupported, ValueError) as exc:
+        except (Unsupported, ValueError, TypeError) as exc:
             return self._to_mpi(exc, "reduce_scatter", lambda: super(
                 Comm, self).Reduce_scatter_block(sendbuf, recvbuf, op))
         if send is not IN_PLACE and not is_device(send) and \
@@ -177,7 +182,10 @@ class Comm(MPI.Intracomm):
                 else super().Reduce_scatter(sendbuf, recvbuf, recvcounts, op)
         try:
             ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op)
-            counts = [int(c) for c in recvcounts]   # (None: a TypeError, to MPI)
+            try:
+                counts = [int(c) for c in recvcounts]
+            except TypeError:    # (None: MPI's to handle)
+                raise Unsupported("recvcounts that are not a list of counts") from None
             total = sum(counts)
             bounds = block_bounds(total, self.Get_size())
             if counts != [bounds[i + 1] - bounds[i] for i in range(self.Get_size())]:
@@ -205,7 +213,7 @@ class Comm(MPI.Intracomm):
         try:
             send = self._parse(sendbuf, "sendbuf")
             recv = _buffer(recvbuf, "recvbuf", writable=True, blocks=self.Get_size())
-        except (Unsupported, ValueError) as exc:
+        except (Unsupported, ValueError, TypeError) as exc:
             return self._to_mpi(exc, "allgather", lambda: super(Comm, self).Allgather(
                 sendbuf, recvbuf))
         return self._run("Allgather", "allgather", (send, recv), (sendbuf, recvbuf))
@@ -216,7 +224,7 @@ class Comm(MPI.Intracomm):
             return None
         try:
             flat = _buffer(buf, "buf", writable=self.Get_rank() != root)
-        except (Unsupported, ValueError) as exc:
+        except (Unsupported, ValueError, TypeError) as exc:
             return self._to_mpi(exc, "broadcast", lambda: super(Comm, self).Bcast(buf, root))
         return self._run("Bcast", "broadcast", (flat, root), (buf, root))
 
@@ -228,7 +236,7 @@ class Comm(MPI.Intracomm):
         at_root = self.Get_rank() == root
         try:
             ours, send, recv = self._parse_reduction(sendbuf, recvbuf, op, with_recv=at_root)
-        except (Unsupported, ValueError) as exc:
+        except (Unsupported, ValueError, TypeError) as exc:
             return self._to_mpi(exc, "reduce", lambda: super(Comm, self).Reduce(
                 sendbuf, recvbuf, op, root))
         return self._run("Reduce", "reduce", (send, recv, ours, root),

@@ -98,6 +98,23 @@ def _address(a: Any) -> int:
     return interface["data"][0]
 
 
+def check_order(sendbuf: Any, recvbuf: Any) -> None:
+    """Raise when ``sendbuf`` and ``recvbuf`` (arrays of several dimensions) have no memory
+    order in common (one C-ordered, the other Fortran-ordered or transposed): their
+    elements would be paired by memory position, not by index.
+
+    Raises:
+        ValueError: they do.
+    """
+    a, b = getattr(sendbuf, "flags", None), getattr(recvbuf, "flags", None)
+    if a is None or b is None or (a.c_contiguous and b.c_contiguous) or \
+            (a.f_contiguous and b.f_contiguous):
+        return
+    raise ValueError("sendbuf and recvbuf have different memory orders (one C-ordered, "
+                     "the other Fortran-ordered or transposed): pass them in the same "
+                     "order (np.ascontiguousarray or np.asfortranarray)")
+
+
 def check_output(recv: Any, send: Any, count: int, why: str, *,
                  same_is_in_place: bool = False) -> bool:
     """Check the flat view ``recv`` of ``recvbuf`` against ``send``'s (of ``sendbuf``).
@@ -163,6 +180,7 @@ def elementwise(sendbuf: Any, recvbuf: Any, view: View, *,
     if recvbuf is None:
         return Buffers(send, None, False)
     recv = _output(view, recvbuf, send, check_pair)
+    check_order(sendbuf, recvbuf)
     same = check_output(recv, send, send.size, "as many as sendbuf", same_is_in_place=True)
     return Buffers(recv if same else send, recv, same)
 
@@ -229,6 +247,7 @@ def allgather(sendbuf: Any, recvbuf: Any, rank: int, size: int, view: View, *,
     if recvbuf is None:
         return Buffers(send, None, False)
     recv = _output(view, recvbuf, send, check_pair)
+    check_order(sendbuf, recvbuf)
     check_output(recv, send, send.size * size, f"{size} ranks x {send.size}")
     return Buffers(send, recv, False)
 

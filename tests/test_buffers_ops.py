@@ -261,7 +261,6 @@ def test_validation_checks_root_and_in_place_rules():
     ([np.zeros(4), MPI.DOUBLE.Create_vector(2, 1, 2)], "derived datatypes with gaps"),
     ([np.zeros(4), 1, 0, 0, MPI.DOUBLE], "buffer spec of 5 items"),
     ([object(), MPI.DOUBLE], "object does not expose a contiguous buffer"),
-    (np.zeros((4, 4))[:, 1], "non-contiguous arrays are handled by MPI itself"),
     ({"not": "a buffer"}, "dict is not a buffer mpicoll knows"),
 ])
 def test_parse_mpi_buffer_leaves_what_it_cannot_handle_to_mpi(spec, words):
@@ -272,6 +271,7 @@ def test_parse_mpi_buffer_leaves_what_it_cannot_handle_to_mpi(spec, words):
 
 @pytest.mark.parametrize("spec, words", [
     ([np.zeros((4, 4))[:, 1], MPI.DOUBLE], "b must be contiguous"),
+    (np.zeros((4, 4))[:, 1], "b must be contiguous"),
     ([None, 3, MPI.DOUBLE], "buffer is None but count is 3"),
 ])
 def test_parse_mpi_buffer_refuses_inconsistent_specs(spec, words):

@@ -53,6 +53,12 @@ def read_only(n: int) -> np.ndarray:
     (lambda c: mpicoll.allgather(X, np.empty(X.size * SIZE + 1, np.float32), check=c), ValueError,
      "recvbuf has"),
     (lambda c: mpicoll.allreduce(X, comm="world", check=c), TypeError, "comm must be"),
+    # paired by memory position, not by index: silently transposed results before
+    (lambda c: mpicoll.allreduce(X.reshape(2, 4), np.zeros((2, 4), np.float32, order="F"),
+                                 check=c), ValueError, "different memory orders"),
+    (lambda c: mpicoll.allgather(np.asfortranarray(X.reshape(2, 4)),
+                                 np.empty((2 * SIZE, 4), np.float32), check=c), ValueError,
+     "different memory orders"),
 ])
 def test_bad_argument_same_on_every_rank(call, exc, words, check):
     with pytest.raises(exc, match=None) as info:
@@ -129,7 +135,8 @@ def test_checked_mode_passes_when_all_agree():
 
 
 @pytest.mark.parametrize("case", ["read-only recvbuf", "count past the buffer",
-                                  "reduce-scatter counts", "reduce-scatter-block sizes"])
+                                  "reduce-scatter counts", "reduce-scatter-block sizes",
+                                  "strided recvbuf", "structured dtype"])
 def test_checked_comm_one_bad_rank_raises_everywhere(case):
     """mpicoll.Comm(check=True): a bad argument on one rank raises there and RemoteError on
     the others (the bad rank went to mpi4py alone, the others waited for it)."""
@@ -145,13 +152,21 @@ def test_checked_comm_one_bad_rank_raises_everywhere(case):
         counts = [8 // SIZE + (r < 8 % SIZE) for r in range(SIZE)]
         out = np.zeros(counts[RANK] + bad)
         call = lambda: comm.Reduce_scatter(x, out, counts)  # noqa: E731
-    else:
+    elif case == "reduce-scatter-block sizes":
         send = np.ones(4 * SIZE - bad)
         call = lambda: comm.Reduce_scatter_block(send, np.zeros(4))  # noqa: E731
+    elif case == "strided recvbuf":     # (the bad rank went to MPI alone: a hang)
+        out = np.zeros(16)[::2] if bad else y
+        call = lambda: comm.Allreduce(x, out)  # noqa: E731
+    else:                               # (its TypeError escaped the agreement: a hang)
+        send, out = (np.zeros(8, "i4,f4"), np.zeros(8, "i4,f4")) if bad else (x, y)
+        call = lambda: comm.Allreduce(send, out)  # noqa: E731
+    error = TypeError if case == "structured dtype" else ValueError
     if bad:
-        with pytest.raises(ValueError):
+        with pytest.raises(error):
             call()
     else:
-        with pytest.raises(mpicoll.RemoteError, match=f"rank {SIZE - 1}: ValueError"):
+        with pytest.raises(mpicoll.RemoteError,
+                           match=f"rank {SIZE - 1}: {error.__name__}"):
             call()
     comm.Allreduce(x, y if not bad else np.zeros(8))   # the communicator goes on

@@ -75,3 +75,49 @@ def test_horovod_style_suite_with_a_failing_assertion_fails_fast(tmp_path):
     assert "shut down by rank 1 (its process is exiting" in out, out
     assert out.count("1 failed") == 2, out          # both ranks report, neither hangs
     assert secs < 60, out
+
+
+SHUTS_DOWN_FROM_A_THREAD = textwrap.dedent("""
+    import threading, time
+    import torch
+    import mpicoll.torch as hvd
+    hvd.init()
+    if hvd.rank() == 0:
+        def leave():
+            time.sleep(0.3)
+            start = time.monotonic()
+            hvd.shutdown()
+            print(f"SHUTDOWN {time.monotonic() - start:.2f}", flush=True)
+        thread = threading.Thread(target=leave)
+        thread.start()
+        try:
+            hvd.allreduce(torch.ones(3), name="late")
+            print("RANK0 RETURNED", flush=True)
+        except hvd.CollectiveError as exc:
+            print(f"RANK0 FAILED {exc}", flush=True)
+        thread.join()
+    else:
+        time.sleep(5.0)
+        start = time.monotonic()
+        try:
+            hvd.allreduce(torch.ones(3), name="late")
+            print("RANK1 RETURNED", flush=True)
+        except hvd.CollectiveError as exc:
+            print(f"RANK1 FAILED {time.monotonic() - start:.2f} {exc}", flush=True)
+""")
+
+
+def test_shutdown_from_another_thread_while_the_rank_waits(tmp_path):
+    """Rank 0's main thread waits in an all-reduce rank 1 makes 5 s later; another thread
+    of rank 0 shuts down at 0.3 s: the negotiation round already waiting for the idle rank
+    held the shutdown back until rank 1 came (which then ran the all-reduce with a rank
+    that had shut down). Now its notice goes out at once: shutdown returns, and both
+    ranks' all-reduce fails, rank 1's naming rank 0."""
+    script = tmp_path / "thread_shutdown.py"
+    script.write_text(SHUTS_DOWN_FROM_A_THREAD)
+    _, out, _ = _run([sys.executable, str(script)])
+    took = re.search(r"SHUTDOWN ([\d.]+)", out)
+    assert took and float(took.group(1)) < 1.5, out
+    assert "RANK0 FAILED" in out and "RETURNED" not in out, out
+    late = re.search(r"RANK1 FAILED ([\d.]+) .*shut down by rank 0", out)
+    assert late and float(late.group(1)) < BOUND, out

@@ -191,7 +191,9 @@ class Negotiator:
                                 f"{entry.kind} {name!r} can never complete: submitted by "
                                 f"ranks {_ranks(have)} but not by ranks {_ranks(missing)}, and "
                                 f"every rank is blocked waiting (ranks submitted different "
-                                f"names, or a different number of operations)"
+                                f"names, or a different number of operations; or a thread "
+                                f"waited while another of its rank had yet to submit: one "
+                                f"thread per rank submits and waits, docs/torch.md)"
                                 + (diverged.get(unnamed.group("kind"), "") if unnamed else "")))
         if self.joined:
             out.append(Response("join", JOIN, {}, "join() can never complete: ranks "
