@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
+from ..errors import RemoteError
 from . import mpi_ops
 from .process_sets import check_usable
 from .state import rank
@@ -68,6 +69,25 @@ def _to_bytes_tensor(obj: Any) -> torch.Tensor:
     return torch.frombuffer(data, dtype=torch.uint8)
 
 
+def _pickled(obj: Any) -> tuple[torch.Tensor | None, Exception | None]:
+    """``(obj`` pickled into a uint8 tensor``, None)``, or ``(None, the error)``: the
+    ranks still make the operation's first step, so that they stay in step."""
+    try:
+        return _to_bytes_tensor(obj), None
+    except Exception as exc:  # noqa: BLE001  (pickle raises many kinds)
+        return None, exc
+
+
+def _raise_unpicklable(tag: str, error: Exception | None, failed: list[int]) -> None:
+    """After the lengths' step: this rank's pickling error, or ``RemoteError`` naming the
+    ranks whose objects could not be pickled (none: nothing)."""
+    if error is not None:
+        raise error
+    if failed:
+        raise RemoteError(f"{tag}: rank(s) {failed} could not pickle their object",
+                          {r: "could not pickle its object" for r in failed})
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: Any = None) -> Any:
     """Return ``root_rank``'s ``obj`` (pickled) on every rank of ``process_set``.
@@ -83,9 +103,11 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     check_usable(process_set)
     tag = name or "broadcast_object"
     me = rank()
-    payload = _to_bytes_tensor(obj) if me == root_rank else None
-    length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
+    payload, error = _pickled(obj) if me == root_rank else (None, None)
+    length = torch.tensor([-1 if error is not None else
+                           payload.numel() if payload is not None else 0], dtype=torch.int64)
     mpi_ops.broadcast_(length, root_rank, name=f"{tag}.len", process_set=process_set)
+    _raise_unpicklable(tag, error, [root_rank] if int(length.item()) < 0 else [])
     if payload is None:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
     mpi_ops.broadcast_(payload, root_rank, name=f"{tag}.data", process_set=process_set)
@@ -103,9 +125,12 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = None)
     """
     check_usable(process_set)
     tag = name or "allgather_object"
-    payload = _to_bytes_tensor(obj)
-    lengths = mpi_ops.allgather(torch.tensor([payload.numel()], dtype=torch.int64),
+    payload, error = _pickled(obj)
+    lengths = mpi_ops.allgather(torch.tensor([-1 if error is not None else payload.numel()],
+                                             dtype=torch.int64),
                                 name=f"{tag}.len", process_set=process_set)
+    members = process_set.ranks if process_set is not None else range(len(lengths))
+    _raise_unpicklable(tag, error, [r for r, n in zip(members, lengths.tolist()) if n < 0])
     data = mpi_ops.allgather(payload, name=f"{tag}.data", process_set=process_set)
     return [pickle.loads(part.numpy().tobytes()) for part in torch.split(data, lengths.tolist())]
 

@@ -1,9 +1,12 @@
 """Tensor collectives against references computed from every rank's known data."""
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
+import mpicoll
 import mpicoll.torch as hvd
 
 pytestmark = pytest.mark.mpi
@@ -186,6 +189,22 @@ def test_objects_and_barrier():
     assert hvd.broadcast_object(("hello", hvd.rank()), root_rank=root) == ("hello", root)
     hvd.barrier()
     hvd.barrier()
+
+
+def test_an_object_one_rank_cannot_pickle_fails_every_rank_in_step():
+    """broadcast_object / allgather_object of an object the root (one rank) cannot pickle:
+    its pickling error there, RemoteError naming it elsewhere, and the ranks stay in step
+    (the failing rank skipped the first broadcast, and every later named operation then
+    failed as 'can never complete')."""
+    last = hvd.size() - 1
+    bad = (lambda: 1) if hvd.rank() == last else hvd.rank()   # (a lambda: unpicklable)
+    for call in (lambda: hvd.broadcast_object(bad, root_rank=last, name="unpicklable.b"),
+                 lambda: hvd.allgather_object(bad, name="unpicklable.g")):
+        with pytest.raises((AttributeError, pickle.PicklingError) if hvd.rank() == last
+                           else mpicoll.RemoteError, match="pickle"):
+            call()
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after.unpicklable").tolist() \
+        == [hvd.size()] * 2
 
 
 def test_layout_queries():
