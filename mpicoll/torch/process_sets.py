@@ -243,7 +243,10 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 def register_all(process_sets: Sequence[ProcessSet] | None) -> None:
     """Register ``init(process_sets=...)``'s sets, in order; a set equal to an earlier one
-    (or to the global set) is left unregistered, as Horovod does."""
+    (or to the global set) is left unregistered, as Horovod does. ``"dynamic"``
+    (Horovod's way to allow sets added later): none (sets may always be added here)."""
+    if process_sets == "dynamic":
+        return
     for process_set in process_sets or ():
         if not isinstance(process_set, ProcessSet):
             raise TypeError(f"process_sets must hold ProcessSet objects, not "

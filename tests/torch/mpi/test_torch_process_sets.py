@@ -214,3 +214,22 @@ def test_shutdown_fails_a_process_set_operation_waiting_for_the_leaver():
         hvd.shutdown()
         hvd.init()
         hvd.barrier()
+
+
+def test_init_with_dynamic_process_sets_as_horovod_takes_it():
+    """``hvd.init(process_sets="dynamic")`` (Horovod 0.28's call that allows sets added
+    later) works: sets may be added afterwards (it raised TypeError)."""
+    if hvd.size() < 2:
+        pytest.skip("needs 2 ranks")
+    hvd.shutdown()
+    hvd.init(process_sets="dynamic")
+    try:
+        pair = hvd.add_process_set(range(hvd.size() - 1))
+        if hvd.rank() in pair.ranks:
+            expected = float(len(pair.ranks))
+            assert hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=pair).tolist() \
+                == [expected] * 2
+        hvd.remove_process_set(pair)
+    finally:
+        hvd.shutdown()
+        hvd.init()
