@@ -18,6 +18,9 @@ is referenced cannot be resized in place. Consequences and limits:
   and :data:`MAX_BYTES` bytes of arrays are held (oldest entry evicted first); calls with
   bigger buffers are not cached (validation is negligible next to moving them);
 - an output buffer made read-only after it was cached is re-validated (and refused);
+- an array whose ``dtype`` is reassigned in place (``a.dtype = np.int64``) after it was
+  cached is not: the cached call reinterprets its bytes as the old dtype (checking it
+  would cost every call; use a new view, ``a.view(np.int64)``, which is a new array);
 - :func:`invalidate` forgets everything when a setting the call depends on changes
   (:func:`mpicoll.config.refresh`, a new tuning table) and when a communicator is freed.
 
