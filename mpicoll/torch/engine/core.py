@@ -694,10 +694,11 @@ class Engine:
         with contextlib.suppress(CollectiveError):      # already stopped: just wait
             future = self.submit(Meta(SHUTDOWN, "shutdown", reason=reason))
             self._give_up_at = time.monotonic() + SHUTDOWN_WAIT_SECONDS
-            if self._notices is not None:
+            if self._notices is not None and not self._stopped.is_set():
                 # wake the others now: a round already in progress (waiting for ranks
                 # with nothing to submit) would otherwise hold the shutdown round back
-                self._notices.announce()
+                with contextlib.suppress(MPI.Exception):   # (the loop ended meanwhile)
+                    self._notices.announce()
             with contextlib.suppress(CollectiveError):
                 self.wait(future)
             if future.error is not None and self.leaving is None:

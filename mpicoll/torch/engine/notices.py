@@ -16,6 +16,7 @@ reuse).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable
 
@@ -50,6 +51,7 @@ class Notices:
         self._recvs: dict[int, MPI.Request] = {
             r: self.comm.Irecv(b, source=r, tag=_TAG) for r, b in self._bufs.items()}
         self._sends: list[MPI.Request] = []
+        self._announcing = threading.Lock()
         self._mine = np.full(1, self.rank, dtype=np.int64)
         #: Whether a notice has arrived (set by :meth:`poll`).
         self.arrived = False
@@ -66,10 +68,12 @@ class Notices:
         return self.arrived
 
     def announce(self) -> None:
-        """Send this rank's notice to every other rank (non-blocking)."""
-        if not self._sends:
-            self._sends = [self.comm.Isend(self._mine, dest=r, tag=_TAG)
-                           for r in range(self.size) if r != self.rank]
+        """Send this rank's notice to every other rank (non-blocking; once, whichever
+        thread asks first: the shutting-down thread, or the round that carries it)."""
+        with self._announcing:
+            if not self._sends and self.comm != MPI.COMM_NULL:
+                self._sends = [self.comm.Isend(self._mine, dest=r, tag=_TAG)
+                               for r in range(self.size) if r != self.rank]
 
     def close(self, expected: Iterable[int], timeout: float = 5.0) -> bool:
         """Receive the notices the ranks ``expected`` sent to this rank, cancel the
