@@ -347,15 +347,12 @@ class Lane:
             self._execute(*item)
 
     # --- failure, timeout, abort ------------------------------------------------------
-    def timed_out(self, work: Work, timeout: float | None,
-                  missing: list[int] | None = None) -> CollectiveTimeoutError:
-        """The error of ``work`` whose wait expired (``missing``: the ranks that did not
-        arrive, if the caller knows them); the lane is aborted with it."""
-        if missing is None:
-            missing = []
-            if self.missing is not None:
-                with contextlib.suppress(Exception):  # (a report, not the error)
-                    missing = list(self.missing(work))
+    def timed_out(self, work: Work, timeout: float | None) -> CollectiveTimeoutError:
+        """The error of ``work`` whose wait expired; the lane is aborted with it."""
+        missing: list[int] = []
+        if self.missing is not None:
+            with contextlib.suppress(Exception):  # (a report, not the error)
+                missing = list(self.missing(work))
         who = f"; rank(s) {missing} did not arrive" if missing else ""
         error = CollectiveTimeoutError(
             f"mpicoll: {work.kind} on {self.name} timed out after {timeout:g} s{who}; "

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
+from ...errors import CollectiveTimeoutError
 from ...runtime import Lane, Work, failures
 from .staging import Staging
 from .tensors import Host, check_tensor
@@ -48,10 +49,9 @@ class P2PWork(MPIWork):
     """A posted send or receive of group ``pg`` (an :class:`.MPIProcessGroup`)."""
 
     def __init__(self, kind: str, request: Any, host: Host, stage: Staging,
-                 tensors: list[torch.Tensor], pg: Any, peer: int) -> None:
+                 tensors: list[torch.Tensor], pg: Any) -> None:
         super().__init__(Work(kind))
         self._pg = pg
-        self._peer = peer
         self._request = request
         self._host = host
         self._stage = stage
@@ -106,11 +106,8 @@ class P2PWork(MPIWork):
     def wait(self, timeout: Any = None) -> bool:  # noqa: D102 (MPIWork's)
         limit = seconds(timeout) or self._pg._lane.timeout
         if not self.poll(limit):
-            with self._lock:    # expired: the group is broken (as for a collective); the
-                if not self.work.done():   # request stays posted, its buffer kept
-                    failures.keep_requests([self._request])
-                    self.work.finish(None, self._pg._lane.timed_out(
-                        self.work, limit, [] if self._peer == MPI.ANY_SOURCE else [self._peer]))
+            raise CollectiveTimeoutError(f"mpicoll: {self.kind} timed out after {limit:g} s "
+                                         f"waiting for its peer", self.kind)
         return super().wait()
 
     def is_completed(self) -> bool:  # noqa: D102
@@ -212,4 +209,4 @@ def post(pg: Any, tensors: list[torch.Tensor], peer: int, tag: int, send: bool) 
         if error is exc:
             raise
         return completed(kind, None, error)
-    return P2PWork(kind, request, host, stage, tensors, pg, peer)
+    return P2PWork(kind, request, host, stage, tensors, pg)
