@@ -219,6 +219,10 @@ class Discovery:
         self.refused_at = time.monotonic() if refused else None
         self.ask_after = self.interval
 
+    def forget_failure(self) -> None:
+        """Try every target again (discovery's answer changed, or no rank refuses)."""
+        self.failed_target, self.failed_slots, self.refused_at = 0, None, None
+
     def verdict(self, size: int, first: bool = False) -> tuple[int, int, str, float]:
         """Rank 0: what the latest poll means for a world of ``size`` ranks: ``(kind,
         new size, error message, when the slots were seen)``."""
@@ -229,7 +233,7 @@ class Discovery:
         if slots is not None and not first:    # the first check only validates the source
             target = min(self.limit(), slots)
             if target != self.failed_target or self.failed_slots not in (None, slots):
-                self.failed_target, self.failed_slots, self.refused_at = 0, None, None
+                self.forget_failure()
                 if target > size:
                     return _GROW, target, "", seen_at
             elif self.refused_at is not None and target > size and \
@@ -344,8 +348,7 @@ def _agree(discovery: Discovery, first: bool) -> None:
         still = np.array([grow.refusal() is not None], dtype=np.int64)
         collectives.allreduce(still, still, op="max")
         if not still[0]:
-            discovery.failed_target, discovery.failed_slots = 0, None
-            discovery.refused_at = None
+            discovery.forget_failure()
             kind = _GROW
     if kind == _GROW:
         raise HostsAddedInterrupt(world.Get_size(), value, seen_at)
